@@ -1,0 +1,127 @@
+//! The `At` custom resource: spec, status, phases and conditions. The CRD is generated from these
+//! types (`cnat crd`), so every doc comment here is what `kubectl explain at` prints.
+
+use chrono::{DateTime, Utc};
+use kube::{CustomResource, CustomResourceExt};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// API group of the At resource.
+pub const GROUP: &str = "cnat.programming-kubernetes.info";
+/// Image that runs the command when `spec.image` is not set.
+pub const DEFAULT_IMAGE: &str = "busybox";
+
+/// Run a shell command once, at a given time, in a pod.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "cnat.programming-kubernetes.info",
+    version = "v1alpha1",
+    kind = "At",
+    plural = "ats",
+    singular = "at",
+    namespaced,
+    status = "AtStatus",
+    doc = "At runs a shell command once, at a given time, in a pod.",
+    printcolumn = r#"{"name":"Schedule","type":"string","jsonPath":".spec.schedule"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Outcome","type":"string","jsonPath":".status.outcome"}"#,
+    printcolumn = r#"{"name":"Exit Code","type":"integer","jsonPath":".status.exitCode","priority":1}"#,
+    printcolumn = r#"{"name":"Pod","type":"string","jsonPath":".status.podName","priority":1}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct AtSpec {
+    /// When to run the command: an RFC 3339 time with `Z` or an explicit UTC offset, for example
+    /// `2019-04-12T10:12:00Z` or `2019-04-12T12:12:00+02:00`. A time in the past runs at once.
+    pub schedule: String,
+    /// Shell command to run, passed to `/bin/sh -c`, so quoting, pipes and `&&` work as in a
+    /// shell. It runs once; its exit code decides the outcome.
+    pub command: String,
+    /// Container image that runs the command; it must provide `/bin/sh`. Defaults to `busybox`.
+    #[serde(default = "default_image")]
+    pub image: String,
+}
+
+fn default_image() -> String {
+    DEFAULT_IMAGE.to_owned()
+}
+
+/// What happened to this At so far, written only by the operator.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AtStatus {
+    /// `PENDING` until the schedule is due, `RUNNING` while the pod runs, `DONE` once it ended.
+    pub phase: Phase,
+    /// Name of the pod that runs (or ran) the command.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    /// When the operator created the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<DateTime<Utc>>,
+    /// When the command finished, or when the operator found that it never will.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_time: Option<DateTime<Utc>>,
+    /// `Succeeded` when the command exited 0, `Failed` otherwise; set once `DONE`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<Outcome>,
+    /// Exit code of the command, when it ran to the end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// Human-readable account of the current state, including what to fix when something is wrong.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// Standard conditions: `Scheduled`, `PodCreated`, and `Complete` or `Failed` once `DONE`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// The `metadata.generation` of the spec this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// Lifecycle phase of an At; the spelling is the book's.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Phase {
+    /// Waiting for the schedule (or for a problem in the spec to be fixed).
+    Pending,
+    /// The pod has been created and the command has not finished.
+    Running,
+    /// Finished; the At never runs again.
+    Done,
+}
+
+/// How a finished At ended.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum Outcome {
+    /// The command exited with code 0.
+    Succeeded,
+    /// The command exited non-zero, or its pod failed or disappeared before it finished.
+    Failed,
+}
+
+/// A standard Kubernetes condition (the shape of `metav1.Condition`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Condition {
+    /// Condition type, e.g. `Scheduled`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `True`, `False` or `Unknown`.
+    pub status: String,
+    /// Machine-readable reason in CamelCase, e.g. `InvalidSchedule`.
+    pub reason: String,
+    /// Human-readable details.
+    pub message: String,
+    /// When `status` last changed.
+    pub last_transition_time: DateTime<Utc>,
+    /// The `metadata.generation` this condition was set for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// The CRD manifest as YAML, exactly as committed in `crds/`.
+pub fn crd_yaml() -> String {
+    let yaml = serde_saphyr::to_string(&At::crd()).expect("the CRD type always serializes");
+    format!("# Generated by `cnat crd`; do not edit.\n---\n{yaml}")
+}

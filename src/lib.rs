@@ -1,0 +1,3 @@
+pub mod api;
+pub mod schedule;
+pub mod pod;

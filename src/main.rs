@@ -1,0 +1,3 @@
+fn main() {
+    print!("{}", cnat::api::crd_yaml());
+}

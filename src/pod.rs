@@ -1,0 +1,385 @@
+//! The pod an At runs in: its name, labels and spec, the trimmed copy the cache keeps, and the
+//! summary of it that the state machine reads. Pure: no client, no clock.
+
+use crate::api::At;
+use chrono::{DateTime, Utc};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, ContainerStatus, Pod, PodSecurityContext, PodSpec, SeccompProfile,
+    SecurityContext,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use kube::{Resource, ResourceExt};
+use std::collections::BTreeMap;
+use thiserror::Error;
+
+/// Label that marks pods created by cnat; the operator watches and caches only these.
+pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
+/// Value of `MANAGED_BY_LABEL`.
+pub const MANAGED_BY: &str = "cnat";
+/// Label selector for the pods the operator caches.
+pub const SELECTOR: &str = "app.kubernetes.io/managed-by=cnat";
+/// Label that names the At a pod belongs to, so `kubectl get pods -l` finds it.
+pub const AT_LABEL: &str = "cnat.programming-kubernetes.info/at";
+/// Name of the container that runs the command.
+pub const CONTAINER: &str = "command";
+/// Numeric non-root user the command runs as (`nobody`), as the `restricted` profile demands.
+pub const RUN_AS_USER: i64 = 65534;
+/// Label values are limited to 63 characters, and the At name is one.
+const MAX_LABEL_VALUE: usize = 63;
+/// Longest termination message kept in status; pods may report up to 4 KiB.
+const MAX_MESSAGE: usize = 512;
+
+/// An At name from which no valid pod can be derived. Messages name the field, value and fix.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum NameError {
+    #[error(
+        "metadata.name: {name:?} is {len} characters, but At names may have at most 63, because the name is the value of the pod label {AT_LABEL}; use a shorter name"
+    )]
+    TooLong { name: String, len: usize },
+    #[error(
+        "metadata.name: pod name {pod:?} derived from it is not a valid DNS subdomain (lowercase letters, digits, '-' and '.', starting and ending with a letter or digit); rename the At"
+    )]
+    InvalidPodName { pod: String },
+}
+
+/// The book's naming: the pod of At `x` is `x-pod`.
+pub fn name_for(at_name: &str) -> String {
+    format!("{at_name}-pod")
+}
+
+/// Checks that `at_name` yields a valid pod name and label value.
+pub fn check_name(at_name: &str) -> Result<(), NameError> {
+    let len = at_name.chars().count();
+    if len > MAX_LABEL_VALUE {
+        return Err(NameError::TooLong { name: at_name.to_owned(), len });
+    }
+    let pod = name_for(at_name);
+    if !is_dns_subdomain(&pod) {
+        return Err(NameError::InvalidPodName { pod });
+    }
+    Ok(())
+}
+
+/// RFC 1123 subdomain, as Kubernetes requires of pod names.
+fn is_dns_subdomain(name: &str) -> bool {
+    let label_ok = |label: &str| {
+        let bytes = label.as_bytes();
+        !bytes.is_empty()
+            && bytes.iter().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+            && bytes[0] != b'-'
+            && bytes[bytes.len() - 1] != b'-'
+    };
+    name.len() <= 253 && name.split('.').all(label_ok)
+}
+
+/// The pod that runs `at`'s command: controlled by the At, never restarted, and within the
+/// `restricted` Pod Security profile so it is admitted in namespaces that enforce it.
+pub fn build(at: &At) -> Pod {
+    let at_name = at.name_any();
+    let labels = BTreeMap::from([
+        (MANAGED_BY_LABEL.to_owned(), MANAGED_BY.to_owned()),
+        (AT_LABEL.to_owned(), at_name.clone()),
+    ]);
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name_for(&at_name)),
+            namespace: at.namespace(),
+            labels: Some(labels),
+            owner_references: at.controller_owner_ref(&()).map(|owner| vec![owner]),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            restart_policy: Some("Never".into()),
+            automount_service_account_token: Some(false),
+            security_context: Some(PodSecurityContext {
+                run_as_non_root: Some(true),
+                run_as_user: Some(RUN_AS_USER),
+                run_as_group: Some(RUN_AS_USER),
+                seccomp_profile: Some(SeccompProfile {
+                    type_: "RuntimeDefault".into(),
+                    ..SeccompProfile::default()
+                }),
+                ..PodSecurityContext::default()
+            }),
+            containers: vec![Container {
+                name: CONTAINER.into(),
+                image: Some(at.spec.image.clone()),
+                command: Some(vec!["/bin/sh".into(), "-c".into(), at.spec.command.clone()]),
+                // The log tail becomes the termination message, so a failure explains itself.
+                termination_message_policy: Some("FallbackToLogsOnError".into()),
+                security_context: Some(SecurityContext {
+                    allow_privilege_escalation: Some(false),
+                    capabilities: Some(Capabilities {
+                        drop: Some(vec!["ALL".into()]),
+                        ..Capabilities::default()
+                    }),
+                    ..SecurityContext::default()
+                }),
+                ..Container::default()
+            }],
+            ..PodSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// Drops what the operator never reads, so the cache stays small.
+pub fn trim(pod: &mut Pod) {
+    pod.metadata.managed_fields = None;
+    pod.metadata.annotations = None;
+    pod.spec = None;
+    if let Some(status) = pod.status.as_mut() {
+        status.conditions = None;
+        status.init_container_statuses = None;
+        status.ephemeral_container_statuses = None;
+        status.host_ips = None;
+        status.pod_ips = None;
+        status.host_ip = None;
+        status.pod_ip = None;
+        for container in status.container_statuses.iter_mut().flatten() {
+            container.last_state = None;
+            container.image = String::new();
+            container.image_id = String::new();
+            container.container_id = None;
+            container.volume_mounts = None;
+            container.resources = None;
+            container.allocated_resources = None;
+        }
+    }
+}
+
+/// Whether `pod` is controlled by the At with this uid.
+pub fn is_controlled_by(pod: &Pod, at_uid: &str) -> bool {
+    pod.owner_references()
+        .iter()
+        .any(|owner| owner.controller == Some(true) && owner.uid == at_uid)
+}
+
+/// What the state machine needs to know about a pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodView {
+    pub name: String,
+    pub created_at: Option<DateTime<Utc>>,
+    pub end: Option<PodEnd>,
+}
+
+/// How a pod ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodEnd {
+    pub succeeded: bool,
+    /// The command's exit code, when the container ran to the end.
+    pub exit_code: Option<i32>,
+    /// Why it ended, from the container or the pod (`Error`, `Evicted`, termination message).
+    pub detail: Option<String>,
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+/// Summarizes a pod: whether and how it ended.
+pub fn view(pod: &Pod) -> PodView {
+    PodView {
+        name: pod.name_any(),
+        created_at: pod.metadata.creation_timestamp.as_ref().map(to_chrono),
+        end: end_of(pod),
+    }
+}
+
+fn end_of(pod: &Pod) -> Option<PodEnd> {
+    let status = pod.status.as_ref()?;
+    let succeeded = match status.phase.as_deref() {
+        Some("Succeeded") => true,
+        Some("Failed") => false,
+        _ => return None,
+    };
+    let terminated = status
+        .container_statuses
+        .iter()
+        .flatten()
+        .find(|c: &&ContainerStatus| c.name == CONTAINER)
+        .and_then(|c| c.state.as_ref()?.terminated.as_ref());
+    let detail = terminated
+        .and_then(|t| join(t.reason.as_deref(), t.message.as_deref()))
+        .or_else(|| join(status.reason.as_deref(), status.message.as_deref()));
+    Some(PodEnd {
+        succeeded,
+        exit_code: terminated.map(|t| t.exit_code),
+        detail: detail.map(|d| shorten(&d)),
+        finished_at: terminated.and_then(|t| t.finished_at.as_ref()).map(to_chrono),
+    })
+}
+
+fn join(reason: Option<&str>, message: Option<&str>) -> Option<String> {
+    let message = message.map(str::trim).filter(|m| !m.is_empty());
+    match (reason, message) {
+        (Some(r), Some(m)) => Some(format!("{r}: {m}")),
+        (Some(r), None) => Some(r.to_owned()),
+        (None, Some(m)) => Some(m.to_owned()),
+        (None, None) => None,
+    }
+}
+
+fn shorten(text: &str) -> String {
+    match text.char_indices().nth(MAX_MESSAGE) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_owned(),
+    }
+}
+
+/// Converts a Kubernetes timestamp (jiff) to the chrono time the rest of cnat uses.
+pub fn to_chrono(time: &Time) -> DateTime<Utc> {
+    let ts = time.0;
+    DateTime::from_timestamp(ts.as_second(), ts.subsec_nanosecond().unsigned_abs())
+        .unwrap_or(DateTime::<Utc>::MIN_UTC)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::AtSpec;
+    use k8s_openapi::api::core::v1::{ContainerState, ContainerStateTerminated, PodStatus};
+
+    fn at(name: &str) -> At {
+        let mut at = At::new(
+            name,
+            AtSpec {
+                schedule: "2019-04-12T10:12:00Z".into(),
+                command: "echo 'a b' | tr a-z A-Z && exit 3".into(),
+                image: "busybox:1.36".into(),
+            },
+        );
+        at.metadata.namespace = Some("team-a".into());
+        at.metadata.uid = Some("uid-1".into());
+        at
+    }
+
+    #[test]
+    fn pod_runs_the_command_through_a_shell_once_under_the_restricted_profile() {
+        let pod = build(&at("example-at"));
+        assert_eq!(pod.metadata.name.as_deref(), Some("example-at-pod"));
+        assert_eq!(pod.metadata.namespace.as_deref(), Some("team-a"));
+        let labels = pod.metadata.labels.clone().unwrap();
+        assert_eq!(labels[MANAGED_BY_LABEL], "cnat");
+        assert_eq!(labels[AT_LABEL], "example-at");
+        let owner = &pod.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!((owner.kind.as_str(), owner.name.as_str()), ("At", "example-at"));
+        assert_eq!(owner.api_version, "cnat.programming-kubernetes.info/v1alpha1");
+        assert_eq!(owner.controller, Some(true));
+        assert!(is_controlled_by(&pod, "uid-1"));
+        assert!(!is_controlled_by(&pod, "uid-2"));
+
+        let spec = pod.spec.unwrap();
+        assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
+        assert_eq!(spec.automount_service_account_token, Some(false));
+        let psc = spec.security_context.unwrap();
+        assert_eq!(psc.run_as_non_root, Some(true));
+        assert!(psc.run_as_user.unwrap() > 0);
+        assert_eq!(psc.seccomp_profile.unwrap().type_, "RuntimeDefault");
+        let [container] = spec.containers.as_slice() else { panic!("one container") };
+        assert_eq!(container.image.as_deref(), Some("busybox:1.36"));
+        assert_eq!(
+            container.command.clone().unwrap(),
+            ["/bin/sh", "-c", "echo 'a b' | tr a-z A-Z && exit 3"]
+        );
+        let sc = container.security_context.clone().unwrap();
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        assert_eq!(sc.capabilities.unwrap().drop.unwrap(), ["ALL"]);
+    }
+
+    #[test]
+    fn names_that_cannot_make_a_pod_are_rejected_with_the_reason() {
+        assert_eq!(check_name("example-at"), Ok(()));
+        assert_eq!(check_name("a.b-c"), Ok(()));
+        assert_eq!(check_name(&"a".repeat(63)), Ok(()));
+        let long = "a".repeat(64);
+        let err = check_name(&long).unwrap_err();
+        assert_eq!(err, NameError::TooLong { name: long, len: 64 });
+        assert!(err.to_string().contains("at most 63"));
+        for bad in ["", "Upper", "under_score", "-lead", "a..b", "a.-b"] {
+            assert!(
+                matches!(check_name(bad), Err(NameError::InvalidPodName { .. })),
+                "{bad:?}"
+            );
+        }
+    }
+
+    fn ended(phase: &str, terminated: Option<ContainerStateTerminated>) -> Pod {
+        let mut pod = build(&at("x"));
+        pod.status = Some(PodStatus {
+            phase: Some(phase.into()),
+            container_statuses: terminated.map(|t| {
+                vec![ContainerStatus {
+                    name: CONTAINER.into(),
+                    state: Some(ContainerState { terminated: Some(t), ..Default::default() }),
+                    ..Default::default()
+                }]
+            }),
+            ..Default::default()
+        });
+        pod
+    }
+
+    #[test]
+    fn view_reports_exit_code_reason_and_message() {
+        let finished: Time = serde_json::from_value(serde_json::json!("2026-11-22T02:06:09Z")).unwrap();
+        let pod = ended(
+            "Failed",
+            Some(ContainerStateTerminated {
+                exit_code: 3,
+                reason: Some("Error".into()),
+                message: Some("boom\n".into()),
+                finished_at: Some(finished),
+                ..Default::default()
+            }),
+        );
+        let end = view(&pod).end.unwrap();
+        assert!(!end.succeeded);
+        assert_eq!(end.exit_code, Some(3));
+        assert_eq!(end.detail.as_deref(), Some("Error: boom"));
+        assert_eq!(end.finished_at.unwrap().to_rfc3339(), "2026-11-22T02:06:09+00:00");
+    }
+
+    #[test]
+    fn view_falls_back_to_the_pod_reason_when_no_container_ran() {
+        let mut pod = ended("Failed", None);
+        let status = pod.status.as_mut().unwrap();
+        status.reason = Some("Evicted".into());
+        status.message = Some("The node was low on resource: memory.".into());
+        let end = view(&pod).end.unwrap();
+        assert_eq!(end.exit_code, None);
+        assert_eq!(end.detail.as_deref(), Some("Evicted: The node was low on resource: memory."));
+    }
+
+    #[test]
+    fn running_and_pending_pods_have_not_ended() {
+        for phase in ["Pending", "Running", "Unknown"] {
+            assert_eq!(view(&ended(phase, None)).end, None, "{phase}");
+        }
+        let mut no_status = build(&at("x"));
+        no_status.status = None;
+        assert_eq!(view(&no_status).end, None);
+    }
+
+    #[test]
+    fn long_messages_are_shortened() {
+        let pod = ended(
+            "Failed",
+            Some(ContainerStateTerminated {
+                exit_code: 1,
+                message: Some("ü".repeat(5000)),
+                ..Default::default()
+            }),
+        );
+        let detail = view(&pod).end.unwrap().detail.unwrap();
+        assert_eq!(detail.chars().count(), MAX_MESSAGE + 1);
+    }
+
+    #[test]
+    fn trim_keeps_what_view_reads() {
+        let fixture = include_str!("../tests/fixtures/api-k8s-1.24/pod-created.json");
+        let mut pod: Pod = serde_json::from_str(fixture).unwrap();
+        let before = view(&pod);
+        trim(&mut pod);
+        assert_eq!(view(&pod), before);
+        assert!(pod.spec.is_none() && pod.metadata.managed_fields.is_none());
+        assert!(serde_json::to_vec(&pod).unwrap().len() < fixture.len() / 3);
+    }
+}
