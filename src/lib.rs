@@ -1,3 +1,4 @@
 pub mod api;
-pub mod schedule;
 pub mod pod;
+pub mod reconcile;
+pub mod schedule;

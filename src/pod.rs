@@ -51,7 +51,10 @@ pub fn name_for(at_name: &str) -> String {
 pub fn check_name(at_name: &str) -> Result<(), NameError> {
     let len = at_name.chars().count();
     if len > MAX_LABEL_VALUE {
-        return Err(NameError::TooLong { name: at_name.to_owned(), len });
+        return Err(NameError::TooLong {
+            name: at_name.to_owned(),
+            len,
+        });
     }
     let pod = name_for(at_name);
     if !is_dns_subdomain(&pod) {
@@ -65,7 +68,9 @@ fn is_dns_subdomain(name: &str) -> bool {
     let label_ok = |label: &str| {
         let bytes = label.as_bytes();
         !bytes.is_empty()
-            && bytes.iter().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+            && bytes
+                .iter()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
             && bytes[0] != b'-'
             && bytes[bytes.len() - 1] != b'-'
     };
@@ -203,7 +208,9 @@ fn end_of(pod: &Pod) -> Option<PodEnd> {
         succeeded,
         exit_code: terminated.map(|t| t.exit_code),
         detail: detail.map(|d| shorten(&d)),
-        finished_at: terminated.and_then(|t| t.finished_at.as_ref()).map(to_chrono),
+        finished_at: terminated
+            .and_then(|t| t.finished_at.as_ref())
+            .map(to_chrono),
     })
 }
 
@@ -260,8 +267,14 @@ mod tests {
         assert_eq!(labels[MANAGED_BY_LABEL], "cnat");
         assert_eq!(labels[AT_LABEL], "example-at");
         let owner = &pod.metadata.owner_references.as_ref().unwrap()[0];
-        assert_eq!((owner.kind.as_str(), owner.name.as_str()), ("At", "example-at"));
-        assert_eq!(owner.api_version, "cnat.programming-kubernetes.info/v1alpha1");
+        assert_eq!(
+            (owner.kind.as_str(), owner.name.as_str()),
+            ("At", "example-at")
+        );
+        assert_eq!(
+            owner.api_version,
+            "cnat.programming-kubernetes.info/v1alpha1"
+        );
         assert_eq!(owner.controller, Some(true));
         assert!(is_controlled_by(&pod, "uid-1"));
         assert!(!is_controlled_by(&pod, "uid-2"));
@@ -273,7 +286,9 @@ mod tests {
         assert_eq!(psc.run_as_non_root, Some(true));
         assert!(psc.run_as_user.unwrap() > 0);
         assert_eq!(psc.seccomp_profile.unwrap().type_, "RuntimeDefault");
-        let [container] = spec.containers.as_slice() else { panic!("one container") };
+        let [container] = spec.containers.as_slice() else {
+            panic!("one container")
+        };
         assert_eq!(container.image.as_deref(), Some("busybox:1.36"));
         assert_eq!(
             container.command.clone().unwrap(),
@@ -291,7 +306,13 @@ mod tests {
         assert_eq!(check_name(&"a".repeat(63)), Ok(()));
         let long = "a".repeat(64);
         let err = check_name(&long).unwrap_err();
-        assert_eq!(err, NameError::TooLong { name: long, len: 64 });
+        assert_eq!(
+            err,
+            NameError::TooLong {
+                name: long,
+                len: 64
+            }
+        );
         assert!(err.to_string().contains("at most 63"));
         for bad in ["", "Upper", "under_score", "-lead", "a..b", "a.-b"] {
             assert!(
@@ -308,7 +329,10 @@ mod tests {
             container_statuses: terminated.map(|t| {
                 vec![ContainerStatus {
                     name: CONTAINER.into(),
-                    state: Some(ContainerState { terminated: Some(t), ..Default::default() }),
+                    state: Some(ContainerState {
+                        terminated: Some(t),
+                        ..Default::default()
+                    }),
                     ..Default::default()
                 }]
             }),
@@ -319,7 +343,8 @@ mod tests {
 
     #[test]
     fn view_reports_exit_code_reason_and_message() {
-        let finished: Time = serde_json::from_value(serde_json::json!("2026-11-22T02:06:09Z")).unwrap();
+        let finished: Time =
+            serde_json::from_value(serde_json::json!("2026-11-22T02:06:09Z")).unwrap();
         let pod = ended(
             "Failed",
             Some(ContainerStateTerminated {
@@ -334,7 +359,10 @@ mod tests {
         assert!(!end.succeeded);
         assert_eq!(end.exit_code, Some(3));
         assert_eq!(end.detail.as_deref(), Some("Error: boom"));
-        assert_eq!(end.finished_at.unwrap().to_rfc3339(), "2026-11-22T02:06:09+00:00");
+        assert_eq!(
+            end.finished_at.unwrap().to_rfc3339(),
+            "2026-11-22T02:06:09+00:00"
+        );
     }
 
     #[test]
@@ -345,7 +373,10 @@ mod tests {
         status.message = Some("The node was low on resource: memory.".into());
         let end = view(&pod).end.unwrap();
         assert_eq!(end.exit_code, None);
-        assert_eq!(end.detail.as_deref(), Some("Evicted: The node was low on resource: memory."));
+        assert_eq!(
+            end.detail.as_deref(),
+            Some("Evicted: The node was low on resource: memory.")
+        );
     }
 
     #[test]

@@ -80,7 +80,10 @@ mod tests {
             assert_eq!(parse(raw), Ok(want), "{raw}");
         }
         let leap = parse("2016-12-31T23:59:60Z").unwrap();
-        assert_eq!(until_due(leap, utc(2016, 12, 31, 23, 59, 59)), Some(Duration::from_secs(1)));
+        assert_eq!(
+            until_due(leap, utc(2016, 12, 31, 23, 59, 59)),
+            Some(Duration::from_secs(1))
+        );
         let fractional = parse("2019-04-12T10:12:00.250+00:00").unwrap();
         assert_eq!(fractional - book, chrono::Duration::milliseconds(250));
     }
@@ -104,14 +107,20 @@ mod tests {
             "1555063920",
             "\u{0}",
         ] {
-            assert!(matches!(parse(raw), Err(ScheduleError::Malformed(_))), "{raw:?}");
+            assert!(
+                matches!(parse(raw), Err(ScheduleError::Malformed(_))),
+                "{raw:?}"
+            );
         }
     }
 
     #[test]
     fn a_missing_offset_gets_its_own_hint() {
         let err = parse("2019-04-12T10:12:00").unwrap_err();
-        assert_eq!(err, ScheduleError::NoOffset(r#""2019-04-12T10:12:00""#.into()));
+        assert_eq!(
+            err,
+            ScheduleError::NoOffset(r#""2019-04-12T10:12:00""#.into())
+        );
         assert!(err.to_string().contains("add `Z` for UTC"));
     }
 
@@ -128,7 +137,10 @@ mod tests {
         assert!(message.len() < 200, "{}", message.len());
         assert!(message.contains("(100000 characters)"));
         let multibyte = "é".repeat(70);
-        assert!(parse(&multibyte).unwrap_err().to_string().contains("(70 characters)"));
+        assert!(parse(&multibyte)
+            .unwrap_err()
+            .to_string()
+            .contains("(70 characters)"));
     }
 
     #[test]

@@ -1,0 +1,320 @@
+//! The At state machine: the observed At, what is known of its pod and the time now decide what
+//! to do next. Pure: no client, no clock, no async, so every path is unit-tested.
+//!
+//! PENDING -> RUNNING -> DONE. The pod is created before RUNNING is written (no status write
+//! delays the command), and its deterministic name makes creation idempotent: an At whose pod
+//! already exists adopts it only if it controls it, so a command never runs twice.
+
+use crate::api::{At, AtStatus, Condition, Outcome, Phase};
+use crate::pod::{self, PodEnd, PodView};
+use crate::schedule;
+use chrono::{DateTime, SecondsFormat, Utc};
+use kube::ResourceExt;
+use std::time::Duration;
+
+/// Condition types.
+pub const SCHEDULED: &str = "Scheduled";
+pub const POD_CREATED: &str = "PodCreated";
+pub const COMPLETE: &str = "Complete";
+pub const FAILED: &str = "Failed";
+
+/// How often an At blocked by a pod it does not control looks again; deleting that pod usually
+/// triggers a reconcile sooner.
+pub const CONFLICT_RECHECK: Duration = Duration::from_secs(60);
+
+/// What is known of the pod named after the At.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodObservation {
+    /// Not in the cache; it may still exist (the cache lags the API server).
+    NotCached,
+    /// The API server says it does not exist.
+    Missing,
+    /// It exists and this At controls it.
+    Owned(PodView),
+    /// It exists and this At does not control it.
+    Foreign,
+    /// The API server refused to create it as specified (HTTP 422), with this reason.
+    Rejected(String),
+}
+
+/// The one API call a reconcile needs next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Nothing,
+    /// Create the pod, then write the decided status.
+    CreatePod,
+    /// Ask the API server whether the pod exists, then decide again.
+    LookUpPod,
+}
+
+/// Severity of an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Severity {
+    Normal,
+    Warning,
+}
+
+/// An event to publish on the At, and the log line that goes with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Note {
+    pub severity: Severity,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// The outcome of one decision.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub action: Action,
+    /// The status to write, only when it differs from the current one.
+    pub status: Option<AtStatus>,
+    /// The event of this transition, only when the status changes.
+    pub note: Option<Note>,
+    /// When to look again without any change; `None` waits for a change of the At or its pod.
+    pub requeue: Option<Duration>,
+}
+
+impl Decision {
+    fn idle() -> Self {
+        Decision {
+            action: Action::Nothing,
+            status: None,
+            note: None,
+            requeue: None,
+        }
+    }
+}
+
+/// Decides the next step for `at` given what is known of its pod at time `now`.
+pub fn decide(at: &At, pod: &PodObservation, now: DateTime<Utc>) -> Decision {
+    match at.status.as_ref().map(|s| s.phase) {
+        Some(Phase::Done) => Decision::idle(),
+        Some(Phase::Running) => running(at, pod, now),
+        Some(Phase::Pending) | None => pending(at, pod, now),
+    }
+}
+
+fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>) -> Decision {
+    let next = Next::new(at, Phase::Pending, now);
+    if let Err(err) = pod::check_name(&at.name_any()) {
+        return next.invalid("InvalidName", err.to_string());
+    }
+    if let PodObservation::Owned(view) = pod {
+        return from_pod(at, view, now);
+    }
+    let due = match schedule::parse(&at.spec.schedule) {
+        Ok(due) => due,
+        Err(err) => return next.invalid("InvalidSchedule", err.to_string()),
+    };
+    if let Some(left) = schedule::until_due(due, now) {
+        let message = runs_at(due);
+        return next
+            .condition(SCHEDULED, true, "Scheduled", &message)
+            .note(Severity::Normal, "Scheduled", message)
+            .decide(Action::Nothing, Some(left));
+    }
+    let pod_name = pod::name_for(&at.name_any());
+    match pod {
+        PodObservation::Foreign => {
+            let message = format!(
+                "pod {pod_name} already exists and is not controlled by this At; cnat never adopts a pod it did not create. Delete or rename that pod and this At runs"
+            );
+            next.condition(POD_CREATED, false, "PodNameConflict", &message)
+                .note(Severity::Warning, "PodNameConflict", message)
+                .decide(Action::Nothing, Some(CONFLICT_RECHECK))
+        }
+        PodObservation::Rejected(reason) => {
+            let message = format!(
+                "the API server rejected pod {pod_name}: {reason}; fix the At's spec and apply it again"
+            );
+            next.condition(POD_CREATED, false, "PodRejected", &message)
+                .note(Severity::Warning, "PodRejected", message)
+                .decide(Action::Nothing, None)
+        }
+        _ => {
+            let mut next = Next::new(at, Phase::Running, now).condition(
+                SCHEDULED,
+                true,
+                "Scheduled",
+                &runs_at(due),
+            );
+            next.status.start_time = Some(now);
+            next.started(&pod_name).decide(Action::CreatePod, None)
+        }
+    }
+}
+
+fn running(at: &At, pod: &PodObservation, now: DateTime<Utc>) -> Decision {
+    let pod_name = pod::name_for(&at.name_any());
+    match pod {
+        PodObservation::NotCached => Decision {
+            action: Action::LookUpPod,
+            ..Decision::idle()
+        },
+        PodObservation::Owned(view) => from_pod(at, view, now),
+        PodObservation::Missing => lost(at, now, format!("pod {pod_name} was deleted")),
+        PodObservation::Foreign => lost(
+            at,
+            now,
+            format!("pod {pod_name} was replaced by a pod this At does not control"),
+        ),
+        // Only a creation attempt yields a rejection, and a RUNNING At never creates.
+        PodObservation::Rejected(_) => Decision::idle(),
+    }
+}
+
+/// An owned pod is the truth: RUNNING while it runs, DONE once it ended.
+fn from_pod(at: &At, view: &PodView, now: DateTime<Utc>) -> Decision {
+    let Some(end) = &view.end else {
+        let mut next = Next::new(at, Phase::Running, now);
+        next.status.start_time = next.status.start_time.or(view.created_at).or(Some(now));
+        return next.started(&view.name).decide(Action::Nothing, None);
+    };
+    let (reason, message) = match (end.succeeded, end.exit_code) {
+        (true, _) => (
+            "Succeeded",
+            format!("the command in pod {} succeeded", view.name),
+        ),
+        (false, Some(code)) => (
+            "CommandFailed",
+            format!("the command in pod {} exited with code {code}", view.name),
+        ),
+        (false, None) => (
+            "PodFailed",
+            format!("pod {} failed before the command finished", view.name),
+        ),
+    };
+    let message = match &end.detail {
+        Some(detail) if !end.succeeded => format!("{message}: {detail}"),
+        _ => message,
+    };
+    let mut next = Next::new(at, Phase::Done, now);
+    next.status.pod_name = Some(view.name.clone());
+    next.status.start_time = next.status.start_time.or(view.created_at);
+    next.finish(end, reason, message)
+}
+
+/// The pod is gone or replaced before it finished: report it, never re-create it.
+fn lost(at: &At, now: DateTime<Utc>, what: String) -> Decision {
+    let message = format!(
+        "{what} before the command finished; cnat does not re-create it, so the command never runs twice. Create a new At to run it again"
+    );
+    let end = PodEnd {
+        succeeded: false,
+        exit_code: None,
+        detail: None,
+        finished_at: None,
+    };
+    Next::new(at, Phase::Done, now).finish(&end, "PodLost", message)
+}
+
+fn runs_at(due: DateTime<Utc>) -> String {
+    format!(
+        "runs at {}",
+        due.to_rfc3339_opts(SecondsFormat::AutoSi, true)
+    )
+}
+
+/// The status being decided, built from the current one so nothing recorded is lost.
+struct Next<'a> {
+    at: &'a At,
+    now: DateTime<Utc>,
+    status: AtStatus,
+    note: Option<Note>,
+}
+
+impl<'a> Next<'a> {
+    fn new(at: &'a At, phase: Phase, now: DateTime<Utc>) -> Self {
+        let mut status = at.status.clone().unwrap_or_else(|| AtStatus {
+            phase,
+            pod_name: None,
+            start_time: None,
+            completion_time: None,
+            outcome: None,
+            exit_code: None,
+            message: None,
+            conditions: Vec::new(),
+            observed_generation: None,
+        });
+        status.phase = phase;
+        status.observed_generation = at.metadata.generation;
+        Next {
+            at,
+            now,
+            status,
+            note: None,
+        }
+    }
+
+    /// Sets a condition; its transition time moves only when its status does.
+    fn condition(mut self, type_: &str, ok: bool, reason: &str, message: &str) -> Self {
+        let status = if ok { "True" } else { "False" };
+        let conditions = &mut self.status.conditions;
+        let since = conditions
+            .iter()
+            .find(|c| c.type_ == type_ && c.status == status)
+            .map_or(self.now, |c| c.last_transition_time);
+        conditions.retain(|c| c.type_ != type_);
+        conditions.push(Condition {
+            type_: type_.to_owned(),
+            status: status.to_owned(),
+            reason: reason.to_owned(),
+            message: message.to_owned(),
+            last_transition_time: since,
+            observed_generation: self.at.metadata.generation,
+        });
+        self
+    }
+
+    /// The event of this transition; its message is also the status message.
+    fn note(mut self, severity: Severity, reason: &'static str, message: String) -> Self {
+        self.status.message = Some(message.clone());
+        self.note = Some(Note {
+            severity,
+            reason,
+            message,
+        });
+        self
+    }
+
+    fn invalid(self, reason: &'static str, message: String) -> Decision {
+        self.condition(SCHEDULED, false, reason, &message)
+            .note(Severity::Warning, reason, message)
+            .decide(Action::Nothing, None)
+    }
+
+    fn started(mut self, pod_name: &str) -> Self {
+        let message = format!("pod {pod_name} runs the command");
+        self.status.pod_name = Some(pod_name.to_owned());
+        self.condition(POD_CREATED, true, "PodCreated", &message)
+            .note(Severity::Normal, "PodCreated", message)
+    }
+
+    fn finish(mut self, end: &PodEnd, reason: &'static str, message: String) -> Decision {
+        let (outcome, type_, severity) = if end.succeeded {
+            (Outcome::Succeeded, COMPLETE, Severity::Normal)
+        } else {
+            (Outcome::Failed, FAILED, Severity::Warning)
+        };
+        self.status.outcome = Some(outcome);
+        self.status.exit_code = end.exit_code;
+        self.status.completion_time = end.finished_at.or(Some(self.now));
+        self.condition(type_, true, reason, &message)
+            .note(severity, reason, message)
+            .decide(Action::Nothing, None)
+    }
+
+    /// Keeps the status and its event only if something changed, so repeats are silent.
+    fn decide(self, action: Action, requeue: Option<Duration>) -> Decision {
+        let changed = self.at.status.as_ref() != Some(&self.status);
+        Decision {
+            action,
+            status: changed.then_some(self.status),
+            note: self.note.filter(|_| changed),
+            requeue,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,565 @@
+use super::*;
+use crate::api::AtSpec;
+
+const BOOK_SCHEDULE: &str = "2019-04-12T10:12:00Z";
+
+fn time(raw: &str) -> DateTime<Utc> {
+    schedule::parse(raw).unwrap()
+}
+
+fn at_named(name: &str, schedule: &str, status: Option<AtStatus>) -> At {
+    let mut at = At::new(
+        name,
+        AtSpec {
+            schedule: schedule.into(),
+            command: "echo YAY".into(),
+            image: "busybox".into(),
+        },
+    );
+    at.metadata.namespace = Some("default".into());
+    at.metadata.uid = Some("uid-1".into());
+    at.metadata.generation = Some(1);
+    at.status = status;
+    at
+}
+
+fn at(schedule: &str, status: Option<AtStatus>) -> At {
+    at_named("example-at", schedule, status)
+}
+
+/// The At after the decided status was written, as the next reconcile sees it.
+fn written(mut at: At, decision: &Decision) -> At {
+    if let Some(status) = &decision.status {
+        at.status = Some(status.clone());
+    }
+    at
+}
+
+fn running_pod() -> PodView {
+    PodView {
+        name: "example-at-pod".into(),
+        created_at: Some(time("2019-04-12T10:12:00.100Z")),
+        end: None,
+    }
+}
+
+fn ended_pod(succeeded: bool, exit_code: Option<i32>, detail: Option<&str>) -> PodView {
+    PodView {
+        end: Some(PodEnd {
+            succeeded,
+            exit_code,
+            detail: detail.map(str::to_owned),
+            finished_at: Some(time("2019-04-12T10:12:03Z")),
+        }),
+        ..running_pod()
+    }
+}
+
+fn condition<'a>(status: &'a AtStatus, type_: &str) -> &'a Condition {
+    status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .unwrap_or_else(|| {
+            panic!("no {type_} condition in {:?}", status.conditions);
+        })
+}
+
+fn status_of(decision: &Decision) -> &AtStatus {
+    decision.status.as_ref().expect("a status write")
+}
+
+fn note_of(decision: &Decision) -> &Note {
+    decision.note.as_ref().expect("an event")
+}
+
+#[test]
+fn a_future_at_waits_exactly_until_it_is_due() {
+    let now = time("2019-04-12T10:11:58.500Z");
+    let d = decide(&at(BOOK_SCHEDULE, None), &PodObservation::NotCached, now);
+    assert_eq!(d.action, Action::Nothing);
+    assert_eq!(d.requeue, Some(Duration::from_millis(1500)));
+    let status = status_of(&d);
+    assert_eq!(status.phase, Phase::Pending);
+    assert_eq!(status.observed_generation, Some(1));
+    assert_eq!(
+        status.message.as_deref(),
+        Some("runs at 2019-04-12T10:12:00Z")
+    );
+    let scheduled = condition(status, SCHEDULED);
+    assert_eq!(
+        (scheduled.status.as_str(), scheduled.reason.as_str()),
+        ("True", "Scheduled")
+    );
+    assert_eq!(scheduled.last_transition_time, now);
+    assert_eq!(note_of(&d).severity, Severity::Normal);
+    assert_eq!(note_of(&d).reason, "Scheduled");
+}
+
+#[test]
+fn waiting_again_writes_nothing_and_tells_nobody() {
+    let first = decide(
+        &at(BOOK_SCHEDULE, None),
+        &PodObservation::NotCached,
+        time("2019-04-12T10:00:00Z"),
+    );
+    let again = decide(
+        &written(at(BOOK_SCHEDULE, None), &first),
+        &PodObservation::NotCached,
+        time("2019-04-12T10:11:00Z"),
+    );
+    assert_eq!(
+        again,
+        Decision {
+            action: Action::Nothing,
+            status: None,
+            note: None,
+            requeue: Some(Duration::from_secs(60)),
+        }
+    );
+}
+
+#[test]
+fn a_due_at_creates_its_pod_and_goes_running_without_a_prior_status_write() {
+    for now in ["2019-04-12T10:12:00Z", "2026-11-22T00:00:00Z"] {
+        let now = time(now);
+        let d = decide(&at(BOOK_SCHEDULE, None), &PodObservation::NotCached, now);
+        assert_eq!(d.action, Action::CreatePod);
+        assert_eq!(d.requeue, None);
+        let status = status_of(&d);
+        assert_eq!(status.phase, Phase::Running);
+        assert_eq!(status.pod_name.as_deref(), Some("example-at-pod"));
+        assert_eq!(status.start_time, Some(now));
+        assert_eq!(condition(status, SCHEDULED).status, "True");
+        assert_eq!(condition(status, POD_CREATED).status, "True");
+        assert_eq!(note_of(&d).reason, "PodCreated");
+    }
+}
+
+#[test]
+fn a_pending_at_whose_time_comes_creates_its_pod() {
+    let waiting = decide(
+        &at(BOOK_SCHEDULE, None),
+        &PodObservation::NotCached,
+        time("2019-04-12T10:00:00Z"),
+    );
+    let at = written(at(BOOK_SCHEDULE, None), &waiting);
+    let now = time("2019-04-12T10:12:00.001Z");
+    let d = decide(&at, &PodObservation::Missing, now);
+    assert_eq!(d.action, Action::CreatePod);
+    let status = status_of(&d);
+    assert_eq!(status.phase, Phase::Running);
+    // Still scheduled since the first look: the condition did not transition.
+    assert_eq!(
+        condition(status, SCHEDULED).last_transition_time,
+        time("2019-04-12T10:00:00Z")
+    );
+    assert_eq!(condition(status, POD_CREATED).last_transition_time, now);
+}
+
+#[test]
+fn an_unparseable_schedule_is_reported_once_and_waits_for_a_fix() {
+    let now = time("2026-11-22T00:00:00Z");
+    let bad = at("tomorrow noon", None);
+    let d = decide(&bad, &PodObservation::NotCached, now);
+    assert_eq!((d.action, d.requeue), (Action::Nothing, None));
+    let status = status_of(&d);
+    assert_eq!(status.phase, Phase::Pending);
+    let scheduled = condition(status, SCHEDULED);
+    assert_eq!(
+        (scheduled.status.as_str(), scheduled.reason.as_str()),
+        ("False", "InvalidSchedule")
+    );
+    let expected = r#"spec.schedule: "tomorrow noon" is not an RFC 3339 time (expected e.g. 2019-04-12T10:12:00Z)"#;
+    assert_eq!(scheduled.message, expected);
+    assert_eq!(status.message.as_deref(), Some(expected));
+    assert_eq!(note_of(&d).severity, Severity::Warning);
+
+    let again = decide(&written(bad.clone(), &d), &PodObservation::NotCached, now);
+    assert_eq!(again, Decision::idle());
+
+    let mut fixed = written(bad, &d);
+    fixed.spec.schedule = "2027-01-01T00:00:00Z".into();
+    fixed.metadata.generation = Some(2);
+    let later = time("2026-11-22T00:05:00Z");
+    let d = decide(&fixed, &PodObservation::NotCached, later);
+    let status = status_of(&d);
+    assert_eq!(status.observed_generation, Some(2));
+    let scheduled = condition(status, SCHEDULED);
+    assert_eq!(
+        (scheduled.status.as_str(), scheduled.last_transition_time),
+        ("True", later)
+    );
+    assert_eq!(scheduled.observed_generation, Some(2));
+    assert!(d.requeue.is_some());
+}
+
+#[test]
+fn a_name_too_long_for_its_pod_label_never_runs() {
+    let long = "a".repeat(64);
+    let d = decide(
+        &at_named(&long, BOOK_SCHEDULE, None),
+        &PodObservation::NotCached,
+        time("2026-01-01T00:00:00Z"),
+    );
+    assert_eq!(d.action, Action::Nothing);
+    let scheduled = condition(status_of(&d), SCHEDULED);
+    assert_eq!(scheduled.reason, "InvalidName");
+    assert!(
+        scheduled.message.contains("at most 63"),
+        "{}",
+        scheduled.message
+    );
+}
+
+#[test]
+fn a_pod_this_at_does_not_control_is_never_adopted() {
+    let now = time("2026-01-01T00:00:00Z");
+    let d = decide(&at(BOOK_SCHEDULE, None), &PodObservation::Foreign, now);
+    assert_eq!(d.action, Action::Nothing);
+    assert_eq!(d.requeue, Some(CONFLICT_RECHECK));
+    let status = status_of(&d);
+    assert_eq!(status.phase, Phase::Pending);
+    let created = condition(status, POD_CREATED);
+    assert_eq!(
+        (created.status.as_str(), created.reason.as_str()),
+        ("False", "PodNameConflict")
+    );
+    assert!(created.message.contains("example-at-pod"));
+    assert_eq!(note_of(&d).severity, Severity::Warning);
+
+    // Before the schedule is due the conflict does not matter yet.
+    let early = decide(
+        &at("2027-01-01T00:00:00Z", None),
+        &PodObservation::Foreign,
+        now,
+    );
+    assert_eq!(
+        status_of(&early).message.as_deref(),
+        Some("runs at 2027-01-01T00:00:00Z")
+    );
+}
+
+#[test]
+fn a_pod_the_api_server_rejects_is_reported_without_a_retry_loop() {
+    let d = decide(
+        &at(BOOK_SCHEDULE, None),
+        &PodObservation::Rejected("spec.containers[0].image: Required value".into()),
+        time("2026-01-01T00:00:00Z"),
+    );
+    assert_eq!((d.action, d.requeue), (Action::Nothing, None));
+    let created = condition(status_of(&d), POD_CREATED);
+    assert_eq!(created.reason, "PodRejected");
+    assert!(created
+        .message
+        .contains("spec.containers[0].image: Required value"));
+}
+
+#[test]
+fn an_own_pod_found_while_pending_is_adopted_not_created_again() {
+    // The pod was created but the RUNNING write was lost (crash, conflict, failover).
+    let pending = decide(
+        &at(BOOK_SCHEDULE, None),
+        &PodObservation::NotCached,
+        time("2019-04-12T10:00:00Z"),
+    );
+    let at = written(at(BOOK_SCHEDULE, None), &pending);
+    let d = decide(
+        &at,
+        &PodObservation::Owned(running_pod()),
+        time("2019-04-12T10:12:05Z"),
+    );
+    assert_eq!(d.action, Action::Nothing);
+    let status = status_of(&d);
+    assert_eq!(status.phase, Phase::Running);
+    assert_eq!(status.start_time, running_pod().created_at);
+
+    let finished = decide(
+        &at,
+        &PodObservation::Owned(ended_pod(true, Some(0), None)),
+        time("2019-04-12T10:13:00Z"),
+    );
+    assert_eq!(status_of(&finished).phase, Phase::Done);
+    assert_eq!(status_of(&finished).outcome, Some(Outcome::Succeeded));
+}
+
+#[test]
+fn a_running_at_with_no_cached_pod_asks_the_api_server_first() {
+    let created = decide(
+        &at(BOOK_SCHEDULE, None),
+        &PodObservation::NotCached,
+        time("2026-01-01T00:00:00Z"),
+    );
+    let running = written(at(BOOK_SCHEDULE, None), &created);
+    let d = decide(
+        &running,
+        &PodObservation::NotCached,
+        time("2026-01-01T00:00:01Z"),
+    );
+    assert_eq!(
+        d,
+        Decision {
+            action: Action::LookUpPod,
+            ..Decision::idle()
+        }
+    );
+}
+
+fn running_at() -> At {
+    let created = decide(
+        &at(BOOK_SCHEDULE, None),
+        &PodObservation::NotCached,
+        time("2026-01-01T00:00:00Z"),
+    );
+    written(at(BOOK_SCHEDULE, None), &created)
+}
+
+#[test]
+fn a_running_pod_changes_nothing() {
+    let d = decide(
+        &running_at(),
+        &PodObservation::Owned(running_pod()),
+        time("2026-01-01T00:00:01Z"),
+    );
+    assert_eq!(d, Decision::idle());
+}
+
+#[test]
+fn success_is_recorded_with_exit_code_and_completion_time() {
+    let d = decide(
+        &running_at(),
+        &PodObservation::Owned(ended_pod(true, Some(0), Some("Completed"))),
+        time("2026-01-01T00:00:05Z"),
+    );
+    let status = status_of(&d);
+    assert_eq!(status.phase, Phase::Done);
+    assert_eq!(status.outcome, Some(Outcome::Succeeded));
+    assert_eq!(status.exit_code, Some(0));
+    assert_eq!(status.completion_time, Some(time("2019-04-12T10:12:03Z")));
+    assert_eq!(status.start_time, Some(time("2026-01-01T00:00:00Z")));
+    assert_eq!(
+        status.message.as_deref(),
+        Some("the command in pod example-at-pod succeeded")
+    );
+    assert_eq!(condition(status, COMPLETE).status, "True");
+    assert!(status.conditions.iter().all(|c| c.type_ != FAILED));
+    assert_eq!(note_of(&d).severity, Severity::Normal);
+    assert_eq!(note_of(&d).reason, "Succeeded");
+}
+
+#[test]
+fn a_failing_command_is_recorded_with_its_exit_code_and_message() {
+    let d = decide(
+        &running_at(),
+        &PodObservation::Owned(ended_pod(false, Some(3), Some("Error: boom"))),
+        time("2026-01-01T00:00:05Z"),
+    );
+    let status = status_of(&d);
+    assert_eq!(
+        (status.phase, status.outcome, status.exit_code),
+        (Phase::Done, Some(Outcome::Failed), Some(3))
+    );
+    let expected = "the command in pod example-at-pod exited with code 3: Error: boom";
+    assert_eq!(status.message.as_deref(), Some(expected));
+    let failed = condition(status, FAILED);
+    assert_eq!(
+        (failed.status.as_str(), failed.reason.as_str()),
+        ("True", "CommandFailed")
+    );
+    assert_eq!(note_of(&d).severity, Severity::Warning);
+}
+
+#[test]
+fn a_pod_that_failed_without_running_the_command_says_why() {
+    let d = decide(
+        &running_at(),
+        &PodObservation::Owned(ended_pod(
+            false,
+            None,
+            Some("Evicted: The node was low on resource: memory."),
+        )),
+        time("2026-01-01T00:00:05Z"),
+    );
+    let status = status_of(&d);
+    assert_eq!(status.exit_code, None);
+    assert_eq!(condition(status, FAILED).reason, "PodFailed");
+    assert!(status
+        .message
+        .as_deref()
+        .unwrap()
+        .ends_with("Evicted: The node was low on resource: memory."));
+}
+
+#[test]
+fn a_pod_that_vanishes_is_reported_and_never_recreated() {
+    let now = time("2026-01-01T00:00:09Z");
+    for (observation, words) in [
+        (PodObservation::Missing, "was deleted"),
+        (PodObservation::Foreign, "was replaced"),
+    ] {
+        let d = decide(&running_at(), &observation, now);
+        assert_eq!(d.action, Action::Nothing);
+        let status = status_of(&d);
+        assert_eq!(
+            (status.phase, status.outcome),
+            (Phase::Done, Some(Outcome::Failed))
+        );
+        assert_eq!(status.completion_time, Some(now));
+        let failed = condition(status, FAILED);
+        assert_eq!(failed.reason, "PodLost");
+        assert!(failed.message.contains(words) && failed.message.contains("never runs twice"));
+    }
+}
+
+#[test]
+fn done_is_final() {
+    let done = decide(
+        &running_at(),
+        &PodObservation::Missing,
+        time("2026-01-01T00:00:09Z"),
+    );
+    let mut at = written(running_at(), &done);
+    at.spec.schedule = "garbage".into();
+    at.metadata.generation = Some(7);
+    for observation in observations() {
+        assert_eq!(
+            decide(&at, &observation, time("2030-01-01T00:00:00Z")),
+            Decision::idle()
+        );
+    }
+}
+
+fn observations() -> Vec<PodObservation> {
+    vec![
+        PodObservation::NotCached,
+        PodObservation::Missing,
+        PodObservation::Foreign,
+        PodObservation::Rejected("invalid".into()),
+        PodObservation::Owned(running_pod()),
+        PodObservation::Owned(ended_pod(true, Some(0), None)),
+        PodObservation::Owned(ended_pod(false, Some(2), Some("Error"))),
+        PodObservation::Owned(ended_pod(false, None, Some("Evicted"))),
+    ]
+}
+
+fn rank(phase: Option<Phase>) -> u8 {
+    match phase {
+        None => 0,
+        Some(Phase::Pending) => 1,
+        Some(Phase::Running) => 2,
+        Some(Phase::Done) => 3,
+    }
+}
+
+/// Every At a controller can meet: all phases, schedules, names and pod observations.
+fn starting_points() -> Vec<At> {
+    let mut ats = Vec::new();
+    for schedule in [BOOK_SCHEDULE, "2040-01-01T00:00:00+02:00", "not a time", ""] {
+        for name in ["example-at", &"n".repeat(64)] {
+            let fresh = at_named(name, schedule, None);
+            ats.push(fresh.clone());
+            for observation in observations() {
+                for now in ["2019-04-12T10:11:00Z", "2026-01-01T00:00:00Z"] {
+                    let d = decide(&fresh, &observation, time(now));
+                    let next = written(fresh.clone(), &d);
+                    for observation in observations() {
+                        let d2 = decide(&next, &observation, time("2026-06-01T00:00:00Z"));
+                        ats.push(written(next.clone(), &d2));
+                    }
+                    ats.push(next);
+                }
+            }
+        }
+    }
+    ats
+}
+
+#[test]
+fn invariants_hold_for_every_at_observation_and_time() {
+    let mut checked = 0;
+    for at in starting_points() {
+        let before = at.status.as_ref().map(|s| s.phase);
+        let name_ok = pod::check_name(&at.name_any()).is_ok();
+        for observation in observations()
+            .into_iter()
+            .chain([PodObservation::NotCached])
+        {
+            for now in [
+                "2019-04-12T10:11:00Z",
+                "2019-04-12T10:12:00Z",
+                "2030-01-01T00:00:00Z",
+            ] {
+                let now = time(now);
+                let d = decide(&at, &observation, now);
+                let after = d.status.as_ref().map(|s| s.phase).or(before);
+                let ctx = format!(
+                    "{before:?} {observation:?} {:?} {now} -> {d:?}",
+                    at.spec.schedule
+                );
+
+                assert!(rank(after) >= rank(before), "phase went back: {ctx}");
+                assert_eq!(
+                    d.note.is_some(),
+                    d.status.is_some(),
+                    "event without transition: {ctx}"
+                );
+                if d.requeue.is_some() {
+                    assert_eq!(
+                        after,
+                        Some(Phase::Pending),
+                        "only waiting Ats requeue: {ctx}"
+                    );
+                }
+                if d.action == Action::CreatePod {
+                    let due = schedule::parse(&at.spec.schedule).map(|t| t <= now);
+                    assert!(rank(before) <= 1 && name_ok && due == Ok(true), "{ctx}");
+                    assert!(
+                        matches!(
+                            observation,
+                            PodObservation::NotCached | PodObservation::Missing
+                        ),
+                        "created over an existing pod: {ctx}"
+                    );
+                    assert_eq!(after, Some(Phase::Running), "{ctx}");
+                }
+                if d.action == Action::LookUpPod {
+                    assert_eq!(
+                        (before, &observation),
+                        (Some(Phase::Running), &PodObservation::NotCached),
+                        "{ctx}"
+                    );
+                    continue;
+                }
+                if let Some(status) = &d.status {
+                    assert_eq!(status.observed_generation, at.metadata.generation, "{ctx}");
+                    if status.phase != Phase::Pending {
+                        assert_eq!(
+                            status.pod_name.as_deref(),
+                            Some(pod::name_for(&at.name_any()).as_str()),
+                            "{ctx}"
+                        );
+                    }
+                    if status.phase == Phase::Done {
+                        assert!(
+                            status.outcome.is_some() && status.completion_time.is_some(),
+                            "{ctx}"
+                        );
+                    }
+                }
+                // Level-based: deciding again on what was written changes nothing more.
+                let next_observation = match d.action {
+                    Action::CreatePod => PodObservation::Owned(running_pod()),
+                    _ => observation.clone(),
+                };
+                let again = decide(&written(at.clone(), &d), &next_observation, now);
+                assert_eq!(
+                    (again.status, again.note),
+                    (None, None),
+                    "not a fixed point: {ctx}"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 10_000, "{checked}");
+}
