@@ -91,6 +91,23 @@ pub enum Phase {
     Done,
 }
 
+impl Phase {
+    /// The API spelling: `PENDING`, `RUNNING` or `DONE`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Pending => "PENDING",
+            Phase::Running => "RUNNING",
+            Phase::Done => "DONE",
+        }
+    }
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// How a finished At ended.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
 pub enum Outcome {

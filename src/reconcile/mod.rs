@@ -1,3 +1,295 @@
-//! Reconciling Ats: the pure state machine (`decide`) and the API calls that carry it out.
+//! Reconciling Ats: `decide` is the pure state machine; this module carries its decisions out
+//! against the API server (pod creation, status writes, events) and retries failures with backoff.
 
 pub mod decide;
+
+use crate::api::{At, AtStatus, Phase};
+use crate::pod;
+use backon::{BackoffBuilder, ExponentialBuilder};
+use chrono::{DateTime, Utc};
+use decide::{decide, Action as Step, Decision, Note, PodObservation, Severity};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Api, Client, Resource, ResourceExt};
+use serde_json::json;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use thiserror::Error;
+use tracing::{debug, info, warn};
+
+/// Field manager recorded on everything cnat writes.
+pub const FIELD_MANAGER: &str = "cnat";
+
+/// A reconcile never needs more than: look up or create the pod, look it up again, decide.
+const MAX_STEPS: usize = 3;
+
+/// A failed reconcile; it is retried with backoff. Each names the At and what was being done.
+#[derive(Debug, Error)]
+pub enum Error {
+    #[error("At {at}: creating pod {pod}: {source}")]
+    CreatePod {
+        at: String,
+        pod: String,
+        source: kube::Error,
+    },
+    #[error("At {at}: reading pod {pod}: {source}")]
+    ReadPod {
+        at: String,
+        pod: String,
+        source: kube::Error,
+    },
+    #[error("At {at}: writing status {phase}: {source}")]
+    WriteStatus {
+        at: String,
+        phase: Phase,
+        source: kube::Error,
+    },
+    #[error("At {at}: pod {pod} kept appearing and disappearing while being created")]
+    PodChurn { at: String, pod: String },
+}
+
+/// The wall clock, injected so tests control time.
+pub type Clock = Box<dyn Fn() -> DateTime<Utc> + Send + Sync>;
+
+/// What every reconcile shares.
+pub struct Context {
+    client: Client,
+    pods: Store<Pod>,
+    recorder: Recorder,
+    clock: Clock,
+    /// Per At uid, the resourceVersion our last status write replaced: a cache still showing it
+    /// is stale, and deciding on it would redo the step just taken.
+    superseded: Mutex<HashMap<String, String>>,
+    /// Per At uid, consecutive failed reconciles, for exponential backoff.
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+impl Context {
+    pub fn new(client: Client, pods: Store<Pod>, recorder: Recorder, clock: Clock) -> Self {
+        Context {
+            client,
+            pods,
+            recorder,
+            clock,
+            superseded: Mutex::default(),
+            failures: Mutex::default(),
+        }
+    }
+}
+
+/// Brings one At one step closer to DONE.
+pub async fn reconcile(at: Arc<At>, ctx: Arc<Context>) -> Result<Action, Error> {
+    if ctx.is_stale(&at) {
+        return Ok(Action::await_change());
+    }
+    let now = (ctx.clock)();
+    let mut observation = ctx.cached_pod(&at);
+    for _ in 0..MAX_STEPS {
+        let decision = decide(&at, &observation, now);
+        observation = match decision.action {
+            Step::Nothing => return ctx.commit(&at, decision).await,
+            Step::LookUpPod => ctx.fetch_pod(&at).await?,
+            Step::CreatePod => match ctx.create_pod(&at).await? {
+                None => return ctx.commit(&at, decision).await,
+                Some(found) => found,
+            },
+        };
+    }
+    Err(Error::PodChurn {
+        at: key(&at),
+        pod: pod::name_for(&at.name_any()),
+    })
+}
+
+/// Retries a failed reconcile after an exponentially growing, jittered delay.
+pub fn error_policy(at: Arc<At>, error: &Error, ctx: Arc<Context>) -> Action {
+    let attempt = {
+        let mut failures = ctx.failures.lock().unwrap_or_else(|e| e.into_inner());
+        let count = failures.entry(uid(&at)).or_insert(0);
+        *count += 1;
+        *count
+    };
+    let delay = retry_delay(attempt);
+    warn!(at = %key(&at), %error, attempt, retry_in = ?delay, "reconcile failed");
+    Action::requeue(delay)
+}
+
+/// Delay before retry number `attempt` (1-based): 0.5 s doubling to 5 minutes, with jitter.
+pub fn retry_delay(attempt: u32) -> Duration {
+    ExponentialBuilder::new()
+        .with_min_delay(Duration::from_millis(500))
+        .with_max_delay(Duration::from_secs(300))
+        .with_jitter()
+        .without_max_times()
+        .build()
+        .nth(attempt.saturating_sub(1) as usize)
+        .unwrap_or(Duration::from_secs(300))
+}
+
+impl Context {
+    fn ats(&self, at: &At) -> Api<At> {
+        Api::namespaced(self.client.clone(), &namespace(at))
+    }
+
+    fn pods_api(&self, at: &At) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), &namespace(at))
+    }
+
+    fn is_stale(&self, at: &At) -> bool {
+        let mut superseded = self.superseded.lock().unwrap_or_else(|e| e.into_inner());
+        let uid = uid(at);
+        let stale = superseded
+            .get(&uid)
+            .is_some_and(|rv| Some(rv) == at.resource_version().as_ref());
+        if !stale {
+            superseded.remove(&uid);
+        }
+        stale
+    }
+
+    fn cached_pod(&self, at: &At) -> PodObservation {
+        let name = pod::name_for(&at.name_any());
+        match self.pods.get(&ObjectRef::new(&name).within(&namespace(at))) {
+            Some(found) => observe(&found, at),
+            None => PodObservation::NotCached,
+        }
+    }
+
+    async fn fetch_pod(&self, at: &At) -> Result<PodObservation, Error> {
+        let name = pod::name_for(&at.name_any());
+        match self.pods_api(at).get_opt(&name).await {
+            Ok(Some(found)) => Ok(observe(&found, at)),
+            Ok(None) => Ok(PodObservation::Missing),
+            Err(source) => Err(Error::ReadPod {
+                at: key(at),
+                pod: name,
+                source,
+            }),
+        }
+    }
+
+    /// Creates the pod; `None` when created, else what was found instead.
+    async fn create_pod(&self, at: &At) -> Result<Option<PodObservation>, Error> {
+        let params = PostParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PostParams::default()
+        };
+        match self.pods_api(at).create(&params, &pod::build(at)).await {
+            Ok(_) => Ok(None),
+            Err(kube::Error::Api(status)) if status.is_already_exists() => {
+                self.fetch_pod(at).await.map(Some)
+            }
+            Err(kube::Error::Api(status)) if status.is_invalid() => {
+                Ok(Some(PodObservation::Rejected(status.message)))
+            }
+            Err(source) => Err(Error::CreatePod {
+                at: key(at),
+                pod: pod::name_for(&at.name_any()),
+                source,
+            }),
+        }
+    }
+
+    /// Writes the decided status, then tells the story in an event and a log line.
+    async fn commit(&self, at: &At, decision: Decision) -> Result<Action, Error> {
+        if let Some(status) = &decision.status {
+            match self.write_status(at, status).await {
+                Ok(()) => self.remember_write(at),
+                // Someone wrote first: the watch brings the newer At, and we decide on that.
+                Err(kube::Error::Api(s)) if s.is_conflict() => {
+                    debug!(at = %key(at), "status changed meanwhile; waiting for the newer version");
+                    return Ok(Action::await_change());
+                }
+                Err(source) => {
+                    return Err(Error::WriteStatus {
+                        at: key(at),
+                        phase: status.phase,
+                        source,
+                    });
+                }
+            }
+            if let Some(note) = &decision.note {
+                self.tell(at, status, note).await;
+            }
+        }
+        self.failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&uid(at));
+        Ok(decision
+            .requeue
+            .map_or_else(Action::await_change, Action::requeue))
+    }
+
+    /// Status subresource only, guarded by the resourceVersion we decided on: never a blind write.
+    async fn write_status(&self, at: &At, status: &AtStatus) -> Result<(), kube::Error> {
+        let patch = json!({
+            "metadata": { "resourceVersion": at.resource_version() },
+            "status": status,
+        });
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PatchParams::default()
+        };
+        self.ats(at)
+            .patch_status(&at.name_any(), &params, &Patch::Merge(&patch))
+            .await
+            .map(drop)
+    }
+
+    fn remember_write(&self, at: &At) {
+        if let Some(rv) = at.resource_version() {
+            self.superseded
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(uid(at), rv);
+        }
+    }
+
+    async fn tell(&self, at: &At, status: &AtStatus, note: &Note) {
+        let from = at.status.as_ref().map(|s| s.phase);
+        info!(at = %key(at), from = from.map(|p| p.as_str()), to = status.phase.as_str(), reason = note.reason, "{}", note.message);
+        let event = Event {
+            type_: match note.severity {
+                Severity::Normal => EventType::Normal,
+                Severity::Warning => EventType::Warning,
+            },
+            reason: note.reason.into(),
+            note: Some(note.message.clone()),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        // Events are best effort: the status already holds the same facts.
+        if let Err(error) = self.recorder.publish(&event, &at.object_ref(&())).await {
+            warn!(at = %key(at), %error, reason = note.reason, "could not publish event");
+        }
+    }
+}
+
+fn observe(found: &Pod, at: &At) -> PodObservation {
+    if pod::is_controlled_by(found, &uid(at)) {
+        PodObservation::Owned(pod::view(found))
+    } else {
+        PodObservation::Foreign
+    }
+}
+
+fn namespace(at: &At) -> String {
+    at.namespace().unwrap_or_default()
+}
+
+fn uid(at: &At) -> String {
+    at.uid().unwrap_or_default()
+}
+
+/// `namespace/name`, how logs and errors name an At.
+fn key(at: &At) -> String {
+    format!("{}/{}", namespace(at), at.name_any())
+}
+
+#[cfg(test)]
+mod tests;

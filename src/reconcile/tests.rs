@@ -1,0 +1,519 @@
+//! The reconciler's API calls against a scripted mock API server (kube's tower-test pattern),
+//! answering with bodies captured from a real kube-apiserver (tests/fixtures/api-k8s-1.24).
+
+use super::*;
+use crate::api::{AtSpec, Phase};
+use http::{Request, Response};
+use kube::client::Body;
+use kube::runtime::events::Reporter;
+use kube::runtime::{reflector, watcher};
+use serde_json::Value;
+
+const NOW: &str = "2026-11-22T02:10:00Z";
+const AT_UID: &str = "4c4a2a4f-0d1e-4a59-9d0e-6c9d3c2a7a01";
+const PODS: &str = "/api/v1/namespaces/default/pods";
+const POD: &str = "/api/v1/namespaces/default/pods/example-at-pod";
+const STATUS: &str =
+    "/apis/cnat.programming-kubernetes.info/v1alpha1/namespaces/default/ats/example-at/status";
+const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/default/events";
+
+fn fixture(name: &str) -> Value {
+    let path = format!(
+        "{}/tests/fixtures/api-k8s-1.24/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The captured pod, renamed to this At's pod, optionally controlled by it and ended.
+fn pod_fixture(owner_uid: Option<&str>, ended: Option<(&str, i32)>) -> Value {
+    let mut pod = fixture("pod-created.json");
+    pod["metadata"]["name"] = "example-at-pod".into();
+    pod["metadata"]["namespace"] = "default".into();
+    if let Some(uid) = owner_uid {
+        pod["metadata"]["ownerReferences"] = serde_json::json!([{
+            "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+            "name": "example-at", "uid": uid, "controller": true,
+        }]);
+    }
+    if let Some((phase, exit_code)) = ended {
+        pod["status"]["phase"] = phase.into();
+        pod["status"]["containerStatuses"] = serde_json::json!([{
+            "name": "command", "image": "busybox", "imageID": "", "ready": false, "restartCount": 0,
+            "state": {"terminated": {"exitCode": exit_code, "reason": "Error", "message": "boom",
+                                     "finishedAt": "2026-11-22T02:09:59Z"}},
+        }]);
+    }
+    pod
+}
+
+fn example_at(status: Option<AtStatus>) -> At {
+    let mut at = At::new(
+        "example-at",
+        AtSpec {
+            schedule: "2019-04-12T10:12:00Z".into(),
+            command: "echo YAY".into(),
+            image: "busybox".into(),
+        },
+    );
+    at.metadata.namespace = Some("default".into());
+    at.metadata.uid = Some(AT_UID.into());
+    at.metadata.resource_version = Some("100".into());
+    at.metadata.generation = Some(1);
+    at.status = status;
+    at
+}
+
+fn running_status() -> AtStatus {
+    let now = DateTime::parse_from_rfc3339(NOW).unwrap().to_utc();
+    let decided = decide(&example_at(None), &PodObservation::NotCached, now);
+    assert_eq!(decided.action, Step::CreatePod);
+    decided.status.unwrap()
+}
+
+/// One expected request and the answer the mock API server gives.
+struct Exchange {
+    method: &'static str,
+    path: &'static str,
+    code: u16,
+    body: Value,
+}
+
+fn answer(method: &'static str, path: &'static str, code: u16, body: Value) -> Exchange {
+    Exchange {
+        method,
+        path,
+        code,
+        body,
+    }
+}
+
+/// What the reconciler sent.
+#[derive(Debug)]
+struct Sent {
+    method: String,
+    path: String,
+    query: String,
+    content_type: String,
+    body: Value,
+}
+
+struct Harness {
+    ctx: Arc<Context>,
+    pods: reflector::store::Writer<Pod>,
+    server: tokio::task::JoinHandle<Vec<Sent>>,
+}
+
+/// A context whose client talks to a mock API server that answers `script` in order and
+/// records every request; anything unscripted gets a 500 and fails the test's count check.
+fn harness(script: Vec<Exchange>) -> Harness {
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let server = tokio::spawn(async move {
+        let mut script = script.into_iter();
+        let mut sent = Vec::new();
+        while let Some((request, respond)) = handle.next_request().await {
+            let (parts, body) = request.into_parts();
+            let bytes = body.collect_bytes().await.unwrap();
+            let exchange = script.next();
+            let (code, reply) = match &exchange {
+                Some(e) if e.method == parts.method.as_str() && e.path == parts.uri.path() => {
+                    (e.code, e.body.clone())
+                }
+                _ => (
+                    500,
+                    serde_json::json!({"kind": "Status", "code": 500, "message": "unscripted"}),
+                ),
+            };
+            sent.push(Sent {
+                method: parts.method.to_string(),
+                path: parts.uri.path().to_owned(),
+                query: parts.uri.query().unwrap_or_default().to_owned(),
+                content_type: parts
+                    .headers
+                    .get(http::header::CONTENT_TYPE)
+                    .map(|v| v.to_str().unwrap().to_owned())
+                    .unwrap_or_default(),
+                body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+            });
+            let response = Response::builder()
+                .status(code)
+                .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+                .unwrap();
+            respond.send_response(response);
+        }
+        sent
+    });
+    let client = Client::new(service, "default");
+    let (store, pods) = reflector::store();
+    let reporter = Reporter {
+        controller: "cnat".into(),
+        instance: Some("cnat-0".into()),
+    };
+    let recorder = Recorder::new(client.clone(), reporter);
+    let clock: Clock = Box::new(|| DateTime::parse_from_rfc3339(NOW).unwrap().to_utc());
+    Harness {
+        ctx: Arc::new(Context::new(client, store, recorder, clock)),
+        pods,
+        server,
+    }
+}
+
+impl Harness {
+    fn cache_pod(&mut self, pod: Value) {
+        let pod: Pod = serde_json::from_value(pod).unwrap();
+        self.pods.apply_watcher_event(&watcher::Event::Apply(pod));
+    }
+
+    async fn reconcile(&self, at: At) -> Result<Action, Error> {
+        reconcile(Arc::new(at), self.ctx.clone()).await
+    }
+
+    /// Stops the mock server and returns what was sent, checking it followed the script.
+    async fn finish(self, expected: usize) -> Vec<Sent> {
+        drop(self.ctx);
+        let sent = tokio::time::timeout(Duration::from_secs(5), self.server)
+            .await
+            .unwrap()
+            .unwrap();
+        let summary: Vec<_> = sent
+            .iter()
+            .map(|s| format!("{} {}", s.method, s.path))
+            .collect();
+        assert_eq!(sent.len(), expected, "requests: {summary:#?}");
+        sent
+    }
+}
+
+fn created_event() -> Value {
+    serde_json::json!({"apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"name": "e", "namespace": "default"}, "eventTime": "2026-11-22T02:10:00.000000Z"})
+}
+
+fn at_response(status: &AtStatus) -> Value {
+    let mut at = serde_json::to_value(example_at(Some(status.clone()))).unwrap();
+    at["metadata"]["resourceVersion"] = "101".into();
+    at
+}
+
+fn assert_status_patch(sent: &Sent, phase: Phase) -> AtStatus {
+    assert_eq!(
+        (sent.method.as_str(), sent.path.as_str()),
+        ("PATCH", STATUS)
+    );
+    assert_eq!(sent.content_type, "application/merge-patch+json");
+    assert!(sent.query.contains("fieldManager=cnat"), "{}", sent.query);
+    assert_eq!(
+        sent.body["metadata"]["resourceVersion"], "100",
+        "status writes are guarded by resourceVersion"
+    );
+    assert_eq!(
+        sent.body.as_object().unwrap().len(),
+        2,
+        "only metadata.resourceVersion and status: {}",
+        sent.body
+    );
+    let status: AtStatus = serde_json::from_value(sent.body["status"].clone()).unwrap();
+    assert_eq!(status.phase, phase);
+    status
+}
+
+fn assert_event(sent: &Sent, type_: &str, reason: &str) {
+    assert_eq!((sent.method.as_str(), sent.path.as_str()), ("POST", EVENTS));
+    assert_eq!(sent.body["type"], type_);
+    assert_eq!(sent.body["reason"], reason);
+    assert_eq!(sent.body["regarding"]["kind"], "At");
+    assert_eq!(sent.body["regarding"]["name"], "example-at");
+    assert_eq!(sent.body["regarding"]["uid"], AT_UID);
+    assert_eq!(sent.body["reportingController"], "cnat");
+}
+
+#[tokio::test]
+async fn a_due_at_creates_its_pod_before_writing_running() {
+    let status = running_status();
+    let h = harness(vec![
+        answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
+        answer("PATCH", STATUS, 200, at_response(&status)),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    let action = h.reconcile(example_at(None)).await.unwrap();
+    assert_eq!(action, Action::await_change());
+    let sent = h.finish(3).await;
+
+    let pod: Pod = serde_json::from_value(sent[0].body.clone()).unwrap();
+    assert_eq!(sent[0].path, PODS);
+    assert!(sent[0].query.contains("fieldManager=cnat"));
+    assert_eq!(pod.metadata.name.as_deref(), Some("example-at-pod"));
+    assert!(pod::is_controlled_by(&pod, AT_UID));
+    let container = &pod.spec.as_ref().unwrap().containers[0];
+    assert_eq!(
+        container.command.clone().unwrap(),
+        ["/bin/sh", "-c", "echo YAY"]
+    );
+
+    let written = assert_status_patch(&sent[1], Phase::Running);
+    assert_eq!(written.pod_name.as_deref(), Some("example-at-pod"));
+    assert_event(&sent[2], "Normal", "PodCreated");
+}
+
+#[tokio::test]
+async fn an_existing_pod_of_this_at_is_adopted_not_created_twice() {
+    let h = harness(vec![
+        answer("POST", PODS, 409, fixture("status-409-already-exists.json")),
+        answer("GET", POD, 200, pod_fixture(Some(AT_UID), None)),
+        answer("PATCH", STATUS, 200, at_response(&running_status())),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    let action = h.reconcile(example_at(None)).await.unwrap();
+    assert_eq!(action, Action::await_change());
+    let sent = h.finish(4).await;
+    let written = assert_status_patch(&sent[2], Phase::Running);
+    assert_eq!(written.pod_name.as_deref(), Some("example-at-pod"));
+    assert_event(&sent[3], "Normal", "PodCreated");
+}
+
+#[tokio::test]
+async fn a_foreign_pod_with_the_name_blocks_the_at_with_a_clear_condition() {
+    let h = harness(vec![
+        answer("POST", PODS, 409, fixture("status-409-already-exists.json")),
+        answer("GET", POD, 200, pod_fixture(None, None)),
+        answer("PATCH", STATUS, 200, at_response(&running_status())),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    let action = h.reconcile(example_at(None)).await.unwrap();
+    assert_eq!(action, Action::requeue(decide::CONFLICT_RECHECK));
+    let sent = h.finish(4).await;
+    let written = assert_status_patch(&sent[2], Phase::Pending);
+    let conflict = written
+        .conditions
+        .iter()
+        .find(|c| c.type_ == decide::POD_CREATED)
+        .unwrap();
+    assert_eq!(
+        (conflict.status.as_str(), conflict.reason.as_str()),
+        ("False", "PodNameConflict")
+    );
+    assert_event(&sent[3], "Warning", "PodNameConflict");
+}
+
+#[tokio::test]
+async fn a_pod_the_api_server_rejects_is_reported_in_status() {
+    let h = harness(vec![
+        answer(
+            "POST",
+            PODS,
+            422,
+            fixture("status-422-invalid-pod-name.json"),
+        ),
+        answer("PATCH", STATUS, 200, at_response(&running_status())),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    assert_eq!(
+        h.reconcile(example_at(None)).await.unwrap(),
+        Action::await_change()
+    );
+    let sent = h.finish(3).await;
+    let written = assert_status_patch(&sent[1], Phase::Pending);
+    let message = written.message.unwrap();
+    assert!(
+        message
+            .starts_with("the API server rejected pod example-at-pod: Pod \"Bad_Name\" is invalid"),
+        "{message}"
+    );
+    assert_event(&sent[2], "Warning", "PodRejected");
+}
+
+#[tokio::test]
+async fn a_running_at_whose_pod_is_gone_is_confirmed_with_the_api_server_then_failed() {
+    let h = harness(vec![
+        answer("GET", POD, 404, fixture("status-404-not-found.json")),
+        answer("PATCH", STATUS, 200, at_response(&running_status())),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    let action = h
+        .reconcile(example_at(Some(running_status())))
+        .await
+        .unwrap();
+    assert_eq!(action, Action::await_change());
+    let sent = h.finish(3).await;
+    let written = assert_status_patch(&sent[1], Phase::Done);
+    assert_eq!(written.outcome, Some(crate::api::Outcome::Failed));
+    assert!(written
+        .message
+        .unwrap()
+        .contains("was deleted before the command finished"));
+    assert_event(&sent[2], "Warning", "PodLost");
+}
+
+#[tokio::test]
+async fn a_cached_pod_that_ran_ends_the_at_without_extra_reads() {
+    let mut h = harness(vec![
+        answer("PATCH", STATUS, 200, at_response(&running_status())),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    h.cache_pod(pod_fixture(Some(AT_UID), Some(("Failed", 3))));
+    h.reconcile(example_at(Some(running_status())))
+        .await
+        .unwrap();
+    let sent = h.finish(2).await;
+    let written = assert_status_patch(&sent[0], Phase::Done);
+    assert_eq!(written.exit_code, Some(3));
+    assert_eq!(
+        written.message.as_deref(),
+        Some("the command in pod example-at-pod exited with code 3: Error: boom")
+    );
+    assert_eq!(
+        written.completion_time.unwrap().to_rfc3339(),
+        "2026-11-22T02:09:59+00:00"
+    );
+    assert_event(&sent[1], "Warning", "CommandFailed");
+}
+
+#[tokio::test]
+async fn a_running_pod_in_the_cache_needs_no_request_at_all() {
+    let mut h = harness(vec![]);
+    h.cache_pod(pod_fixture(Some(AT_UID), None));
+    assert_eq!(
+        h.reconcile(example_at(Some(running_status())))
+            .await
+            .unwrap(),
+        Action::await_change()
+    );
+    h.finish(0).await;
+}
+
+#[tokio::test]
+async fn a_status_conflict_waits_for_the_newer_version_without_an_event() {
+    let h = harness(vec![
+        answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
+        answer(
+            "PATCH",
+            STATUS,
+            409,
+            fixture("status-409-conflict-stale-resourceversion.json"),
+        ),
+    ]);
+    assert_eq!(
+        h.reconcile(example_at(None)).await.unwrap(),
+        Action::await_change()
+    );
+    h.finish(2).await;
+}
+
+#[tokio::test]
+async fn a_stale_cached_at_is_not_acted_on_twice() {
+    let status = running_status();
+    let h = harness(vec![
+        answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
+        answer("PATCH", STATUS, 200, at_response(&status)),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    h.reconcile(example_at(None)).await.unwrap();
+    // The pod's watch event arrives before the At's: the cache still shows resourceVersion 100.
+    assert_eq!(
+        h.reconcile(example_at(None)).await.unwrap(),
+        Action::await_change()
+    );
+    h.finish(3).await;
+}
+
+#[tokio::test]
+async fn a_future_at_is_written_pending_once_and_requeued_for_the_exact_remaining_time() {
+    let mut future = example_at(None);
+    future.spec.schedule = "2026-11-22T02:10:42.5Z".into();
+    let h = harness(vec![
+        answer("PATCH", STATUS, 200, at_response(&running_status())),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    let action = h.reconcile(future.clone()).await.unwrap();
+    assert_eq!(action, Action::requeue(Duration::from_millis(42_500)));
+    let sent = h.finish(2).await;
+    let written = assert_status_patch(&sent[0], Phase::Pending);
+    assert_event(&sent[1], "Normal", "Scheduled");
+
+    // The written version comes back through the watch: nothing more to write or say.
+    let h = harness(vec![]);
+    future.status = Some(written);
+    future.metadata.resource_version = Some("101".into());
+    assert_eq!(
+        h.reconcile(future).await.unwrap(),
+        Action::requeue(Duration::from_millis(42_500))
+    );
+    h.finish(0).await;
+}
+
+#[tokio::test]
+async fn api_errors_name_the_at_and_retry_with_growing_backoff() {
+    let h = harness(vec![answer(
+        "POST",
+        PODS,
+        503,
+        serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "etcdserver: request timed out", "reason": "ServiceUnavailable", "code": 503}),
+    )]);
+    let at = Arc::new(example_at(None));
+    let error = reconcile(at.clone(), h.ctx.clone()).await.unwrap_err();
+    assert!(matches!(error, Error::CreatePod { .. }));
+    let message = error.to_string();
+    assert!(
+        message.starts_with("At default/example-at: creating pod example-at-pod: "),
+        "{message}"
+    );
+    assert!(
+        message.contains("etcdserver: request timed out"),
+        "{message}"
+    );
+
+    for _ in 0..3 {
+        error_policy(at.clone(), &error, h.ctx.clone());
+    }
+    assert_eq!(h.ctx.failures.lock().unwrap()[AT_UID], 3);
+    h.finish(1).await;
+}
+
+#[tokio::test]
+async fn a_failed_event_does_not_fail_the_reconcile() {
+    let h = harness(vec![
+        answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
+        answer("PATCH", STATUS, 200, at_response(&running_status())),
+        answer(
+            "POST",
+            EVENTS,
+            403,
+            serde_json::json!({"kind": "Status", "code": 403, "reason": "Forbidden", "message": "forbidden"}),
+        ),
+    ]);
+    assert_eq!(
+        h.reconcile(example_at(None)).await.unwrap(),
+        Action::await_change()
+    );
+    h.finish(3).await;
+}
+
+#[test]
+fn retry_delays_grow_from_half_a_second_to_five_minutes() {
+    let delays: Vec<Duration> = (1..=20).map(retry_delay).collect();
+    // Jitter adds up to one more base delay on top of each.
+    assert!(
+        delays[0] >= Duration::from_millis(500) && delays[0] <= Duration::from_secs(1),
+        "{delays:?}"
+    );
+    assert!(
+        delays[3] >= Duration::from_secs(4) && delays[3] <= Duration::from_secs(8),
+        "{delays:?}"
+    );
+    assert!(
+        delays[19] >= Duration::from_secs(300) && delays[19] <= Duration::from_secs(600),
+        "{delays:?}"
+    );
+}
+
+#[tokio::test]
+async fn success_resets_the_backoff() {
+    let h = harness(vec![
+        answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
+        answer("PATCH", STATUS, 200, at_response(&running_status())),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    h.ctx.failures.lock().unwrap().insert(AT_UID.into(), 5);
+    h.reconcile(example_at(None)).await.unwrap();
+    assert!(h.ctx.failures.lock().unwrap().is_empty());
+    h.finish(3).await;
+}
