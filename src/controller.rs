@@ -1,0 +1,91 @@
+//! Wires the reconciler to the cluster: a trimmed watch of Ats, a watch of only the pods cnat
+//! created (by label), and kube-runtime's `Controller` for queueing, requeues and concurrency.
+
+use crate::api::At;
+use crate::pod;
+use crate::reconcile::{error_policy, reconcile, Context};
+use chrono::Utc;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::controller::{self, Controller};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::{reflector, watcher, WatchStreamExt};
+use kube::{Api, Client};
+use std::sync::Arc;
+use tracing::{info, warn};
+
+/// What `cnat run` tells the controller.
+pub struct Settings {
+    /// Watch this namespace only; `None` watches all.
+    pub namespace: Option<String>,
+    /// Most reconciles at once; 0 means no limit.
+    pub concurrency: u16,
+    /// This replica's name in events, e.g. the pod name.
+    pub instance: String,
+}
+
+/// Runs the reconcile loop until the process is asked to stop.
+pub async fn run(client: Client, settings: Settings) {
+    let (ats, pods) = apis(&client, settings.namespace.as_deref());
+    let (at_store, at_writer) = reflector::store();
+    let at_events = watcher(ats, watcher::Config::default())
+        .default_backoff()
+        .modify(trim_at)
+        .reflect(at_writer)
+        .applied_objects();
+    let (pod_store, pod_writer) = reflector::store();
+    let pod_events = watcher(pods, watcher::Config::default().labels(pod::SELECTOR))
+        .default_backoff()
+        .modify(pod::trim)
+        .reflect(pod_writer)
+        // Deletions too: a pod that vanishes must end its At.
+        .touched_objects();
+
+    let reporter = Reporter {
+        controller: "cnat".into(),
+        instance: Some(settings.instance),
+    };
+    let recorder = Recorder::new(client.clone(), reporter);
+    let ctx = Arc::new(Context::new(
+        client,
+        pod_store,
+        recorder,
+        Box::new(Utc::now),
+    ));
+    info!(
+        namespace = settings.namespace.as_deref().unwrap_or("<all>"),
+        "reconciling Ats"
+    );
+    Controller::for_stream(at_events, at_store)
+        .owns_stream(pod_events)
+        .with_config(controller::Config::default().concurrency(settings.concurrency))
+        .shutdown_on_signal()
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            // Reconcile failures were logged by the error policy; these are the runtime's own.
+            if let Err(
+                error @ (controller::Error::ObjectNotFound(_) | controller::Error::QueueError(_)),
+            ) = result
+            {
+                warn!(%error, "controller");
+            }
+        })
+        .await;
+    info!("reconcile loop stopped");
+}
+
+fn apis(client: &Client, namespace: Option<&str>) -> (Api<At>, Api<Pod>) {
+    match namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    }
+}
+
+/// Drops what the reconciler never reads, so the cache stays small.
+fn trim_at(at: &mut At) {
+    at.metadata.managed_fields = None;
+    at.metadata.annotations = None;
+}

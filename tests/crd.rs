@@ -1,0 +1,112 @@
+//! The committed CRD is exactly what `cnat crd` prints, and it is what users need from it.
+
+use cnat::api::{crd_yaml, Phase};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+    CustomResourceDefinition, JSONSchemaProps,
+};
+
+const COMMITTED: &str = include_str!("../crds/at.yaml");
+
+fn crd() -> CustomResourceDefinition {
+    serde_saphyr::from_str(COMMITTED.split_once("---\n").unwrap().1).unwrap()
+}
+
+fn schema() -> JSONSchemaProps {
+    let version = &crd().spec.versions[0];
+    *version
+        .schema
+        .clone()
+        .unwrap()
+        .open_api_v3_schema
+        .map(Box::new)
+        .unwrap()
+}
+
+fn property(schema: &JSONSchemaProps, path: &[&str]) -> JSONSchemaProps {
+    path.iter().fold(schema.clone(), |s, name| {
+        s.properties.unwrap()[*name].clone()
+    })
+}
+
+#[test]
+fn committed_crd_matches_cnat_crd() {
+    assert!(
+        COMMITTED == crd_yaml(),
+        "crds/at.yaml is out of date: run `cargo run -- crd > crds/at.yaml` and commit it"
+    );
+}
+
+#[test]
+fn crd_names_scope_and_status_subresource() {
+    let crd = crd();
+    assert_eq!(
+        crd.metadata.name.as_deref(),
+        Some("ats.cnat.programming-kubernetes.info")
+    );
+    assert_eq!(crd.spec.group, "cnat.programming-kubernetes.info");
+    assert_eq!(crd.spec.scope, "Namespaced");
+    assert_eq!(crd.spec.names.kind, "At");
+    assert_eq!(crd.spec.names.plural, "ats");
+    assert_eq!(crd.spec.names.singular.as_deref(), Some("at"));
+    let [version] = crd.spec.versions.as_slice() else {
+        panic!("one version")
+    };
+    assert_eq!(version.name, "v1alpha1");
+    assert!(version.served && version.storage);
+    assert!(version.subresources.as_ref().unwrap().status.is_some());
+    let columns: Vec<_> = version
+        .additional_printer_columns
+        .iter()
+        .flatten()
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(
+        columns,
+        ["Schedule", "Phase", "Outcome", "Exit Code", "Pod", "Age"]
+    );
+}
+
+/// Every field is documented (for `kubectl explain`) and typed (a structural schema).
+fn assert_documented_and_typed(schema: &JSONSchemaProps, path: &str) {
+    assert!(schema.type_.is_some(), "{path} has no type");
+    assert!(
+        schema.description.as_deref().is_some_and(|d| !d.is_empty()),
+        "{path} has no description"
+    );
+    for (name, child) in schema.properties.iter().flatten() {
+        assert_documented_and_typed(child, &format!("{path}.{name}"));
+    }
+    if let Some(items) = &schema.items {
+        let items: JSONSchemaProps =
+            serde_json::from_value(serde_json::to_value(items).unwrap()).unwrap();
+        assert_documented_and_typed(&items, &format!("{path}[]"));
+    }
+}
+
+#[test]
+fn every_field_is_documented_and_typed() {
+    let schema = schema();
+    for top in ["spec", "status"] {
+        assert_documented_and_typed(&property(&schema, &[top]), top);
+    }
+    let schedule = property(&schema, &["spec", "schedule"]);
+    assert!(schedule.description.unwrap().contains("RFC 3339"));
+}
+
+#[test]
+fn spec_requires_schedule_and_command_and_defaults_the_image() {
+    let spec = property(&schema(), &["spec"]);
+    assert_eq!(spec.required.clone().unwrap(), ["command", "schedule"]);
+    let image = property(&spec, &["image"]);
+    assert_eq!(image.default.unwrap().0, serde_json::json!("busybox"));
+}
+
+#[test]
+fn phases_are_spelled_as_in_the_book() {
+    let phase = property(&schema(), &["status", "phase"]);
+    let allowed: Vec<_> = phase.enum_.unwrap().into_iter().map(|v| v.0).collect();
+    assert_eq!(allowed, ["PENDING", "RUNNING", "DONE"]);
+    for p in [Phase::Pending, Phase::Running, Phase::Done] {
+        assert_eq!(serde_json::to_value(p).unwrap(), p.as_str());
+    }
+}
