@@ -1,0 +1,262 @@
+//! The real controller (watches, owned-pod mapping, requeue at the due time) against a stateful
+//! fake API server: Ats go PENDING -> RUNNING -> DONE, and no command ever runs twice.
+
+mod support;
+
+use chrono::{Duration as Span, Utc};
+use cnat::api::{At, AtStatus, Outcome, Phase};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+use support::apiserver::{ApiServer, Resource};
+use tokio::task::JoinHandle;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn start(server: &ApiServer) -> JoinHandle<()> {
+    let settings = cnat::controller::Settings {
+        namespace: None,
+        concurrency: 0,
+        instance: "cnat-test".into(),
+    };
+    tokio::spawn(cnat::controller::run(server.client(), settings))
+}
+
+fn at_json(name: &str, schedule: &str, command: &str) -> Value {
+    json!({"metadata": {"name": name, "namespace": "default"},
+           "spec": {"schedule": schedule, "command": command, "image": "busybox"}})
+}
+
+fn status(server: &ApiServer, name: &str) -> Option<AtStatus> {
+    let at: At = serde_json::from_value(server.get(Resource::Ats, "default", name)?).unwrap();
+    at.status
+}
+
+fn phase(server: &ApiServer, name: &str) -> Option<Phase> {
+    status(server, name).map(|s| s.phase)
+}
+
+async fn wait_phase(server: &ApiServer, name: &str, want: Phase) {
+    let reached = server
+        .wait_for(WAIT, |s| phase(s, name) == Some(want))
+        .await;
+    assert!(
+        reached,
+        "{name} never reached {want}: {:?}",
+        status(server, name)
+    );
+}
+
+#[tokio::test]
+async fn the_book_example_runs_once_at_its_time_and_ends_done() {
+    let server = ApiServer::new();
+    let operator = start(&server);
+    let due = Utc::now() + Span::milliseconds(1500);
+    let due_instant = Instant::now() + Duration::from_millis(1500);
+    server.create(
+        Resource::Ats,
+        at_json("example-at", &due.to_rfc3339(), "echo YAY"),
+    );
+
+    wait_phase(&server, "example-at", Phase::Pending).await;
+    assert_eq!(
+        server.get(Resource::Pods, "default", "example-at-pod"),
+        None
+    );
+
+    wait_phase(&server, "example-at", Phase::Running).await;
+    let created = server
+        .pod_created_at("default", "example-at-pod")
+        .expect("pod");
+    // The pod is created at the due time, not before (10 ms slack for the two clocks).
+    assert!(
+        created + Duration::from_millis(10) >= due_instant,
+        "ran early"
+    );
+    let pod = server
+        .get(Resource::Pods, "default", "example-at-pod")
+        .unwrap();
+    assert_eq!(
+        pod["spec"]["containers"][0]["command"],
+        json!(["/bin/sh", "-c", "echo YAY"])
+    );
+    assert_eq!(pod["metadata"]["ownerReferences"][0]["name"], "example-at");
+
+    // At the due time the pod is created first, with no read or status write before it.
+    let writes: Vec<String> = server
+        .requests()
+        .into_iter()
+        .filter(|r| !r.starts_with("GET"))
+        .collect();
+    assert_eq!(
+        writes,
+        [
+            "PATCH ats/status",
+            "POST events",
+            "POST pods",
+            "PATCH ats/status",
+            "POST events"
+        ]
+    );
+    server.finish_pod("default", "example-at-pod", 0);
+    wait_phase(&server, "example-at", Phase::Done).await;
+    let done = status(&server, "example-at").unwrap();
+    assert_eq!(
+        (done.outcome, done.exit_code),
+        (Some(Outcome::Succeeded), Some(0))
+    );
+    assert_eq!(done.pod_name.as_deref(), Some("example-at-pod"));
+    assert!(done.start_time.is_some() && done.completion_time.is_some());
+    assert_eq!(done.observed_generation, Some(1));
+
+    assert_eq!(server.count("POST pods"), 1);
+    // Each transition is told once: no duplicate writes or events.
+    assert_eq!(server.count("PATCH ats/status"), 3);
+    let reasons = server.event_reasons("example-at");
+    assert_eq!(reasons, ["Scheduled", "PodCreated", "Succeeded"]);
+    operator.abort();
+}
+
+#[tokio::test]
+async fn a_past_schedule_fires_at_once_and_a_failing_command_is_recorded() {
+    let server = ApiServer::new();
+    let operator = start(&server);
+    server.create(
+        Resource::Ats,
+        at_json("fails", "2019-04-12T10:12:00Z", "exit 3"),
+    );
+    wait_phase(&server, "fails", Phase::Running).await;
+    server.finish_pod("default", "fails-pod", 3);
+    wait_phase(&server, "fails", Phase::Done).await;
+    let done = status(&server, "fails").unwrap();
+    assert_eq!(
+        (done.outcome, done.exit_code),
+        (Some(Outcome::Failed), Some(3))
+    );
+    assert_eq!(
+        server.event_reasons("fails"),
+        ["PodCreated", "CommandFailed"]
+    );
+    operator.abort();
+}
+
+#[tokio::test]
+async fn a_deleted_pod_ends_the_at_failed_and_is_not_recreated() {
+    let server = ApiServer::new();
+    let operator = start(&server);
+    server.create(
+        Resource::Ats,
+        at_json("lost", "2019-04-12T10:12:00Z", "sleep 3600"),
+    );
+    wait_phase(&server, "lost", Phase::Running).await;
+    server.delete(Resource::Pods, "default", "lost-pod");
+    wait_phase(&server, "lost", Phase::Done).await;
+    let done = status(&server, "lost").unwrap();
+    assert_eq!(done.outcome, Some(Outcome::Failed));
+    assert!(done
+        .message
+        .unwrap()
+        .contains("was deleted before the command finished"));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(server.count("POST pods"), 1);
+    assert_eq!(server.get(Resource::Pods, "default", "lost-pod"), None);
+    operator.abort();
+}
+
+#[tokio::test]
+async fn a_restarted_operator_does_not_run_a_command_again() {
+    let server = ApiServer::new();
+    let first = start(&server);
+    server.create(
+        Resource::Ats,
+        at_json("once", "2019-04-12T10:12:00Z", "sleep 10"),
+    );
+    wait_phase(&server, "once", Phase::Running).await;
+    first.abort();
+    let _ = first.await;
+
+    let second = start(&server);
+    // Give the new operator time to list, watch and reconcile everything it found.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(server.count("POST pods"), 1);
+    server.finish_pod("default", "once-pod", 0);
+    wait_phase(&server, "once", Phase::Done).await;
+    assert_eq!(server.count("POST pods"), 1);
+    second.abort();
+}
+
+#[tokio::test]
+async fn a_pod_the_at_does_not_own_is_left_alone() {
+    let server = ApiServer::new();
+    server.create(
+        Resource::Pods,
+        json!({"metadata": {"name": "taken-pod", "namespace": "default", "labels": {"app": "other"}},
+               "spec": {"containers": [{"name": "c", "image": "nginx"}]}}),
+    );
+    let operator = start(&server);
+    server.create(
+        Resource::Ats,
+        at_json("taken", "2019-04-12T10:12:00Z", "true"),
+    );
+    let blocked = server
+        .wait_for(WAIT, |s| {
+            status(s, "taken")
+                .is_some_and(|st| st.conditions.iter().any(|c| c.reason == "PodNameConflict"))
+        })
+        .await;
+    assert!(blocked, "{:?}", status(&server, "taken"));
+    assert_eq!(phase(&server, "taken"), Some(Phase::Pending));
+    let pod = server.get(Resource::Pods, "default", "taken-pod").unwrap();
+    assert!(
+        pod["metadata"]["ownerReferences"].is_null(),
+        "adopted a foreign pod"
+    );
+    assert_eq!(pod["spec"]["containers"][0]["image"], "nginx");
+    assert_eq!(server.event_reasons("taken"), ["PodNameConflict"]);
+    operator.abort();
+}
+
+#[tokio::test]
+async fn an_unparseable_schedule_is_reported_once_without_a_hot_loop() {
+    let server = ApiServer::new();
+    let operator = start(&server);
+    server.create(Resource::Ats, at_json("bad", "tomorrow noon", "true"));
+    wait_phase(&server, "bad", Phase::Pending).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(server.count("PATCH ats/status"), 1);
+    assert_eq!(server.count("POST pods"), 0);
+    let message = status(&server, "bad").unwrap().message.unwrap();
+    assert_eq!(
+        message,
+        r#"spec.schedule: "tomorrow noon" is not an RFC 3339 time (expected e.g. 2019-04-12T10:12:00Z)"#
+    );
+    assert_eq!(server.event_reasons("bad"), ["InvalidSchedule"]);
+    operator.abort();
+}
+
+#[tokio::test]
+async fn many_ats_due_together_each_get_exactly_one_pod() {
+    let server = ApiServer::new();
+    let operator = start(&server);
+    let due = (Utc::now() + Span::milliseconds(800)).to_rfc3339();
+    for i in 0..200 {
+        server.create(Resource::Ats, at_json(&format!("at-{i}"), &due, "true"));
+    }
+    let all_running = server
+        .wait_for(WAIT, |s| {
+            (0..200).all(|i| phase(s, &format!("at-{i}")) == Some(Phase::Running))
+        })
+        .await;
+    assert!(all_running);
+    for i in 0..200 {
+        server.finish_pod("default", &format!("at-{i}-pod"), 0);
+    }
+    let all_done = server
+        .wait_for(WAIT, |s| {
+            (0..200).all(|i| phase(s, &format!("at-{i}")) == Some(Phase::Done))
+        })
+        .await;
+    assert!(all_done);
+    assert_eq!(server.count("POST pods"), 200);
+    assert_eq!(server.list(Resource::Pods).len(), 200);
+    operator.abort();
+}

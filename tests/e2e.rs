@@ -1,0 +1,160 @@
+//! End-to-end against a real cluster, skipped unless `CNAT_E2E_KUBECONFIG` names a kubeconfig
+//! (kind, k3d, or any disposable cluster). It installs the CRD, runs the operator in-process,
+//! and follows Ats in a fresh namespace that enforces the `restricted` Pod Security profile.
+//!
+//!     kind create cluster --name cnat-e2e
+//!     kind get kubeconfig --name cnat-e2e > /tmp/cnat-e2e.kubeconfig
+//!     CNAT_E2E_KUBECONFIG=/tmp/cnat-e2e.kubeconfig cargo nextest run --test e2e
+
+use cnat::api::{At, AtSpec, Outcome, Phase};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{DeleteParams, LogParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::wait::{await_condition, conditions};
+use kube::{Api, Client, ResourceExt};
+use std::time::Duration;
+
+const ENV: &str = "CNAT_E2E_KUBECONFIG";
+
+async fn cluster() -> Option<Client> {
+    let Some(path) = std::env::var_os(ENV) else {
+        eprintln!(
+            "skipped: set {ENV} to a kubeconfig of a disposable cluster to run the e2e suite"
+        );
+        return None;
+    };
+    let kubeconfig = Kubeconfig::read_from(&path).expect("readable kubeconfig");
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .expect("usable kubeconfig");
+    Some(Client::try_from(config).expect("client"))
+}
+
+async fn install_crd(client: &Client) {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd: CustomResourceDefinition =
+        serde_saphyr::from_str(cnat::api::crd_yaml().split_once("---\n").unwrap().1).unwrap();
+    let name = crd.name_any();
+    crds.patch(
+        &name,
+        &PatchParams::apply("cnat-e2e").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .unwrap();
+    let established = await_condition(crds, &name, conditions::is_crd_established());
+    tokio::time::timeout(Duration::from_secs(30), established)
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+async fn restricted_namespace(client: &Client) -> String {
+    let name = format!("cnat-e2e-{}", std::process::id());
+    let ns: Namespace = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "labels": {"pod-security.kubernetes.io/enforce": "restricted"}}
+    }))
+    .unwrap();
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap();
+    name
+}
+
+fn at(name: &str, schedule: chrono::DateTime<chrono::Utc>, command: &str) -> At {
+    At::new(
+        name,
+        AtSpec {
+            schedule: schedule.to_rfc3339(),
+            command: command.into(),
+            image: "busybox".into(),
+        },
+    )
+}
+
+async fn wait_done(ats: &Api<At>, name: &str) -> At {
+    let done = await_condition(ats.clone(), name, |at: Option<&At>| {
+        at.and_then(|a| a.status.as_ref())
+            .is_some_and(|s| s.phase == Phase::Done)
+    });
+    tokio::time::timeout(Duration::from_secs(180), done)
+        .await
+        .expect("DONE within 3 minutes")
+        .unwrap();
+    ats.get(name).await.unwrap()
+}
+
+#[tokio::test]
+async fn ats_run_once_at_their_time_in_a_restricted_namespace() {
+    let Some(client) = cluster().await else {
+        return;
+    };
+    install_crd(&client).await;
+    let ns = restricted_namespace(&client).await;
+    let settings = cnat::controller::Settings {
+        namespace: Some(ns.clone()),
+        concurrency: 0,
+        instance: "e2e".into(),
+    };
+    let operator = tokio::spawn(cnat::controller::run(client.clone(), settings));
+
+    let ats: Api<At> = Api::namespaced(client.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let due = chrono::Utc::now() + chrono::Duration::seconds(5);
+    let params = PostParams::default();
+    ats.create(&params, &at("example-at", due, "echo YAY"))
+        .await
+        .unwrap();
+    ats.create(
+        &params,
+        &at("fails", due, "echo 'about to fail' >&2; exit 3"),
+    )
+    .await
+    .unwrap();
+    let mut bad = at("bad-schedule", due, "true");
+    bad.spec.schedule = "tomorrow noon".into();
+    ats.create(&params, &bad).await.unwrap();
+
+    let ok = wait_done(&ats, "example-at").await;
+    let status = ok.status.unwrap();
+    assert_eq!(status.outcome, Some(Outcome::Succeeded));
+    assert_eq!(status.exit_code, Some(0));
+    let pod = pods.get("example-at-pod").await.unwrap();
+    let created = pod
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map(cnat::pod::to_chrono)
+        .unwrap();
+    assert!(
+        created >= due - chrono::Duration::seconds(1),
+        "ran early: {created} < {due}"
+    );
+    let log = pods
+        .logs("example-at-pod", &LogParams::default())
+        .await
+        .unwrap();
+    assert_eq!(log.trim(), "YAY");
+
+    let failed = wait_done(&ats, "fails").await.status.unwrap();
+    assert_eq!(
+        (failed.outcome, failed.exit_code),
+        (Some(Outcome::Failed), Some(3))
+    );
+    assert!(failed.message.unwrap().contains("about to fail"));
+
+    let bad = ats.get("bad-schedule").await.unwrap().status.unwrap();
+    assert_eq!(bad.phase, Phase::Pending);
+    assert!(bad
+        .message
+        .unwrap()
+        .contains("\"tomorrow noon\" is not an RFC 3339 time"));
+
+    operator.abort();
+    Api::<Namespace>::all(client)
+        .delete(&ns, &DeleteParams::default())
+        .await
+        .unwrap();
+}

@@ -1,0 +1,617 @@
+//! A small, stateful stand-in for kube-apiserver, enough to run cnat's real controller: list and
+//! watch (with resourceVersion replay and label selectors), create, get, delete, and JSON merge
+//! patches of `ats/status` and events with resourceVersion preconditions. Error bodies are the
+//! Status objects captured from a real v1.24 apiserver (tests/fixtures/api-k8s-1.24).
+//!
+//! It serves in-process (`client()`) or over plain HTTP/1.1 (`serve_http()`) for the real binary.
+
+#![allow(dead_code)] // each test binary uses a different part of it
+
+use bytes::Bytes;
+use futures::{stream, Stream, StreamExt};
+use http::{Method, Request, Response, StatusCode};
+use http_body::Frame;
+use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::broadcast;
+
+type Body = BoxBody<Bytes, Infallible>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Resource {
+    Ats,
+    Pods,
+    Events,
+}
+
+impl Resource {
+    fn api_version(self) -> &'static str {
+        match self {
+            Resource::Ats => "cnat.programming-kubernetes.info/v1alpha1",
+            Resource::Pods => "v1",
+            Resource::Events => "events.k8s.io/v1",
+        }
+    }
+
+    fn kind(self) -> &'static str {
+        match self {
+            Resource::Ats => "At",
+            Resource::Pods => "Pod",
+            Resource::Events => "Event",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Change {
+    rv: u64,
+    resource: Resource,
+    type_: &'static str,
+    object: Value,
+}
+
+type Key = (Resource, String, String);
+
+#[derive(Default)]
+struct State {
+    rv: u64,
+    objects: BTreeMap<Key, Value>,
+    log: Vec<Change>,
+    /// Requests served, as "METHOD resource[/subresource]", e.g. "PATCH ats/status".
+    requests: Vec<String>,
+    /// When each pod was created, for lateness measurements.
+    pod_created: BTreeMap<(String, String), Instant>,
+}
+
+/// The fake API server; clones share state.
+#[derive(Clone)]
+pub struct ApiServer {
+    state: Arc<Mutex<State>>,
+    changes: broadcast::Sender<Change>,
+}
+
+impl Default for ApiServer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ApiServer {
+    pub fn new() -> Self {
+        let (changes, _) = broadcast::channel(1 << 16);
+        ApiServer {
+            state: Arc::default(),
+            changes,
+        }
+    }
+
+    /// A kube client talking to this server in-process.
+    pub fn client(&self) -> kube::Client {
+        let server = self.clone();
+        let service = tower::service_fn(move |request: Request<kube::client::Body>| {
+            let server = server.clone();
+            async move { Ok::<_, Infallible>(server.handle(request).await) }
+        });
+        kube::Client::new(service, "default")
+    }
+
+    /// Serves plain HTTP/1.1 on 127.0.0.1; returns the address. Stops with the runtime.
+    pub async fn serve_http(&self) -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((socket, _)) = listener.accept().await else {
+                    continue;
+                };
+                let server = server.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |request| {
+                        let server = server.clone();
+                        async move { Ok::<_, Infallible>(server.handle(request).await) }
+                    });
+                    let io = hyper_util::rt::TokioIo::new(socket);
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(io, service)
+                        .await;
+                });
+            }
+        });
+        addr
+    }
+
+    // ---- what tests do directly, as a user or the kubelet would ----
+
+    /// Creates an object as `kubectl create` would (generation 1, no status).
+    pub fn create(&self, resource: Resource, object: Value) -> Value {
+        self.insert(resource, object).expect("new object")
+    }
+
+    pub fn get(&self, resource: Resource, ns: &str, name: &str) -> Option<Value> {
+        self.lock()
+            .objects
+            .get(&(resource, ns.into(), name.into()))
+            .cloned()
+    }
+
+    pub fn list(&self, resource: Resource) -> Vec<Value> {
+        let state = self.lock();
+        state
+            .objects
+            .iter()
+            .filter(|(k, _)| k.0 == resource)
+            .map(|(_, v)| v.clone())
+            .collect()
+    }
+
+    /// The kubelet's part: the pod's container exits with `exit_code`.
+    pub fn finish_pod(&self, ns: &str, name: &str, exit_code: i32) {
+        let phase = if exit_code == 0 {
+            "Succeeded"
+        } else {
+            "Failed"
+        };
+        let reason = if exit_code == 0 { "Completed" } else { "Error" };
+        self.update(Resource::Pods, ns, name, |pod| {
+            pod["status"] = json!({
+                "phase": phase,
+                "containerStatuses": [{
+                    "name": "command", "image": "busybox", "imageID": "", "ready": false,
+                    "restartCount": 0,
+                    "state": {"terminated": {"exitCode": exit_code, "reason": reason,
+                              "finishedAt": now_rfc3339()}},
+                }],
+            });
+        });
+    }
+
+    pub fn delete(&self, resource: Resource, ns: &str, name: &str) {
+        let mut state = self.lock();
+        if let Some(object) = state.objects.remove(&(resource, ns.into(), name.into())) {
+            self.record(&mut state, resource, "DELETED", object);
+        }
+    }
+
+    /// How many requests matched `what`, e.g. "POST pods" or "PATCH ats/status".
+    pub fn count(&self, what: &str) -> usize {
+        self.lock()
+            .requests
+            .iter()
+            .filter(|r| r.as_str() == what)
+            .count()
+    }
+
+    /// Reasons of the events about `name`, in order.
+    pub fn event_reasons(&self, name: &str) -> Vec<String> {
+        let mut events: Vec<Value> = self
+            .list(Resource::Events)
+            .into_iter()
+            .filter(|e| e["regarding"]["name"] == name)
+            .collect();
+        events.sort_by_key(|e| {
+            e["metadata"]["resourceVersion"]
+                .as_str()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        });
+        events
+            .iter()
+            .map(|e| e["reason"].as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    pub fn requests(&self) -> Vec<String> {
+        self.lock().requests.clone()
+    }
+
+    pub fn pod_created_at(&self, ns: &str, name: &str) -> Option<Instant> {
+        self.lock()
+            .pod_created
+            .get(&(ns.into(), name.into()))
+            .copied()
+    }
+
+    /// Polls `check` after every change until it holds or `timeout` passes.
+    pub async fn wait_for(&self, timeout: Duration, mut check: impl FnMut(&Self) -> bool) -> bool {
+        let mut changes = self.changes.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if check(self) {
+                return true;
+            }
+            match tokio::time::timeout_at(deadline, changes.recv()).await {
+                Err(_) => return check(self),
+                Ok(_) => {}
+            }
+        }
+    }
+
+    // ---- HTTP ----
+
+    async fn handle<B>(&self, request: Request<B>) -> Response<Body>
+    where
+        B: http_body::Body,
+        B::Error: std::fmt::Debug,
+    {
+        let (parts, body) = request.into_parts();
+        let bytes = body.collect().await.unwrap().to_bytes();
+        let query: BTreeMap<String, String> =
+            form_urlencoded::parse(parts.uri.query().unwrap_or("").as_bytes())
+                .into_owned()
+                .collect();
+        let Some(route) = Route::parse(parts.uri.path()) else {
+            return status(
+                StatusCode::NOT_FOUND,
+                "NotFound",
+                &format!("no route {}", parts.uri.path()),
+                None,
+            );
+        };
+        let sub = route
+            .subresource
+            .as_deref()
+            .map(|s| format!("/{s}"))
+            .unwrap_or_default();
+        let resource_name = format!("{:?}", route.resource).to_lowercase();
+        self.lock()
+            .requests
+            .push(format!("{} {resource_name}{sub}", parts.method));
+
+        match (&parts.method, &route.name) {
+            (&Method::GET, None) if query.get("watch").is_some_and(|w| w == "true" || w == "1") => {
+                self.watch(&route, &query)
+            }
+            (&Method::GET, None) => self.list_response(&route, &query),
+            (&Method::GET, Some(name)) => match self.get(route.resource, &route.ns(), name) {
+                Some(object) => ok(StatusCode::OK, &object),
+                None => not_found(route.resource, name),
+            },
+            (&Method::POST, None) => {
+                let mut object: Value = serde_json::from_slice(&bytes).unwrap();
+                object["metadata"]["namespace"] = route.ns().into();
+                let name = object["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned();
+                match self.insert(route.resource, object) {
+                    Some(created) => ok(StatusCode::CREATED, &created),
+                    None => already_exists(route.resource, &name),
+                }
+            }
+            (&Method::PATCH, Some(name)) => {
+                let patch: Value = serde_json::from_slice(&bytes).unwrap();
+                self.merge_patch(&route, name, &patch)
+            }
+            (&Method::DELETE, Some(name)) => {
+                self.delete(route.resource, &route.ns(), name);
+                ok(
+                    StatusCode::OK,
+                    &json!({"kind": "Status", "apiVersion": "v1", "status": "Success"}),
+                )
+            }
+            _ => status(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "MethodNotAllowed",
+                "unsupported",
+                None,
+            ),
+        }
+    }
+
+    fn list_response(&self, route: &Route, query: &BTreeMap<String, String>) -> Response<Body> {
+        let state = self.lock();
+        let items: Vec<Value> = state
+            .objects
+            .iter()
+            .filter(|((r, ns, _), v)| {
+                *r == route.resource && route.matches_ns(ns) && selects(query, v)
+            })
+            .map(|(_, v)| v.clone())
+            .collect();
+        let list = json!({
+            "apiVersion": route.resource.api_version(),
+            "kind": format!("{}List", route.resource.kind()),
+            "metadata": {"resourceVersion": state.rv.to_string()},
+            "items": items,
+        });
+        ok(StatusCode::OK, &list)
+    }
+
+    fn watch(&self, route: &Route, query: &BTreeMap<String, String>) -> Response<Body> {
+        let since: u64 = query
+            .get("resourceVersion")
+            .and_then(|rv| rv.parse().ok())
+            .unwrap_or(0);
+        let route = route.clone();
+        let query = query.clone();
+        let wanted = move |c: &Change| {
+            c.resource == route.resource
+                && route.matches_ns(c.object["metadata"]["namespace"].as_str().unwrap_or(""))
+                && selects(&query, &c.object)
+        };
+        // Subscribe and replay under one lock, so no change falls between the two.
+        let (replay, receiver) = {
+            let state = self.lock();
+            let receiver = self.changes.subscribe();
+            let replay: Vec<Change> = state
+                .log
+                .iter()
+                .filter(|c| c.rv > since && wanted(c))
+                .cloned()
+                .collect();
+            (replay, receiver)
+        };
+        let last = replay.last().map_or(since, |c| c.rv);
+        let live = stream::unfold((receiver, last), |(mut receiver, last)| async move {
+            loop {
+                match receiver.recv().await {
+                    Ok(change) if change.rv > last => {
+                        return Some((change.clone(), (receiver, change.rv)))
+                    }
+                    Ok(_) => continue,
+                    Err(broadcast::error::RecvError::Lagged(_)) => panic!("watch fell behind"),
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                }
+            }
+        });
+        let events = stream::iter(replay)
+            .chain(live)
+            .filter(move |c| std::future::ready(wanted(c)))
+            .map(|c| {
+                let mut line =
+                    serde_json::to_vec(&json!({"type": c.type_, "object": c.object})).unwrap();
+                line.push(b'\n');
+                Ok(Frame::data(Bytes::from(line)))
+            });
+        streaming(events)
+    }
+
+    fn merge_patch(&self, route: &Route, name: &str, patch: &Value) -> Response<Body> {
+        let key = (route.resource, route.ns(), name.to_owned());
+        let mut state = self.lock();
+        let Some(current) = state.objects.get(&key).cloned() else {
+            return not_found(route.resource, name);
+        };
+        if let Some(rv) = patch["metadata"]["resourceVersion"].as_str() {
+            if current["metadata"]["resourceVersion"] != rv {
+                return conflict(route.resource, name);
+            }
+        }
+        let mut updated = current.clone();
+        if route.subresource.as_deref() == Some("status") {
+            // The status subresource changes status only.
+            let mut status = current.get("status").cloned().unwrap_or(Value::Null);
+            json_patch::merge(&mut status, &patch["status"]);
+            updated["status"] = status;
+        } else {
+            json_patch::merge(&mut updated, patch);
+        }
+        state.rv += 1;
+        updated["metadata"]["resourceVersion"] = state.rv.to_string().into();
+        state.objects.insert(key, updated.clone());
+        self.record_at(&mut state, route.resource, "MODIFIED", updated.clone());
+        ok(StatusCode::OK, &updated)
+    }
+
+    // ---- state ----
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap()
+    }
+
+    fn insert(&self, resource: Resource, mut object: Value) -> Option<Value> {
+        let mut state = self.lock();
+        let ns = object["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or("default")
+            .to_owned();
+        let name = object["metadata"]["name"].as_str().unwrap().to_owned();
+        let key = (resource, ns.clone(), name.clone());
+        if state.objects.contains_key(&key) {
+            return None;
+        }
+        object["apiVersion"] = resource.api_version().into();
+        object["kind"] = resource.kind().into();
+        let meta = &mut object["metadata"];
+        meta["namespace"] = ns.clone().into();
+        meta["creationTimestamp"] = now_rfc3339().into();
+        if meta["uid"].is_null() {
+            meta["uid"] = format!("uid-{}-{ns}-{name}", state.rv + 1).into();
+        }
+        if resource == Resource::Ats {
+            meta["generation"] = 1.into();
+        }
+        if resource == Resource::Pods {
+            if object["status"].is_null() {
+                object["status"] = json!({"phase": "Pending"});
+            }
+            state.pod_created.insert((ns, name), Instant::now());
+        }
+        self.record(&mut state, resource, "ADDED", object.clone());
+        Some(state.objects.get(&key).cloned().unwrap())
+    }
+
+    fn update(&self, resource: Resource, ns: &str, name: &str, change: impl FnOnce(&mut Value)) {
+        let mut state = self.lock();
+        let key = (resource, ns.to_owned(), name.to_owned());
+        let mut object = state.objects.get(&key).cloned().expect("object to update");
+        change(&mut object);
+        state.rv += 1;
+        object["metadata"]["resourceVersion"] = state.rv.to_string().into();
+        state.objects.insert(key, object.clone());
+        self.record_at(&mut state, resource, "MODIFIED", object);
+    }
+
+    /// Stores `object` at a new resourceVersion and tells watchers.
+    fn record(
+        &self,
+        state: &mut State,
+        resource: Resource,
+        type_: &'static str,
+        mut object: Value,
+    ) {
+        state.rv += 1;
+        object["metadata"]["resourceVersion"] = state.rv.to_string().into();
+        if type_ != "DELETED" {
+            let ns = object["metadata"]["namespace"].as_str().unwrap().to_owned();
+            let name = object["metadata"]["name"].as_str().unwrap().to_owned();
+            state.objects.insert((resource, ns, name), object.clone());
+        }
+        self.record_at(state, resource, type_, object);
+    }
+
+    fn record_at(&self, state: &mut State, resource: Resource, type_: &'static str, object: Value) {
+        let change = Change {
+            rv: state.rv,
+            resource,
+            type_,
+            object,
+        };
+        state.log.push(change.clone());
+        let _ = self.changes.send(change);
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Route {
+    resource: Resource,
+    namespace: Option<String>,
+    name: Option<String>,
+    subresource: Option<String>,
+}
+
+impl Route {
+    /// `/api/v1[/namespaces/NS]/pods[/NAME[/SUB]]` and the same under `/apis/GROUP/VERSION`.
+    fn parse(path: &str) -> Option<Route> {
+        let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let rest = match parts.as_slice() {
+            ["api", "v1", rest @ ..] => rest,
+            ["apis", _group, _version, rest @ ..] => rest,
+            _ => return None,
+        };
+        let (namespace, rest) = match rest {
+            ["namespaces", ns, rest @ ..] if !rest.is_empty() => (Some(ns.to_string()), rest),
+            rest => (None, rest),
+        };
+        let resource = match rest.first()? {
+            &"ats" => Resource::Ats,
+            &"pods" => Resource::Pods,
+            &"events" => Resource::Events,
+            _ => return None,
+        };
+        Some(Route {
+            resource,
+            namespace,
+            name: rest.get(1).map(|s| s.to_string()),
+            subresource: rest.get(2).map(|s| s.to_string()),
+        })
+    }
+
+    fn ns(&self) -> String {
+        self.namespace.clone().unwrap_or_else(|| "default".into())
+    }
+
+    fn matches_ns(&self, ns: &str) -> bool {
+        self.namespace.as_deref().is_none_or(|want| want == ns)
+    }
+}
+
+/// Equality-based label selectors (`a=b,c=d`), as cnat uses them.
+fn selects(query: &BTreeMap<String, String>, object: &Value) -> bool {
+    let Some(selector) = query.get("labelSelector") else {
+        return true;
+    };
+    selector
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .all(|term| match term.split_once('=') {
+            Some((k, v)) => object["metadata"]["labels"][k] == v,
+            None => !object["metadata"]["labels"][term].is_null(),
+        })
+}
+
+fn now_rfc3339() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+}
+
+fn ok(code: StatusCode, value: &Value) -> Response<Body> {
+    let body = Full::new(Bytes::from(serde_json::to_vec(value).unwrap())).boxed();
+    Response::builder()
+        .status(code)
+        .header("content-type", "application/json")
+        .body(body)
+        .unwrap()
+}
+
+fn streaming(
+    events: impl Stream<Item = Result<Frame<Bytes>, Infallible>> + Send + Sync + 'static,
+) -> Response<Body> {
+    let body = BodyExt::boxed(StreamBody::new(events));
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/json")
+        .body(body)
+        .unwrap()
+}
+
+fn fixture(name: &str) -> Value {
+    let path = format!(
+        "{}/tests/fixtures/api-k8s-1.24/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// A captured Status, re-aimed at this resource and name.
+fn captured(file: &str, resource: Resource, name: &str, message: String) -> Response<Body> {
+    let mut body = fixture(file);
+    body["message"] = message.into();
+    body["details"]["name"] = name.into();
+    body["details"]["kind"] = format!("{:?}", resource).to_lowercase().into();
+    let code = StatusCode::from_u16(body["code"].as_u64().unwrap() as u16).unwrap();
+    ok(code, &body)
+}
+
+fn not_found(resource: Resource, name: &str) -> Response<Body> {
+    let plural = format!("{:?}", resource).to_lowercase();
+    captured(
+        "status-404-not-found.json",
+        resource,
+        name,
+        format!("{plural} \"{name}\" not found"),
+    )
+}
+
+fn already_exists(resource: Resource, name: &str) -> Response<Body> {
+    let plural = format!("{:?}", resource).to_lowercase();
+    captured(
+        "status-409-already-exists.json",
+        resource,
+        name,
+        format!("{plural} \"{name}\" already exists"),
+    )
+}
+
+fn conflict(resource: Resource, name: &str) -> Response<Body> {
+    let plural = format!("{:?}", resource).to_lowercase();
+    captured(
+        "status-409-conflict-stale-resourceversion.json",
+        resource,
+        name,
+        format!("Operation cannot be fulfilled on {plural} \"{name}\": the object has been modified; please apply your changes to the latest version and try again"),
+    )
+}
+
+fn status(code: StatusCode, reason: &str, message: &str, name: Option<&str>) -> Response<Body> {
+    ok(
+        code,
+        &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code.as_u16(),
+                     "reason": reason, "message": message, "details": {"name": name}}),
+    )
+}

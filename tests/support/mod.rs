@@ -1,0 +1,3 @@
+//! Test doubles shared by the integration tests and benchmarks.
+
+pub mod apiserver;
