@@ -27,8 +27,9 @@ pub struct RunArgs {
     #[arg(long, env = "CNAT_NAMESPACE")]
     pub namespace: Option<String>,
 
-    /// Most Ats reconciled at the same time; 0 means no limit.
-    #[arg(long, env = "CNAT_CONCURRENCY", default_value_t = 0)]
+    /// Most Ats reconciled at the same time; 0 means no limit. Each in-flight reconcile holds one
+    /// HTTP/1.1 connection to the API server, so this also bounds memory.
+    #[arg(long, env = "CNAT_CONCURRENCY", default_value_t = 32)]
     pub concurrency: u16,
 
     /// Log format: `json` lines, human-readable `text`, or `auto` (json inside a cluster).
@@ -58,13 +59,13 @@ mod tests {
     }
 
     #[test]
-    fn run_defaults_watch_everything_without_limits() {
+    fn run_defaults_watch_every_namespace() {
         let cli = Cli::try_parse_from(["cnat", "run"]).unwrap();
         let Command::Run(args) = cli.command else {
             panic!("run")
         };
         assert_eq!(args.namespace, None);
-        assert_eq!(args.concurrency, 0);
+        assert_eq!(args.concurrency, 32);
         assert_eq!(args.log_format, LogFormat::Auto);
     }
 
@@ -76,8 +77,18 @@ mod tests {
                 .contains("possible values: auto, json, text"),
             "{err}"
         );
-        let err = Cli::try_parse_from(["cnat", "run", "--concurrency", "-1"]).unwrap_err();
-        assert!(err.to_string().contains("--concurrency"), "{err}");
+        for bad in [
+            "--concurrency=-1",
+            "--concurrency=70000",
+            "--concurrency=lots",
+        ] {
+            let err = Cli::try_parse_from(["cnat", "run", bad]).unwrap_err();
+            let message = err.to_string();
+            assert!(
+                message.contains("invalid value") && message.contains("--concurrency"),
+                "{message}"
+            );
+        }
     }
 
     #[test]

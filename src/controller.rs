@@ -2,6 +2,7 @@
 //! created (by label), and kube-runtime's `Controller` for queueing, requeues and concurrency.
 
 use crate::api::At;
+use crate::events::EventSink;
 use crate::pod;
 use crate::reconcile::{error_policy, reconcile, Context};
 use chrono::Utc;
@@ -45,13 +46,8 @@ pub async fn run(client: Client, settings: Settings) {
         controller: "cnat".into(),
         instance: Some(settings.instance),
     };
-    let recorder = Recorder::new(client.clone(), reporter);
-    let ctx = Arc::new(Context::new(
-        client,
-        pod_store,
-        recorder,
-        Box::new(Utc::now),
-    ));
+    let events = EventSink::start(Recorder::new(client.clone(), reporter));
+    let ctx = Arc::new(Context::new(client, pod_store, events, Box::new(Utc::now)));
     info!(
         namespace = settings.namespace.as_deref().unwrap_or("<all>"),
         "reconciling Ats"

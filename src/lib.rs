@@ -6,6 +6,7 @@
 pub mod api;
 pub mod cli;
 pub mod controller;
+pub mod events;
 pub mod pod;
 pub mod reconcile;
 pub mod schedule;

@@ -15,7 +15,7 @@ const WAIT: Duration = Duration::from_secs(10);
 fn start(server: &ApiServer) -> JoinHandle<()> {
     let settings = cnat::controller::Settings {
         namespace: None,
-        concurrency: 0,
+        concurrency: 32,
         instance: "cnat-test".into(),
     };
     tokio::spawn(cnat::controller::run(server.client(), settings))

@@ -95,7 +95,7 @@ async fn ats_run_once_at_their_time_in_a_restricted_namespace() {
     let ns = restricted_namespace(&client).await;
     let settings = cnat::controller::Settings {
         namespace: Some(ns.clone()),
-        concurrency: 0,
+        concurrency: 32,
         instance: "e2e".into(),
     };
     let operator = tokio::spawn(cnat::controller::run(client.clone(), settings));

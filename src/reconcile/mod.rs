@@ -4,6 +4,7 @@
 pub mod decide;
 
 use crate::api::{At, AtStatus, Phase};
+use crate::events::EventSink;
 use crate::pod;
 use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
@@ -11,7 +12,7 @@ use decide::{decide, Action as Step, Decision, Note, PodObservation, Severity};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
@@ -59,7 +60,7 @@ pub type Clock = Box<dyn Fn() -> DateTime<Utc> + Send + Sync>;
 pub struct Context {
     client: Client,
     pods: Store<Pod>,
-    recorder: Recorder,
+    events: EventSink,
     clock: Clock,
     /// Per At uid, the resourceVersion our last status write replaced: a cache still showing it
     /// is stale, and deciding on it would redo the step just taken.
@@ -69,11 +70,11 @@ pub struct Context {
 }
 
 impl Context {
-    pub fn new(client: Client, pods: Store<Pod>, recorder: Recorder, clock: Clock) -> Self {
+    pub fn new(client: Client, pods: Store<Pod>, events: EventSink, clock: Clock) -> Self {
         Context {
             client,
             pods,
-            recorder,
+            events,
             clock,
             superseded: Mutex::default(),
             failures: Mutex::default(),
@@ -263,10 +264,7 @@ impl Context {
             action: "Reconcile".into(),
             secondary: None,
         };
-        // Events are best effort: the status already holds the same facts.
-        if let Err(error) = self.recorder.publish(&event, &at.object_ref(&())).await {
-            warn!(at = %key(at), %error, reason = note.reason, "could not publish event");
-        }
+        self.events.send(event, at.object_ref(&())).await;
     }
 }
 

@@ -149,10 +149,13 @@ fn harness(script: Vec<Exchange>) -> Harness {
         controller: "cnat".into(),
         instance: Some("cnat-0".into()),
     };
-    let recorder = Recorder::new(client.clone(), reporter);
+    let events = EventSink::start(kube::runtime::events::Recorder::new(
+        client.clone(),
+        reporter,
+    ));
     let clock: Clock = Box::new(|| DateTime::parse_from_rfc3339(NOW).unwrap().to_utc());
     Harness {
-        ctx: Arc::new(Context::new(client, store, recorder, clock)),
+        ctx: Arc::new(Context::new(client, store, events, clock)),
         pods,
         server,
     }

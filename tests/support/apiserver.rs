@@ -65,6 +65,8 @@ struct State {
     requests: Vec<String>,
     /// When each pod was created, for lateness measurements.
     pod_created: BTreeMap<(String, String), Instant>,
+    /// When each At's status first said DONE.
+    at_done: BTreeMap<(String, String), Instant>,
 }
 
 /// The fake API server; clones share state.
@@ -109,6 +111,8 @@ impl ApiServer {
                 let Ok((socket, _)) = listener.accept().await else {
                     continue;
                 };
+                // As Go servers (kube-apiserver) do: no Nagle delay on small watch frames.
+                let _ = socket.set_nodelay(true);
                 let server = server.clone();
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |request| {
@@ -215,6 +219,10 @@ impl ApiServer {
             .pod_created
             .get(&(ns.into(), name.into()))
             .copied()
+    }
+
+    pub fn at_done_at(&self, ns: &str, name: &str) -> Option<Instant> {
+        self.lock().at_done.get(&(ns.into(), name.into())).copied()
     }
 
     /// Polls `check` after every change until it holds or `timeout` passes.
@@ -394,6 +402,12 @@ impl ApiServer {
         }
         state.rv += 1;
         updated["metadata"]["resourceVersion"] = state.rv.to_string().into();
+        if route.resource == Resource::Ats && updated["status"]["phase"] == "DONE" {
+            state
+                .at_done
+                .entry((key.1.clone(), key.2.clone()))
+                .or_insert_with(Instant::now);
+        }
         state.objects.insert(key, updated.clone());
         self.record_at(&mut state, route.resource, "MODIFIED", updated.clone());
         ok(StatusCode::OK, &updated)

@@ -1,0 +1,177 @@
+//! How fast Ats due at the same instant get their pods, how fast they report DONE once their pods
+//! end, and how much memory the operator holds. Runs the real release `cnat` binary as its own
+//! process against the fake API server over HTTP on loopback.
+//!
+//!     cargo bench --bench due            # 100 and 1000 Ats
+//!     cargo bench --bench due -- 5000    # any sizes
+
+#[path = "../tests/support/apiserver.rs"]
+mod apiserver;
+
+use apiserver::{ApiServer, Resource};
+use serde_json::json;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const LEAD: Duration = Duration::from_secs(4);
+
+#[tokio::main]
+async fn main() {
+    let sizes: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let sizes = if sizes.is_empty() {
+        vec![100, 1000]
+    } else {
+        sizes
+    };
+    println!("| Ats due at once | pod created after due (p50 / p99 / max) | DONE after pod ended, half the pods ending at once | DONE after pod ended, the other half paced 1 per 2 ms | operator RSS |");
+    println!("|---|---|---|---|---|");
+    for n in sizes {
+        run(n).await;
+    }
+}
+
+async fn run(n: usize) {
+    let server = ApiServer::new();
+    let addr = server.serve_http().await;
+    let kubeconfig =
+        std::env::temp_dir().join(format!("cnat-bench-{}-{n}.kubeconfig", std::process::id()));
+    std::fs::write(&kubeconfig, kubeconfig_yaml(&format!("http://{addr}"))).unwrap();
+
+    let due_instant = Instant::now() + LEAD;
+    let due = chrono::Utc::now() + chrono::Duration::from_std(LEAD).unwrap();
+    for i in 0..n {
+        server.create(
+            Resource::Ats,
+            json!({"metadata": {"name": format!("at-{i}"), "namespace": "default"},
+                   "spec": {"schedule": due.to_rfc3339(), "command": "true", "image": "busybox"}}),
+        );
+    }
+    let mut operator = spawn_operator(&kubeconfig);
+
+    let names: Vec<String> = (0..n).map(|i| format!("at-{i}")).collect();
+    let created = poll(&server, LEAD + Duration::from_secs(60), |s| {
+        names
+            .iter()
+            .all(|a| s.pod_created_at("default", &format!("{a}-pod")).is_some())
+    })
+    .await;
+    assert!(created, "not every pod was created");
+    let late: Vec<Duration> = names
+        .iter()
+        .map(|a| {
+            server
+                .pod_created_at("default", &format!("{a}-pod"))
+                .unwrap()
+                .saturating_duration_since(due_instant)
+        })
+        .collect();
+    let early = names.iter().any(|a| {
+        server
+            .pod_created_at("default", &format!("{a}-pod"))
+            .unwrap()
+            + Duration::from_millis(10)
+            < due_instant
+    });
+    assert!(!early, "a pod was created before its At was due");
+
+    // Let the RUNNING writes settle, then every pod ends at once.
+    let running = poll(&server, Duration::from_secs(60), |s| {
+        names.iter().all(|a| {
+            s.get(Resource::Ats, "default", a)
+                .is_some_and(|v| v["status"]["phase"] == "RUNNING")
+        })
+    })
+    .await;
+    assert!(running, "not every At reached RUNNING");
+    let (burst, paced) = names.split_at(n / 2);
+    let burst_done = finish(&server, burst, Duration::ZERO).await;
+    let paced_done = finish(&server, paced, Duration::from_millis(2)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss = rss_kib(&operator);
+    assert_eq!(server.count("POST pods"), n, "a command ran twice");
+
+    println!(
+        "| {n} | {} | {} | {} | {:.1} MiB |",
+        summary(late),
+        summary(burst_done),
+        summary(paced_done),
+        rss as f64 / 1024.0
+    );
+    operator.kill().unwrap();
+    let _ = operator.wait();
+    let _ = std::fs::remove_file(kubeconfig);
+}
+
+fn spawn_operator(kubeconfig: &std::path::Path) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_cnat"))
+        .args(["run", "--log-format", "text", "--log", "warn"])
+        .env("KUBECONFIG", kubeconfig)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("the cnat binary")
+}
+
+fn kubeconfig_yaml(server: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {server}\nusers:\n- name: fake\n  user: {{}}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: default\ncurrent-context: fake\n"
+    )
+}
+
+fn rss_kib(child: &Child) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap()
+}
+
+fn summary(mut samples: Vec<Duration>) -> String {
+    samples.sort();
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+    format!("{:.0?} / {:.0?} / {:.0?}", at(0.5), at(0.99), at(1.0))
+}
+
+/// Ends the pods of `ats` (`gap` apart) and returns how long after its pod each At said DONE.
+async fn finish(server: &ApiServer, ats: &[String], gap: Duration) -> Vec<Duration> {
+    let mut ended = Vec::with_capacity(ats.len());
+    for at in ats {
+        server.finish_pod("default", &format!("{at}-pod"), 0);
+        ended.push(Instant::now());
+        if !gap.is_zero() {
+            tokio::time::sleep(gap).await;
+        }
+    }
+    let done = poll(server, Duration::from_secs(60), |s| {
+        ats.iter().all(|a| s.at_done_at("default", a).is_some())
+    })
+    .await;
+    assert!(done, "not every At reached DONE");
+    ats.iter()
+        .zip(ended)
+        .map(|(a, end)| {
+            server
+                .at_done_at("default", a)
+                .unwrap()
+                .saturating_duration_since(end)
+        })
+        .collect()
+}
+
+/// Checks every 20 ms: the server stamps each event as it happens, so polling lazily changes no
+/// measurement and leaves the CPU to the operator.
+async fn poll(server: &ApiServer, timeout: Duration, check: impl Fn(&ApiServer) -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if check(server) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    check(server)
+}
