@@ -17,6 +17,9 @@ const LEAD: Duration = Duration::from_secs(4);
 
 #[tokio::main]
 async fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return; // test runners asking for tests: this binary has none
+    }
     let sizes: Vec<usize> = std::env::args()
         .skip(1)
         .filter_map(|a| a.parse().ok())

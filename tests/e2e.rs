@@ -1,10 +1,11 @@
-//! End-to-end against a real cluster, skipped unless `CNAT_E2E_KUBECONFIG` names a kubeconfig
-//! (kind, k3d, or any disposable cluster). It installs the CRD, runs the operator in-process,
-//! and follows Ats in a fresh namespace that enforces the `restricted` Pod Security profile.
+//! End-to-end against a real cluster. Ignored (shown as skipped) in the normal test run; run it
+//! with `CNAT_E2E_KUBECONFIG` naming the kubeconfig of a disposable cluster (kind, k3d, ...). It
+//! installs the CRD, runs the operator in-process, and follows Ats in a fresh namespace that
+//! enforces the `restricted` Pod Security profile.
 //!
 //!     kind create cluster --name cnat-e2e
 //!     kind get kubeconfig --name cnat-e2e > /tmp/cnat-e2e.kubeconfig
-//!     CNAT_E2E_KUBECONFIG=/tmp/cnat-e2e.kubeconfig cargo nextest run --test e2e
+//!     CNAT_E2E_KUBECONFIG=/tmp/cnat-e2e.kubeconfig cargo nextest run --test e2e --run-ignored all
 
 use cnat::api::{At, AtSpec, Outcome, Phase};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
@@ -28,7 +29,7 @@ async fn cluster() -> Option<Client> {
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
         .expect("usable kubeconfig");
-    Some(Client::try_from(config).expect("client"))
+    Client::try_from(config).expect("client")
 }
 
 async fn install_crd(client: &Client) {

@@ -233,9 +233,11 @@ impl ApiServer {
             if check(self) {
                 return true;
             }
-            match tokio::time::timeout_at(deadline, changes.recv()).await {
-                Err(_) => return check(self),
-                Ok(_) => {}
+            if tokio::time::timeout_at(deadline, changes.recv())
+                .await
+                .is_err()
+            {
+                return check(self);
             }
         }
     }
@@ -513,10 +515,10 @@ impl Route {
             ["namespaces", ns, rest @ ..] if !rest.is_empty() => (Some(ns.to_string()), rest),
             rest => (None, rest),
         };
-        let resource = match rest.first()? {
-            &"ats" => Resource::Ats,
-            &"pods" => Resource::Pods,
-            &"events" => Resource::Events,
+        let resource = match *rest.first()? {
+            "ats" => Resource::Ats,
+            "pods" => Resource::Pods,
+            "events" => Resource::Events,
             _ => return None,
         };
         Some(Route {
