@@ -18,13 +18,9 @@ use std::time::Duration;
 
 const ENV: &str = "CNAT_E2E_KUBECONFIG";
 
-async fn cluster() -> Option<Client> {
-    let Some(path) = std::env::var_os(ENV) else {
-        eprintln!(
-            "skipped: set {ENV} to a kubeconfig of a disposable cluster to run the e2e suite"
-        );
-        return None;
-    };
+async fn cluster() -> Client {
+    let path = std::env::var_os(ENV)
+        .unwrap_or_else(|| panic!("set {ENV} to the kubeconfig of a disposable cluster"));
     let kubeconfig = Kubeconfig::read_from(&path).expect("readable kubeconfig");
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
