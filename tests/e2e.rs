@@ -84,10 +84,9 @@ async fn wait_done(ats: &Api<At>, name: &str) -> At {
 }
 
 #[tokio::test]
+#[ignore = "needs a real cluster: set CNAT_E2E_KUBECONFIG and pass --run-ignored all"]
 async fn ats_run_once_at_their_time_in_a_restricted_namespace() {
-    let Some(client) = cluster().await else {
-        return;
-    };
+    let client = cluster().await;
     install_crd(&client).await;
     let ns = restricted_namespace(&client).await;
     let settings = cnat::controller::Settings {
