@@ -92,10 +92,10 @@ pub async fn reconcile(at: Arc<At>, ctx: Arc<Context>) -> Result<Action, Error> 
     for _ in 0..MAX_STEPS {
         let decision = decide(&at, &observation, now);
         observation = match decision.action {
-            Step::Nothing => return ctx.commit(&at, decision).await,
+            Step::Nothing => return ctx.commit(&at, decision, now).await,
             Step::LookUpPod => ctx.fetch_pod(&at).await?,
             Step::CreatePod => match ctx.create_pod(&at).await? {
-                None => return ctx.commit(&at, decision).await,
+                None => return ctx.commit(&at, decision, now).await,
                 Some(found) => found,
             },
         };
@@ -195,8 +195,14 @@ impl Context {
         }
     }
 
-    /// Writes the decided status, then tells the story in an event and a log line.
-    async fn commit(&self, at: &At, decision: Decision) -> Result<Action, Error> {
+    /// Writes the decided status, then tells the story in an event and a log line. A requeue is
+    /// shortened by the time spent since `decided_at`, so a due time is not missed by that much.
+    async fn commit(
+        &self,
+        at: &At,
+        decision: Decision,
+        decided_at: DateTime<Utc>,
+    ) -> Result<Action, Error> {
         if let Some(status) = &decision.status {
             match self.write_status(at, status).await {
                 Ok(()) => self.remember_write(at),
@@ -221,9 +227,10 @@ impl Context {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&uid(at));
-        Ok(decision
-            .requeue
-            .map_or_else(Action::await_change, Action::requeue))
+        let spent = ((self.clock)() - decided_at).to_std().unwrap_or_default();
+        Ok(decision.requeue.map_or_else(Action::await_change, |left| {
+            Action::requeue(left.saturating_sub(spent))
+        }))
     }
 
     /// Status subresource only, guarded by the resourceVersion we decided on: never a blind write.

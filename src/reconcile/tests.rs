@@ -107,6 +107,13 @@ struct Harness {
 /// A context whose client talks to a mock API server that answers `script` in order and
 /// records every request; anything unscripted gets a 500 and fails the test's count check.
 fn harness(script: Vec<Exchange>) -> Harness {
+    harness_at(
+        script,
+        Box::new(|| DateTime::parse_from_rfc3339(NOW).unwrap().to_utc()),
+    )
+}
+
+fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
     let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let server = tokio::spawn(async move {
         let mut script = script.into_iter();
@@ -153,7 +160,6 @@ fn harness(script: Vec<Exchange>) -> Harness {
         client.clone(),
         reporter,
     ));
-    let clock: Clock = Box::new(|| DateTime::parse_from_rfc3339(NOW).unwrap().to_utc());
     Harness {
         ctx: Arc::new(Context::new(client, store, events, clock)),
         pods,
@@ -519,4 +525,27 @@ async fn success_resets_the_backoff() {
     h.reconcile(example_at(None)).await.unwrap();
     assert!(h.ctx.failures.lock().unwrap().is_empty());
     h.finish(3).await;
+}
+
+#[tokio::test]
+async fn the_requeue_is_shortened_by_the_time_the_reconcile_took() {
+    use std::sync::atomic::{AtomicI64, Ordering};
+    // Every look at the clock is 100 ms later than the one before.
+    let ticks = AtomicI64::new(0);
+    let clock: Clock = Box::new(move || {
+        let start = DateTime::parse_from_rfc3339(NOW).unwrap().to_utc();
+        start + chrono::Duration::milliseconds(100 * ticks.fetch_add(1, Ordering::SeqCst))
+    });
+    let mut future = example_at(None);
+    future.spec.schedule = "2026-11-22T02:10:42.5Z".into();
+    let h = harness_at(
+        vec![
+            answer("PATCH", STATUS, 200, at_response(&running_status())),
+            answer("POST", EVENTS, 201, created_event()),
+        ],
+        clock,
+    );
+    let action = h.reconcile(future).await.unwrap();
+    assert_eq!(action, Action::requeue(Duration::from_millis(42_400)));
+    h.finish(2).await;
 }
