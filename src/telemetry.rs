@@ -1,6 +1,7 @@
 //! Logging setup: structured JSON lines in a cluster, readable text on a terminal.
 
 use crate::cli::LogFormat;
+use std::io::IsTerminal;
 use tracing_subscriber::EnvFilter;
 
 /// Installs the global log subscriber. `directives` are `RUST_LOG`-style, e.g. `info,cnat=debug`.
@@ -9,7 +10,9 @@ pub fn init(
     directives: &str,
 ) -> Result<(), tracing_subscriber::filter::ParseError> {
     let filter = EnvFilter::builder().parse(directives)?;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stdout().is_terminal());
     if json(format) {
         builder
             .json()

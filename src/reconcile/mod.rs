@@ -259,8 +259,12 @@ impl Context {
     }
 
     async fn tell(&self, at: &At, status: &AtStatus, note: &Note) {
-        let from = at.status.as_ref().map(|s| s.phase);
-        info!(at = %key(at), from = from.map(|p| p.as_str()), to = status.phase.as_str(), reason = note.reason, "{}", note.message);
+        let from = at.status.as_ref().map(|s| s.phase.as_str());
+        let (at_key, to, reason) = (key(at), status.phase.as_str(), note.reason);
+        match note.severity {
+            Severity::Normal => info!(at = %at_key, from, to, reason, "{}", note.message),
+            Severity::Warning => warn!(at = %at_key, from, to, reason, "{}", note.message),
+        }
         let event = Event {
             type_: match note.severity {
                 Severity::Normal => EventType::Normal,
