@@ -37,6 +37,14 @@ impl Resource {
         }
     }
 
+    fn plural(self) -> &'static str {
+        match self {
+            Resource::Ats => "ats",
+            Resource::Pods => "pods",
+            Resource::Events => "events",
+        }
+    }
+
     fn kind(self) -> &'static str {
         match self {
             Resource::Ats => "At",
@@ -268,7 +276,7 @@ impl ApiServer {
             .as_deref()
             .map(|s| format!("/{s}"))
             .unwrap_or_default();
-        let resource_name = format!("{:?}", route.resource).to_lowercase();
+        let resource_name = route.resource.plural();
         self.lock()
             .requests
             .push(format!("{} {resource_name}{sub}", parts.method));
@@ -589,13 +597,13 @@ fn captured(file: &str, resource: Resource, name: &str, message: String) -> Resp
     let mut body = fixture(file);
     body["message"] = message.into();
     body["details"]["name"] = name.into();
-    body["details"]["kind"] = format!("{:?}", resource).to_lowercase().into();
+    body["details"]["kind"] = resource.plural().into();
     let code = StatusCode::from_u16(body["code"].as_u64().unwrap() as u16).unwrap();
     ok(code, &body)
 }
 
 fn not_found(resource: Resource, name: &str) -> Response<Body> {
-    let plural = format!("{:?}", resource).to_lowercase();
+    let plural = resource.plural();
     captured(
         "status-404-not-found.json",
         resource,
@@ -605,7 +613,7 @@ fn not_found(resource: Resource, name: &str) -> Response<Body> {
 }
 
 fn already_exists(resource: Resource, name: &str) -> Response<Body> {
-    let plural = format!("{:?}", resource).to_lowercase();
+    let plural = resource.plural();
     captured(
         "status-409-already-exists.json",
         resource,
@@ -615,7 +623,7 @@ fn already_exists(resource: Resource, name: &str) -> Response<Body> {
 }
 
 fn conflict(resource: Resource, name: &str) -> Response<Body> {
-    let plural = format!("{:?}", resource).to_lowercase();
+    let plural = resource.plural();
     captured(
         "status-409-conflict-stale-resourceversion.json",
         resource,
