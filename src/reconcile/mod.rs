@@ -132,11 +132,11 @@ pub fn retry_delay(attempt: u32) -> Duration {
 }
 
 impl Context {
-    fn ats(&self, at: &At) -> Api<At> {
+    fn at_api(&self, at: &At) -> Api<At> {
         Api::namespaced(self.client.clone(), &namespace(at))
     }
 
-    fn pods_api(&self, at: &At) -> Api<Pod> {
+    fn pod_api(&self, at: &At) -> Api<Pod> {
         Api::namespaced(self.client.clone(), &namespace(at))
     }
 
@@ -162,7 +162,7 @@ impl Context {
 
     async fn fetch_pod(&self, at: &At) -> Result<PodObservation, Error> {
         let name = pod::name_for(&at.name_any());
-        match self.pods_api(at).get_opt(&name).await {
+        match self.pod_api(at).get_opt(&name).await {
             Ok(Some(found)) => Ok(observe(&found, at)),
             Ok(None) => Ok(PodObservation::Missing),
             Err(source) => Err(Error::ReadPod {
@@ -179,7 +179,7 @@ impl Context {
             field_manager: Some(FIELD_MANAGER.into()),
             ..PostParams::default()
         };
-        match self.pods_api(at).create(&params, &pod::build(at)).await {
+        match self.pod_api(at).create(&params, &pod::build(at)).await {
             Ok(_) => Ok(None),
             Err(kube::Error::Api(status)) if status.is_already_exists() => {
                 self.fetch_pod(at).await.map(Some)
@@ -243,7 +243,7 @@ impl Context {
             field_manager: Some(FIELD_MANAGER.into()),
             ..PatchParams::default()
         };
-        self.ats(at)
+        self.at_api(at)
             .patch_status(&at.name_any(), &params, &Patch::Merge(&patch))
             .await
             .map(drop)
