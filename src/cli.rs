@@ -1,6 +1,9 @@
 //! Command-line interface. Every flag of `cnat run` can also be set by a `CNAT_*` variable.
 
+use crate::leader::Timing;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::net::SocketAddr;
+use std::time::Duration;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -39,6 +42,65 @@ pub struct RunArgs {
     /// Which log lines to keep, as `RUST_LOG`-style directives.
     #[arg(long, env = "CNAT_LOG", default_value = "info")]
     pub log: String,
+
+    /// Address of the plain-HTTP admin server (/healthz, /readyz).
+    #[arg(long, env = "CNAT_ADMIN_ADDR", default_value = "0.0.0.0:8080")]
+    pub admin_addr: SocketAddr,
+
+    /// Name of the coordination.k8s.io/v1 Lease the replicas compete for.
+    #[arg(long, env = "CNAT_LEASE_NAME", default_value = "cnat")]
+    pub lease_name: String,
+
+    /// Namespace of the Lease [default: $POD_NAMESPACE, else the namespace of the in-cluster or
+    /// kubeconfig context].
+    #[arg(long, env = "CNAT_LEASE_NAMESPACE")]
+    pub lease_namespace: Option<String>,
+
+    /// This replica's identity in the Lease [default: $POD_NAME, else host name plus a random suffix].
+    #[arg(long, env = "CNAT_IDENTITY")]
+    pub identity: Option<String>,
+
+    /// How long the Lease stays valid after its last renewal (whole seconds).
+    #[arg(long, env = "CNAT_LEASE_DURATION", default_value = "15s", value_parser = duration)]
+    pub lease_duration: Duration,
+
+    /// How long the leader keeps reconciling without a successful renewal; must be shorter than
+    /// the lease duration.
+    #[arg(long, env = "CNAT_RENEW_DEADLINE", default_value = "10s", value_parser = duration)]
+    pub renew_deadline: Duration,
+
+    /// How often candidates try to acquire and the leader renews; 1.2 x this must be shorter than
+    /// the renew deadline.
+    #[arg(long, env = "CNAT_RETRY_PERIOD", default_value = "2s", value_parser = duration)]
+    pub retry_period: Duration,
+
+    /// After SIGTERM, how long to keep serving before closing the servers, so the endpoint is
+    /// removed from Services first.
+    #[arg(long, env = "CNAT_SHUTDOWN_DELAY", default_value = "5s", value_parser = duration)]
+    pub shutdown_delay: Duration,
+
+    /// The longest a graceful shutdown may take; keep it below the pod's
+    /// terminationGracePeriodSeconds (30s by default).
+    #[arg(long, env = "CNAT_SHUTDOWN_TIMEOUT", default_value = "25s", value_parser = duration)]
+    pub shutdown_timeout: Duration,
+}
+
+impl RunArgs {
+    pub fn timing(&self) -> Timing {
+        Timing {
+            lease_duration: self.lease_duration,
+            renew_deadline: self.renew_deadline,
+            retry_period: self.retry_period,
+        }
+    }
+}
+
+/// Parses durations such as `15s`, `500ms` or `1m 30s`.
+fn duration(raw: &str) -> Result<Duration, String> {
+    let parsed: jiff::SignedDuration = raw
+        .parse()
+        .map_err(|e| format!("{raw:?} is not a duration like 15s, 500ms or 1m30s ({e})"))?;
+    Duration::try_from(parsed).map_err(|_| format!("{raw:?} is negative"))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -89,6 +151,48 @@ mod tests {
                 "{message}"
             );
         }
+    }
+
+    #[test]
+    fn durations_read_like_go_flags() {
+        let cli = Cli::try_parse_from([
+            "cnat",
+            "run",
+            "--lease-duration=20s",
+            "--renew-deadline=1m",
+            "--retry-period=500ms",
+        ])
+        .unwrap();
+        let Command::Run(args) = cli.command else {
+            panic!("run")
+        };
+        assert_eq!(args.lease_duration, Duration::from_secs(20));
+        assert_eq!(args.renew_deadline, Duration::from_secs(60));
+        assert_eq!(args.retry_period, Duration::from_millis(500));
+        for bad in [
+            "--retry-period=soon",
+            "--retry-period=-2s",
+            "--retry-period=2",
+        ] {
+            let err = Cli::try_parse_from(["cnat", "run", bad])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("invalid value") && err.contains("--retry-period"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn ha_defaults_are_client_go_defaults() {
+        let Command::Run(args) = Cli::try_parse_from(["cnat", "run"]).unwrap().command else {
+            panic!("run")
+        };
+        assert_eq!(args.timing(), Timing::default());
+        assert_eq!(args.lease_name, "cnat");
+        assert!(args.shutdown_delay < args.shutdown_timeout);
+        assert!(args.shutdown_timeout < Duration::from_secs(30));
     }
 
     #[test]

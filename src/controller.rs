@@ -9,24 +9,23 @@ use chrono::Utc;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::{self, Controller};
-use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::{Api, Client};
 use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 /// What `cnat run` tells the controller.
+#[derive(Debug, Clone)]
 pub struct Settings {
     /// Watch this namespace only; `None` watches all.
     pub namespace: Option<String>,
     /// Most reconciles at once; 0 means no limit.
     pub concurrency: u16,
-    /// This replica's name in events, e.g. the pod name.
-    pub instance: String,
 }
 
-/// Runs the reconcile loop until the process is asked to stop.
-pub async fn run(client: Client, settings: Settings) {
+/// Runs the reconcile loop until `stop` is cancelled; reconciles in flight then finish.
+pub async fn run(client: Client, settings: Settings, events: EventSink, stop: CancellationToken) {
     let (ats, pods) = apis(&client, settings.namespace.as_deref());
     let (at_store, at_writer) = reflector::store();
     let at_events = watcher(ats, watcher::Config::default())
@@ -42,11 +41,6 @@ pub async fn run(client: Client, settings: Settings) {
         // Deletions too: a pod that vanishes must end its At.
         .touched_objects();
 
-    let reporter = Reporter {
-        controller: "cnat".into(),
-        instance: Some(settings.instance),
-    };
-    let events = EventSink::start(Recorder::new(client.clone(), reporter));
     let ctx = Arc::new(Context::new(client, pod_store, events, Box::new(Utc::now)));
     info!(
         namespace = settings.namespace.as_deref().unwrap_or("<all>"),
@@ -55,7 +49,7 @@ pub async fn run(client: Client, settings: Settings) {
     Controller::for_stream(at_events, at_store)
         .owns_stream(pod_events)
         .with_config(controller::Config::default().concurrency(settings.concurrency))
-        .shutdown_on_signal()
+        .graceful_shutdown_on(stop.cancelled_owned())
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {
             // Reconcile failures were logged by the error policy; these are the runtime's own.

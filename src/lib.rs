@@ -3,10 +3,12 @@
 //! The state machine (`reconcile::decide`), schedule parsing (`schedule`) and pod naming and spec
 //! (`pod`) are pure; Kubernetes I/O lives in `reconcile` and `controller`.
 
+pub mod admin;
 pub mod api;
 pub mod cli;
 pub mod controller;
 pub mod events;
+pub mod leader;
 pub mod pod;
 pub mod reconcile;
 pub mod schedule;
@@ -35,10 +37,19 @@ pub async fn client() -> Result<kube::Client, ConnectError> {
     kube::Client::try_from(config).map_err(ConnectError::Client)
 }
 
-/// This replica's name: the pod name from the downward API, else the host name.
-pub fn instance_name() -> String {
-    ["POD_NAME", "HOSTNAME"]
-        .iter()
-        .find_map(|var| std::env::var(var).ok().filter(|v| !v.is_empty()))
-        .unwrap_or_else(|| "cnat".into())
+/// This replica's identity: the pod name from the downward API, else the host name with a
+/// random suffix (two processes on one host must not share an identity).
+pub fn identity() -> String {
+    if let Some(pod) = std::env::var("POD_NAME").ok().filter(|v| !v.is_empty()) {
+        return pod;
+    }
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "cnat".into());
+    let random =
+        std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0u8);
+    format!("{host}-{:06x}", random & 0xff_ffff)
 }

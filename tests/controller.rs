@@ -5,20 +5,37 @@ mod support;
 
 use chrono::{Duration as Span, Utc};
 use cnat::api::{At, AtStatus, Outcome, Phase};
+use cnat::events::EventSink;
+use kube::runtime::events::{Recorder, Reporter};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 use support::apiserver::{ApiServer, Resource};
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(10);
 
 fn start(server: &ApiServer) -> JoinHandle<()> {
+    run_controller(server.client())
+}
+
+/// The reconcile loop as `cnat run` starts it on the leader; it runs until aborted.
+fn run_controller(client: kube::Client) -> JoinHandle<()> {
     let settings = cnat::controller::Settings {
         namespace: None,
         concurrency: 32,
-        instance: "cnat-test".into(),
     };
-    tokio::spawn(cnat::controller::run(server.client(), settings))
+    let reporter = Reporter {
+        controller: "cnat".into(),
+        instance: Some("cnat-test".into()),
+    };
+    let events = EventSink::start(Recorder::new(client.clone(), reporter));
+    tokio::spawn(cnat::controller::run(
+        client,
+        settings,
+        events,
+        CancellationToken::new(),
+    ))
 }
 
 fn at_json(name: &str, schedule: &str, command: &str) -> Value {

@@ -8,13 +8,16 @@
 //!     CNAT_E2E_KUBECONFIG=/tmp/cnat-e2e.kubeconfig cargo nextest run --test e2e --run-ignored all
 
 use cnat::api::{At, AtSpec, Outcome, Phase};
+use cnat::events::EventSink;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, LogParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Api, Client, ResourceExt};
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 const ENV: &str = "CNAT_E2E_KUBECONFIG";
 
@@ -92,9 +95,19 @@ async fn ats_run_once_at_their_time_in_a_restricted_namespace() {
     let settings = cnat::controller::Settings {
         namespace: Some(ns.clone()),
         concurrency: 32,
-        instance: "e2e".into(),
     };
-    let operator = tokio::spawn(cnat::controller::run(client.clone(), settings));
+    let reporter = Reporter {
+        controller: "cnat".into(),
+        instance: Some("cnat-e2e".into()),
+    };
+    let events = EventSink::start(Recorder::new(client.clone(), reporter));
+    let stop = CancellationToken::new();
+    let operator = tokio::spawn(cnat::controller::run(
+        client.clone(),
+        settings,
+        events,
+        stop,
+    ));
 
     let ats: Api<At> = Api::namespaced(client.clone(), &ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
