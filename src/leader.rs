@@ -16,6 +16,7 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio::time::{sleep, sleep_until, timeout, Instant};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use tracing::{info, warn};
 
 /// How leadership is kept; the defaults and invariants are client-go's.
@@ -276,7 +277,9 @@ impl Elector {
         )
         .await;
         let stop = CancellationToken::new();
-        let mut task = tokio::spawn(work(stop.clone()));
+        // Dropping the election (e.g. its task is aborted) aborts the work too: no reconcile
+        // loop may outlive the leadership that started it.
+        let mut task = AbortOnDropHandle::new(tokio::spawn(work(stop.clone())));
         let mut deadline = Instant::now() + timing.renew_deadline;
         let mut running = true;
         let why = loop {

@@ -16,26 +16,7 @@ use tokio_util::sync::CancellationToken;
 const WAIT: Duration = Duration::from_secs(10);
 
 fn start(server: &ApiServer) -> JoinHandle<()> {
-    run_controller(server.client())
-}
-
-/// The reconcile loop as `cnat run` starts it on the leader; it runs until aborted.
-fn run_controller(client: kube::Client) -> JoinHandle<()> {
-    let settings = cnat::controller::Settings {
-        namespace: None,
-        concurrency: 32,
-    };
-    let reporter = Reporter {
-        controller: "cnat".into(),
-        instance: Some("cnat-test".into()),
-    };
-    let events = EventSink::start(Recorder::new(client.clone(), reporter));
-    tokio::spawn(cnat::controller::run(
-        client,
-        settings,
-        events,
-        CancellationToken::new(),
-    ))
+    support::run_controller(server.client())
 }
 
 fn at_json(name: &str, schedule: &str, command: &str) -> Value {

@@ -26,6 +26,7 @@ pub enum Resource {
     Ats,
     Pods,
     Events,
+    Leases,
 }
 
 impl Resource {
@@ -34,6 +35,7 @@ impl Resource {
             Resource::Ats => "cnat.programming-kubernetes.info/v1alpha1",
             Resource::Pods => "v1",
             Resource::Events => "events.k8s.io/v1",
+            Resource::Leases => "coordination.k8s.io/v1",
         }
     }
 
@@ -42,6 +44,7 @@ impl Resource {
             Resource::Ats => "ats",
             Resource::Pods => "pods",
             Resource::Events => "events",
+            Resource::Leases => "leases",
         }
     }
 
@@ -50,6 +53,7 @@ impl Resource {
             Resource::Ats => "At",
             Resource::Pods => "Pod",
             Resource::Events => "Event",
+            Resource::Leases => "Lease",
         }
     }
 }
@@ -107,6 +111,22 @@ impl ApiServer {
             async move { Ok::<_, Infallible>(server.handle(request).await) }
         });
         kube::Client::new(service, "default")
+    }
+
+    /// A client whose network to this server can be cut: requests then hang, as in a partition.
+    pub fn partitionable_client(&self) -> (kube::Client, Partition) {
+        let partition = Partition::default();
+        let (server, cut) = (self.clone(), partition.clone());
+        let service = tower::service_fn(move |request: Request<kube::client::Body>| {
+            let (server, cut) = (server.clone(), cut.clone());
+            async move {
+                if cut.is_cut() {
+                    std::future::pending::<()>().await;
+                }
+                Ok::<_, Infallible>(server.handle(request).await)
+            }
+        });
+        (kube::Client::new(service, "default"), partition)
     }
 
     /// Serves plain HTTP/1.1 on 127.0.0.1; returns the address. Stops with the runtime.
@@ -502,6 +522,20 @@ impl ApiServer {
     }
 }
 
+/// A switch between one client and the server.
+#[derive(Clone, Debug, Default)]
+pub struct Partition(Arc<std::sync::atomic::AtomicBool>);
+
+impl Partition {
+    pub fn cut(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn is_cut(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 #[derive(Clone, Debug)]
 struct Route {
     resource: Resource,
@@ -527,6 +561,7 @@ impl Route {
             "ats" => Resource::Ats,
             "pods" => Resource::Pods,
             "events" => Resource::Events,
+            "leases" => Resource::Leases,
             _ => return None,
         };
         Some(Route {

@@ -1,3 +1,34 @@
 //! Test doubles shared by the integration tests and benchmarks.
 
+#![allow(dead_code)] // each test binary uses a different part
+
 pub mod apiserver;
+
+use cnat::events::EventSink;
+use kube::runtime::events::{Recorder, Reporter};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// An event sink reporting as `instance`.
+pub fn events(client: &kube::Client, instance: &str) -> EventSink {
+    let reporter = Reporter {
+        controller: "cnat".into(),
+        instance: Some(instance.into()),
+    };
+    EventSink::start(Recorder::new(client.clone(), reporter))
+}
+
+/// The reconcile loop as `cnat run` starts it on the leader; it runs until aborted.
+pub fn run_controller(client: kube::Client) -> JoinHandle<()> {
+    let settings = cnat::controller::Settings {
+        namespace: None,
+        concurrency: 32,
+    };
+    let events = events(&client, "cnat-test");
+    tokio::spawn(cnat::controller::run(
+        client,
+        settings,
+        events,
+        CancellationToken::new(),
+    ))
+}

@@ -1,0 +1,329 @@
+//! Several replicas competing for the Lease on a fake API server that enforces Lease semantics
+//! (resourceVersion conflicts, holder, renewTime). kube-leader-election reads the wall clock, so
+//! these run in real time with short durations: lease 3s, renew deadline 2s, retry period 0.5s.
+
+mod support;
+
+use chrono::Utc;
+use cnat::leader::{self, Leadership, Timing};
+use serde_json::json;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use support::apiserver::{ApiServer, Partition, Resource};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const TIMING: Timing = Timing {
+    lease_duration: Duration::from_secs(3),
+    renew_deadline: Duration::from_secs(2),
+    retry_period: Duration::from_millis(500),
+};
+/// Scheduling and request latency on a loaded 2-core machine.
+const SLACK: Duration = Duration::from_millis(400);
+
+/// When each replica's reconcile loop ran.
+#[derive(Default)]
+struct Activity(Mutex<Vec<(String, Instant, Option<Instant>)>>);
+
+impl Activity {
+    fn running(&self) -> Vec<String> {
+        let log = self.0.lock().unwrap();
+        log.iter()
+            .filter(|(_, _, end)| end.is_none())
+            .map(|(id, _, _)| id.clone())
+            .collect()
+    }
+
+    fn started_after(&self, t: Instant) -> Option<(String, Instant)> {
+        let log = self.0.lock().unwrap();
+        log.iter()
+            .find(|(_, start, _)| *start > t)
+            .map(|(id, start, _)| (id.clone(), *start))
+    }
+
+    fn ended(&self, id: &str) -> Option<Instant> {
+        let log = self.0.lock().unwrap();
+        log.iter()
+            .rev()
+            .find(|(who, _, _)| who == id)
+            .and_then(|(_, _, end)| *end)
+    }
+
+    fn runs(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+
+    /// No two replicas' reconcile loops ever ran at the same time.
+    fn assert_never_overlapped(&self) {
+        let log = self.0.lock().unwrap();
+        let now = Instant::now();
+        for (i, (a, a0, a1)) in log.iter().enumerate() {
+            for (b, b0, b1) in &log[i + 1..] {
+                let overlap = *a0 < b1.unwrap_or(now) && *b0 < a1.unwrap_or(now);
+                assert!(!overlap, "{a} and {b} reconciled at the same time: {log:?}");
+            }
+        }
+    }
+}
+
+/// Records the end of a run however it ends: graceful stop or abort.
+struct EndOnDrop(Arc<Activity>, usize);
+
+impl Drop for EndOnDrop {
+    fn drop(&mut self) {
+        self.0 .0.lock().unwrap()[self.1].2 = Some(Instant::now());
+    }
+}
+
+/// Stands in for the reconcile loop: runs until asked to stop, or aborted.
+async fn work(id: String, activity: Arc<Activity>, stop: CancellationToken) {
+    let index = {
+        let mut log = activity.0.lock().unwrap();
+        log.push((id, Instant::now(), None));
+        log.len() - 1
+    };
+    let _end = EndOnDrop(activity, index);
+    stop.cancelled().await;
+}
+
+struct Replica {
+    id: String,
+    shutdown: CancellationToken,
+    partition: Partition,
+    leadership: Arc<Leadership>,
+    task: JoinHandle<()>,
+}
+
+fn replica(server: &ApiServer, id: &str, activity: &Arc<Activity>) -> Replica {
+    let (client, partition) = server.partitionable_client();
+    let settings = leader::Settings {
+        lease_name: "cnat".into(),
+        namespace: "cnat-system".into(),
+        identity: id.into(),
+        timing: TIMING,
+    };
+    let shutdown = CancellationToken::new();
+    let leadership = Arc::new(Leadership::default());
+    let (who, log) = (id.to_owned(), activity.clone());
+    let task = tokio::spawn(leader::run(
+        client.clone(),
+        settings,
+        leadership.clone(),
+        support::events(&client, id),
+        move |stop| work(who.clone(), log.clone(), stop),
+        shutdown.clone(),
+    ));
+    Replica {
+        id: id.into(),
+        shutdown,
+        partition,
+        leadership,
+        task,
+    }
+}
+
+fn replicas(server: &ApiServer, activity: &Arc<Activity>) -> Vec<Replica> {
+    ["cnat-0", "cnat-1", "cnat-2"]
+        .iter()
+        .map(|id| replica(server, id, activity))
+        .collect()
+}
+
+async fn until(timeout: Duration, check: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if check() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    check()
+}
+
+async fn leader_of(replicas: &[Replica], activity: &Activity) -> usize {
+    assert!(
+        until(Duration::from_secs(5), || activity.running().len() == 1).await,
+        "no leader"
+    );
+    let id = activity.running().remove(0);
+    replicas.iter().position(|r| r.id == id).unwrap()
+}
+
+fn holder(server: &ApiServer) -> String {
+    let lease = server
+        .get(Resource::Leases, "cnat-system", "cnat")
+        .expect("a lease");
+    lease["spec"]["holderIdentity"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[tokio::test]
+async fn exactly_one_replica_leads_in_steady_state() {
+    let server = ApiServer::new();
+    let activity = Arc::new(Activity::default());
+    let replicas = replicas(&server, &activity);
+    let leader = leader_of(&replicas, &activity).await;
+    tokio::time::sleep(TIMING.lease_duration * 2).await; // several renewals and retries
+    assert_eq!(activity.running(), [replicas[leader].id.clone()]);
+    assert_eq!(activity.runs(), 1, "leadership flapped");
+    assert_eq!(holder(&server), replicas[leader].id);
+    let leading: Vec<bool> = replicas.iter().map(|r| r.leadership.is_leader()).collect();
+    assert_eq!(leading.iter().filter(|l| **l).count(), 1, "{leading:?}");
+    assert_eq!(replicas[leader].leadership.transitions(), 1);
+    assert!(replicas[leader].leadership.since_renewal().unwrap() <= TIMING.retry_period + SLACK);
+    assert!(
+        server.count("PATCH leases") >= 6,
+        "the leader renews every retry period"
+    );
+    assert_eq!(server.event_reasons("cnat"), ["LeaderElected"]);
+    activity.assert_never_overlapped();
+}
+
+#[tokio::test]
+async fn a_killed_leader_is_replaced_within_lease_duration_plus_retry_period() {
+    let server = ApiServer::new();
+    let activity = Arc::new(Activity::default());
+    let replicas = replicas(&server, &activity);
+    let leader = leader_of(&replicas, &activity).await;
+    let killed = Instant::now();
+    replicas[leader].task.abort(); // a crash: nothing is released
+    assert!(
+        until(Duration::from_millis(200), || activity.running().is_empty()).await,
+        "work outlived its election"
+    );
+
+    let took_over = until(TIMING.lease_duration + TIMING.retry_period + SLACK, || {
+        activity.running().len() == 1
+    })
+    .await;
+    assert!(
+        took_over,
+        "no new leader within lease duration + retry period"
+    );
+    let (new, started) = activity.started_after(killed).unwrap();
+    assert_ne!(new, replicas[leader].id);
+    // Nobody took over before the lease could have expired.
+    assert!(
+        started - killed >= TIMING.lease_duration - TIMING.retry_period,
+        "{:?}",
+        started - killed
+    );
+    assert_eq!(holder(&server), new);
+    activity.assert_never_overlapped();
+}
+
+#[tokio::test]
+async fn a_released_lease_is_taken_over_within_about_one_retry_period() {
+    let server = ApiServer::new();
+    let activity = Arc::new(Activity::default());
+    let mut replicas = replicas(&server, &activity);
+    let leader = leader_of(&replicas, &activity).await;
+    let stopping = replicas.remove(leader);
+    let asked = Instant::now();
+    stopping.shutdown.cancel();
+    stopping.task.await.unwrap(); // returns once the work stopped and the lease was released
+    assert!(activity.ended(&stopping.id).is_some());
+    assert!(!stopping.leadership.is_leader());
+
+    // kube-leader-election releases by setting a 1s lease with no holder.
+    let limit = Duration::from_secs(1) + TIMING.retry_period + SLACK;
+    assert!(
+        until(limit, || activity.running().len() == 1).await,
+        "no handover within {limit:?}"
+    );
+    let (new, started) = activity.started_after(asked).unwrap();
+    assert!(
+        started - asked < TIMING.lease_duration,
+        "as slow as an expiry: {:?}",
+        started - asked
+    );
+    assert_eq!(holder(&server), new);
+    assert!(server
+        .event_reasons("cnat")
+        .contains(&"LeaderReleased".to_owned()));
+    activity.assert_never_overlapped();
+}
+
+#[tokio::test]
+async fn a_leader_cut_off_from_the_api_stops_reconciling_within_the_renew_deadline() {
+    let server = ApiServer::new();
+    let activity = Arc::new(Activity::default());
+    let replicas = replicas(&server, &activity);
+    let leader = leader_of(&replicas, &activity).await;
+    let cut = Instant::now();
+    replicas[leader].partition.cut();
+
+    let id = replicas[leader].id.clone();
+    assert!(
+        until(TIMING.renew_deadline + SLACK, || activity
+            .ended(&id)
+            .is_some())
+        .await,
+        "still reconciling"
+    );
+    let stopped = activity.ended(&id).unwrap() - cut;
+    assert!(stopped <= TIMING.renew_deadline + SLACK, "{stopped:?}");
+    assert!(!replicas[leader].leadership.is_leader());
+
+    // The others wait for the lease to expire, then one takes over.
+    assert!(
+        until(
+            TIMING.lease_duration + TIMING.retry_period + SLACK,
+            || activity.running().len() == 1
+        )
+        .await
+    );
+    assert_ne!(activity.running(), [id]);
+    activity.assert_never_overlapped();
+}
+
+#[tokio::test]
+async fn two_replicas_that_both_believe_they_lead_still_run_each_at_once() {
+    let server = ApiServer::new();
+    let first = support::run_controller(server.client());
+    let second = support::run_controller(server.client());
+    let due = (Utc::now() + chrono::Duration::milliseconds(700)).to_rfc3339();
+    let names: Vec<String> = (0..50).map(|i| format!("at-{i}")).collect();
+    for name in &names {
+        server.create(
+            Resource::Ats,
+            json!({"metadata": {"name": name, "namespace": "default"},
+                   "spec": {"schedule": due, "command": "true", "image": "busybox"}}),
+        );
+    }
+    let phase = |s: &ApiServer, name: &str| {
+        s.get(Resource::Ats, "default", name)
+            .map(|a| a["status"]["phase"].clone())
+    };
+    let running = server
+        .wait_for(Duration::from_secs(10), |s| {
+            names.iter().all(|n| phase(s, n) == Some(json!("RUNNING")))
+        })
+        .await;
+    assert!(running);
+    for name in &names {
+        server.finish_pod("default", &format!("{name}-pod"), 0);
+    }
+    let done = server
+        .wait_for(Duration::from_secs(10), |s| {
+            names.iter().all(|n| phase(s, n) == Some(json!("DONE")))
+        })
+        .await;
+    assert!(done);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    assert_eq!(server.list(Resource::Pods).len(), 50, "one pod per At");
+    for name in &names {
+        assert_eq!(
+            server.event_reasons(name),
+            ["Scheduled", "PodCreated", "Succeeded"],
+            "{name}"
+        );
+    }
+    // Both tried: the losers of each race got AlreadyExists or Conflict, not a second run.
+    assert!(server.count("POST pods") >= 50);
+    first.abort();
+    second.abort();
+}
