@@ -73,3 +73,68 @@ fn probe(result: Result<(), String>) -> (StatusCode, String) {
         Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt;
+
+    async fn get(health: &Arc<Health>, path: &str) -> (StatusCode, String) {
+        let request = Request::get(path).body(Body::empty()).unwrap();
+        let response = router(health.clone()).oneshot(request).await.unwrap();
+        let status = response.status();
+        let body = axum::body::to_bytes(response.into_body(), 1024)
+            .await
+            .unwrap();
+        (status, String::from_utf8(body.to_vec()).unwrap())
+    }
+
+    fn health() -> Arc<Health> {
+        Arc::new(Health::new(
+            Arc::new(Leadership::default()),
+            Duration::from_secs(15),
+        ))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_that_stopped_renewing_is_not_live() {
+        let health = health();
+        assert_eq!(
+            get(&health, "/healthz").await,
+            (StatusCode::OK, "ok\n".into())
+        );
+        health.leadership.set_leading(true);
+        tokio::time::advance(Duration::from_secs(15)).await;
+        assert_eq!(get(&health, "/healthz").await.0, StatusCode::OK);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let (status, body) = get(&health, "/healthz").await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            body.contains("has not renewed its lease for 16.0s"),
+            "{body}"
+        );
+        // Readiness does not depend on leadership.
+        assert_eq!(get(&health, "/readyz").await.0, StatusCode::OK);
+        health.leadership.set_leading(false);
+        assert_eq!(get(&health, "/healthz").await.0, StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn readiness_ends_with_shutdown_and_does_not_need_leadership() {
+        let health = health();
+        assert!(!health.leadership.is_leader());
+        assert_eq!(
+            get(&health, "/readyz").await,
+            (StatusCode::OK, "ok\n".into())
+        );
+        health.set_not_ready();
+        assert_eq!(
+            get(&health, "/readyz").await,
+            (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n".into())
+        );
+        assert_eq!(get(&health, "/healthz").await.0, StatusCode::OK);
+        assert_eq!(get(&health, "/metrics").await.0, StatusCode::NOT_FOUND);
+    }
+}

@@ -19,7 +19,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the operator against the cluster of the in-cluster config, else KUBECONFIG or ~/.kube/config.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print the At CustomResourceDefinition as YAML (pipe to `kubectl apply -f -`).
     Crd,
 }

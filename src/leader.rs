@@ -112,7 +112,7 @@ impl Leadership {
         last.filter(|_| self.is_leader()).map(|t| t.elapsed())
     }
 
-    fn set_leading(&self, leading: bool) {
+    pub(crate) fn set_leading(&self, leading: bool) {
         if self.leading.swap(leading, Ordering::SeqCst) != leading {
             self.transitions.fetch_add(1, Ordering::SeqCst);
         }
@@ -392,8 +392,10 @@ mod tests {
         assert!(err.to_string().contains("1.2 x --retry-period"), "{err}");
         assert_eq!(timing(15, 2_401, 2_000).validate(), Ok(()));
 
-        let mut fractional = Timing::default();
-        fractional.lease_duration = Duration::from_millis(15_500);
+        let fractional = Timing {
+            lease_duration: Duration::from_millis(15_500),
+            ..Timing::default()
+        };
         assert!(matches!(
             fractional.validate(),
             Err(TimingError::LeaseNotWholeSeconds(_))

@@ -23,7 +23,7 @@ async fn main() -> ExitCode {
             print!("{}", api::crd_yaml());
             ExitCode::SUCCESS
         }
-        Command::Run(args) => match run(args).await {
+        Command::Run(args) => match run(*args).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
                 eprintln!("cnat: {error}");

@@ -5,13 +5,10 @@ mod support;
 
 use chrono::{Duration as Span, Utc};
 use cnat::api::{At, AtStatus, Outcome, Phase};
-use cnat::events::EventSink;
-use kube::runtime::events::{Recorder, Reporter};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 use support::apiserver::{ApiServer, Resource};
 use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(10);
 

@@ -327,3 +327,147 @@ async fn two_replicas_that_both_believe_they_lead_still_run_each_at_once() {
     first.abort();
     second.abort();
 }
+
+mod scripted {
+    //! Election against a scripted API server with paused time: the exact requests and pauses.
+
+    use super::*;
+    use http::{Request, Response};
+    use kube::client::Body;
+    use serde_json::Value;
+
+    fn fixture(name: &str) -> Value {
+        let path = format!(
+            "{}/tests/fixtures/api-k8s-1.24/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    }
+
+    /// Answers each request with the next reply, records "METHOD path" and the (paused) time.
+    fn scripted(
+        replies: Vec<(u16, Value)>,
+    ) -> (
+        kube::Client,
+        JoinHandle<Vec<(String, tokio::time::Instant)>>,
+    ) {
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let server = tokio::spawn(async move {
+            let mut seen = Vec::new();
+            let mut replies = replies.into_iter();
+            while let Some((request, respond)) = handle.next_request().await {
+                seen.push((
+                    format!("{} {}", request.method(), request.uri().path()),
+                    tokio::time::Instant::now(),
+                ));
+                let Some((code, body)) = replies.next() else {
+                    break;
+                };
+                let response = Response::builder()
+                    .status(code)
+                    .body(Body::from(serde_json::to_vec(&body).unwrap()));
+                respond.send_response(response.unwrap());
+            }
+            seen
+        });
+        (kube::Client::new(service, "cnat-system"), server)
+    }
+
+    fn settings(namespace: &str) -> leader::Settings {
+        leader::Settings {
+            lease_name: "cnat".into(),
+            namespace: namespace.into(),
+            identity: "cnat-0".into(),
+            timing: TIMING,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_missing_namespace_is_retried_with_growing_pauses_and_never_leads() {
+        let mut missing = fixture("status-404-not-found.json");
+        missing["message"] = r#"namespaces "nope" not found"#.into();
+        let mut replies = Vec::new();
+        for _ in 0..7 {
+            replies.push((404, fixture("status-404-not-found.json"))); // GET lease
+            replies.push((404, missing.clone())); // POST lease
+        }
+        let (client, server) = scripted(replies);
+        let activity = Arc::new(Activity::default());
+        let leadership = Arc::new(Leadership::default());
+        let shutdown = CancellationToken::new();
+        let log = activity.clone();
+        let election = tokio::spawn(leader::run(
+            client.clone(),
+            settings("nope"),
+            leadership.clone(),
+            support::events(&client, "cnat-0"),
+            move |stop| work("cnat-0".into(), log.clone(), stop),
+            shutdown.clone(),
+        ));
+        tokio::time::sleep(Duration::from_secs(12)).await;
+        shutdown.cancel();
+        election.await.unwrap(); // no panic, and it stops when asked
+        drop(client);
+        let seen = server.await.unwrap();
+        assert_eq!(activity.runs(), 0);
+        assert!(!leadership.is_leader());
+        let gets: Vec<_> = seen
+            .iter()
+            .filter(|(r, _)| r.starts_with("GET"))
+            .map(|(_, t)| *t)
+            .collect();
+        assert_eq!(
+            seen[1].0,
+            "POST /apis/coordination.k8s.io/v1/namespaces/nope/leases"
+        );
+        let pauses: Vec<Duration> = gets.windows(2).map(|w| w[1] - w[0]).collect();
+        let retry = TIMING.retry_period;
+        assert_eq!(
+            pauses,
+            [retry, retry * 2, retry * 3, retry * 4, retry * 5, retry * 5],
+            "backoff"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn losing_the_confirm_race_means_not_leading() {
+        // An expired lease held by r1; our acquire lands, but someone wrote before our confirm.
+        let expired = fixture("lease-created.json");
+        let mut acquired = expired.clone();
+        acquired["spec"]["holderIdentity"] = "cnat-0".into();
+        acquired["metadata"]["resourceVersion"] = "28935".into();
+        let (client, server) = scripted(vec![
+            (200, expired),
+            (200, acquired),
+            (
+                409,
+                fixture("status-409-conflict-stale-resourceversion.json"),
+            ),
+        ]);
+        let activity = Arc::new(Activity::default());
+        let shutdown = CancellationToken::new();
+        let log = activity.clone();
+        let election = tokio::spawn(leader::run(
+            client.clone(),
+            settings("fx"),
+            Arc::new(Leadership::default()),
+            support::events(&client, "cnat-0"),
+            move |stop| work("cnat-0".into(), log.clone(), stop),
+            shutdown.clone(),
+        ));
+        tokio::time::sleep(TIMING.retry_period / 2).await;
+        shutdown.cancel();
+        election.await.unwrap();
+        drop(client);
+        let seen: Vec<String> = server.await.unwrap().into_iter().map(|(r, _)| r).collect();
+        assert_eq!(
+            seen,
+            [
+                "GET /apis/coordination.k8s.io/v1/namespaces/fx/leases/cnat",
+                "PATCH /apis/coordination.k8s.io/v1/namespaces/fx/leases/cnat",
+                "PATCH /apis/coordination.k8s.io/v1/namespaces/fx/leases/cnat",
+            ]
+        );
+        assert_eq!(activity.runs(), 0, "led without winning the confirm");
+    }
+}

@@ -1,0 +1,206 @@
+//! The real `cnat run` binary against the fake API server over HTTP: it serves probes, takes the
+//! Lease, reconciles, and on SIGTERM stops reconciling, releases the Lease, turns unready, keeps
+//! serving for the shutdown delay, and exits 0. Bad flags fail fast with a clear message.
+
+mod support;
+
+use serde_json::json;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+use support::apiserver::{ApiServer, Resource};
+
+fn kubeconfig(server: SocketAddr, name: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("cnat-{name}-{}.kubeconfig", std::process::id()));
+    let yaml = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: http://{server}\nusers:\n- name: fake\n  user: {{}}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: cnat-system\ncurrent-context: fake\n"
+    );
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+fn free_port() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+fn cnat(args: &[&str], kubeconfig: &std::path::Path) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_cnat"));
+    command
+        .arg("run")
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("POD_NAME")
+        .env_remove("POD_NAMESPACE");
+    command
+}
+
+/// The status code of a plain HTTP/1.1 GET, or `None` when nothing listens.
+fn probe(addr: SocketAddr, path: &str) -> Option<u16> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: cnat\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    response.split_whitespace().nth(1)?.parse().ok()
+}
+
+async fn until(timeout: Duration, check: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if check() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    check()
+}
+
+fn holder(server: &ApiServer) -> Option<String> {
+    let lease = server.get(Resource::Leases, "cnat-system", "cnat")?;
+    lease["spec"]["holderIdentity"].as_str().map(str::to_owned)
+}
+
+fn sigterm(child: &Child) {
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+#[tokio::test]
+async fn a_replica_leads_reconciles_and_shuts_down_in_order() {
+    let server = ApiServer::new();
+    let config = kubeconfig(server.serve_http().await, "lifecycle");
+    let admin = free_port();
+    let admin_flag = format!("--admin-addr={admin}");
+    let mut child = cnat(
+        &[
+            &admin_flag,
+            "--identity=cnat-0",
+            "--lease-duration=3s",
+            "--renew-deadline=2s",
+            "--retry-period=500ms",
+            "--shutdown-delay=1s",
+            "--shutdown-timeout=5s",
+            "--log-format=text",
+            "--log=warn",
+        ],
+        &config,
+    )
+    .stderr(Stdio::inherit())
+    .spawn()
+    .unwrap();
+
+    assert!(
+        until(Duration::from_secs(5), || probe(admin, "/readyz")
+            == Some(200))
+        .await,
+        "never ready"
+    );
+    assert_eq!(probe(admin, "/healthz"), Some(200));
+    assert!(
+        until(Duration::from_secs(5), || holder(&server).as_deref()
+            == Some("cnat-0"))
+        .await,
+        "never leader"
+    );
+    // The lease is in the context's namespace, as no flag or POD_NAMESPACE said otherwise.
+    server.create(
+        Resource::Ats,
+        json!({"metadata": {"name": "now", "namespace": "default"},
+               "spec": {"schedule": "2019-04-12T10:12:00Z", "command": "true", "image": "busybox"}}),
+    );
+    let reconciled = until(Duration::from_secs(5), || {
+        server.get(Resource::Pods, "default", "now-pod").is_some()
+    })
+    .await;
+    assert!(reconciled, "the leader did not reconcile");
+
+    let term = Instant::now();
+    sigterm(&child);
+    assert!(
+        until(Duration::from_millis(500), || probe(admin, "/readyz")
+            == Some(503))
+        .await,
+        "still ready"
+    );
+    assert!(
+        until(Duration::from_millis(500), || holder(&server).as_deref()
+            == Some(""))
+        .await,
+        "lease not released"
+    );
+    // Still serving during the shutdown delay, so requests in flight to it succeed.
+    assert_eq!(probe(admin, "/healthz"), Some(200));
+
+    let exit = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    let took = term.elapsed();
+    assert!(exit.success(), "{exit:?}");
+    assert!(
+        took >= Duration::from_secs(1) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    assert_eq!(probe(admin, "/healthz"), None, "admin server still up");
+    let _ = std::fs::remove_file(config);
+}
+
+fn run_to_exit(args: &[&str], kubeconfig: &std::path::Path) -> Output {
+    cnat(args, kubeconfig).output().unwrap()
+}
+
+#[test]
+fn invalid_timing_is_refused_before_anything_starts() {
+    let nowhere = std::path::Path::new("/nonexistent");
+    for (args, message) in [
+        (
+            vec!["--lease-duration=10s", "--renew-deadline=10s"],
+            "--lease-duration 10s must be longer than --renew-deadline 10s",
+        ),
+        (
+            vec!["--renew-deadline=2s", "--retry-period=2s"],
+            "must be longer than 1.2 x --retry-period 2s",
+        ),
+        (
+            vec!["--shutdown-delay=30s"],
+            "--shutdown-delay 30s must be shorter than --shutdown-timeout 25s",
+        ),
+        (
+            vec!["--lease-duration=1500ms"],
+            "must be a whole number of seconds",
+        ),
+    ] {
+        let output = run_to_exit(&args, nowhere);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+}
+
+#[tokio::test]
+async fn a_busy_admin_port_is_reported() {
+    let server = ApiServer::new();
+    let config = kubeconfig(server.serve_http().await, "busy");
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let flag = format!("--admin-addr={}", taken.local_addr().unwrap());
+    let output = tokio::task::spawn_blocking(move || run_to_exit(&[&flag], &config))
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--admin-addr 127.0.0.1:") && stderr.contains("in use"),
+        "{stderr}"
+    );
+}
