@@ -41,7 +41,7 @@ async fn run(n: usize) {
     let addr = server.serve_http().await;
     let kubeconfig =
         std::env::temp_dir().join(format!("cnat-bench-{}-{n}.kubeconfig", std::process::id()));
-    std::fs::write(&kubeconfig, kubeconfig_yaml(&format!("http://{addr}"))).unwrap();
+    std::fs::write(&kubeconfig, ApiServer::kubeconfig(addr, "default")).unwrap();
 
     let due_instant = Instant::now() + LEAD;
     let due = chrono::Utc::now() + chrono::Duration::from_std(LEAD).unwrap();
@@ -117,12 +117,6 @@ fn spawn_operator(kubeconfig: &std::path::Path) -> Child {
         .stderr(Stdio::inherit())
         .spawn()
         .expect("the cnat binary")
-}
-
-fn kubeconfig_yaml(server: &str) -> String {
-    format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {server}\nusers:\n- name: fake\n  user: {{}}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: default\ncurrent-context: fake\n"
-    )
 }
 
 fn rss_kib(child: &Child) -> u64 {

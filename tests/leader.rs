@@ -129,20 +129,9 @@ fn replicas(server: &ApiServer, activity: &Arc<Activity>) -> Vec<Replica> {
         .collect()
 }
 
-async fn until(timeout: Duration, check: impl Fn() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if check() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    check()
-}
-
 async fn leader_of(replicas: &[Replica], activity: &Activity) -> usize {
     assert!(
-        until(Duration::from_secs(5), || activity.running().len() == 1).await,
+        support::until(Duration::from_secs(5), || activity.running().len() == 1).await,
         "no leader"
     );
     let id = activity.running().remove(0);
@@ -190,11 +179,11 @@ async fn a_killed_leader_is_replaced_within_lease_duration_plus_retry_period() {
     let killed = Instant::now();
     replicas[leader].task.abort(); // a crash: nothing is released
     assert!(
-        until(Duration::from_millis(200), || activity.running().is_empty()).await,
+        support::until(Duration::from_millis(200), || activity.running().is_empty()).await,
         "work outlived its election"
     );
 
-    let took_over = until(TIMING.lease_duration + TIMING.retry_period + SLACK, || {
+    let took_over = support::until(TIMING.lease_duration + TIMING.retry_period + SLACK, || {
         activity.running().len() == 1
     })
     .await;
@@ -230,7 +219,7 @@ async fn a_released_lease_is_taken_over_within_about_one_retry_period() {
     // kube-leader-election releases by setting a 1s lease with no holder.
     let limit = Duration::from_secs(1) + TIMING.retry_period + SLACK;
     assert!(
-        until(limit, || activity.running().len() == 1).await,
+        support::until(limit, || activity.running().len() == 1).await,
         "no handover within {limit:?}"
     );
     let (new, started) = activity.started_after(asked).unwrap();
@@ -257,7 +246,7 @@ async fn a_leader_cut_off_from_the_api_stops_reconciling_within_the_renew_deadli
 
     let id = replicas[leader].id.clone();
     assert!(
-        until(TIMING.renew_deadline + SLACK, || activity
+        support::until(TIMING.renew_deadline + SLACK, || activity
             .ended(&id)
             .is_some())
         .await,
@@ -269,7 +258,7 @@ async fn a_leader_cut_off_from_the_api_stops_reconciling_within_the_renew_deadli
 
     // The others wait for the lease to expire, then one takes over.
     assert!(
-        until(
+        support::until(
             TIMING.lease_duration + TIMING.retry_period + SLACK,
             || activity.running().len() == 1
         )

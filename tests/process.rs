@@ -13,9 +13,7 @@ use support::apiserver::{ApiServer, Resource};
 
 fn kubeconfig(server: SocketAddr, name: &str) -> std::path::PathBuf {
     let path = std::env::temp_dir().join(format!("cnat-{name}-{}.kubeconfig", std::process::id()));
-    let yaml = format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: http://{server}\nusers:\n- name: fake\n  user: {{}}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: cnat-system\ncurrent-context: fake\n"
-    );
+    let yaml = ApiServer::kubeconfig(server, "cnat-system");
     std::fs::write(&path, yaml).unwrap();
     path
 }
@@ -51,17 +49,6 @@ fn probe(addr: SocketAddr, path: &str) -> Option<u16> {
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
     response.split_whitespace().nth(1)?.parse().ok()
-}
-
-async fn until(timeout: Duration, check: impl Fn() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if check() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    check()
 }
 
 fn holder(server: &ApiServer) -> Option<String> {
@@ -102,14 +89,14 @@ async fn a_replica_leads_reconciles_and_shuts_down_in_order() {
     .unwrap();
 
     assert!(
-        until(Duration::from_secs(5), || probe(admin, "/readyz")
+        support::until(Duration::from_secs(5), || probe(admin, "/readyz")
             == Some(200))
         .await,
         "never ready"
     );
     assert_eq!(probe(admin, "/healthz"), Some(200));
     assert!(
-        until(Duration::from_secs(5), || holder(&server).as_deref()
+        support::until(Duration::from_secs(5), || holder(&server).as_deref()
             == Some("cnat-0"))
         .await,
         "never leader"
@@ -120,7 +107,7 @@ async fn a_replica_leads_reconciles_and_shuts_down_in_order() {
         json!({"metadata": {"name": "now", "namespace": "default"},
                "spec": {"schedule": "2019-04-12T10:12:00Z", "command": "true", "image": "busybox"}}),
     );
-    let reconciled = until(Duration::from_secs(5), || {
+    let reconciled = support::until(Duration::from_secs(5), || {
         server.get(Resource::Pods, "default", "now-pod").is_some()
     })
     .await;
@@ -129,13 +116,13 @@ async fn a_replica_leads_reconciles_and_shuts_down_in_order() {
     let term = Instant::now();
     sigterm(&child);
     assert!(
-        until(Duration::from_millis(500), || probe(admin, "/readyz")
+        support::until(Duration::from_millis(500), || probe(admin, "/readyz")
             == Some(503))
         .await,
         "still ready"
     );
     assert!(
-        until(Duration::from_millis(500), || holder(&server).as_deref()
+        support::until(Duration::from_millis(500), || holder(&server).as_deref()
             == Some(""))
         .await,
         "lease not released"

@@ -157,6 +157,13 @@ impl ApiServer {
         addr
     }
 
+    /// A kubeconfig for a client of `serve_http()` at `addr`, whose context namespace is `namespace`.
+    pub fn kubeconfig(addr: std::net::SocketAddr, namespace: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: http://{addr}\nusers:\n- name: fake\n  user: {{}}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: {namespace}\ncurrent-context: fake\n"
+        )
+    }
+
     // ---- what tests do directly, as a user or the kubelet would ----
 
     /// Creates an object as `kubectl create` would (generation 1, no status).

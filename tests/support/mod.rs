@@ -6,6 +6,7 @@ pub mod apiserver;
 
 use cnat::events::EventSink;
 use kube::runtime::events::{Recorder, Reporter};
+use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -31,4 +32,16 @@ pub fn run_controller(client: kube::Client) -> JoinHandle<()> {
         events,
         CancellationToken::new(),
     ))
+}
+
+/// Checks `check` every 10 ms until it holds or `timeout` passes.
+pub async fn until(timeout: Duration, check: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if check() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    check()
 }
