@@ -46,11 +46,18 @@ fn default_image() -> String {
     DEFAULT_IMAGE.to_owned()
 }
 
-/// What happened to this At so far, written only by the operator.
+fn pending() -> Phase {
+    Phase::Pending
+}
+
+/// What happened to this At so far, written only by the operator. Defaults to `PENDING`: the
+/// apiserver drops status sent on create, and this schema default shows on every read.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("default" = {"phase": "PENDING"}))]
 pub struct AtStatus {
     /// `PENDING` until the schedule is due, `RUNNING` while the pod runs, `DONE` once it ended.
+    #[serde(default = "pending")]
     pub phase: Phase,
     /// Name of the pod that runs (or ran) the command.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -7,12 +7,14 @@ pub mod admin;
 pub mod api;
 pub mod cli;
 pub mod controller;
+pub mod defaulting;
 pub mod events;
 pub mod leader;
 pub mod pod;
 pub mod reconcile;
 pub mod schedule;
 pub mod telemetry;
+pub mod validation;
 
 use thiserror::Error;
 
