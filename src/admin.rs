@@ -17,21 +17,29 @@ pub struct Health {
     pub leadership: Arc<Leadership>,
     /// A leader that has not renewed for longer than this is stuck.
     pub lease_duration: Duration,
-    ready: AtomicBool,
+    webhooks_serving: AtomicBool,
+    shutting_down: AtomicBool,
 }
 
 impl Health {
-    pub fn new(leadership: Arc<Leadership>, lease_duration: Duration) -> Self {
+    /// Not ready until `set_webhooks_serving`, unless this replica serves no webhooks.
+    pub fn new(leadership: Arc<Leadership>, lease_duration: Duration, webhooks: bool) -> Self {
         Health {
             leadership,
             lease_duration,
-            ready: AtomicBool::new(true),
+            webhooks_serving: AtomicBool::new(!webhooks),
+            shutting_down: AtomicBool::new(false),
         }
+    }
+
+    /// The webhook server listens with a loaded certificate.
+    pub fn set_webhooks_serving(&self) {
+        self.webhooks_serving.store(true, Ordering::SeqCst);
     }
 
     /// Shutting down: report not ready so the endpoint is taken out of Services.
     pub fn set_not_ready(&self) {
-        self.ready.store(false, Ordering::SeqCst);
+        self.shutting_down.store(true, Ordering::SeqCst);
     }
 
     fn liveness(&self) -> Result<(), String> {
@@ -45,10 +53,12 @@ impl Health {
     }
 
     fn readiness(&self) -> Result<(), String> {
-        if self.ready.load(Ordering::SeqCst) {
-            Ok(())
-        } else {
+        if self.shutting_down.load(Ordering::SeqCst) {
             Err("shutting down".into())
+        } else if !self.webhooks_serving.load(Ordering::SeqCst) {
+            Err("the webhook server is not serving yet".into())
+        } else {
+            Ok(())
         }
     }
 }
@@ -95,6 +105,7 @@ mod tests {
         Arc::new(Health::new(
             Arc::new(Leadership::default()),
             Duration::from_secs(15),
+            false,
         ))
     }
 
@@ -119,6 +130,25 @@ mod tests {
         assert_eq!(get(&health, "/readyz").await.0, StatusCode::OK);
         health.leadership.set_leading(false);
         assert_eq!(get(&health, "/healthz").await.0, StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn readiness_waits_for_the_webhook_server() {
+        let health = Arc::new(Health::new(
+            Arc::new(Leadership::default()),
+            Duration::from_secs(15),
+            true,
+        ));
+        let (status, body) = get(&health, "/readyz").await;
+        assert_eq!(
+            (status, body.as_str()),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the webhook server is not serving yet\n"
+            )
+        );
+        health.set_webhooks_serving();
+        assert_eq!(get(&health, "/readyz").await.0, StatusCode::OK);
     }
 
     #[tokio::test]

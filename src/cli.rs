@@ -1,8 +1,9 @@
 //! Command-line interface. Every flag of `cnat run` can also be set by a `CNAT_*` variable.
 
 use crate::leader::Timing;
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(Debug, Parser)]
@@ -22,6 +23,33 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Print the At CustomResourceDefinition as YAML (pipe to `kubectl apply -f -`).
     Crd,
+    /// Check At manifests with the validating webhook's rules; exits 1 if any is invalid.
+    Check(CheckArgs),
+    /// Write a development CA and webhook serving certificate (ca.crt, tls.crt, tls.key).
+    Certs(CertsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    /// Manifest files or directories (searched for .yaml, .yml, .json), or - for standard input.
+    #[arg(short = 'f', long = "filename", required = true)]
+    pub files: Vec<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct CertsArgs {
+    /// Directory to write ca.crt, tls.crt and tls.key into.
+    #[arg(long, default_value = "certs/dev")]
+    pub out_dir: PathBuf,
+    /// Name of the webhook Service; the certificate is for <service>.<namespace>.svc.
+    #[arg(long, default_value = "cnat-webhook")]
+    pub service: String,
+    /// Namespace of the webhook Service.
+    #[arg(long, default_value = "cnat-system")]
+    pub namespace: String,
+    /// How long the certificates are valid.
+    #[arg(long, default_value_t = 365)]
+    pub days: u32,
 }
 
 #[derive(Debug, Args)]
@@ -46,6 +74,26 @@ pub struct RunArgs {
     /// Address of the plain-HTTP admin server (/healthz, /readyz).
     #[arg(long, env = "CNAT_ADMIN_ADDR", default_value = "0.0.0.0:8080")]
     pub admin_addr: SocketAddr,
+
+    /// Serve the admission webhooks (every replica does, leader or not).
+    #[arg(long, env = "CNAT_WEBHOOKS", default_value_t = true, action = ArgAction::Set)]
+    pub webhooks: bool,
+
+    /// Address of the HTTPS webhook server.
+    #[arg(long, env = "CNAT_WEBHOOK_ADDR", default_value = "0.0.0.0:8443")]
+    pub webhook_addr: SocketAddr,
+
+    /// PEM certificate chain the webhook server presents (a mounted Secret's tls.crt).
+    #[arg(long, env = "CNAT_TLS_CERT", default_value = "/etc/cnat/tls/tls.crt")]
+    pub tls_cert: PathBuf,
+
+    /// PEM private key of that certificate (the Secret's tls.key).
+    #[arg(long, env = "CNAT_TLS_KEY", default_value = "/etc/cnat/tls/tls.key")]
+    pub tls_key: PathBuf,
+
+    /// How often to look for a renewed certificate; new connections get it without a restart.
+    #[arg(long, env = "CNAT_TLS_RELOAD_INTERVAL", default_value = "10s", value_parser = duration)]
+    pub tls_reload_interval: Duration,
 
     /// Name of the coordination.k8s.io/v1 Lease the replicas compete for.
     #[arg(long, env = "CNAT_LEASE_NAME", default_value = "cnat")]

@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod api;
+pub mod check;
 pub mod cli;
 pub mod controller;
 pub mod defaulting;
@@ -14,7 +15,9 @@ pub mod pod;
 pub mod reconcile;
 pub mod schedule;
 pub mod telemetry;
+pub mod tls;
 pub mod validation;
+pub mod webhook;
 
 use thiserror::Error;
 

@@ -1,17 +1,21 @@
 //! `cnat`: parses the command line, wires the pieces of `cnat run` together, and shuts them down
 //! in order on SIGTERM or SIGINT.
 
+use axum_server::tls_rustls::RustlsConfig;
 use clap::Parser;
 use cnat::admin::{self, Health};
-use cnat::cli::{Cli, Command, RunArgs};
+use cnat::cli::{CertsArgs, CheckArgs, Cli, Command, RunArgs};
 use cnat::events::EventSink;
 use cnat::leader::{self, Leadership};
-use cnat::{api, controller, telemetry};
+use cnat::tls::{self, CertFiles};
+use cnat::{api, controller, telemetry, webhook};
 use kube::runtime::events::{Recorder, Reporter};
 use std::future::IntoFuture;
+use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
 use tokio::signal::unix::{signal, SignalKind};
+use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, timeout, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -23,6 +27,8 @@ async fn main() -> ExitCode {
             print!("{}", api::crd_yaml());
             ExitCode::SUCCESS
         }
+        Command::Check(args) => check(args),
+        Command::Certs(args) => certs(args),
         Command::Run(args) => match run(*args).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
@@ -33,7 +39,51 @@ async fn main() -> ExitCode {
     }
 }
 
-/// Every replica serves the admin endpoints; the Lease holder also reconciles.
+/// `cnat check`: problems on stdout, a summary on stderr, exit 1 if any At is invalid.
+fn check(args: CheckArgs) -> ExitCode {
+    let report = cnat::check::check_paths(&args.files, std::io::stdin());
+    for problem in &report.problems {
+        println!("{problem}");
+    }
+    eprintln!(
+        "checked {} At(s): {} problem(s)",
+        report.checked,
+        report.problems.len()
+    );
+    if report.ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// `cnat certs`: a development CA and serving certificate.
+fn certs(args: CertsArgs) -> ExitCode {
+    let written = tls::generate(&args.service, &args.namespace, args.days)
+        .and_then(|c| c.write(&args.out_dir));
+    match written {
+        Ok(files) => {
+            let dir = args.out_dir.display();
+            println!(
+                "wrote {dir}/ca.crt, {} and {}",
+                files.cert.display(),
+                files.key.display()
+            );
+            println!(
+                "serving certificate for {}.{}.svc (and localhost), valid {} days",
+                args.service, args.namespace, args.days
+            );
+            println!("caBundle for the webhook configurations: base64 -w0 {dir}/ca.crt");
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("cnat certs: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Every replica serves the admin endpoints and the webhooks; the Lease holder also reconciles.
 async fn run(args: RunArgs) -> Result<(), String> {
     telemetry::init(args.log_format, &args.log)
         .map_err(|e| format!("--log / CNAT_LOG {:?}: {e}", args.log))?;
@@ -60,7 +110,11 @@ async fn run(args: RunArgs) -> Result<(), String> {
     let shutdown = CancellationToken::new();
     tokio::spawn(on_signal(shutdown.clone()));
     let leadership = Arc::new(Leadership::default());
-    let health = Arc::new(Health::new(leadership.clone(), timing.lease_duration));
+    let health = Arc::new(Health::new(
+        leadership.clone(),
+        timing.lease_duration,
+        args.webhooks,
+    ));
     let listener = tokio::net::TcpListener::bind(args.admin_addr)
         .await
         .map_err(|e| format!("--admin-addr {}: {e}", args.admin_addr))?;
@@ -70,6 +124,12 @@ async fn run(args: RunArgs) -> Result<(), String> {
             .with_graceful_shutdown(close_servers.clone().cancelled_owned())
             .into_future(),
     );
+
+    let webhooks = match args.webhooks {
+        true => Some(start_webhooks(&args, close_servers.clone()).await?),
+        false => None,
+    };
+    health.set_webhooks_serving();
 
     let reporter = Reporter {
         controller: "cnat".into(),
@@ -114,6 +174,10 @@ async fn run(args: RunArgs) -> Result<(), String> {
         sleep_until(signalled + args.shutdown_delay).await;
         // 3. finish requests in flight and close keep-alive connections.
         close_servers.cancel();
+        if let Some((server, handle)) = webhooks {
+            handle.graceful_shutdown(None);
+            let _ = server.await;
+        }
         let _ = admin.await;
     };
     match timeout(args.shutdown_timeout, graceful).await {
@@ -123,6 +187,43 @@ async fn run(args: RunArgs) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Starts the HTTPS webhook server and its certificate reloader; returns once it listens.
+async fn start_webhooks(
+    args: &RunArgs,
+    stop_reloading: CancellationToken,
+) -> Result<
+    (
+        JoinHandle<std::io::Result<()>>,
+        axum_server::Handle<SocketAddr>,
+    ),
+    String,
+> {
+    let files = CertFiles {
+        cert: args.tls_cert.clone(),
+        key: args.tls_key.clone(),
+    };
+    let config = tls::server_config(&files)
+        .map_err(|e| format!("webhook certificate (--tls-cert, --tls-key): {e}"))?;
+    let config = RustlsConfig::from_config(config);
+    tokio::spawn(tls::reload_on_change(
+        files,
+        config.clone(),
+        args.tls_reload_interval,
+        stop_reloading,
+    ));
+    let handle = axum_server::Handle::new();
+    let server = tokio::spawn(webhook::serve(args.webhook_addr, config, handle.clone()));
+    if handle.listening().await.is_none() {
+        let why = match server.await {
+            Ok(Err(error)) => error.to_string(),
+            other => format!("{other:?}"),
+        };
+        return Err(format!("--webhook-addr {}: {why}", args.webhook_addr));
+    }
+    info!(addr = %args.webhook_addr, "serving admission webhooks");
+    Ok((server, handle))
 }
 
 /// Cancels `shutdown` on the first SIGTERM or SIGINT.

@@ -1,0 +1,281 @@
+//! TLS for the webhook server. The certificate and key come from files (a mounted Secret) and are
+//! reloaded when their contents change; Secret volumes change by symlink swap, which a re-read
+//! follows. New connections get the new certificate; open ones keep theirs. Also creates a
+//! development CA and serving certificate (`cnat certs`).
+
+use axum_server::tls_rustls::RustlsConfig;
+use chrono::{Datelike, Utc};
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::ServerConfig;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use thiserror::Error;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// Where the serving certificate chain and its key are.
+#[derive(Debug, Clone)]
+pub struct CertFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// Why a certificate could not be loaded or made. Messages name the file and the fix.
+#[derive(Debug, Error)]
+pub enum TlsError {
+    #[error("{path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: no PEM certificate found (expected a file starting with -----BEGIN CERTIFICATE-----)")]
+    NoCertificate { path: PathBuf },
+    #[error("{path}: no usable PEM private key ({reason})")]
+    Key { path: PathBuf, reason: String },
+    #[error("certificate {cert} and key {key} do not form a usable TLS identity: {source}")]
+    Config {
+        cert: PathBuf,
+        key: PathBuf,
+        source: rustls::Error,
+    },
+    #[error("generating a certificate: {0}")]
+    Generate(#[from] rcgen::Error),
+    #[error("{path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// A server config for `files`: TLS 1.2 or 1.3, HTTP/1.1 (what kube-apiserver speaks to webhooks).
+pub fn server_config(files: &CertFiles) -> Result<Arc<ServerConfig>, TlsError> {
+    let (cert_pem, key_pem) = (read(&files.cert)?, read(&files.key)?);
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
+        .filter_map(Result::ok)
+        .collect();
+    if chain.is_empty() {
+        return Err(TlsError::NoCertificate {
+            path: files.cert.clone(),
+        });
+    }
+    let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| TlsError::Key {
+        path: files.key.clone(),
+        reason: e.to_string(),
+    })?;
+    let config_error = |source| TlsError::Config {
+        cert: files.cert.clone(),
+        key: files.key.clone(),
+        source,
+    };
+    let mut config =
+        ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+            .map_err(config_error)?
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .map_err(config_error)?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Reloads `config` from `files` whenever their contents change, checking every `interval`,
+/// until `stop`. A broken new pair is reported and the previous certificate kept.
+pub async fn reload_on_change(
+    files: CertFiles,
+    config: RustlsConfig,
+    interval: Duration,
+    stop: CancellationToken,
+) {
+    let contents = |files: &CertFiles| {
+        (
+            std::fs::read(&files.cert).ok(),
+            std::fs::read(&files.key).ok(),
+        )
+    };
+    let mut loaded = contents(&files);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let current = contents(&files);
+        if current == loaded {
+            continue;
+        }
+        match server_config(&files) {
+            Ok(new) => {
+                config.reload_from_config(new);
+                loaded = current;
+                info!(cert = %files.cert.display(), "reloaded the webhook certificate");
+            }
+            Err(error) => {
+                warn!(%error, "the webhook certificate changed but cannot be used; keeping the previous one")
+            }
+        }
+    }
+}
+
+/// A development CA and a serving certificate it signed, as PEM.
+pub struct DevCerts {
+    pub ca_cert: String,
+    pub cert: String,
+    pub key: String,
+}
+
+/// Makes a CA and a serving certificate for the webhook Service `service` in `namespace` (the
+/// name kube-apiserver checks is `<service>.<namespace>.svc`), also valid for localhost.
+pub fn generate(service: &str, namespace: &str, days: u32) -> Result<DevCerts, TlsError> {
+    let until = Utc::now() + chrono::Duration::days(days.into());
+    let not_after = rcgen::date_time_ymd(until.year(), until.month() as u8, until.day() as u8);
+    let yesterday = Utc::now() - chrono::Duration::days(1);
+    let not_before = rcgen::date_time_ymd(
+        yesterday.year(),
+        yesterday.month() as u8,
+        yesterday.day() as u8,
+    );
+
+    let ca_key = KeyPair::generate()?;
+    let mut ca = CertificateParams::new(Vec::<String>::new())?;
+    ca.distinguished_name
+        .push(DnType::CommonName, "cnat webhook CA");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    (ca.not_before, ca.not_after) = (not_before, not_after);
+    let ca_cert = ca.self_signed(&ca_key)?;
+
+    let dns = format!("{service}.{namespace}.svc");
+    let names = vec![
+        dns.clone(),
+        format!("{dns}.cluster.local"),
+        format!("{service}.{namespace}"),
+        service.to_owned(),
+        "localhost".to_owned(),
+        "127.0.0.1".to_owned(),
+    ];
+    let key = KeyPair::generate()?;
+    let mut serving = CertificateParams::new(names)?;
+    serving.distinguished_name.push(DnType::CommonName, dns);
+    serving.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    serving.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    (serving.not_before, serving.not_after) = (not_before, not_after);
+    let cert = serving.signed_by(&key, &Issuer::new(ca, ca_key))?;
+    Ok(DevCerts {
+        ca_cert: ca_cert.pem(),
+        cert: cert.pem(),
+        key: key.serialize_pem(),
+    })
+}
+
+impl DevCerts {
+    /// Writes `ca.crt`, `tls.crt` and `tls.key` (the key readable by the owner only) into `dir`.
+    pub fn write(&self, dir: &Path) -> Result<CertFiles, TlsError> {
+        let write = |name: &str, contents: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, contents).map_err(|source| TlsError::Write {
+                path: path.clone(),
+                source,
+            })?;
+            Ok::<_, TlsError>(path)
+        };
+        std::fs::create_dir_all(dir).map_err(|source| TlsError::Write {
+            path: dir.to_owned(),
+            source,
+        })?;
+        write("ca.crt", &self.ca_cert)?;
+        let cert = write("tls.crt", &self.cert)?;
+        let key = write("tls.key", &self.key)?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).map_err(
+            |source| TlsError::Write {
+                path: key.clone(),
+                source,
+            },
+        )?;
+        Ok(CertFiles { cert, key })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("cnat-tls-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn generated_certificates_load() {
+        let dir = temp_dir("load");
+        let files = generate("cnat-webhook", "cnat-system", 30)
+            .unwrap()
+            .write(&dir)
+            .unwrap();
+        let config = server_config(&files).unwrap();
+        assert_eq!(config.alpn_protocols, [b"http/1.1".to_vec()]);
+        let mode = std::fs::metadata(&files.key).unwrap().permissions();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
+            0o600
+        );
+    }
+
+    #[test]
+    fn bad_files_say_which_file_and_what_is_wrong() {
+        let dir = temp_dir("bad");
+        let files = generate("s", "ns", 1).unwrap().write(&dir).unwrap();
+        let missing = CertFiles {
+            cert: dir.join("nope.crt"),
+            key: files.key.clone(),
+        };
+        let err = server_config(&missing).unwrap_err().to_string();
+        assert!(
+            err.contains("nope.crt") && err.contains("No such file"),
+            "{err}"
+        );
+
+        std::fs::write(dir.join("garbage.crt"), "hello").unwrap();
+        let garbage = CertFiles {
+            cert: dir.join("garbage.crt"),
+            key: files.key.clone(),
+        };
+        assert!(server_config(&garbage)
+            .unwrap_err()
+            .to_string()
+            .contains("no PEM certificate found"));
+
+        let swapped = CertFiles {
+            cert: files.cert.clone(),
+            key: files.cert.clone(),
+        };
+        assert!(server_config(&swapped)
+            .unwrap_err()
+            .to_string()
+            .contains("no usable PEM private key"));
+
+        let other = generate("s", "ns", 1)
+            .unwrap()
+            .write(&dir.join("other"))
+            .unwrap();
+        let mismatched = CertFiles {
+            cert: files.cert.clone(),
+            key: other.key,
+        };
+        let err = server_config(&mismatched).unwrap_err().to_string();
+        assert!(err.contains("do not form a usable TLS identity"), "{err}");
+    }
+}

@@ -1,0 +1,458 @@
+//! The admission webhooks over real TLS: an in-process server with a generated CA, a real HTTPS
+//! client trusting only that CA, and the AdmissionReview requests kube-apiserver v1.24 sent
+//! (tests/fixtures/admission-review-k8s-1.24).
+
+use axum_server::tls_rustls::RustlsConfig;
+use base64::Engine;
+use bytes::Bytes;
+use cnat::tls::{self, CertFiles};
+use cnat::webhook;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+type Https = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+struct Server {
+    addr: SocketAddr,
+    handle: axum_server::Handle<SocketAddr>,
+    dir: PathBuf,
+    files: CertFiles,
+    config: RustlsConfig,
+}
+
+async fn server(name: &str) -> Server {
+    let dir = std::env::temp_dir().join(format!("cnat-webhook-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let files = tls::generate("cnat-webhook", "cnat-system", 1)
+        .unwrap()
+        .write(&dir)
+        .unwrap();
+    let config = RustlsConfig::from_config(tls::server_config(&files).unwrap());
+    let handle = axum_server::Handle::new();
+    tokio::spawn(webhook::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        config.clone(),
+        handle.clone(),
+    ));
+    let addr = handle.listening().await.expect("listening");
+    Server {
+        addr,
+        handle,
+        dir,
+        files,
+        config,
+    }
+}
+
+/// An HTTPS client that trusts only the CA in `ca`, restricted to `versions`.
+fn client(ca: &Path, versions: &[&'static rustls::SupportedProtocolVersion]) -> Https {
+    let mut roots = rustls::RootCertStore::empty();
+    let pem = std::fs::read(ca).unwrap();
+    for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(&pem) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(versions)
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(config)
+        .https_only()
+        .enable_http1()
+        .build();
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
+fn trusting(server: &Server) -> Https {
+    client(&server.dir.join("ca.crt"), rustls::DEFAULT_VERSIONS)
+}
+
+async fn post(
+    client: &Https,
+    addr: SocketAddr,
+    path: &str,
+    body: Vec<u8>,
+) -> Result<(u16, Vec<u8>), String> {
+    let request = http::Request::post(format!("https://localhost:{}{path}", addr.port()))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let response = client
+        .request(request)
+        .await
+        .map_err(|e| format!("{e:?}"))?;
+    let status = response.status().as_u16();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    Ok((status, body.to_vec()))
+}
+
+/// A captured request: its path (with `?timeout=10s`) and its AdmissionReview.
+fn fixture(name: &str) -> (String, Value) {
+    let path = format!(
+        "{}/tests/fixtures/admission-review-k8s-1.24/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let capture: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    (
+        capture["path"].as_str().unwrap().to_owned(),
+        capture["review"].clone(),
+    )
+}
+
+/// Posts `review` and returns the AdmissionReview response, checking the envelope and the uid.
+async fn review(client: &Https, addr: SocketAddr, path: &str, review: &Value) -> Value {
+    let (status, body) = post(client, addr, path, serde_json::to_vec(review).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let answer: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(answer["apiVersion"], "admission.k8s.io/v1");
+    assert_eq!(answer["kind"], "AdmissionReview");
+    assert_eq!(
+        answer["response"]["uid"], review["request"]["uid"],
+        "the uid must be echoed"
+    );
+    answer["response"].clone()
+}
+
+/// The object after applying the response's JSON patch.
+fn patched(request: &Value, response: &Value) -> Value {
+    let mut object = request["request"]["object"].clone();
+    if let Some(encoded) = response["patch"].as_str() {
+        assert_eq!(response["patchType"], "JSONPatch");
+        // The API's []byte: a base64 string, not an array of numbers.
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(encoded)
+            .unwrap();
+        let patch: json_patch::Patch = serde_json::from_slice(&bytes).unwrap();
+        json_patch::patch(&mut object, &patch).unwrap();
+    }
+    object
+}
+
+#[tokio::test]
+async fn every_captured_request_is_answered_with_its_uid() {
+    let server = server("fixtures").await;
+    let client = trusting(&server);
+    // (fixture, allowed, what the object looks like after mutation)
+    for (name, allowed) in [
+        ("mutating-create.json", true),
+        ("validating-create.json", true),
+        ("mutating-create-dryrun.json", true),
+        ("validating-create-dryrun.json", false),
+        ("mutating-update.json", true),
+        ("validating-update.json", true),
+        ("mutating-update-status.json", true),
+        ("validating-update-status.json", true),
+        ("mutating-delete.json", true),
+        ("validating-delete.json", true),
+    ] {
+        let (path, request) = fixture(name);
+        let response = review(&client, server.addr, &path, &request).await;
+        assert_eq!(response["allowed"], allowed, "{name}: {response}");
+    }
+}
+
+#[tokio::test]
+async fn the_mutating_webhook_defaults_the_image_and_the_phase_idempotently() {
+    let server = server("mutate").await;
+    let client = trusting(&server);
+    let (path, mut request) = fixture("mutating-create.json");
+    request["request"]["object"]
+        .as_object_mut()
+        .unwrap()
+        .remove("status");
+    let response = review(&client, server.addr, &path, &request).await;
+    let object = patched(&request, &response);
+    assert_eq!(
+        object["spec"],
+        json!({"command": "echo YAY", "schedule": "2019-04-12T10:12:00Z", "image": "busybox"})
+    );
+    assert_eq!(object["status"], json!({"phase": "PENDING"}));
+
+    // Reinvocation on the mutated object patches nothing.
+    request["request"]["object"] = object;
+    let again = review(&client, server.addr, &path, &request).await;
+    assert_eq!(again["allowed"], true);
+    assert!(again.get("patch").is_none(), "{again}");
+
+    // A status write without a phase gets PENDING; the spec is left alone.
+    let (path, mut status) = fixture("mutating-update-status.json");
+    status["request"]["object"]["status"] = json!({"message": "hi"});
+    let response = review(&client, server.addr, &path, &status).await;
+    let object = patched(&status, &response);
+    assert_eq!(
+        object["status"],
+        json!({"message": "hi", "phase": "PENDING"})
+    );
+    assert_eq!(object["spec"], status["request"]["object"]["spec"]);
+}
+
+#[tokio::test]
+async fn bad_schedules_are_denied_with_the_fix() {
+    let server = server("schedules").await;
+    let client = trusting(&server);
+    let (path, base) = fixture("validating-create.json");
+    let huge = "9".repeat(100_000);
+    for (schedule, allowed) in [
+        ("2019-04-12T10:12:00Z", true),
+        ("2019-04-12T12:12:00+02:00", true),
+        ("2019-04-12T10:12:00.123456Z", true),
+        ("2016-12-31T23:59:60Z", true),
+        ("2024-02-29T00:00:00Z", true),
+        ("2023-02-29T00:00:00Z", false),
+        ("2019-04-12T10:12:00", false),
+        ("tomorrow noon", false),
+        ("", false),
+        ("   ", false),
+        (huge.as_str(), false),
+    ] {
+        let mut request = base.clone();
+        request["request"]["object"]["spec"]["schedule"] = schedule.into();
+        let response = review(&client, server.addr, &path, &request).await;
+        assert_eq!(response["allowed"], allowed, "{:.40}: {response}", schedule);
+        if !allowed {
+            let message = response["status"]["message"].as_str().unwrap();
+            assert!(
+                message.starts_with("At capture/example-at is invalid: spec.schedule"),
+                "{message:.200}"
+            );
+            assert!(
+                message.contains("2019-04-12T10:12:00Z") && message.len() < 400,
+                "{message:.200}"
+            );
+        }
+    }
+    let (path, request) = fixture("validating-create-dryrun.json");
+    let response = review(&client, server.addr, &path, &request).await;
+    assert_eq!(
+        response["status"]["message"],
+        r#"At capture/dry is invalid: spec.schedule: "tomorrow" is not an RFC 3339 time (expected e.g. 2019-04-12T10:12:00Z)"#
+    );
+}
+
+#[tokio::test]
+async fn several_problems_are_reported_together() {
+    let server = server("problems").await;
+    let client = trusting(&server);
+    let (path, mut request) = fixture("validating-create.json");
+    let object = &mut request["request"]["object"];
+    object["spec"] = json!({"schedule": "noon", "command": " ", "image": "Not/An Image"});
+    let response = review(&client, server.addr, &path, &request).await;
+    let message = response["status"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("At capture/example-at has 3 problems:\n- spec.schedule"),
+        "{message}"
+    );
+    assert!(
+        message.contains("\n- spec.command") && message.contains("\n- spec.image"),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn a_started_at_cannot_change_and_its_phase_cannot_go_back() {
+    let server = server("immutable").await;
+    let client = trusting(&server);
+    let (path, mut request) = fixture("validating-update.json");
+    request["request"]["oldObject"]["status"] = json!({"phase": "RUNNING"});
+    let response = review(&client, server.addr, &path, &request).await;
+    assert_eq!(response["allowed"], false);
+    let message = response["status"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("spec: cannot change once the At is RUNNING"),
+        "{message}"
+    );
+
+    let (path, mut request) = fixture("validating-update-status.json");
+    request["request"]["oldObject"]["status"] = json!({"phase": "DONE"});
+    let response = review(&client, server.addr, &path, &request).await;
+    assert_eq!(response["allowed"], false);
+    assert!(response["status"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("cannot go back from DONE to RUNNING"));
+}
+
+#[tokio::test]
+async fn bad_bodies_get_clear_answers_and_the_server_keeps_serving() {
+    let server = server("bad").await;
+    let client = trusting(&server);
+    let (path, request) = fixture("validating-create.json");
+    for (body, expected) in [
+        (
+            b"{not json".to_vec(),
+            "not an admission.k8s.io/v1 AdmissionReview",
+        ),
+        (
+            b"{\"kind\": \"Pod\"}".to_vec(),
+            "not an admission.k8s.io/v1 AdmissionReview",
+        ),
+        (
+            serde_json::to_vec(
+                &json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}),
+            )
+            .unwrap(),
+            "has no request",
+        ),
+    ] {
+        let (status, answer) = post(&client, server.addr, &path, body).await.unwrap();
+        assert_eq!(status, 400);
+        assert!(
+            String::from_utf8_lossy(&answer).contains(expected),
+            "{}",
+            String::from_utf8_lossy(&answer)
+        );
+    }
+    let (status, _) = post(
+        &client,
+        server.addr,
+        &path,
+        vec![b' '; webhook::MAX_BODY + 1],
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 413);
+
+    // Not an At: denied with a message that points at the webhook's rules; uid still echoed.
+    let mut pod = request.clone();
+    pod["request"]["kind"] = json!({"group": "", "version": "v1", "kind": "Pod"});
+    let response = review(&client, server.addr, &path, &pod).await;
+    assert_eq!(response["allowed"], false);
+    assert!(response["status"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("check the webhook's rules"));
+
+    // An At that does not even decode as one.
+    let mut broken = request.clone();
+    broken["request"]["object"]["spec"] = json!({"schedule": 42});
+    let response = review(&client, server.addr, &path, &broken).await;
+    assert!(response["status"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("the object is not a valid At"));
+
+    assert_eq!(
+        review(&client, server.addr, &path, &request).await["allowed"],
+        true
+    );
+}
+
+#[tokio::test]
+async fn tls_1_2_and_1_3_are_served_over_http_1_1() {
+    let server = server("versions").await;
+    let (path, request) = fixture("validating-create.json");
+    for version in [&rustls::version::TLS12, &rustls::version::TLS13] {
+        let client = client(&server.dir.join("ca.crt"), &[version]);
+        assert_eq!(
+            review(&client, server.addr, &path, &request).await["allowed"],
+            true,
+            "{version:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_rotated_certificate_is_served_without_a_restart_or_dropped_connections() {
+    let server = server("rotate").await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(tls::reload_on_change(
+        server.files.clone(),
+        server.config.clone(),
+        Duration::from_millis(50),
+        stop.clone(),
+    ));
+    let (path, request) = fixture("validating-create.json");
+    let old_ca = server.dir.join("ca.crt");
+    let kept = client(&old_ca, rustls::DEFAULT_VERSIONS);
+    assert_eq!(
+        review(&kept, server.addr, &path, &request).await["allowed"],
+        true
+    );
+    assert_eq!(server.handle.connection_count(), 1);
+
+    // Rotate like a Secret volume does: new files swapped in under the same names.
+    let new_dir = server.dir.join("rotated");
+    tls::generate("cnat-webhook", "cnat-system", 1)
+        .unwrap()
+        .write(&new_dir)
+        .unwrap();
+    for file in ["tls.crt", "tls.key"] {
+        let staged = server.dir.join(format!(".{file}.new"));
+        std::fs::copy(new_dir.join(file), &staged).unwrap();
+        std::fs::rename(&staged, server.dir.join(file)).unwrap();
+    }
+    let fresh = client(&new_dir.join("ca.crt"), rustls::DEFAULT_VERSIONS);
+    let mut served = false;
+    for _ in 0..100 {
+        if post(
+            &fresh,
+            server.addr,
+            &path,
+            serde_json::to_vec(&request).unwrap(),
+        )
+        .await
+        .is_ok()
+        {
+            served = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(served, "the new certificate was never served");
+    // The connection opened before the rotation still works...
+    assert_eq!(
+        review(&kept, server.addr, &path, &request).await["allowed"],
+        true
+    );
+    // ...but new connections present the new certificate only.
+    let stranger = client(&old_ca, rustls::DEFAULT_VERSIONS);
+    let err = post(
+        &stranger,
+        server.addr,
+        &path,
+        serde_json::to_vec(&request).unwrap(),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.contains("InvalidCertificate"), "{err}");
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn a_client_that_never_finishes_its_handshake_is_dropped() {
+    use tokio::io::AsyncReadExt;
+    let server = server("slowloris").await;
+    let mut idle = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let mut buf = [0u8; 16];
+    let closed = tokio::time::timeout(
+        webhook::HANDSHAKE_TIMEOUT + Duration::from_secs(2),
+        idle.read(&mut buf),
+    )
+    .await;
+    assert!(
+        matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+        "still open: {closed:?}"
+    );
+    // And the server still serves others.
+    let (path, request) = fixture("validating-create.json");
+    assert_eq!(
+        review(&trusting(&server), server.addr, &path, &request).await["allowed"],
+        true
+    );
+}
