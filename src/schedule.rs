@@ -42,14 +42,19 @@ pub fn until_due(due: DateTime<Utc>, now: DateTime<Utc>) -> Option<Duration> {
     (due - now).to_std().ok().filter(|left| !left.is_zero())
 }
 
-/// Quotes a user value for a message, shortened to `MAX_QUOTED` characters.
+/// Quotes a user value for a message, escaped, and shortened to about `MAX_QUOTED` characters
+/// of escaped text (escaping can make one character ten).
 fn quote(raw: &str) -> String {
-    let mut chars = raw.chars();
-    let head: String = chars.by_ref().take(MAX_QUOTED).collect();
-    if chars.next().is_some() {
-        format!("{head:?}… ({} characters)", raw.chars().count())
+    let mut shown = String::new();
+    let mut rest = raw.chars();
+    while shown.chars().count() < MAX_QUOTED {
+        let Some(c) = rest.next() else { break };
+        shown.extend(c.escape_debug());
+    }
+    if rest.as_str().is_empty() {
+        format!("\"{shown}\"")
     } else {
-        format!("{head:?}")
+        format!("\"{shown}\"… ({} characters)", raw.chars().count())
     }
 }
 

@@ -64,15 +64,40 @@ fn sigterm(child: &Child) {
     assert!(status.success());
 }
 
+/// `cnat certs` into a fresh directory; returns the --tls-cert and --tls-key flags.
+fn dev_certs(name: &str) -> [String; 2] {
+    let dir = std::env::temp_dir().join(format!("cnat-certs-{name}-{}", std::process::id()));
+    let output = Command::new(env!("CARGO_BIN_EXE_cnat"))
+        .args(["certs", "--out-dir", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("cnat-webhook.cnat-system.svc"), "{stdout}");
+    [
+        format!("--tls-cert={}/tls.crt", dir.display()),
+        format!("--tls-key={}/tls.key", dir.display()),
+    ]
+}
+
 #[tokio::test]
 async fn a_replica_leads_reconciles_and_shuts_down_in_order() {
     let server = ApiServer::new();
     let config = kubeconfig(server.serve_http().await, "lifecycle");
-    let admin = free_port();
+    let (admin, webhook) = (free_port(), free_port());
     let admin_flag = format!("--admin-addr={admin}");
+    let webhook_flag = format!("--webhook-addr={webhook}");
+    let [cert, key] = dev_certs("lifecycle");
     let mut child = cnat(
         &[
             &admin_flag,
+            &webhook_flag,
+            &cert,
+            &key,
             "--identity=cnat-0",
             "--lease-duration=3s",
             "--renew-deadline=2s",
@@ -129,6 +154,10 @@ async fn a_replica_leads_reconciles_and_shuts_down_in_order() {
     );
     // Still serving during the shutdown delay, so requests in flight to it succeed.
     assert_eq!(probe(admin, "/healthz"), Some(200));
+    assert!(
+        TcpStream::connect_timeout(&webhook, Duration::from_millis(200)).is_ok(),
+        "webhooks closed early"
+    );
 
     let exit = tokio::task::spawn_blocking(move || child.wait().unwrap())
         .await
@@ -140,6 +169,10 @@ async fn a_replica_leads_reconciles_and_shuts_down_in_order() {
         "{took:?}"
     );
     assert_eq!(probe(admin, "/healthz"), None, "admin server still up");
+    assert!(
+        TcpStream::connect_timeout(&webhook, Duration::from_millis(200)).is_err(),
+        "webhooks still up"
+    );
     let _ = std::fs::remove_file(config);
 }
 
@@ -173,6 +206,30 @@ fn invalid_timing_is_refused_before_anything_starts() {
         assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
         assert!(stderr.contains(message), "{args:?}: {stderr}");
     }
+}
+
+#[tokio::test]
+async fn a_missing_webhook_certificate_is_reported() {
+    let server = ApiServer::new();
+    let config = kubeconfig(server.serve_http().await, "nocert");
+    let flags = [
+        format!("--admin-addr={}", free_port()),
+        "--tls-cert=/nonexistent/tls.crt".to_owned(),
+    ];
+    let output = tokio::task::spawn_blocking(move || {
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        run_to_exit(&flags, &config)
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(
+            "webhook certificate (--tls-cert, --tls-key): /nonexistent/tls.crt: No such file"
+        ),
+        "{stderr}"
+    );
 }
 
 #[tokio::test]
