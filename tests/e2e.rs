@@ -51,7 +51,11 @@ async fn install_crd(client: &Client) {
 }
 
 async fn restricted_namespace(client: &Client) -> String {
-    let name = format!("cnat-e2e-{}", std::process::id());
+    restricted_namespace_named(client, &format!("cnat-e2e-{}", std::process::id())).await
+}
+
+async fn restricted_namespace_named(client: &Client, name: &str) -> String {
+    let name = name.to_owned();
     let ns: Namespace = serde_json::from_value(serde_json::json!({
         "metadata": {"name": name, "labels": {"pod-security.kubernetes.io/enforce": "restricted"}}
     }))
@@ -153,6 +157,22 @@ async fn ats_run_once_at_their_time_in_a_restricted_namespace() {
         (Some(Outcome::Failed), Some(3))
     );
     assert!(failed.message.unwrap().contains("about to fail"));
+
+    // Without any operator or webhook, a new At reads as PENDING (the CRD's status default).
+    let unwatched = restricted_namespace_named(&client, &format!("{ns}-unwatched")).await;
+    let elsewhere: Api<At> = Api::namespaced(client.clone(), &unwatched);
+    let fresh = elsewhere
+        .create(
+            &params,
+            &at("later", due + chrono::Duration::days(1), "true"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(fresh.status.map(|s| s.phase), Some(Phase::Pending));
+    Api::<Namespace>::all(client.clone())
+        .delete(&unwatched, &DeleteParams::default())
+        .await
+        .unwrap();
 
     let bad = ats.get("bad-schedule").await.unwrap().status.unwrap();
     assert_eq!(bad.phase, Phase::Pending);
