@@ -15,7 +15,7 @@ use axum_server::tls_rustls::{RustlsAcceptor, RustlsConfig};
 use axum_server::Handle;
 use base64::Engine;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
-use kube::core::DynamicObject;
+use kube::core::{DynamicObject, Resource};
 use std::net::SocketAddr;
 use std::time::Duration;
 use tracing::debug;
@@ -36,11 +36,11 @@ pub fn router() -> Router {
     Router::new()
         .route(
             VALIDATING_PATH,
-            post(|body: Bytes| async move { answer(&body, validate) }),
+            post(|body: Bytes| async move { respond(validating(&body)) }),
         )
         .route(
             MUTATING_PATH,
-            post(|body: Bytes| async move { answer(&body, mutate) }),
+            post(|body: Bytes| async move { respond(mutating(&body)) }),
         )
         .layer(DefaultBodyLimit::max(MAX_BODY))
 }
@@ -64,18 +64,16 @@ pub async fn serve(
     server.serve(router().into_make_service()).await
 }
 
-/// Decodes an AdmissionReview and answers it with `review`; 400 when it is not one.
-fn answer(
-    body: &[u8],
-    review: fn(&AdmissionRequest<DynamicObject>) -> AdmissionResponse,
-) -> Response {
-    match decode(body) {
-        Ok(request) => {
-            let response = review(&request);
-            debug!(uid = %request.uid, operation = ?request.operation, name = %request.name,
-                   allowed = response.allowed, reason = %response.result.message, "admission review");
-            let json = encode(response);
-            ([(header::CONTENT_TYPE, "application/json")], json).into_response()
+/// The HTTP answer: the AdmissionReview, or 400 with the reason the body is not one.
+fn respond(review: Result<AdmissionResponse, String>) -> Response {
+    match review {
+        Ok(response) => {
+            debug!(uid = %response.uid, allowed = response.allowed, reason = %response.result.message, "admission review");
+            (
+                [(header::CONTENT_TYPE, "application/json")],
+                encode(response),
+            )
+                .into_response()
         }
         Err(message) => (StatusCode::BAD_REQUEST, format!("{message}\n")).into_response(),
     }
@@ -84,6 +82,9 @@ fn answer(
 /// The AdmissionReview JSON for `response`. kube-core 4.2 writes `response.patch` as an array of
 /// numbers (kube-rs/kube#1781); the API's `[]byte` is a base64 string, so it is re-encoded.
 fn encode(response: AdmissionResponse) -> Vec<u8> {
+    if response.patch.is_none() {
+        return serde_json::to_vec(&response.into_review()).unwrap_or_default();
+    }
     let mut review = serde_json::to_value(response.into_review()).unwrap_or_default();
     if let Some(patch) = review.pointer_mut("/response/patch") {
         let bytes: Vec<u8> = serde_json::from_value(patch.take()).unwrap_or_default();
@@ -95,7 +96,7 @@ fn encode(response: AdmissionResponse) -> Vec<u8> {
 }
 
 /// The request inside an `admission.k8s.io/v1` AdmissionReview.
-pub fn decode(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, String> {
+fn decode(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, String> {
     let review: AdmissionReview<DynamicObject> = serde_json::from_slice(body)
         .map_err(|e| format!("the body is not an admission.k8s.io/v1 AdmissionReview: {e}"))?;
     review
@@ -103,31 +104,75 @@ pub fn decode(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, String> {
         .map_err(|_| "the AdmissionReview has no request".to_owned())
 }
 
-/// The validating webhook: denies an invalid At, a spec change after it started, and a status
-/// phase that goes back.
-pub fn validate(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
+/// The validating webhook for an AdmissionReview body: denies an invalid At, a spec change
+/// after it started, and a status phase that goes back. Bodies that hold an At decode straight
+/// into one (the fast path); anything else is decoded generically to say why it is refused.
+pub fn validating(body: &[u8]) -> Result<AdmissionResponse, String> {
+    let typed = serde_json::from_slice::<AdmissionReview<At>>(body)
+        .ok()
+        .and_then(|r| r.try_into().ok());
+    match typed {
+        Some(request) if concerns_ats(&request) => Ok(validate(&request)),
+        _ => decode(body).map(|request| refuse(&request)),
+    }
+}
+
+fn validate(request: &AdmissionRequest<At>) -> AdmissionResponse {
     let response = AdmissionResponse::from(request);
-    let at = match subject(request) {
-        Subject::Skip => return response,
-        Subject::Unreadable(why) => return response.deny(why),
-        Subject::At(at) => at,
+    let (true, Some(at)) = (writes(request), request.object.as_ref()) else {
+        return refuse_untyped(request, response);
     };
-    let old = request.old_object.as_ref().and_then(|o| as_at(o).ok());
-    let problems = if is_status(request) {
-        old.map(|old| validation::status_problems(&at, &old))
-            .unwrap_or_default()
-    } else {
-        validation::spec_problems(&at, old.as_ref())
+    let old = request.old_object.as_ref();
+    let problems = match (is_status(request), old) {
+        (true, Some(old)) => validation::status_problems(at, old),
+        (true, None) => Vec::new(),
+        (false, old) => validation::spec_problems(at, old),
     };
     if problems.is_empty() {
         response
     } else {
-        response.deny(validation::summary(&at, &problems))
+        response.deny(validation::summary(at, &problems))
     }
 }
 
-/// The mutating webhook: defaults `spec.image` and the phase, as an idempotent JSON patch.
-pub fn mutate(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
+/// A review the fast path could not take: not an At, or an At that does not decode as one.
+fn refuse(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
+    let response = AdmissionResponse::from(request);
+    if !concerns_ats(request) {
+        let kind = &request.kind;
+        return response.deny(format!(
+            "cnat reviews only {GROUP}/v1alpha1 At objects, not {}/{} {}; check the webhook's rules",
+            kind.group, kind.version, kind.kind
+        ));
+    }
+    match request.object.as_ref().filter(|_| writes(request)) {
+        Some(object) => match as_at(object) {
+            Ok(_) => response,
+            Err(why) => response.deny(why),
+        },
+        None => refuse_untyped(request, response),
+    }
+}
+
+/// Deletes and connects are not reviewed; a create or update without an object is refused.
+fn refuse_untyped<T: Resource>(
+    request: &AdmissionRequest<T>,
+    response: AdmissionResponse,
+) -> AdmissionResponse {
+    if writes(request) {
+        response.deny("the AdmissionReview has no object to review")
+    } else {
+        response
+    }
+}
+
+/// The mutating webhook for an AdmissionReview body: defaults `spec.image` and the phase, as an
+/// idempotent JSON patch. It works on the raw object, to see which fields are absent.
+pub fn mutating(body: &[u8]) -> Result<AdmissionResponse, String> {
+    decode(body).map(|request| mutate(&request))
+}
+
+fn mutate(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
     let response = AdmissionResponse::from(request);
     let Some(object) = request
         .object
@@ -156,41 +201,15 @@ pub fn mutate(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
     }
 }
 
-enum Subject {
-    /// Not a write of an At: nothing to check.
-    Skip,
-    /// An At that cannot be read as one, with the reason.
-    Unreadable(String),
-    At(At),
-}
-
-fn subject(request: &AdmissionRequest<DynamicObject>) -> Subject {
-    if !concerns_ats(request) {
-        let kind = &request.kind;
-        return Subject::Unreadable(format!(
-            "cnat reviews only {GROUP}/v1alpha1 At objects, not {}/{} {}; check the webhook's rules",
-            kind.group, kind.version, kind.kind
-        ));
-    }
-    match (writes(request), request.object.as_ref()) {
-        (false, _) => Subject::Skip,
-        (true, None) => Subject::Unreadable("the AdmissionReview has no object to review".into()),
-        (true, Some(object)) => match as_at(object) {
-            Ok(at) => Subject::At(at),
-            Err(why) => Subject::Unreadable(why),
-        },
-    }
-}
-
-fn concerns_ats(request: &AdmissionRequest<DynamicObject>) -> bool {
+fn concerns_ats<T: Resource>(request: &AdmissionRequest<T>) -> bool {
     request.kind.group == GROUP && request.kind.kind == "At"
 }
 
-fn writes(request: &AdmissionRequest<DynamicObject>) -> bool {
+fn writes<T: Resource>(request: &AdmissionRequest<T>) -> bool {
     matches!(request.operation, Operation::Create | Operation::Update)
 }
 
-fn is_status(request: &AdmissionRequest<DynamicObject>) -> bool {
+fn is_status<T: Resource>(request: &AdmissionRequest<T>) -> bool {
     request.sub_resource.as_deref() == Some("status")
 }
 
