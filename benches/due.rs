@@ -108,9 +108,26 @@ async fn run(n: usize) {
     let _ = std::fs::remove_file(kubeconfig);
 }
 
+/// The operator as in production: leader election and the webhooks on, logs at warn.
 fn spawn_operator(kubeconfig: &std::path::Path) -> Child {
+    let dir = kubeconfig.with_extension("certs");
+    let certs = Command::new(env!("CARGO_BIN_EXE_cnat"))
+        .args(["certs", "--out-dir", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(certs.status.success());
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+    };
     Command::new(env!("CARGO_BIN_EXE_cnat"))
         .args(["run", "--log-format", "text", "--log", "warn"])
+        .arg(format!("--admin-addr={}", free()))
+        .arg(format!("--webhook-addr={}", free()))
+        .arg(format!("--tls-cert={}", dir.join("tls.crt").display()))
+        .arg(format!("--tls-key={}", dir.join("tls.key").display()))
         .env("KUBECONFIG", kubeconfig)
         .env_remove("KUBERNETES_SERVICE_HOST")
         .stdout(Stdio::null())
