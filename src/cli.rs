@@ -27,6 +27,18 @@ pub enum Command {
     Check(CheckArgs),
     /// Write a development CA and webhook serving certificate (ca.crt, tls.crt, tls.key).
     Certs(CertsArgs),
+    /// Create an At due now and wait until it is DONE (what `helm test` runs).
+    SmokeTest(SmokeTestArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct SmokeTestArgs {
+    /// Namespace to create the At in [default: $POD_NAMESPACE, else the context's namespace].
+    #[arg(long, env = "CNAT_SMOKE_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// How long to wait for DONE (image pulls included).
+    #[arg(long, default_value = "180s", value_parser = duration)]
+    pub timeout: Duration,
 }
 
 #[derive(Debug, Args)]

@@ -14,6 +14,7 @@ pub mod leader;
 pub mod pod;
 pub mod reconcile;
 pub mod schedule;
+pub mod smoke_test;
 pub mod telemetry;
 pub mod tls;
 pub mod validation;

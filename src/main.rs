@@ -4,7 +4,7 @@
 use axum_server::tls_rustls::RustlsConfig;
 use clap::Parser;
 use cnat::admin::{self, Health};
-use cnat::cli::{CertsArgs, CheckArgs, Cli, Command, RunArgs};
+use cnat::cli::{CertsArgs, CheckArgs, Cli, Command, RunArgs, SmokeTestArgs};
 use cnat::events::EventSink;
 use cnat::leader::{self, Leadership};
 use cnat::tls::{self, CertFiles};
@@ -29,6 +29,7 @@ async fn main() -> ExitCode {
         }
         Command::Check(args) => check(args),
         Command::Certs(args) => certs(args),
+        Command::SmokeTest(args) => smoke_test(args).await,
         Command::Run(args) => match run(*args).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
@@ -54,6 +55,35 @@ fn check(args: CheckArgs) -> ExitCode {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    }
+}
+
+/// `cnat smoke-test`: one At through its whole life; exit 1 unless it succeeded.
+async fn smoke_test(args: SmokeTestArgs) -> ExitCode {
+    let client = match cnat::client().await {
+        Ok(client) => client,
+        Err(error) => {
+            eprintln!("cnat smoke-test: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let namespace = args
+        .namespace
+        .or_else(|| {
+            std::env::var("POD_NAMESPACE")
+                .ok()
+                .filter(|ns| !ns.is_empty())
+        })
+        .unwrap_or_else(|| client.default_namespace().to_owned());
+    match cnat::smoke_test::run(client, &namespace, args.timeout).await {
+        Ok(report) => {
+            println!("{report}");
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("cnat smoke-test: {error}");
+            ExitCode::FAILURE
+        }
     }
 }
 

@@ -255,3 +255,61 @@ async fn many_ats_due_together_each_get_exactly_one_pod() {
     assert_eq!(server.list(Resource::Pods).len(), 200);
     operator.abort();
 }
+
+/// Plays the kubelet: every pod that appears ends with `exit_code`.
+fn kubelet(server: &ApiServer, exit_code: i32) -> JoinHandle<()> {
+    let server = server.clone();
+    tokio::spawn(async move {
+        loop {
+            for pod in server.list(Resource::Pods) {
+                if pod["status"]["phase"] == "Pending" {
+                    let (ns, name) = (
+                        pod["metadata"]["namespace"].as_str().unwrap(),
+                        pod["metadata"]["name"].as_str().unwrap(),
+                    );
+                    server.finish_pod(ns, name, exit_code);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+}
+
+#[tokio::test]
+async fn the_smoke_test_passes_when_an_at_runs_and_cleans_up() {
+    let server = ApiServer::new();
+    let (operator, kubelet) = (start(&server), kubelet(&server, 0));
+    let report = cnat::smoke_test::run(server.client(), "default", WAIT)
+        .await
+        .unwrap();
+    assert!(report.contains("ran and succeeded"), "{report}");
+    assert!(
+        server.list(Resource::Ats).is_empty(),
+        "the smoke test At was not deleted"
+    );
+    operator.abort();
+    kubelet.abort();
+}
+
+#[tokio::test]
+async fn the_smoke_test_fails_on_a_failed_run_or_no_operator() {
+    let server = ApiServer::new();
+    let (operator, kubelet) = (start(&server), kubelet(&server, 1));
+    let error = cnat::smoke_test::run(server.client(), "default", WAIT)
+        .await
+        .unwrap_err();
+    assert!(error.to_string().contains("ended Some(Failed)"), "{error}");
+    operator.abort();
+    kubelet.abort();
+
+    let idle = ApiServer::new();
+    let error = cnat::smoke_test::run(idle.client(), "default", Duration::from_millis(600))
+        .await
+        .unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("was not DONE within 600ms: is a cnat replica leading"),
+        "{error}"
+    );
+}

@@ -1,0 +1,472 @@
+//! The Helm chart, rendered by a real `helm` (scripts/fetch-helm installs it into .tools/) for
+//! several value sets, parsed into k8s-openapi types and checked: what users are promised about
+//! replicas, upgrades, probes, pod security, least-privilege RBAC and webhook certificates.
+
+use base64::Engine;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule, Role};
+use rustls::client::danger::ServerCertVerifier;
+use rustls::pki_types::{pem::PemObject, CertificateDer, ServerName, UnixTime};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+
+const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/cnat");
+
+fn helm() -> PathBuf {
+    let path = std::env::var_os("HELM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/helm"));
+    assert!(
+        path.exists(),
+        "no helm at {}: run scripts/fetch-helm (scripts/test does)",
+        path.display()
+    );
+    path
+}
+
+/// `helm template` with `--set` values; the rendered objects, or helm's error.
+fn render(sets: &[&str]) -> Result<Vec<Value>, String> {
+    let mut command = Command::new(helm());
+    command.args(["template", "cnat", CHART, "--namespace", "cnat-system"]);
+    for set in sets {
+        command.args(["--set", set]);
+    }
+    let output = command.output().unwrap();
+    if !output.status.success() {
+        return Err(String::from_utf8_lossy(&output.stderr).into_owned());
+    }
+    let docs: Vec<Value> =
+        serde_saphyr::from_multiple(&String::from_utf8_lossy(&output.stdout)).unwrap();
+    Ok(docs.into_iter().filter(|d| d.is_object()).collect())
+}
+
+struct Rendered(Vec<Value>);
+
+impl Rendered {
+    fn new(sets: &[&str]) -> Self {
+        Rendered(render(sets).unwrap_or_else(|e| panic!("helm template {sets:?}: {e}")))
+    }
+
+    fn all<T: DeserializeOwned>(&self, kind: &str) -> Vec<T> {
+        self.0
+            .iter()
+            .filter(|d| d["kind"] == kind)
+            .map(|d| serde_json::from_value(d.clone()).unwrap_or_else(|e| panic!("{kind}: {e}")))
+            .collect()
+    }
+
+    fn one<T: DeserializeOwned>(&self, kind: &str) -> T {
+        let mut all = self.all(kind);
+        assert_eq!(all.len(), 1, "expected one {kind}");
+        all.remove(0)
+    }
+
+    fn kinds(&self) -> Vec<String> {
+        let mut kinds: Vec<String> = self
+            .0
+            .iter()
+            .map(|d| d["kind"].as_str().unwrap().to_owned())
+            .collect();
+        kinds.sort();
+        kinds
+    }
+}
+
+#[test]
+fn the_chart_lints_strictly() {
+    let output = Command::new(helm())
+        .args(["lint", "--strict", CHART])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+}
+
+#[test]
+fn the_chart_crd_is_the_generated_crd() {
+    let chart = std::fs::read_to_string(format!("{CHART}/crds/at.yaml")).unwrap();
+    assert!(
+        chart == cnat::api::crd_yaml(),
+        "charts/cnat/crds/at.yaml is out of date: cp crds/at.yaml charts/cnat/crds/"
+    );
+}
+
+#[test]
+fn defaults_run_two_replicas_that_upgrade_without_losing_one() {
+    let rendered = Rendered::new(&[]);
+    let deployment: Deployment = rendered.one("Deployment");
+    let spec = deployment.spec.unwrap();
+    assert_eq!(spec.replicas, Some(2));
+    let rolling = spec.strategy.unwrap().rolling_update.unwrap();
+    assert_eq!(serde_json::to_value(rolling.max_unavailable).unwrap(), 0);
+    assert_eq!(serde_json::to_value(rolling.max_surge).unwrap(), 1);
+
+    let pod = spec.template.spec.unwrap();
+    let container = &pod.containers[0];
+    assert_eq!(container.args.clone().unwrap(), ["run"]);
+    let env: Vec<(String, Option<String>, Option<String>)> = container
+        .env
+        .iter()
+        .flatten()
+        .map(|e| {
+            let field = e
+                .value_from
+                .as_ref()
+                .and_then(|v| v.field_ref.as_ref())
+                .map(|f| f.field_path.clone());
+            (e.name.clone(), e.value.clone(), field)
+        })
+        .collect();
+    assert!(env.contains(&("POD_NAME".into(), None, Some("metadata.name".into()))));
+    assert!(env.contains(&(
+        "POD_NAMESPACE".into(),
+        None,
+        Some("metadata.namespace".into())
+    )));
+    assert!(env.contains(&("CNAT_LOG_FORMAT".into(), Some("json".into()), None)));
+    let liveness = container
+        .liveness_probe
+        .as_ref()
+        .unwrap()
+        .http_get
+        .as_ref()
+        .unwrap();
+    let readiness = container
+        .readiness_probe
+        .as_ref()
+        .unwrap()
+        .http_get
+        .as_ref()
+        .unwrap();
+    assert_eq!(
+        (liveness.path.as_deref(), readiness.path.as_deref()),
+        (Some("/healthz"), Some("/readyz"))
+    );
+
+    // Graceful shutdown fits: the grace period outlasts the operator's own shutdown timeout.
+    let timeout = env
+        .iter()
+        .find(|e| e.0 == "CNAT_SHUTDOWN_TIMEOUT")
+        .and_then(|e| e.1.clone())
+        .unwrap();
+    assert_eq!(timeout, "25s");
+    assert!(pod.termination_grace_period_seconds.unwrap() > 25);
+
+    // Spread across nodes.
+    let anti = pod.affinity.unwrap().pod_anti_affinity.unwrap();
+    let term = &anti
+        .preferred_during_scheduling_ignored_during_execution
+        .unwrap()[0]
+        .pod_affinity_term;
+    assert_eq!(term.topology_key, "kubernetes.io/hostname");
+
+    let pdb: PodDisruptionBudget = rendered.one("PodDisruptionBudget");
+    assert_eq!(
+        serde_json::to_value(pdb.spec.unwrap().min_available).unwrap(),
+        1
+    );
+}
+
+#[test]
+fn the_operator_pod_runs_locked_down() {
+    let deployment: Deployment = Rendered::new(&[]).one("Deployment");
+    let pod = deployment.spec.unwrap().template.spec.unwrap();
+    let psc = pod.security_context.unwrap();
+    assert_eq!(psc.run_as_non_root, Some(true));
+    assert!(psc.run_as_user.unwrap() > 0);
+    assert_eq!(psc.seccomp_profile.unwrap().type_, "RuntimeDefault");
+    let sc = pod.containers[0].security_context.clone().unwrap();
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    assert_eq!(sc.capabilities.unwrap().drop.unwrap(), ["ALL"]);
+    // The certificate Secret is mounted whole: a subPath mount never sees a renewed certificate.
+    let mounts = pod.containers[0].volume_mounts.clone().unwrap();
+    assert!(mounts.iter().all(|m| m.sub_path.is_none()));
+    assert_eq!(mounts[0].mount_path, "/etc/cnat/tls");
+}
+
+fn rule(groups: &[&str], resources: &[&str], verbs: &[&str], names: Option<&[&str]>) -> PolicyRule {
+    let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    PolicyRule {
+        api_groups: Some(strings(groups)),
+        resources: Some(strings(resources)),
+        verbs: strings(verbs),
+        resource_names: names.map(strings),
+        non_resource_urls: None,
+    }
+}
+
+#[test]
+fn rbac_is_exactly_what_the_operator_uses() {
+    let rendered = Rendered::new(&[]);
+    let cluster: ClusterRole = rendered.one("ClusterRole");
+    assert_eq!(
+        cluster.rules.unwrap(),
+        [
+            rule(
+                &["cnat.programming-kubernetes.info"],
+                &["ats"],
+                &["get", "list", "watch"],
+                None
+            ),
+            rule(
+                &["cnat.programming-kubernetes.info"],
+                &["ats/status"],
+                &["patch"],
+                None
+            ),
+            rule(&[""], &["pods"], &["get", "list", "watch", "create"], None),
+            rule(&["events.k8s.io"], &["events"], &["create", "patch"], None),
+        ]
+    );
+    let role: Role = rendered
+        .all::<Role>("Role")
+        .into_iter()
+        .find(|r| r.metadata.name.as_deref() == Some("cnat-leader-election"))
+        .unwrap();
+    assert_eq!(role.metadata.namespace.as_deref(), Some("cnat-system"));
+    assert_eq!(
+        role.rules.unwrap(),
+        [
+            rule(
+                &["coordination.k8s.io"],
+                &["leases"],
+                &["get", "patch"],
+                Some(&["cnat"])
+            ),
+            rule(&["coordination.k8s.io"], &["leases"], &["create"], None),
+        ]
+    );
+    // The only other Role is the helm test hook's (see below).
+    assert_eq!(rendered.all::<Value>("ClusterRole").len(), 1);
+    assert_eq!(rendered.all::<Value>("Role").len(), 2);
+}
+
+/// The webhook configurations point at the Service and trust a CA that signed the served certificate.
+#[test]
+fn the_webhooks_trust_the_certificate_the_pods_serve() {
+    let rendered = Rendered::new(&[]);
+    let service: Service = rendered.one("Service");
+    assert_eq!(service.metadata.name.as_deref(), Some("cnat-webhook"));
+    let secret: Secret = rendered.one("Secret");
+    let data = secret.data.unwrap();
+    let validating: ValidatingWebhookConfiguration = rendered.one("ValidatingWebhookConfiguration");
+    let mutating: MutatingWebhookConfiguration = rendered.one("MutatingWebhookConfiguration");
+    let v = &validating.webhooks.unwrap()[0];
+    let m = &mutating.webhooks.unwrap()[0];
+    for (client, path) in [
+        (&v.client_config, "/validating"),
+        (&m.client_config, "/mutating"),
+    ] {
+        let svc = client.service.as_ref().unwrap();
+        assert_eq!(
+            (
+                svc.name.as_str(),
+                svc.namespace.as_str(),
+                svc.path.as_deref()
+            ),
+            ("cnat-webhook", "cnat-system", Some(path))
+        );
+        assert_eq!(client.ca_bundle.as_ref().unwrap().0, data["ca.crt"].0);
+    }
+    assert_eq!(
+        (v.side_effects.as_str(), v.failure_policy.as_deref()),
+        ("None", Some("Fail"))
+    );
+    assert_eq!(v.admission_review_versions, ["v1"]);
+    assert_eq!(m.reinvocation_policy.as_deref(), Some("IfNeeded"));
+    let resources = v.rules.clone().unwrap()[0].resources.clone().unwrap();
+    assert_eq!(resources, ["ats", "ats/status"]);
+
+    // The generated certificate verifies against the caBundle for the name kube-apiserver checks.
+    let roots = {
+        let mut store = rustls::RootCertStore::empty();
+        store
+            .add(CertificateDer::from_pem_slice(&data["ca.crt"].0).unwrap())
+            .unwrap();
+        Arc::new(store)
+    };
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(roots, provider)
+        .build()
+        .unwrap();
+    let leaf = CertificateDer::from_pem_slice(&data["tls.crt"].0).unwrap();
+    let name = ServerName::try_from("cnat-webhook.cnat-system.svc").unwrap();
+    verifier
+        .verify_server_cert(&leaf, &[], &name, &[], UnixTime::now())
+        .expect("the certificate verifies");
+    let elsewhere = ServerName::try_from("cnat-webhook.other.svc").unwrap();
+    assert!(verifier
+        .verify_server_cert(&leaf, &[], &elsewhere, &[], UnixTime::now())
+        .is_err());
+}
+
+#[test]
+fn replica_count_scales_and_a_single_replica_has_no_pdb() {
+    let three = Rendered::new(&["replicaCount=3"]);
+    assert_eq!(
+        three.one::<Deployment>("Deployment").spec.unwrap().replicas,
+        Some(3)
+    );
+    assert_eq!(three.all::<Value>("PodDisruptionBudget").len(), 1);
+    let one = Rendered::new(&["replicaCount=1"]);
+    assert!(
+        one.all::<Value>("PodDisruptionBudget").is_empty(),
+        "a PDB would block every drain"
+    );
+}
+
+#[test]
+fn cert_manager_issues_and_injects_the_certificate() {
+    let rendered = Rendered::new(&["certManager.enabled=true"]);
+    assert!(
+        rendered.all::<Value>("Secret").is_empty(),
+        "cert-manager owns the Secret"
+    );
+    let certificate = &rendered.all::<Value>("Certificate")[0];
+    assert_eq!(certificate["spec"]["secretName"], "cnat-webhook-tls");
+    assert_eq!(
+        certificate["spec"]["dnsNames"][0],
+        "cnat-webhook.cnat-system.svc"
+    );
+    assert_eq!(certificate["spec"]["issuerRef"]["name"], "cnat-selfsigned");
+    assert_eq!(rendered.all::<Value>("Issuer").len(), 1);
+    let validating: ValidatingWebhookConfiguration = rendered.one("ValidatingWebhookConfiguration");
+    let annotations = validating.metadata.annotations.unwrap();
+    assert_eq!(
+        annotations["cert-manager.io/inject-ca-from"],
+        "cnat-system/cnat-webhook"
+    );
+    assert!(validating.webhooks.unwrap()[0]
+        .client_config
+        .ca_bundle
+        .is_none());
+
+    let own_issuer = Rendered::new(&[
+        "certManager.enabled=true",
+        "certManager.issuerRef.name=corp-ca",
+        "certManager.issuerRef.kind=ClusterIssuer",
+    ]);
+    assert!(own_issuer.all::<Value>("Issuer").is_empty());
+    assert_eq!(
+        own_issuer.all::<Value>("Certificate")[0]["spec"]["issuerRef"]["kind"],
+        "ClusterIssuer"
+    );
+}
+
+#[test]
+fn a_user_provided_secret_is_mounted_with_its_ca() {
+    let bundle = base64::engine::general_purpose::STANDARD.encode("-----BEGIN CERTIFICATE-----\n");
+    let rendered = Rendered::new(&[
+        "webhook.certs.existingSecret=my-tls",
+        &format!("webhook.certs.caBundle={bundle}"),
+    ]);
+    assert!(rendered.all::<Value>("Secret").is_empty());
+    let deployment: Deployment = rendered.one("Deployment");
+    let volumes = deployment
+        .spec
+        .unwrap()
+        .template
+        .spec
+        .unwrap()
+        .volumes
+        .unwrap();
+    assert_eq!(
+        volumes[0].secret.as_ref().unwrap().secret_name.as_deref(),
+        Some("my-tls")
+    );
+    let validating: ValidatingWebhookConfiguration = rendered.one("ValidatingWebhookConfiguration");
+    let ca = validating.webhooks.unwrap()[0]
+        .client_config
+        .ca_bundle
+        .clone()
+        .unwrap();
+    assert_eq!(ca.0, b"-----BEGIN CERTIFICATE-----\n");
+
+    let missing = render(&["webhook.certs.existingSecret=my-tls"]).unwrap_err();
+    assert!(
+        missing.contains("webhook.certs.caBundle is required"),
+        "{missing}"
+    );
+}
+
+#[test]
+fn bad_values_are_rejected_by_the_schema() {
+    for (set, complaint) in [
+        ("replicaCount=0", "/replicaCount"),
+        ("logs.format=xml", "/logs/format"),
+        ("webhook.failurePolicy=Sometimes", "/webhook/failurePolicy"),
+        ("webhook.timeoutSeconds=60", "/webhook/timeoutSeconds"),
+        (
+            "leaderElection.leaseDuration=soon",
+            "/leaderElection/leaseDuration",
+        ),
+        ("replicas=3", "additional properties 'replicas' not allowed"),
+    ] {
+        let error = render(&[set]).unwrap_err();
+        assert!(
+            error.contains("don't meet the specifications of the schema")
+                && error.contains(complaint),
+            "{set}: {error}"
+        );
+    }
+}
+
+#[test]
+fn the_default_install_renders_exactly_these_objects() {
+    // Including the helm test hook's ServiceAccount, Role, RoleBinding and Pod.
+    let expected = [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "MutatingWebhookConfiguration",
+        "Pod",
+        "PodDisruptionBudget",
+        "Role",
+        "Role",
+        "RoleBinding",
+        "RoleBinding",
+        "Secret",
+        "Service",
+        "ServiceAccount",
+        "ServiceAccount",
+        "ValidatingWebhookConfiguration",
+    ];
+    assert_eq!(Rendered::new(&[]).kinds(), expected);
+}
+
+#[test]
+fn helm_test_runs_the_smoke_test_with_its_own_minimal_rbac() {
+    let rendered = Rendered::new(&[]);
+    let hooks: Vec<&Value> = rendered
+        .0
+        .iter()
+        .filter(|d| d["metadata"]["annotations"]["helm.sh/hook"] == "test")
+        .collect();
+    let kinds: Vec<&str> = hooks.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["ServiceAccount", "Role", "RoleBinding", "Pod"]);
+    let pod = hooks[3];
+    assert_eq!(pod["spec"]["containers"][0]["args"][0], "smoke-test");
+    assert_eq!(pod["spec"]["serviceAccountName"], "cnat-smoke-test");
+    let role: Role = serde_json::from_value(hooks[1].clone()).unwrap();
+    assert_eq!(
+        role.rules.unwrap(),
+        [rule(
+            &["cnat.programming-kubernetes.info"],
+            &["ats"],
+            &["create", "get", "delete"],
+            None
+        )]
+    );
+}
