@@ -20,10 +20,11 @@ use std::sync::Arc;
 
 const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/cnat");
 
-fn helm() -> PathBuf {
-    let path = std::env::var_os("HELM")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/helm"));
+/// Helm 4 (`.tools/helm`), or Helm 3 (`.tools/helm3`), as scripts/fetch-helm installs them.
+fn helm_named(name: &str) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join(".tools")
+        .join(name);
     assert!(
         path.exists(),
         "no helm at {}: run scripts/fetch-helm (scripts/test does)",
@@ -32,9 +33,17 @@ fn helm() -> PathBuf {
     path
 }
 
-/// `helm template` with `--set` values; the rendered objects, or helm's error.
+fn helm() -> PathBuf {
+    helm_named("helm")
+}
+
+/// `helm template` (Helm 4) with `--set` values; the rendered objects, or helm's error.
 fn render(sets: &[&str]) -> Result<Vec<Value>, String> {
-    let mut command = Command::new(helm());
+    render_with(&helm(), sets)
+}
+
+fn render_with(helm: &std::path::Path, sets: &[&str]) -> Result<Vec<Value>, String> {
+    let mut command = Command::new(helm);
     command.args(["template", "cnat", CHART, "--namespace", "cnat-system"]);
     for set in sets {
         command.args(["--set", set]);
@@ -468,5 +477,37 @@ fn helm_test_runs_the_smoke_test_with_its_own_minimal_rbac() {
             &["create", "get", "delete"],
             None
         )]
+    );
+}
+
+#[test]
+fn helm_3_and_helm_4_both_lint_render_and_validate_the_chart() {
+    let names = |docs: Vec<Value>| {
+        let mut names: Vec<String> = docs
+            .iter()
+            .map(|d| format!("{} {}", d["kind"], d["metadata"]["name"]))
+            .collect();
+        names.sort();
+        names
+    };
+    let mut rendered = Vec::new();
+    for binary in ["helm", "helm3"] {
+        let helm = helm_named(binary);
+        let lint = Command::new(&helm)
+            .args(["lint", "--strict", CHART])
+            .output()
+            .unwrap();
+        assert!(
+            lint.status.success(),
+            "{binary}: {}",
+            String::from_utf8_lossy(&lint.stdout)
+        );
+        rendered.push(names(render_with(&helm, &["replicaCount=3"]).unwrap()));
+        let refused = render_with(&helm, &["replicaCount=0"]).unwrap_err();
+        assert!(refused.contains("replicaCount"), "{binary}: {refused}");
+    }
+    assert_eq!(
+        rendered[0], rendered[1],
+        "Helm 3 and Helm 4 render different objects"
     );
 }
