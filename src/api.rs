@@ -46,18 +46,14 @@ fn default_image() -> String {
     DEFAULT_IMAGE.to_owned()
 }
 
-fn pending() -> Phase {
-    Phase::Pending
-}
-
 /// What happened to this At so far, written only by the operator. Defaults to `PENDING`: the
 /// apiserver drops status sent on create, and this schema default shows on every read.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("default" = {"phase": "PENDING"}))]
 pub struct AtStatus {
     /// `PENDING` until the schedule is due, `RUNNING` while the pod runs, `DONE` once it ended.
-    #[serde(default = "pending")]
+    #[serde(default)]
     pub phase: Phase,
     /// Name of the pod that runs (or ran) the command.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -87,10 +83,11 @@ pub struct AtStatus {
 }
 
 /// Lifecycle phase of an At; the spelling is the book's.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "UPPERCASE")]
 pub enum Phase {
     /// Waiting for the schedule (or for a problem in the spec to be fixed).
+    #[default]
     Pending,
     /// The pod has been created and the command has not finished.
     Running,

@@ -143,14 +143,7 @@ mod tests {
     fn with_phase(mut at: At, phase: Phase) -> At {
         at.status = Some(AtStatus {
             phase,
-            pod_name: None,
-            start_time: None,
-            completion_time: None,
-            outcome: None,
-            exit_code: None,
-            message: None,
-            conditions: Vec::new(),
-            observed_generation: None,
+            ..AtStatus::default()
         });
         at
     }

@@ -225,17 +225,7 @@ struct Next<'a> {
 
 impl<'a> Next<'a> {
     fn new(at: &'a At, phase: Phase, now: DateTime<Utc>) -> Self {
-        let mut status = at.status.clone().unwrap_or_else(|| AtStatus {
-            phase,
-            pod_name: None,
-            start_time: None,
-            completion_time: None,
-            outcome: None,
-            exit_code: None,
-            message: None,
-            conditions: Vec::new(),
-            observed_generation: None,
-        });
+        let mut status = at.status.clone().unwrap_or_default();
         status.phase = phase;
         status.observed_generation = at.metadata.generation;
         Next {
