@@ -456,3 +456,25 @@ async fn a_client_that_never_finishes_its_handshake_is_dropped() {
         true
     );
 }
+
+#[tokio::test]
+async fn a_broken_new_certificate_is_refused_and_the_old_one_kept() {
+    let server = server("broken").await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(tls::reload_on_change(
+        server.files.clone(),
+        server.config.clone(),
+        Duration::from_millis(50),
+        stop.clone(),
+    ));
+    std::fs::write(&server.files.cert, "-----BEGIN CERTIFICATE-----\ngarbage\n").unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // several reload attempts
+                                                          // A new connection, trusting only the original CA, still gets the original certificate.
+    let (path, request) = fixture("validating-create.json");
+    let fresh = trusting(&server);
+    assert_eq!(
+        review(&fresh, server.addr, &path, &request).await["allowed"],
+        true
+    );
+    stop.cancel();
+}
