@@ -100,6 +100,19 @@ async fn post(
     Ok((status, body.to_vec()))
 }
 
+/// Starts the certificate reloader, checking every 50 ms; cancel the token to stop it.
+fn reloading(server: &Server) -> tokio_util::sync::CancellationToken {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let interval = Duration::from_millis(50);
+    tokio::spawn(tls::reload_on_change(
+        server.files.clone(),
+        server.config.clone(),
+        interval,
+        stop.clone(),
+    ));
+    stop
+}
+
 /// A captured request: its path (with `?timeout=10s`) and its AdmissionReview.
 fn fixture(name: &str) -> (String, Value) {
     let path = format!(
@@ -370,13 +383,7 @@ async fn tls_1_2_and_1_3_are_served_over_http_1_1() {
 #[tokio::test]
 async fn a_rotated_certificate_is_served_without_a_restart_or_dropped_connections() {
     let server = server("rotate").await;
-    let stop = tokio_util::sync::CancellationToken::new();
-    tokio::spawn(tls::reload_on_change(
-        server.files.clone(),
-        server.config.clone(),
-        Duration::from_millis(50),
-        stop.clone(),
-    ));
+    let stop = reloading(&server);
     let (path, request) = fixture("validating-create.json");
     let old_ca = server.dir.join("ca.crt");
     let kept = client(&old_ca, rustls::DEFAULT_VERSIONS);
@@ -460,13 +467,7 @@ async fn a_client_that_never_finishes_its_handshake_is_dropped() {
 #[tokio::test]
 async fn a_broken_new_certificate_is_refused_and_the_old_one_kept() {
     let server = server("broken").await;
-    let stop = tokio_util::sync::CancellationToken::new();
-    tokio::spawn(tls::reload_on_change(
-        server.files.clone(),
-        server.config.clone(),
-        Duration::from_millis(50),
-        stop.clone(),
-    ));
+    let stop = reloading(&server);
     std::fs::write(&server.files.cert, "-----BEGIN CERTIFICATE-----\ngarbage\n").unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await; // several reload attempts
                                                           // A new connection, trusting only the original CA, still gets the original certificate.
