@@ -1,10 +1,11 @@
-//! The plain-HTTP admin endpoints every replica serves: `/healthz` (liveness) and `/readyz`
-//! (readiness). Readiness never depends on leadership, or a rolling upgrade would deadlock
+//! The plain-HTTP admin endpoints every replica serves: `/healthz` (liveness), `/readyz`
+//! (readiness) and `/metrics` (Prometheus). Readiness never depends on leadership, or a rolling upgrade would deadlock
 //! waiting for a new pod that cannot become leader while the old one holds the Lease.
 
 use crate::leader::Leadership;
+use crate::metrics::{self, Metrics};
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
 use axum::routing::get;
 use axum::Router;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -64,8 +65,15 @@ impl Health {
 }
 
 /// The admin routes.
-pub fn router(health: Arc<Health>) -> Router {
+pub fn router(health: Arc<Health>, metrics: Arc<Metrics>) -> Router {
+    let scrape = get(|| async move {
+        (
+            [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
+            metrics.encode(),
+        )
+    });
     Router::new()
+        .route("/metrics", scrape)
         .route(
             "/healthz",
             get(|State(h): State<Arc<Health>>| async move { probe(h.liveness()) }),
@@ -93,9 +101,13 @@ mod tests {
 
     async fn get(health: &Arc<Health>, path: &str) -> (StatusCode, String) {
         let request = Request::get(path).body(Body::empty()).unwrap();
-        let response = router(health.clone()).oneshot(request).await.unwrap();
+        let metrics = Arc::new(Metrics::new(health.leadership.clone()));
+        let response = router(health.clone(), metrics)
+            .oneshot(request)
+            .await
+            .unwrap();
         let status = response.status();
-        let body = axum::body::to_bytes(response.into_body(), 1024)
+        let body = axum::body::to_bytes(response.into_body(), 1 << 16)
             .await
             .unwrap();
         (status, String::from_utf8(body.to_vec()).unwrap())
@@ -165,6 +177,19 @@ mod tests {
             (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n".into())
         );
         assert_eq!(get(&health, "/healthz").await.0, StatusCode::OK);
-        assert_eq!(get(&health, "/metrics").await.0, StatusCode::NOT_FOUND);
+    }
+
+    #[tokio::test]
+    async fn metrics_report_leadership_as_it_is_at_scrape_time() {
+        let health = health();
+        let (status, body) = get(&health, "/metrics").await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(body.contains("\ncnat_leader 0\n"), "{body}");
+        assert!(body.contains("\ncnat_leader_transitions_total 0\n"), "{body}");
+        assert!(body.ends_with("# EOF\n"), "{body}");
+        health.leadership.set_leading(true);
+        let body = get(&health, "/metrics").await.1;
+        assert!(body.contains("\ncnat_leader 1\n"), "{body}");
+        assert!(body.contains("\ncnat_leader_transitions_total 1\n"), "{body}");
     }
 }

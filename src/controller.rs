@@ -3,6 +3,7 @@
 
 use crate::api::At;
 use crate::events::EventSink;
+use crate::metrics::Metrics;
 use crate::pod;
 use crate::reconcile::{error_policy, reconcile, Context};
 use chrono::Utc;
@@ -25,7 +26,13 @@ pub struct Settings {
 }
 
 /// Runs the reconcile loop until `stop` is cancelled; reconciles in flight then finish.
-pub async fn run(client: Client, settings: Settings, events: EventSink, stop: CancellationToken) {
+pub async fn run(
+    client: Client,
+    settings: Settings,
+    events: EventSink,
+    metrics: Arc<Metrics>,
+    stop: CancellationToken,
+) {
     let (ats, pods) = apis(&client, settings.namespace.as_deref());
     let (at_store, at_writer) = reflector::store();
     let at_events = watcher(ats, watcher::Config::default())
@@ -41,7 +48,15 @@ pub async fn run(client: Client, settings: Settings, events: EventSink, stop: Ca
         // Deletions too: a pod that vanishes must end its At.
         .touched_objects();
 
-    let ctx = Arc::new(Context::new(client, pod_store, events, Box::new(Utc::now)));
+    metrics.count_ats(at_store.clone());
+    let _forget = ForgetAts(metrics.clone());
+    let ctx = Arc::new(Context::new(
+        client,
+        pod_store,
+        events,
+        Box::new(Utc::now),
+        metrics,
+    ));
     info!(
         namespace = settings.namespace.as_deref().unwrap_or("<all>"),
         "reconciling Ats"
@@ -62,6 +77,15 @@ pub async fn run(client: Client, settings: Settings, events: EventSink, stop: Ca
         })
         .await;
     info!("reconcile loop stopped");
+}
+
+/// Stops the At count when the loop ends, also when it is aborted on lost leadership.
+struct ForgetAts(Arc<Metrics>);
+
+impl Drop for ForgetAts {
+    fn drop(&mut self) {
+        self.0.forget_ats();
+    }
 }
 
 fn apis(client: &Client, namespace: Option<&str>) -> (Api<At>, Api<Pod>) {

@@ -11,6 +11,7 @@ pub mod controller;
 pub mod defaulting;
 pub mod events;
 pub mod leader;
+pub mod metrics;
 pub mod pod;
 pub mod reconcile;
 pub mod schedule;

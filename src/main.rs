@@ -7,6 +7,7 @@ use cnat::admin::{self, Health};
 use cnat::cli::{CertsArgs, CheckArgs, Cli, Command, RunArgs, SmokeTestArgs};
 use cnat::events::EventSink;
 use cnat::leader::{self, Leadership};
+use cnat::metrics::Metrics;
 use cnat::tls::{self, CertFiles};
 use cnat::{api, controller, telemetry, webhook};
 use kube::runtime::events::{Recorder, Reporter};
@@ -14,11 +15,15 @@ use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, timeout, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
+
+/// How long exiting waits for the collector to take the last spans.
+const TRACE_FLUSH_TIMEOUT: Duration = Duration::from_secs(3);
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -115,8 +120,17 @@ fn certs(args: CertsArgs) -> ExitCode {
 
 /// Every replica serves the admin endpoints and the webhooks; the Lease holder also reconciles.
 async fn run(args: RunArgs) -> Result<(), String> {
-    telemetry::init(args.log_format, &args.log)
-        .map_err(|e| format!("--log / CNAT_LOG {:?}: {e}", args.log))?;
+    let identity = args.identity.clone().unwrap_or_else(cnat::identity);
+    let telemetry =
+        telemetry::init(args.log_format, &args.log, &identity).map_err(|e| e.to_string())?;
+    let result = serve(args, identity, telemetry.exporting()).await;
+    // Whatever happened, the spans that tell about it reach the collector.
+    telemetry.shutdown(TRACE_FLUSH_TIMEOUT).await;
+    result
+}
+
+/// `cnat run` once telemetry is up.
+async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), String> {
     let timing = args.timing();
     timing.validate().map_err(|e| e.to_string())?;
     if args.shutdown_delay >= args.shutdown_timeout {
@@ -126,7 +140,6 @@ async fn run(args: RunArgs) -> Result<(), String> {
         ));
     }
     let client = cnat::client().await.map_err(|e| e.to_string())?;
-    let identity = args.identity.clone().unwrap_or_else(cnat::identity);
     let namespace = args
         .lease_namespace
         .clone()
@@ -140,6 +153,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
     let shutdown = CancellationToken::new();
     tokio::spawn(on_signal(shutdown.clone()));
     let leadership = Arc::new(Leadership::default());
+    let metrics = Arc::new(Metrics::new(leadership.clone()));
     let health = Arc::new(Health::new(
         leadership.clone(),
         timing.lease_duration,
@@ -150,13 +164,13 @@ async fn run(args: RunArgs) -> Result<(), String> {
         .map_err(|e| format!("--admin-addr {}: {e}", args.admin_addr))?;
     let close_servers = CancellationToken::new();
     let admin = tokio::spawn(
-        axum::serve(listener, admin::router(health.clone()))
+        axum::serve(listener, admin::router(health.clone(), metrics.clone()))
             .with_graceful_shutdown(close_servers.clone().cancelled_owned())
             .into_future(),
     );
 
     let webhooks = match args.webhooks {
-        true => Some(start_webhooks(&args, close_servers.clone()).await?),
+        true => Some(start_webhooks(&args, metrics.clone(), close_servers.clone()).await?),
         false => None,
     };
     health.set_webhooks_serving();
@@ -176,7 +190,8 @@ async fn run(args: RunArgs) -> Result<(), String> {
         namespace: args.namespace.clone(),
         concurrency: args.concurrency,
     };
-    let (work_client, work_events) = (client.clone(), events.clone());
+    let (work_client, work_events, work_metrics) =
+        (client.clone(), events.clone(), metrics.clone());
     let election = tokio::spawn(leader::run(
         client,
         election_settings,
@@ -187,12 +202,13 @@ async fn run(args: RunArgs) -> Result<(), String> {
                 work_client.clone(),
                 controller_settings.clone(),
                 work_events.clone(),
+                work_metrics.clone(),
                 stop,
             )
         },
         shutdown.clone(),
     ));
-    info!(admin = %args.admin_addr, "cnat started");
+    info!(admin = %args.admin_addr, exporting_traces = exporting, "cnat started");
 
     shutdown.cancelled().await;
     let signalled = Instant::now();
@@ -222,6 +238,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
 /// Starts the HTTPS webhook server and its certificate reloader; returns once it listens.
 async fn start_webhooks(
     args: &RunArgs,
+    metrics: Arc<Metrics>,
     stop_reloading: CancellationToken,
 ) -> Result<
     (
@@ -244,7 +261,12 @@ async fn start_webhooks(
         stop_reloading,
     ));
     let handle = axum_server::Handle::new();
-    let server = tokio::spawn(webhook::serve(args.webhook_addr, config, handle.clone()));
+    let server = tokio::spawn(webhook::serve(
+        args.webhook_addr,
+        config,
+        handle.clone(),
+        metrics,
+    ));
     if handle.listening().await.is_none() {
         let why = match server.await {
             Ok(Err(error)) => error.to_string(),

@@ -1,28 +1,144 @@
-//! Logging setup: structured JSON lines in a cluster, readable text on a terminal.
+//! Telemetry: log lines (JSON in a cluster, text on a terminal), each carrying the trace and span
+//! id of the span it was written in; and OpenTelemetry traces, exported over OTLP when an endpoint
+//! is set with the standard `OTEL_*` variables. Spans are recorded (and get ids) either way, so
+//! logs can always be correlated with the caller's `traceparent`.
 
 use crate::cli::LogFormat;
+use opentelemetry::trace::{SpanId, TraceContextExt, TraceId, TracerProvider as _};
+use opentelemetry::KeyValue;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{BatchSpanProcessor, SdkTracerProvider};
+use opentelemetry_sdk::Resource;
 use std::io::IsTerminal;
-use tracing_subscriber::EnvFilter;
+use std::time::Duration;
+use thiserror::Error;
+use tracing::{span, Event, Level, Subscriber};
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::fmt::format::{Format, Writer};
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
 
-/// Installs the global log subscriber. `directives` are `RUST_LOG`-style, e.g. `info,cnat=debug`.
-pub fn init(
-    format: LogFormat,
-    directives: &str,
-) -> Result<(), tracing_subscriber::filter::ParseError> {
-    let filter = EnvFilter::builder().parse(directives)?;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stdout().is_terminal());
-    if json(format) {
-        builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .init();
-    } else {
-        builder.init();
+/// The OTLP variables that name a trace endpoint; without one nothing is exported.
+pub const ENDPOINT_VARS: [&str; 2] = [
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+];
+
+#[derive(Debug, Error)]
+pub enum Error {
+    #[error("--log / CNAT_LOG {directives:?}: {source}; use RUST_LOG syntax, e.g. info,cnat=debug")]
+    Directives {
+        directives: String,
+        source: tracing_subscriber::filter::ParseError,
+    },
+    #[error("OTLP trace exporter: {0}; check OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_EXPORTER_OTLP_PROTOCOL (grpc or http/protobuf)")]
+    Exporter(#[from] opentelemetry_otlp::ExporterBuildError),
+    #[error("a log subscriber is already installed: {0}")]
+    Installed(#[from] tracing_subscriber::util::TryInitError),
+}
+
+/// The installed tracer; `shutdown` flushes what is still buffered.
+#[derive(Debug)]
+pub struct Telemetry {
+    provider: SdkTracerProvider,
+    exporting: bool,
+}
+
+impl Telemetry {
+    /// Whether spans go to an OTLP endpoint.
+    pub fn exporting(&self) -> bool {
+        self.exporting
     }
-    Ok(())
+
+    /// Exports the spans still buffered, waiting at most `limit` for the collector.
+    pub async fn shutdown(self, limit: Duration) {
+        let provider = self.provider;
+        // The SDK call blocks until its exporter thread is done; keep it off the async workers.
+        let flushed =
+            tokio::task::spawn_blocking(move || provider.shutdown_with_timeout(limit)).await;
+        if let Ok(Err(error)) = flushed {
+            eprintln!("cnat: flushing traces: {error}");
+        }
+    }
+}
+
+/// Installs the global log subscriber and tracer. `directives` are `RUST_LOG`-style, e.g.
+/// `info,cnat=debug`; `identity` names this replica in the trace resource.
+pub fn init(format: LogFormat, directives: &str, identity: &str) -> Result<Telemetry, Error> {
+    let filter = EnvFilter::builder()
+        .parse(directives)
+        .map_err(|source| Error::Directives {
+            directives: directives.to_owned(),
+            source,
+        })?;
+    let (provider, exporting) = tracer_provider(identity)?;
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    // Spans go to OpenTelemetry whatever the log level: only cnat's own, which are few.
+    let traces = tracing_opentelemetry::layer()
+        .with_tracer(provider.tracer("cnat"))
+        .with_filter(Targets::new().with_target("cnat", Level::INFO));
+    let registry = tracing_subscriber::registry().with(traces);
+    if json(format) {
+        registry.with(json_layer().with_filter(filter)).try_init()?;
+    } else {
+        let text = tracing_subscriber::fmt::layer()
+            .with_ansi(std::io::stdout().is_terminal())
+            .event_format(WithTraceIds(Format::default()));
+        registry.with(text.with_filter(filter)).try_init()?;
+    }
+    Ok(Telemetry {
+        provider,
+        exporting,
+    })
+}
+
+/// A tracer with the batch OTLP exporter when an endpoint is configured, else one that only
+/// hands out ids. Sampler, batch sizes, protocol, headers and timeouts come from `OTEL_*`.
+fn tracer_provider(identity: &str) -> Result<(SdkTracerProvider, bool), Error> {
+    let builder = SdkTracerProvider::builder().with_resource(resource(identity));
+    if !export_configured(|name| std::env::var(name).ok()) {
+        return Ok((builder.build(), false));
+    }
+    let exporter = opentelemetry_otlp::SpanExporter::builder().build()?;
+    let batch = BatchSpanProcessor::builder(exporter).build();
+    Ok((builder.with_span_processor(batch).build(), true))
+}
+
+/// Whether the environment asks for trace export: an OTLP endpoint is set, and neither
+/// `OTEL_SDK_DISABLED=true` nor `OTEL_TRACES_EXPORTER=none` turns it off.
+pub fn export_configured(var: impl Fn(&str) -> Option<String>) -> bool {
+    let set = |name: &str| var(name).is_some_and(|v| !v.trim().is_empty());
+    let is = |name: &str, value: &str| var(name).is_some_and(|v| v.trim() == value);
+    ENDPOINT_VARS.iter().any(|name| set(name))
+        && !is("OTEL_SDK_DISABLED", "true")
+        && !is("OTEL_TRACES_EXPORTER", "none")
+}
+
+/// `service.name` (cnat unless `OTEL_SERVICE_NAME` or `OTEL_RESOURCE_ATTRIBUTES` say otherwise),
+/// `service.version`, `service.instance.id` (the replica identity) and the pod, when known.
+fn resource(identity: &str) -> Resource {
+    let detected = Resource::builder().build();
+    let named = detected
+        .get(&opentelemetry::Key::from_static_str("service.name"))
+        .is_some_and(|name| !name.as_str().starts_with("unknown_service"));
+    let mut builder = Resource::builder();
+    if !named {
+        builder = builder.with_service_name("cnat");
+    }
+    let pod = [("k8s.pod.name", "POD_NAME"), ("k8s.namespace.name", "POD_NAMESPACE")]
+        .into_iter()
+        .filter_map(|(key, var)| {
+            let value = std::env::var(var).ok().filter(|v| !v.is_empty())?;
+            Some(KeyValue::new(key, value))
+        });
+    builder
+        .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+        .with_attribute(KeyValue::new("service.instance.id", identity.to_owned()))
+        .with_attributes(pod)
+        .build()
 }
 
 fn json(format: LogFormat) -> bool {
@@ -30,5 +146,98 @@ fn json(format: LogFormat) -> bool {
         LogFormat::Json => true,
         LogFormat::Text => false,
         LogFormat::Auto => std::env::var_os("KUBERNETES_SERVICE_HOST").is_some(),
+    }
+}
+
+/// One JSON object per line: timestamp, level, message and fields, target, the span list, and
+/// `trace_id`/`span_id` inside a span.
+fn json_layer<S>() -> json_subscriber::JsonLayer<S, fn() -> std::io::Stdout>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    let mut layer = json_subscriber::JsonLayer::stdout();
+    layer
+        .with_timer("timestamp", tracing_subscriber::fmt::time::SystemTime)
+        .with_level("level")
+        .with_flattened_event()
+        .with_target("target")
+        .with_span_list("spans");
+    layer.add_multiple_dynamic_fields(|event, context, fields| {
+        if let Some((trace, span)) = context.event_span(event).and_then(|s| ids(&s.id())) {
+            let _ = fields.write_field("trace_id", trace.to_string());
+            let _ = fields.write_field("span_id", span.to_string());
+        }
+    });
+    layer
+}
+
+/// The text format, prefixed with `trace_id=… span_id=…` inside a span.
+struct WithTraceIds(Format);
+
+impl<S, N> FormatEvent<S, N> for WithTraceIds
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> std::fmt::Result {
+        if let Some((trace, span)) = ctx.parent_span().and_then(|s| ids(&s.id())) {
+            write!(writer, "trace_id={trace} span_id={span} ")?;
+        }
+        self.0.format_event(ctx, writer, event)
+    }
+}
+
+/// The OpenTelemetry ids of span `id`. The caller must hold no lock on the span's extensions.
+fn ids(id: &span::Id) -> Option<(TraceId, SpanId)> {
+    let context = tracing::dispatcher::get_default(|dispatch| {
+        tracing_opentelemetry::get_otel_context(id, dispatch)
+    })?;
+    let span = context.span();
+    let ids = span.span_context();
+    ids.is_valid().then(|| (ids.trace_id(), ids.span_id()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        |name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn exports_only_when_an_endpoint_is_set_and_not_switched_off() {
+        let endpoint = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317");
+        let traces = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://c:4318/v1/traces");
+        assert!(!export_configured(env(&[])));
+        assert!(!export_configured(env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", " ")])));
+        assert!(!export_configured(env(&[(
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+            "http://c:4318"
+        )])));
+        assert!(export_configured(env(&[endpoint])));
+        assert!(export_configured(env(&[traces])));
+        assert!(!export_configured(env(&[
+            endpoint,
+            ("OTEL_TRACES_EXPORTER", "none")
+        ])));
+        assert!(!export_configured(env(&[
+            traces,
+            ("OTEL_SDK_DISABLED", "true")
+        ])));
+        assert!(export_configured(env(&[
+            endpoint,
+            ("OTEL_SDK_DISABLED", "false"),
+            ("OTEL_TRACES_EXPORTER", "otlp")
+        ])));
     }
 }

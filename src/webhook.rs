@@ -1,13 +1,16 @@
 //! The admission webhooks' HTTP side: AdmissionReview in, AdmissionReview out, over TLS, on
 //! every replica. The rules live in `validation` and `defaulting`; this module decodes,
 //! dispatches, always echoes the request uid, and answers bad input with a 400, never a panic.
+//! Each request is an `admission` span (a child of the caller's W3C `traceparent`, which
+//! kube-apiserver sends when its tracing is on) and is counted in the metrics.
 
 use crate::api::{At, GROUP};
 use crate::defaulting::{self, Target};
+use crate::metrics::{AdmissionLabels, Metrics};
 use crate::validation;
 use axum::body::Bytes;
-use axum::extract::DefaultBodyLimit;
-use axum::http::{header, StatusCode};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
@@ -16,9 +19,13 @@ use axum_server::Handle;
 use base64::Engine;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
 use kube::core::{DynamicObject, Resource};
+use opentelemetry_http::HeaderExtractor;
 use std::net::SocketAddr;
-use std::time::Duration;
-use tracing::debug;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::field::{display, Empty};
+use tracing::{debug, info_span};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Path of the validating webhook (kube-apiserver appends `?timeout=...`).
 pub const VALIDATING_PATH: &str = "/validating";
@@ -31,18 +38,119 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A client that has not sent its request headers by then is dropped.
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// A webhook's pure entry point: AdmissionReview body in, verdict out.
+type Review = fn(&[u8]) -> Result<Verdict, String>;
+
 /// The webhook routes.
-pub fn router() -> Router {
+pub fn router(metrics: Arc<Metrics>) -> Router {
+    let route = |name: &'static str, review: Review| {
+        post(
+            move |State(metrics): State<Arc<Metrics>>, headers: HeaderMap, body: Bytes| async move {
+                admit(name, review, &metrics, &headers, &body)
+            },
+        )
+    };
     Router::new()
-        .route(
-            VALIDATING_PATH,
-            post(|body: Bytes| async move { respond(validating(&body)) }),
-        )
-        .route(
-            MUTATING_PATH,
-            post(|body: Bytes| async move { respond(mutating(&body)) }),
-        )
+        .route(VALIDATING_PATH, route("validating", validating))
+        .route(MUTATING_PATH, route("mutating", mutating))
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(metrics)
+}
+
+/// Runs `review` on `body` inside an `admission` span and counts it.
+fn admit(
+    webhook: &'static str,
+    review: Review,
+    metrics: &Metrics,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Response {
+    let started = Instant::now();
+    let span = info_span!(
+        "admission",
+        webhook,
+        operation = Empty,
+        kind = Empty,
+        "at.namespace" = Empty,
+        "at.name" = Empty,
+        allowed = Empty,
+        "denial.reason" = Empty,
+        "latency.ms" = Empty,
+        "otel.kind" = "server",
+        "otel.status_code" = Empty,
+    );
+    let caller = opentelemetry::global::get_text_map_propagator(|propagator| {
+        propagator.extract(&HeaderExtractor(headers))
+    });
+    // Only fails when no tracing-opentelemetry layer is installed; then there is nothing to link.
+    let _ = span.set_parent(caller);
+    let verdict = span.in_scope(|| review(body));
+    let operation = match &verdict {
+        Ok(verdict) => {
+            record(&span, verdict);
+            verdict.operation
+        }
+        Err(why) => {
+            span.record("otel.status_code", "ERROR");
+            span.record("denial.reason", why.as_str());
+            "UNKNOWN"
+        }
+    };
+    let allowed = verdict.as_ref().is_ok_and(|v| v.response.allowed);
+    let took = started.elapsed();
+    span.record("latency.ms", took.as_secs_f64() * 1e3);
+    metrics.admitted(
+        AdmissionLabels {
+            webhook,
+            operation,
+            allowed,
+        },
+        took,
+    );
+    span.in_scope(|| respond(verdict.map(|v| v.response)))
+}
+
+fn record(span: &tracing::Span, verdict: &Verdict) {
+    span.record("operation", verdict.operation);
+    span.record("kind", verdict.kind.as_str());
+    span.record("at.name", verdict.name.as_str());
+    if let Some(namespace) = &verdict.namespace {
+        span.record("at.namespace", namespace.as_str());
+    }
+    span.record("allowed", verdict.response.allowed);
+    if !verdict.response.allowed {
+        span.record("denial.reason", display(&verdict.response.result.message));
+    }
+}
+
+/// A webhook's answer, with what it was about.
+#[derive(Debug, Clone)]
+pub struct Verdict {
+    /// `CREATE`, `UPDATE`, `DELETE` or `CONNECT`.
+    pub operation: &'static str,
+    /// `group/version/Kind` of the object under review.
+    pub kind: String,
+    pub namespace: Option<String>,
+    pub name: String,
+    pub response: AdmissionResponse,
+}
+
+impl Verdict {
+    fn on<T: Resource>(request: &AdmissionRequest<T>, response: AdmissionResponse) -> Self {
+        let kind = &request.kind;
+        Verdict {
+            operation: match request.operation {
+                Operation::Create => "CREATE",
+                Operation::Update => "UPDATE",
+                Operation::Delete => "DELETE",
+                Operation::Connect => "CONNECT",
+            },
+            kind: format!("{}/{}/{}", kind.group, kind.version, kind.kind),
+            namespace: request.namespace.clone(),
+            name: request.name.clone(),
+            response,
+        }
+    }
 }
 
 /// Serves the webhooks over TLS on `addr` until `handle` shuts the server down.
@@ -50,6 +158,7 @@ pub async fn serve(
     addr: SocketAddr,
     tls: RustlsConfig,
     handle: Handle<SocketAddr>,
+    metrics: Arc<Metrics>,
 ) -> std::io::Result<()> {
     let acceptor = RustlsAcceptor::new(tls).handshake_timeout(HANDSHAKE_TIMEOUT);
     let mut server = axum_server::bind(addr)
@@ -61,7 +170,7 @@ pub async fn serve(
         .http1()
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(HEADER_TIMEOUT);
-    server.serve(router().into_make_service()).await
+    server.serve(router(metrics).into_make_service()).await
 }
 
 /// The HTTP answer: the AdmissionReview, or 400 with the reason the body is not one.
@@ -107,13 +216,13 @@ fn decode(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, String> {
 /// The validating webhook for an AdmissionReview body: denies an invalid At, a spec change
 /// after it started, and a status phase that goes back. Bodies that hold an At decode straight
 /// into one (the fast path); anything else is decoded generically to say why it is refused.
-pub fn validating(body: &[u8]) -> Result<AdmissionResponse, String> {
+pub fn validating(body: &[u8]) -> Result<Verdict, String> {
     let typed = serde_json::from_slice::<AdmissionReview<At>>(body)
         .ok()
         .and_then(|r| r.try_into().ok());
     match typed {
-        Some(request) if concerns_ats(&request) => Ok(validate(&request)),
-        _ => decode(body).map(|request| refuse(&request)),
+        Some(request) if concerns_ats(&request) => Ok(Verdict::on(&request, validate(&request))),
+        _ => decode(body).map(|request| Verdict::on(&request, refuse(&request))),
     }
 }
 
@@ -168,8 +277,8 @@ fn refuse_untyped<T: Resource>(
 
 /// The mutating webhook for an AdmissionReview body: defaults `spec.image` and the phase, as an
 /// idempotent JSON patch. It works on the raw object, to see which fields are absent.
-pub fn mutating(body: &[u8]) -> Result<AdmissionResponse, String> {
-    decode(body).map(|request| mutate(&request))
+pub fn mutating(body: &[u8]) -> Result<Verdict, String> {
+    decode(body).map(|request| Verdict::on(&request, mutate(&request)))
 }
 
 fn mutate(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {

@@ -9,6 +9,8 @@
 
 use cnat::api::{At, AtSpec, Outcome, Phase};
 use cnat::events::EventSink;
+use cnat::metrics::Metrics;
+use std::sync::Arc;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, LogParams, Patch, PatchParams, PostParams};
@@ -110,6 +112,7 @@ async fn ats_run_once_at_their_time_in_a_restricted_namespace() {
         client.clone(),
         settings,
         events,
+        Arc::new(Metrics::new(Default::default())),
         stop,
     ));
 

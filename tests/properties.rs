@@ -71,11 +71,11 @@ proptest! {
         let (validated, mutated) = (webhook::validating(&body), webhook::mutating(&body));
         if let Ok(json) = serde_json::from_slice::<Value>(&body) {
             let uid = &json["request"]["uid"];
-            if let Ok(response) = validated {
-                prop_assert_eq!(&Value::from(response.uid), uid);
+            if let Ok(verdict) = validated {
+                prop_assert_eq!(&Value::from(verdict.response.uid), uid);
             }
-            if let Ok(response) = mutated {
-                prop_assert_eq!(&Value::from(response.uid), uid);
+            if let Ok(verdict) = mutated {
+                prop_assert_eq!(&Value::from(verdict.response.uid), uid);
             }
         }
     }
@@ -86,7 +86,7 @@ proptest! {
         review["request"]["object"]["spec"] = spec;
         review["request"]["object"]["status"] = status;
         let body = serde_json::to_vec(&review).unwrap();
-        let response = webhook::validating(&body).unwrap();
+        let response = webhook::validating(&body).unwrap().response;
         prop_assert_eq!(&response.uid, review["request"]["uid"].as_str().unwrap());
         if !response.allowed {
             prop_assert!(!response.result.message.is_empty());

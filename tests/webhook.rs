@@ -6,6 +6,7 @@ use axum_server::tls_rustls::RustlsConfig;
 use base64::Engine;
 use bytes::Bytes;
 use cnat::tls::{self, CertFiles};
+use cnat::metrics::Metrics;
 use cnat::webhook;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
@@ -39,6 +40,7 @@ async fn server(name: &str) -> Server {
         "127.0.0.1:0".parse().unwrap(),
         config.clone(),
         handle.clone(),
+        Arc::new(Metrics::new(Default::default())),
     ));
     let addr = handle.listening().await.expect("listening");
     Server {

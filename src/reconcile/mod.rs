@@ -1,11 +1,13 @@
 //! Reconciling Ats: `decide` is the pure state machine; this module carries its decisions out
 //! against the API server (pod creation, status writes, events) and retries failures with backoff.
+//! Each reconcile is a `reconcile` span and is counted in the metrics.
 
 pub mod decide;
 
 use crate::api::{At, AtStatus, Phase};
 use crate::events::EventSink;
-use crate::pod;
+use crate::metrics::Metrics;
+use crate::{pod, schedule};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
 use decide::{decide, Action as Step, Decision, Note, PodObservation, Severity};
@@ -18,9 +20,10 @@ use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use thiserror::Error;
-use tracing::{debug, info, warn};
+use tracing::field::{display, Empty};
+use tracing::{debug, info, info_span, warn, Instrument, Span};
 
 /// Field manager recorded on everything cnat writes.
 pub const FIELD_MANAGER: &str = "cnat";
@@ -62,6 +65,7 @@ pub struct Context {
     pods: Store<Pod>,
     events: EventSink,
     clock: Clock,
+    metrics: Arc<Metrics>,
     /// Per At uid, the resourceVersion our last status write replaced: a cache still showing it
     /// is stale, and deciding on it would redo the step just taken.
     superseded: Mutex<HashMap<String, String>>,
@@ -70,12 +74,19 @@ pub struct Context {
 }
 
 impl Context {
-    pub fn new(client: Client, pods: Store<Pod>, events: EventSink, clock: Clock) -> Self {
+    pub fn new(
+        client: Client,
+        pods: Store<Pod>,
+        events: EventSink,
+        clock: Clock,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Context {
             client,
             pods,
             events,
             clock,
+            metrics,
             superseded: Mutex::default(),
             failures: Mutex::default(),
         }
@@ -84,24 +95,50 @@ impl Context {
 
 /// Brings one At one step closer to DONE.
 pub async fn reconcile(at: Arc<At>, ctx: Arc<Context>) -> Result<Action, Error> {
-    if ctx.is_stale(&at) {
+    let span = info_span!(
+        "reconcile",
+        "at.namespace" = %namespace(&at),
+        "at.name" = %at.name_any(),
+        "phase.before" = phase(&at).as_str(),
+        "phase.after" = Empty,
+        action = Empty,
+        "requeue.seconds" = Empty,
+        error = Empty,
+        "otel.status_code" = Empty,
+    );
+    let started = Instant::now();
+    let result = step(&at, &ctx).instrument(span.clone()).await;
+    ctx.metrics.reconciled(result.is_ok(), started.elapsed());
+    if let Err(error) = &result {
+        span.record("error", display(error));
+        span.record("otel.status_code", "ERROR");
+    }
+    result
+}
+
+async fn step(at: &At, ctx: &Context) -> Result<Action, Error> {
+    if ctx.is_stale(at) {
+        Span::current().record("action", "skip-stale");
         return Ok(Action::await_change());
     }
     let now = (ctx.clock)();
-    let mut observation = ctx.cached_pod(&at);
+    let mut observation = ctx.cached_pod(at);
+    let mut taken = Vec::new();
     for _ in 0..MAX_STEPS {
-        let decision = decide(&at, &observation, now);
+        let decision = decide(at, &observation, now);
+        taken.push(action_name(decision.action));
+        Span::current().record("action", taken.join(",").as_str());
         observation = match decision.action {
-            Step::Nothing => return ctx.commit(&at, decision, now).await,
-            Step::LookUpPod => ctx.fetch_pod(&at).await?,
-            Step::CreatePod => match ctx.create_pod(&at).await? {
-                None => return ctx.commit(&at, decision, now).await,
+            Step::Nothing => return ctx.commit(at, decision, now).await,
+            Step::LookUpPod => ctx.fetch_pod(at).await?,
+            Step::CreatePod => match ctx.create_pod(at).await? {
+                None => return ctx.commit(at, decision, now).await,
                 Some(found) => found,
             },
         };
     }
     Err(Error::PodChurn {
-        at: key(&at),
+        at: key(at),
         pod: pod::name_for(&at.name_any()),
     })
 }
@@ -180,7 +217,10 @@ impl Context {
             ..PostParams::default()
         };
         match self.pod_api(at).create(&params, &pod::build(at)).await {
-            Ok(_) => Ok(None),
+            Ok(_) => {
+                self.record_lateness(at);
+                Ok(None)
+            }
             Err(kube::Error::Api(status)) if status.is_already_exists() => {
                 self.fetch_pod(at).await.map(Some)
             }
@@ -192,6 +232,14 @@ impl Context {
                 pod: pod::name_for(&at.name_any()),
                 source,
             }),
+        }
+    }
+
+    /// The run lateness: the pod exists now, its schedule said when it should have.
+    fn record_lateness(&self, at: &At) {
+        if let Ok(due) = schedule::parse(&at.spec.schedule) {
+            let late = ((self.clock)() - due).to_std().unwrap_or_default();
+            self.metrics.ran_late(late);
         }
     }
 
@@ -227,9 +275,14 @@ impl Context {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&uid(at));
+        let span = Span::current();
+        let after = decision.status.as_ref().map_or(phase(at), |s| s.phase);
+        span.record("phase.after", after.as_str());
         let spent = ((self.clock)() - decided_at).to_std().unwrap_or_default();
         Ok(decision.requeue.map_or_else(Action::await_change, |left| {
-            Action::requeue(left.saturating_sub(spent))
+            let left = left.saturating_sub(spent);
+            span.record("requeue.seconds", left.as_secs_f64());
+            Action::requeue(left)
         }))
     }
 
@@ -284,6 +337,18 @@ fn observe(found: &Pod, at: &At) -> PodObservation {
         PodObservation::Owned(pod::view(found))
     } else {
         PodObservation::Foreign
+    }
+}
+
+fn phase(at: &At) -> Phase {
+    at.status.as_ref().map(|s| s.phase).unwrap_or_default()
+}
+
+fn action_name(action: Step) -> &'static str {
+    match action {
+        Step::Nothing => "none",
+        Step::LookUpPod => "look-up-pod",
+        Step::CreatePod => "create-pod",
     }
 }
 

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::api::{AtSpec, Phase};
+use crate::metrics::Metrics;
 use http::{Request, Response};
 use kube::client::Body;
 use kube::runtime::events::Reporter;
@@ -100,6 +101,7 @@ struct Sent {
 
 struct Harness {
     ctx: Arc<Context>,
+    metrics: Arc<Metrics>,
     pods: reflector::store::Writer<Pod>,
     server: tokio::task::JoinHandle<Vec<Sent>>,
 }
@@ -152,6 +154,7 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
     });
     let client = Client::new(service, "default");
     let (store, pods) = reflector::store();
+    let metrics = Arc::new(Metrics::new(Default::default()));
     let reporter = Reporter {
         controller: "cnat".into(),
         instance: Some("cnat-0".into()),
@@ -161,7 +164,14 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
         reporter,
     ));
     Harness {
-        ctx: Arc::new(Context::new(client, store, events, clock)),
+        ctx: Arc::new(Context::new(
+            client,
+            store,
+            events,
+            clock,
+            metrics.clone(),
+        )),
+        metrics,
         pods,
         server,
     }
@@ -245,6 +255,7 @@ async fn a_due_at_creates_its_pod_before_writing_running() {
     ]);
     let action = h.reconcile(example_at(None)).await.unwrap();
     assert_eq!(action, Action::await_change());
+    let metrics = h.metrics.clone();
     let sent = h.finish(3).await;
 
     let pod: Pod = serde_json::from_value(sent[0].body.clone()).unwrap();
@@ -261,6 +272,19 @@ async fn a_due_at_creates_its_pod_before_writing_running() {
     let written = assert_status_patch(&sent[1], Phase::Running);
     assert_eq!(written.pod_name.as_deref(), Some("example-at-pod"));
     assert_event(&sent[2], "Normal", "PodCreated");
+
+    // The pod came (NOW - schedule) late; one successful reconcile.
+    let late = (DateTime::parse_from_rfc3339(NOW).unwrap()
+        - DateTime::parse_from_rfc3339("2019-04-12T10:12:00Z").unwrap())
+    .num_seconds();
+    let metrics = metrics.encode();
+    assert!(metrics.contains("\ncnat_run_lateness_seconds_count 1\n"), "{metrics}");
+    assert!(
+        metrics.contains(&format!("\ncnat_run_lateness_seconds_sum {late}.0\n")),
+        "{metrics}"
+    );
+    assert!(metrics.contains("\ncnat_reconciles_total{result=\"ok\"} 1\n"), "{metrics}");
+    assert!(metrics.contains("\ncnat_reconcile_duration_seconds_count 1\n"), "{metrics}");
 }
 
 #[tokio::test]
@@ -474,6 +498,10 @@ async fn api_errors_name_the_at_and_retry_with_growing_backoff() {
         error_policy(at.clone(), &error, h.ctx.clone());
     }
     assert_eq!(h.ctx.failures.lock().unwrap()[AT_UID], 3);
+    let metrics = h.metrics.encode();
+    assert!(metrics.contains("\ncnat_reconciles_total{result=\"error\"} 1\n"), "{metrics}");
+    assert!(!metrics.contains("result=\"ok\""), "{metrics}");
+    assert!(metrics.contains("\ncnat_run_lateness_seconds_count 0\n"), "{metrics}");
     h.finish(1).await;
 }
 

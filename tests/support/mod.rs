@@ -5,6 +5,8 @@
 pub mod apiserver;
 
 use cnat::events::EventSink;
+use cnat::metrics::Metrics;
+use std::sync::Arc;
 use kube::runtime::events::{Recorder, Reporter};
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
@@ -30,6 +32,7 @@ pub fn run_controller(client: kube::Client) -> JoinHandle<()> {
         client,
         settings,
         events,
+        Arc::new(Metrics::new(Default::default())),
         CancellationToken::new(),
     ))
 }
