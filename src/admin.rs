@@ -185,11 +185,17 @@ mod tests {
         let (status, body) = get(&health, "/metrics").await;
         assert_eq!(status, StatusCode::OK);
         assert!(body.contains("\ncnat_leader 0\n"), "{body}");
-        assert!(body.contains("\ncnat_leader_transitions_total 0\n"), "{body}");
+        assert!(
+            body.contains("\ncnat_leader_transitions_total 0\n"),
+            "{body}"
+        );
         assert!(body.ends_with("# EOF\n"), "{body}");
         health.leadership.set_leading(true);
         let body = get(&health, "/metrics").await.1;
         assert!(body.contains("\ncnat_leader 1\n"), "{body}");
-        assert!(body.contains("\ncnat_leader_transitions_total 1\n"), "{body}");
+        assert!(
+            body.contains("\ncnat_leader_transitions_total 1\n"),
+            "{body}"
+        );
     }
 }

@@ -29,7 +29,9 @@ pub const ENDPOINT_VARS: [&str; 2] = [
 
 #[derive(Debug, Error)]
 pub enum Error {
-    #[error("--log / CNAT_LOG {directives:?}: {source}; use RUST_LOG syntax, e.g. info,cnat=debug")]
+    #[error(
+        "--log / CNAT_LOG {directives:?}: {source}; use RUST_LOG syntax, e.g. info,cnat=debug"
+    )]
     Directives {
         directives: String,
         source: tracing_subscriber::filter::ParseError,
@@ -128,12 +130,15 @@ fn resource(identity: &str) -> Resource {
     if !named {
         builder = builder.with_service_name("cnat");
     }
-    let pod = [("k8s.pod.name", "POD_NAME"), ("k8s.namespace.name", "POD_NAMESPACE")]
-        .into_iter()
-        .filter_map(|(key, var)| {
-            let value = std::env::var(var).ok().filter(|v| !v.is_empty())?;
-            Some(KeyValue::new(key, value))
-        });
+    let pod = [
+        ("k8s.pod.name", "POD_NAME"),
+        ("k8s.namespace.name", "POD_NAMESPACE"),
+    ]
+    .into_iter()
+    .filter_map(|(key, var)| {
+        let value = std::env::var(var).ok().filter(|v| !v.is_empty())?;
+        Some(KeyValue::new(key, value))
+    });
     builder
         .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
         .with_attribute(KeyValue::new("service.instance.id", identity.to_owned()))
@@ -217,9 +222,15 @@ mod tests {
     #[test]
     fn exports_only_when_an_endpoint_is_set_and_not_switched_off() {
         let endpoint = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317");
-        let traces = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://c:4318/v1/traces");
+        let traces = (
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "http://c:4318/v1/traces",
+        );
         assert!(!export_configured(env(&[])));
-        assert!(!export_configured(env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", " ")])));
+        assert!(!export_configured(env(&[(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            " "
+        )])));
         assert!(!export_configured(env(&[(
             "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
             "http://c:4318"

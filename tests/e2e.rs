@@ -10,7 +10,6 @@
 use cnat::api::{At, AtSpec, Outcome, Phase};
 use cnat::events::EventSink;
 use cnat::metrics::Metrics;
-use std::sync::Arc;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, LogParams, Patch, PatchParams, PostParams};
@@ -18,6 +17,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Api, Client, ResourceExt};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 

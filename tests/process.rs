@@ -5,84 +5,11 @@
 mod support;
 
 use serde_json::json;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::process::{Child, Command, Output, Stdio};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 use support::apiserver::{ApiServer, Resource};
-
-fn kubeconfig(server: SocketAddr, name: &str) -> std::path::PathBuf {
-    let path = std::env::temp_dir().join(format!("cnat-{name}-{}.kubeconfig", std::process::id()));
-    let yaml = ApiServer::kubeconfig(server, "cnat-system");
-    std::fs::write(&path, yaml).unwrap();
-    path
-}
-
-fn free_port() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
-fn cnat(args: &[&str], kubeconfig: &std::path::Path) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_cnat"));
-    command
-        .arg("run")
-        .args(args)
-        .env("KUBECONFIG", kubeconfig)
-        .env_remove("KUBERNETES_SERVICE_HOST")
-        .env_remove("POD_NAME")
-        .env_remove("POD_NAMESPACE");
-    command
-}
-
-/// The status code of a plain HTTP/1.1 GET, or `None` when nothing listens.
-fn probe(addr: SocketAddr, path: &str) -> Option<u16> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: cnat\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).ok()?;
-    response.split_whitespace().nth(1)?.parse().ok()
-}
-
-fn holder(server: &ApiServer) -> Option<String> {
-    let lease = server.get(Resource::Leases, "cnat-system", "cnat")?;
-    lease["spec"]["holderIdentity"].as_str().map(str::to_owned)
-}
-
-fn sigterm(child: &Child) {
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-}
-
-/// `cnat certs` into a fresh directory; returns the --tls-cert and --tls-key flags.
-fn dev_certs(name: &str) -> [String; 2] {
-    let dir = std::env::temp_dir().join(format!("cnat-certs-{name}-{}", std::process::id()));
-    let output = Command::new(env!("CARGO_BIN_EXE_cnat"))
-        .args(["certs", "--out-dir", dir.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(stdout.contains("cnat-webhook.cnat-system.svc"), "{stdout}");
-    [
-        format!("--tls-cert={}/tls.crt", dir.display()),
-        format!("--tls-key={}/tls.key", dir.display()),
-    ]
-}
+use support::process::{cnat, dev_certs, free_port, holder, kubeconfig, probe, sigterm};
 
 #[tokio::test]
 async fn a_replica_leads_reconciles_and_shuts_down_in_order() {
@@ -91,7 +18,7 @@ async fn a_replica_leads_reconciles_and_shuts_down_in_order() {
     let (admin, webhook) = (free_port(), free_port());
     let admin_flag = format!("--admin-addr={admin}");
     let webhook_flag = format!("--webhook-addr={webhook}");
-    let [cert, key] = dev_certs("lifecycle");
+    let (_, [cert, key]) = dev_certs("lifecycle");
     let mut child = cnat(
         &[
             &admin_flag,

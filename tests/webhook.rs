@@ -2,22 +2,19 @@
 //! client trusting only that CA, and the AdmissionReview requests kube-apiserver v1.24 sent
 //! (tests/fixtures/admission-review-k8s-1.24).
 
+mod support;
+
 use axum_server::tls_rustls::RustlsConfig;
 use base64::Engine;
-use bytes::Bytes;
-use cnat::tls::{self, CertFiles};
 use cnat::metrics::Metrics;
+use cnat::tls::{self, CertFiles};
 use cnat::webhook;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-
-type Https = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+use support::https::{client, post, Https};
 
 struct Server {
     addr: SocketAddr,
@@ -52,54 +49,8 @@ async fn server(name: &str) -> Server {
     }
 }
 
-/// An HTTPS client that trusts only the CA in `ca`, restricted to `versions`.
-fn client(ca: &Path, versions: &[&'static rustls::SupportedProtocolVersion]) -> Https {
-    let mut roots = rustls::RootCertStore::empty();
-    let pem = std::fs::read(ca).unwrap();
-    for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(&pem) {
-        roots.add(cert.unwrap()).unwrap();
-    }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_protocol_versions(versions)
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(config)
-        .https_only()
-        .enable_http1()
-        .build();
-    Client::builder(TokioExecutor::new()).build(connector)
-}
-
 fn trusting(server: &Server) -> Https {
     client(&server.dir.join("ca.crt"), rustls::DEFAULT_VERSIONS)
-}
-
-async fn post(
-    client: &Https,
-    addr: SocketAddr,
-    path: &str,
-    body: Vec<u8>,
-) -> Result<(u16, Vec<u8>), String> {
-    let request = http::Request::post(format!("https://localhost:{}{path}", addr.port()))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .unwrap();
-    let response = client
-        .request(request)
-        .await
-        .map_err(|e| format!("{e:?}"))?;
-    let status = response.status().as_u16();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| e.to_string())?
-        .to_bytes();
-    Ok((status, body.to_vec()))
 }
 
 /// Starts the certificate reloader, checking every 50 ms; cancel the token to stop it.

@@ -164,13 +164,7 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
         reporter,
     ));
     Harness {
-        ctx: Arc::new(Context::new(
-            client,
-            store,
-            events,
-            clock,
-            metrics.clone(),
-        )),
+        ctx: Arc::new(Context::new(client, store, events, clock, metrics.clone())),
         metrics,
         pods,
         server,
@@ -278,13 +272,22 @@ async fn a_due_at_creates_its_pod_before_writing_running() {
         - DateTime::parse_from_rfc3339("2019-04-12T10:12:00Z").unwrap())
     .num_seconds();
     let metrics = metrics.encode();
-    assert!(metrics.contains("\ncnat_run_lateness_seconds_count 1\n"), "{metrics}");
+    assert!(
+        metrics.contains("\ncnat_run_lateness_seconds_count 1\n"),
+        "{metrics}"
+    );
     assert!(
         metrics.contains(&format!("\ncnat_run_lateness_seconds_sum {late}.0\n")),
         "{metrics}"
     );
-    assert!(metrics.contains("\ncnat_reconciles_total{result=\"ok\"} 1\n"), "{metrics}");
-    assert!(metrics.contains("\ncnat_reconcile_duration_seconds_count 1\n"), "{metrics}");
+    assert!(
+        metrics.contains("\ncnat_reconciles_total{result=\"ok\"} 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("\ncnat_reconcile_duration_seconds_count 1\n"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]
@@ -499,9 +502,15 @@ async fn api_errors_name_the_at_and_retry_with_growing_backoff() {
     }
     assert_eq!(h.ctx.failures.lock().unwrap()[AT_UID], 3);
     let metrics = h.metrics.encode();
-    assert!(metrics.contains("\ncnat_reconciles_total{result=\"error\"} 1\n"), "{metrics}");
+    assert!(
+        metrics.contains("\ncnat_reconciles_total{result=\"error\"} 1\n"),
+        "{metrics}"
+    );
     assert!(!metrics.contains("result=\"ok\""), "{metrics}");
-    assert!(metrics.contains("\ncnat_run_lateness_seconds_count 0\n"), "{metrics}");
+    assert!(
+        metrics.contains("\ncnat_run_lateness_seconds_count 0\n"),
+        "{metrics}"
+    );
     h.finish(1).await;
 }
 

@@ -3,11 +3,14 @@
 #![allow(dead_code)] // each test binary uses a different part
 
 pub mod apiserver;
+pub mod https;
+pub mod otlp;
+pub mod process;
 
 use cnat::events::EventSink;
 use cnat::metrics::Metrics;
-use std::sync::Arc;
 use kube::runtime::events::{Recorder, Reporter};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;

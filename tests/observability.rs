@@ -1,0 +1,397 @@
+//! Observability of the real `cnat run` binary: spans reach an OTLP collector over gRPC and over
+//! HTTP with their attributes, the resource and the caller's trace; JSON log lines carry the
+//! same trace ids; `/metrics` counts what happened; an unreachable collector slows nothing down.
+
+mod support;
+
+use serde_json::{json, Value};
+use std::io::BufRead;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use support::apiserver::{ApiServer, Resource};
+use support::https::{client, post_with, Https};
+use support::otlp::{Collector, Received};
+use support::process::{cnat, dev_certs, free_port, get, holder, kubeconfig, probe, sigterm};
+
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const PARENT_ID: &str = "00f067aa0ba902b7";
+
+/// A running `cnat run` with its API server, ports, CA and captured stdout.
+struct Operator {
+    child: Child,
+    server: ApiServer,
+    admin: SocketAddr,
+    webhook: SocketAddr,
+    https: Https,
+    stdout: Arc<Mutex<Vec<String>>>,
+    kubeconfig: PathBuf,
+}
+
+impl Operator {
+    /// Starts `cnat run` as leader-to-be `cnat-<name>` with `env`, JSON logs at `log`.
+    async fn start(name: &str, env: &[(&str, String)], log: &str) -> Operator {
+        let server = ApiServer::new();
+        let kubeconfig = kubeconfig(server.serve_http().await, name);
+        let (admin, webhook) = (free_port(), free_port());
+        let (certs, [cert, key]) = dev_certs(name);
+        let flags = [
+            format!("--admin-addr={admin}"),
+            format!("--webhook-addr={webhook}"),
+            format!("--identity=cnat-{name}"),
+            format!("--log={log}"),
+            cert,
+            key,
+            "--log-format=json".into(),
+            "--lease-duration=3s".into(),
+            "--renew-deadline=2s".into(),
+            "--retry-period=500ms".into(),
+            "--shutdown-delay=100ms".into(),
+            "--shutdown-timeout=10s".into(),
+        ];
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let mut command = cnat(&flags, &kubeconfig);
+        for (var, value) in env {
+            command.env(var, value);
+        }
+        let mut child = command
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdout = Arc::new(Mutex::new(Vec::new()));
+        let (lines, pipe) = (stdout.clone(), child.stdout.take().unwrap());
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+                lines.lock().unwrap().push(line);
+            }
+        });
+        let operator = Operator {
+            child,
+            server,
+            admin,
+            webhook,
+            https: client(&certs.join("ca.crt"), rustls::DEFAULT_VERSIONS),
+            stdout,
+            kubeconfig,
+        };
+        let ready = support::until(Duration::from_secs(10), || {
+            probe(admin, "/readyz") == Some(200)
+                && holder(&operator.server).as_deref() == Some(&format!("cnat-{name}"))
+        });
+        assert!(ready.await, "cnat-{name} never became ready and leader");
+        operator
+    }
+
+    /// Creates an At due at `due` and waits for its pod.
+    async fn run_at(&self, name: &str, due: &str) {
+        self.server.create(
+            Resource::Ats,
+            json!({"metadata": {"name": name, "namespace": "default"},
+                   "spec": {"schedule": due, "command": "true", "image": "busybox"}}),
+        );
+        let pod = format!("{name}-pod");
+        let created = support::until(Duration::from_secs(10), || {
+            self.server.get(Resource::Pods, "default", &pod).is_some()
+        });
+        assert!(created.await, "no pod for At {name}");
+    }
+
+    /// Posts a captured AdmissionReview (kube-apiserver's path and headers, plus `extra`).
+    async fn admit(&self, fixture: &str, extra: &[(&str, &str)]) -> (u16, Value) {
+        let path = format!(
+            "{}/tests/fixtures/admission-review-k8s-1.24/{fixture}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let capture: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let mut headers = vec![("user-agent", "kube-apiserver-admission")];
+        headers.extend_from_slice(extra);
+        let url = capture["path"].as_str().unwrap();
+        let body = serde_json::to_vec(&capture["review"]).unwrap();
+        let (status, body) = post_with(&self.https, self.webhook, url, &headers, body)
+            .await
+            .unwrap();
+        (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+    }
+
+    fn metrics(&self) -> String {
+        let (status, body) = get(self.admin, "/metrics").expect("admin server");
+        assert_eq!(status, 200, "{body}");
+        body
+    }
+
+    /// SIGTERM; returns how long the process took to exit.
+    async fn stop(self) -> (Duration, Vec<Value>) {
+        let signalled = Instant::now();
+        sigterm(&self.child);
+        let mut child = self.child;
+        let exit = tokio::task::spawn_blocking(move || child.wait().unwrap())
+            .await
+            .unwrap();
+        assert!(exit.success(), "{exit:?}");
+        let took = signalled.elapsed();
+        let _ = std::fs::remove_file(&self.kubeconfig);
+        // The reader thread sees EOF once the process is gone; give it a moment to drain.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let lines = std::mem::take(&mut *self.stdout.lock().unwrap());
+        let logs = lines
+            .iter()
+            .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}")))
+            .collect();
+        (took, logs)
+    }
+}
+
+fn otlp_env(endpoint: String, protocol: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol.into()),
+        (
+            "OTEL_RESOURCE_ATTRIBUTES",
+            "deployment.environment.name=test".into(),
+        ),
+    ]
+}
+
+fn span<'a>(spans: &'a [Received], name: &str) -> &'a Received {
+    spans
+        .iter()
+        .find(|s| s.name == name)
+        .unwrap_or_else(|| panic!("no {name} span in {spans:#?}"))
+}
+
+fn log_line<'a>(logs: &'a [Value], message: &str) -> &'a Value {
+    logs.iter()
+        .find(|l| l["message"].as_str().is_some_and(|m| m.contains(message)))
+        .unwrap_or_else(|| panic!("no log line with {message:?} in {logs:#?}"))
+}
+
+/// Spans of a reconcile and of an admission request reach the collector when the process exits;
+/// the admission continues the caller's trace; logs carry the ids of the span they were written in.
+async fn spans_reach_the_collector(
+    name: &str,
+    protocol: &str,
+    collector: Collector,
+    addr: SocketAddr,
+) {
+    let env = otlp_env(format!("http://{addr}"), protocol);
+    let operator = Operator::start(name, &env, "info,cnat::webhook=debug").await;
+    operator.run_at("now", "2019-04-12T10:12:00Z").await;
+    let traceparent = format!("00-{TRACE_ID}-{PARENT_ID}-01");
+    let (status, review) = operator
+        .admit(
+            "validating-create-dryrun.json",
+            &[("traceparent", &traceparent)],
+        )
+        .await;
+    assert_eq!(
+        (status, &review["response"]["allowed"]),
+        (200, &json!(false))
+    );
+    let (_, logs) = operator.stop().await;
+    let spans = collector.spans();
+
+    let admission = span(&spans, "admission");
+    assert_eq!(admission.trace_id, TRACE_ID);
+    assert_eq!(admission.parent_span_id, PARENT_ID);
+    let attributes = &admission.attributes;
+    assert_eq!(attributes["webhook"], "validating");
+    assert_eq!(attributes["operation"], "CREATE");
+    assert_eq!(
+        attributes["kind"],
+        "cnat.programming-kubernetes.info/v1alpha1/At"
+    );
+    assert_eq!(attributes["at.namespace"], "capture");
+    assert_eq!(attributes["allowed"], "false");
+    assert!(
+        attributes["denial.reason"].contains("spec.schedule"),
+        "{attributes:?}"
+    );
+    let latency: f64 = attributes["latency.ms"].parse().unwrap();
+    assert!(latency > 0.0 && latency < 1000.0, "{latency}");
+
+    let reconcile = spans
+        .iter()
+        .find(|s| {
+            s.name == "reconcile"
+                && s.attributes.get("action").map(String::as_str) == Some("create-pod")
+        })
+        .unwrap_or_else(|| panic!("no reconcile span that created the pod in {spans:#?}"));
+    let attributes = &reconcile.attributes;
+    assert_eq!(attributes["at.namespace"], "default");
+    assert_eq!(attributes["at.name"], "now");
+    assert_eq!(attributes["phase.before"], "PENDING");
+    assert_eq!(attributes["phase.after"], "RUNNING");
+    assert!(!attributes.contains_key("error"), "{attributes:?}");
+
+    for span in [admission, reconcile] {
+        let resource = &span.resource;
+        assert_eq!(resource["service.name"], "cnat");
+        assert_eq!(resource["service.version"], env!("CARGO_PKG_VERSION"));
+        assert_eq!(resource["service.instance.id"], format!("cnat-{name}"));
+        assert_eq!(resource["deployment.environment.name"], "test");
+    }
+
+    // The log line of the reconcile that created the pod is in that reconcile's span.
+    let created = log_line(&logs, "runs the command");
+    assert_eq!(created["trace_id"], reconcile.trace_id.as_str());
+    assert_eq!(created["span_id"], reconcile.span_id.as_str());
+    let reviewed = log_line(&logs, "admission review");
+    assert_eq!(reviewed["trace_id"], TRACE_ID);
+    assert_eq!(reviewed["span_id"], admission.span_id.as_str());
+    // Lines outside any span carry no ids.
+    assert!(log_line(&logs, "cnat started").get("trace_id").is_none());
+}
+
+#[tokio::test]
+async fn spans_reach_a_collector_over_grpc() {
+    let (collector, addr) = Collector::grpc().await;
+    spans_reach_the_collector("grpc", "grpc", collector, addr).await;
+}
+
+#[tokio::test]
+async fn spans_reach_a_collector_over_http_protobuf() {
+    let (collector, addr) = Collector::http().await;
+    spans_reach_the_collector("http", "http/protobuf", collector, addr).await;
+}
+
+#[tokio::test]
+async fn nothing_is_exported_without_an_endpoint_and_ids_still_reach_the_logs() {
+    // A protocol but no endpoint: no exporter (not one sending to the default localhost:4317).
+    let env = vec![("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc".to_owned())];
+    let operator = Operator::start("noexport", &env, "info,cnat::webhook=debug").await;
+    let traceparent = format!("00-{TRACE_ID}-{PARENT_ID}-01");
+    operator
+        .admit("validating-create.json", &[("traceparent", &traceparent)])
+        .await;
+    let (_, logs) = operator.stop().await;
+    assert_eq!(log_line(&logs, "admission review")["trace_id"], TRACE_ID);
+    assert_eq!(log_line(&logs, "cnat started")["exporting_traces"], false);
+}
+
+/// Admission latencies (ms) of `count` sequential requests.
+async fn latencies(operator: &Operator, count: usize) -> Vec<f64> {
+    let mut took = Vec::with_capacity(count);
+    for _ in 0..count {
+        let started = Instant::now();
+        let (status, _) = operator.admit("validating-create.json", &[]).await;
+        assert_eq!(status, 200);
+        took.push(started.elapsed().as_secs_f64() * 1e3);
+    }
+    took.sort_by(f64::total_cmp);
+    took
+}
+
+#[tokio::test]
+async fn an_unreachable_collector_slows_neither_admissions_nor_exit() {
+    // A collector that accepts connections and never answers: exports hang until their timeout.
+    let blackhole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut env = otlp_env(
+        format!("http://{}", blackhole.local_addr().unwrap()),
+        "grpc",
+    );
+    env.push(("OTEL_BSP_SCHEDULE_DELAY", "20".into()));
+    env.push(("OTEL_EXPORTER_OTLP_TIMEOUT", "30000".into()));
+    let stuck = Operator::start("blackhole", &env, "info").await;
+    let baseline = Operator::start("baseline", &[], "info").await;
+
+    latencies(&baseline, 20).await; // warm up both
+    latencies(&stuck, 20).await;
+    let normal = latencies(&baseline, 200).await;
+    let with_stuck_exporter = latencies(&stuck, 200).await;
+    let (median, worst) = (with_stuck_exporter[100], with_stuck_exporter[199]);
+    // A blocking exporter would take the 30 s export timeout; scheduling noise takes milliseconds.
+    assert!(
+        median <= 2.0 * normal[100] + 20.0 && worst < 1000.0,
+        "with a stuck collector: median {median:.2} ms, worst {worst:.2} ms; normal: median {:.2} ms, worst {:.2} ms",
+        normal[100],
+        normal[199]
+    );
+    // The exporter did try: its connection waits in the blackhole's accept queue.
+    blackhole.set_nonblocking(true).unwrap();
+    assert!(blackhole.accept().is_ok(), "the exporter never connected");
+
+    let (took, _) = stuck.stop().await;
+    // Shutdown delay 100 ms, then at most 3 s for the flush.
+    assert!(took < Duration::from_secs(5), "exit took {took:?}");
+    baseline.stop().await;
+}
+
+#[tokio::test]
+async fn metrics_count_what_happened() {
+    let operator = Operator::start("metrics", &[], "warn").await;
+    let before = operator.metrics();
+    assert!(before.contains("\ncnat_leader 1\n"), "{before}");
+    assert!(
+        before.contains("\ncnat_leader_transitions_total 1\n"),
+        "{before}"
+    );
+    assert!(
+        before.contains("\ncnat_run_lateness_seconds_count 0\n"),
+        "{before}"
+    );
+
+    // Due in two seconds: the pod comes a few milliseconds late.
+    let due = chrono::Utc::now() + chrono::Duration::seconds(2);
+    let due = due.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    operator.run_at("soon", &due).await;
+    operator.admit("validating-create-dryrun.json", &[]).await;
+    operator.admit("mutating-create.json", &[]).await;
+    let (status, _) = post_with(
+        &operator.https,
+        operator.webhook,
+        "/validating",
+        &[],
+        b"not json".to_vec(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 400);
+
+    let running = support::until(Duration::from_secs(5), || {
+        operator
+            .metrics()
+            .contains("\ncnat_ats{phase=\"RUNNING\"} 1\n")
+    });
+    assert!(running.await, "{}", operator.metrics());
+    operator.server.finish_pod("default", "soon-pod", 0);
+    let done = support::until(Duration::from_secs(5), || {
+        operator
+            .metrics()
+            .contains("\ncnat_ats{phase=\"DONE\"} 1\n")
+    });
+    assert!(done.await, "{}", operator.metrics());
+
+    let metrics = operator.metrics();
+    for series in [
+        "cnat_ats{phase=\"PENDING\"} 0",
+        "cnat_ats{phase=\"RUNNING\"} 0",
+        "cnat_run_lateness_seconds_count 1",
+        "cnat_run_lateness_seconds_bucket{le=\"1.0\"} 1",
+        "cnat_admission_requests_total{webhook=\"validating\",operation=\"CREATE\",allowed=\"false\"} 1",
+        "cnat_admission_requests_total{webhook=\"mutating\",operation=\"CREATE\",allowed=\"true\"} 1",
+        "cnat_admission_requests_total{webhook=\"validating\",operation=\"UNKNOWN\",allowed=\"false\"} 1",
+        "cnat_admission_duration_seconds_count{webhook=\"validating\"} 2",
+        "cnat_admission_duration_seconds_count{webhook=\"mutating\"} 1",
+        "cnat_leader 1",
+    ] {
+        assert!(metrics.contains(&format!("\n{series}\n")), "{series} missing in\n{metrics}");
+    }
+    // PENDING (written once), RUNNING (pod created), DONE: at least three successful reconciles.
+    let ok = value(&metrics, "cnat_reconciles_total{result=\"ok\"}");
+    assert!(ok >= 3.0, "{metrics}");
+    assert_eq!(value(&metrics, "cnat_reconcile_duration_seconds_count"), ok);
+    let late = value(&metrics, "cnat_run_lateness_seconds_sum");
+    assert!((0.0..1.0).contains(&late), "{late}");
+    operator.stop().await;
+}
+
+/// The value of the sample `series` in an OpenMetrics text.
+fn value(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in\n{metrics}"))
+}

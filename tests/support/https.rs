@@ -1,0 +1,70 @@
+//! An HTTPS client for the webhook server, trusting only the test CA.
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+pub type Https = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// An HTTPS client that trusts only the CA in `ca`, restricted to `versions`.
+pub fn client(ca: &Path, versions: &[&'static rustls::SupportedProtocolVersion]) -> Https {
+    let mut roots = rustls::RootCertStore::empty();
+    let pem = std::fs::read(ca).unwrap();
+    for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(&pem) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(versions)
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(config)
+        .https_only()
+        .enable_http1()
+        .build();
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
+pub async fn post(
+    client: &Https,
+    addr: SocketAddr,
+    path: &str,
+    body: Vec<u8>,
+) -> Result<(u16, Vec<u8>), String> {
+    post_with(client, addr, path, &[], body).await
+}
+
+/// `post` with extra request headers.
+pub async fn post_with(
+    client: &Https,
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> Result<(u16, Vec<u8>), String> {
+    let mut request = http::Request::post(format!("https://localhost:{}{path}", addr.port()))
+        .header("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(Full::new(Bytes::from(body))).unwrap();
+    let response = client
+        .request(request)
+        .await
+        .map_err(|e| format!("{e:?}"))?;
+    let status = response.status().as_u16();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    Ok((status, body.to_vec()))
+}
