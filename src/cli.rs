@@ -79,11 +79,16 @@ pub struct RunArgs {
     #[arg(long, env = "CNAT_LOG_FORMAT", value_enum, default_value_t = LogFormat::Auto)]
     pub log_format: LogFormat,
 
-    /// Which log lines to keep, as `RUST_LOG`-style directives.
-    #[arg(long, env = "CNAT_LOG", default_value = "info")]
+    /// Which log lines to keep, as `RUST_LOG`-style directives. The Lease library's own
+    /// INFO lines repeat what cnat logs about leadership, hence its `warn`.
+    #[arg(
+        long,
+        env = "CNAT_LOG",
+        default_value = "info,kube_leader_election=warn"
+    )]
     pub log: String,
 
-    /// Address of the plain-HTTP admin server (/healthz, /readyz).
+    /// Address of the plain-HTTP admin server (/healthz, /readyz, /metrics).
     #[arg(long, env = "CNAT_ADMIN_ADDR", default_value = "0.0.0.0:8080")]
     pub admin_addr: SocketAddr,
 

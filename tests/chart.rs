@@ -78,6 +78,15 @@ impl Rendered {
         all.remove(0)
     }
 
+    fn named<T: DeserializeOwned>(&self, kind: &str, name: &str) -> T {
+        let doc = self
+            .0
+            .iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name}"));
+        serde_json::from_value(doc.clone()).unwrap_or_else(|e| panic!("{kind} {name}: {e}"))
+    }
+
     fn kinds(&self) -> Vec<String> {
         let mut kinds: Vec<String> = self
             .0
@@ -266,7 +275,7 @@ fn rbac_is_exactly_what_the_operator_uses() {
 #[test]
 fn the_webhooks_trust_the_certificate_the_pods_serve() {
     let rendered = Rendered::new(&[]);
-    let service: Service = rendered.one("Service");
+    let service: Service = rendered.named("Service", "cnat-webhook");
     assert_eq!(service.metadata.name.as_deref(), Some("cnat-webhook"));
     let secret: Secret = rendered.one("Secret");
     let data = secret.data.unwrap();
@@ -422,6 +431,17 @@ fn bad_values_are_rejected_by_the_schema() {
             "/leaderElection/leaseDuration",
         ),
         ("replicas=3", "additional properties 'replicas' not allowed"),
+        ("tracing.protocol=http/json", "/tracing/protocol"),
+        ("tracing.samplingRatio=2", "/tracing/samplingRatio"),
+        ("tracing.samplingRatio=half", "/tracing/samplingRatio"),
+        (
+            "tracing.otlpEndpoint=otel-collector:4317",
+            "/tracing/otlpEndpoint",
+        ),
+        (
+            "metrics.serviceMonitor.interval=often",
+            "/metrics/serviceMonitor/interval",
+        ),
     ] {
         let error = render(&[set]).unwrap_err();
         assert!(
@@ -448,11 +468,124 @@ fn the_default_install_renders_exactly_these_objects() {
         "RoleBinding",
         "Secret",
         "Service",
+        "Service",
         "ServiceAccount",
         "ServiceAccount",
         "ValidatingWebhookConfiguration",
     ];
     assert_eq!(Rendered::new(&[]).kinds(), expected);
+}
+
+/// The operator container's environment, name to value (values only, not references).
+fn plain_env(rendered: &Rendered) -> std::collections::BTreeMap<String, String> {
+    let deployment: Deployment = rendered.one("Deployment");
+    let pod = deployment.spec.unwrap().template.spec.unwrap();
+    pod.containers[0]
+        .env
+        .iter()
+        .flatten()
+        .filter_map(|e| Some((e.name.clone(), e.value.clone()?)))
+        .collect()
+}
+
+#[test]
+fn by_default_metrics_have_a_service_and_no_traces_are_exported() {
+    let rendered = Rendered::new(&[]);
+    let env = plain_env(&rendered);
+    assert_eq!(env["CNAT_LOG"], "info,kube_leader_election=warn");
+    assert_eq!(env["CNAT_LOG_FORMAT"], "json");
+    assert_eq!(env["OTEL_SERVICE_NAME"], "cnat");
+    assert_eq!(env["OTEL_TRACES_SAMPLER"], "parentbased_traceidratio");
+    assert_eq!(env["OTEL_TRACES_SAMPLER_ARG"], "1");
+    assert!(!env.contains_key("OTEL_EXPORTER_OTLP_ENDPOINT"), "{env:?}");
+    assert!(!env.contains_key("OTEL_RESOURCE_ATTRIBUTES"), "{env:?}");
+    assert!(!rendered.kinds().contains(&"ServiceMonitor".to_owned()));
+
+    let metrics: Service = rendered.named("Service", "cnat-metrics");
+    let spec = metrics.spec.unwrap();
+    let port = &spec.ports.unwrap()[0];
+    assert_eq!((port.name.as_deref(), port.port), (Some("metrics"), 8080));
+    assert_eq!(
+        serde_json::to_value(&port.target_port).unwrap(),
+        "admin",
+        "the container port that serves /metrics"
+    );
+    let deployment: Deployment = rendered.one("Deployment");
+    let pod_labels = deployment
+        .spec
+        .unwrap()
+        .template
+        .metadata
+        .unwrap()
+        .labels
+        .unwrap();
+    for (key, value) in spec.selector.unwrap() {
+        assert_eq!(pod_labels.get(&key), Some(&value), "selector {key}");
+    }
+}
+
+#[test]
+fn observability_values_become_the_standard_otel_variables_and_a_service_monitor() {
+    let rendered = Rendered::new(&[
+        "logs.level=info\\,cnat=debug",
+        "logs.format=text",
+        "tracing.otlpEndpoint=http://otel-collector.observability:4318",
+        "tracing.protocol=http/protobuf",
+        "tracing.serviceName=cnat-prod",
+        "tracing.samplingRatio=0.25",
+        "tracing.resourceAttributes=deployment.environment.name=prod",
+        "extraEnv[0].name=OTEL_EXPORTER_OTLP_HEADERS",
+        "extraEnv[0].value=x-token=abc",
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.serviceMonitor.interval=15s",
+        "metrics.serviceMonitor.labels.release=prometheus",
+    ]);
+    let env = plain_env(&rendered);
+    for (name, value) in [
+        ("CNAT_LOG", "info,cnat=debug"),
+        ("CNAT_LOG_FORMAT", "text"),
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "http://otel-collector.observability:4318",
+        ),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+        ("OTEL_SERVICE_NAME", "cnat-prod"),
+        ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+        ("OTEL_TRACES_SAMPLER_ARG", "0.25"),
+        (
+            "OTEL_RESOURCE_ATTRIBUTES",
+            "deployment.environment.name=prod",
+        ),
+        ("OTEL_EXPORTER_OTLP_HEADERS", "x-token=abc"),
+    ] {
+        assert_eq!(env.get(name).map(String::as_str), Some(value), "{name}");
+    }
+
+    let monitors: Vec<Value> = rendered.all("ServiceMonitor");
+    assert_eq!(monitors.len(), 1);
+    let monitor = &monitors[0];
+    assert_eq!(monitor["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(monitor["metadata"]["labels"]["release"], "prometheus");
+    assert_eq!(
+        monitor["spec"]["endpoints"],
+        serde_json::json!([{"port": "metrics", "path": "/metrics", "interval": "15s"}])
+    );
+    // It selects the metrics Service, not the webhook one.
+    let wanted = monitor["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .unwrap();
+    let selected: Vec<String> = rendered
+        .all::<Service>("Service")
+        .into_iter()
+        .filter(|s| {
+            let labels = s.metadata.labels.clone().unwrap_or_default();
+            wanted
+                .iter()
+                .all(|(k, v)| labels.get(k).map(String::as_str) == v.as_str())
+        })
+        .filter_map(|s| s.metadata.name)
+        .collect();
+    assert_eq!(selected, ["cnat-metrics"]);
 }
 
 #[test]
