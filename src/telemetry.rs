@@ -198,6 +198,8 @@ where
 }
 
 /// The OpenTelemetry ids of span `id`. The caller must hold no lock on the span's extensions.
+/// Works with the global subscriber `init` installs: from inside a subscriber, a scoped one
+/// (`with_default`) is out of reach.
 fn ids(id: &span::Id) -> Option<(TraceId, SpanId)> {
     let context = tracing::dispatcher::get_default(|dispatch| {
         tracing_opentelemetry::get_otel_context(id, dispatch)
@@ -210,6 +212,62 @@ fn ids(id: &span::Id) -> Option<(TraceId, SpanId)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// Text log lines written while `log` runs, with ids from a tracer that exports nothing.
+    /// Installs the global subscriber: call it once per test process.
+    fn text_lines(log: impl FnOnce()) -> Vec<String> {
+        let buffer = Arc::new(Mutex::new(Vec::<u8>::new()));
+        let sink = buffer.clone();
+        let writer = move || SharedWriter(sink.clone());
+        let provider = SdkTracerProvider::builder().build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")))
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_ansi(false)
+                    .with_writer(writer)
+                    .event_format(WithTraceIds(Format::default())),
+            );
+        // Global, as in `init`: a scoped dispatcher cannot be reached from inside a subscriber.
+        tracing::subscriber::set_global_default(subscriber).unwrap();
+        log();
+        let text = String::from_utf8(buffer.lock().unwrap().clone()).unwrap();
+        text.lines().map(str::to_owned).collect()
+    }
+
+    struct SharedWriter(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for SharedWriter {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn text_lines_inside_a_span_start_with_its_trace_and_span_id() {
+        let lines = text_lines(|| {
+            tracing::info!("outside");
+            let span = tracing::info_span!("reconcile");
+            span.in_scope(|| tracing::info!("inside"));
+        });
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(!lines[0].contains("trace_id="), "{}", lines[0]);
+        let words: Vec<&str> = lines[1].split(' ').collect();
+        let trace = words[0].strip_prefix("trace_id=").unwrap();
+        let span = words[1].strip_prefix("span_id=").unwrap();
+        assert_eq!((trace.len(), span.len()), (32, 16), "{}", lines[1]);
+        assert!(trace.chars().all(|c| c.is_ascii_hexdigit()) && trace != "0".repeat(32));
+        assert!(
+            lines[1].ends_with("reconcile: cnat::telemetry::tests: inside"),
+            "{}",
+            lines[1]
+        );
+    }
 
     fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
         |name| {

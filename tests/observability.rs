@@ -258,6 +258,33 @@ async fn spans_reach_a_collector_over_http_protobuf() {
 }
 
 #[tokio::test]
+async fn the_sampler_and_service_name_variables_the_chart_sets_are_honoured() {
+    let (collector, addr) = Collector::http().await;
+    let mut env = otlp_env(format!("http://{addr}"), "http/protobuf");
+    env.push(("OTEL_SERVICE_NAME", "cnat-prod".into()));
+    env.push(("OTEL_TRACES_SAMPLER", "parentbased_traceidratio".into()));
+    env.push(("OTEL_TRACES_SAMPLER_ARG", "0".into()));
+    let operator = Operator::start("sampler", &env, "info").await;
+    operator.run_at("now", "2019-04-12T10:12:00Z").await;
+    let unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
+    for traceparent in [format!("00-{TRACE_ID}-{PARENT_ID}-01"), unsampled.into()] {
+        let (status, _) = operator
+            .admit("validating-create.json", &[("traceparent", &traceparent)])
+            .await;
+        assert_eq!(status, 200);
+    }
+    operator.stop().await;
+    // Ratio 0 records no new trace; a caller's sampled trace is continued, an unsampled not.
+    let spans = collector.spans();
+    assert_eq!(spans.len(), 1, "{spans:#?}");
+    assert_eq!(
+        (spans[0].name.as_str(), spans[0].trace_id.as_str()),
+        ("admission", TRACE_ID)
+    );
+    assert_eq!(spans[0].resource["service.name"], "cnat-prod");
+}
+
+#[tokio::test]
 async fn nothing_is_exported_without_an_endpoint_and_ids_still_reach_the_logs() {
     // A protocol but no endpoint: no exporter (not one sending to the default localhost:4317).
     let env = vec![("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc".to_owned())];
