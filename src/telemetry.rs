@@ -38,6 +38,8 @@ pub enum Error {
     },
     #[error("OTLP trace exporter: {0}; check OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_EXPORTER_OTLP_PROTOCOL (grpc or http/protobuf)")]
     Exporter(#[from] opentelemetry_otlp::ExporterBuildError),
+    #[error("{var}={endpoint:?}: cnat sends traces over plain HTTP only; use an http:// endpoint (an in-cluster collector or a node agent)")]
+    Tls { var: &'static str, endpoint: String },
     #[error("a log subscriber is already installed: {0}")]
     Installed(#[from] tracing_subscriber::util::TryInitError),
 }
@@ -101,9 +103,11 @@ pub fn init(format: LogFormat, directives: &str, identity: &str) -> Result<Telem
 /// hands out ids. Sampler, batch sizes, protocol, headers and timeouts come from `OTEL_*`.
 fn tracer_provider(identity: &str) -> Result<(SdkTracerProvider, bool), Error> {
     let builder = SdkTracerProvider::builder().with_resource(resource(identity));
-    if !export_configured(|name| std::env::var(name).ok()) {
+    let var = |name: &str| std::env::var(name).ok();
+    if !export_configured(var) {
         return Ok((builder.build(), false));
     }
+    plain_http(var)?;
     let exporter = opentelemetry_otlp::SpanExporter::builder().build()?;
     let batch = BatchSpanProcessor::builder(exporter).build();
     Ok((builder.with_span_processor(batch).build(), true))
@@ -117,6 +121,23 @@ pub fn export_configured(var: impl Fn(&str) -> Option<String>) -> bool {
     ENDPOINT_VARS.iter().any(|name| set(name))
         && !is("OTEL_SDK_DISABLED", "true")
         && !is("OTEL_TRACES_EXPORTER", "none")
+}
+
+/// Refuses an `https://` endpoint: the exporter is built without TLS, and would otherwise fail
+/// on every export instead of at start.
+pub fn plain_http(var: impl Fn(&str) -> Option<String>) -> Result<(), Error> {
+    let endpoint = ENDPOINT_VARS
+        .iter()
+        .find_map(|name| Some((*name, var(name).filter(|v| !v.trim().is_empty())?)));
+    match endpoint {
+        Some((name, url)) if url.trim().to_ascii_lowercase().starts_with("https://") => {
+            Err(Error::Tls {
+                var: name,
+                endpoint: url,
+            })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// `service.name` (cnat unless `OTEL_SERVICE_NAME` or `OTEL_RESOURCE_ATTRIBUTES` say otherwise),
@@ -246,6 +267,23 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
+    }
+
+    #[test]
+    fn an_https_endpoint_is_refused_with_the_variable_that_set_it() {
+        let traces = (
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "https://c:4318/v1/traces",
+        );
+        let generic = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317");
+        let error = plain_http(env(&[traces, generic])).unwrap_err().to_string();
+        assert_eq!(
+            error,
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=\"https://c:4318/v1/traces\": cnat sends traces over plain HTTP only; use an http:// endpoint (an in-cluster collector or a node agent)"
+        );
+        assert!(plain_http(env(&[generic])).is_ok());
+        assert!(plain_http(env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "HTTPS://c")])).is_err());
+        assert!(plain_http(env(&[])).is_ok());
     }
 
     #[test]

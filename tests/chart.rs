@@ -439,6 +439,10 @@ fn bad_values_are_rejected_by_the_schema() {
             "/tracing/otlpEndpoint",
         ),
         (
+            "tracing.otlpEndpoint=https://otel-collector:4317",
+            "/tracing/otlpEndpoint",
+        ),
+        (
             "metrics.serviceMonitor.interval=often",
             "/metrics/serviceMonitor/interval",
         ),

@@ -144,15 +144,19 @@ impl Operator {
     }
 }
 
-fn otlp_env(endpoint: String, protocol: &str) -> Vec<(&'static str, String)> {
-    vec![
+/// The collector's endpoint, and its protocol unless `None` (the default: http/protobuf).
+fn otlp_env(endpoint: String, protocol: Option<&str>) -> Vec<(&'static str, String)> {
+    let mut env = vec![
         ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
-        ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol.into()),
         (
             "OTEL_RESOURCE_ATTRIBUTES",
             "deployment.environment.name=test".into(),
         ),
-    ]
+    ];
+    if let Some(protocol) = protocol {
+        env.push(("OTEL_EXPORTER_OTLP_PROTOCOL", protocol.into()));
+    }
+    env
 }
 
 fn span<'a>(spans: &'a [Received], name: &str) -> &'a Received {
@@ -172,7 +176,7 @@ fn log_line<'a>(logs: &'a [Value], message: &str) -> &'a Value {
 /// the admission continues the caller's trace; logs carry the ids of the span they were written in.
 async fn spans_reach_the_collector(
     name: &str,
-    protocol: &str,
+    protocol: Option<&str>,
     collector: Collector,
     addr: SocketAddr,
 ) {
@@ -248,19 +252,33 @@ async fn spans_reach_the_collector(
 #[tokio::test]
 async fn spans_reach_a_collector_over_grpc() {
     let (collector, addr) = Collector::grpc().await;
-    spans_reach_the_collector("grpc", "grpc", collector, addr).await;
+    spans_reach_the_collector("grpc", Some("grpc"), collector, addr).await;
 }
 
 #[tokio::test]
-async fn spans_reach_a_collector_over_http_protobuf() {
+async fn spans_reach_a_collector_over_http_protobuf_the_default_protocol() {
     let (collector, addr) = Collector::http().await;
-    spans_reach_the_collector("http", "http/protobuf", collector, addr).await;
+    spans_reach_the_collector("http", None, collector, addr).await;
+}
+
+#[test]
+fn an_https_collector_is_refused_at_start() {
+    let output = cnat(&[], std::path::Path::new("/nonexistent"))
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", "https://otel-collector:4317")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("OTEL_EXPORTER_OTLP_ENDPOINT=\"https://otel-collector:4317\": cnat sends traces over plain HTTP only"),
+        "{stderr}"
+    );
 }
 
 #[tokio::test]
 async fn the_sampler_and_service_name_variables_the_chart_sets_are_honoured() {
     let (collector, addr) = Collector::http().await;
-    let mut env = otlp_env(format!("http://{addr}"), "http/protobuf");
+    let mut env = otlp_env(format!("http://{addr}"), Some("http/protobuf"));
     env.push(("OTEL_SERVICE_NAME", "cnat-prod".into()));
     env.push(("OTEL_TRACES_SAMPLER", "parentbased_traceidratio".into()));
     env.push(("OTEL_TRACES_SAMPLER_ARG", "0".into()));
@@ -317,7 +335,7 @@ async fn an_unreachable_collector_slows_neither_admissions_nor_exit() {
     let blackhole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let mut env = otlp_env(
         format!("http://{}", blackhole.local_addr().unwrap()),
-        "grpc",
+        Some("grpc"),
     );
     env.push(("OTEL_BSP_SCHEDULE_DELAY", "20".into()));
     env.push(("OTEL_EXPORTER_OTLP_TIMEOUT", "30000".into()));
