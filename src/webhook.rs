@@ -19,11 +19,11 @@ use axum_server::Handle;
 use base64::Engine;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
 use kube::core::{DynamicObject, Resource};
+use opentelemetry::trace::Status;
 use opentelemetry_http::HeaderExtractor;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tracing::field::{display, Empty};
 use tracing::{debug, info_span};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -66,19 +66,9 @@ fn admit(
     body: &[u8],
 ) -> Response {
     let started = Instant::now();
-    let span = info_span!(
-        "admission",
-        webhook,
-        operation = Empty,
-        kind = Empty,
-        "at.namespace" = Empty,
-        "at.name" = Empty,
-        allowed = Empty,
-        "denial.reason" = Empty,
-        "latency.ms" = Empty,
-        "otel.kind" = "server",
-        "otel.status_code" = Empty,
-    );
+    // Attributes known only after decoding go straight to the OpenTelemetry span: recording
+    // them as tracing fields would make the JSON log layer re-serialize the span each time.
+    let span = info_span!("admission", webhook, "otel.kind" = "server");
     let caller = opentelemetry::global::get_text_map_propagator(|propagator| {
         propagator.extract(&HeaderExtractor(headers))
     });
@@ -87,18 +77,17 @@ fn admit(
     let verdict = span.in_scope(|| review(body));
     let operation = match &verdict {
         Ok(verdict) => {
-            record(&span, verdict);
+            describe(&span, verdict);
             verdict.operation
         }
         Err(why) => {
-            span.record("otel.status_code", "ERROR");
-            span.record("denial.reason", why.as_str());
+            span.set_status(Status::error(why.clone()));
             "UNKNOWN"
         }
     };
     let allowed = verdict.as_ref().is_ok_and(|v| v.response.allowed);
     let took = started.elapsed();
-    span.record("latency.ms", took.as_secs_f64() * 1e3);
+    span.set_attribute("latency.ms", took.as_secs_f64() * 1e3);
     metrics.admitted(
         AdmissionLabels {
             webhook,
@@ -110,16 +99,16 @@ fn admit(
     span.in_scope(|| respond(verdict.map(|v| v.response)))
 }
 
-fn record(span: &tracing::Span, verdict: &Verdict) {
-    span.record("operation", verdict.operation);
-    span.record("kind", verdict.kind.as_str());
-    span.record("at.name", verdict.name.as_str());
+fn describe(span: &tracing::Span, verdict: &Verdict) {
+    span.set_attribute("operation", verdict.operation);
+    span.set_attribute("kind", verdict.kind.clone());
+    span.set_attribute("at.name", verdict.name.clone());
     if let Some(namespace) = &verdict.namespace {
-        span.record("at.namespace", namespace.as_str());
+        span.set_attribute("at.namespace", namespace.clone());
     }
-    span.record("allowed", verdict.response.allowed);
+    span.set_attribute("allowed", verdict.response.allowed);
     if !verdict.response.allowed {
-        span.record("denial.reason", display(&verdict.response.result.message));
+        span.set_attribute("denial.reason", verdict.response.result.message.clone());
     }
 }
 

@@ -7,7 +7,7 @@ use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
 };
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::core::v1::{PodTemplateSpec, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule, Role};
 use rustls::client::danger::ServerCertVerifier;
@@ -85,6 +85,12 @@ impl Rendered {
             .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
             .unwrap_or_else(|| panic!("no {kind} {name}"));
         serde_json::from_value(doc.clone()).unwrap_or_else(|e| panic!("{kind} {name}: {e}"))
+    }
+
+    /// The operator Deployment's pod template.
+    fn pod_template(&self) -> PodTemplateSpec {
+        let deployment: Deployment = self.one("Deployment");
+        deployment.spec.expect("a Deployment spec").template
     }
 
     fn kinds(&self) -> Vec<String> {
@@ -198,8 +204,7 @@ fn defaults_run_two_replicas_that_upgrade_without_losing_one() {
 
 #[test]
 fn the_operator_pod_runs_locked_down() {
-    let deployment: Deployment = Rendered::new(&[]).one("Deployment");
-    let pod = deployment.spec.unwrap().template.spec.unwrap();
+    let pod = Rendered::new(&[]).pod_template().spec.unwrap();
     let psc = pod.security_context.unwrap();
     assert_eq!(psc.run_as_non_root, Some(true));
     assert!(psc.run_as_user.unwrap() > 0);
@@ -391,15 +396,7 @@ fn a_user_provided_secret_is_mounted_with_its_ca() {
         &format!("webhook.certs.caBundle={bundle}"),
     ]);
     assert!(rendered.all::<Value>("Secret").is_empty());
-    let deployment: Deployment = rendered.one("Deployment");
-    let volumes = deployment
-        .spec
-        .unwrap()
-        .template
-        .spec
-        .unwrap()
-        .volumes
-        .unwrap();
+    let volumes = rendered.pod_template().spec.unwrap().volumes.unwrap();
     assert_eq!(
         volumes[0].secret.as_ref().unwrap().secret_name.as_deref(),
         Some("my-tls")
@@ -482,8 +479,7 @@ fn the_default_install_renders_exactly_these_objects() {
 
 /// The operator container's environment, name to value (values only, not references).
 fn plain_env(rendered: &Rendered) -> std::collections::BTreeMap<String, String> {
-    let deployment: Deployment = rendered.one("Deployment");
-    let pod = deployment.spec.unwrap().template.spec.unwrap();
+    let pod = rendered.pod_template().spec.unwrap();
     pod.containers[0]
         .env
         .iter()
@@ -514,15 +510,7 @@ fn by_default_metrics_have_a_service_and_no_traces_are_exported() {
         "admin",
         "the container port that serves /metrics"
     );
-    let deployment: Deployment = rendered.one("Deployment");
-    let pod_labels = deployment
-        .spec
-        .unwrap()
-        .template
-        .metadata
-        .unwrap()
-        .labels
-        .unwrap();
+    let pod_labels = rendered.pod_template().metadata.unwrap().labels.unwrap();
     for (key, value) in spec.selector.unwrap() {
         assert_eq!(pod_labels.get(&key), Some(&value), "selector {key}");
     }
