@@ -262,6 +262,23 @@ async fn spans_reach_a_collector_over_http_protobuf_the_default_protocol() {
 }
 
 #[test]
+fn a_bad_log_directive_is_refused_at_start() {
+    let output = cnat(
+        &["--log=info,cnat=loud"],
+        std::path::Path::new("/nonexistent"),
+    )
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.starts_with("cnat: --log / CNAT_LOG \"info,cnat=loud\": ")
+            && stderr.contains("use RUST_LOG syntax, e.g. info,cnat=debug"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn an_https_collector_is_refused_at_start() {
     let output = cnat(&[], std::path::Path::new("/nonexistent"))
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", "https://otel-collector:4317")
