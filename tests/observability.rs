@@ -21,7 +21,7 @@ const PARENT_ID: &str = "00f067aa0ba902b7";
 
 /// A running `cnat run` with its API server, ports, CA and captured stdout.
 struct Operator {
-    child: Child,
+    child: Killed,
     server: ApiServer,
     admin: SocketAddr,
     webhook: SocketAddr,
@@ -69,7 +69,7 @@ impl Operator {
             }
         });
         let operator = Operator {
-            child,
+            child: Killed(child),
             server,
             admin,
             webhook,
@@ -77,9 +77,11 @@ impl Operator {
             stdout,
             kubeconfig,
         };
+        // The Lease names it before it has confirmed; its own gauge says when it leads.
         let ready = support::until(Duration::from_secs(10), || {
             probe(admin, "/readyz") == Some(200)
                 && holder(&operator.server).as_deref() == Some(&format!("cnat-{name}"))
+                && get(admin, "/metrics").is_some_and(|(_, m)| m.contains("\ncnat_leader 1\n"))
         });
         assert!(ready.await, "cnat-{name} never became ready and leader");
         operator
@@ -123,13 +125,15 @@ impl Operator {
     }
 
     /// SIGTERM; returns how long the process took to exit.
-    async fn stop(self) -> (Duration, Vec<Value>) {
+    async fn stop(mut self) -> (Duration, Vec<Value>) {
         let signalled = Instant::now();
-        sigterm(&self.child);
-        let mut child = self.child;
-        let exit = tokio::task::spawn_blocking(move || child.wait().unwrap())
-            .await
-            .unwrap();
+        sigterm(&self.child.0);
+        let exit = loop {
+            match self.child.0.try_wait().unwrap() {
+                Some(exit) => break exit,
+                None => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        };
         assert!(exit.success(), "{exit:?}");
         let took = signalled.elapsed();
         let _ = std::fs::remove_file(&self.kubeconfig);
@@ -145,6 +149,18 @@ impl Operator {
 }
 
 /// The collector's endpoint, and its protocol unless `None` (the default: http/protobuf).
+/// The operator process, killed if a failed test drops it still running.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 fn otlp_env(endpoint: String, protocol: Option<&str>) -> Vec<(&'static str, String)> {
     let mut env = vec![
         ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
