@@ -309,9 +309,12 @@ fn an_https_collector_is_refused_at_start() {
 }
 
 #[tokio::test]
-async fn the_sampler_and_service_name_variables_the_chart_sets_are_honoured() {
+async fn the_traces_endpoint_sampler_and_service_name_variables_are_honoured() {
     let (collector, addr) = Collector::http().await;
-    let mut env = otlp_env(format!("http://{addr}"), Some("http/protobuf"));
+    // The signal's own endpoint wins over the generic one, and is used as is (with its path).
+    let mut env = otlp_env("http://127.0.0.1:9".into(), Some("http/protobuf"));
+    let traces = format!("http://{addr}/v1/traces");
+    env.push(("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", traces));
     env.push(("OTEL_SERVICE_NAME", "cnat-prod".into()));
     env.push(("OTEL_TRACES_SAMPLER", "parentbased_traceidratio".into()));
     env.push(("OTEL_TRACES_SAMPLER_ARG", "0".into()));
