@@ -95,6 +95,13 @@ pub enum Phase {
     Done,
 }
 
+impl At {
+    /// The phase, `PENDING` while no status was written (the schema default).
+    pub fn phase(&self) -> Phase {
+        self.status.as_ref().map(|s| s.phase).unwrap_or_default()
+    }
+}
+
 impl Phase {
     /// The API spelling: `PENDING`, `RUNNING` or `DONE`.
     pub fn as_str(self) -> &'static str {

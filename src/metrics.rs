@@ -186,10 +186,7 @@ impl Collector for AtCount {
         let Some(store) = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
             return Ok(());
         };
-        let mut counts = [0i64; 3];
-        for at in store.state() {
-            counts[phase_index(at.status.as_ref().map(|s| s.phase).unwrap_or_default())] += 1;
-        }
+        let ats = store.state();
         let mut family = encoder.encode_descriptor(
             "cnat_ats",
             "Ats by phase, as the leader sees them (only the leader reports this)",
@@ -200,16 +197,9 @@ impl Collector for AtCount {
             let labels = PhaseLabels {
                 phase: phase.as_str(),
             };
-            ConstGauge::new(counts[phase_index(phase)]).encode(family.encode_family(&labels)?)?;
+            let count = ats.iter().filter(|at| at.phase() == phase).count();
+            ConstGauge::new(count as i64).encode(family.encode_family(&labels)?)?;
         }
         Ok(())
-    }
-}
-
-fn phase_index(phase: Phase) -> usize {
-    match phase {
-        Phase::Pending => 0,
-        Phase::Running => 1,
-        Phase::Done => 2,
     }
 }

@@ -143,11 +143,16 @@ pub fn plain_http(var: impl Fn(&str) -> Option<String>) -> Result<(), Error> {
 /// `service.name` (cnat unless `OTEL_SERVICE_NAME` or `OTEL_RESOURCE_ATTRIBUTES` say otherwise),
 /// `service.version`, `service.instance.id` (the replica identity) and the pod, when known.
 fn resource(identity: &str) -> Resource {
+    // The SDK's detectors (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES), run once.
     let detected = Resource::builder().build();
     let named = detected
         .get(&opentelemetry::Key::from_static_str("service.name"))
         .is_some_and(|name| !name.as_str().starts_with("unknown_service"));
-    let mut builder = Resource::builder();
+    let mut builder = Resource::builder_empty().with_attributes(
+        detected
+            .iter()
+            .map(|(key, value)| KeyValue::new(key.clone(), value.clone())),
+    );
     if !named {
         builder = builder.with_service_name("cnat");
     }

@@ -196,7 +196,10 @@ async fn spans_reach_the_collector(
     collector: Collector,
     addr: SocketAddr,
 ) {
-    let env = otlp_env(format!("http://{addr}"), protocol);
+    let mut env = otlp_env(format!("http://{addr}"), protocol);
+    // As the chart sets them from the downward API (the Lease stays in the context namespace).
+    env.push(("POD_NAME", format!("cnat-{name}-7d9f8")));
+    env.push(("POD_NAMESPACE", "cnat-system".into()));
     let operator = Operator::start(name, &env, "info,cnat::webhook=debug").await;
     operator.run_at("now", "2019-04-12T10:12:00Z").await;
     let traceparent = format!("00-{TRACE_ID}-{PARENT_ID}-01");
@@ -252,6 +255,8 @@ async fn spans_reach_the_collector(
         assert_eq!(resource["service.version"], env!("CARGO_PKG_VERSION"));
         assert_eq!(resource["service.instance.id"], format!("cnat-{name}"));
         assert_eq!(resource["deployment.environment.name"], "test");
+        assert_eq!(resource["k8s.pod.name"], format!("cnat-{name}-7d9f8"));
+        assert_eq!(resource["k8s.namespace.name"], "cnat-system");
     }
 
     // The log line of the reconcile that created the pod is in that reconcile's span.

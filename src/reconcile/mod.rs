@@ -99,7 +99,7 @@ pub async fn reconcile(at: Arc<At>, ctx: Arc<Context>) -> Result<Action, Error> 
         "reconcile",
         "at.namespace" = %namespace(&at),
         "at.name" = %at.name_any(),
-        "phase.before" = phase(&at).as_str(),
+        "phase.before" = at.phase().as_str(),
         "phase.after" = Empty,
         action = Empty,
         "requeue.seconds" = Empty,
@@ -276,7 +276,7 @@ impl Context {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&uid(at));
         let span = Span::current();
-        let after = decision.status.as_ref().map_or(phase(at), |s| s.phase);
+        let after = decision.status.as_ref().map_or(at.phase(), |s| s.phase);
         span.record("phase.after", after.as_str());
         let spent = ((self.clock)() - decided_at).to_std().unwrap_or_default();
         Ok(decision.requeue.map_or_else(Action::await_change, |left| {
@@ -338,10 +338,6 @@ fn observe(found: &Pod, at: &At) -> PodObservation {
     } else {
         PodObservation::Foreign
     }
-}
-
-fn phase(at: &At) -> Phase {
-    at.status.as_ref().map(|s| s.phase).unwrap_or_default()
 }
 
 fn action_name(action: Step) -> &'static str {
