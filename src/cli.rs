@@ -79,13 +79,8 @@ pub struct RunArgs {
     #[arg(long, env = "CNAT_LOG_FORMAT", value_enum, default_value_t = LogFormat::Auto)]
     pub log_format: LogFormat,
 
-    /// Which log lines to keep, as `RUST_LOG`-style directives. The Lease library's own
-    /// INFO lines repeat what cnat logs about leadership, hence its `warn`.
-    #[arg(
-        long,
-        env = "CNAT_LOG",
-        default_value = "info,kube_leader_election=warn"
-    )]
+    /// Which log lines to keep, as `RUST_LOG`-style directives, e.g. `info,cnat=debug`.
+    #[arg(long, env = "CNAT_LOG", default_value = "info")]
     pub log: String,
 
     /// Address of the plain-HTTP admin server (/healthz, /readyz, /metrics).
@@ -139,6 +134,11 @@ pub struct RunArgs {
     #[arg(long, env = "CNAT_RETRY_PERIOD", default_value = "2s", value_parser = duration)]
     pub retry_period: Duration,
 
+    /// On shutdown, how long reconciles in flight may finish before the reconcile loop is
+    /// aborted and the Lease released; a new leader takes over right after.
+    #[arg(long, env = "CNAT_STEP_DOWN_GRACE", default_value = "200ms", value_parser = duration)]
+    pub step_down_grace: Duration,
+
     /// After SIGTERM, how long to keep serving before closing the servers, so the endpoint is
     /// removed from Services first.
     #[arg(long, env = "CNAT_SHUTDOWN_DELAY", default_value = "5s", value_parser = duration)]
@@ -156,6 +156,7 @@ impl RunArgs {
             lease_duration: self.lease_duration,
             renew_deadline: self.renew_deadline,
             retry_period: self.retry_period,
+            step_down_grace: self.step_down_grace,
         }
     }
 }

@@ -185,6 +185,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
         namespace,
         identity,
         timing,
+        clock: leader::WallClock::system(),
     };
     let controller_settings = controller::Settings {
         namespace: args.namespace.clone(),

@@ -93,6 +93,11 @@ impl Metrics {
             "How long after its schedule an At's pod was created",
             lateness.clone(),
         );
+        registry.register(
+            "cnat_leader_handover_seconds",
+            "On the replica that became leader: time from seeing the Lease released or expired until it led",
+            leadership.handovers().clone(),
+        );
         registry.register_collector(Box::new(LeaderCollector(leadership)));
         registry.register_collector(Box::new(ats.clone()));
         Metrics {

@@ -271,7 +271,7 @@ fn rbac_is_exactly_what_the_operator_uses() {
             rule(
                 &["coordination.k8s.io"],
                 &["leases"],
-                &["get", "patch"],
+                &["get", "list", "watch", "patch"],
                 Some(&["cnat"])
             ),
             rule(&["coordination.k8s.io"], &["leases"], &["create"], None),
@@ -498,7 +498,11 @@ fn plain_env(rendered: &Rendered) -> std::collections::BTreeMap<String, String> 
 fn by_default_metrics_have_a_service_and_no_traces_are_exported() {
     let rendered = Rendered::new(&[]);
     let env = plain_env(&rendered);
-    assert_eq!(env["CNAT_LOG"], "info,kube_leader_election=warn");
+    assert_eq!(env["CNAT_LOG"], "info");
+    assert_eq!(env["CNAT_LEASE_DURATION"], "15s");
+    assert_eq!(env["CNAT_RENEW_DEADLINE"], "10s");
+    assert_eq!(env["CNAT_RETRY_PERIOD"], "2s");
+    assert_eq!(env["CNAT_STEP_DOWN_GRACE"], "200ms");
     assert_eq!(env["CNAT_LOG_FORMAT"], "json");
     assert_eq!(env["OTEL_SERVICE_NAME"], "cnat");
     assert_eq!(env["OTEL_TRACES_SAMPLER"], "parentbased_traceidratio");

@@ -1,25 +1,33 @@
-//! Several replicas competing for the Lease on a fake API server that enforces Lease semantics
-//! (resourceVersion conflicts, holder, renewTime). kube-leader-election reads the wall clock, so
-//! these run in real time with short durations: lease 3s, renew deadline 2s, retry period 0.5s.
+//! Three to five replicas competing for the Lease on the fake API server, which serves Lease
+//! watches and refuses any Lease write without a `resourceVersion` precondition. Time is paused
+//! (tokio's virtual clock), so the client-go default timings run as they would in production
+//! (lease 15 s, renew deadline 10 s, retry 2 s) in milliseconds of real time, and durations are
+//! measured exactly: API latency is injected, every replica's wall clock is skewed by up to
+//! +/- 5 s (the election must not care), and no assertion depends on machine speed.
 
 mod support;
 
 use chrono::Utc;
-use cnat::leader::{self, Leadership, Timing};
+use cnat::leader::{self, Leadership, Timing, WallClock};
 use serde_json::json;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use support::apiserver::{ApiServer, Partition, Resource};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 const TIMING: Timing = Timing {
-    lease_duration: Duration::from_secs(3),
-    renew_deadline: Duration::from_secs(2),
-    retry_period: Duration::from_millis(500),
+    lease_duration: Duration::from_secs(15),
+    renew_deadline: Duration::from_secs(10),
+    retry_period: Duration::from_secs(2),
+    step_down_grace: Duration::from_millis(200),
 };
-/// Scheduling and request latency on a loaded 2-core machine.
-const SLACK: Duration = Duration::from_millis(400);
+/// About what a real API server takes per write with 8 in flight.
+const LATENCY: Duration = Duration::from_millis(5);
+/// Wall-clock offsets of the replicas.
+const SKEWS: [i64; 5] = [-5_000, 5_000, 0, -2_500, 2_500];
 
 /// When each replica's reconcile loop ran.
 #[derive(Default)]
@@ -53,7 +61,7 @@ impl Activity {
         self.0.lock().unwrap().len()
     }
 
-    /// No two replicas' reconcile loops ever ran at the same time.
+    /// No two replicas' reconcile loops ever ran at the same instant.
     fn assert_never_overlapped(&self) {
         let log = self.0.lock().unwrap();
         let now = Instant::now();
@@ -75,15 +83,15 @@ impl Drop for EndOnDrop {
     }
 }
 
-/// Stands in for the reconcile loop: runs until asked to stop, or aborted.
-async fn work(id: String, activity: Arc<Activity>, stop: CancellationToken) {
+/// Logs a run of `inner` (the reconcile loop or a stand-in) from its start to its end or abort.
+async fn logged(id: String, activity: Arc<Activity>, inner: impl Future<Output = ()>) {
     let index = {
         let mut log = activity.0.lock().unwrap();
         log.push((id, Instant::now(), None));
         log.len() - 1
     };
     let _end = EndOnDrop(activity, index);
-    stop.cancelled().await;
+    inner.await;
 }
 
 struct Replica {
@@ -94,23 +102,45 @@ struct Replica {
     task: JoinHandle<()>,
 }
 
-fn replica(server: &ApiServer, id: &str, activity: &Arc<Activity>) -> Replica {
-    let (client, partition) = server.partitionable_client();
-    let settings = leader::Settings {
+fn settings(id: &str, skew_ms: i64) -> leader::Settings {
+    leader::Settings {
         lease_name: "cnat".into(),
         namespace: "cnat-system".into(),
         identity: id.into(),
         timing: TIMING,
-    };
+        clock: WallClock::new(move || {
+            jiff::Timestamp::now() + jiff::SignedDuration::from_millis(skew_ms)
+        }),
+    }
+}
+
+/// A replica whose work is a stand-in that runs until asked to stop.
+fn replica(server: &ApiServer, id: &str, skew_ms: i64, activity: &Arc<Activity>) -> Replica {
+    let (who, log) = (id.to_owned(), activity.clone());
+    replica_with(server, id, skew_ms, move |_client, stop| {
+        logged(
+            who.clone(),
+            log.clone(),
+            async move { stop.cancelled().await },
+        )
+    })
+}
+
+fn replica_with<W, F>(server: &ApiServer, id: &str, skew_ms: i64, work: W) -> Replica
+where
+    W: Fn(kube::Client, CancellationToken) -> F + Send + Sync + 'static,
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (client, partition) = server.named_client(id);
     let shutdown = CancellationToken::new();
     let leadership = Arc::new(Leadership::default());
-    let (who, log) = (id.to_owned(), activity.clone());
+    let work_client = client.clone();
     let task = tokio::spawn(leader::run(
         client.clone(),
-        settings,
+        settings(id, skew_ms),
         leadership.clone(),
         support::events(&client, id),
-        move |stop| work(who.clone(), log.clone(), stop),
+        move |stop| work(work_client.clone(), stop),
         shutdown.clone(),
     ));
     Replica {
@@ -122,16 +152,15 @@ fn replica(server: &ApiServer, id: &str, activity: &Arc<Activity>) -> Replica {
     }
 }
 
-fn replicas(server: &ApiServer, activity: &Arc<Activity>) -> Vec<Replica> {
-    ["cnat-0", "cnat-1", "cnat-2"]
-        .iter()
-        .map(|id| replica(server, id, activity))
+fn replicas(server: &ApiServer, n: usize, activity: &Arc<Activity>) -> Vec<Replica> {
+    (0..n)
+        .map(|i| replica(server, &format!("cnat-{i}"), SKEWS[i], activity))
         .collect()
 }
 
 async fn leader_of(replicas: &[Replica], activity: &Activity) -> usize {
     assert!(
-        support::until(Duration::from_secs(5), || activity.running().len() == 1).await,
+        support::until(TIMING.lease_duration, || activity.running().len() == 1).await,
         "no leader"
     );
     let id = activity.running().remove(0);
@@ -148,124 +177,368 @@ fn holder(server: &ApiServer) -> String {
         .to_owned()
 }
 
-#[tokio::test]
-async fn exactly_one_replica_leads_in_steady_state() {
+/// When `id` last wrote the Lease.
+fn last_lease_write(server: &ApiServer, id: &str) -> Instant {
+    server
+        .calls_by(id)
+        .into_iter()
+        .filter(|(what, _)| what == "PATCH leases" || what == "POST leases")
+        .map(|(_, at)| at)
+        .next_back()
+        .expect("a lease write")
+}
+
+#[tokio::test(start_paused = true)]
+async fn exactly_one_of_five_skewed_replicas_leads_in_steady_state() {
     let server = ApiServer::new();
+    server.set_latency(LATENCY);
     let activity = Arc::new(Activity::default());
-    let replicas = replicas(&server, &activity);
+    let replicas = replicas(&server, 5, &activity);
     let leader = leader_of(&replicas, &activity).await;
-    tokio::time::sleep(TIMING.lease_duration * 2).await; // several renewals and retries
+    tokio::time::sleep(TIMING.lease_duration * 10).await; // many renewals and re-reads
     assert_eq!(activity.running(), [replicas[leader].id.clone()]);
     assert_eq!(activity.runs(), 1, "leadership flapped");
     assert_eq!(holder(&server), replicas[leader].id);
     let leading: Vec<bool> = replicas.iter().map(|r| r.leadership.is_leader()).collect();
     assert_eq!(leading.iter().filter(|l| **l).count(), 1, "{leading:?}");
     assert_eq!(replicas[leader].leadership.transitions(), 1);
-    assert!(replicas[leader].leadership.since_renewal().unwrap() <= TIMING.retry_period + SLACK);
-    assert!(
-        server.count("PATCH leases") >= 6,
-        "the leader renews every retry period"
-    );
+    assert!(replicas[leader].leadership.since_renewal().unwrap() <= TIMING.retry_period);
+    // The leader renews every retry period: 150 s / 2 s.
+    let renewals = server
+        .calls_by(&replicas[leader].id)
+        .iter()
+        .filter(|(what, _)| what == "PATCH leases")
+        .count();
+    assert!((70..=80).contains(&renewals), "{renewals} renewals");
+    assert_eq!(server.unguarded_lease_writes(), 0);
     assert_eq!(server.event_reasons("cnat"), ["LeaderElected"]);
     activity.assert_never_overlapped();
 }
 
-#[tokio::test]
-async fn a_killed_leader_is_replaced_within_lease_duration_plus_retry_period() {
+#[tokio::test(start_paused = true)]
+async fn every_lease_write_carries_a_precondition() {
+    // The check can fail: a merge patch without resourceVersion is refused and counted.
     let server = ApiServer::new();
+    let (client, _) = server.named_client("other");
+    let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+        kube::Api::namespaced(client, "cnat-system");
     let activity = Arc::new(Activity::default());
-    let replicas = replicas(&server, &activity);
+    let replicas = replicas(&server, 3, &activity);
+    leader_of(&replicas, &activity).await;
+    let blind = json!({"spec": {"holderIdentity": "intruder"}});
+    let refused = leases
+        .patch(
+            "cnat",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&blind),
+        )
+        .await;
+    assert!(refused.is_err());
+    assert_eq!(server.unguarded_lease_writes(), 1);
+    // Every write the replicas made (acquire, renew) was accepted.
+    tokio::time::sleep(TIMING.lease_duration).await;
+    assert_eq!(server.unguarded_lease_writes(), 1);
+    assert_ne!(holder(&server), "intruder");
+}
+
+#[tokio::test(start_paused = true)]
+async fn graceful_handovers_take_under_half_a_second() {
+    let server = ApiServer::new();
+    server.set_latency(LATENCY);
+    let activity = Arc::new(Activity::default());
+    let mut replicas = replicas(&server, 5, &activity);
+    let leaderships: Vec<Arc<Leadership>> = replicas.iter().map(|r| r.leadership.clone()).collect();
+    leader_of(&replicas, &activity).await;
+    // A rolling upgrade: the leader is stopped four times in a row.
+    let mut took = Vec::new();
+    for _ in 0..4 {
+        tokio::time::sleep(TIMING.retry_period * 3).await;
+        let leader = leader_of(&replicas, &activity).await;
+        let stopping = replicas.remove(leader);
+        let asked = Instant::now();
+        stopping.shutdown.cancel();
+        assert!(
+            support::until(Duration::from_secs(1), || activity
+                .started_after(asked)
+                .is_some())
+            .await,
+            "no handover within 1 s"
+        );
+        let (new, started) = activity.started_after(asked).unwrap();
+        took.push(started - asked);
+        stopping.task.await.unwrap(); // returns after the release
+        assert!(!stopping.leadership.is_leader());
+        assert!(activity.ended(&stopping.id).unwrap() <= started);
+        assert_eq!(holder(&server), new);
+    }
+    assert!(
+        took.iter().all(|t| *t < Duration::from_millis(500)),
+        "{took:?}"
+    );
+    assert_eq!(server.unguarded_lease_writes(), 0);
+    let reasons = server.event_reasons("cnat");
+    assert_eq!(
+        reasons.iter().filter(|r| *r == "LeaderReleased").count(),
+        4,
+        "{reasons:?}"
+    );
+    // The new leaders measured their handover (seen released -> leading).
+    let measured: u64 = leaderships
+        .iter()
+        .map(|leadership| {
+            let scrape = scrape(leadership);
+            scrape
+                .lines()
+                .find_map(|l| l.strip_prefix("cnat_leader_handover_seconds_count "))
+                .map_or(0, |n| n.trim().parse().unwrap())
+        })
+        .sum();
+    assert_eq!(measured, 4, "one handover measured per takeover");
+    activity.assert_never_overlapped();
+    println!("graceful handovers (virtual time, {LATENCY:?} API latency): {took:?}");
+}
+
+fn scrape(leadership: &Arc<Leadership>) -> String {
+    let metrics = cnat::metrics::Metrics::new(leadership.clone());
+    metrics.encode()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_crashed_leader_is_replaced_within_lease_duration_plus_retry_period() {
+    let server = ApiServer::new();
+    server.set_latency(LATENCY);
+    let activity = Arc::new(Activity::default());
+    let replicas = replicas(&server, 5, &activity);
+    tokio::time::sleep(TIMING.retry_period * 3).await;
     let leader = leader_of(&replicas, &activity).await;
     let killed = Instant::now();
+    let last_write = last_lease_write(&server, &replicas[leader].id);
     replicas[leader].task.abort(); // a crash: nothing is released
     assert!(
-        support::until(Duration::from_millis(200), || activity.running().is_empty()).await,
+        support::until(Duration::from_millis(50), || activity.running().is_empty()).await,
         "work outlived its election"
     );
-
-    let took_over = support::until(TIMING.lease_duration + TIMING.retry_period + SLACK, || {
-        activity.running().len() == 1
-    })
-    .await;
+    let limit = TIMING.lease_duration + TIMING.retry_period;
     assert!(
-        took_over,
+        support::until(limit, || activity.running().len() == 1).await,
         "no new leader within lease duration + retry period"
     );
     let (new, started) = activity.started_after(killed).unwrap();
     assert_ne!(new, replicas[leader].id);
-    // Nobody took over before the lease could have expired.
+    assert!(started - killed <= limit, "{:?}", started - killed);
+    // Nobody took over before a lease duration had passed since the last renewal.
     assert!(
-        started - killed >= TIMING.lease_duration - TIMING.retry_period,
+        started - last_write >= TIMING.lease_duration,
         "{:?}",
-        started - killed
+        started - last_write
     );
     assert_eq!(holder(&server), new);
+    let elected = server.event_reasons("cnat");
+    assert_eq!(
+        elected.iter().filter(|r| *r == "LeaderElected").count(),
+        2,
+        "exactly one candidate won the expired lease: {elected:?}"
+    );
+    assert_eq!(server.unguarded_lease_writes(), 0);
     activity.assert_never_overlapped();
 }
 
-#[tokio::test]
-async fn a_released_lease_is_taken_over_within_about_one_retry_period() {
+#[tokio::test(start_paused = true)]
+async fn a_leader_cut_off_from_the_api_stops_within_the_renew_deadline() {
     let server = ApiServer::new();
+    server.set_latency(LATENCY);
     let activity = Arc::new(Activity::default());
-    let mut replicas = replicas(&server, &activity);
+    let replicas = replicas(&server, 3, &activity);
     let leader = leader_of(&replicas, &activity).await;
-    let stopping = replicas.remove(leader);
-    let asked = Instant::now();
-    stopping.shutdown.cancel();
-    stopping.task.await.unwrap(); // returns once the work stopped and the lease was released
-    assert!(activity.ended(&stopping.id).is_some());
-    assert!(!stopping.leadership.is_leader());
-
-    // kube-leader-election releases by setting a 1s lease with no holder.
-    let limit = Duration::from_secs(1) + TIMING.retry_period + SLACK;
-    assert!(
-        support::until(limit, || activity.running().len() == 1).await,
-        "no handover within {limit:?}"
-    );
-    let (new, started) = activity.started_after(asked).unwrap();
-    assert!(
-        started - asked < TIMING.lease_duration,
-        "as slow as an expiry: {:?}",
-        started - asked
-    );
-    assert_eq!(holder(&server), new);
-    assert!(server
-        .event_reasons("cnat")
-        .contains(&"LeaderReleased".to_owned()));
-    activity.assert_never_overlapped();
-}
-
-#[tokio::test]
-async fn a_leader_cut_off_from_the_api_stops_reconciling_within_the_renew_deadline() {
-    let server = ApiServer::new();
-    let activity = Arc::new(Activity::default());
-    let replicas = replicas(&server, &activity);
-    let leader = leader_of(&replicas, &activity).await;
-    let cut = Instant::now();
+    tokio::time::sleep(TIMING.retry_period * 2 + Duration::from_millis(500)).await;
+    let last_write = last_lease_write(&server, &replicas[leader].id);
     replicas[leader].partition.cut();
 
     let id = replicas[leader].id.clone();
     assert!(
-        support::until(TIMING.renew_deadline + SLACK, || activity
-            .ended(&id)
-            .is_some())
-        .await,
+        support::until(TIMING.renew_deadline, || activity.ended(&id).is_some()).await,
         "still reconciling"
     );
-    let stopped = activity.ended(&id).unwrap() - cut;
-    assert!(stopped <= TIMING.renew_deadline + SLACK, "{stopped:?}");
+    // Counted from when the last successful renewal was sent.
+    let stopped = activity.ended(&id).unwrap() - last_write;
+    assert!(stopped <= TIMING.renew_deadline, "{stopped:?}");
     assert!(!replicas[leader].leadership.is_leader());
 
     // The others wait for the lease to expire, then one takes over.
-    assert!(
-        support::until(
-            TIMING.lease_duration + TIMING.retry_period + SLACK,
-            || activity.running().len() == 1
-        )
-        .await
-    );
-    assert_ne!(activity.running(), [id]);
+    assert!(support::until(TIMING.lease_duration, || activity.running().len() == 1).await);
+    let (new, started) = activity.started_after(last_write).unwrap();
+    assert_ne!(new, id);
+    assert!(started - last_write >= TIMING.lease_duration);
     activity.assert_never_overlapped();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_api_server_never_gives_two_leaders() {
+    // 300 ms per request: renewals, takes and releases all race with each other.
+    let server = ApiServer::new();
+    server.set_latency(Duration::from_millis(300));
+    let activity = Arc::new(Activity::default());
+    let mut replicas = replicas(&server, 5, &activity);
+    for round in 0..4 {
+        let leader = leader_of(&replicas, &activity).await;
+        tokio::time::sleep(TIMING.retry_period * 2).await;
+        let stopping = replicas.remove(leader);
+        if round % 2 == 0 {
+            stopping.shutdown.cancel();
+            stopping.task.await.unwrap();
+        } else {
+            stopping.task.abort();
+            let id = stopping.id.clone();
+            assert!(
+                support::until(Duration::from_millis(50), || activity.ended(&id).is_some()).await
+            );
+        }
+        let limit = TIMING.lease_duration + TIMING.retry_period + Duration::from_secs(2);
+        assert!(
+            support::until(limit, || activity.running().len() == 1).await,
+            "round {round}: no new leader"
+        );
+    }
+    assert_eq!(activity.runs(), 5);
+    assert_eq!(server.unguarded_lease_writes(), 0);
+    activity.assert_never_overlapped();
+}
+
+#[tokio::test(start_paused = true)]
+async fn candidates_racing_for_an_expired_lease_elect_one() {
+    let server = ApiServer::new();
+    server.set_latency(LATENCY);
+    // A Lease left behind by a replica that is gone; its renewTime is meaningless here.
+    server.create(
+        Resource::Leases,
+        json!({"metadata": {"name": "cnat", "namespace": "cnat-system"},
+               "spec": {"holderIdentity": "gone", "leaseDurationSeconds": 15,
+                        "renewTime": "2026-11-22T02:00:00.000000Z", "leaseTransitions": 7}}),
+    );
+    let started = Instant::now();
+    let activity = Arc::new(Activity::default());
+    let replicas = replicas(&server, 5, &activity);
+    // They all saw it at once, all wait one lease duration on their own clocks, all try at once.
+    assert!(support::until(TIMING.lease_duration * 2, || activity.runs() == 1).await);
+    let (_, at) = activity.started_after(started).unwrap();
+    assert!(at - started >= TIMING.lease_duration, "{:?}", at - started);
+    tokio::time::sleep(TIMING.lease_duration).await;
+    assert_eq!(activity.runs(), 1, "only one won");
+    assert_eq!(
+        server.get(Resource::Leases, "cnat-system", "cnat").unwrap()["spec"]["leaseTransitions"],
+        8
+    );
+    let lost_races: usize = replicas
+        .iter()
+        .filter(|r| !r.leadership.is_leader())
+        .map(|r| {
+            server
+                .calls_by(&r.id)
+                .iter()
+                .filter(|(what, _)| what == "PATCH leases")
+                .count()
+        })
+        .sum();
+    assert!(lost_races >= 1, "the others tried and got 409");
+    activity.assert_never_overlapped();
+}
+
+/// 3000 pending Ats; three replicas whose work is the real reconcile loop. The leader is
+/// stopped `after` it started leading; `list` is how long its initial list of Ats takes. The
+/// loop must stop and the Lease be released within the step-down grace, the old loop must
+/// write nothing after it ended, and a successor must take over at once.
+async fn stop_a_busy_leader(after: Duration, list: Duration) -> usize {
+    let server = ApiServer::new();
+    server.set_latency(Duration::from_millis(20));
+    server.set_list_latency(list);
+    let names: Vec<String> = (0..3000).map(|i| format!("at-{i}")).collect();
+    for name in &names {
+        server.create(
+            Resource::Ats,
+            json!({"metadata": {"name": name, "namespace": "default"},
+                   "spec": {"schedule": "2999-01-01T00:00:00Z", "command": "true", "image": "busybox"}}),
+        );
+    }
+    let activity = Arc::new(Activity::default());
+    let controller = |id: &str| {
+        let (who, log) = (id.to_owned(), activity.clone());
+        move |client: kube::Client, stop: CancellationToken| {
+            let settings = cnat::controller::Settings {
+                namespace: None,
+                concurrency: 32,
+            };
+            let events = support::events(&client, &who);
+            let metrics = Arc::new(cnat::metrics::Metrics::new(Default::default()));
+            logged(
+                who.clone(),
+                log.clone(),
+                cnat::controller::run(client, settings, events, metrics, stop),
+            )
+        }
+    };
+    let mut replicas: Vec<Replica> = (0..3)
+        .map(|i| {
+            let id = format!("cnat-{i}");
+            replica_with(&server, &id, SKEWS[i], controller(&id))
+        })
+        .collect();
+    let leader = leader_of(&replicas, &activity).await;
+    tokio::time::sleep(after).await;
+    let stopping = replicas.remove(leader);
+    let writes = |id: &str| {
+        server
+            .calls_by(id)
+            .into_iter()
+            .filter(|(what, _)| what.starts_with("PATCH ats") || what.starts_with("POST pods"))
+            .map(|(_, at)| at)
+            .collect::<Vec<_>>()
+    };
+    let before = writes(&stopping.id).len();
+    let asked = Instant::now();
+    stopping.shutdown.cancel();
+    stopping.task.await.unwrap();
+    let released = last_lease_write(&server, &stopping.id);
+    assert!(
+        released - asked <= TIMING.step_down_grace + Duration::from_millis(50),
+        "release {:?} after SIGTERM",
+        released - asked
+    );
+    let ended = activity.ended(&stopping.id).unwrap();
+    assert!(ended <= released);
+    assert!(
+        writes(&stopping.id).iter().all(|t| *t <= ended),
+        "the old loop wrote after it ended"
+    );
+    assert_eq!(holder(&server), "", "released");
+    // A successor takes over at once.
+    assert!(support::until(Duration::from_secs(1), || activity.running().len() == 1).await);
+    let (new, started) = activity.started_after(asked).unwrap();
+    assert_ne!(new, stopping.id);
+    assert!(
+        started - asked < Duration::from_millis(500),
+        "{:?}",
+        started - asked
+    );
+    activity.assert_never_overlapped();
+    before
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_leader_stopped_amid_thousands_of_reconciles_steps_down_within_the_grace() {
+    // 3000 status writes at 20 ms each, 32 at a time, take about 2 s: stop it half-way.
+    let written = stop_a_busy_leader(Duration::from_millis(1000), Duration::ZERO).await;
+    assert!(
+        (100..3000).contains(&written),
+        "{written} writes before the stop"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_leader_stopped_during_its_initial_list_steps_down_within_the_grace() {
+    // kube-runtime holds reconciles until the initial list is in; a graceful stop then waits
+    // for a list that never completes. The grace bounds it.
+    let written = stop_a_busy_leader(Duration::from_millis(1000), Duration::from_secs(3)).await;
+    assert_eq!(written, 0, "still listing");
 }
 
 #[tokio::test]
@@ -319,9 +592,12 @@ async fn two_replicas_that_both_believe_they_lead_still_run_each_at_once() {
 
 mod scripted {
     //! Election against a scripted API server with paused time: the exact requests and pauses.
+    //! The Lease watch (a list and a watch with `fieldSelector`) is answered with an empty list
+    //! and a watch that never sends anything, so only the reads and writes follow the script.
 
     use super::*;
     use http::{Request, Response};
+    use http_body_util::BodyExt;
     use kube::client::Body;
     use serde_json::Value;
 
@@ -333,22 +609,40 @@ mod scripted {
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
     }
 
-    /// Answers each request with the next reply, records "METHOD path" and the (paused) time.
-    fn scripted(
-        replies: Vec<(u16, Value)>,
-    ) -> (
-        kube::Client,
-        JoinHandle<Vec<(String, tokio::time::Instant)>>,
-    ) {
+    fn lease(holder: &str, rv: &str) -> Value {
+        let mut lease = fixture("lease-created.json");
+        lease["spec"]["holderIdentity"] = holder.into();
+        lease["metadata"]["resourceVersion"] = rv.into();
+        lease
+    }
+
+    /// What the scripted server saw: "METHOD path", the body, and the (paused) time.
+    type Seen = Vec<(String, Value, Instant)>;
+
+    /// Answers each request with the next reply, records what it saw.
+    fn scripted(replies: Vec<(u16, Value)>) -> (kube::Client, JoinHandle<Seen>) {
         let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
         let server = tokio::spawn(async move {
             let mut seen = Vec::new();
             let mut replies = replies.into_iter();
+            let mut watches = Vec::new();
             while let Some((request, respond)) = handle.next_request().await {
-                seen.push((
-                    format!("{} {}", request.method(), request.uri().path()),
-                    tokio::time::Instant::now(),
-                ));
+                let query = request.uri().query().unwrap_or("").to_owned();
+                if query.contains("fieldSelector") {
+                    if query.contains("watch=true") {
+                        watches.push(respond); // never answered
+                    } else {
+                        let list = json!({"apiVersion": "coordination.k8s.io/v1",
+                            "kind": "LeaseList", "metadata": {"resourceVersion": "1"}, "items": []});
+                        let body = Body::from(serde_json::to_vec(&list).unwrap());
+                        respond.send_response(Response::new(body));
+                    }
+                    continue;
+                }
+                let what = format!("{} {}", request.method(), request.uri().path());
+                let bytes = request.into_body().collect().await.unwrap().to_bytes();
+                let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+                seen.push((what, body, Instant::now()));
                 let Some((code, body)) = replies.next() else {
                     break;
                 };
@@ -362,13 +656,45 @@ mod scripted {
         (kube::Client::new(service, "cnat-system"), server)
     }
 
-    fn settings(namespace: &str) -> leader::Settings {
-        leader::Settings {
-            lease_name: "cnat".into(),
-            namespace: namespace.into(),
-            identity: "cnat-0".into(),
-            timing: TIMING,
-        }
+    /// Runs one candidate against the script until `stop_after`, then shuts it down.
+    async fn elect(
+        namespace: &str,
+        replies: Vec<(u16, Value)>,
+        stop_after: Duration,
+    ) -> (Seen, Arc<Activity>, Arc<Leadership>) {
+        let (client, server) = scripted(replies);
+        let activity = Arc::new(Activity::default());
+        let leadership = Arc::new(Leadership::default());
+        let shutdown = CancellationToken::new();
+        let log = activity.clone();
+        let mut settings = settings("cnat-0", 0);
+        settings.namespace = namespace.into();
+        // Events go elsewhere, so that they do not take replies from the script.
+        let elsewhere = ApiServer::new().client();
+        let election = tokio::spawn(leader::run(
+            client.clone(),
+            settings,
+            leadership.clone(),
+            support::events(&elsewhere, "cnat-0"),
+            move |stop| {
+                logged("cnat-0".into(), log.clone(), async move {
+                    stop.cancelled().await
+                })
+            },
+            shutdown.clone(),
+        ));
+        tokio::time::sleep(stop_after).await;
+        shutdown.cancel();
+        election.await.unwrap(); // no panic, and it stops when asked
+        drop(client);
+        (server.await.unwrap(), activity, leadership)
+    }
+
+    const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/fx/leases";
+    const LEASE: &str = "/apis/coordination.k8s.io/v1/namespaces/fx/leases/cnat";
+
+    fn requests(seen: &Seen) -> Vec<String> {
+        seen.iter().map(|(r, _, _)| r.clone()).collect()
     }
 
     #[tokio::test(start_paused = true)]
@@ -380,35 +706,18 @@ mod scripted {
             replies.push((404, fixture("status-404-not-found.json"))); // GET lease
             replies.push((404, missing.clone())); // POST lease
         }
-        let (client, server) = scripted(replies);
-        let activity = Arc::new(Activity::default());
-        let leadership = Arc::new(Leadership::default());
-        let shutdown = CancellationToken::new();
-        let log = activity.clone();
-        let election = tokio::spawn(leader::run(
-            client.clone(),
-            settings("nope"),
-            leadership.clone(),
-            support::events(&client, "cnat-0"),
-            move |stop| work("cnat-0".into(), log.clone(), stop),
-            shutdown.clone(),
-        ));
-        tokio::time::sleep(Duration::from_secs(12)).await;
-        shutdown.cancel();
-        election.await.unwrap(); // no panic, and it stops when asked
-        drop(client);
-        let seen = server.await.unwrap();
+        let (seen, activity, leadership) = elect("nope", replies, Duration::from_secs(40)).await;
         assert_eq!(activity.runs(), 0);
         assert!(!leadership.is_leader());
-        let gets: Vec<_> = seen
-            .iter()
-            .filter(|(r, _)| r.starts_with("GET"))
-            .map(|(_, t)| *t)
-            .collect();
         assert_eq!(
             seen[1].0,
             "POST /apis/coordination.k8s.io/v1/namespaces/nope/leases"
         );
+        let gets: Vec<Instant> = seen
+            .iter()
+            .filter(|(r, _, _)| r.starts_with("GET"))
+            .map(|(_, _, t)| *t)
+            .collect();
         let pauses: Vec<Duration> = gets.windows(2).map(|w| w[1] - w[0]).collect();
         let retry = TIMING.retry_period;
         assert_eq!(
@@ -419,44 +728,93 @@ mod scripted {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn losing_the_confirm_race_means_not_leading() {
-        // An expired lease held by r1; our acquire lands, but someone wrote before our confirm.
-        let expired = fixture("lease-created.json");
-        let mut acquired = expired.clone();
-        acquired["spec"]["holderIdentity"] = "cnat-0".into();
-        acquired["metadata"]["resourceVersion"] = "28935".into();
-        let (client, server) = scripted(vec![
-            (200, expired),
-            (200, acquired),
-            (
-                409,
-                fixture("status-409-conflict-stale-resourceversion.json"),
-            ),
-        ]);
-        let activity = Arc::new(Activity::default());
-        let shutdown = CancellationToken::new();
-        let log = activity.clone();
-        let election = tokio::spawn(leader::run(
-            client.clone(),
-            settings("fx"),
-            Arc::new(Leadership::default()),
-            support::events(&client, "cnat-0"),
-            move |stop| work("cnat-0".into(), log.clone(), stop),
-            shutdown.clone(),
-        ));
-        tokio::time::sleep(TIMING.retry_period / 2).await;
-        shutdown.cancel();
-        election.await.unwrap();
-        drop(client);
-        let seen: Vec<String> = server.await.unwrap().into_iter().map(|(r, _)| r).collect();
+    async fn a_renewal_conflict_with_another_holder_ends_leading_without_a_release() {
+        let (seen, activity, leadership) = elect(
+            "fx",
+            vec![
+                (404, fixture("status-404-not-found.json")),
+                (201, lease("cnat-0", "100")),
+                (
+                    409,
+                    fixture("status-409-conflict-lease-merge-patch-stale-resourceversion.json"),
+                ),
+                (200, lease("cnat-1", "105")),
+            ],
+            TIMING.retry_period + Duration::from_millis(500),
+        )
+        .await;
         assert_eq!(
-            seen,
+            requests(&seen),
             [
-                "GET /apis/coordination.k8s.io/v1/namespaces/fx/leases/cnat",
-                "PATCH /apis/coordination.k8s.io/v1/namespaces/fx/leases/cnat",
-                "PATCH /apis/coordination.k8s.io/v1/namespaces/fx/leases/cnat",
+                format!("GET {LEASE}"),
+                format!("POST {LEASES}"),
+                format!("PATCH {LEASE}"),
+                format!("GET {LEASE}"),
+            ],
+            "no release after losing the lease"
+        );
+        assert_eq!(seen[2].1["metadata"]["resourceVersion"], "100");
+        assert_eq!(activity.runs(), 1);
+        assert!(activity.ended("cnat-0").unwrap() <= seen[3].2 + Duration::from_millis(1));
+        assert!(!leadership.is_leader());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_foreign_write_to_our_lease_is_renewed_over() {
+        let (seen, activity, _) = elect(
+            "fx",
+            vec![
+                (404, fixture("status-404-not-found.json")),
+                (201, lease("cnat-0", "100")),
+                (
+                    409,
+                    fixture("status-409-conflict-lease-merge-patch-stale-resourceversion.json"),
+                ),
+                (200, lease("cnat-0", "103")), // someone labelled it; still ours
+                (200, lease("cnat-0", "104")), // renewed on the new version
+                (200, lease("", "105")),       // released on shutdown
+            ],
+            TIMING.retry_period + Duration::from_millis(500),
+        )
+        .await;
+        let rvs: Vec<&Value> = seen
+            .iter()
+            .filter(|(r, _, _)| r.starts_with("PATCH"))
+            .map(|(_, body, _)| &body["metadata"]["resourceVersion"])
+            .collect();
+        assert_eq!(rvs, ["100", "103", "104"]);
+        assert_eq!(seen.last().unwrap().1["spec"]["holderIdentity"], "");
+        assert_eq!(activity.runs(), 1, "kept leading throughout");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_release_never_blanks_a_successor() {
+        // Our last renewal timed out but a successor took the Lease meanwhile: the release
+        // meets a conflict, reads the Lease, and leaves it alone.
+        let (seen, _, _) = elect(
+            "fx",
+            vec![
+                (404, fixture("status-404-not-found.json")),
+                (201, lease("cnat-0", "100")),
+                (
+                    409,
+                    fixture("status-409-conflict-lease-merge-patch-stale-resourceversion.json"),
+                ),
+                (200, lease("cnat-2", "130")),
+            ],
+            Duration::from_millis(500),
+        )
+        .await;
+        assert_eq!(
+            requests(&seen),
+            [
+                format!("GET {LEASE}"),
+                format!("POST {LEASES}"),
+                format!("PATCH {LEASE}"),
+                format!("GET {LEASE}"),
             ]
         );
-        assert_eq!(activity.runs(), 0, "led without winning the confirm");
+        assert_eq!(seen[2].1["spec"]["holderIdentity"], "");
+        assert_eq!(seen[2].1["metadata"]["resourceVersion"], "100");
     }
 }

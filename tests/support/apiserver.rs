@@ -79,6 +79,15 @@ struct State {
     pod_created: BTreeMap<(String, String), Instant>,
     /// When each At's status first said DONE.
     at_done: BTreeMap<(String, String), Instant>,
+    /// Requests by named clients: who, "METHOD resource[/subresource]", and when (tokio time,
+    /// so paused-time tests read virtual time).
+    calls: Vec<(String, String, tokio::time::Instant)>,
+    /// Lease merge patches refused because they carried no `metadata.resourceVersion`.
+    unguarded_lease_writes: usize,
+    /// How long each request takes before the server acts on it.
+    latency: Duration,
+    /// How much longer a list (not a watch, nor one by name) takes, as for a large collection.
+    list_latency: Duration,
 }
 
 /// The fake API server; clones share state.
@@ -115,18 +124,54 @@ impl ApiServer {
 
     /// A client whose network to this server can be cut: requests then hang, as in a partition.
     pub fn partitionable_client(&self) -> (kube::Client, Partition) {
+        self.named_client("")
+    }
+
+    /// A partitionable client whose requests are recorded under `name` (see `calls_by`).
+    pub fn named_client(&self, name: &str) -> (kube::Client, Partition) {
         let partition = Partition::default();
-        let (server, cut) = (self.clone(), partition.clone());
+        let (server, cut, name) = (self.clone(), partition.clone(), name.to_owned());
         let service = tower::service_fn(move |request: Request<kube::client::Body>| {
-            let (server, cut) = (server.clone(), cut.clone());
+            let (server, cut, name) = (server.clone(), cut.clone(), name.clone());
             async move {
                 if cut.is_cut() {
                     std::future::pending::<()>().await;
                 }
-                Ok::<_, Infallible>(server.handle(request).await)
+                Ok::<_, Infallible>(server.handle_as(&name, request).await)
             }
         });
         (kube::Client::new(service, "default"), partition)
+    }
+
+    /// Every request takes `latency` before the server acts on it (tokio time: virtual under
+    /// paused time).
+    pub fn set_latency(&self, latency: Duration) {
+        self.lock().latency = latency;
+    }
+
+    /// Lists (not watches) take `extra` longer, as listing many thousands of objects does.
+    pub fn set_list_latency(&self, extra: Duration) {
+        self.lock().list_latency = extra;
+    }
+
+    /// Requests `name`'s client made, as ("METHOD resource[/sub]", when), in order.
+    pub fn calls_by(&self, name: &str) -> Vec<(String, tokio::time::Instant)> {
+        self.lock()
+            .calls
+            .iter()
+            .filter(|(who, _, _)| who == name)
+            .map(|(_, what, at)| (what.clone(), *at))
+            .collect()
+    }
+
+    /// Lease merge patches refused for carrying no `metadata.resourceVersion` precondition.
+    pub fn unguarded_lease_writes(&self) -> usize {
+        self.lock().unguarded_lease_writes
+    }
+
+    /// Replaces the Lease's spec as another writer would (a new resourceVersion, watchers told).
+    pub fn set_lease_spec(&self, ns: &str, name: &str, spec: Value) {
+        self.update(Resource::Leases, ns, name, |lease| lease["spec"] = spec);
     }
 
     /// Serves plain HTTP/1.1 on 127.0.0.1; returns the address. Stops with the runtime.
@@ -284,6 +329,14 @@ impl ApiServer {
         B: http_body::Body,
         B::Error: std::fmt::Debug,
     {
+        self.handle_as("", request).await
+    }
+
+    async fn handle_as<B>(&self, client: &str, request: Request<B>) -> Response<Body>
+    where
+        B: http_body::Body,
+        B::Error: std::fmt::Debug,
+    {
         let (parts, body) = request.into_parts();
         let bytes = body.collect().await.unwrap().to_bytes();
         let query: BTreeMap<String, String> =
@@ -304,9 +357,33 @@ impl ApiServer {
             .map(|s| format!("/{s}"))
             .unwrap_or_default();
         let resource_name = route.resource.plural();
-        self.lock()
-            .requests
-            .push(format!("{} {resource_name}{sub}", parts.method));
+        let what = format!("{} {resource_name}{sub}", parts.method);
+        {
+            let mut state = self.lock();
+            state.requests.push(what.clone());
+            if !client.is_empty() {
+                let call = (client.to_owned(), what, tokio::time::Instant::now());
+                state.calls.push(call);
+            }
+        }
+        // Recorded when sent; acted on after the latency.
+        let is_watch = query.get("watch").is_some_and(|w| w == "true" || w == "1");
+        let is_list = parts.method == Method::GET
+            && route.name.is_none()
+            && !is_watch
+            && !query.contains_key("fieldSelector");
+        let latency = {
+            let state = self.lock();
+            state.latency
+                + if is_list {
+                    state.list_latency
+                } else {
+                    Duration::ZERO
+                }
+        };
+        if !latency.is_zero() {
+            tokio::time::sleep(latency).await;
+        }
 
         match (&parts.method, &route.name) {
             (&Method::GET, None) if query.get("watch").is_some_and(|w| w == "true" || w == "1") => {
@@ -423,10 +500,22 @@ impl ApiServer {
         let Some(current) = state.objects.get(&key).cloned() else {
             return not_found(route.resource, name);
         };
-        if let Some(rv) = patch["metadata"]["resourceVersion"].as_str() {
-            if current["metadata"]["resourceVersion"] != rv {
+        match patch["metadata"]["resourceVersion"].as_str() {
+            Some(rv) if current["metadata"]["resourceVersion"] != rv => {
                 return conflict(route.resource, name);
             }
+            // Stricter than a real server, on purpose: every Lease write must be a
+            // compare-and-swap, so one without a precondition is refused and counted.
+            None if route.resource == Resource::Leases => {
+                state.unguarded_lease_writes += 1;
+                return status(
+                    StatusCode::PRECONDITION_REQUIRED,
+                    "PreconditionRequired",
+                    "test server: a Lease write must carry metadata.resourceVersion",
+                    Some(name),
+                );
+            }
+            _ => {}
         }
         let mut updated = current.clone();
         if route.subresource.as_deref() == Some("status") {
@@ -588,8 +677,22 @@ impl Route {
     }
 }
 
-/// Equality-based label selectors (`a=b,c=d`), as cnat uses them.
+/// Equality-based label selectors (`a=b,c=d`), as cnat uses them, and the field selector
+/// `metadata.name=<name>` (a Lease watch).
 fn selects(query: &BTreeMap<String, String>, object: &Value) -> bool {
+    if let Some(fields) = query.get("fieldSelector") {
+        let by_name =
+            fields
+                .split(',')
+                .filter(|f| !f.is_empty())
+                .all(|f| match f.split_once('=') {
+                    Some(("metadata.name", name)) => object["metadata"]["name"] == name,
+                    _ => panic!("test server: unsupported field selector {f:?}"),
+                });
+        if !by_name {
+            return false;
+        }
+    }
     let Some(selector) = query.get("labelSelector") else {
         return true;
     };
@@ -665,9 +768,16 @@ fn already_exists(resource: Resource, name: &str) -> Response<Body> {
 }
 
 fn conflict(resource: Resource, name: &str) -> Response<Body> {
-    let plural = resource.plural();
+    let plural = match resource {
+        Resource::Leases => "leases.coordination.k8s.io",
+        other => other.plural(),
+    };
+    let file = match resource {
+        Resource::Leases => "status-409-conflict-lease-merge-patch-stale-resourceversion.json",
+        _ => "status-409-conflict-stale-resourceversion.json",
+    };
     captured(
-        "status-409-conflict-stale-resourceversion.json",
+        file,
         resource,
         name,
         format!("Operation cannot be fulfilled on {plural} \"{name}\": the object has been modified; please apply your changes to the latest version and try again"),

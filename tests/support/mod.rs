@@ -11,7 +11,7 @@ use cnat::events::EventSink;
 use cnat::metrics::Metrics;
 use kube::runtime::events::{Recorder, Reporter};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -40,10 +40,11 @@ pub fn run_controller(client: kube::Client) -> JoinHandle<()> {
     ))
 }
 
-/// Checks `check` every 10 ms until it holds or `timeout` passes.
+/// Checks `check` every 10 ms until it holds or `timeout` passes (tokio time: also under
+/// paused time).
 pub async fn until(timeout: Duration, check: impl Fn() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while tokio::time::Instant::now() < deadline {
         if check() {
             return true;
         }

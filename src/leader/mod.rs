@@ -1,0 +1,624 @@
+//! Leadership: replicas compete for a `coordination.k8s.io/v1` Lease, and only the holder runs
+//! the reconcile loop.
+//!
+//! - `timing`: durations and their invariants (client-go's defaults).
+//! - `record`: pure decisions on the Lease record: when it is free or expired (on our own
+//!   clock, so clock skew between nodes does not matter), and the compare-and-swap writes.
+//! - `store`: the Lease on the API server: get, create, merge patches that carry
+//!   `metadata.resourceVersion` (a precondition: 409 when stale), and a watch of that one object.
+//! - this module: the loop. Candidates watch the Lease and take it the moment it is released
+//!   or expires; the leader renews, and stops reconciling at its renew deadline, counted from
+//!   when its last successful renewal was *sent*; on shutdown the loop gets a short grace and is
+//!   then aborted, before the Lease is released.
+//!
+//! Leases give no fencing, so correctness never rests on this alone: pods have fixed names and
+//! status writes carry resourceVersion preconditions.
+
+pub mod record;
+pub mod store;
+pub mod timing;
+
+pub use timing::{Timing, TimingError};
+
+use crate::events::EventSink;
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::runtime::events::{Event, EventType};
+use kube::{Api, Client, Resource};
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use record::{Held, Known, Next, Reread, Seen};
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use store::{holder_name, LeaseApi, LeaseError, Written};
+use tokio::time::{sleep, sleep_until, timeout, Instant};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
+use tracing::{debug, info, warn};
+
+/// The wall clock whose time goes into `acquireTime`/`renewTime` (informational only: no
+/// decision reads them). Injected so tests can give each replica a skewed clock.
+#[derive(Clone)]
+pub struct WallClock(Arc<dyn Fn() -> jiff::Timestamp + Send + Sync>);
+
+impl WallClock {
+    /// The system clock.
+    pub fn system() -> Self {
+        WallClock(Arc::new(jiff::Timestamp::now))
+    }
+
+    pub fn new(now: impl Fn() -> jiff::Timestamp + Send + Sync + 'static) -> Self {
+        WallClock(Arc::new(now))
+    }
+
+    pub fn now(&self) -> jiff::Timestamp {
+        (self.0)()
+    }
+}
+
+impl Default for WallClock {
+    fn default() -> Self {
+        Self::system()
+    }
+}
+
+impl fmt::Debug for WallClock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "WallClock({})", self.now())
+    }
+}
+
+/// Which Lease to compete for, as whom, and how.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub lease_name: String,
+    pub namespace: String,
+    pub identity: String,
+    pub timing: Timing,
+    pub clock: WallClock,
+}
+
+/// What health checks and metrics can read about this replica's leadership.
+#[derive(Debug)]
+pub struct Leadership {
+    leading: AtomicBool,
+    transitions: AtomicU64,
+    last_renewal: Mutex<Option<Instant>>,
+    handovers: Histogram,
+}
+
+impl Default for Leadership {
+    fn default() -> Self {
+        Leadership {
+            leading: AtomicBool::new(false),
+            transitions: AtomicU64::new(0),
+            last_renewal: Mutex::new(None),
+            // 10 ms to about 82 s.
+            handovers: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
+        }
+    }
+}
+
+impl Leadership {
+    pub fn is_leader(&self) -> bool {
+        self.leading.load(Ordering::SeqCst)
+    }
+
+    /// How many times this replica became or stopped being leader.
+    pub fn transitions(&self) -> u64 {
+        self.transitions.load(Ordering::SeqCst)
+    }
+
+    /// While leading, the time since the last successful renewal.
+    pub fn since_renewal(&self) -> Option<Duration> {
+        let last = *self.last_renewal.lock().unwrap_or_else(|e| e.into_inner());
+        last.filter(|_| self.is_leader()).map(|t| t.elapsed())
+    }
+
+    /// Seconds from the Lease being seen free (released) or expired until this replica led.
+    pub fn handovers(&self) -> &Histogram {
+        &self.handovers
+    }
+
+    pub(crate) fn set_leading(&self, leading: bool) {
+        if self.leading.swap(leading, Ordering::SeqCst) != leading {
+            self.transitions.fetch_add(1, Ordering::SeqCst);
+        }
+        if leading {
+            self.renewed();
+        }
+    }
+
+    fn renewed(&self) {
+        *self.last_renewal.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+    }
+}
+
+/// Competes for the Lease until `shutdown`; while holding it, runs `work`. `work` gets a token
+/// that asks it to stop; on shutdown it has `step_down_grace` to do so before it is aborted and
+/// the Lease released. When renewals fail until the renew deadline, it is aborted at once.
+pub async fn run<W, F>(
+    client: Client,
+    settings: Settings,
+    leadership: Arc<Leadership>,
+    events: EventSink,
+    work: W,
+    shutdown: CancellationToken,
+) where
+    W: Fn(CancellationToken) -> F,
+    F: Future<Output = ()> + Send + 'static,
+{
+    let elector = Elector::new(client, settings, leadership, events);
+    loop {
+        let Some(won) = elector.campaign(&shutdown).await else {
+            return;
+        };
+        if elector.lead(won, &work, &shutdown).await == Ended::Released {
+            return;
+        }
+        // Leadership was lost: give the others a retry period before competing again.
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = sleep(elector.settings.timing.retry_period) => {}
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    /// Shutdown: the work stopped and the Lease was released.
+    Released,
+    /// Leadership lost or given up: compete again.
+    Lost,
+}
+
+/// Why leading ended.
+#[derive(Debug)]
+enum Why {
+    Shutdown,
+    LoopEnded(String),
+    Deadline,
+    Taken(Option<String>),
+}
+
+/// A won campaign: our tenure, and since when the Lease was free if we took it from someone.
+struct Won {
+    held: Held,
+    free_since: Option<Instant>,
+}
+
+/// What one renewal attempt came to.
+enum Renewal {
+    Renewed(Held),
+    /// A conflict, but the Lease is still ours at this newer version.
+    StillOurs(String),
+    Gone(Option<String>),
+    Failed(LeaseError),
+}
+
+type RenewalFuture = Pin<Box<dyn Future<Output = Renewal> + Send>>;
+
+struct Elector {
+    leases: LeaseApi,
+    settings: Settings,
+    leadership: Arc<Leadership>,
+    events: EventSink,
+}
+
+impl Elector {
+    fn new(
+        client: Client,
+        settings: Settings,
+        leadership: Arc<Leadership>,
+        events: EventSink,
+    ) -> Self {
+        let api: Api<Lease> = Api::namespaced(client, &settings.namespace);
+        Elector {
+            leases: LeaseApi::new(api, &settings.lease_name, settings.timing.retry_period),
+            settings,
+            leadership,
+            events,
+        }
+    }
+
+    fn name(&self) -> String {
+        format!("{}/{}", self.settings.namespace, self.settings.lease_name)
+    }
+
+    fn me(&self) -> &str {
+        &self.settings.identity
+    }
+
+    /// Competes until this replica holds the Lease (`None` on shutdown). The watch brings every
+    /// change at once; after a retry period without news the Lease is read again, so a broken
+    /// watch only slows a handover to an expiry, never stops one.
+    async fn campaign(&self, shutdown: &CancellationToken) -> Option<Won> {
+        let timing = self.settings.timing;
+        let watch = self.leases.watch().fuse();
+        tokio::pin!(watch);
+        let mut known = Known::Unknown;
+        let mut last: Option<Seen> = None;
+        let mut news_at = Instant::now();
+        let mut failures = 0u32;
+        let mut watch_failing = false;
+        loop {
+            let now = Instant::now();
+            let step = record::next(&known, self.me(), now);
+            let waiting = matches!(step, Next::Wait { .. });
+            let attempt: Result<Option<Won>, LeaseError> = match step {
+                Next::Read => self.leases.get().await.map(|lease| {
+                    known = self.observe(lease.as_ref(), &mut last, Instant::now());
+                    news_at = Instant::now();
+                    None
+                }),
+                Next::Create => {
+                    let lease = record::new_lease(
+                        &self.settings.lease_name,
+                        &self.settings.namespace,
+                        self.me(),
+                        timing.lease_seconds(),
+                        self.settings.clock.now(),
+                    );
+                    match self.leases.create(&lease).await {
+                        Ok(Written::Done(created)) => Ok(Some(Won {
+                            held: held(&created, now),
+                            free_since: None,
+                        })),
+                        Ok(Written::Conflict) => {
+                            known = Known::Unknown;
+                            Ok(None)
+                        }
+                        // The namespace is missing: a configuration error, retried with pauses.
+                        Ok(Written::Missing) => Err(LeaseError::NoNamespace(self.name())),
+                        Err(error) => Err(error),
+                    }
+                }
+                Next::Take {
+                    resource_version,
+                    transitions,
+                } => {
+                    let free_since = last.as_ref().map(Seen::free_since);
+                    let patch = record::take_patch(
+                        self.me(),
+                        &resource_version,
+                        transitions,
+                        timing.lease_seconds(),
+                        self.settings.clock.now(),
+                    );
+                    match self.leases.swap(&patch).await {
+                        Ok(Written::Done(taken)) => Ok(Some(Won {
+                            held: held(&taken, now),
+                            free_since,
+                        })),
+                        // Someone wrote first; read what they wrote.
+                        Ok(Written::Conflict) => {
+                            debug!(lease = %self.name(), "the lease changed before we could take it");
+                            known = Known::Unknown;
+                            Ok(None)
+                        }
+                        Ok(Written::Missing) => {
+                            known = Known::Missing;
+                            Ok(None)
+                        }
+                        Err(error) => {
+                            // The write may have landed: read before deciding again.
+                            known = Known::Unknown;
+                            Err(error)
+                        }
+                    }
+                }
+                Next::Wait { until } => {
+                    let reread_at = news_at + timing.retry_period;
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return None,
+                        news = watch.next() => match news {
+                            Some(Ok(lease)) => {
+                                if watch_failing {
+                                    info!(lease = %self.name(), "watching the lease again");
+                                    watch_failing = false;
+                                }
+                                known = self.observe(lease.as_ref(), &mut last, Instant::now());
+                                news_at = Instant::now();
+                            }
+                            Some(Err(error)) if !watch_failing => {
+                                warn!(lease = %self.name(), %error, "cannot watch the lease; reading it every retry period instead");
+                                watch_failing = true;
+                            }
+                            Some(Err(_)) | None => {}
+                        },
+                        _ = sleep_until(until.min(reread_at)) => {
+                            if Instant::now() >= reread_at {
+                                known = Known::Unknown;
+                            }
+                        }
+                    }
+                    Ok(None)
+                }
+            };
+            match attempt {
+                Ok(Some(won)) => return Some(won),
+                // Only a settled state (someone else holds it) ends a streak of failures: a
+                // read that works before a write that fails is no recovery.
+                Ok(None) if waiting => failures = 0,
+                Ok(None) => {}
+                Err(error) => {
+                    failures += 1;
+                    warn!(lease = %self.name(), %error, failures, "could not acquire the lease; retrying");
+                    known = Known::Unknown;
+                    let pause = timing.retry_period * failures.clamp(1, 5);
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return None,
+                        _ = sleep(pause) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Updates what we know from a read or watched Lease (`None`: there is none).
+    fn observe(&self, lease: Option<&Lease>, last: &mut Option<Seen>, now: Instant) -> Known {
+        match lease {
+            None => Known::Missing,
+            Some(lease) => {
+                let seen = Seen::observe(
+                    lease,
+                    last.as_ref(),
+                    self.settings.timing.lease_duration,
+                    now,
+                );
+                debug!(lease = %self.name(), holder = holder_name(&seen), version = %seen.resource_version, "lease seen");
+                *last = Some(seen.clone());
+                Known::Seen(seen)
+            }
+        }
+    }
+
+    /// Leads until shutdown or a failed loop (then the loop gets the step-down grace, is aborted,
+    /// and the Lease released) or until no renewal lands before the renew deadline or someone
+    /// else holds the Lease (then the loop is aborted at once).
+    async fn lead<W, F>(&self, won: Won, work: &W, shutdown: &CancellationToken) -> Ended
+    where
+        W: Fn(CancellationToken) -> F,
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let timing = self.settings.timing;
+        let mut held = won.held;
+        let stop = CancellationToken::new();
+        // Dropping the election (e.g. its task is aborted) aborts the work too: no reconcile
+        // loop may outlive the leadership that started it.
+        let mut task = AbortOnDropHandle::new(tokio::spawn(work(stop.clone())));
+        self.leadership.set_leading(true);
+        if let Some(free) = won.free_since {
+            let took = Instant::now().saturating_duration_since(free);
+            self.leadership.handovers.observe(took.as_secs_f64());
+        }
+        self.tell(
+            EventType::Normal,
+            "LeaderElected",
+            "became leader: reconciling Ats",
+        )
+        .await;
+
+        let mut renewal: Option<RenewalFuture> = None;
+        let mut renew_at = held.sent + timing.retry_period;
+        let mut finished = false;
+        let why = loop {
+            tokio::select! {
+                biased;
+                _ = sleep_until(held.deadline(timing.renew_deadline)) => break Why::Deadline,
+                _ = shutdown.cancelled() => break Why::Shutdown,
+                result = &mut task => {
+                    finished = true;
+                    break Why::LoopEnded(format!("{result:?}"));
+                }
+                outcome = async { renewal.as_mut().expect("a renewal").await }, if renewal.is_some() => {
+                    renewal = None;
+                    match outcome {
+                        Renewal::Renewed(renewed) => {
+                            renew_at = renewed.sent + timing.retry_period;
+                            held = renewed;
+                            self.leadership.renewed();
+                        }
+                        Renewal::StillOurs(version) => {
+                            held.resource_version = version;
+                            renew_at = Instant::now();
+                        }
+                        Renewal::Gone(holder) => break Why::Taken(holder),
+                        Renewal::Failed(error) => {
+                            warn!(lease = %self.name(), %error, "could not renew the lease");
+                            renew_at = Instant::now() + timing.retry_period;
+                        }
+                    }
+                }
+                _ = sleep_until(renew_at), if renewal.is_none() => {
+                    renewal = Some(Box::pin(self.renew(held.resource_version.clone())));
+                }
+            }
+        };
+        drop(renewal);
+
+        let graceful = matches!(why, Why::Shutdown | Why::LoopEnded(_));
+        if !finished {
+            if graceful {
+                stop.cancel();
+                let until = (Instant::now() + timing.step_down_grace)
+                    .min(held.deadline(timing.renew_deadline));
+                let left = until.saturating_duration_since(Instant::now());
+                finished = timeout(left, &mut task).await.is_ok();
+                if !finished {
+                    info!(lease = %self.name(), grace = ?timing.step_down_grace, "reconciles still running after the step-down grace; aborting them");
+                }
+            }
+            if !finished {
+                // Abort at the next await point: no reconcile starts or continues after this.
+                task.abort();
+                let _ = (&mut task).await;
+            }
+        }
+        self.leadership.set_leading(false);
+
+        match why {
+            Why::Shutdown => {
+                self.release(&held).await;
+                self.tell(
+                    EventType::Normal,
+                    "LeaderReleased",
+                    "released the lease on shutdown",
+                )
+                .await;
+                Ended::Released
+            }
+            why => {
+                let reason = match why {
+                    Why::Deadline => format!(
+                        "no renewal within the renew deadline {:?}",
+                        timing.renew_deadline
+                    ),
+                    Why::Taken(Some(holder)) => format!("the lease is now held by {holder:?}"),
+                    Why::Taken(None) => "the lease was released or deleted by someone else".into(),
+                    Why::LoopEnded(result) => {
+                        // Let another replica (or this one, after a pause) start afresh.
+                        self.release(&held).await;
+                        format!("the reconcile loop ended unexpectedly: {result}")
+                    }
+                    Why::Shutdown => unreachable!("handled above"),
+                };
+                warn!(lease = %self.name(), identity = %self.me(), reason = %reason, "lost leadership: reconciling stopped");
+                self.tell(
+                    EventType::Warning,
+                    "LeaderLost",
+                    &format!("stopped leading: {reason}"),
+                )
+                .await;
+                Ended::Lost
+            }
+        }
+    }
+
+    /// One renewal on `version`; on a conflict the Lease is read again to tell a foreign write
+    /// (still ours) from a takeover.
+    fn renew(&self, version: String) -> impl Future<Output = Renewal> + Send + 'static {
+        let (leases, me, wall) = (
+            self.leases.clone(),
+            self.me().to_owned(),
+            self.settings.clock.now(),
+        );
+        async move {
+            let sent = Instant::now();
+            match leases.swap(&record::renew_patch(&version, wall)).await {
+                Ok(Written::Done(lease)) => Renewal::Renewed(held(&lease, sent)),
+                Ok(Written::Missing) => Renewal::Gone(None),
+                Ok(Written::Conflict) => match leases.get().await {
+                    Ok(lease) => match record::reread(lease.as_ref(), &me) {
+                        Reread::StillOurs { resource_version } => {
+                            Renewal::StillOurs(resource_version)
+                        }
+                        Reread::Gone { holder } => Renewal::Gone(holder),
+                    },
+                    Err(error) => Renewal::Failed(error),
+                },
+                Err(error) => Renewal::Failed(error),
+            }
+        }
+    }
+
+    /// Gives the Lease up so a candidate takes over at once, but only while it is ours: the
+    /// write carries our last version, and a conflict is resolved by reading who holds it.
+    async fn release(&self, held: &Held) {
+        let attempt = async {
+            let mut version = held.resource_version.clone();
+            // A renewal we gave up on may still have landed: then the Lease is ours at a newer
+            // version, and one re-read finds it.
+            for _ in 0..2 {
+                let patch = record::release_patch(&version, self.settings.clock.now());
+                match self.leases.swap(&patch).await? {
+                    Written::Done(_) => return Ok("released the lease".to_owned()),
+                    Written::Missing => return Ok("the lease is gone; nothing to release".into()),
+                    Written::Conflict => {
+                        match record::reread(self.leases.get().await?.as_ref(), self.me()) {
+                            Reread::StillOurs { resource_version } => version = resource_version,
+                            Reread::Gone { holder } => {
+                                return Ok(format!(
+                                    "not releasing: the lease is now held by {:?}",
+                                    holder.unwrap_or_default()
+                                ))
+                            }
+                        }
+                    }
+                }
+            }
+            Ok::<_, LeaseError>("the lease kept changing; it expires by itself".to_owned())
+        };
+        match timeout(self.settings.timing.retry_period, attempt).await {
+            Ok(Ok(what)) => info!(lease = %self.name(), "{what}"),
+            Ok(Err(error)) => {
+                warn!(lease = %self.name(), %error, "could not release the lease; it expires by itself")
+            }
+            Err(_) => {
+                warn!(lease = %self.name(), "releasing the lease timed out; it expires by itself")
+            }
+        }
+    }
+
+    async fn tell(&self, type_: EventType, reason: &str, note: &str) {
+        info!(lease = %self.name(), identity = %self.me(), reason, "{note}");
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(format!("{}: {note}", self.me())),
+            action: "LeaderElection".into(),
+            secondary: None,
+        };
+        let regarding = Lease {
+            metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                name: Some(self.settings.lease_name.clone()),
+                namespace: Some(self.settings.namespace.clone()),
+                ..Default::default()
+            },
+            spec: None,
+        };
+        self.events.send(event, regarding.object_ref(&())).await;
+    }
+}
+
+/// Our tenure from a write that landed, sent at `sent`.
+fn held(lease: &Lease, sent: Instant) -> Held {
+    Held {
+        resource_version: lease.metadata.resource_version.clone().unwrap_or_default(),
+        sent,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn transitions_count_changes_only() {
+        let leadership = Leadership::default();
+        assert_eq!(
+            (leadership.is_leader(), leadership.since_renewal()),
+            (false, None)
+        );
+        leadership.set_leading(true);
+        leadership.set_leading(true);
+        assert!(leadership.is_leader());
+        assert!(leadership.since_renewal().unwrap() < Duration::from_secs(1));
+        leadership.set_leading(false);
+        assert_eq!(
+            (leadership.transitions(), leadership.since_renewal()),
+            (2, None)
+        );
+    }
+
+    #[test]
+    fn the_wall_clock_can_be_skewed() {
+        let ahead = WallClock::new(|| jiff::Timestamp::now() + jiff::SignedDuration::from_secs(5));
+        let gap = ahead.now().duration_since(WallClock::system().now());
+        assert!(gap.as_secs_f64() > 4.9, "{gap:?}");
+        assert!(format!("{ahead:?}").starts_with("WallClock("));
+    }
+}

@@ -1,0 +1,464 @@
+//! Pure decisions about the Lease record: what a candidate does next, when a leader must stop,
+//! and the compare-and-swap writes. No clock is read here: `now` is a parameter.
+//!
+//! Skew tolerance is client-go's: a candidate never trusts the timestamps in the record (they
+//! come from another node's clock). It remembers when, on its own monotonic clock, it saw the
+//! record change, and treats the Lease as expired only when `leaseDurationSeconds` has passed
+//! since then. Every write carries the `resourceVersion` it was computed from, so a decision
+//! made on a stale view fails with 409 instead of overwriting someone else's write.
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use serde_json::{json, Value};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// What a replica last saw of the Lease, and when it saw it change, on its own clock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seen {
+    /// `None` when nobody holds it (`holderIdentity` empty or absent, as after a release).
+    pub holder: Option<String>,
+    /// The record's `leaseDurationSeconds` (ours when absent).
+    pub lease_duration: Duration,
+    pub transitions: i32,
+    pub resource_version: String,
+    /// When this replica first saw this `resourceVersion`.
+    pub changed_at: Instant,
+}
+
+impl Seen {
+    /// The Lease as read or watched at `now`; `previous` keeps `changed_at` when nothing changed,
+    /// so re-reading an unchanged Lease never postpones its expiry.
+    pub fn observe(lease: &Lease, previous: Option<&Seen>, ours: Duration, now: Instant) -> Seen {
+        let spec = lease.spec.clone().unwrap_or_default();
+        let resource_version = lease.metadata.resource_version.clone().unwrap_or_default();
+        let changed_at = match previous {
+            Some(p) if p.resource_version == resource_version => p.changed_at,
+            _ => now,
+        };
+        let lease_duration = spec
+            .lease_duration_seconds
+            .and_then(|s| u64::try_from(s).ok())
+            .map_or(ours, Duration::from_secs);
+        Seen {
+            holder: spec.holder_identity.filter(|h| !h.is_empty()),
+            lease_duration,
+            transitions: spec.lease_transitions.unwrap_or(0),
+            resource_version,
+            changed_at,
+        }
+    }
+
+    /// When the Lease expires for this replica if nothing changes (its own clock).
+    pub fn expires_at(&self) -> Instant {
+        self.changed_at + self.lease_duration
+    }
+
+    /// Since when the Lease could be taken: its release, or its expiry.
+    pub fn free_since(&self) -> Instant {
+        match self.holder {
+            None => self.changed_at,
+            Some(_) => self.expires_at(),
+        }
+    }
+}
+
+/// What a candidate knows about the Lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Known {
+    /// Nothing yet, or a write failed with a conflict: read it.
+    Unknown,
+    /// The API server said 404.
+    Missing,
+    Seen(Seen),
+}
+
+/// A candidate's next step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    /// Read the Lease.
+    Read,
+    /// Create the Lease, holding it.
+    Create,
+    /// Write ourselves in as holder, on this version of the record.
+    Take {
+        resource_version: String,
+        transitions: i32,
+    },
+    /// Someone holds it: wait for news, or until then, when it expires for us.
+    Wait { until: Instant },
+}
+
+/// What a candidate `me` does at `now` given what it knows.
+pub fn next(known: &Known, me: &str, now: Instant) -> Next {
+    let seen = match known {
+        Known::Unknown => return Next::Read,
+        Known::Missing => return Next::Create,
+        Known::Seen(seen) => seen,
+    };
+    let ours = seen.holder.as_deref() == Some(me);
+    if seen.holder.is_none() || ours || now >= seen.expires_at() {
+        Next::Take {
+            resource_version: seen.resource_version.clone(),
+            // client-go counts a transition whenever the holder changes.
+            transitions: seen.transitions + i32::from(!ours),
+        }
+    } else {
+        Next::Wait {
+            until: seen.expires_at(),
+        }
+    }
+}
+
+/// The leader's view of its own tenure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    /// The version of the record our last successful write produced.
+    pub resource_version: String,
+    /// When that write was sent. Others cannot have seen the record change before this, so
+    /// they cannot take the Lease before `sent + lease duration`: stopping at
+    /// `sent + renew deadline` stops first, whatever their clocks say.
+    pub sent: Instant,
+}
+
+impl Held {
+    /// When this replica must have stopped reconciling unless a renewal lands.
+    pub fn deadline(&self, renew_deadline: Duration) -> Instant {
+        self.sent + renew_deadline
+    }
+}
+
+/// The outcome of a renewal or release that met a conflict, once the Lease was read again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reread {
+    /// Still ours (someone else touched the object): retry on this version.
+    StillOurs { resource_version: String },
+    /// Someone else holds it, or nobody does: we no longer lead.
+    Gone { holder: Option<String> },
+}
+
+/// Reading the Lease again after a conflict.
+pub fn reread(lease: Option<&Lease>, me: &str) -> Reread {
+    let holder = lease
+        .and_then(|l| l.spec.as_ref())
+        .and_then(|s| s.holder_identity.clone())
+        .filter(|h| !h.is_empty());
+    match (lease, holder) {
+        (Some(lease), Some(h)) if h == me => Reread::StillOurs {
+            resource_version: lease.metadata.resource_version.clone().unwrap_or_default(),
+        },
+        (_, holder) => Reread::Gone { holder },
+    }
+}
+
+fn micro(t: jiff::Timestamp) -> Value {
+    serde_json::to_value(MicroTime(t)).unwrap_or(Value::Null)
+}
+
+/// Takes the Lease: a merge patch that fails with 409 unless the record is still at
+/// `resource_version`.
+pub fn take_patch(
+    me: &str,
+    resource_version: &str,
+    transitions: i32,
+    lease_seconds: i32,
+    wall: jiff::Timestamp,
+) -> Value {
+    json!({
+        "metadata": { "resourceVersion": resource_version },
+        "spec": {
+            "holderIdentity": me,
+            "leaseDurationSeconds": lease_seconds,
+            "acquireTime": micro(wall),
+            "renewTime": micro(wall),
+            "leaseTransitions": transitions,
+        },
+    })
+}
+
+/// Renews our Lease, on the version our last write produced.
+pub fn renew_patch(resource_version: &str, wall: jiff::Timestamp) -> Value {
+    json!({
+        "metadata": { "resourceVersion": resource_version },
+        "spec": { "renewTime": micro(wall) },
+    })
+}
+
+/// Gives the Lease up (as client-go does: no holder, a 1 s duration), on the version our last
+/// write produced, so it can never blank a successor's record.
+pub fn release_patch(resource_version: &str, wall: jiff::Timestamp) -> Value {
+    json!({
+        "metadata": { "resourceVersion": resource_version },
+        "spec": {
+            "holderIdentity": "",
+            "leaseDurationSeconds": 1,
+            "renewTime": micro(wall),
+        },
+    })
+}
+
+/// A new Lease held by `me` (creation is its own precondition: 409 if it exists).
+pub fn new_lease(
+    name: &str,
+    namespace: &str,
+    me: &str,
+    lease_seconds: i32,
+    wall: jiff::Timestamp,
+) -> Lease {
+    Lease {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(namespace.into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(me.into()),
+            lease_duration_seconds: Some(lease_seconds),
+            acquire_time: Some(MicroTime(wall)),
+            renew_time: Some(MicroTime(wall)),
+            lease_transitions: Some(0),
+            ..LeaseSpec::default()
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OURS: Duration = Duration::from_secs(15);
+    const T: &str = "2026-11-22T07:33:01.146870Z";
+
+    fn lease(holder: &str, seconds: i32, rv: &str, renewed: &str) -> Lease {
+        serde_json::from_value(json!({
+            "metadata": {"name": "cnat", "namespace": "fx", "resourceVersion": rv},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": seconds,
+                     "renewTime": renewed, "leaseTransitions": 3},
+        }))
+        .unwrap()
+    }
+
+    fn at(t0: Instant, secs: f64) -> Instant {
+        t0 + Duration::from_secs_f64(secs)
+    }
+
+    #[test]
+    fn expiry_is_measured_on_our_clock_from_when_we_saw_a_change() {
+        let t0 = Instant::now();
+        let held = lease("cnat-a", 15, "10", "2026-11-22T07:33:01.146870Z");
+        let seen = Seen::observe(&held, None, OURS, t0);
+        assert_eq!(seen.expires_at(), at(t0, 15.0));
+        assert_eq!(seen.holder.as_deref(), Some("cnat-a"));
+        // Re-reading the same version later does not postpone the expiry ...
+        let again = Seen::observe(&held, Some(&seen), OURS, at(t0, 9.0));
+        assert_eq!(again.expires_at(), at(t0, 15.0));
+        // ... a renewal (new version) does.
+        let renewed = lease("cnat-a", 15, "11", "2026-11-22T07:33:03.146870Z");
+        let after = Seen::observe(&renewed, Some(&again), OURS, at(t0, 10.0));
+        assert_eq!(after.expires_at(), at(t0, 25.0));
+    }
+
+    #[test]
+    fn timestamps_in_the_record_are_ignored_whatever_the_skew() {
+        let t0 = Instant::now();
+        // A holder whose clock is far ahead, far behind, or absurd: the decision is the same.
+        for renewed in [
+            "2026-11-22T07:33:06.000000Z",
+            "2026-11-22T07:32:56.000000Z",
+            "1970-01-01T00:00:00.000000Z",
+            "2999-01-01T00:00:00.000000Z",
+        ] {
+            let seen = Seen::observe(&lease("cnat-a", 15, "10", renewed), None, OURS, t0);
+            let known = Known::Seen(seen);
+            assert_eq!(
+                next(&known, "cnat-b", at(t0, 14.999)),
+                Next::Wait {
+                    until: at(t0, 15.0)
+                },
+                "{renewed}"
+            );
+            assert!(
+                matches!(next(&known, "cnat-b", at(t0, 15.0)), Next::Take { .. }),
+                "{renewed}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_released_lease_is_free_at_once() {
+        let t0 = Instant::now();
+        // As captured: holder "", leaseDurationSeconds 1.
+        let released = lease("", 1, "139242", "2026-11-22T07:33:01.398641Z");
+        let seen = Seen::observe(&released, None, OURS, t0);
+        assert_eq!(seen.holder, None);
+        assert_eq!(seen.free_since(), t0);
+        assert_eq!(
+            next(&Known::Seen(seen), "cnat-b", t0),
+            Next::Take {
+                resource_version: "139242".into(),
+                transitions: 4
+            }
+        );
+        let mut absent: Lease = released.clone();
+        absent.spec.as_mut().unwrap().holder_identity = None;
+        let seen = Seen::observe(&absent, None, OURS, t0);
+        assert!(matches!(
+            next(&Known::Seen(seen), "cnat-b", t0),
+            Next::Take { .. }
+        ));
+    }
+
+    #[test]
+    fn the_records_duration_wins_over_ours() {
+        let t0 = Instant::now();
+        let seen = Seen::observe(&lease("cnat-a", 40, "1", T), None, OURS, t0);
+        assert_eq!(seen.expires_at(), at(t0, 40.0));
+        assert_eq!(seen.free_since(), at(t0, 40.0));
+        let mut no_duration = lease("cnat-a", 1, "1", T);
+        no_duration.spec.as_mut().unwrap().lease_duration_seconds = None;
+        assert_eq!(
+            Seen::observe(&no_duration, None, OURS, t0).expires_at(),
+            at(t0, 15.0)
+        );
+        let mut negative = lease("cnat-a", -5, "1", T);
+        negative.spec.as_mut().unwrap().lease_duration_seconds = Some(-5);
+        assert_eq!(
+            Seen::observe(&negative, None, OURS, t0).expires_at(),
+            at(t0, 15.0)
+        );
+    }
+
+    #[test]
+    fn what_a_candidate_does_in_every_state() {
+        let t0 = Instant::now();
+        assert_eq!(next(&Known::Unknown, "me", t0), Next::Read);
+        assert_eq!(next(&Known::Missing, "me", t0), Next::Create);
+        let other = Known::Seen(Seen::observe(&lease("other", 15, "7", T), None, OURS, t0));
+        assert_eq!(
+            next(&other, "me", at(t0, 1.0)),
+            Next::Wait {
+                until: at(t0, 15.0)
+            }
+        );
+        assert_eq!(
+            next(&other, "me", at(t0, 20.0)),
+            Next::Take {
+                resource_version: "7".into(),
+                transitions: 4
+            }
+        );
+        // Our own record (a restarted container with the same pod name): take it back at once,
+        // without counting a transition.
+        let mine = Known::Seen(Seen::observe(&lease("me", 15, "8", T), None, OURS, t0));
+        assert_eq!(
+            next(&mine, "me", t0),
+            Next::Take {
+                resource_version: "8".into(),
+                transitions: 3
+            }
+        );
+    }
+
+    #[test]
+    fn a_leader_stops_before_anyone_can_take_over() {
+        let t0 = Instant::now();
+        let held = Held {
+            resource_version: "5".into(),
+            sent: t0,
+        };
+        let (renew, lease) = (Duration::from_secs(10), Duration::from_secs(15));
+        // The earliest a candidate can see the write is when it was sent.
+        let candidate = Seen::observe(&lease_v("5"), None, lease, t0);
+        assert!(held.deadline(renew) < candidate.expires_at());
+    }
+
+    fn lease_v(rv: &str) -> Lease {
+        lease("me", 15, rv, T)
+    }
+
+    #[test]
+    fn rereading_after_a_conflict() {
+        assert_eq!(
+            reread(Some(&lease("me", 15, "9", T)), "me"),
+            Reread::StillOurs {
+                resource_version: "9".into()
+            }
+        );
+        assert_eq!(
+            reread(Some(&lease("them", 15, "9", T)), "me"),
+            Reread::Gone {
+                holder: Some("them".into())
+            }
+        );
+        assert_eq!(
+            reread(Some(&lease("", 1, "9", T)), "me"),
+            Reread::Gone { holder: None }
+        );
+        assert_eq!(reread(None, "me"), Reread::Gone { holder: None });
+    }
+
+    #[test]
+    fn every_write_carries_its_precondition() {
+        let wall: jiff::Timestamp = "2026-11-22T07:33:01.5Z".parse().unwrap();
+        let take = take_patch("me", "41", 2, 15, wall);
+        assert_eq!(
+            take,
+            json!({
+                "metadata": {"resourceVersion": "41"},
+                "spec": {"holderIdentity": "me", "leaseDurationSeconds": 15,
+                         "acquireTime": "2026-11-22T07:33:01.500000Z",
+                         "renewTime": "2026-11-22T07:33:01.500000Z", "leaseTransitions": 2},
+            })
+        );
+        assert_eq!(
+            renew_patch("42", wall),
+            json!({"metadata": {"resourceVersion": "42"},
+                   "spec": {"renewTime": "2026-11-22T07:33:01.500000Z"}})
+        );
+        // The release matches what the real server showed for one (lease-watch-events.jsonl).
+        assert_eq!(
+            release_patch("43", wall),
+            json!({"metadata": {"resourceVersion": "43"},
+                   "spec": {"holderIdentity": "", "leaseDurationSeconds": 1,
+                            "renewTime": "2026-11-22T07:33:01.500000Z"}})
+        );
+        let created = serde_json::to_value(new_lease("cnat", "fx", "me", 15, wall)).unwrap();
+        assert_eq!(created["spec"]["holderIdentity"], "me");
+        assert_eq!(created["spec"]["leaseTransitions"], 0);
+        assert_eq!(created["metadata"]["namespace"], "fx");
+    }
+
+    #[test]
+    fn the_captured_watch_stream_reads_as_renew_release_takeover() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/api-k8s-1.24/lease-watch-events.jsonl"
+        );
+        let t0 = Instant::now();
+        let mut seen: Option<Seen> = None;
+        let mut steps = Vec::new();
+        for (i, line) in std::fs::read_to_string(path).unwrap().lines().enumerate() {
+            let event: Value = serde_json::from_str(line).unwrap();
+            let lease: Lease = serde_json::from_value(event["object"].clone()).unwrap();
+            let now = at(t0, i as f64);
+            let s = Seen::observe(&lease, seen.as_ref(), OURS, now);
+            steps.push(next(&Known::Seen(s.clone()), "cnat-c", now));
+            seen = Some(s);
+        }
+        assert_eq!(
+            steps,
+            [
+                Next::Wait {
+                    until: at(t0, 15.0)
+                },
+                Next::Take {
+                    resource_version: "139242".into(),
+                    transitions: 1
+                },
+                Next::Wait {
+                    until: at(t0, 17.0)
+                },
+            ]
+        );
+    }
+}

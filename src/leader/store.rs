@@ -1,0 +1,126 @@
+//! The Lease on the API server: read, create, compare-and-swap merge patches, and a watch of
+//! that one object. Every call is bounded in time; nothing here decides anything.
+
+use super::record::Seen;
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::Api;
+use serde_json::Value;
+use std::future::Future;
+use std::time::Duration;
+use thiserror::Error;
+use tokio::time::timeout;
+
+/// Why a Lease call failed (409 and 404 are answers, not errors: see `Written`).
+#[derive(Debug, Error)]
+pub enum LeaseError {
+    #[error(transparent)]
+    Api(#[from] kube::Error),
+    #[error("no answer from the API server within {0:?}")]
+    Timeout(Duration),
+    #[error(
+        "cannot create Lease {0}: its namespace does not exist; create it or set --lease-namespace"
+    )]
+    NoNamespace(String),
+}
+
+/// The answer to a write that carries a precondition.
+#[derive(Debug)]
+pub enum Written {
+    /// It landed; this is the record as stored.
+    Done(Box<Lease>),
+    /// 409: the record changed since we read it (or, for a create, it exists).
+    Conflict,
+    /// 404: there is no Lease.
+    Missing,
+}
+
+/// One Lease, by name, in one namespace.
+#[derive(Clone)]
+pub struct LeaseApi {
+    api: Api<Lease>,
+    name: String,
+    /// The longest one call may take.
+    limit: Duration,
+}
+
+impl LeaseApi {
+    pub fn new(api: Api<Lease>, name: &str, limit: Duration) -> Self {
+        LeaseApi {
+            api,
+            name: name.into(),
+            limit,
+        }
+    }
+
+    async fn bounded<T>(
+        &self,
+        call: impl Future<Output = Result<T, kube::Error>>,
+    ) -> Result<T, LeaseError> {
+        timeout(self.limit, call)
+            .await
+            .map_err(|_| LeaseError::Timeout(self.limit))?
+            .map_err(LeaseError::Api)
+    }
+
+    /// The Lease, or `None` when there is none.
+    pub async fn get(&self) -> Result<Option<Lease>, LeaseError> {
+        self.bounded(self.api.get_opt(&self.name)).await
+    }
+
+    /// Creates it; `Conflict` when another candidate was first.
+    pub async fn create(&self, lease: &Lease) -> Result<Written, LeaseError> {
+        answer(
+            self.bounded(self.api.create(&PostParams::default(), lease))
+                .await,
+        )
+    }
+
+    /// A merge patch carrying `metadata.resourceVersion`: the API server applies it only if the
+    /// record is still at that version.
+    pub async fn swap(&self, patch: &Value) -> Result<Written, LeaseError> {
+        debug_assert!(patch["metadata"]["resourceVersion"].is_string());
+        let params = PatchParams::default();
+        answer(
+            self.bounded(self.api.patch(&self.name, &params, &Patch::Merge(patch)))
+                .await,
+        )
+    }
+
+    /// Every change of the Lease (`fieldSelector=metadata.name=<name>`), as `Some(lease)`, or
+    /// `None` when it is deleted. Watch errors are retried with kube-runtime's backoff and
+    /// yielded, so the caller can log them.
+    pub fn watch(&self) -> impl Stream<Item = Result<Option<Lease>, watcher::Error>> + Send {
+        let fields = format!("metadata.name={}", self.name);
+        watcher(self.api.clone(), watcher::Config::default().fields(&fields))
+            .default_backoff()
+            .filter_map(|event| async move {
+                match event {
+                    Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => {
+                        Some(Ok(Some(l)))
+                    }
+                    Ok(watcher::Event::Delete(_)) => Some(Ok(None)),
+                    Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+                    Err(error) => Some(Err(error)),
+                }
+            })
+    }
+}
+
+fn answer(result: Result<Lease, LeaseError>) -> Result<Written, LeaseError> {
+    match result {
+        Ok(lease) => Ok(Written::Done(Box::new(lease))),
+        Err(LeaseError::Api(kube::Error::Api(s))) if s.is_conflict() || s.is_already_exists() => {
+            Ok(Written::Conflict)
+        }
+        Err(LeaseError::Api(kube::Error::Api(s))) if s.is_not_found() => Ok(Written::Missing),
+        Err(error) => Err(error),
+    }
+}
+
+/// The holder a `Seen` names, for logs.
+pub fn holder_name(seen: &Seen) -> &str {
+    seen.holder.as_deref().unwrap_or("<nobody>")
+}
