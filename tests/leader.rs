@@ -697,6 +697,30 @@ mod scripted {
         seen.iter().map(|(r, _, _)| r.clone()).collect()
     }
 
+    /// The Lease is missing, we create it (version 100), then `rest`.
+    fn created_then(rest: Vec<(u16, Value)>) -> Vec<(u16, Value)> {
+        let mut replies = vec![
+            (404, fixture("status-404-not-found.json")),
+            (201, lease("cnat-0", "100")),
+        ];
+        replies.extend(rest);
+        replies
+    }
+
+    fn conflict() -> (u16, Value) {
+        let body = "status-409-conflict-lease-merge-patch-stale-resourceversion.json";
+        (409, fixture(body))
+    }
+
+    fn created_patched_and_read() -> [String; 4] {
+        [
+            format!("GET {LEASE}"),
+            format!("POST {LEASES}"),
+            format!("PATCH {LEASE}"),
+            format!("GET {LEASE}"),
+        ]
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_missing_namespace_is_retried_with_growing_pauses_and_never_leads() {
         let mut missing = fixture("status-404-not-found.json");
@@ -706,7 +730,7 @@ mod scripted {
             replies.push((404, fixture("status-404-not-found.json"))); // GET lease
             replies.push((404, missing.clone())); // POST lease
         }
-        let (seen, activity, leadership) = elect("nope", replies, Duration::from_secs(40)).await;
+        let (seen, activity, leadership) = elect("nope", replies, Duration::from_secs(45)).await;
         assert_eq!(activity.runs(), 0);
         assert!(!leadership.is_leader());
         assert_eq!(
@@ -731,26 +755,13 @@ mod scripted {
     async fn a_renewal_conflict_with_another_holder_ends_leading_without_a_release() {
         let (seen, activity, leadership) = elect(
             "fx",
-            vec![
-                (404, fixture("status-404-not-found.json")),
-                (201, lease("cnat-0", "100")),
-                (
-                    409,
-                    fixture("status-409-conflict-lease-merge-patch-stale-resourceversion.json"),
-                ),
-                (200, lease("cnat-1", "105")),
-            ],
+            created_then(vec![conflict(), (200, lease("cnat-1", "105"))]),
             TIMING.retry_period + Duration::from_millis(500),
         )
         .await;
         assert_eq!(
             requests(&seen),
-            [
-                format!("GET {LEASE}"),
-                format!("POST {LEASES}"),
-                format!("PATCH {LEASE}"),
-                format!("GET {LEASE}"),
-            ],
+            created_patched_and_read(),
             "no release after losing the lease"
         );
         assert_eq!(seen[2].1["metadata"]["resourceVersion"], "100");
@@ -763,17 +774,12 @@ mod scripted {
     async fn a_foreign_write_to_our_lease_is_renewed_over() {
         let (seen, activity, _) = elect(
             "fx",
-            vec![
-                (404, fixture("status-404-not-found.json")),
-                (201, lease("cnat-0", "100")),
-                (
-                    409,
-                    fixture("status-409-conflict-lease-merge-patch-stale-resourceversion.json"),
-                ),
+            created_then(vec![
+                conflict(),
                 (200, lease("cnat-0", "103")), // someone labelled it; still ours
                 (200, lease("cnat-0", "104")), // renewed on the new version
                 (200, lease("", "105")),       // released on shutdown
-            ],
+            ]),
             TIMING.retry_period + Duration::from_millis(500),
         )
         .await;
@@ -793,27 +799,11 @@ mod scripted {
         // meets a conflict, reads the Lease, and leaves it alone.
         let (seen, _, _) = elect(
             "fx",
-            vec![
-                (404, fixture("status-404-not-found.json")),
-                (201, lease("cnat-0", "100")),
-                (
-                    409,
-                    fixture("status-409-conflict-lease-merge-patch-stale-resourceversion.json"),
-                ),
-                (200, lease("cnat-2", "130")),
-            ],
+            created_then(vec![conflict(), (200, lease("cnat-2", "130"))]),
             Duration::from_millis(500),
         )
         .await;
-        assert_eq!(
-            requests(&seen),
-            [
-                format!("GET {LEASE}"),
-                format!("POST {LEASES}"),
-                format!("PATCH {LEASE}"),
-                format!("GET {LEASE}"),
-            ]
-        );
+        assert_eq!(requests(&seen), created_patched_and_read());
         assert_eq!(seen[2].1["spec"]["holderIdentity"], "");
         assert_eq!(seen[2].1["metadata"]["resourceVersion"], "100");
     }

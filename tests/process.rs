@@ -103,6 +103,59 @@ async fn a_replica_leads_reconciles_and_shuts_down_in_order() {
     let _ = std::fs::remove_file(config);
 }
 
+/// Two real processes with the default timings (lease 15 s): the candidate watches the Lease
+/// over HTTP and takes it the moment the leader releases it, not when it would expire.
+#[tokio::test]
+async fn a_released_lease_is_taken_over_through_the_watch() {
+    let server = ApiServer::new();
+    let config = kubeconfig(server.serve_http().await, "handover");
+    let spawn = |id: &str| {
+        let (admin, identity) = (
+            format!("--admin-addr={}", free_port()),
+            format!("--identity={id}"),
+        );
+        cnat(
+            &[
+                &admin,
+                &identity,
+                "--webhooks=false",
+                "--shutdown-delay=100ms",
+                "--log-format=text",
+                "--log=warn",
+            ],
+            &config,
+        )
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
+    };
+    let mut first = spawn("cnat-0");
+    assert!(
+        support::until(Duration::from_secs(5), || holder(&server).as_deref()
+            == Some("cnat-0"))
+        .await,
+        "never leader"
+    );
+    let mut second = spawn("cnat-1");
+    // Let the candidate start its watch.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(holder(&server).as_deref(), Some("cnat-0"));
+    let term = Instant::now();
+    sigterm(&first);
+    assert!(
+        support::until(Duration::from_secs(3), || holder(&server).as_deref()
+            == Some("cnat-1"))
+        .await,
+        "no takeover within 3 s of the release (an expiry takes 15 s)"
+    );
+    println!("SIGTERM -> cnat-1 holds the Lease: {:?}", term.elapsed());
+    assert_eq!(server.unguarded_lease_writes(), 0);
+    let _ = second.kill();
+    let _ = first.wait();
+    let _ = second.wait();
+    let _ = std::fs::remove_file(config);
+}
+
 fn run_to_exit(args: &[&str], kubeconfig: &std::path::Path) -> Output {
     cnat(args, kubeconfig).output().unwrap()
 }
@@ -114,6 +167,10 @@ fn invalid_timing_is_refused_before_anything_starts() {
         (
             vec!["--lease-duration=10s", "--renew-deadline=10s"],
             "--lease-duration 10s must be longer than --renew-deadline 10s",
+        ),
+        (
+            vec!["--step-down-grace=5s"],
+            "--step-down-grace 5s must be shorter than half the --renew-deadline 10s",
         ),
         (
             vec!["--renew-deadline=2s", "--retry-period=2s"],

@@ -154,7 +154,7 @@ impl ApiServer {
         self.lock().list_latency = extra;
     }
 
-    /// Requests `name`'s client made, as ("METHOD resource[/sub]", when), in order.
+    /// Requests `name`'s client (`http` for every request over `serve_http`) made, as ("METHOD resource[/sub]", when), in order.
     pub fn calls_by(&self, name: &str) -> Vec<(String, tokio::time::Instant)> {
         self.lock()
             .calls
@@ -190,7 +190,7 @@ impl ApiServer {
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |request| {
                         let server = server.clone();
-                        async move { Ok::<_, Infallible>(server.handle(request).await) }
+                        async move { Ok::<_, Infallible>(server.handle_as("http", request).await) }
                     });
                     let io = hyper_util::rt::TokioIo::new(socket);
                     let _ = hyper::server::conn::http1::Builder::new()
