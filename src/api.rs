@@ -2,9 +2,11 @@
 //! types (`cnat crd`), so every doc comment here is what `kubectl explain at` prints.
 
 use chrono::{DateTime, Utc};
+use k8s_openapi::api::core::v1::{EnvVar, LocalObjectReference, ResourceRequirements, Toleration};
 use kube::{CustomResource, CustomResourceExt};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// API group of the At resource.
 pub const GROUP: &str = "cnat.programming-kubernetes.info";
@@ -25,14 +27,18 @@ pub const DEFAULT_IMAGE: &str = "busybox";
     printcolumn = r#"{"name":"Schedule","type":"string","jsonPath":".spec.schedule"}"#,
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
     printcolumn = r#"{"name":"Outcome","type":"string","jsonPath":".status.outcome"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.reason"}"#,
     printcolumn = r#"{"name":"Exit Code","type":"integer","jsonPath":".status.exitCode","priority":1}"#,
     printcolumn = r#"{"name":"Pod","type":"string","jsonPath":".status.podName","priority":1}"#,
+    printcolumn = r#"{"name":"Message","type":"string","jsonPath":".status.message","priority":1}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct AtSpec {
     /// When to run the command: an RFC 3339 time with `Z` or an explicit UTC offset, for example
-    /// `2019-04-12T10:12:00Z` or `2019-04-12T12:12:00+02:00`. A time in the past runs at once.
+    /// `2019-04-12T10:12:00Z` or `2019-04-12T12:12:00+02:00`; or, with `timeZone`, a wall-clock
+    /// time without offset, e.g. `2019-04-12T12:12:00`. A time in the past runs at once (unless
+    /// `startingDeadlineSeconds` has passed).
     pub schedule: String,
     /// Shell command to run, passed to `/bin/sh -c`, so quoting, pipes and `&&` work as in a
     /// shell. It runs once; its exit code decides the outcome.
@@ -40,6 +46,67 @@ pub struct AtSpec {
     /// Container image that runs the command; it must provide `/bin/sh`. Defaults to `busybox`.
     #[serde(default = "default_image")]
     pub image: String,
+    /// IANA time zone (e.g. `Europe/Berlin`) in which a `schedule` without offset is read, as in
+    /// a CronJob. A wall-clock time that does not exist there (skipped by a daylight-saving
+    /// change) or exists twice is refused with both instants it could mean.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_zone: Option<String>,
+    /// If the command cannot start within this many seconds after its schedule (operator down,
+    /// quota, policy), it never runs: the At ends `DONE` with outcome `Missed`. Without it, an At
+    /// runs however late. As in a CronJob.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub starting_deadline_seconds: Option<i64>,
+    /// The command's time limit in seconds, counted from the pod's start; a command that runs
+    /// longer is stopped and the At ends `DONE`, outcome `Failed`, reason `DeadlineExceeded`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub active_deadline_seconds: Option<i64>,
+    /// Delete the At (and its pod) this many seconds after it is `DONE`, as for a Job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub ttl_seconds_after_finished: Option<i32>,
+    /// CPU and memory requests and limits of the command's container. Needed in namespaces whose
+    /// ResourceQuota limits `requests.*` or `limits.*` (unless the operator sets defaults).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Environment variables of the command: `value`, or `valueFrom` a Secret, ConfigMap or
+    /// field of the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<Vec<EnvVar>>,
+    /// Service account the pod runs as. Its API token is mounted only when this is set; by
+    /// default the pod has no token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_account_name: Option<String>,
+    /// Node labels the pod's node must have.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<BTreeMap<String, String>>,
+    /// Taints the pod tolerates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tolerations: Option<Vec<Toleration>>,
+    /// Secrets (in the At's namespace) holding credentials to pull `image`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_secrets: Option<Vec<LocalObjectReference>>,
+}
+
+impl Default for AtSpec {
+    fn default() -> Self {
+        AtSpec {
+            schedule: String::new(),
+            command: String::new(),
+            image: default_image(),
+            time_zone: None,
+            starting_deadline_seconds: None,
+            active_deadline_seconds: None,
+            ttl_seconds_after_finished: None,
+            resources: None,
+            env: None,
+            service_account_name: None,
+            node_selector: None,
+            tolerations: None,
+            image_pull_secrets: None,
+        }
+    }
 }
 
 fn default_image() -> String {
@@ -58,18 +125,26 @@ pub struct AtStatus {
     /// Name of the pod that runs (or ran) the command.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_name: Option<String>,
+    /// The instant `schedule` names (read in `timeZone` when it has no offset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduled_time: Option<DateTime<Utc>>,
     /// When the operator created the pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_time: Option<DateTime<Utc>>,
     /// When the command finished, or when the operator found that it never will.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completion_time: Option<DateTime<Utc>>,
-    /// `Succeeded` when the command exited 0, `Failed` otherwise; set once `DONE`.
+    /// `Succeeded` when the command exited 0, `Failed` when it did not, or ran out of time or its
+    /// pod was lost, `Missed` when it could not start before `startingDeadlineSeconds`; set once
+    /// `DONE`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome: Option<Outcome>,
     /// Exit code of the command, when it ran to the end.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
+    /// Machine-readable reason of the last change, e.g. `Scheduled`, `PodForbidden`, `Succeeded`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     /// Human-readable account of the current state, including what to fix when something is wrong.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
@@ -124,8 +199,11 @@ impl std::fmt::Display for Phase {
 pub enum Outcome {
     /// The command exited with code 0.
     Succeeded,
-    /// The command exited non-zero, or its pod failed or disappeared before it finished.
+    /// The command exited non-zero, ran out of time, or its pod failed or disappeared before it
+    /// finished.
     Failed,
+    /// The command could not start before `startingDeadlineSeconds` passed; it never ran.
+    Missed,
 }
 
 /// A standard Kubernetes condition (the shape of `metav1.Condition`).

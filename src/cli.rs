@@ -1,7 +1,10 @@
 //! Command-line interface. Every flag of `cnat run` can also be set by a `CNAT_*` variable.
 
 use crate::leader::Timing;
+use crate::policy::{self, RunPolicy};
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -74,6 +77,33 @@ pub struct RunArgs {
     /// HTTP/1.1 connection to the API server, so this also bounds memory.
     #[arg(long, env = "CNAT_CONCURRENCY", default_value_t = 32)]
     pub concurrency: u16,
+
+    /// Requests for run pods that do not set them, per resource, like a LimitRange's
+    /// defaultRequest: `cpu=100m,memory=64Mi`.
+    #[arg(long, env = "CNAT_DEFAULT_REQUESTS", value_parser = policy::parse_quantities)]
+    pub default_requests: Option<BTreeMap<String, Quantity>>,
+
+    /// Limits for run pods that do not set them, per resource, like a LimitRange's default:
+    /// `cpu=1,memory=256Mi`.
+    #[arg(long, env = "CNAT_DEFAULT_LIMITS", value_parser = policy::parse_quantities)]
+    pub default_limits: Option<BTreeMap<String, Quantity>>,
+
+    /// `activeDeadlineSeconds` for Ats that do not set it.
+    #[arg(long, env = "CNAT_DEFAULT_ACTIVE_DEADLINE_SECONDS", value_parser = clap::value_parser!(i64).range(1..))]
+    pub default_active_deadline_seconds: Option<i64>,
+
+    /// `startingDeadlineSeconds` for Ats that do not set it (without it they run however late).
+    #[arg(long, env = "CNAT_DEFAULT_STARTING_DEADLINE_SECONDS", value_parser = clap::value_parser!(i64).range(0..))]
+    pub default_starting_deadline_seconds: Option<i64>,
+
+    /// `ttlSecondsAfterFinished` for Ats that do not set it (without it DONE Ats stay).
+    #[arg(long, env = "CNAT_DEFAULT_TTL_SECONDS_AFTER_FINISHED", value_parser = clap::value_parser!(i32).range(0..))]
+    pub default_ttl_seconds_after_finished: Option<i32>,
+
+    /// How often a RUNNING At checks its pod without being told (the pod watch can miss a
+    /// deletion while it re-lists).
+    #[arg(long, env = "CNAT_RUNNING_RECHECK", default_value = "60s", value_parser = duration)]
+    pub running_recheck: Duration,
 
     /// Log format: `json` lines, human-readable `text`, or `auto` (json inside a cluster).
     #[arg(long, env = "CNAT_LOG_FORMAT", value_enum, default_value_t = LogFormat::Auto)]
@@ -151,6 +181,18 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
+    /// What applies to runs whose At leaves it out.
+    pub fn policy(&self) -> RunPolicy {
+        RunPolicy {
+            requests: self.default_requests.clone().unwrap_or_default(),
+            limits: self.default_limits.clone().unwrap_or_default(),
+            active_deadline_seconds: self.default_active_deadline_seconds,
+            starting_deadline_seconds: self.default_starting_deadline_seconds,
+            ttl_seconds_after_finished: self.default_ttl_seconds_after_finished,
+            running_recheck: self.running_recheck,
+        }
+    }
+
     pub fn timing(&self) -> Timing {
         Timing {
             lease_duration: self.lease_duration,
@@ -247,6 +289,47 @@ mod tests {
                 err.contains("invalid value") && err.contains("--retry-period"),
                 "{err}"
             );
+        }
+    }
+
+    #[test]
+    fn run_defaults_are_read_like_a_limit_range() {
+        let Command::Run(args) = Cli::try_parse_from([
+            "cnat",
+            "run",
+            "--default-requests=cpu=100m,memory=64Mi",
+            "--default-limits",
+            "memory=256Mi",
+            "--default-active-deadline-seconds=3600",
+            "--default-starting-deadline-seconds=0",
+            "--default-ttl-seconds-after-finished=86400",
+        ])
+        .unwrap()
+        .command
+        else {
+            panic!("run")
+        };
+        let policy = args.policy();
+        assert_eq!(policy.requests.len(), 2);
+        assert_eq!(policy.limits["memory"].0, "256Mi");
+        assert_eq!(policy.active_deadline_seconds, Some(3600));
+        assert_eq!(policy.starting_deadline_seconds, Some(0));
+        assert_eq!(policy.ttl_seconds_after_finished, Some(86400));
+        let Command::Run(plain) = Cli::try_parse_from(["cnat", "run"]).unwrap().command else {
+            panic!("run")
+        };
+        assert_eq!(plain.policy(), RunPolicy::default());
+        for bad in [
+            "--default-requests=cpu=lots",
+            "--default-limits=memory",
+            "--default-active-deadline-seconds=0",
+            "--default-starting-deadline-seconds=-1",
+            "--default-ttl-seconds-after-finished=-1",
+        ] {
+            let err = Cli::try_parse_from(["cnat", "run", bad])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("invalid value"), "{bad}: {err}");
         }
     }
 

@@ -5,6 +5,7 @@ use crate::api::At;
 use crate::events::EventSink;
 use crate::metrics::Metrics;
 use crate::pod;
+use crate::policy::RunPolicy;
 use crate::reconcile::{error_policy, reconcile, Context};
 use chrono::Utc;
 use futures::StreamExt;
@@ -23,6 +24,8 @@ pub struct Settings {
     pub namespace: Option<String>,
     /// Most reconciles at once; 0 means no limit.
     pub concurrency: u16,
+    /// Defaults for what Ats leave out, and the RUNNING re-check interval.
+    pub policy: RunPolicy,
 }
 
 /// Runs the reconcile loop until `stop` is cancelled; reconciles in flight then finish.
@@ -56,6 +59,7 @@ pub async fn run(
         events,
         Box::new(Utc::now),
         metrics,
+        settings.policy.clone(),
     ));
     info!(
         namespace = settings.namespace.as_deref().unwrap_or("<all>"),

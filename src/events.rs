@@ -11,6 +11,8 @@ use tracing::warn;
 const QUEUE: usize = 4096;
 /// Events published at once; each is one API request.
 const CONCURRENCY: usize = 8;
+/// The API server refuses an event whose note is longer than this many bytes.
+pub const MAX_NOTE_BYTES: usize = 1024;
 
 /// A handle for queueing events; publishing stops once every handle is dropped.
 #[derive(Clone)]
@@ -37,10 +39,45 @@ impl EventSink {
         EventSink { queue }
     }
 
-    /// Queues `event` about `regarding`.
-    pub async fn send(&self, event: Event, regarding: ObjectReference) {
+    /// Queues `event` about `regarding`, its note cut to what the API server accepts.
+    pub async fn send(&self, mut event: Event, regarding: ObjectReference) {
+        event.note = event.note.map(|note| fit_note(&note));
         if self.queue.send((event, regarding)).await.is_err() {
             warn!("event publisher stopped; event dropped");
+        }
+    }
+}
+
+/// `note` cut at a character boundary so that it, with a trailing `…`, fits `MAX_NOTE_BYTES`
+/// bytes (not characters: command output may be any script).
+pub fn fit_note(note: &str) -> String {
+    if note.len() <= MAX_NOTE_BYTES {
+        return note.to_owned();
+    }
+    let ellipsis = "…";
+    let mut cut = MAX_NOTE_BYTES - ellipsis.len();
+    while !note.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}{ellipsis}", &note[..cut])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notes_fit_the_api_limit_in_bytes() {
+        assert_eq!(fit_note("short"), "short");
+        let exact = "a".repeat(MAX_NOTE_BYTES);
+        assert_eq!(fit_note(&exact), exact);
+        for unit in ["a", "é", "€", "𝄞", "日本"] {
+            let long = unit.repeat(2000);
+            let fitted = fit_note(&long);
+            assert!(fitted.len() <= MAX_NOTE_BYTES, "{unit}: {}", fitted.len());
+            assert!(fitted.len() > MAX_NOTE_BYTES - 8, "{unit}: cut too much");
+            assert!(fitted.ends_with('…'));
+            assert!(long.starts_with(fitted.trim_end_matches('…')));
         }
     }
 }

@@ -13,6 +13,7 @@ pub mod events;
 pub mod leader;
 pub mod metrics;
 pub mod pod;
+pub mod policy;
 pub mod reconcile;
 pub mod schedule;
 pub mod smoke_test;

@@ -190,6 +190,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
     let controller_settings = controller::Settings {
         namespace: args.namespace.clone(),
         concurrency: args.concurrency,
+        policy: args.policy(),
     };
     let (work_client, work_events, work_metrics) =
         (client.clone(), events.clone(), metrics.clone());

@@ -2,6 +2,7 @@
 //! summary of it that the state machine reads. Pure: no client, no clock.
 
 use crate::api::At;
+use crate::policy::RunPolicy;
 use chrono::{DateTime, Utc};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerStatus, Pod, PodSecurityContext, PodSpec, SeccompProfile,
@@ -64,7 +65,7 @@ pub fn check_name(at_name: &str) -> Result<(), NameError> {
 }
 
 /// RFC 1123 subdomain, as Kubernetes requires of pod names.
-fn is_dns_subdomain(name: &str) -> bool {
+pub(crate) fn is_dns_subdomain(name: &str) -> bool {
     let label_ok = |label: &str| {
         let bytes = label.as_bytes();
         !bytes.is_empty()
@@ -77,9 +78,12 @@ fn is_dns_subdomain(name: &str) -> bool {
     name.len() <= 253 && name.split('.').all(label_ok)
 }
 
-/// The pod that runs `at`'s command: controlled by the At, never restarted, and within the
-/// `restricted` Pod Security profile so it is admitted in namespaces that enforce it.
-pub fn build(at: &At) -> Pod {
+/// The pod that runs `at`'s command: controlled by the At, never restarted, with the At's pod
+/// settings (the policy's defaults where it has none), and within the `restricted` Pod Security
+/// profile whatever the At says (no At field can touch the security context, volumes, host
+/// namespaces or ports), so it is admitted in namespaces that enforce it.
+pub fn build(at: &At, policy: &RunPolicy) -> Pod {
+    let spec = &at.spec;
     let at_name = at.name_any();
     let labels = BTreeMap::from([
         (MANAGED_BY_LABEL.to_owned(), MANAGED_BY.to_owned()),
@@ -95,7 +99,15 @@ pub fn build(at: &At) -> Pod {
         },
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
-            automount_service_account_token: Some(false),
+            // A token only for a service account the At names.
+            automount_service_account_token: Some(spec.service_account_name.is_some()),
+            service_account_name: spec.service_account_name.clone(),
+            active_deadline_seconds: spec
+                .active_deadline_seconds
+                .or(policy.active_deadline_seconds),
+            node_selector: spec.node_selector.clone(),
+            tolerations: spec.tolerations.clone(),
+            image_pull_secrets: spec.image_pull_secrets.clone(),
             security_context: Some(PodSecurityContext {
                 run_as_non_root: Some(true),
                 run_as_user: Some(RUN_AS_USER),
@@ -110,6 +122,8 @@ pub fn build(at: &At) -> Pod {
                 name: CONTAINER.into(),
                 image: Some(at.spec.image.clone()),
                 command: Some(vec!["/bin/sh".into(), "-c".into(), at.spec.command.clone()]),
+                env: spec.env.clone(),
+                resources: policy.resources(spec.resources.as_ref()),
                 // The log tail becomes the termination message, so a failure explains itself.
                 termination_message_policy: Some("FallbackToLogsOnError".into()),
                 security_context: Some(SecurityContext {
@@ -176,6 +190,8 @@ pub struct PodEnd {
     pub exit_code: Option<i32>,
     /// Why it ended, from the container or the pod (`Error`, `Evicted`, termination message).
     pub detail: Option<String>,
+    /// The pod's own reason, e.g. `DeadlineExceeded` when `activeDeadlineSeconds` stopped it.
+    pub pod_reason: Option<String>,
     pub finished_at: Option<DateTime<Utc>>,
 }
 
@@ -208,6 +224,7 @@ fn end_of(pod: &Pod) -> Option<PodEnd> {
         succeeded,
         exit_code: terminated.map(|t| t.exit_code),
         detail: detail.map(|d| shorten(&d)),
+        pod_reason: status.reason.clone(),
         finished_at: terminated
             .and_then(|t| t.finished_at.as_ref())
             .map(to_chrono),
@@ -241,6 +258,10 @@ pub fn to_chrono(time: &Time) -> DateTime<Utc> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn build_default(at: &At) -> Pod {
+        build(at, &RunPolicy::default())
+    }
     use crate::api::AtSpec;
     use k8s_openapi::api::core::v1::{ContainerState, ContainerStateTerminated, PodStatus};
 
@@ -251,6 +272,7 @@ mod tests {
                 schedule: "2019-04-12T10:12:00Z".into(),
                 command: "echo 'a b' | tr a-z A-Z && exit 3".into(),
                 image: "busybox:1.36".into(),
+                ..AtSpec::default()
             },
         );
         at.metadata.namespace = Some("team-a".into());
@@ -260,7 +282,7 @@ mod tests {
 
     #[test]
     fn pod_runs_the_command_through_a_shell_once_under_the_restricted_profile() {
-        let pod = build(&at("example-at"));
+        let pod = build_default(&at("example-at"));
         assert_eq!(pod.metadata.name.as_deref(), Some("example-at-pod"));
         assert_eq!(pod.metadata.namespace.as_deref(), Some("team-a"));
         let labels = pod.metadata.labels.clone().unwrap();
@@ -323,7 +345,7 @@ mod tests {
     }
 
     fn ended(phase: &str, terminated: Option<ContainerStateTerminated>) -> Pod {
-        let mut pod = build(&at("x"));
+        let mut pod = build_default(&at("x"));
         pod.status = Some(PodStatus {
             phase: Some(phase.into()),
             container_statuses: terminated.map(|t| {
@@ -384,7 +406,7 @@ mod tests {
         for phase in ["Pending", "Running", "Unknown"] {
             assert_eq!(view(&ended(phase, None)).end, None, "{phase}");
         }
-        let mut no_status = build(&at("x"));
+        let mut no_status = build_default(&at("x"));
         no_status.status = None;
         assert_eq!(view(&no_status).end, None);
     }

@@ -10,31 +10,116 @@ pub const EXAMPLE: &str = "2019-04-12T10:12:00Z";
 /// Longest part of a bad value quoted back in a message; huge inputs must not make huge messages.
 const MAX_QUOTED: usize = 64;
 
-/// Why `spec.schedule` was rejected. Messages name the field, the value and the fix.
+/// Why `spec.schedule` (with `spec.timeZone`) was rejected. Messages name the field, the value
+/// and the fix.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum ScheduleError {
     #[error("spec.schedule is empty (expected an RFC 3339 time, e.g. {EXAMPLE})")]
     Empty,
     #[error(
-        "spec.schedule: {0} has no UTC offset; add `Z` for UTC or an offset such as `+02:00` (expected e.g. {EXAMPLE})"
+        "spec.schedule: {0} has no UTC offset; add `Z` for UTC or an offset such as `+02:00`, or set spec.timeZone (e.g. Europe/Berlin) to read it as wall-clock time there (expected e.g. {EXAMPLE})"
     )]
     NoOffset(String),
     #[error("spec.schedule: {0} is not an RFC 3339 time (expected e.g. {EXAMPLE})")]
     Malformed(String),
+    #[error("spec.timeZone: {0} is not an IANA time zone name (expected e.g. Europe/Berlin, America/New_York or UTC)")]
+    UnknownZone(String),
+    #[error("spec.schedule: {schedule} has a UTC offset, but spec.timeZone is set to {zone}; drop the offset to mean wall-clock time in {zone}, or drop spec.timeZone")]
+    OffsetWithZone { schedule: String, zone: String },
+    #[error("spec.schedule: {schedule} does not exist in {zone}: the clocks skip it (daylight saving time begins); it could mean {earlier} or {later}: write one of them as the schedule and drop spec.timeZone")]
+    Gap {
+        schedule: String,
+        zone: String,
+        earlier: String,
+        later: String,
+    },
+    #[error("spec.schedule: {schedule} happens twice in {zone} (daylight saving time ends): at {first} and at {second}; write one of them as the schedule and drop spec.timeZone")]
+    Fold {
+        schedule: String,
+        zone: String,
+        first: String,
+        second: String,
+    },
 }
 
-/// Parses an RFC 3339 time with `Z` or an explicit offset into the instant it names.
-pub fn parse(raw: &str) -> Result<DateTime<Utc>, ScheduleError> {
+/// Parses `schedule` into the instant it names: an RFC 3339 time with `Z` or an offset, or,
+/// when `zone` (an IANA name) is given, a wall-clock time without offset in that zone. The zone
+/// database ships inside the binary.
+pub fn parse(raw: &str, zone: Option<&str>) -> Result<DateTime<Utc>, ScheduleError> {
     if raw.trim().is_empty() {
         return Err(ScheduleError::Empty);
     }
+    let tz = match zone {
+        None => None,
+        Some(name) => Some(
+            jiff::tz::TimeZone::get(name).map_err(|_| ScheduleError::UnknownZone(quote(name)))?,
+        ),
+    };
     if let Ok(time) = DateTime::parse_from_rfc3339(raw) {
-        return Ok(time.with_timezone(&Utc));
+        return match zone {
+            Some(zone) => Err(ScheduleError::OffsetWithZone {
+                schedule: quote(raw),
+                zone: zone.to_owned(),
+            }),
+            None => Ok(time.with_timezone(&Utc)),
+        };
     }
-    if NaiveDateTime::parse_from_str(raw, "%Y-%m-%dT%H:%M:%S%.f").is_ok() {
+    let Ok(civil) = NaiveDateTime::parse_from_str(raw, "%Y-%m-%dT%H:%M:%S%.f") else {
+        return Err(ScheduleError::Malformed(quote(raw)));
+    };
+    let (Some(tz), Some(zone)) = (tz, zone) else {
         return Err(ScheduleError::NoOffset(quote(raw)));
+    };
+    in_zone(raw, civil, &tz, zone)
+}
+
+/// The instant a wall-clock time names in `tz`, refusing times skipped or repeated there.
+fn in_zone(
+    raw: &str,
+    civil: NaiveDateTime,
+    tz: &jiff::tz::TimeZone,
+    zone: &str,
+) -> Result<DateTime<Utc>, ScheduleError> {
+    use chrono::{Datelike, Timelike};
+    use jiff::tz::AmbiguousOffset;
+    let malformed = || ScheduleError::Malformed(quote(raw));
+    let wall = jiff::civil::DateTime::new(
+        i16::try_from(civil.year()).map_err(|_| malformed())?,
+        i8::try_from(civil.month()).map_err(|_| malformed())?,
+        i8::try_from(civil.day()).map_err(|_| malformed())?,
+        i8::try_from(civil.hour()).map_err(|_| malformed())?,
+        i8::try_from(civil.minute()).map_err(|_| malformed())?,
+        i8::try_from(civil.second().min(59)).map_err(|_| malformed())?,
+        i32::try_from(civil.nanosecond().min(999_999_999)).map_err(|_| malformed())?,
+    )
+    .map_err(|_| malformed())?;
+    let at = |offset: jiff::tz::Offset| -> Result<DateTime<Utc>, ScheduleError> {
+        let ts = offset.to_timestamp(wall).map_err(|_| malformed())?;
+        DateTime::from_timestamp(ts.as_second(), ts.subsec_nanosecond().unsigned_abs())
+            .ok_or_else(malformed)
+    };
+    let shown = |offset: jiff::tz::Offset| -> Result<String, ScheduleError> {
+        Ok(at(offset)?.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true))
+    };
+    match tz.to_ambiguous_zoned(wall).offset() {
+        AmbiguousOffset::Unambiguous { offset } => at(offset),
+        AmbiguousOffset::Gap { before, after } => {
+            let (a, b) = (shown(after)?, shown(before)?);
+            let (earlier, later) = if a <= b { (a, b) } else { (b, a) };
+            Err(ScheduleError::Gap {
+                schedule: quote(raw),
+                zone: zone.to_owned(),
+                earlier,
+                later,
+            })
+        }
+        AmbiguousOffset::Fold { before, after } => Err(ScheduleError::Fold {
+            schedule: quote(raw),
+            zone: zone.to_owned(),
+            first: shown(before)?,
+            second: shown(after)?,
+        }),
     }
-    Err(ScheduleError::Malformed(quote(raw)))
 }
 
 /// Time left until `due`, or `None` when it is due now or overdue.
@@ -82,21 +167,21 @@ mod tests {
             ("2019-04-12T10:12:00.000000000999Z", book),
             ("2024-02-29T00:00:00Z", utc(2024, 2, 29, 0, 0, 0)),
         ] {
-            assert_eq!(parse(raw), Ok(want), "{raw}");
+            assert_eq!(parse(raw, None), Ok(want), "{raw}");
         }
-        let leap = parse("2016-12-31T23:59:60Z").unwrap();
+        let leap = parse("2016-12-31T23:59:60Z", None).unwrap();
         assert_eq!(
             until_due(leap, utc(2016, 12, 31, 23, 59, 59)),
             Some(Duration::from_secs(1))
         );
-        let fractional = parse("2019-04-12T10:12:00.250+00:00").unwrap();
+        let fractional = parse("2019-04-12T10:12:00.250+00:00", None).unwrap();
         assert_eq!(fractional - book, chrono::Duration::milliseconds(250));
     }
 
     #[test]
     fn rejects_garbage_with_a_message_that_says_how_to_fix_it() {
         assert_eq!(
-            parse("tomorrow noon").unwrap_err().to_string(),
+            parse("tomorrow noon", None).unwrap_err().to_string(),
             r#"spec.schedule: "tomorrow noon" is not an RFC 3339 time (expected e.g. 2019-04-12T10:12:00Z)"#
         );
         for raw in [
@@ -113,7 +198,7 @@ mod tests {
             "\u{0}",
         ] {
             assert!(
-                matches!(parse(raw), Err(ScheduleError::Malformed(_))),
+                matches!(parse(raw, None), Err(ScheduleError::Malformed(_))),
                 "{raw:?}"
             );
         }
@@ -121,7 +206,7 @@ mod tests {
 
     #[test]
     fn a_missing_offset_gets_its_own_hint() {
-        let err = parse("2019-04-12T10:12:00").unwrap_err();
+        let err = parse("2019-04-12T10:12:00", None).unwrap_err();
         assert_eq!(
             err,
             ScheduleError::NoOffset(r#""2019-04-12T10:12:00""#.into())
@@ -131,21 +216,115 @@ mod tests {
 
     #[test]
     fn empty_and_blank_are_empty() {
-        assert_eq!(parse(""), Err(ScheduleError::Empty));
-        assert_eq!(parse(" \t\n"), Err(ScheduleError::Empty));
+        assert_eq!(parse("", None), Err(ScheduleError::Empty));
+        assert_eq!(parse(" \t\n", None), Err(ScheduleError::Empty));
     }
 
     #[test]
     fn huge_values_are_shortened_in_messages() {
         let huge = "x".repeat(100_000);
-        let message = parse(&huge).unwrap_err().to_string();
+        let message = parse(&huge, None).unwrap_err().to_string();
         assert!(message.len() < 200, "{}", message.len());
         assert!(message.contains("(100000 characters)"));
         let multibyte = "é".repeat(70);
-        assert!(parse(&multibyte)
+        assert!(parse(&multibyte, None)
             .unwrap_err()
             .to_string()
             .contains("(70 characters)"));
+    }
+
+    #[test]
+    fn a_wall_clock_time_is_read_in_its_time_zone() {
+        let berlin = Some("Europe/Berlin");
+        // Winter (+01:00) and summer (+02:00).
+        assert_eq!(
+            parse("2026-11-22T18:00:00", berlin),
+            Ok(utc(2026, 11, 22, 17, 0, 0))
+        );
+        assert_eq!(
+            parse("2026-07-01T18:00:00.5", berlin).unwrap(),
+            utc(2026, 7, 1, 16, 0, 0) + chrono::Duration::milliseconds(500)
+        );
+        assert_eq!(
+            parse("2026-11-22T18:00:00", Some("America/New_York")),
+            Ok(utc(2026, 11, 22, 23, 0, 0))
+        );
+        assert_eq!(
+            parse("2026-11-22T18:00:00", Some("UTC")),
+            Ok(utc(2026, 11, 22, 18, 0, 0))
+        );
+        // Midnight and the last second of a day.
+        assert_eq!(
+            parse("2026-12-31T23:59:59", Some("Asia/Tokyo")),
+            Ok(utc(2026, 12, 31, 14, 59, 59))
+        );
+        assert_eq!(
+            parse("2027-01-01T00:00:00", Some("Asia/Kolkata")),
+            Ok(utc(2026, 12, 31, 18, 30, 0))
+        );
+    }
+
+    #[test]
+    fn daylight_saving_gaps_and_folds_are_refused_with_both_instants() {
+        let berlin = Some("Europe/Berlin");
+        // 2026-03-29 02:00 -> 03:00 in Berlin: 02:30 never happens.
+        let gap = parse("2026-03-29T02:30:00", berlin).unwrap_err();
+        assert_eq!(
+            gap.to_string(),
+            r#"spec.schedule: "2026-03-29T02:30:00" does not exist in Europe/Berlin: the clocks skip it (daylight saving time begins); it could mean 2026-03-29T00:30:00Z or 2026-03-29T01:30:00Z: write one of them as the schedule and drop spec.timeZone"#
+        );
+        // 2026-10-25 03:00 -> 02:00: 02:30 happens twice.
+        let fold = parse("2026-10-25T02:30:00", berlin).unwrap_err();
+        assert_eq!(
+            fold.to_string(),
+            r#"spec.schedule: "2026-10-25T02:30:00" happens twice in Europe/Berlin (daylight saving time ends): at 2026-10-25T00:30:00Z and at 2026-10-25T01:30:00Z; write one of them as the schedule and drop spec.timeZone"#
+        );
+        // Just outside both: fine.
+        assert_eq!(
+            parse("2026-03-29T03:00:00", berlin),
+            Ok(utc(2026, 3, 29, 1, 0, 0))
+        );
+        assert_eq!(
+            parse("2026-10-25T03:00:00", berlin),
+            Ok(utc(2026, 10, 25, 2, 0, 0))
+        );
+        // New York's gap is at 02:00 local on 2026-03-08.
+        assert!(matches!(
+            parse("2026-03-08T02:15:00", Some("America/New_York")),
+            Err(ScheduleError::Gap { .. })
+        ));
+    }
+
+    #[test]
+    fn bad_zones_and_mixed_forms_are_refused() {
+        assert_eq!(
+            parse("2026-11-22T18:00:00", Some("Mars/Olympus_Mons"))
+                .unwrap_err()
+                .to_string(),
+            r#"spec.timeZone: "Mars/Olympus_Mons" is not an IANA time zone name (expected e.g. Europe/Berlin, America/New_York or UTC)"#
+        );
+        for zone in ["", " ", "Europe/Berlin ", "+02:00", "\u{0}"] {
+            assert!(
+                matches!(
+                    parse("2026-11-22T18:00:00", Some(zone)),
+                    Err(ScheduleError::UnknownZone(_))
+                ),
+                "{zone:?}"
+            );
+        }
+        let mixed = parse("2026-11-22T18:00:00+01:00", Some("Europe/Berlin")).unwrap_err();
+        assert!(
+            mixed
+                .to_string()
+                .contains("has a UTC offset, but spec.timeZone is set to Europe/Berlin"),
+            "{mixed}"
+        );
+        assert!(matches!(
+            parse("tomorrow", Some("Europe/Berlin")),
+            Err(ScheduleError::Malformed(_))
+        ));
+        let hint = parse("2019-04-12T10:12:00", None).unwrap_err().to_string();
+        assert!(hint.contains("or set spec.timeZone"), "{hint}");
     }
 
     #[test]

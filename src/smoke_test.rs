@@ -38,6 +38,7 @@ pub async fn run(client: Client, namespace: &str, timeout: Duration) -> Result<S
         schedule: chrono::Utc::now().to_rfc3339(),
         command: "echo cnat smoke test".into(),
         image: crate::api::DEFAULT_IMAGE.into(),
+        ..AtSpec::default()
     };
     ats.create(&PostParams::default(), &At::new(&name, spec))
         .await

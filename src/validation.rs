@@ -1,33 +1,44 @@
 //! The rules an At must follow, shared by the validating webhook and `cnat check`. Pure: every
 //! message names the field, the bad value and the fix, and all problems are reported together.
 
-use crate::api::{At, Phase};
+use crate::api::{At, AtSpec, Phase};
 use crate::{pod, schedule};
 use kube::{Resource, ResourceExt};
 use oci_spec::distribution::Reference;
 use std::str::FromStr;
 
+mod pod_settings;
+
 /// Characters that `generateName` adds to a prefix.
 const GENERATED_SUFFIX: &str = "xxxxx";
 
-/// Everything wrong with `at`, given the stored version `old` on an update.
+/// Everything wrong with `at`, given the stored version `old` on an update. An update is
+/// checked only for what it changes in the spec, so label, annotation and finalizer edits of an
+/// At admitted earlier (under older rules, or with the webhook off) are never refused.
 pub fn spec_problems(at: &At, old: Option<&At>) -> Vec<String> {
     let mut problems = Vec::new();
-    if let Some(problem) = name_problem(at) {
-        problems.push(problem);
+    let (new, was) = (&at.spec, old.map(|o| &o.spec));
+    let changed = |same: &dyn Fn(&AtSpec) -> bool| was.is_none_or(|w| !same(w));
+    if old.is_none() {
+        if let Some(problem) = name_problem(at) {
+            problems.push(problem);
+        }
     }
-    if let Err(err) = schedule::parse(&at.spec.schedule) {
-        problems.push(err.to_string());
+    if changed(&|w| w.schedule == new.schedule && w.time_zone == new.time_zone) {
+        if let Err(err) = schedule::parse(&new.schedule, new.time_zone.as_deref()) {
+            problems.push(err.to_string());
+        }
     }
-    if at.spec.command.trim().is_empty() {
+    if changed(&|w| w.command == new.command) && new.command.trim().is_empty() {
         problems.push(format!(
             "spec.command: {:?} runs nothing; give the shell command to run, e.g. \"echo YAY\"",
-            at.spec.command
+            new.command
         ));
     }
-    if let Some(problem) = image_problem(&at.spec.image) {
-        problems.push(problem);
+    if changed(&|w| w.image == new.image) {
+        problems.extend(image_problem(&new.image));
     }
+    problems.extend(pod_settings::problems(new, was));
     if let Some(problem) = old.and_then(|old| immutability_problem(at, old)) {
         problems.push(problem);
     }
@@ -130,6 +141,7 @@ mod tests {
                 schedule: schedule.into(),
                 command: command.into(),
                 image: image.into(),
+                ..AtSpec::default()
             },
         );
         at.metadata.namespace = Some("default".into());

@@ -76,6 +76,7 @@ fn at(name: &str, schedule: chrono::DateTime<chrono::Utc>, command: &str) -> At 
             schedule: schedule.to_rfc3339(),
             command: command.into(),
             image: "busybox".into(),
+            ..AtSpec::default()
         },
     )
 }
@@ -101,6 +102,7 @@ async fn ats_run_once_at_their_time_in_a_restricted_namespace() {
     let settings = cnat::controller::Settings {
         namespace: Some(ns.clone()),
         concurrency: 32,
+        policy: Default::default(),
     };
     let reporter = Reporter {
         controller: "cnat".into(),

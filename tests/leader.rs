@@ -466,6 +466,7 @@ async fn stop_a_busy_leader(after: Duration, list: Duration) -> usize {
             let settings = cnat::controller::Settings {
                 namespace: None,
                 concurrency: 32,
+                policy: Default::default(),
             };
             let events = support::events(&client, &who);
             let metrics = Arc::new(cnat::metrics::Metrics::new(Default::default()));

@@ -36,7 +36,7 @@ fn json_value() -> impl Strategy<Value = Value> {
 proptest! {
     #[test]
     fn schedule_parsing_never_panics_and_messages_stay_short(raw in ".{0,300}") {
-        if let Err(err) = schedule::parse(&raw) {
+        if let Err(err) = schedule::parse(&raw, None) {
             let message = err.to_string();
             prop_assert!(message.starts_with("spec.schedule"));
             prop_assert!(message.chars().count() < 260, "{}", message);
@@ -52,7 +52,30 @@ proptest! {
         let instant = Utc.timestamp_opt(secs, nanos).single().unwrap();
         let offset = FixedOffset::east_opt(offset_minutes * 60).unwrap();
         let written = instant.with_timezone(&offset).to_rfc3339();
-        prop_assert_eq!(schedule::parse(&written), Ok(instant), "{}", written);
+        prop_assert_eq!(schedule::parse(&written, None), Ok(instant), "{}", written);
+    }
+
+    #[test]
+    fn wall_clock_times_in_a_zone_round_trip_or_are_refused_as_gap_or_fold(
+        secs in 0i64..4_102_444_800, // 1970 to 2100
+        zone in prop::sample::select(vec![
+            "Europe/Berlin", "America/New_York", "Australia/Lord_Howe", "Asia/Kolkata",
+            "America/Sao_Paulo", "Pacific/Chatham", "UTC", "Africa/Casablanca",
+        ]),
+    ) {
+        let instant = Utc.timestamp_opt(secs, 0).single().unwrap();
+        let tz = jiff::tz::TimeZone::get(zone).unwrap();
+        let local = jiff::Timestamp::from_second(secs).unwrap().to_zoned(tz).datetime();
+        let written = local.strftime("%Y-%m-%dT%H:%M:%S").to_string();
+        match schedule::parse(&written, Some(zone)) {
+            Ok(parsed) => prop_assert_eq!(parsed, instant, "{} in {}", written, zone),
+            // The same wall-clock time twice: the message offers this instant.
+            Err(schedule::ScheduleError::Fold { first, second, .. }) => {
+                let want = instant.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true);
+                prop_assert!(first == want || second == want, "{} {} {}", first, second, want);
+            }
+            Err(other) => prop_assert!(false, "{} in {}: {}", written, zone, other),
+        }
     }
 
     #[test]
@@ -110,5 +133,5 @@ proptest! {
 #[test]
 fn round_trip_covers_the_book_example() {
     let book: DateTime<Utc> = "2019-04-12T10:12:00Z".parse().unwrap();
-    assert_eq!(schedule::parse(&book.to_rfc3339()), Ok(book));
+    assert_eq!(schedule::parse(&book.to_rfc3339(), None), Ok(book));
 }

@@ -7,6 +7,7 @@
 
 use crate::api::{At, AtStatus, Condition, Outcome, Phase};
 use crate::pod::{self, PodEnd, PodView};
+use crate::policy::RunPolicy;
 use crate::schedule;
 use chrono::{DateTime, SecondsFormat, Utc};
 use kube::ResourceExt;
@@ -33,8 +34,11 @@ pub enum PodObservation {
     Owned(PodView),
     /// It exists and this At does not control it.
     Foreign,
-    /// The API server refused to create it as specified (HTTP 422), with this reason.
+    /// The API server found the pod invalid (HTTP 400 or 422), with this reason: a spec problem.
     Rejected(String),
+    /// The API server refused the pod (HTTP 403: quota, Pod Security, a policy webhook), with
+    /// this reason: may pass later, so it is retried with backoff.
+    Refused(String),
 }
 
 /// The one API call a reconcile needs next.
@@ -45,6 +49,8 @@ pub enum Action {
     CreatePod,
     /// Ask the API server whether the pod exists, then decide again.
     LookUpPod,
+    /// Delete the At (its pod goes with it): `ttlSecondsAfterFinished` has passed.
+    DeleteAt,
 }
 
 /// Severity of an event.
@@ -72,6 +78,8 @@ pub struct Decision {
     pub note: Option<Note>,
     /// When to look again without any change; `None` waits for a change of the At or its pod.
     pub requeue: Option<Duration>,
+    /// Retry with backoff after writing the status: the API server refused the pod.
+    pub retry: bool,
 }
 
 impl Decision {
@@ -81,31 +89,38 @@ impl Decision {
             status: None,
             note: None,
             requeue: None,
+            retry: false,
         }
     }
 }
 
-/// Decides the next step for `at` given what is known of its pod at time `now`.
-pub fn decide(at: &At, pod: &PodObservation, now: DateTime<Utc>) -> Decision {
+/// Decides the next step for `at` given what is known of its pod at time `now`, with `policy`
+/// supplying what the At leaves out.
+pub fn decide(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {
     match at.status.as_ref().map(|s| s.phase) {
-        Some(Phase::Done) => Decision::idle(),
-        Some(Phase::Running) => running(at, pod, now),
-        Some(Phase::Pending) | None => pending(at, pod, now),
+        Some(Phase::Done) => finished(at, now, policy),
+        Some(Phase::Running) => running(at, pod, now, policy),
+        Some(Phase::Pending) | None => pending(at, pod, now, policy),
     }
 }
 
-fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>) -> Decision {
+fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {
     let next = Next::new(at, Phase::Pending, now);
     if let Err(err) = pod::check_name(&at.name_any()) {
         return next.invalid("InvalidName", err.to_string());
     }
     if let PodObservation::Owned(view) = pod {
-        return from_pod(at, view, now);
+        return from_pod(at, view, now, policy);
     }
-    let due = match schedule::parse(&at.spec.schedule) {
+    let due = match schedule::parse(&at.spec.schedule, at.spec.time_zone.as_deref()) {
         Ok(due) => due,
+        Err(err @ schedule::ScheduleError::UnknownZone(_)) => {
+            return next.invalid("InvalidTimeZone", err.to_string())
+        }
         Err(err) => return next.invalid("InvalidSchedule", err.to_string()),
     };
+    let mut next = next;
+    next.status.scheduled_time = Some(due);
     if let Some(left) = schedule::until_due(due, now) {
         let message = runs_at(due);
         return next
@@ -114,6 +129,20 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>) -> Decision {
             .decide(Action::Nothing, Some(left));
     }
     let pod_name = pod::name_for(&at.name_any());
+    let deadline = at
+        .spec
+        .starting_deadline_seconds
+        .or(policy.starting_deadline_seconds);
+    if let Some(seconds) = deadline.filter(|s| now > due + chrono::Duration::seconds(*s)) {
+        return match pod {
+            // It may exist already (the cache lags): a pod that runs must be reported, not missed.
+            PodObservation::NotCached => Decision {
+                action: Action::LookUpPod,
+                ..Decision::idle()
+            },
+            _ => missed(at, now, due, seconds),
+        };
+    }
     match pod {
         PodObservation::Foreign => {
             let message = format!(
@@ -125,11 +154,23 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>) -> Decision {
         }
         PodObservation::Rejected(reason) => {
             let message = format!(
-                "the API server rejected pod {pod_name}: {reason}; fix the At's spec and apply it again"
+                "the API server rejected pod {pod_name} as invalid: {reason}; fix the At's spec and apply it again"
             );
-            next.condition(POD_CREATED, false, "PodRejected", &message)
-                .note(Severity::Warning, "PodRejected", message)
+            next.condition(POD_CREATED, false, "PodInvalid", &message)
+                .note(Severity::Warning, "PodInvalid", message)
                 .decide(Action::Nothing, None)
+        }
+        PodObservation::Refused(reason) => {
+            let message = format!(
+                "the API server refused pod {pod_name}: {reason}; {}",
+                refusal_advice(reason)
+            );
+            let mut decision = next
+                .condition(POD_CREATED, false, "PodForbidden", &message)
+                .note(Severity::Warning, "PodForbidden", message)
+                .decide(Action::Nothing, None);
+            decision.retry = true;
+            decision
         }
         _ => {
             let mut next = Next::new(at, Phase::Running, now).condition(
@@ -138,39 +179,106 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>) -> Decision {
                 "Scheduled",
                 &runs_at(due),
             );
+            next.status.scheduled_time = Some(due);
             next.status.start_time = Some(now);
             next.started(&pod_name).decide(Action::CreatePod, None)
         }
     }
 }
 
-fn running(at: &At, pod: &PodObservation, now: DateTime<Utc>) -> Decision {
+/// What to do about a pod the API server refused (HTTP 403), judged from its message.
+fn refusal_advice(reason: &str) -> &'static str {
+    if reason.contains("must specify") {
+        "set spec.resources (requests and limits for what the quota names), or have the operator default them (cnat run --default-requests / --default-limits); cnat retries with backoff"
+    } else if reason.contains("exceeded quota") {
+        "the namespace's ResourceQuota is used up; cnat retries with backoff until it frees up, or raise the quota"
+    } else if reason.contains("PodSecurity") {
+        "the namespace's Pod Security admission refused it; cnat retries with backoff, so relax the namespace's pod-security.kubernetes.io/enforce level or ask its administrator"
+    } else {
+        "a quota or admission policy refused it; cnat retries with backoff, so fix what the message names"
+    }
+}
+
+/// The schedule passed more than `startingDeadlineSeconds` ago and no pod ran: it never will.
+fn missed(at: &At, now: DateTime<Utc>, due: DateTime<Utc>, seconds: i64) -> Decision {
+    let message = format!(
+        "did not start within spec.startingDeadlineSeconds ({seconds} s) after its schedule {}; the command never ran. Create a new At to run it",
+        due.to_rfc3339_opts(SecondsFormat::AutoSi, true)
+    );
+    let mut next = Next::new(at, Phase::Done, now);
+    next.status.scheduled_time = Some(due);
+    next.status.outcome = Some(Outcome::Missed);
+    next.status.completion_time = Some(now);
+    next.condition(FAILED, true, "MissedDeadline", &message)
+        .note(Severity::Warning, "MissedDeadline", message)
+        .decide(Action::Nothing, None)
+}
+
+/// A DONE At waits for `ttlSecondsAfterFinished`, then is deleted; without one it stays.
+fn finished(at: &At, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {
+    let ttl = at
+        .spec
+        .ttl_seconds_after_finished
+        .or(policy.ttl_seconds_after_finished);
+    let (Some(ttl), Some(done_at)) = (ttl, at.status.as_ref().and_then(|s| s.completion_time))
+    else {
+        return Decision::idle();
+    };
+    let expires = done_at + chrono::Duration::seconds(i64::from(ttl));
+    match schedule::until_due(expires, now) {
+        Some(left) => Decision {
+            requeue: Some(left),
+            ..Decision::idle()
+        },
+        None => Decision {
+            action: Action::DeleteAt,
+            ..Decision::idle()
+        },
+    }
+}
+
+fn running(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {
     let pod_name = pod::name_for(&at.name_any());
     match pod {
         PodObservation::NotCached => Decision {
             action: Action::LookUpPod,
             ..Decision::idle()
         },
-        PodObservation::Owned(view) => from_pod(at, view, now),
+        PodObservation::Owned(view) => from_pod(at, view, now, policy),
         PodObservation::Missing => lost(at, now, format!("pod {pod_name} was deleted")),
         PodObservation::Foreign => lost(
             at,
             now,
             format!("pod {pod_name} was replaced by a pod this At does not control"),
         ),
-        // Only a creation attempt yields a rejection, and a RUNNING At never creates.
-        PodObservation::Rejected(_) => Decision::idle(),
+        // Only a creation attempt yields these, and a RUNNING At never creates.
+        PodObservation::Rejected(_) | PodObservation::Refused(_) => Decision::idle(),
     }
 }
 
-/// An owned pod is the truth: RUNNING while it runs, DONE once it ended.
-fn from_pod(at: &At, view: &PodView, now: DateTime<Utc>) -> Decision {
+/// An owned pod is the truth: RUNNING while it runs (looked at again every `running_recheck`,
+/// in case its deletion was never seen), DONE once it ended.
+fn from_pod(at: &At, view: &PodView, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {
     let Some(end) = &view.end else {
         let mut next = Next::new(at, Phase::Running, now);
         next.status.start_time = next.status.start_time.or(view.created_at).or(Some(now));
-        return next.started(&view.name).decide(Action::Nothing, None);
+        return next
+            .started(&view.name)
+            .decide(Action::Nothing, Some(policy.running_recheck));
     };
+    let deadline = at
+        .spec
+        .active_deadline_seconds
+        .or(policy.active_deadline_seconds);
     let (reason, message) = match (end.succeeded, end.exit_code) {
+        (false, _) if end.pod_reason.as_deref() == Some("DeadlineExceeded") => (
+            "DeadlineExceeded",
+            format!(
+                "the command in pod {} ran longer than spec.activeDeadlineSeconds ({} s) and was stopped",
+                view.name,
+                deadline.map_or_else(|| "?".to_owned(), |d| d.to_string())
+            ),
+        ),
         (true, _) => (
             "Succeeded",
             format!("the command in pod {} succeeded", view.name),
@@ -203,6 +311,7 @@ fn lost(at: &At, now: DateTime<Utc>, what: String) -> Decision {
         succeeded: false,
         exit_code: None,
         detail: None,
+        pod_reason: None,
         finished_at: None,
     };
     Next::new(at, Phase::Done, now).finish(&end, "PodLost", message)
@@ -256,9 +365,10 @@ impl<'a> Next<'a> {
         self
     }
 
-    /// The event of this transition; its message is also the status message.
+    /// The event of this transition; its reason and message are also the status's.
     fn note(mut self, severity: Severity, reason: &'static str, message: String) -> Self {
         self.status.message = Some(message.clone());
+        self.status.reason = Some(reason.to_owned());
         self.note = Some(Note {
             severity,
             reason,
@@ -302,6 +412,7 @@ impl<'a> Next<'a> {
             status: changed.then_some(self.status),
             note: self.note.filter(|_| changed),
             requeue,
+            retry: false,
         }
     }
 }

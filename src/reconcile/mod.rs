@@ -7,12 +7,13 @@ pub mod decide;
 use crate::api::{At, AtStatus, Phase};
 use crate::events::EventSink;
 use crate::metrics::Metrics;
+use crate::policy::RunPolicy;
 use crate::{pod, schedule};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
 use decide::{decide, Action as Step, Decision, Note, PodObservation, Severity};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -54,6 +55,14 @@ pub enum Error {
     },
     #[error("At {at}: pod {pod} kept appearing and disappearing while being created")]
     PodChurn { at: String, pod: String },
+    #[error("At {at}: the API server refused pod {pod} (retried with backoff): {reason}")]
+    PodRefused {
+        at: String,
+        pod: String,
+        reason: String,
+    },
+    #[error("At {at}: deleting it after ttlSecondsAfterFinished: {source}")]
+    Delete { at: String, source: kube::Error },
 }
 
 /// The wall clock, injected so tests control time.
@@ -66,6 +75,7 @@ pub struct Context {
     events: EventSink,
     clock: Clock,
     metrics: Arc<Metrics>,
+    policy: RunPolicy,
     /// Per At uid, the resourceVersion our last status write replaced: a cache still showing it
     /// is stale, and deciding on it would redo the step just taken.
     superseded: Mutex<HashMap<String, String>>,
@@ -80,6 +90,7 @@ impl Context {
         events: EventSink,
         clock: Clock,
         metrics: Arc<Metrics>,
+        policy: RunPolicy,
     ) -> Self {
         Context {
             client,
@@ -87,6 +98,7 @@ impl Context {
             events,
             clock,
             metrics,
+            policy,
             superseded: Mutex::default(),
             failures: Mutex::default(),
         }
@@ -125,12 +137,13 @@ async fn step(at: &At, ctx: &Context) -> Result<Action, Error> {
     let mut observation = ctx.cached_pod(at);
     let mut taken = Vec::new();
     for _ in 0..MAX_STEPS {
-        let decision = decide(at, &observation, now);
+        let decision = decide(at, &observation, now, &ctx.policy);
         taken.push(action_name(decision.action));
         Span::current().record("action", taken.join(",").as_str());
         observation = match decision.action {
             Step::Nothing => return ctx.commit(at, decision, now).await,
             Step::LookUpPod => ctx.fetch_pod(at).await?,
+            Step::DeleteAt => return ctx.delete_at(at).await,
             Step::CreatePod => match ctx.create_pod(at).await? {
                 None => return ctx.commit(at, decision, now).await,
                 Some(found) => found,
@@ -216,7 +229,11 @@ impl Context {
             field_manager: Some(FIELD_MANAGER.into()),
             ..PostParams::default()
         };
-        match self.pod_api(at).create(&params, &pod::build(at)).await {
+        match self
+            .pod_api(at)
+            .create(&params, &pod::build(at, &self.policy))
+            .await
+        {
             Ok(_) => {
                 self.record_lateness(at);
                 Ok(None)
@@ -224,8 +241,12 @@ impl Context {
             Err(kube::Error::Api(status)) if status.is_already_exists() => {
                 self.fetch_pod(at).await.map(Some)
             }
-            Err(kube::Error::Api(status)) if status.is_invalid() => {
+            Err(kube::Error::Api(status)) if status.is_invalid() || status.code == 400 => {
                 Ok(Some(PodObservation::Rejected(status.message)))
+            }
+            // Quota, Pod Security or a policy webhook: may pass later, so retried with backoff.
+            Err(kube::Error::Api(status)) if status.is_forbidden() => {
+                Ok(Some(PodObservation::Refused(status.message)))
             }
             Err(source) => Err(Error::CreatePod {
                 at: key(at),
@@ -237,7 +258,7 @@ impl Context {
 
     /// The run lateness: the pod exists now, its schedule said when it should have.
     fn record_lateness(&self, at: &At) {
-        if let Ok(due) = schedule::parse(&at.spec.schedule) {
+        if let Ok(due) = schedule::parse(&at.spec.schedule, at.spec.time_zone.as_deref()) {
             let late = ((self.clock)() - due).to_std().unwrap_or_default();
             self.metrics.ran_late(late);
         }
@@ -271,6 +292,20 @@ impl Context {
                 self.tell(at, status, note).await;
             }
         }
+        if decision.retry {
+            // The status says why (one event per distinct refusal); the error policy backs off.
+            let reason = decision
+                .status
+                .as_ref()
+                .or(at.status.as_ref())
+                .and_then(|s| s.message.clone())
+                .unwrap_or_default();
+            return Err(Error::PodRefused {
+                at: key(at),
+                pod: pod::name_for(&at.name_any()),
+                reason,
+            });
+        }
         self.failures
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -300,6 +335,31 @@ impl Context {
             .patch_status(&at.name_any(), &params, &Patch::Merge(&patch))
             .await
             .map(drop)
+    }
+
+    /// Deletes a finished At whose `ttlSecondsAfterFinished` passed; its pod goes with it
+    /// (owner reference). The uid precondition spares a new At that took the same name.
+    async fn delete_at(&self, at: &At) -> Result<Action, Error> {
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: at.uid(),
+                resource_version: None,
+            }),
+            ..DeleteParams::background()
+        };
+        match self.at_api(at).delete(&at.name_any(), &params).await {
+            Ok(_) => {
+                info!(at = %key(at), "deleted: ttlSecondsAfterFinished passed");
+                Ok(Action::await_change())
+            }
+            Err(kube::Error::Api(s)) if s.is_not_found() || s.is_conflict() => {
+                Ok(Action::await_change())
+            }
+            Err(source) => Err(Error::Delete {
+                at: key(at),
+                source,
+            }),
+        }
     }
 
     fn remember_write(&self, at: &At) {
@@ -345,6 +405,7 @@ fn action_name(action: Step) -> &'static str {
         Step::Nothing => "none",
         Step::LookUpPod => "look-up-pod",
         Step::CreatePod => "create-pod",
+        Step::DeleteAt => "delete-at",
     }
 }
 

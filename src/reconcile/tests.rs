@@ -4,6 +4,7 @@
 use super::*;
 use crate::api::{AtSpec, Phase};
 use crate::metrics::Metrics;
+use crate::policy::RunPolicy;
 use http::{Request, Response};
 use kube::client::Body;
 use kube::runtime::events::Reporter;
@@ -55,6 +56,7 @@ fn example_at(status: Option<AtStatus>) -> At {
             schedule: "2019-04-12T10:12:00Z".into(),
             command: "echo YAY".into(),
             image: "busybox".into(),
+            ..AtSpec::default()
         },
     );
     at.metadata.namespace = Some("default".into());
@@ -67,7 +69,12 @@ fn example_at(status: Option<AtStatus>) -> At {
 
 fn running_status() -> AtStatus {
     let now = DateTime::parse_from_rfc3339(NOW).unwrap().to_utc();
-    let decided = decide(&example_at(None), &PodObservation::NotCached, now);
+    let decided = decide(
+        &example_at(None),
+        &PodObservation::NotCached,
+        now,
+        &RunPolicy::default(),
+    );
     assert_eq!(decided.action, Step::CreatePod);
     decided.status.unwrap()
 }
@@ -164,7 +171,14 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
         reporter,
     ));
     Harness {
-        ctx: Arc::new(Context::new(client, store, events, clock, metrics.clone())),
+        ctx: Arc::new(Context::new(
+            client,
+            store,
+            events,
+            clock,
+            metrics.clone(),
+            RunPolicy::default(),
+        )),
         metrics,
         pods,
         server,
@@ -299,7 +313,10 @@ async fn an_existing_pod_of_this_at_is_adopted_not_created_twice() {
         answer("POST", EVENTS, 201, created_event()),
     ]);
     let action = h.reconcile(example_at(None)).await.unwrap();
-    assert_eq!(action, Action::await_change());
+    assert_eq!(
+        action,
+        Action::requeue(RunPolicy::default().running_recheck)
+    );
     let sent = h.finish(4).await;
     let written = assert_status_patch(&sent[2], Phase::Running);
     assert_eq!(written.pod_name.as_deref(), Some("example-at-pod"));
@@ -350,11 +367,12 @@ async fn a_pod_the_api_server_rejects_is_reported_in_status() {
     let written = assert_status_patch(&sent[1], Phase::Pending);
     let message = written.message.unwrap();
     assert!(
-        message
-            .starts_with("the API server rejected pod example-at-pod: Pod \"Bad_Name\" is invalid"),
+        message.starts_with(
+            "the API server rejected pod example-at-pod as invalid: Pod \"Bad_Name\" is invalid"
+        ),
         "{message}"
     );
-    assert_event(&sent[2], "Warning", "PodRejected");
+    assert_event(&sent[2], "Warning", "PodInvalid");
 }
 
 #[tokio::test]
@@ -411,7 +429,7 @@ async fn a_running_pod_in_the_cache_needs_no_request_at_all() {
         h.reconcile(example_at(Some(running_status())))
             .await
             .unwrap(),
-        Action::await_change()
+        Action::requeue(RunPolicy::default().running_recheck)
     );
     h.finish(0).await;
 }

@@ -29,6 +29,7 @@ pub fn run_controller(client: kube::Client) -> JoinHandle<()> {
     let settings = cnat::controller::Settings {
         namespace: None,
         concurrency: 32,
+        policy: Default::default(),
     };
     let events = events(&client, "cnat-test");
     tokio::spawn(cnat::controller::run(

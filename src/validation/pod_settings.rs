@@ -1,0 +1,342 @@
+//! Rules for the pod settings an At may carry (deadlines, TTL, resources, env, service account,
+//! node selector, tolerations, pull secrets). Each field is checked only when it is new or
+//! changed; each message names the field, the bad value and the fix.
+
+use crate::api::AtSpec;
+use crate::pod::is_dns_subdomain;
+use crate::policy::is_quantity;
+use k8s_openapi::api::core::v1::{EnvVar, Toleration};
+use std::collections::BTreeMap;
+
+/// Problems with the pod settings of `new`, skipping fields equal in `was`.
+pub fn problems(new: &AtSpec, was: Option<&AtSpec>) -> Vec<String> {
+    let mut problems = Vec::new();
+    let changed = |same: &dyn Fn(&AtSpec) -> bool| was.is_none_or(|w| !same(w));
+    if changed(&|w| w.starting_deadline_seconds == new.starting_deadline_seconds) {
+        problems.extend(at_least(
+            "spec.startingDeadlineSeconds",
+            new.starting_deadline_seconds,
+            0,
+            "seconds after the schedule during which the command may still start",
+        ));
+    }
+    if changed(&|w| w.active_deadline_seconds == new.active_deadline_seconds) {
+        problems.extend(at_least(
+            "spec.activeDeadlineSeconds",
+            new.active_deadline_seconds,
+            1,
+            "the command's time limit in seconds",
+        ));
+    }
+    if changed(&|w| w.ttl_seconds_after_finished == new.ttl_seconds_after_finished) {
+        problems.extend(at_least(
+            "spec.ttlSecondsAfterFinished",
+            new.ttl_seconds_after_finished.map(i64::from),
+            0,
+            "seconds to keep the At once DONE",
+        ));
+    }
+    if changed(&|w| w.resources == new.resources) {
+        if let Some(resources) = &new.resources {
+            for (kind, map) in [
+                ("requests", &resources.requests),
+                ("limits", &resources.limits),
+            ] {
+                problems.extend(quantity_problems(kind, map.as_ref()));
+            }
+            if resources.claims.as_ref().is_some_and(|c| !c.is_empty()) {
+                problems.push("spec.resources.claims: not supported (cnat's pods have no resource claims); remove it".into());
+            }
+        }
+    }
+    if changed(&|w| w.env == new.env) {
+        for (i, var) in new.env.iter().flatten().enumerate() {
+            problems.extend(env_problem(i, var));
+        }
+    }
+    if changed(&|w| w.service_account_name == new.service_account_name) {
+        if let Some(sa) = &new.service_account_name {
+            if !is_dns_subdomain(sa) {
+                problems.push(format!(
+                    "spec.serviceAccountName: {sa:?} is not a valid service account name (lowercase letters, digits, '-' and '.'); name an existing ServiceAccount in the At's namespace, or remove the field to run without an API token"
+                ));
+            }
+        }
+    }
+    if changed(&|w| w.node_selector == new.node_selector) {
+        problems.extend(selector_problems(new.node_selector.as_ref()));
+    }
+    if changed(&|w| w.tolerations == new.tolerations) {
+        for (i, toleration) in new.tolerations.iter().flatten().enumerate() {
+            problems.extend(toleration_problem(i, toleration));
+        }
+    }
+    if changed(&|w| w.image_pull_secrets == new.image_pull_secrets) {
+        for (i, secret) in new.image_pull_secrets.iter().flatten().enumerate() {
+            if !is_dns_subdomain(&secret.name) {
+                problems.push(format!(
+                    "spec.imagePullSecrets[{i}].name: {:?} is not a valid Secret name; name a Secret of type kubernetes.io/dockerconfigjson in the At's namespace",
+                    secret.name
+                ));
+            }
+        }
+    }
+    problems
+}
+
+fn at_least(field: &str, value: Option<i64>, min: i64, meaning: &str) -> Option<String> {
+    let value = value.filter(|v| *v < min)?;
+    Some(format!(
+        "{field}: {value} must be at least {min} ({meaning}); remove it for no limit"
+    ))
+}
+
+fn quantity_problems(
+    kind: &str,
+    map: Option<&BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>,
+) -> Vec<String> {
+    map.into_iter()
+        .flatten()
+        .filter(|(_, q)| !is_quantity(&q.0))
+        .map(|(name, q)| {
+            format!(
+                "spec.resources.{kind}.{name}: {:?} is not a quantity (expected e.g. cpu: 100m, memory: 64Mi)",
+                q.0
+            )
+        })
+        .collect()
+}
+
+fn env_problem(i: usize, var: &EnvVar) -> Option<String> {
+    let field = format!("spec.env[{i}]");
+    if var.name.is_empty() || var.name.contains('=') {
+        return Some(format!(
+            "{field}.name: {:?} is not a variable name (non-empty, without '='), e.g. GREETING",
+            var.name
+        ));
+    }
+    let name = &var.name;
+    match (&var.value, &var.value_from) {
+        (Some(_), Some(_)) => Some(format!(
+            "{field} ({name}): has both value and valueFrom; keep one"
+        )),
+        (_, Some(from)) => {
+            let sources = [
+                from.secret_key_ref.is_some(),
+                from.config_map_key_ref.is_some(),
+                from.field_ref.is_some(),
+                from.resource_field_ref.is_some(),
+            ]
+            .iter()
+            .filter(|s| **s)
+            .count();
+            (sources != 1).then(|| {
+                format!(
+                    "{field} ({name}): valueFrom needs exactly one of secretKeyRef, configMapKeyRef, fieldRef or resourceFieldRef, it has {sources}"
+                )
+            })
+        }
+        _ => None,
+    }
+}
+
+/// A label name part: at most 63 characters, alphanumeric at both ends, `-_.` inside.
+fn is_label_part(value: &str) -> bool {
+    let bytes = value.as_bytes();
+    value.len() <= 63
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && bytes.first().is_none_or(u8::is_ascii_alphanumeric)
+        && bytes.last().is_none_or(u8::is_ascii_alphanumeric)
+}
+
+fn is_label_key(key: &str) -> bool {
+    let (prefix, name) = match key.rsplit_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, key),
+    };
+    !name.is_empty() && is_label_part(name) && prefix.is_none_or(is_dns_subdomain)
+}
+
+fn selector_problems(selector: Option<&BTreeMap<String, String>>) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (key, value) in selector.into_iter().flatten() {
+        if !is_label_key(key) {
+            problems.push(format!(
+                "spec.nodeSelector: {key:?} is not a label key (e.g. kubernetes.io/arch or disktype)"
+            ));
+        } else if !is_label_part(value) {
+            problems.push(format!(
+                "spec.nodeSelector.{key}: {value:?} is not a label value (at most 63 letters, digits, '-', '_' or '.', alphanumeric at both ends)"
+            ));
+        }
+    }
+    problems
+}
+
+fn toleration_problem(i: usize, t: &Toleration) -> Option<String> {
+    let field = format!("spec.tolerations[{i}]");
+    let operator = t.operator.as_deref().unwrap_or("Equal");
+    let effect = t.effect.as_deref().unwrap_or("");
+    let key = t.key.as_deref().unwrap_or("");
+    let value = t.value.as_deref().unwrap_or("");
+    if !matches!(operator, "Equal" | "Exists") {
+        return Some(format!(
+            "{field}.operator: {operator:?} must be Equal or Exists"
+        ));
+    }
+    if !matches!(effect, "" | "NoSchedule" | "PreferNoSchedule" | "NoExecute") {
+        return Some(format!(
+            "{field}.effect: {effect:?} must be NoSchedule, PreferNoSchedule, NoExecute, or empty for all effects"
+        ));
+    }
+    if operator == "Exists" && !value.is_empty() {
+        return Some(format!(
+            "{field}: operator Exists matches any value; remove value {value:?} or use operator Equal"
+        ));
+    }
+    if key.is_empty() && operator != "Exists" {
+        return Some(format!(
+            "{field}: an empty key matches every taint only with operator Exists; set a key or operator: Exists"
+        ));
+    }
+    if !key.is_empty() && !is_label_key(key) {
+        return Some(format!(
+            "{field}.key: {key:?} is not a taint key (e.g. node-role.kubernetes.io/batch)"
+        ));
+    }
+    if t.toleration_seconds.is_some() && effect != "NoExecute" {
+        return Some(format!(
+            "{field}.tolerationSeconds: only applies with effect NoExecute; remove it or set effect: NoExecute"
+        ));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn spec(extra: serde_json::Value) -> AtSpec {
+        let mut base = json!({"schedule": "2019-04-12T10:12:00Z", "command": "true"});
+        json_patch::merge(&mut base, &extra);
+        serde_json::from_value(base).unwrap()
+    }
+
+    #[test]
+    fn good_settings_pass() {
+        let good = spec(json!({
+            "startingDeadlineSeconds": 0, "activeDeadlineSeconds": 1, "ttlSecondsAfterFinished": 0,
+            "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": 1, "memory": "1Gi"}},
+            "env": [{"name": "A", "value": "1"}, {"name": "B", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+                    {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+            "serviceAccountName": "backup-runner",
+            "nodeSelector": {"kubernetes.io/arch": "arm64", "disktype": "ssd", "empty": ""},
+            "tolerations": [{"key": "batch", "operator": "Exists", "effect": "NoSchedule"},
+                            {"key": "k", "value": "v"}, {"operator": "Exists"},
+                            {"key": "k", "effect": "NoExecute", "tolerationSeconds": 30}],
+            "imagePullSecrets": [{"name": "registry-creds"}],
+        }));
+        assert_eq!(problems(&good, None), Vec::<String>::new());
+    }
+
+    #[test]
+    fn each_bad_setting_is_named_with_its_value_and_fix() {
+        for (extra, expected) in [
+            (
+                json!({"startingDeadlineSeconds": -1}),
+                "spec.startingDeadlineSeconds: -1 must be at least 0",
+            ),
+            (
+                json!({"activeDeadlineSeconds": 0}),
+                "spec.activeDeadlineSeconds: 0 must be at least 1",
+            ),
+            (
+                json!({"ttlSecondsAfterFinished": -5}),
+                "spec.ttlSecondsAfterFinished: -5 must be at least 0",
+            ),
+            (
+                json!({"resources": {"limits": {"memory": "1GB"}}}),
+                r#"spec.resources.limits.memory: "1GB" is not a quantity"#,
+            ),
+            (
+                json!({"resources": {"requests": {"cpu": "lots"}}}),
+                r#"spec.resources.requests.cpu: "lots" is not a quantity"#,
+            ),
+            (
+                json!({"resources": {"claims": [{"name": "gpu"}]}}),
+                "spec.resources.claims: not supported",
+            ),
+            (
+                json!({"env": [{"name": ""}]}),
+                r#"spec.env[0].name: "" is not a variable name"#,
+            ),
+            (
+                json!({"env": [{"name": "A=B"}]}),
+                r#"spec.env[0].name: "A=B""#,
+            ),
+            (
+                json!({"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]}),
+                "spec.env[0] (A): has both value and valueFrom",
+            ),
+            (
+                json!({"env": [{"name": "A", "valueFrom": {}}]}),
+                "needs exactly one of secretKeyRef",
+            ),
+            (
+                json!({"serviceAccountName": "Backup_Runner"}),
+                r#"spec.serviceAccountName: "Backup_Runner" is not a valid service account name"#,
+            ),
+            (
+                json!({"nodeSelector": {"bad key!": "x"}}),
+                r#"spec.nodeSelector: "bad key!" is not a label key"#,
+            ),
+            (
+                json!({"nodeSelector": {"disktype": "-ssd"}}),
+                r#"spec.nodeSelector.disktype: "-ssd" is not a label value"#,
+            ),
+            (
+                json!({"tolerations": [{"key": "k", "operator": "In"}]}),
+                r#"spec.tolerations[0].operator: "In" must be Equal or Exists"#,
+            ),
+            (
+                json!({"tolerations": [{"key": "k", "effect": "Never"}]}),
+                r#"spec.tolerations[0].effect: "Never""#,
+            ),
+            (
+                json!({"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}),
+                "operator Exists matches any value",
+            ),
+            (
+                json!({"tolerations": [{"value": "v"}]}),
+                "an empty key matches every taint only with operator Exists",
+            ),
+            (
+                json!({"tolerations": [{"key": "k", "tolerationSeconds": 5}]}),
+                "only applies with effect NoExecute",
+            ),
+            (
+                json!({"imagePullSecrets": [{"name": ""}]}),
+                r#"spec.imagePullSecrets[0].name: "" is not a valid Secret name"#,
+            ),
+        ] {
+            let found = problems(&spec(extra.clone()), None);
+            assert_eq!(found.len(), 1, "{extra}: {found:?}");
+            assert!(found[0].contains(expected), "{extra}: {}", found[0]);
+        }
+    }
+
+    #[test]
+    fn an_update_is_checked_only_for_what_it_changes() {
+        // Admitted long ago under looser rules (or with the webhook off).
+        let old = spec(json!({"activeDeadlineSeconds": 0, "env": [{"name": ""}]}));
+        assert_eq!(problems(&old, Some(&old)), Vec::<String>::new());
+        let mut touched = old.clone();
+        touched.ttl_seconds_after_finished = Some(-1);
+        let found = problems(&touched, Some(&old));
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(found[0].starts_with("spec.ttlSecondsAfterFinished"));
+    }
+}
