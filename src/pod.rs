@@ -319,6 +319,75 @@ mod tests {
         let sc = container.security_context.clone().unwrap();
         assert_eq!(sc.allow_privilege_escalation, Some(false));
         assert_eq!(sc.capabilities.unwrap().drop.unwrap(), ["ALL"]);
+        assert_eq!(container.resources, None);
+        assert_eq!(spec.active_deadline_seconds, None);
+    }
+
+    #[test]
+    fn the_ats_pod_settings_are_carried_into_the_pod_still_restricted() {
+        let mut with = at("example-at");
+        with.spec = serde_json::from_value(serde_json::json!({
+            "schedule": "2019-04-12T10:12:00Z", "command": "backup", "image": "tools:1",
+            "activeDeadlineSeconds": 600,
+            "resources": {"limits": {"memory": "1Gi"}},
+            "env": [{"name": "TARGET", "value": "s3://b"},
+                    {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}}],
+            "serviceAccountName": "backup-runner",
+            "nodeSelector": {"kubernetes.io/arch": "arm64"},
+            "tolerations": [{"key": "batch", "operator": "Exists", "effect": "NoSchedule"}],
+            "imagePullSecrets": [{"name": "registry"}],
+        }))
+        .unwrap();
+        let policy = RunPolicy {
+            requests: crate::policy::parse_quantities("cpu=100m,memory=64Mi").unwrap(),
+            limits: crate::policy::parse_quantities("cpu=1,memory=256Mi").unwrap(),
+            active_deadline_seconds: Some(3600),
+            ..RunPolicy::default()
+        };
+        let pod = build(&with, &policy);
+        let json = serde_json::to_value(&pod).unwrap();
+        let spec = &json["spec"];
+        assert_eq!(spec["serviceAccountName"], "backup-runner");
+        assert_eq!(
+            spec["automountServiceAccountToken"], true,
+            "a token for the named account"
+        );
+        assert_eq!(spec["activeDeadlineSeconds"], 600, "the At's own wins");
+        assert_eq!(spec["nodeSelector"]["kubernetes.io/arch"], "arm64");
+        assert_eq!(spec["tolerations"][0]["key"], "batch");
+        assert_eq!(spec["imagePullSecrets"][0]["name"], "registry");
+        let container = &spec["containers"][0];
+        assert_eq!(
+            container["env"][1]["valueFrom"]["secretKeyRef"]["key"],
+            "token"
+        );
+        // Defaults fill in per resource; the At's memory limit wins.
+        assert_eq!(
+            container["resources"],
+            serde_json::json!({"limits": {"cpu": "1", "memory": "1Gi"},
+                               "requests": {"cpu": "100m", "memory": "64Mi"}})
+        );
+        // Still the restricted profile.
+        assert_eq!(spec["securityContext"]["runAsNonRoot"], true);
+        assert_eq!(
+            spec["securityContext"]["seccompProfile"]["type"],
+            "RuntimeDefault"
+        );
+        assert_eq!(
+            container["securityContext"]["allowPrivilegeEscalation"],
+            false
+        );
+        assert_eq!(
+            container["securityContext"]["capabilities"]["drop"][0],
+            "ALL"
+        );
+        for absent in ["volumes", "hostNetwork", "hostPID", "hostIPC"] {
+            assert!(spec.get(absent).is_none(), "{absent}");
+        }
+        // The default deadline applies when the At has none.
+        with.spec.active_deadline_seconds = None;
+        let pod = build(&with, &policy);
+        assert_eq!(pod.spec.unwrap().active_deadline_seconds, Some(3600));
     }
 
     #[test]

@@ -296,6 +296,32 @@ mod tests {
     }
 
     #[test]
+    fn an_update_is_checked_only_for_what_it_changes() {
+        // Admitted earlier under other rules (or with the webhook off): a bad schedule, an
+        // empty command, a name too long for today's rules.
+        let long = "a".repeat(70);
+        let old = at(&long, "tomorrow", " ", "busybox");
+        assert_eq!(spec_problems(&old, None).len(), 3);
+        let mut labelled = old.clone();
+        labelled.metadata.labels = Some([("team".into(), "a".into())].into());
+        labelled.metadata.finalizers = Some(vec!["example.com/keep".into()]);
+        assert_eq!(spec_problems(&labelled, Some(&old)), Vec::<String>::new());
+        // Changing the schedule re-checks the schedule only.
+        let mut rescheduled = old.clone();
+        rescheduled.spec.schedule = "next week".into();
+        let problems = spec_problems(&rescheduled, Some(&old));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].starts_with("spec.schedule"));
+        // Setting a time zone re-checks the schedule with it.
+        let mut zoned = at("x", "2026-03-29T02:30:00", "true", "busybox");
+        let before = zoned.clone();
+        zoned.spec.time_zone = Some("Europe/Berlin".into());
+        let problems = spec_problems(&zoned, Some(&before));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].contains("does not exist in Europe/Berlin"));
+    }
+
+    #[test]
     fn status_never_goes_back() {
         let done = with_phase(book(), Phase::Done);
         let pending = with_phase(book(), Phase::Pending);

@@ -313,3 +313,150 @@ async fn the_smoke_test_fails_on_a_failed_run_or_no_operator() {
         "{error}"
     );
 }
+
+mod production {
+    //! What production throws at the operator: refused pods, deadlines, TTL, lost deletions.
+
+    use super::*;
+    use cnat::policy::RunPolicy;
+
+    fn past(seconds: i64) -> String {
+        (Utc::now() - Span::seconds(seconds)).to_rfc3339()
+    }
+
+    #[tokio::test]
+    async fn a_pod_refused_by_quota_shows_on_the_at_until_the_quota_allows_it() {
+        let server = ApiServer::new();
+        server.refuse_creates(
+            Resource::Pods,
+            Some("status-403-forbidden-quota-requires-limits.json"),
+        );
+        let operator = start(&server);
+        server.create(Resource::Ats, at_json("quota", &past(1), "true"));
+        let shown = server
+            .wait_for(WAIT, |s| {
+                status(s, "quota").is_some_and(|st| st.reason.as_deref() == Some("PodForbidden"))
+            })
+            .await;
+        assert!(shown, "{:?}", status(&server, "quota"));
+        let st = status(&server, "quota").unwrap();
+        assert_eq!(st.phase, Phase::Pending);
+        assert!(
+            st.message.unwrap().contains("must specify limits.cpu"),
+            "the server's words are shown"
+        );
+        // Retried with backoff (0.5 s, 1 s, ...): several attempts, one event.
+        tokio::time::sleep(Duration::from_millis(2000)).await;
+        assert!(
+            server.count("POST pods") >= 3,
+            "{}",
+            server.count("POST pods")
+        );
+        assert_eq!(server.event_reasons("quota"), ["PodForbidden"]);
+
+        // The quota is fixed: the next retry creates the pod.
+        server.refuse_creates(Resource::Pods, None);
+        wait_phase(&server, "quota", Phase::Running).await;
+        let st = status(&server, "quota").unwrap();
+        let created = st
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "PodCreated")
+            .unwrap();
+        assert_eq!(
+            (created.status.as_str(), created.reason.as_str()),
+            ("True", "PodCreated")
+        );
+        assert_eq!(
+            server.event_reasons("quota"),
+            ["PodForbidden", "PodCreated"]
+        );
+        operator.abort();
+    }
+
+    #[tokio::test]
+    async fn an_at_that_cannot_start_before_its_deadline_is_missed_and_never_runs() {
+        let server = ApiServer::new();
+        server.refuse_creates(
+            Resource::Pods,
+            Some("status-403-forbidden-quota-exceeded.json"),
+        );
+        let operator = start(&server);
+        let mut late = at_json("late", &past(0), "true");
+        late["spec"]["startingDeadlineSeconds"] = 2.into();
+        server.create(Resource::Ats, late);
+        // Missed once the deadline passes: schedule + 2 s.
+        wait_phase(&server, "late", Phase::Done).await;
+        let st = status(&server, "late").unwrap();
+        assert_eq!(st.outcome, Some(Outcome::Missed));
+        assert_eq!(st.reason.as_deref(), Some("MissedDeadline"));
+        assert_eq!(
+            server.event_reasons("late"),
+            ["PodForbidden", "MissedDeadline"]
+        );
+        // Even once pods are allowed, it never runs.
+        server.refuse_creates(Resource::Pods, None);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(server.get(Resource::Pods, "default", "late-pod"), None);
+
+        // An At already past its deadline when the operator sees it never runs either.
+        let mut stale = at_json("stale", &past(3600), "true");
+        stale["spec"]["startingDeadlineSeconds"] = 60.into();
+        server.create(Resource::Ats, stale);
+        wait_phase(&server, "stale", Phase::Done).await;
+        assert_eq!(
+            status(&server, "stale").unwrap().outcome,
+            Some(Outcome::Missed)
+        );
+        assert_eq!(server.get(Resource::Pods, "default", "stale-pod"), None);
+        operator.abort();
+    }
+
+    #[tokio::test]
+    async fn a_finished_at_is_deleted_after_its_ttl() {
+        let server = ApiServer::new();
+        let operator = start(&server);
+        let mut short = at_json("short", &past(0), "true");
+        short["spec"]["ttlSecondsAfterFinished"] = 2.into();
+        server.create(Resource::Ats, short);
+        server.create(Resource::Ats, at_json("kept", &past(0), "true"));
+        wait_phase(&server, "short", Phase::Running).await;
+        wait_phase(&server, "kept", Phase::Running).await;
+        server.finish_pod("default", "short-pod", 0);
+        server.finish_pod("default", "kept-pod", 0);
+        wait_phase(&server, "short", Phase::Done).await;
+        let done = Instant::now();
+        let gone = server
+            .wait_for(WAIT, |s| s.get(Resource::Ats, "default", "short").is_none())
+            .await;
+        assert!(gone, "not deleted");
+        assert!(
+            done.elapsed() >= Duration::from_millis(900),
+            "deleted before its TTL"
+        );
+        assert_eq!(server.count("DELETE ats"), 1);
+        // Without a TTL a DONE At stays.
+        assert_eq!(phase(&server, "kept"), Some(Phase::Done));
+        operator.abort();
+    }
+
+    #[tokio::test]
+    async fn a_pod_that_vanished_while_the_watch_relisted_still_ends_its_at() {
+        let server = ApiServer::new();
+        let policy = RunPolicy {
+            running_recheck: Duration::from_millis(500),
+            ..RunPolicy::default()
+        };
+        let operator = support::run_controller_with(server.client(), policy);
+        server.create(Resource::Ats, at_json("orphan", &past(0), "sleep 3600"));
+        wait_phase(&server, "orphan", Phase::Running).await;
+        // The pod goes while the watch is down; the re-list finds it gone but nobody is told.
+        server.vanish(Resource::Pods, "default", "orphan-pod");
+        server.expire_watches(Resource::Pods);
+        wait_phase(&server, "orphan", Phase::Done).await;
+        let st = status(&server, "orphan").unwrap();
+        assert_eq!(st.reason.as_deref(), Some("PodLost"));
+        assert_eq!(st.outcome, Some(Outcome::Failed));
+        operator.abort();
+    }
+}

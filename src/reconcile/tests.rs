@@ -376,6 +376,39 @@ async fn a_pod_the_api_server_rejects_is_reported_in_status() {
 }
 
 #[tokio::test]
+async fn a_pod_refused_by_quota_or_policy_is_shown_and_retried_with_backoff() {
+    for file in [
+        "status-403-forbidden-quota-requires-limits.json",
+        "status-403-forbidden-quota-exceeded.json",
+        "status-403-forbidden-pod-security.json",
+    ] {
+        let h = harness(vec![
+            answer("POST", PODS, 403, fixture(file)),
+            answer("PATCH", STATUS, 200, at_response(&running_status())),
+            answer("POST", EVENTS, 201, created_event()),
+        ]);
+        let error = h.reconcile(example_at(None)).await.unwrap_err();
+        assert!(
+            matches!(error, Error::PodRefused { .. }),
+            "{file}: backoff, not a plain requeue: {error}"
+        );
+        let sent = h.finish(3).await;
+        let written = assert_status_patch(&sent[1], Phase::Pending);
+        assert_eq!(written.reason.as_deref(), Some("PodForbidden"), "{file}");
+        let server_said = fixture(file)["message"].as_str().unwrap().to_owned();
+        let message = written.message.unwrap();
+        assert!(message.contains(&server_said), "{file}: {message}");
+        assert!(
+            message.contains("cnat retries with backoff"),
+            "{file}: {message}"
+        );
+        assert_event(&sent[2], "Warning", "PodForbidden");
+        // The error policy counts it: the next retry waits longer.
+        assert!(error.to_string().contains("example-at-pod"), "{error}");
+    }
+}
+
+#[tokio::test]
 async fn a_running_at_whose_pod_is_gone_is_confirmed_with_the_api_server_then_failed() {
     let h = harness(vec![
         answer("GET", POD, 404, fixture("status-404-not-found.json")),

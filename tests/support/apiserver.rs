@@ -88,6 +88,10 @@ struct State {
     latency: Duration,
     /// How much longer a list (not a watch, nor one by name) takes, as for a large collection.
     list_latency: Duration,
+    /// Creations of these resources are refused with this captured Status (e.g. a 403 quota).
+    refusals: BTreeMap<Resource, Value>,
+    /// Watches of a resource that resume from a resourceVersion below this get 410 Expired.
+    compacted: BTreeMap<Resource, u64>,
 }
 
 /// The fake API server; clones share state.
@@ -147,6 +151,36 @@ impl ApiServer {
     /// paused time).
     pub fn set_latency(&self, latency: Duration) {
         self.lock().latency = latency;
+    }
+
+    /// Creating `resource` is refused with the captured Status in `fixture` (None: allowed again).
+    pub fn refuse_creates(&self, resource: Resource, fixture_file: Option<&str>) {
+        let mut state = self.lock();
+        match fixture_file {
+            Some(file) => state.refusals.insert(resource, fixture(file)),
+            None => state.refusals.remove(&resource),
+        };
+    }
+
+    /// Removes an object without telling watchers, as when it goes while a watch is down.
+    pub fn vanish(&self, resource: Resource, ns: &str, name: &str) {
+        self.lock()
+            .objects
+            .remove(&(resource, ns.into(), name.into()));
+    }
+
+    /// Ends the open watches of `resource` with 410 Expired and forgets the history, as etcd
+    /// compaction does: those watchers must re-list, and learn of nothing that vanished meanwhile.
+    pub fn expire_watches(&self, resource: Resource) {
+        let mut state = self.lock();
+        let next = state.rv + 1;
+        state.compacted.insert(resource, next);
+        let _ = self.changes.send(Change {
+            rv: u64::MAX,
+            resource,
+            type_: "ERROR",
+            object: expired(),
+        });
     }
 
     /// Lists (not watches) take `extra` longer, as listing many thousands of objects does.
@@ -394,6 +428,11 @@ impl ApiServer {
                 Some(object) => ok(StatusCode::OK, &object),
                 None => not_found(route.resource, name),
             },
+            (&Method::POST, None) if self.lock().refusals.contains_key(&route.resource) => {
+                let refusal = self.lock().refusals[&route.resource].clone();
+                let code = refusal["code"].as_u64().unwrap() as u16;
+                ok(StatusCode::from_u16(code).unwrap(), &refusal)
+            }
             (&Method::POST, None) => {
                 let mut object: Value = serde_json::from_slice(&bytes).unwrap();
                 object["metadata"]["namespace"] = route.ns().into();
@@ -450,13 +489,20 @@ impl ApiServer {
             .get("resourceVersion")
             .and_then(|rv| rv.parse().ok())
             .unwrap_or(0);
+        let compacted = self.lock().compacted.get(&route.resource).copied();
         let route = route.clone();
         let query = query.clone();
         let wanted = move |c: &Change| {
             c.resource == route.resource
-                && route.matches_ns(c.object["metadata"]["namespace"].as_str().unwrap_or(""))
-                && selects(&query, &c.object)
+                && (c.type_ == "ERROR"
+                    || route.matches_ns(c.object["metadata"]["namespace"].as_str().unwrap_or(""))
+                        && selects(&query, &c.object))
         };
+        if since != 0 && compacted.is_some_and(|c| since < c) {
+            let line = serde_json::to_vec(&json!({"type": "ERROR", "object": expired()})).unwrap();
+            let frame = Ok(Frame::data(Bytes::from([line, b"\n".to_vec()].concat())));
+            return streaming(stream::iter([frame]));
+        }
         // Subscribe and replay under one lock, so no change falls between the two.
         let (replay, receiver) = {
             let state = self.lock();
@@ -471,6 +517,9 @@ impl ApiServer {
         };
         let last = replay.last().map_or(since, |c| c.rv);
         let live = stream::unfold((receiver, last), |(mut receiver, last)| async move {
+            if last == u64::MAX {
+                return None; // ended by an ERROR
+            }
             loop {
                 match receiver.recv().await {
                     Ok(change) if change.rv > last => {
@@ -782,6 +831,12 @@ fn conflict(resource: Resource, name: &str) -> Response<Body> {
         name,
         format!("Operation cannot be fulfilled on {plural} \"{name}\": the object has been modified; please apply your changes to the latest version and try again"),
     )
+}
+
+/// The Status of a watch from a compacted resourceVersion, as kube-apiserver sends it.
+fn expired() -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": "too old resource version: 1 (2)", "reason": "Expired", "code": 410})
 }
 
 fn status(code: StatusCode, reason: &str, message: &str, name: Option<&str>) -> Response<Body> {

@@ -26,10 +26,18 @@ pub fn events(client: &kube::Client, instance: &str) -> EventSink {
 
 /// The reconcile loop as `cnat run` starts it on the leader; it runs until aborted.
 pub fn run_controller(client: kube::Client) -> JoinHandle<()> {
+    run_controller_with(client, Default::default())
+}
+
+/// The reconcile loop with operator-wide defaults `policy`.
+pub fn run_controller_with(
+    client: kube::Client,
+    policy: cnat::policy::RunPolicy,
+) -> JoinHandle<()> {
     let settings = cnat::controller::Settings {
         namespace: None,
         concurrency: 32,
-        policy: Default::default(),
+        policy,
     };
     let events = events(&client, "cnat-test");
     tokio::spawn(cnat::controller::run(

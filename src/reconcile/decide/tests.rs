@@ -450,6 +450,7 @@ fn observations() -> Vec<PodObservation> {
         PodObservation::Missing,
         PodObservation::Foreign,
         PodObservation::Rejected("invalid".into()),
+        PodObservation::Refused("exceeded quota".into()),
         PodObservation::Owned(running_pod()),
         PodObservation::Owned(ended_pod(true, Some(0), None)),
         PodObservation::Owned(ended_pod(false, Some(2), Some("Error"))),
@@ -579,4 +580,281 @@ fn invariants_hold_for_every_at_observation_and_time() {
         }
     }
     assert!(checked > 10_000, "{checked}");
+}
+
+mod production {
+    //! Pod settings, refusals, deadlines, TTL and time zones.
+
+    use super::*;
+
+    fn fixture_message(name: &str) -> String {
+        let path = format!(
+            "{}/tests/fixtures/api-k8s-1.24/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let status: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        status["message"].as_str().unwrap().to_owned()
+    }
+
+    fn with_spec(f: impl FnOnce(&mut AtSpec)) -> At {
+        let mut at = at(BOOK_SCHEDULE, None);
+        f(&mut at.spec);
+        at
+    }
+
+    #[test]
+    fn a_refused_pod_is_shown_once_per_distinct_refusal_and_retried_with_backoff() {
+        let now = time("2026-01-01T00:00:00Z");
+        for (file, advice) in [
+            (
+                "status-403-forbidden-quota-requires-limits.json",
+                "set spec.resources",
+            ),
+            ("status-403-forbidden-quota-exceeded.json", "is used up"),
+            (
+                "status-403-forbidden-pod-security.json",
+                "pod-security.kubernetes.io/enforce",
+            ),
+        ] {
+            let reason = fixture_message(file);
+            let refused = PodObservation::Refused(reason.clone());
+            let d = decide(&at(BOOK_SCHEDULE, None), &refused, now);
+            assert!(d.retry, "{file}: retried with backoff");
+            assert_eq!((d.action, d.requeue), (Action::Nothing, None));
+            let status = status_of(&d);
+            assert_eq!(status.phase, Phase::Pending);
+            assert_eq!(status.reason.as_deref(), Some("PodForbidden"));
+            let created = condition(status, POD_CREATED);
+            assert_eq!(
+                (created.status.as_str(), created.reason.as_str()),
+                ("False", "PodForbidden")
+            );
+            let message = status.message.as_deref().unwrap();
+            assert!(message.contains(&reason), "{file}: {message}");
+            assert!(message.contains(advice), "{file}: {message}");
+            assert_eq!(note_of(&d).severity, Severity::Warning);
+
+            // The same refusal again: nothing written, no second event, still retried.
+            let again = decide(&written(at(BOOK_SCHEDULE, None), &d), &refused, now);
+            assert_eq!(
+                (again.status.is_none(), again.note.is_none(), again.retry),
+                (true, true, true)
+            );
+
+            // Then the pod is created: the condition turns True.
+            let created = decide(
+                &written(at(BOOK_SCHEDULE, None), &d),
+                &PodObservation::NotCached,
+                now,
+            );
+            assert_eq!(created.action, Action::CreatePod);
+            let c = condition(status_of(&created), POD_CREATED);
+            assert_eq!(
+                (c.status.as_str(), c.reason.as_str()),
+                ("True", "PodCreated")
+            );
+        }
+        // A different refusal is a new event.
+        let first = decide(
+            &at(BOOK_SCHEDULE, None),
+            &PodObservation::Refused(fixture_message("status-403-forbidden-quota-exceeded.json")),
+            now,
+        );
+        let second = decide(
+            &written(at(BOOK_SCHEDULE, None), &first),
+            &PodObservation::Refused(fixture_message("status-403-forbidden-pod-security.json")),
+            now,
+        );
+        assert!(second.note.is_some());
+    }
+
+    #[test]
+    fn an_at_that_could_not_start_before_its_starting_deadline_is_missed() {
+        let late = with_spec(|s| s.starting_deadline_seconds = Some(60));
+        // Within the deadline: it runs.
+        let d = decide(
+            &late,
+            &PodObservation::NotCached,
+            time("2019-04-12T10:13:00Z"),
+        );
+        assert_eq!(d.action, Action::CreatePod);
+        // Past it: first make sure no pod exists (the cache lags) ...
+        let after = time("2019-04-12T10:13:01Z");
+        let d = decide(&late, &PodObservation::NotCached, after);
+        assert_eq!((d.action, d.status.is_none()), (Action::LookUpPod, true));
+        // ... a pod that does exist is reported, not missed ...
+        let d = decide(&late, &PodObservation::Owned(running_pod()), after);
+        assert_eq!(status_of(&d).phase, Phase::Running);
+        // ... and without one it never runs.
+        for observation in [
+            PodObservation::Missing,
+            PodObservation::Refused("exceeded quota".into()),
+            PodObservation::Rejected("invalid".into()),
+            PodObservation::Foreign,
+        ] {
+            let d = decide(&late, &observation, after);
+            assert_eq!(d.action, Action::Nothing, "{observation:?}");
+            let status = status_of(&d);
+            assert_eq!(
+                (status.phase, status.outcome),
+                (Phase::Done, Some(Outcome::Missed))
+            );
+            assert_eq!(status.reason.as_deref(), Some("MissedDeadline"));
+            assert_eq!(status.completion_time, Some(after));
+            assert_eq!(condition(status, FAILED).reason, "MissedDeadline");
+            let note = note_of(&d);
+            assert_eq!(
+                (note.severity, note.reason),
+                (Severity::Warning, "MissedDeadline")
+            );
+            assert!(
+                note.message.contains("spec.startingDeadlineSeconds (60 s)"),
+                "{}",
+                note.message
+            );
+        }
+        // Without a deadline (the book's behaviour) it runs however late.
+        let d = decide(
+            &at(BOOK_SCHEDULE, None),
+            &PodObservation::Missing,
+            time("2030-01-01T00:00:00Z"),
+        );
+        assert_eq!(d.action, Action::CreatePod);
+        // The operator's default applies when the At has none; the At's own wins.
+        let policy = RunPolicy {
+            starting_deadline_seconds: Some(0),
+            ..RunPolicy::default()
+        };
+        let d = super::super::decide(
+            &at(BOOK_SCHEDULE, None),
+            &PodObservation::Missing,
+            after,
+            &policy,
+        );
+        assert_eq!(status_of(&d).outcome, Some(Outcome::Missed));
+        let own = with_spec(|s| s.starting_deadline_seconds = Some(3600));
+        let d = super::super::decide(&own, &PodObservation::Missing, after, &policy);
+        assert_eq!(d.action, Action::CreatePod);
+    }
+
+    #[test]
+    fn a_command_stopped_by_its_active_deadline_fails_with_deadline_exceeded() {
+        let timed = with_spec(|s| s.active_deadline_seconds = Some(30));
+        let mut pod = ended_pod(false, Some(137), Some("Error"));
+        pod.end.as_mut().unwrap().pod_reason = Some("DeadlineExceeded".into());
+        let d = decide(
+            &timed,
+            &PodObservation::Owned(pod),
+            time("2019-04-12T10:13:00Z"),
+        );
+        let status = status_of(&d);
+        assert_eq!(
+            (status.phase, status.outcome),
+            (Phase::Done, Some(Outcome::Failed))
+        );
+        assert_eq!(status.reason.as_deref(), Some("DeadlineExceeded"));
+        assert!(
+            status
+                .message
+                .as_deref()
+                .unwrap()
+                .contains("ran longer than spec.activeDeadlineSeconds (30 s)"),
+            "{:?}",
+            status.message
+        );
+    }
+
+    #[test]
+    fn a_finished_at_is_deleted_after_its_ttl() {
+        let done_at = time("2019-04-12T10:12:03Z");
+        let mut finished = with_spec(|s| s.ttl_seconds_after_finished = Some(100));
+        finished.status = Some(AtStatus {
+            phase: Phase::Done,
+            completion_time: Some(done_at),
+            outcome: Some(Outcome::Succeeded),
+            ..AtStatus::default()
+        });
+        let d = decide(
+            &finished,
+            &PodObservation::NotCached,
+            done_at + chrono::Duration::seconds(40),
+        );
+        assert_eq!(
+            d,
+            Decision {
+                requeue: Some(Duration::from_secs(60)),
+                ..Decision::idle()
+            }
+        );
+        let d = decide(
+            &finished,
+            &PodObservation::NotCached,
+            done_at + chrono::Duration::seconds(100),
+        );
+        assert_eq!(d.action, Action::DeleteAt);
+        assert_eq!(d.status, None, "nothing written to an At about to go");
+        // No TTL: DONE Ats stay; the operator's default applies when the At has none.
+        let mut kept = finished.clone();
+        kept.spec.ttl_seconds_after_finished = None;
+        let far = done_at + chrono::Duration::days(365);
+        assert_eq!(
+            decide(&kept, &PodObservation::NotCached, far),
+            Decision::idle()
+        );
+        let policy = RunPolicy {
+            ttl_seconds_after_finished: Some(0),
+            ..RunPolicy::default()
+        };
+        let d = super::super::decide(&kept, &PodObservation::NotCached, far, &policy);
+        assert_eq!(d.action, Action::DeleteAt);
+    }
+
+    #[test]
+    fn a_schedule_in_a_time_zone_resolves_to_an_instant_shown_in_status() {
+        let berlin = with_spec(|s| {
+            s.schedule = "2019-04-12T12:12:00".into();
+            s.time_zone = Some("Europe/Berlin".into());
+        });
+        let d = decide(
+            &berlin,
+            &PodObservation::NotCached,
+            time("2019-04-12T10:00:00Z"),
+        );
+        let status = status_of(&d);
+        assert_eq!(status.scheduled_time, Some(time(BOOK_SCHEDULE)));
+        assert_eq!(d.requeue, Some(Duration::from_secs(12 * 60)));
+        assert_eq!(
+            status.message.as_deref(),
+            Some("runs at 2019-04-12T10:12:00Z")
+        );
+
+        let unknown = with_spec(|s| {
+            s.schedule = "2019-04-12T12:12:00".into();
+            s.time_zone = Some("Europe/Atlantis".into());
+        });
+        let d = decide(
+            &unknown,
+            &PodObservation::NotCached,
+            time("2019-04-12T10:00:00Z"),
+        );
+        assert_eq!(d.action, Action::Nothing);
+        assert_eq!(status_of(&d).reason.as_deref(), Some("InvalidTimeZone"));
+        assert!(status_of(&d)
+            .message
+            .as_deref()
+            .unwrap()
+            .starts_with("spec.timeZone"));
+
+        let gap = with_spec(|s| {
+            s.schedule = "2026-03-29T02:30:00".into();
+            s.time_zone = Some("Europe/Berlin".into());
+        });
+        let d = decide(
+            &gap,
+            &PodObservation::NotCached,
+            time("2026-01-01T00:00:00Z"),
+        );
+        assert_eq!(status_of(&d).reason.as_deref(), Some("InvalidSchedule"));
+    }
 }
