@@ -246,7 +246,7 @@ fn rbac_is_exactly_what_the_operator_uses() {
             rule(
                 &["cnat.programming-kubernetes.info"],
                 &["ats"],
-                &["get", "list", "watch"],
+                &["get", "list", "watch", "delete"],
                 None
             ),
             rule(
@@ -435,6 +435,22 @@ fn bad_values_are_rejected_by_the_schema() {
         ),
         ("replicas=3", "additional properties 'replicas' not allowed"),
         ("tracing.protocol=http/json", "/tracing/protocol"),
+        (
+            "runDefaults.limits.memory=lots",
+            "/runDefaults/limits/memory",
+        ),
+        (
+            "runDefaults.activeDeadlineSeconds=0",
+            "/runDefaults/activeDeadlineSeconds",
+        ),
+        (
+            "runDefaults.ttlSecondsAfterFinished=-1",
+            "/runDefaults/ttlSecondsAfterFinished",
+        ),
+        (
+            "runDefaults.cpu=1",
+            "additional properties 'cpu' not allowed",
+        ),
         ("tracing.samplingRatio=2", "/tracing/samplingRatio"),
         ("tracing.samplingRatio=half", "/tracing/samplingRatio"),
         (
@@ -492,6 +508,43 @@ fn plain_env(rendered: &Rendered) -> std::collections::BTreeMap<String, String> 
         .flatten()
         .filter_map(|e| Some((e.name.clone(), e.value.clone()?)))
         .collect()
+}
+
+#[test]
+fn run_defaults_become_the_operators_default_flags() {
+    let none = plain_env(&Rendered::new(&[]));
+    assert!(
+        !none.keys().any(|k| k.starts_with("CNAT_DEFAULT_")),
+        "no defaults unless asked: {none:?}"
+    );
+    let env = plain_env(&Rendered::new(&[
+        "runDefaults.requests.cpu=100m",
+        "runDefaults.requests.memory=64Mi",
+        "runDefaults.limits.cpu=1",
+        "runDefaults.limits.memory=256Mi",
+        "runDefaults.activeDeadlineSeconds=3600",
+        "runDefaults.startingDeadlineSeconds=0",
+        "runDefaults.ttlSecondsAfterFinished=86400",
+    ]));
+    assert_eq!(env["CNAT_DEFAULT_REQUESTS"], "cpu=100m,memory=64Mi");
+    assert_eq!(env["CNAT_DEFAULT_LIMITS"], "cpu=1,memory=256Mi");
+    assert_eq!(env["CNAT_DEFAULT_ACTIVE_DEADLINE_SECONDS"], "3600");
+    assert_eq!(
+        env["CNAT_DEFAULT_STARTING_DEADLINE_SECONDS"], "0",
+        "0 is a value, not unset"
+    );
+    assert_eq!(env["CNAT_DEFAULT_TTL_SECONDS_AFTER_FINISHED"], "86400");
+    // The flags parse as the operator reads them.
+    for (flag, value) in &env {
+        if let Some(name) = flag.strip_prefix("CNAT_DEFAULT_") {
+            let arg = format!(
+                "--default-{}={value}",
+                name.to_lowercase().replace('_', "-")
+            );
+            let parsed = <cnat::cli::Cli as clap::Parser>::try_parse_from(["cnat", "run", &arg]);
+            assert!(parsed.is_ok(), "{arg}: {parsed:?}");
+        }
+    }
 }
 
 #[test]
