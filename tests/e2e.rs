@@ -192,3 +192,73 @@ async fn ats_run_once_at_their_time_in_a_restricted_namespace() {
         .await
         .unwrap();
 }
+
+/// A namespace whose ResourceQuota limits `limits.cpu`/`limits.memory`: an At with resources
+/// runs; one without shows `PodForbidden` on its status, with the server's message.
+#[tokio::test]
+#[ignore = "needs a real cluster: set CNAT_E2E_KUBECONFIG and pass --run-ignored all"]
+async fn in_a_quota_governed_namespace_pods_need_resources_and_refusals_are_shown() {
+    use k8s_openapi::api::core::v1::ResourceQuota;
+    let client = cluster().await;
+    install_crd(&client).await;
+    let ns = restricted_namespace_named(&client, &format!("cnat-e2e-quota-{}", std::process::id()))
+        .await;
+    let quota: ResourceQuota = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "compute"},
+        "spec": {"hard": {"limits.cpu": "2", "limits.memory": "1Gi"}},
+    }))
+    .unwrap();
+    Api::<ResourceQuota>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &quota)
+        .await
+        .unwrap();
+    let settings = cnat::controller::Settings {
+        namespace: Some(ns.clone()),
+        concurrency: 32,
+        policy: Default::default(),
+    };
+    let reporter = Reporter {
+        controller: "cnat".into(),
+        instance: Some("cnat-e2e".into()),
+    };
+    let events = EventSink::start(Recorder::new(client.clone(), reporter));
+    let operator = tokio::spawn(cnat::controller::run(
+        client.clone(),
+        settings,
+        events,
+        Arc::new(Metrics::new(Default::default())),
+        CancellationToken::new(),
+    ));
+    let ats: Api<At> = Api::namespaced(client.clone(), &ns);
+    let now = chrono::Utc::now();
+    let mut sized = at("sized", now, "echo sized");
+    sized.spec.resources = Some(
+        serde_json::from_value(serde_json::json!({"limits": {"cpu": "100m", "memory": "64Mi"}}))
+            .unwrap(),
+    );
+    ats.create(&PostParams::default(), &sized).await.unwrap();
+    ats.create(&PostParams::default(), &at("unsized", now, "echo unsized"))
+        .await
+        .unwrap();
+
+    let done = wait_done(&ats, "sized").await.status.unwrap();
+    assert_eq!(done.outcome, Some(Outcome::Succeeded));
+
+    let refused = await_condition(ats.clone(), "unsized", |at: Option<&At>| {
+        at.and_then(|a| a.status.as_ref())
+            .is_some_and(|s| s.reason.as_deref() == Some("PodForbidden"))
+    });
+    tokio::time::timeout(Duration::from_secs(60), refused)
+        .await
+        .expect("PodForbidden within a minute")
+        .unwrap();
+    let status = ats.get("unsized").await.unwrap().status.unwrap();
+    assert_eq!(status.phase, Phase::Pending);
+    assert!(status.message.unwrap().contains("must specify limits"));
+
+    operator.abort();
+    Api::<Namespace>::all(client)
+        .delete(&ns, &DeleteParams::default())
+        .await
+        .unwrap();
+}
