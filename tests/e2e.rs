@@ -81,6 +81,27 @@ fn at(name: &str, schedule: chrono::DateTime<chrono::Utc>, command: &str) -> At 
     )
 }
 
+/// The reconcile loop, watching `ns` only, until aborted.
+fn start_operator(client: &Client, ns: &str) -> tokio::task::JoinHandle<()> {
+    let settings = cnat::controller::Settings {
+        namespace: Some(ns.to_owned()),
+        concurrency: 32,
+        policy: Default::default(),
+    };
+    let reporter = Reporter {
+        controller: "cnat".into(),
+        instance: Some("cnat-e2e".into()),
+    };
+    let events = EventSink::start(Recorder::new(client.clone(), reporter));
+    tokio::spawn(cnat::controller::run(
+        client.clone(),
+        settings,
+        events,
+        Arc::new(Metrics::new(Default::default())),
+        CancellationToken::new(),
+    ))
+}
+
 async fn wait_done(ats: &Api<At>, name: &str) -> At {
     let done = await_condition(ats.clone(), name, |at: Option<&At>| {
         at.and_then(|a| a.status.as_ref())
@@ -99,24 +120,7 @@ async fn ats_run_once_at_their_time_in_a_restricted_namespace() {
     let client = cluster().await;
     install_crd(&client).await;
     let ns = restricted_namespace(&client).await;
-    let settings = cnat::controller::Settings {
-        namespace: Some(ns.clone()),
-        concurrency: 32,
-        policy: Default::default(),
-    };
-    let reporter = Reporter {
-        controller: "cnat".into(),
-        instance: Some("cnat-e2e".into()),
-    };
-    let events = EventSink::start(Recorder::new(client.clone(), reporter));
-    let stop = CancellationToken::new();
-    let operator = tokio::spawn(cnat::controller::run(
-        client.clone(),
-        settings,
-        events,
-        Arc::new(Metrics::new(Default::default())),
-        stop,
-    ));
+    let operator = start_operator(&client, &ns);
 
     let ats: Api<At> = Api::namespaced(client.clone(), &ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
@@ -212,23 +216,7 @@ async fn in_a_quota_governed_namespace_pods_need_resources_and_refusals_are_show
         .create(&PostParams::default(), &quota)
         .await
         .unwrap();
-    let settings = cnat::controller::Settings {
-        namespace: Some(ns.clone()),
-        concurrency: 32,
-        policy: Default::default(),
-    };
-    let reporter = Reporter {
-        controller: "cnat".into(),
-        instance: Some("cnat-e2e".into()),
-    };
-    let events = EventSink::start(Recorder::new(client.clone(), reporter));
-    let operator = tokio::spawn(cnat::controller::run(
-        client.clone(),
-        settings,
-        events,
-        Arc::new(Metrics::new(Default::default())),
-        CancellationToken::new(),
-    ));
+    let operator = start_operator(&client, &ns);
     let ats: Api<At> = Api::namespaced(client.clone(), &ns);
     let now = chrono::Utc::now();
     let mut sized = at("sized", now, "echo sized");
