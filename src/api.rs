@@ -117,7 +117,13 @@ fn default_image() -> String {
 /// apiserver drops status sent on create, and this schema default shows on every read.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-#[schemars(extend("default" = {"phase": "PENDING"}))]
+#[schemars(extend(
+    "default" = {"phase": "PENDING"},
+    "x-kubernetes-validations" = [{
+        "rule": "!has(oldSelf.phase) || self.phase == oldSelf.phase || oldSelf.phase == 'PENDING' || (oldSelf.phase == 'RUNNING' && self.phase == 'DONE')",
+        "message": "status.phase cannot go back (PENDING -> RUNNING -> DONE): an At runs at most once; create a new At to run the command again"
+    }]
+))]
 pub struct AtStatus {
     /// `PENDING` until the schedule is due, `RUNNING` while the pod runs, `DONE` once it ended.
     #[serde(default)]

@@ -114,7 +114,7 @@ pub struct RunArgs {
     pub log: String,
 
     /// Address of the plain-HTTP admin server (/healthz, /readyz, /metrics).
-    #[arg(long, env = "CNAT_ADMIN_ADDR", default_value = "0.0.0.0:8080")]
+    #[arg(long, env = "CNAT_ADMIN_ADDR", default_value = "[::]:8080")]
     pub admin_addr: SocketAddr,
 
     /// Serve the admission webhooks (every replica does, leader or not).
@@ -122,7 +122,7 @@ pub struct RunArgs {
     pub webhooks: bool,
 
     /// Address of the HTTPS webhook server.
-    #[arg(long, env = "CNAT_WEBHOOK_ADDR", default_value = "0.0.0.0:8443")]
+    #[arg(long, env = "CNAT_WEBHOOK_ADDR", default_value = "[::]:8443")]
     pub webhook_addr: SocketAddr,
 
     /// PEM certificate chain the webhook server presents (a mounted Secret's tls.crt).

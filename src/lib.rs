@@ -11,6 +11,7 @@ pub mod controller;
 pub mod defaulting;
 pub mod events;
 pub mod leader;
+pub mod listen;
 pub mod metrics;
 pub mod pod;
 pub mod policy;

@@ -159,8 +159,8 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
         timing.lease_duration,
         args.webhooks,
     ));
-    let listener = tokio::net::TcpListener::bind(args.admin_addr)
-        .await
+    let listener = cnat::listen::bind(args.admin_addr)
+        .and_then(tokio::net::TcpListener::from_std)
         .map_err(|e| format!("--admin-addr {}: {e}", args.admin_addr))?;
     let close_servers = CancellationToken::new();
     let admin = tokio::spawn(
@@ -263,12 +263,9 @@ async fn start_webhooks(
         stop_reloading,
     ));
     let handle = axum_server::Handle::new();
-    let server = tokio::spawn(webhook::serve(
-        args.webhook_addr,
-        config,
-        handle.clone(),
-        metrics,
-    ));
+    let listener = cnat::listen::bind(args.webhook_addr)
+        .map_err(|e| format!("--webhook-addr {}: {e}", args.webhook_addr))?;
+    let server = tokio::spawn(webhook::serve(listener, config, handle.clone(), metrics));
     if handle.listening().await.is_none() {
         let why = match server.await {
             Ok(Err(error)) => error.to_string(),

@@ -144,13 +144,13 @@ impl Verdict {
 
 /// Serves the webhooks over TLS on `addr` until `handle` shuts the server down.
 pub async fn serve(
-    addr: SocketAddr,
+    listener: std::net::TcpListener,
     tls: RustlsConfig,
     handle: Handle<SocketAddr>,
     metrics: Arc<Metrics>,
 ) -> std::io::Result<()> {
     let acceptor = RustlsAcceptor::new(tls).handshake_timeout(HANDSHAKE_TIMEOUT);
-    let mut server = axum_server::bind(addr)
+    let mut server = axum_server::from_tcp(listener)?
         .acceptor(acceptor)
         .handle(handle)
         .http1_only();

@@ -316,7 +316,14 @@ fn the_webhooks_trust_the_certificate_the_pods_serve() {
     assert_eq!(v.admission_review_versions, ["v1"]);
     assert_eq!(m.reinvocation_policy.as_deref(), Some("IfNeeded"));
     let resources = v.rules.clone().unwrap()[0].resources.clone().unwrap();
-    assert_eq!(resources, ["ats", "ats/status"]);
+    // Not ats/status: the operator's status writes never depend on the webhook.
+    assert_eq!(resources, ["ats"]);
+    let operations = v.rules.clone().unwrap()[0].operations.clone().unwrap();
+    assert_eq!(
+        operations,
+        ["CREATE", "UPDATE"],
+        "not DELETE: the TTL deletes Ats"
+    );
 
     // The generated certificate verifies against the caBundle for the name kube-apiserver checks.
     let roots = {
@@ -556,6 +563,9 @@ fn by_default_metrics_have_a_service_and_no_traces_are_exported() {
     assert_eq!(env["CNAT_RENEW_DEADLINE"], "10s");
     assert_eq!(env["CNAT_RETRY_PERIOD"], "2s");
     assert_eq!(env["CNAT_STEP_DOWN_GRACE"], "200ms");
+    // Dual-stack listeners, so IPv6-only clusters work.
+    assert_eq!(env["CNAT_ADMIN_ADDR"], "[::]:8080");
+    assert_eq!(env["CNAT_WEBHOOK_ADDR"], "[::]:8443");
     assert_eq!(env["CNAT_LOG_FORMAT"], "json");
     assert_eq!(env["OTEL_SERVICE_NAME"], "cnat");
     assert_eq!(env["OTEL_TRACES_SAMPLER"], "parentbased_traceidratio");

@@ -123,3 +123,36 @@ fn phases_are_spelled_as_in_the_book() {
         assert_eq!(serde_json::to_value(p).unwrap(), p.as_str());
     }
 }
+
+/// The phase guard moved from the webhook into the CRD, as a CEL transition rule (enforced by
+/// API servers from 1.25 on, where it can never block the operator's own writes, which only
+/// move forward). Evaluated here with a CEL interpreter for every old -> new phase.
+#[test]
+fn the_crd_refuses_a_phase_going_back() {
+    let status = property(&schema(), &["status"]);
+    let rules = status.x_kubernetes_validations.expect("a transition rule");
+    let [rule] = rules.as_slice() else {
+        panic!("one rule: {rules:?}")
+    };
+    assert!(rule.message.as_deref().unwrap().contains("cannot go back"));
+    let program = cel_interpreter::Program::compile(&rule.rule).expect("valid CEL");
+    let allowed = |old: Option<&str>, new: &str| {
+        let mut context = cel_interpreter::Context::default();
+        let old = match old {
+            Some(phase) => serde_json::json!({"phase": phase}),
+            None => serde_json::json!({}),
+        };
+        context.add_variable("oldSelf", old).unwrap();
+        context
+            .add_variable("self", serde_json::json!({"phase": new}))
+            .unwrap();
+        program.execute(&context).unwrap() == cel_interpreter::Value::Bool(true)
+    };
+    let phases = ["PENDING", "RUNNING", "DONE"];
+    for (i, old) in phases.iter().enumerate() {
+        for (j, new) in phases.iter().enumerate() {
+            assert_eq!(allowed(Some(old), new), j >= i, "{old} -> {new}");
+        }
+    }
+    assert!(allowed(None, "DONE"), "no phase before: anything goes");
+}

@@ -35,7 +35,7 @@ fn assert_safe(hook: impl serde::Serialize, path: &str) {
             "apiGroups": ["cnat.programming-kubernetes.info"],
             "apiVersions": ["v1alpha1"],
             "operations": ["CREATE", "UPDATE"],
-            "resources": ["ats", "ats/status"],
+            "resources": ["ats"],
             "scope": "Namespaced",
         }])
     );

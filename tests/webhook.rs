@@ -34,7 +34,7 @@ async fn server(name: &str) -> Server {
     let config = RustlsConfig::from_config(tls::server_config(&files).unwrap());
     let handle = axum_server::Handle::new();
     tokio::spawn(webhook::serve(
-        "127.0.0.1:0".parse().unwrap(),
+        cnat::listen::bind("127.0.0.1:0".parse().unwrap()).unwrap(),
         config.clone(),
         handle.clone(),
         Arc::new(Metrics::new(Default::default())),
