@@ -314,6 +314,46 @@ async fn the_smoke_test_fails_on_a_failed_run_or_no_operator() {
     );
 }
 
+#[tokio::test]
+async fn the_smoke_test_waits_for_the_webhook_then_names_it() {
+    // No replica serves the webhook yet: every create gets the captured 500.
+    let server = ApiServer::new();
+    server.refuse_creates(
+        Resource::Ats,
+        Some("status-500-webhook-unreachable-create.json"),
+    );
+    let (operator, kubelet) = (start(&server), kubelet(&server, 0));
+    let lifted = server.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        lifted.refuse_creates(Resource::Ats, None);
+    });
+    let report = cnat::smoke_test::run(server.client(), "default", WAIT)
+        .await
+        .unwrap();
+    assert!(report.contains("ran and succeeded"), "{report}");
+    assert!(server.count("POST ats") >= 3, "retried");
+    operator.abort();
+    kubelet.abort();
+
+    // It never comes: the message names the webhook and what to check.
+    let down = ApiServer::new();
+    down.refuse_creates(
+        Resource::Ats,
+        Some("status-500-webhook-unreachable-create.json"),
+    );
+    let error = cnat::smoke_test::run(down.client(), "default", Duration::from_millis(2500))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("kept failing for"), "{error}");
+    assert!(error.contains("failed calling webhook"), "{error}");
+    assert!(
+        error.contains("validate.ats.cnat.programming-kubernetes.info"),
+        "{error}"
+    );
+}
+
 mod production {
     //! What production throws at the operator: refused pods, deadlines, TTL, lost deletions.
 
