@@ -1,5 +1,6 @@
 //! Command-line interface. Every flag of `cnat run` can also be set by a `CNAT_*` variable.
 
+use crate::access_review::{self, OnError};
 use crate::leader::Timing;
 use crate::policy::{self, RunPolicy};
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
@@ -121,6 +122,23 @@ pub struct RunArgs {
     #[arg(long, env = "CNAT_WEBHOOKS", default_value_t = true, action = ArgAction::Set)]
     pub webhooks: bool,
 
+    /// The escalation guard: allow creating an At (or changing its spec) only to users who may
+    /// create pods in its namespace, asked with a SubjectAccessReview.
+    #[arg(long, env = "CNAT_ACCESS_REVIEW", default_value_t = true, action = ArgAction::Set)]
+    pub access_review: bool,
+
+    /// What the guard does when the review cannot be made in time: `deny` (safe) or `allow`.
+    #[arg(long, env = "CNAT_ACCESS_REVIEW_ON_ERROR", value_enum, default_value_t = OnError::Deny)]
+    pub access_review_on_error: OnError,
+
+    /// How long an answer is reused for the same user, groups and namespace.
+    #[arg(long, env = "CNAT_ACCESS_REVIEW_CACHE_TTL", default_value = "10s", value_parser = duration)]
+    pub access_review_cache_ttl: Duration,
+
+    /// The longest the guard waits for the API server's answer.
+    #[arg(long, env = "CNAT_ACCESS_REVIEW_TIMEOUT", default_value = "2s", value_parser = duration)]
+    pub access_review_timeout: Duration,
+
     /// Address of the HTTPS webhook server.
     #[arg(long, env = "CNAT_WEBHOOK_ADDR", default_value = "[::]:8443")]
     pub webhook_addr: SocketAddr,
@@ -181,6 +199,15 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
+    /// The escalation guard's settings, `None` when it is off.
+    pub fn access_review(&self) -> Option<access_review::Settings> {
+        self.access_review.then_some(access_review::Settings {
+            cache_ttl: self.access_review_cache_ttl,
+            timeout: self.access_review_timeout,
+            on_error: self.access_review_on_error,
+        })
+    }
+
     /// What applies to runs whose At leaves it out.
     pub fn policy(&self) -> RunPolicy {
         RunPolicy {

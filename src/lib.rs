@@ -3,6 +3,7 @@
 //! The state machine (`reconcile::decide`), schedule parsing (`schedule`) and pod naming and spec
 //! (`pod`) are pure; Kubernetes I/O lives in `reconcile` and `controller`.
 
+pub mod access_review;
 pub mod admin;
 pub mod api;
 pub mod check;

@@ -3,6 +3,7 @@
 
 use axum_server::tls_rustls::RustlsConfig;
 use clap::Parser;
+use cnat::access_review::AccessReviewer;
 use cnat::admin::{self, Health};
 use cnat::cli::{CertsArgs, CheckArgs, Cli, Command, RunArgs, SmokeTestArgs};
 use cnat::events::EventSink;
@@ -170,7 +171,16 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
     );
 
     let webhooks = match args.webhooks {
-        true => Some(start_webhooks(&args, metrics.clone(), close_servers.clone()).await?),
+        true => {
+            let reviewer = args
+                .access_review()
+                .map(|settings| Arc::new(AccessReviewer::new(client.clone(), settings)));
+            let shared = webhook::Shared {
+                metrics: metrics.clone(),
+                reviewer,
+            };
+            Some(start_webhooks(&args, shared, close_servers.clone()).await?)
+        }
         false => None,
     };
     health.set_webhooks_serving();
@@ -240,7 +250,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
 /// Starts the HTTPS webhook server and its certificate reloader; returns once it listens.
 async fn start_webhooks(
     args: &RunArgs,
-    metrics: Arc<Metrics>,
+    shared: webhook::Shared,
     stop_reloading: CancellationToken,
 ) -> Result<
     (
@@ -265,7 +275,7 @@ async fn start_webhooks(
     let handle = axum_server::Handle::new();
     let listener = cnat::listen::bind(args.webhook_addr)
         .map_err(|e| format!("--webhook-addr {}: {e}", args.webhook_addr))?;
-    let server = tokio::spawn(webhook::serve(listener, config, handle.clone(), metrics));
+    let server = tokio::spawn(webhook::serve(listener, config, handle.clone(), shared));
     if handle.listening().await.is_none() {
         let why = match server.await {
             Ok(Err(error)) => error.to_string(),

@@ -4,6 +4,7 @@
 //! Each request is an `admission` span (a child of the caller's W3C `traceparent`, which
 //! kube-apiserver sends when its tracing is on) and is counted in the metrics.
 
+use crate::access_review::AccessReviewer;
 use crate::api::{At, GROUP};
 use crate::defaulting::{self, Target};
 use crate::metrics::{AdmissionLabels, Metrics};
@@ -24,7 +25,7 @@ use opentelemetry_http::HeaderExtractor;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tracing::{debug, info_span};
+use tracing::{debug, info_span, Instrument};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Path of the validating webhook (kube-apiserver appends `?timeout=...`).
@@ -41,12 +42,19 @@ pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// A webhook's pure entry point: AdmissionReview body in, verdict out.
 type Review = fn(&[u8]) -> Result<Verdict, String>;
 
+/// What every request shares: the metrics, and the escalation guard (`None`: turned off).
+#[derive(Clone)]
+pub struct Shared {
+    pub metrics: Arc<Metrics>,
+    pub reviewer: Option<Arc<AccessReviewer>>,
+}
+
 /// The webhook routes.
-pub fn router(metrics: Arc<Metrics>) -> Router {
+pub fn router(shared: Shared) -> Router {
     let route = |name: &'static str, review: Review| {
         post(
-            move |State(metrics): State<Arc<Metrics>>, headers: HeaderMap, body: Bytes| async move {
-                admit(name, review, &metrics, &headers, &body)
+            move |State(shared): State<Shared>, headers: HeaderMap, body: Bytes| async move {
+                admit(name, review, &shared, &headers, &body).await
             },
         )
     };
@@ -54,17 +62,19 @@ pub fn router(metrics: Arc<Metrics>) -> Router {
         .route(VALIDATING_PATH, route("validating", validating))
         .route(MUTATING_PATH, route("mutating", mutating))
         .layer(DefaultBodyLimit::max(MAX_BODY))
-        .with_state(metrics)
+        .with_state(shared)
 }
 
-/// Runs `review` on `body` inside an `admission` span and counts it.
-fn admit(
+/// Runs `review` on `body` inside an `admission` span, asks the escalation guard when the
+/// review says so, and counts it.
+async fn admit(
     webhook: &'static str,
     review: Review,
-    metrics: &Metrics,
+    shared: &Shared,
     headers: &HeaderMap,
     body: &[u8],
 ) -> Response {
+    let metrics = &shared.metrics;
     let started = Instant::now();
     // Attributes known only after decoding go straight to the OpenTelemetry span: recording
     // them as tracing fields would make the JSON log layer re-serialize the span each time.
@@ -74,7 +84,16 @@ fn admit(
     });
     // Only fails when no tracing-opentelemetry layer is installed; then there is nothing to link.
     let _ = span.set_parent(caller);
-    let verdict = span.in_scope(|| review(body));
+    let mut verdict = span.in_scope(|| review(body));
+    if let (Ok(v), Some(reviewer)) = (verdict.as_mut(), &shared.reviewer) {
+        if let Some((user, namespace)) = v.access.take().filter(|_| v.response.allowed) {
+            let checked = reviewer.check(&user, &namespace).instrument(span.clone());
+            if let Err(denial) = checked.await {
+                let at = format!("{namespace}/{}", v.name);
+                v.response = v.response.clone().deny(format!("At {at}: {denial}"));
+            }
+        }
+    }
     let operation = match &verdict {
         Ok(verdict) => {
             describe(&span, verdict);
@@ -122,6 +141,9 @@ pub struct Verdict {
     pub namespace: Option<String>,
     pub name: String,
     pub response: AdmissionResponse,
+    /// Who must be allowed to create pods in which namespace for this to pass: set when an At
+    /// is created or its spec changed (dry runs included), for the escalation guard.
+    pub access: Option<(k8s_openapi::api::authentication::v1::UserInfo, String)>,
 }
 
 impl Verdict {
@@ -138,6 +160,7 @@ impl Verdict {
             namespace: request.namespace.clone(),
             name: request.name.clone(),
             response,
+            access: None,
         }
     }
 }
@@ -147,7 +170,7 @@ pub async fn serve(
     listener: std::net::TcpListener,
     tls: RustlsConfig,
     handle: Handle<SocketAddr>,
-    metrics: Arc<Metrics>,
+    shared: Shared,
 ) -> std::io::Result<()> {
     let acceptor = RustlsAcceptor::new(tls).handshake_timeout(HANDSHAKE_TIMEOUT);
     let mut server = axum_server::from_tcp(listener)?
@@ -159,7 +182,7 @@ pub async fn serve(
         .http1()
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(HEADER_TIMEOUT);
-    server.serve(router(metrics).into_make_service()).await
+    server.serve(router(shared).into_make_service()).await
 }
 
 /// The HTTP answer: the AdmissionReview, or 400 with the reason the body is not one.
@@ -210,9 +233,34 @@ pub fn validating(body: &[u8]) -> Result<Verdict, String> {
         .ok()
         .and_then(|r| r.try_into().ok());
     match typed {
-        Some(request) if concerns_ats(&request) => Ok(Verdict::on(&request, validate(&request))),
+        Some(request) if concerns_ats(&request) => {
+            let mut verdict = Verdict::on(&request, validate(&request));
+            verdict.access = runs_pod_for(&request);
+            Ok(verdict)
+        }
         _ => decode(body).map(|request| Verdict::on(&request, refuse(&request))),
     }
+}
+
+/// Whose permission to create pods, where, an At write needs: a create, or an update that
+/// changes the spec (the pod it will run); not a status write, a delete or a label edit.
+fn runs_pod_for(
+    request: &AdmissionRequest<At>,
+) -> Option<(k8s_openapi::api::authentication::v1::UserInfo, String)> {
+    if is_status(request) {
+        return None;
+    }
+    let at = request.object.as_ref()?;
+    let spec_changes = match (&request.operation, request.old_object.as_ref()) {
+        (Operation::Create, _) => true,
+        (Operation::Update, Some(old)) => old.spec != at.spec,
+        _ => false,
+    };
+    let namespace = request
+        .namespace
+        .clone()
+        .or_else(|| at.metadata.namespace.clone())?;
+    spec_changes.then(|| (request.user_info.clone(), namespace))
 }
 
 fn validate(request: &AdmissionRequest<At>) -> AdmissionResponse {

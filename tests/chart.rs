@@ -257,8 +257,18 @@ fn rbac_is_exactly_what_the_operator_uses() {
             ),
             rule(&[""], &["pods"], &["get", "list", "watch", "create"], None),
             rule(&["events.k8s.io"], &["events"], &["create", "patch"], None),
+            rule(
+                &["authorization.k8s.io"],
+                &["subjectaccessreviews"],
+                &["create"],
+                None
+            ),
         ]
     );
+    // Without the escalation guard, no access reviews.
+    let unguarded: ClusterRole =
+        Rendered::new(&["webhook.accessReview.enabled=false"]).one("ClusterRole");
+    assert_eq!(unguarded.rules.unwrap().len(), 4);
     let role: Role = rendered
         .all::<Role>("Role")
         .into_iter()
@@ -458,6 +468,10 @@ fn bad_values_are_rejected_by_the_schema() {
             "runDefaults.cpu=1",
             "additional properties 'cpu' not allowed",
         ),
+        (
+            "webhook.accessReview.onError=maybe",
+            "/webhook/accessReview/onError",
+        ),
         ("tracing.samplingRatio=2", "/tracing/samplingRatio"),
         ("tracing.samplingRatio=half", "/tracing/samplingRatio"),
         (
@@ -563,6 +577,8 @@ fn by_default_metrics_have_a_service_and_no_traces_are_exported() {
     assert_eq!(env["CNAT_RENEW_DEADLINE"], "10s");
     assert_eq!(env["CNAT_RETRY_PERIOD"], "2s");
     assert_eq!(env["CNAT_STEP_DOWN_GRACE"], "200ms");
+    assert_eq!(env["CNAT_ACCESS_REVIEW"], "true");
+    assert_eq!(env["CNAT_ACCESS_REVIEW_ON_ERROR"], "deny");
     // Dual-stack listeners, so IPv6-only clusters work.
     assert_eq!(env["CNAT_ADMIN_ADDR"], "[::]:8080");
     assert_eq!(env["CNAT_WEBHOOK_ADDR"], "[::]:8443");
@@ -669,12 +685,15 @@ fn helm_test_runs_the_smoke_test_with_its_own_minimal_rbac() {
     let role: Role = serde_json::from_value(hooks[1].clone()).unwrap();
     assert_eq!(
         role.rules.unwrap(),
-        [rule(
-            &["cnat.programming-kubernetes.info"],
-            &["ats"],
-            &["create", "get", "delete"],
-            None
-        )]
+        [
+            rule(
+                &["cnat.programming-kubernetes.info"],
+                &["ats"],
+                &["create", "get", "delete"],
+                None
+            ),
+            rule(&[""], &["pods"], &["create"], None),
+        ]
     );
 }
 

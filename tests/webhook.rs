@@ -6,6 +6,7 @@ mod support;
 
 use axum_server::tls_rustls::RustlsConfig;
 use base64::Engine;
+use cnat::access_review::{self, AccessReviewer};
 use cnat::metrics::Metrics;
 use cnat::tls::{self, CertFiles};
 use cnat::webhook;
@@ -25,6 +26,11 @@ struct Server {
 }
 
 async fn server(name: &str) -> Server {
+    server_with(name, None).await
+}
+
+/// The webhook server with the escalation guard asking `reviewer`.
+async fn server_with(name: &str, reviewer: Option<Arc<AccessReviewer>>) -> Server {
     let dir = std::env::temp_dir().join(format!("cnat-webhook-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let files = tls::generate("cnat-webhook", "cnat-system", 1)
@@ -37,7 +43,10 @@ async fn server(name: &str) -> Server {
         cnat::listen::bind("127.0.0.1:0".parse().unwrap()).unwrap(),
         config.clone(),
         handle.clone(),
-        Arc::new(Metrics::new(Default::default())),
+        webhook::Shared {
+            metrics: Arc::new(Metrics::new(Default::default())),
+            reviewer,
+        },
     ));
     let addr = handle.listening().await.expect("listening");
     Server {
@@ -431,4 +440,101 @@ async fn a_broken_new_certificate_is_refused_and_the_old_one_kept() {
         true
     );
     stop.cancel();
+}
+
+mod escalation_guard {
+    //! The validating webhook asks the API server (the fake, answering with the captured
+    //! SubjectAccessReviews) whether the requester may create pods where the At would run one.
+
+    use super::*;
+    use support::apiserver::ApiServer;
+
+    async fn guarded(name: &str) -> (Server, ApiServer) {
+        let api = ApiServer::new();
+        let reviewer = AccessReviewer::new(api.client(), access_review::Settings::default());
+        (server_with(name, Some(Arc::new(reviewer))).await, api)
+    }
+
+    /// The captured request, as `user`.
+    fn as_user(name: &str, user: &str) -> (String, Value) {
+        let (path, mut request) = fixture(name);
+        request["request"]["userInfo"]["username"] = user.into();
+        (path, request)
+    }
+
+    #[tokio::test]
+    async fn a_user_who_may_not_create_pods_may_not_create_an_at() {
+        let (server, api) = guarded("guard").await;
+        let client = trusting(&server);
+        let (path, request) = as_user("validating-create.json", "alice");
+        let namespace = request["request"]["namespace"].as_str().unwrap().to_owned();
+        api.deny_pods("alice", &namespace);
+
+        let response = review(&client, server.addr, &path, &request).await;
+        assert_eq!(response["allowed"], false, "{response}");
+        let message = response["status"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!(
+                "alice may not create pods in namespace {namespace}"
+            )),
+            "{message}"
+        );
+        // Someone who may: allowed. The question carried the requester's identity.
+        let (path, bob) = as_user("validating-create.json", "bob");
+        let response = review(&client, server.addr, &path, &bob).await;
+        assert_eq!(response["allowed"], true, "{response}");
+        assert_eq!(api.count("POST subjectaccessreviews"), 2);
+
+        // A burst from alice: answered from the cache.
+        for _ in 0..5 {
+            let response = review(&client, server.addr, &path, &request).await;
+            assert_eq!(response["allowed"], false);
+        }
+        assert_eq!(api.count("POST subjectaccessreviews"), 2);
+    }
+
+    #[tokio::test]
+    async fn a_dry_run_gets_the_same_answer() {
+        let (server, api) = guarded("guard-dryrun").await;
+        let client = trusting(&server);
+        // The captured dry run is of an invalid At; make it valid, so only the guard decides.
+        let (path, mut request) = as_user("validating-create-dryrun.json", "alice");
+        let (_, valid) = fixture("validating-create.json");
+        request["request"]["object"]["spec"] = valid["request"]["object"]["spec"].clone();
+        assert_eq!(request["request"]["dryRun"], true);
+        let namespace = request["request"]["namespace"].as_str().unwrap().to_owned();
+        api.deny_pods("alice", &namespace);
+        let response = review(&client, server.addr, &path, &request).await;
+        assert_eq!(response["allowed"], false, "{response}");
+        assert_eq!(api.count("POST subjectaccessreviews"), 1);
+    }
+
+    #[tokio::test]
+    async fn status_writes_deletes_and_metadata_edits_are_not_asked_about() {
+        let (server, api) = guarded("guard-skip").await;
+        let client = trusting(&server);
+        for name in ["validating-update-status.json", "validating-delete.json"] {
+            let (path, request) = as_user(name, "alice");
+            let namespace = request["request"]["namespace"].as_str().unwrap().to_owned();
+            api.deny_pods("alice", &namespace);
+            let response = review(&client, server.addr, &path, &request).await;
+            assert_eq!(response["allowed"], true, "{name}: {response}");
+        }
+        // An update that only adds a label (the spec is unchanged).
+        let (path, mut request) = as_user("validating-update.json", "alice");
+        request["request"]["object"]["spec"] = request["request"]["oldObject"]["spec"].clone();
+        request["request"]["object"]["metadata"]["labels"] = json!({"team": "a"});
+        let response = review(&client, server.addr, &path, &request).await;
+        assert_eq!(response["allowed"], true, "{response}");
+        assert_eq!(api.count("POST subjectaccessreviews"), 0);
+        // An update that changes the spec (the captured one changes the command) is asked about.
+        let (path, request) = as_user("validating-update.json", "alice");
+        assert_ne!(
+            request["request"]["object"]["spec"],
+            request["request"]["oldObject"]["spec"]
+        );
+        let response = review(&client, server.addr, &path, &request).await;
+        assert_eq!(response["allowed"], false, "{response}");
+        assert_eq!(api.count("POST subjectaccessreviews"), 1);
+    }
 }

@@ -27,6 +27,8 @@ pub enum Resource {
     Pods,
     Events,
     Leases,
+    /// authorization.k8s.io/v1 SubjectAccessReviews (POST only, answered, never stored).
+    AccessReviews,
 }
 
 impl Resource {
@@ -36,6 +38,7 @@ impl Resource {
             Resource::Pods => "v1",
             Resource::Events => "events.k8s.io/v1",
             Resource::Leases => "coordination.k8s.io/v1",
+            Resource::AccessReviews => "authorization.k8s.io/v1",
         }
     }
 
@@ -45,6 +48,7 @@ impl Resource {
             Resource::Pods => "pods",
             Resource::Events => "events",
             Resource::Leases => "leases",
+            Resource::AccessReviews => "subjectaccessreviews",
         }
     }
 
@@ -54,6 +58,7 @@ impl Resource {
             Resource::Pods => "Pod",
             Resource::Events => "Event",
             Resource::Leases => "Lease",
+            Resource::AccessReviews => "SubjectAccessReview",
         }
     }
 }
@@ -90,6 +95,8 @@ struct State {
     list_latency: Duration,
     /// Creations of these resources are refused with this captured Status (e.g. a 403 quota).
     refusals: BTreeMap<Resource, Value>,
+    /// (user, namespace) pairs a SubjectAccessReview says may not create pods.
+    no_pods: std::collections::BTreeSet<(String, String)>,
     /// Watches of a resource that resume from a resourceVersion below this get 410 Expired.
     compacted: BTreeMap<Resource, u64>,
 }
@@ -160,6 +167,12 @@ impl ApiServer {
             Some(file) => state.refusals.insert(resource, fixture(file)),
             None => state.refusals.remove(&resource),
         };
+    }
+
+    /// SubjectAccessReviews answer that `user` may not create pods in `namespace` (the captured
+    /// denial); everyone else may.
+    pub fn deny_pods(&self, user: &str, namespace: &str) {
+        self.lock().no_pods.insert((user.into(), namespace.into()));
     }
 
     /// Removes an object without telling watchers, as when it goes while a watch is down.
@@ -428,6 +441,25 @@ impl ApiServer {
                 Some(object) => ok(StatusCode::OK, &object),
                 None => not_found(route.resource, name),
             },
+            (&Method::POST, None) if route.resource == Resource::AccessReviews => {
+                let asked: Value = serde_json::from_slice(&bytes).unwrap();
+                let spec = &asked["spec"];
+                let key = (
+                    spec["user"].as_str().unwrap_or_default().to_owned(),
+                    spec["resourceAttributes"]["namespace"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned(),
+                );
+                let denied = self.lock().no_pods.contains(&key);
+                let mut answer = fixture(if denied {
+                    "subjectaccessreview-denied.json"
+                } else {
+                    "subjectaccessreview-allowed.json"
+                });
+                answer["spec"] = spec.clone();
+                ok(StatusCode::CREATED, &answer)
+            }
             (&Method::POST, None) if self.lock().refusals.contains_key(&route.resource) => {
                 let refusal = self.lock().refusals[&route.resource].clone();
                 let code = refusal["code"].as_u64().unwrap() as u16;
@@ -707,6 +739,7 @@ impl Route {
             "pods" => Resource::Pods,
             "events" => Resource::Events,
             "leases" => Resource::Leases,
+            "subjectaccessreviews" => Resource::AccessReviews,
             _ => return None,
         };
         Some(Route {

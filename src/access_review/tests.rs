@@ -1,0 +1,151 @@
+use super::*;
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use kube::client::Body;
+use serde_json::Value;
+use tokio::task::JoinHandle;
+
+fn fixture(name: &str) -> Value {
+    let path = format!(
+        "{}/tests/fixtures/api-k8s-1.24/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn alice() -> UserInfo {
+    UserInfo {
+        username: Some("alice".into()),
+        uid: Some("u-1".into()),
+        groups: Some(vec!["system:authenticated".into(), "devs".into()]),
+        extra: Some([("scopes".into(), vec!["x".into()])].into()),
+    }
+}
+
+/// A scripted API server: each SubjectAccessReview POST gets the next reply (`None`: never
+/// answered); returns the reviews it received.
+fn server(replies: Vec<Option<(u16, Value)>>) -> (Client, JoinHandle<Vec<Value>>) {
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let task = tokio::spawn(async move {
+        let mut seen = Vec::new();
+        let mut pending = Vec::new();
+        for reply in replies {
+            let Some((request, respond)) = handle.next_request().await else {
+                break;
+            };
+            assert_eq!(
+                (request.method().as_str(), request.uri().path()),
+                ("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews")
+            );
+            let body = request.into_body().collect().await.unwrap().to_bytes();
+            seen.push(serde_json::from_slice(&body).unwrap());
+            match reply {
+                Some((code, body)) => respond.send_response(
+                    Response::builder()
+                        .status(code)
+                        .body(Body::from(serde_json::to_vec(&body).unwrap()))
+                        .unwrap(),
+                ),
+                None => pending.push(respond),
+            }
+        }
+        seen
+    });
+    (Client::new(service, "default"), task)
+}
+
+#[tokio::test]
+async fn an_allowed_user_passes_and_the_review_carries_their_identity() {
+    let (client, task) = server(vec![Some((
+        201,
+        fixture("subjectaccessreview-allowed.json"),
+    ))]);
+    let reviewer = AccessReviewer::new(client, Settings::default());
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    drop(reviewer);
+    let seen = task.await.unwrap();
+    assert_eq!(
+        seen[0]["spec"],
+        serde_json::json!({
+            "user": "alice", "uid": "u-1", "groups": ["system:authenticated", "devs"],
+            "extra": {"scopes": ["x"]},
+            "resourceAttributes": {"namespace": "fx", "verb": "create", "group": "", "resource": "pods"},
+        })
+    );
+}
+
+#[tokio::test]
+async fn a_denied_user_gets_a_message_naming_the_permission_and_namespace() {
+    let (client, _task) = server(vec![Some((
+        201,
+        fixture("subjectaccessreview-denied.json"),
+    ))]);
+    let reviewer = AccessReviewer::new(client, Settings::default());
+    let denied = reviewer.check(&alice(), "fx").await.unwrap_err();
+    assert!(
+        denied.starts_with("alice may not create pods in namespace fx, and an At runs a pod there"),
+        "{denied}"
+    );
+    assert!(denied.contains("ask for create on pods in fx"), "{denied}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn answers_are_cached_briefly_per_user_groups_and_namespace() {
+    let (client, task) = server(vec![
+        Some((201, fixture("subjectaccessreview-denied.json"))),
+        Some((201, fixture("subjectaccessreview-allowed.json"))),
+        Some((201, fixture("subjectaccessreview-allowed.json"))),
+    ]);
+    let reviewer = AccessReviewer::new(client, Settings::default());
+    // A burst of applies costs one review.
+    for _ in 0..5 {
+        assert!(reviewer.check(&alice(), "fx").await.is_err());
+    }
+    // Groups in another order are the same key; another namespace is not.
+    let mut reordered = alice();
+    reordered.groups.as_mut().unwrap().reverse();
+    assert!(reviewer.check(&reordered, "fx").await.is_err());
+    assert_eq!(reviewer.check(&alice(), "other").await, Ok(()));
+    // After the TTL (a RoleBinding was added meanwhile), it asks again.
+    tokio::time::advance(Settings::default().cache_ttl).await;
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    drop(reviewer);
+    assert_eq!(task.await.unwrap().len(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_review_that_fails_or_hangs_denies_by_default_and_is_not_cached() {
+    let (client, task) = server(vec![
+        Some((500, fixture("status-500-webhook-unreachable-create.json"))),
+        None, // hangs
+        Some((201, fixture("subjectaccessreview-allowed.json"))),
+    ]);
+    let reviewer = AccessReviewer::new(client, Settings::default());
+    let failed = reviewer.check(&alice(), "fx").await.unwrap_err();
+    assert!(
+        failed.starts_with("cnat could not check whether you may create pods in namespace fx"),
+        "{failed}"
+    );
+    let started = Instant::now();
+    let hung = reviewer.check(&alice(), "fx").await.unwrap_err();
+    assert!(hung.contains("no answer within 2s"), "{hung}");
+    assert_eq!(started.elapsed(), Settings::default().timeout, "bounded");
+    // Not cached: the next apply asks again and gets through.
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    drop(reviewer);
+    assert_eq!(task.await.unwrap().len(), 3);
+}
+
+#[tokio::test]
+async fn with_on_error_allow_a_failed_review_lets_the_at_through() {
+    let (client, _task) = server(vec![Some((
+        500,
+        fixture("status-500-webhook-unreachable-create.json"),
+    ))]);
+    let settings = Settings {
+        on_error: OnError::Allow,
+        ..Settings::default()
+    };
+    let reviewer = AccessReviewer::new(client, settings);
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+}
