@@ -722,3 +722,53 @@ fn helm_3_and_helm_4_both_lint_render_and_validate_the_chart() {
         "Helm 3 and Helm 4 render different objects"
     );
 }
+
+/// GitOps tools render with `helm template`, where the chart cannot look up its Secret: the
+/// generated CA changes on every render (every sync rotates it). With cert-manager or your own
+/// Secret, renders are identical, which is why the README and NOTES send GitOps users there.
+#[test]
+fn only_cert_manager_and_existing_secret_render_the_same_twice() {
+    let webhook_objects = |sets: &[&str]| -> Vec<Value> {
+        render(sets)
+            .unwrap()
+            .into_iter()
+            .filter(|d| {
+                let kind = d["kind"].as_str().unwrap_or_default();
+                kind.ends_with("WebhookConfiguration") || kind == "Secret" || kind == "Certificate"
+            })
+            .collect()
+    };
+    let generated = webhook_objects(&[]);
+    assert_ne!(generated, webhook_objects(&[]), "a new CA per render");
+    for sets in [
+        vec!["certManager.enabled=true"],
+        vec![
+            "webhook.certs.existingSecret=my-tls",
+            "webhook.certs.caBundle=Q0E=",
+        ],
+    ] {
+        let first = webhook_objects(&sets);
+        assert!(!first.is_empty());
+        assert_eq!(
+            first,
+            webhook_objects(&sets),
+            "{sets:?}: stable across renders"
+        );
+    }
+    let notes = Command::new(helm())
+        .args([
+            "install",
+            "cnat",
+            CHART,
+            "--dry-run",
+            "--namespace",
+            "cnat-system",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&notes.stdout);
+    assert!(
+        stdout.contains("helm template") && stdout.contains("certManager.enabled"),
+        "NOTES warn GitOps users: {stdout}"
+    );
+}
