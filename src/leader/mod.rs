@@ -244,6 +244,8 @@ impl Elector {
         let mut news_at = Instant::now();
         let mut failures = 0u32;
         let mut watch_failing = false;
+        // A watcher stream does not end; if it ever did, stop polling it (it would spin).
+        let mut watch_open = true;
         loop {
             let now = Instant::now();
             let step = record::next(&known, self.me(), now);
@@ -314,7 +316,7 @@ impl Elector {
                     let reread_at = news_at + timing.retry_period;
                     tokio::select! {
                         _ = shutdown.cancelled() => return None,
-                        news = watch.next() => match news {
+                        news = watch.next(), if watch_open => match news {
                             Some(Ok(lease)) => {
                                 if watch_failing {
                                     info!(lease = %self.name(), "watching the lease again");
@@ -327,7 +329,8 @@ impl Elector {
                                 warn!(lease = %self.name(), %error, "cannot watch the lease; reading it every retry period instead");
                                 watch_failing = true;
                             }
-                            Some(Err(_)) | None => {}
+                            Some(Err(_)) => {}
+                            None => watch_open = false,
                         },
                         _ = sleep_until(until.min(reread_at)) => {
                             if Instant::now() >= reread_at {
