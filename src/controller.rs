@@ -65,8 +65,17 @@ pub async fn run(
         namespace = settings.namespace.as_deref().unwrap_or("<all>"),
         "reconciling Ats"
     );
+    // Both exist once per context, which was just made.
+    let (Some(followups), Some(retriggers)) = (ctx.followup_writer(), ctx.retriggers()) else {
+        unreachable!("a new context hands out its follow-up writer and retriggers");
+    };
+    // Status writes queued behind pod creates live and die with the loop: a stopping leader
+    // drops what it has not written, and its successor writes it from what it observes.
+    let followups = tokio::spawn(followups);
+    let _stop_followups = AbortOnDrop(followups);
     Controller::for_stream(at_events, at_store)
         .owns_stream(pod_events)
+        .reconcile_on(retriggers)
         .with_config(controller::Config::default().concurrency(settings.concurrency))
         .graceful_shutdown_on(stop.cancelled_owned())
         .run(reconcile, error_policy, ctx)
@@ -81,6 +90,15 @@ pub async fn run(
         })
         .await;
     info!("reconcile loop stopped");
+}
+
+/// Aborts the follow-up writer when the loop ends, also when it is aborted on lost leadership.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Stops the At count when the loop ends, also when it is aborted on lost leadership.

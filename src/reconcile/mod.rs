@@ -3,6 +3,7 @@
 //! Each reconcile is a `reconcile` span and is counted in the metrics.
 
 pub mod decide;
+pub mod followup;
 
 use crate::api::{At, AtStatus, Phase};
 use crate::events::EventSink;
@@ -12,6 +13,7 @@ use crate::{pod, schedule};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
 use decide::{decide, Action as Step, Decision, Note, PodObservation, Severity};
+use followup::PodsFirst;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
@@ -81,6 +83,13 @@ pub struct Context {
     superseded: Mutex<HashMap<String, String>>,
     /// Per At uid, consecutive failed reconciles, for exponential backoff.
     failures: Mutex<HashMap<String, u32>>,
+    /// Pod creates in flight, which status writes that follow creates wait for.
+    pods_first: PodsFirst,
+    /// Status writes (and events) queued behind pod creates.
+    followups: followup::Queue,
+    /// Ats to reconcile again outside the runtime's own requeues (a failed follow-up write).
+    retrigger: tokio::sync::mpsc::UnboundedSender<ObjectRef<At>>,
+    retriggered: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<ObjectRef<At>>>>,
 }
 
 impl Context {
@@ -92,6 +101,7 @@ impl Context {
         metrics: Arc<Metrics>,
         policy: RunPolicy,
     ) -> Self {
+        let (retrigger, retriggered) = tokio::sync::mpsc::unbounded_channel();
         Context {
             client,
             pods,
@@ -101,7 +111,43 @@ impl Context {
             policy,
             superseded: Mutex::default(),
             failures: Mutex::default(),
+            pods_first: PodsFirst::default(),
+            followups: followup::Queue::default(),
+            retrigger,
+            retriggered: Mutex::new(Some(retriggered)),
         }
+    }
+
+    /// Ats to reconcile again, for `Controller::reconcile_on`; `None` if already taken.
+    pub fn retriggers(&self) -> Option<impl futures::Stream<Item = ObjectRef<At>> + use<>> {
+        let receiver = self
+            .retriggered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()?;
+        Some(futures::stream::unfold(receiver, |mut rx| async {
+            rx.recv().await.map(|at| (at, rx))
+        }))
+    }
+
+    /// Counts one more failure of `at` and returns the backoff before its next attempt.
+    fn next_retry(&self, at: &At) -> Duration {
+        let attempt = {
+            let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+            let count = failures.entry(uid(at)).or_insert(0);
+            *count += 1;
+            *count
+        };
+        retry_delay(attempt)
+    }
+
+    /// Reconciles `at` again after `delay` (nothing happens if the loop ended meanwhile).
+    fn retrigger_after(&self, at: ObjectRef<At>, delay: Duration) {
+        let retrigger = self.retrigger.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let _ = retrigger.send(at);
+        });
     }
 }
 
@@ -128,7 +174,7 @@ pub async fn reconcile(at: Arc<At>, ctx: Arc<Context>) -> Result<Action, Error> 
     result
 }
 
-async fn step(at: &At, ctx: &Context) -> Result<Action, Error> {
+async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
     if ctx.is_stale(at) {
         Span::current().record("action", "skip-stale");
         return Ok(Action::await_change());
@@ -145,7 +191,8 @@ async fn step(at: &At, ctx: &Context) -> Result<Action, Error> {
             Step::LookUpPod => ctx.fetch_pod(at).await?,
             Step::DeleteAt => return ctx.delete_at(at).await,
             Step::CreatePod => match ctx.create_pod(at).await? {
-                None => return ctx.commit(at, decision, now).await,
+                // Pods first: the status write and event wait for the creates in flight.
+                None => return Ok(ctx.defer(at, decision, now)),
                 Some(found) => found,
             },
         };
@@ -158,14 +205,8 @@ async fn step(at: &At, ctx: &Context) -> Result<Action, Error> {
 
 /// Retries a failed reconcile after an exponentially growing, jittered delay.
 pub fn error_policy(at: Arc<At>, error: &Error, ctx: Arc<Context>) -> Action {
-    let attempt = {
-        let mut failures = ctx.failures.lock().unwrap_or_else(|e| e.into_inner());
-        let count = failures.entry(uid(&at)).or_insert(0);
-        *count += 1;
-        *count
-    };
-    let delay = retry_delay(attempt);
-    warn!(at = %key(&at), %error, attempt, retry_in = ?delay, "reconcile failed");
+    let delay = ctx.next_retry(&at);
+    warn!(at = %key(&at), %error, retry_in = ?delay, "reconcile failed");
     Action::requeue(delay)
 }
 
@@ -229,11 +270,13 @@ impl Context {
             field_manager: Some(FIELD_MANAGER.into()),
             ..PostParams::default()
         };
-        match self
+        let creating = self.pods_first.creating();
+        let created = self
             .pod_api(at)
             .create(&params, &pod::build(at, &self.policy))
-            .await
-        {
+            .await;
+        drop(creating);
+        match created {
             Ok(_) => {
                 self.record_lateness(at);
                 Ok(None)
@@ -306,6 +349,28 @@ impl Context {
                 reason,
             });
         }
+        Ok(self.succeeded(at, &decision, decided_at))
+    }
+
+    /// Queues the decided status write and event behind the pod creates in flight (see
+    /// `followup`); until it is written, reconciles of the version decided on are skipped.
+    fn defer(
+        self: &Arc<Self>,
+        at: &Arc<At>,
+        decision: Decision,
+        decided_at: DateTime<Utc>,
+    ) -> Action {
+        let action = self.succeeded(at, &decision, decided_at);
+        if decision.status.is_some() {
+            self.remember_write(at);
+            self.follow_up(at.clone(), decision);
+        }
+        action
+    }
+
+    /// Resets the backoff and returns when to look again, shortened by the time spent since
+    /// `decided_at`.
+    fn succeeded(&self, at: &At, decision: &Decision, decided_at: DateTime<Utc>) -> Action {
         self.failures
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -314,11 +379,11 @@ impl Context {
         let after = decision.status.as_ref().map_or(at.phase(), |s| s.phase);
         span.record("phase.after", after.as_str());
         let spent = ((self.clock)() - decided_at).to_std().unwrap_or_default();
-        Ok(decision.requeue.map_or_else(Action::await_change, |left| {
+        decision.requeue.map_or_else(Action::await_change, |left| {
             let left = left.saturating_sub(spent);
             span.record("requeue.seconds", left.as_secs_f64());
             Action::requeue(left)
-        }))
+        })
     }
 
     /// Status subresource only, guarded by the resourceVersion we decided on: never a blind write.
@@ -360,6 +425,13 @@ impl Context {
                 source,
             }),
         }
+    }
+
+    fn forget_write(&self, at: &At) {
+        self.superseded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&uid(at));
     }
 
     fn remember_write(&self, at: &At) {

@@ -5,6 +5,7 @@ use super::*;
 use crate::api::{AtSpec, Phase};
 use crate::metrics::Metrics;
 use crate::policy::RunPolicy;
+use futures::StreamExt;
 use http::{Request, Response};
 use kube::client::Body;
 use kube::runtime::events::Reporter;
@@ -111,6 +112,8 @@ struct Harness {
     metrics: Arc<Metrics>,
     pods: reflector::store::Writer<Pod>,
     server: tokio::task::JoinHandle<Vec<Sent>>,
+    /// Requests the mock API server answered so far.
+    answered: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// A context whose client talks to a mock API server that answers `script` in order and
@@ -124,6 +127,8 @@ fn harness(script: Vec<Exchange>) -> Harness {
 
 fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
     let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = answered.clone();
     let server = tokio::spawn(async move {
         let mut script = script.into_iter();
         let mut sent = Vec::new();
@@ -156,6 +161,7 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
                 .body(Body::from(serde_json::to_vec(&reply).unwrap()))
                 .unwrap();
             respond.send_response(response);
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
         sent
     });
@@ -170,18 +176,22 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
         client.clone(),
         reporter,
     ));
+    let ctx = Arc::new(Context::new(
+        client,
+        store,
+        events,
+        clock,
+        metrics.clone(),
+        RunPolicy::default(),
+    ));
+    // As in production, status writes that follow pod creates go through the writer.
+    tokio::spawn(ctx.followup_writer().unwrap());
     Harness {
-        ctx: Arc::new(Context::new(
-            client,
-            store,
-            events,
-            clock,
-            metrics.clone(),
-            RunPolicy::default(),
-        )),
+        ctx,
         metrics,
         pods,
         server,
+        answered,
     }
 }
 
@@ -635,5 +645,71 @@ async fn the_requeue_is_shortened_by_the_time_the_reconcile_took() {
     );
     let action = h.reconcile(future).await.unwrap();
     assert_eq!(action, Action::requeue(Duration::from_millis(42_400)));
+    h.finish(2).await;
+}
+
+impl Harness {
+    fn answered(&self) -> usize {
+        self.answered.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn status_writes_after_a_pod_create_wait_until_no_pod_create_is_in_flight() {
+    let status = running_status();
+    let h = harness(vec![
+        answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
+        answer("PATCH", STATUS, 200, at_response(&status)),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    // Another At's pod create is in flight while this one's pod is created.
+    let other = h.ctx.pods_first.creating();
+    assert_eq!(
+        h.reconcile(example_at(None)).await.unwrap(),
+        Action::await_change()
+    );
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(h.answered(), 1, "only the pod create went out");
+    // Until written, the version decided on is not acted on again.
+    assert_eq!(
+        h.reconcile(example_at(None)).await.unwrap(),
+        Action::await_change()
+    );
+    assert_eq!(h.ctx.pods_first.in_flight(), 1);
+
+    drop(other);
+    let sent = h.finish(3).await;
+    assert_status_patch(&sent[1], Phase::Running);
+    assert_event(&sent[2], "Normal", "PodCreated");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_follow_up_write_is_retried_by_a_new_reconcile_after_backoff() {
+    let h = harness(vec![
+        answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
+        answer(
+            "PATCH",
+            STATUS,
+            503,
+            serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "etcdserver: request timed out", "reason": "ServiceUnavailable", "code": 503}),
+        ),
+    ]);
+    let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
+    let started = tokio::time::Instant::now();
+    h.reconcile(example_at(None)).await.unwrap();
+    let again = tokio::time::timeout(Duration::from_secs(5), retriggers.next())
+        .await
+        .expect("a retrigger")
+        .unwrap();
+    assert_eq!(again, ObjectRef::new("example-at").within("default"));
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(500) && waited <= Duration::from_secs(1),
+        "backoff of a first failure: {waited:?}"
+    );
+    assert_eq!(h.ctx.failures.lock().unwrap()[AT_UID], 1);
+    // The cached version is no longer skipped: the next reconcile acts on it.
+    assert!(!h.ctx.is_stale(&example_at(None)));
+    drop(retriggers);
     h.finish(2).await;
 }
