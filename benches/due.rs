@@ -6,8 +6,13 @@
 //! size is also reported as a ratio to the floor: the same number of bare pod creates over 8
 //! connections, measured in the same run.
 //!
-//!     cargo bench --bench due            # 100 and 1000 Ats
-//!     cargo bench --bench due -- 5000    # any sizes
+//! Then the API server goes down (every connection dropped, as when it is killed) while 100 Ats
+//! fall due, for 6 s (the leader keeps its Lease) and for 16 s (past the renew deadline: it
+//! steps down and must win the Lease again), and the bench reports how soon after the server is
+//! back each pod comes.
+//!
+//!     cargo bench --bench due            # 100 and 1000 Ats, then the outages
+//!     cargo bench --bench due -- 5000    # any sizes (no outages)
 
 #[path = "../tests/support/apiserver.rs"]
 mod apiserver;
@@ -31,6 +36,7 @@ async fn main() {
         .skip(1)
         .filter_map(|a| a.parse().ok())
         .collect();
+    let outages = sizes.is_empty();
     let sizes = if sizes.is_empty() {
         vec![100, 1000]
     } else {
@@ -41,6 +47,79 @@ async fn main() {
     for n in sizes {
         run(n).await;
     }
+    if outages {
+        println!();
+        println!("| API server down | Ats due meanwhile | pod created after the server was back (first / p50 / max) | pods |");
+        println!("|---|---|---|---|");
+        for down in [6, 16] {
+            outage(100, Duration::from_secs(down)).await;
+        }
+    }
+}
+
+/// `n` Ats fall due in the middle of an API server outage lasting `down`.
+async fn outage(n: usize, down: Duration) {
+    let server = ApiServer::new();
+    server.set_write_cost(WRITE_COST);
+    let addr = server.serve_http().await;
+    let kubeconfig = std::env::temp_dir().join(format!(
+        "cnat-bench-{}-outage-{}.kubeconfig",
+        std::process::id(),
+        down.as_secs()
+    ));
+    std::fs::write(&kubeconfig, ApiServer::kubeconfig(addr, "default")).unwrap();
+    let lead = LEAD + down / 2;
+    let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
+    let names: Vec<String> = (0..n).map(|i| format!("at-{i}")).collect();
+    for name in &names {
+        server.create(
+            Resource::Ats,
+            json!({"metadata": {"name": name, "namespace": "default"},
+                   "spec": {"schedule": due.to_rfc3339(), "command": "true", "image": "busybox"}}),
+        );
+    }
+    let mut operator = spawn_operator(&kubeconfig);
+    let pending = poll(&server, LEAD, |s| {
+        names.iter().all(|a| {
+            s.get(Resource::Ats, "default", a)
+                .is_some_and(|v| v["status"]["phase"] == "PENDING")
+        })
+    })
+    .await;
+    assert!(pending, "the Ats were not all PENDING before the outage");
+    server.set_down(true);
+    tokio::time::sleep(down).await;
+    server.set_down(false);
+    let back = Instant::now();
+    let created = poll(&server, Duration::from_secs(120), |s| {
+        names
+            .iter()
+            .all(|a| s.pod_created_at("default", &format!("{a}-pod")).is_some())
+    })
+    .await;
+    assert!(created, "not every pod was created after the outage");
+    let after: Vec<Duration> = names
+        .iter()
+        .map(|a| {
+            server
+                .pod_created_at("default", &format!("{a}-pod"))
+                .unwrap()
+                .saturating_duration_since(back)
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Pod names are fixed, so a repeated create (its answer lost in the outage) gets a 409.
+    let pods = server.list(Resource::Pods).len();
+    assert_eq!(pods, n);
+    println!(
+        "| {:.0?} | {n} | {} | {pods} ({} creates sent) |",
+        down,
+        first_p50_max(after),
+        server.count("POST pods")
+    );
+    operator.kill().unwrap();
+    let _ = operator.wait();
+    let _ = std::fs::remove_file(kubeconfig);
 }
 
 /// The floor: `n` bare pod creates over 8 connections against the same modelled server.

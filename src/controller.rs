@@ -7,14 +7,18 @@ use crate::metrics::Metrics;
 use crate::pod;
 use crate::policy::RunPolicy;
 use crate::reconcile::{error_policy, reconcile, Context};
+use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::Utc;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::{self, Controller};
+use kube::runtime::utils::Backoff;
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::{Api, Client};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use tracing::{info, warn};
 
 /// What `cnat run` tells the controller.
@@ -39,13 +43,13 @@ pub async fn run(
     let (ats, pods) = apis(&client, settings.namespace.as_deref());
     let (at_store, at_writer) = reflector::store();
     let at_events = watcher(ats, watcher::Config::default())
-        .default_backoff()
+        .backoff(WatchBackoff::new())
         .modify(trim_at)
         .reflect(at_writer)
         .applied_objects();
     let (pod_store, pod_writer) = reflector::store();
     let pod_events = watcher(pods, watcher::Config::default().labels(pod::SELECTOR))
-        .default_backoff()
+        .backoff(WatchBackoff::new())
         .modify(pod::trim)
         .reflect(pod_writer)
         // Deletions too: a pod that vanishes must end its At.
@@ -71,8 +75,8 @@ pub async fn run(
     };
     // Status writes queued behind pod creates live and die with the loop: a stopping leader
     // drops what it has not written, and its successor writes it from what it observes.
-    let followups = tokio::spawn(followups);
-    let _stop_followups = AbortOnDrop(followups);
+    let _followups = AbortOnDropHandle::new(tokio::spawn(followups));
+    let _probe = AbortOnDropHandle::new(tokio::spawn(ctx.clone().probe_reachability()));
     Controller::for_stream(at_events, at_store)
         .owns_stream(pod_events)
         .reconcile_on(retriggers)
@@ -92,21 +96,45 @@ pub async fn run(
     info!("reconcile loop stopped");
 }
 
-/// Aborts the follow-up writer when the loop ends, also when it is aborted on lost leadership.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// Stops the At count when the loop ends, also when it is aborted on lost leadership.
 struct ForgetAts(Arc<Metrics>);
 
 impl Drop for ForgetAts {
     fn drop(&mut self) {
         self.0.forget_ats();
+    }
+}
+
+/// Retrying a failed watch: 100 ms doubling to 500 ms, plus up to as much again of jitter, so
+/// never more than 1 s; reset by any event. kube's
+/// default grows to 30 s, which after an API server outage leaves the caches (and new Ats)
+/// waiting up to that long after the server is back; one request a second per watch is cheap.
+struct WatchBackoff(backon::ExponentialBackoff);
+
+impl WatchBackoff {
+    fn new() -> Self {
+        WatchBackoff(
+            ExponentialBuilder::new()
+                .with_min_delay(Duration::from_millis(100))
+                .with_max_delay(Duration::from_millis(500))
+                .with_jitter()
+                .without_max_times()
+                .build(),
+        )
+    }
+}
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        self.0.next()
+    }
+}
+
+impl Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        *self = WatchBackoff::new();
     }
 }
 
@@ -124,4 +152,29 @@ fn apis(client: &Client, namespace: Option<&str>) -> (Api<At>, Api<Pod>) {
 fn trim_at(at: &mut At) {
     at.metadata.managed_fields = None;
     at.metadata.annotations = None;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watch_retries_stay_within_a_second_and_start_over_after_success() {
+        let mut backoff = WatchBackoff::new();
+        let delays: Vec<Duration> = backoff.by_ref().take(20).collect();
+        assert_eq!(delays.len(), 20, "never gives up");
+        assert!(delays[0] >= Duration::from_millis(100) && delays[0] <= Duration::from_millis(200));
+        assert!(
+            delays.iter().all(|d| *d <= Duration::from_secs(1)),
+            "{delays:?}"
+        );
+        assert!(
+            delays[10..]
+                .iter()
+                .all(|d| *d >= Duration::from_millis(500)),
+            "{delays:?}"
+        );
+        backoff.reset();
+        assert!(backoff.next().unwrap() <= Duration::from_millis(200));
+    }
 }

@@ -1,9 +1,15 @@
 //! Publishes Kubernetes Events in the background, so a reconcile never waits for one: the status
 //! write is what matters, and the event tells the same story for `kubectl describe`.
+//!
+//! Each event is published by a fresh kube `Recorder`. A long-lived one keeps every event it
+//! published for six minutes (to count repeats as a series) and scans that whole cache on every
+//! publish: with 100,000 Ats created at a few hundred a second that is tens of thousands of
+//! cached events and a scan of them per event. cnat's events are one per transition (repeated
+//! refusals are told once), so a series has nothing to count and memory stays flat.
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
-use kube::runtime::events::{Event, Recorder};
+use kube::runtime::events::{Event, Recorder, Reporter};
 use tokio::sync::mpsc;
 use tracing::warn;
 
@@ -21,14 +27,14 @@ pub struct EventSink {
 }
 
 impl EventSink {
-    /// Starts the background publisher on the current tokio runtime.
-    pub fn start(recorder: Recorder) -> Self {
+    /// Starts the background publisher on the current tokio runtime, reporting as `reporter`.
+    pub fn start(client: kube::Client, reporter: Reporter) -> Self {
         let (queue, receiver) = mpsc::channel(QUEUE);
         let pending = futures::stream::unfold(receiver, |mut rx| async {
             rx.recv().await.map(|e| (e, rx))
         });
         tokio::spawn(pending.for_each_concurrent(CONCURRENCY, move |(event, regarding)| {
-            let recorder = recorder.clone();
+            let recorder = Recorder::new(client.clone(), reporter.clone());
             async move {
                 // Best effort: the At's status already holds the same facts.
                 if let Err(error) = recorder.publish(&event, &regarding).await {

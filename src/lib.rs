@@ -16,6 +16,7 @@ pub mod listen;
 pub mod metrics;
 pub mod pod;
 pub mod policy;
+pub mod reachability;
 pub mod reconcile;
 pub mod schedule;
 pub mod smoke_test;

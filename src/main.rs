@@ -11,7 +11,7 @@ use cnat::leader::{self, Leadership};
 use cnat::metrics::Metrics;
 use cnat::tls::{self, CertFiles};
 use cnat::{api, controller, telemetry, webhook};
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Reporter;
 use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -189,7 +189,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
         controller: "cnat".into(),
         instance: Some(identity.clone()),
     };
-    let events = EventSink::start(Recorder::new(client.clone(), reporter));
+    let events = EventSink::start(client.clone(), reporter);
     let election_settings = leader::Settings {
         lease_name: args.lease_name.clone(),
         namespace,

@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, LogParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Reporter;
 use kube::runtime::wait::{await_condition, conditions};
 use kube::{Api, Client, ResourceExt};
 use std::sync::Arc;
@@ -92,7 +92,7 @@ fn start_operator(client: &Client, ns: &str) -> tokio::task::JoinHandle<()> {
         controller: "cnat".into(),
         instance: Some("cnat-e2e".into()),
     };
-    let events = EventSink::start(Recorder::new(client.clone(), reporter));
+    let events = EventSink::start(client.clone(), reporter);
     tokio::spawn(cnat::controller::run(
         client.clone(),
         settings,

@@ -259,10 +259,18 @@ async fn spans_reach_the_collector(
         assert_eq!(resource["k8s.namespace.name"], "cnat-system");
     }
 
-    // The log line of the reconcile that created the pod is in that reconcile's span.
+    // The log line of the pod's creation comes from the status write queued behind the pods in
+    // flight: a child of the reconcile that created the pod, in its trace.
+    let write = spans
+        .iter()
+        .find(|s| s.name == "status-write" && s.parent_span_id == reconcile.span_id)
+        .unwrap_or_else(|| panic!("no status-write under the reconcile in {spans:#?}"));
+    assert_eq!(write.trace_id, reconcile.trace_id);
+    assert_eq!(write.attributes["phase"], "RUNNING");
+    assert!(!write.attributes.contains_key("error"), "{write:?}");
     let created = log_line(&logs, "runs the command");
     assert_eq!(created["trace_id"], reconcile.trace_id.as_str());
-    assert_eq!(created["span_id"], reconcile.span_id.as_str());
+    assert_eq!(created["span_id"], write.span_id.as_str());
     let reviewed = log_line(&logs, "admission review");
     assert_eq!(reviewed["trace_id"], TRACE_ID);
     assert_eq!(reviewed["span_id"], admission.span_id.as_str());

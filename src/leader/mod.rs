@@ -39,6 +39,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
+/// How soon a candidate asks again after the API server gave no answer.
+const UNANSWERED_RETRY: Duration = Duration::from_millis(500);
+
 /// The wall clock whose time goes into `acquireTime`/`renewTime` (informational only: no
 /// decision reads them). Injected so tests can give each replica a skewed clock.
 #[derive(Clone)]
@@ -351,7 +354,14 @@ impl Elector {
                     failures += 1;
                     warn!(lease = %self.name(), %error, failures, "could not acquire the lease; retrying");
                     known = Known::Unknown;
-                    let pause = timing.retry_period * failures.clamp(1, 5);
+                    // No answer at all (the API server is down or restarting): ask again soon,
+                    // so leadership resumes right after it is back. An answer that refused us
+                    // (a missing namespace, RBAC) backs off.
+                    let pause = if error.unanswered() {
+                        timing.retry_period.min(UNANSWERED_RETRY)
+                    } else {
+                        timing.retry_period * failures.clamp(1, 5)
+                    };
                     tokio::select! {
                         _ = shutdown.cancelled() => return None,
                         _ = sleep(pause) => {}

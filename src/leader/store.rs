@@ -26,6 +26,17 @@ pub enum LeaseError {
     NoNamespace(String),
 }
 
+impl LeaseError {
+    /// Whether the API server gave no answer (down, unreachable, too slow).
+    pub fn unanswered(&self) -> bool {
+        match self {
+            LeaseError::Api(error) => crate::reachability::unanswered(error),
+            LeaseError::Timeout(_) => true,
+            LeaseError::NoNamespace(_) => false,
+        }
+    }
+}
+
 /// The answer to a write that carries a precondition.
 #[derive(Debug)]
 pub enum Written {

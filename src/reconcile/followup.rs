@@ -10,7 +10,8 @@ use futures::StreamExt;
 use kube::runtime::reflector::ObjectRef;
 use std::sync::Arc;
 use tokio::sync::{mpsc, watch};
-use tracing::{debug, warn};
+use tracing::field::{display, Empty};
+use tracing::{debug, info_span, warn, Instrument, Span};
 
 /// Status writes that follow pod creates, at once.
 const WRITERS: usize = 8;
@@ -62,6 +63,8 @@ pub struct Followup {
     ctx: Arc<Context>,
     at: Arc<At>,
     decision: Decision,
+    /// A `status-write` span, child of the reconcile that queued it: same trace.
+    span: Span,
 }
 
 /// The queue's sending and receiving ends, as `Context` holds them.
@@ -83,10 +86,17 @@ impl Default for Queue {
 impl Context {
     /// Queues the status write and event of `decision` for `at` behind the pods in flight.
     pub(super) fn follow_up(self: &Arc<Self>, at: Arc<At>, decision: Decision) {
+        let span = info_span!(
+            "status-write",
+            phase = decision.status.as_ref().map(|s| s.phase.as_str()),
+            error = Empty,
+            "otel.status_code" = Empty,
+        );
         let job = Followup {
             ctx: self.clone(),
             at,
             decision,
+            span,
         };
         if self.followups.sender.send(job).is_err() {
             // Only after the writer stopped, i.e. the loop is ending: the next leader writes it.
@@ -107,7 +117,11 @@ impl Context {
             rx.recv().await.map(|job| (job, rx))
         });
         Some(jobs.for_each_concurrent(WRITERS, |job| async move {
-            job.ctx.write_followup(&job.at, &job.decision).await;
+            let span = job.span.clone();
+            job.ctx
+                .write_followup(&job.at, &job.decision)
+                .instrument(span)
+                .await;
         }))
     }
 
@@ -126,11 +140,16 @@ impl Context {
                 debug!(at = %key(at), "status changed meanwhile; waiting for the newer version");
             }
             Err(error) => {
+                let span = Span::current();
+                span.record("error", display(&error));
+                span.record("otel.status_code", "ERROR");
                 // The cache still shows the version we decided on: let the next reconcile act on
-                // it, and bring that reconcile about after the usual backoff.
+                // it, and bring that reconcile about after the usual backoff or, if the API
+                // server did not answer, as soon as it answers again.
                 self.forget_write(at);
                 let delay = self.next_retry(at);
-                warn!(at = %key(at), phase = status.phase.as_str(), %error, retry_in = ?delay, "writing status failed");
+                let unanswered = self.wait_if_unanswered(at, &error);
+                warn!(at = %key(at), phase = status.phase.as_str(), %error, retry_in = ?delay, unanswered, "writing status failed");
                 self.retrigger_after(ObjectRef::from_obj(at.as_ref()), delay);
             }
         }

@@ -9,6 +9,7 @@ use crate::api::{At, AtStatus, Phase};
 use crate::events::EventSink;
 use crate::metrics::Metrics;
 use crate::policy::RunPolicy;
+use crate::reachability::{self, Reachability};
 use crate::{pod, schedule};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
@@ -67,6 +68,19 @@ pub enum Error {
     Delete { at: String, source: kube::Error },
 }
 
+impl Error {
+    /// The API error behind this failure, if there is one.
+    pub fn api_error(&self) -> Option<&kube::Error> {
+        match self {
+            Error::CreatePod { source, .. }
+            | Error::ReadPod { source, .. }
+            | Error::WriteStatus { source, .. }
+            | Error::Delete { source, .. } => Some(source),
+            Error::PodChurn { .. } | Error::PodRefused { .. } => None,
+        }
+    }
+}
+
 /// The wall clock, injected so tests control time.
 pub type Clock = Box<dyn Fn() -> DateTime<Utc> + Send + Sync>;
 
@@ -90,6 +104,8 @@ pub struct Context {
     /// Ats to reconcile again outside the runtime's own requeues (a failed follow-up write).
     retrigger: tokio::sync::mpsc::UnboundedSender<ObjectRef<At>>,
     retriggered: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<ObjectRef<At>>>>,
+    /// Ats whose last attempt got no answer from the API server: retried when it answers.
+    unreachable: Reachability<ObjectRef<At>>,
 }
 
 impl Context {
@@ -115,7 +131,30 @@ impl Context {
             followups: followup::Queue::default(),
             retrigger,
             retriggered: Mutex::new(Some(retriggered)),
+            unreachable: Reachability::default(),
         }
+    }
+
+    /// Runs until dropped: while Ats wait for an unreachable API server, asks it every
+    /// `reachability::PROBE_EVERY`; its first answer reconciles them all again at once.
+    pub async fn probe_reachability(self: Arc<Self>) {
+        let ask = || reachability::answers(&self.client);
+        let release = |at| {
+            let _ = self.retrigger.send(at);
+        };
+        self.unreachable
+            .probe(reachability::PROBE_EVERY, ask, release)
+            .await;
+    }
+
+    /// After a failure of `at`: an unanswered request waits for the API server; any other
+    /// failure is retried after backoff by the runtime (as here) or `retrigger_after`.
+    fn wait_if_unanswered(&self, at: &At, error: &kube::Error) -> bool {
+        let unanswered = reachability::unanswered(error);
+        if unanswered {
+            self.unreachable.wait(ObjectRef::from_obj(at));
+        }
+        unanswered
     }
 
     /// Ats to reconcile again, for `Controller::reconcile_on`; `None` if already taken.
@@ -206,7 +245,11 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
 /// Retries a failed reconcile after an exponentially growing, jittered delay.
 pub fn error_policy(at: Arc<At>, error: &Error, ctx: Arc<Context>) -> Action {
     let delay = ctx.next_retry(&at);
-    warn!(at = %key(&at), %error, retry_in = ?delay, "reconcile failed");
+    // With no answer from the API server, its next answer also brings a retry.
+    let unanswered = error
+        .api_error()
+        .is_some_and(|e| ctx.wait_if_unanswered(&at, e));
+    warn!(at = %key(&at), %error, retry_in = ?delay, unanswered, "reconcile failed");
     Action::requeue(delay)
 }
 

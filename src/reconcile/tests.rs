@@ -80,6 +80,9 @@ fn running_status() -> AtStatus {
     decided.status.unwrap()
 }
 
+/// A scripted "answer" that is none: the connection closes.
+const NO_ANSWER: u16 = 0;
+
 /// One expected request and the answer the mock API server gives.
 struct Exchange {
     method: &'static str,
@@ -136,6 +139,18 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
             let (parts, body) = request.into_parts();
             let bytes = body.collect_bytes().await.unwrap();
             let exchange = script.next();
+            if exchange.as_ref().is_some_and(|e| e.code == NO_ANSWER) {
+                // The connection closes unanswered, as when the API server is down.
+                sent.push(Sent {
+                    method: parts.method.to_string(),
+                    path: parts.uri.path().to_owned(),
+                    query: String::new(),
+                    content_type: String::new(),
+                    body: Value::Null,
+                });
+                respond.send_error(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+                continue;
+            }
             let (code, reply) = match &exchange {
                 Some(e) if e.method == parts.method.as_str() && e.path == parts.uri.path() => {
                     (e.code, e.body.clone())
@@ -172,10 +187,7 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
         controller: "cnat".into(),
         instance: Some("cnat-0".into()),
     };
-    let events = EventSink::start(kube::runtime::events::Recorder::new(
-        client.clone(),
-        reporter,
-    ));
+    let events = EventSink::start(client.clone(), reporter);
     let ctx = Arc::new(Context::new(
         client,
         store,
@@ -712,4 +724,63 @@ async fn a_failed_follow_up_write_is_retried_by_a_new_reconcile_after_backoff() 
     assert!(!h.ctx.is_stale(&example_at(None)));
     drop(retriggers);
     h.finish(2).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_again() {
+    let h = harness(vec![
+        answer("POST", PODS, NO_ANSWER, Value::Null),
+        answer("GET", "/version", NO_ANSWER, Value::Null),
+        answer("GET", "/version", NO_ANSWER, Value::Null),
+        answer("GET", "/version", NO_ANSWER, Value::Null),
+        answer(
+            "GET",
+            "/version",
+            200,
+            serde_json::json!({"major": "1", "minor": "24", "gitVersion": "v1.24.17", "gitCommit": "", "gitTreeState": "clean", "buildDate": "2023-08-24T00:00:00Z", "goVersion": "go1.20.7", "compiler": "gc", "platform": "linux/amd64"}),
+        ),
+    ]);
+    let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
+    let probe = tokio::spawn(h.ctx.clone().probe_reachability());
+    // The outage has lasted: eight failures already, so the backoff is past a minute.
+    h.ctx.failures.lock().unwrap().insert(AT_UID.into(), 8);
+    let at = Arc::new(example_at(None));
+    let error = reconcile(at.clone(), h.ctx.clone()).await.unwrap_err();
+    assert!(
+        error.api_error().is_some_and(reachability::unanswered),
+        "{error:?}"
+    );
+    let started = tokio::time::Instant::now();
+    error_policy(at, &error, h.ctx.clone());
+    // The ninth failure: the runtime's own retry comes after at least 128 s.
+    assert_eq!(h.ctx.failures.lock().unwrap()[AT_UID], 9);
+    assert!(retry_delay(9) >= Duration::from_secs(128));
+
+    // Three probes go unanswered; the fourth answer brings the At back at once.
+    let again = tokio::time::timeout(Duration::from_secs(60), retriggers.next())
+        .await
+        .expect("a retry when the server answered")
+        .unwrap();
+    assert_eq!(again, ObjectRef::new("example-at").within("default"));
+    assert_eq!(started.elapsed(), reachability::PROBE_EVERY * 4);
+    assert_eq!(h.ctx.unreachable.waiting(), 0);
+    probe.abort();
+    let _ = probe.await;
+    drop(retriggers);
+    h.finish(5).await;
+}
+
+#[tokio::test]
+async fn an_answer_that_refuses_is_not_an_outage() {
+    let h = harness(vec![answer(
+        "POST",
+        PODS,
+        500,
+        fixture("status-500-webhook-unreachable-create.json"),
+    )]);
+    let at = Arc::new(example_at(None));
+    let error = reconcile(at.clone(), h.ctx.clone()).await.unwrap_err();
+    error_policy(at, &error, h.ctx.clone());
+    assert_eq!(h.ctx.unreachable.waiting(), 0, "backs off instead");
+    h.finish(1).await;
 }

@@ -115,6 +115,8 @@ pub struct ApiServer {
     changes: broadcast::Sender<Change>,
     /// Writes in flight at once (kube-apiserver's in-flight limit, as seen by one client).
     in_flight: Arc<tokio::sync::Semaphore>,
+    /// While true, the HTTP server is down: connections are dropped without an answer.
+    down: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl Default for ApiServer {
@@ -130,6 +132,7 @@ impl ApiServer {
             state: Arc::default(),
             changes,
             in_flight: Arc::new(tokio::sync::Semaphore::new(WRITES_IN_FLIGHT)),
+            down: Arc::new(tokio::sync::watch::Sender::new(false)),
         }
     }
 
@@ -249,22 +252,36 @@ impl ApiServer {
                 let Ok((socket, _)) = listener.accept().await else {
                     continue;
                 };
+                if *server.down.borrow() {
+                    continue; // dropped: the client sees its connection closed unanswered
+                }
                 // As Go servers (kube-apiserver) do: no Nagle delay on small watch frames.
                 let _ = socket.set_nodelay(true);
                 let server = server.clone();
                 tokio::spawn(async move {
+                    let mut down = server.down.subscribe();
                     let service = hyper::service::service_fn(move |request| {
                         let server = server.clone();
                         async move { Ok::<_, Infallible>(server.handle_as("http", request).await) }
                     });
                     let io = hyper_util::rt::TokioIo::new(socket);
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(io, service)
-                        .await;
+                    let connection =
+                        hyper::server::conn::http1::Builder::new().serve_connection(io, service);
+                    // Going down drops every connection, watches and requests in flight too.
+                    tokio::select! {
+                        _ = connection => {}
+                        _ = down.wait_for(|d| *d) => {}
+                    }
                 });
             }
         });
         addr
+    }
+
+    /// Takes the HTTP server down (every connection dropped, new ones closed unanswered, as
+    /// when kube-apiserver is killed) or brings it back up. State is kept, as etcd keeps it.
+    pub fn set_down(&self, down: bool) {
+        self.down.send_replace(down);
     }
 
     /// A kubeconfig for a client of `serve_http()` at `addr`, whose context namespace is `namespace`.

@@ -9,7 +9,7 @@ pub mod process;
 
 use cnat::events::EventSink;
 use cnat::metrics::Metrics;
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Reporter;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -21,7 +21,7 @@ pub fn events(client: &kube::Client, instance: &str) -> EventSink {
         controller: "cnat".into(),
         instance: Some(instance.into()),
     };
-    EventSink::start(Recorder::new(client.clone(), reporter))
+    EventSink::start(client.clone(), reporter)
 }
 
 /// The reconcile loop as `cnat run` starts it on the leader; it runs until aborted.
