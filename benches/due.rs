@@ -11,8 +11,14 @@
 //! steps down and must win the Lease again), and the bench reports how soon after the server is
 //! back each pod comes.
 //!
+//! Sizes above 20,000 run a different scenario: that many Ats already PENDING as a previous
+//! leader left them (status already right), one of them due the moment the operator becomes
+//! leader; it reports how soon that At's pod comes, how many writes the operator makes, and its
+//! memory, also while 5,000 more Ats are created.
+//!
 //!     cargo bench --bench due            # 100 and 1000 Ats, then the outages
 //!     cargo bench --bench due -- 5000    # any sizes (no outages)
+//!     cargo bench --bench due -- 100000  # 100,000 pending Ats
 
 #[path = "../tests/support/apiserver.rs"]
 mod apiserver;
@@ -24,6 +30,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const LEAD: Duration = Duration::from_secs(4);
+/// Sizes above this run the pending scenario.
+const PENDING_SCENARIO: usize = 20_000;
 /// A real API server's cost per write (see the module comment).
 const WRITE_COST: Duration = Duration::from_millis(2);
 
@@ -44,8 +52,18 @@ async fn main() {
     };
     println!("| Ats due at once | bare creates (floor) | pod created after due (first / p50 / max) | last pod / floor | DONE after pod ended, half the pods ending at once | DONE after pod ended, the other half paced 1 per 2 ms | operator RSS |");
     println!("|---|---|---|---|---|---|---|");
+    let (pending_sizes, sizes): (Vec<usize>, Vec<usize>) =
+        sizes.into_iter().partition(|n| *n > PENDING_SCENARIO);
     for n in sizes {
         run(n).await;
+    }
+    if !pending_sizes.is_empty() {
+        println!();
+        println!("| Ats pending | leader -> due At's pod | status writes / events in the first 60 s | RSS settled | RSS max while 5,000 more are created |");
+        println!("|---|---|---|---|---|");
+        for n in pending_sizes {
+            pending(n).await;
+        }
     }
     if outages {
         println!();
@@ -160,8 +178,11 @@ async fn run(n: usize) {
         std::env::temp_dir().join(format!("cnat-bench-{}-{n}.kubeconfig", std::process::id()));
     std::fs::write(&kubeconfig, ApiServer::kubeconfig(addr, "default")).unwrap();
 
-    let due_instant = Instant::now() + LEAD;
-    let due = chrono::Utc::now() + chrono::Duration::from_std(LEAD).unwrap();
+    // Time for every At's PENDING status and event (two writes each) before they fall due, so
+    // the burst is measured alone.
+    let lead = LEAD + WRITE_COST * 5 * n as u32;
+    let due_instant = Instant::now() + lead;
+    let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
     for i in 0..n {
         server.create(
             Resource::Ats,
@@ -172,7 +193,18 @@ async fn run(n: usize) {
     let mut operator = spawn_operator(&kubeconfig);
 
     let names: Vec<String> = (0..n).map(|i| format!("at-{i}")).collect();
-    let created = poll(&server, LEAD + Duration::from_secs(60), |s| {
+    let settled = poll(&server, lead, |s| {
+        names.iter().all(|a| {
+            s.get(Resource::Ats, "default", a)
+                .is_some_and(|v| v["status"]["phase"] == "PENDING")
+        })
+    })
+    .await;
+    assert!(
+        settled && Instant::now() < due_instant,
+        "the PENDING writes did not settle before the due time"
+    );
+    let created = poll(&server, lead + Duration::from_secs(60), |s| {
         names
             .iter()
             .all(|a| s.pod_created_at("default", &format!("{a}-pod")).is_some())
@@ -229,6 +261,11 @@ async fn run(n: usize) {
 
 /// The operator as in production: leader election and the webhooks on, logs at warn.
 fn spawn_operator(kubeconfig: &std::path::Path) -> Child {
+    spawn_operator_with_admin(kubeconfig).0
+}
+
+/// `spawn_operator`, also returning its admin (metrics) address.
+fn spawn_operator_with_admin(kubeconfig: &std::path::Path) -> (Child, std::net::SocketAddr) {
     let dir = kubeconfig.with_extension("certs");
     let certs = Command::new(env!("CARGO_BIN_EXE_cnat"))
         .args(["certs", "--out-dir", dir.to_str().unwrap()])
@@ -241,9 +278,10 @@ fn spawn_operator(kubeconfig: &std::path::Path) -> Child {
             .local_addr()
             .unwrap()
     };
-    Command::new(env!("CARGO_BIN_EXE_cnat"))
+    let admin = free();
+    let child = Command::new(env!("CARGO_BIN_EXE_cnat"))
         .args(["run", "--log-format", "text", "--log", "warn"])
-        .arg(format!("--admin-addr={}", free()))
+        .arg(format!("--admin-addr={admin}"))
         .arg(format!("--webhook-addr={}", free()))
         .arg(format!("--tls-cert={}", dir.join("tls.crt").display()))
         .arg(format!("--tls-key={}", dir.join("tls.key").display()))
@@ -252,7 +290,8 @@ fn spawn_operator(kubeconfig: &std::path::Path) -> Child {
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()
-        .expect("the cnat binary")
+        .expect("the cnat binary");
+    (child, admin)
 }
 
 fn rss_kib(child: &Child) -> u64 {
@@ -313,4 +352,110 @@ async fn poll(server: &ApiServer, timeout: Duration, check: impl Fn(&ApiServer) 
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     check(server)
+}
+
+/// `n` Ats PENDING with the status a leader wrote for them, plus one already due, then the
+/// operator starts.
+async fn pending(n: usize) {
+    use cnat::reconcile::decide::{decide, PodObservation};
+    let server = ApiServer::new();
+    server.set_write_cost(WRITE_COST);
+    let addr = server.serve_http().await;
+    let kubeconfig = std::env::temp_dir().join(format!(
+        "cnat-bench-{}-pending-{n}.kubeconfig",
+        std::process::id()
+    ));
+    std::fs::write(&kubeconfig, ApiServer::kubeconfig(addr, "default")).unwrap();
+    let now = chrono::Utc::now();
+    let create = |name: String, schedule: chrono::DateTime<chrono::Utc>, settled: bool| {
+        let mut at = json!({"metadata": {"name": name, "namespace": "default"},
+               "spec": {"schedule": schedule.to_rfc3339(), "command": "true", "image": "busybox"}});
+        if settled {
+            let typed: cnat::api::At = serde_json::from_value(at.clone()).unwrap();
+            let decided = decide(&typed, &PodObservation::NotCached, now, &Default::default());
+            at["status"] = serde_json::to_value(decided.status.unwrap()).unwrap();
+        }
+        server.create(Resource::Ats, at);
+    };
+    for i in 0..n {
+        create(format!("at-{i:06}"), now + chrono::Duration::hours(1), true);
+    }
+    // In the middle of the list, as likely as any to be reconciled last.
+    create(format!("at-{:06}-due", n / 2), now, true);
+
+    let (mut operator, admin) = spawn_operator_with_admin(&kubeconfig);
+    let due_pod = format!("at-{:06}-due-pod", n / 2);
+    let ran = poll(&server, Duration::from_secs(300), |s| {
+        s.pod_created_at("default", &due_pod).is_some()
+    })
+    .await;
+    assert!(ran, "the due At never got its pod");
+    let led = server
+        .calls_by("http")
+        .into_iter()
+        .find(|(what, _)| what.starts_with("POST leases") || what.starts_with("PATCH leases"))
+        .map(|(_, at)| at.into_std())
+        .expect("the operator took the Lease");
+    let to_pod = server
+        .pod_created_at("default", &due_pod)
+        .unwrap()
+        .saturating_duration_since(led);
+
+    // Settled: every At reconciled once.
+    let settled = poll(&server, Duration::from_secs(300), |_| {
+        reconciles(admin) > n as u64
+    })
+    .await;
+    assert!(settled, "not every At was reconciled");
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_secs(60).saturating_sub(started.elapsed())).await;
+    let (writes, events) = (server.count("PATCH ats/status"), server.count("POST events"));
+    let rss_settled = rss_kib(&operator);
+
+    // 5,000 more, as fast as the test server takes them; sample memory until they are PENDING.
+    let mut rss_max = rss_settled;
+    let later = now + chrono::Duration::hours(2);
+    for i in 0..5000 {
+        server.create(
+            Resource::Ats,
+            json!({"metadata": {"name": format!("new-{i:04}"), "namespace": "default"},
+                   "spec": {"schedule": later.to_rfc3339(), "command": "true", "image": "busybox"}}),
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline {
+        rss_max = rss_max.max(rss_kib(&operator));
+        let done = (0..5000).all(|i| {
+            server
+                .get(Resource::Ats, "default", &format!("new-{i:04}"))
+                .is_some_and(|v| v["status"]["phase"] == "PENDING")
+        });
+        if done {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!(
+        "| {n} | {to_pod:.0?} | {writes} / {events} | {:.0} MiB | {:.0} MiB |",
+        rss_settled as f64 / 1024.0,
+        rss_max as f64 / 1024.0
+    );
+    operator.kill().unwrap();
+    let _ = operator.wait();
+    let _ = std::fs::remove_file(kubeconfig);
+}
+
+/// `cnat_reconciles_total` summed over results, read from the admin server.
+fn reconciles(admin: std::net::SocketAddr) -> u64 {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(admin) else {
+        return 0;
+    };
+    let _ = stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: cnat\r\n\r\n");
+    let mut body = String::new();
+    let _ = stream.read_to_string(&mut body);
+    body.lines()
+        .filter(|l| l.starts_with("cnat_reconciles_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
 }

@@ -6,10 +6,11 @@ use crate::events::EventSink;
 use crate::metrics::Metrics;
 use crate::pod;
 use crate::policy::RunPolicy;
+use crate::reconcile::wakeups::Wakeups;
 use crate::reconcile::{error_policy, reconcile, Context};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::Utc;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::utils::Backoff;
@@ -41,12 +42,6 @@ pub async fn run(
     stop: CancellationToken,
 ) {
     let (ats, pods) = apis(&client, settings.namespace.as_deref());
-    let (at_store, at_writer) = reflector::store();
-    let at_events = watcher(ats, watcher::Config::default())
-        .backoff(WatchBackoff::new())
-        .modify(trim_at)
-        .reflect(at_writer)
-        .applied_objects();
     let (pod_store, pod_writer) = reflector::store();
     let pod_events = watcher(pods, watcher::Config::default().labels(pod::SELECTOR))
         .backoff(WatchBackoff::new())
@@ -54,17 +49,30 @@ pub async fn run(
         .reflect(pod_writer)
         // Deletions too: a pod that vanishes must end its At.
         .touched_objects();
-
-    metrics.count_ats(at_store.clone());
-    let _forget = ForgetAts(metrics.clone());
     let ctx = Arc::new(Context::new(
         client,
         pod_store,
         events,
         Box::new(Utc::now),
-        metrics,
+        metrics.clone(),
         settings.policy.clone(),
     ));
+    // Only Ats with work now are reconciled as they are watched; settled ones wait in one
+    // ordered index until they fall due (see `reconcile::wakeups`).
+    let wakeups = Arc::new(Wakeups::default());
+    let (at_store, at_writer) = reflector::store();
+    let at_events = watcher(ats, watcher::Config::default())
+        .backoff(WatchBackoff::new())
+        .modify(trim_at)
+        .reflect(at_writer)
+        .applied_objects()
+        .try_filter({
+            let (ctx, wakeups) = (ctx.clone(), wakeups.clone());
+            move |at| std::future::ready(ctx.needs_reconcile(at, &wakeups))
+        });
+
+    metrics.count_ats(at_store.clone());
+    let _forget = ForgetAts(metrics);
     info!(
         namespace = settings.namespace.as_deref().unwrap_or("<all>"),
         "reconciling Ats"
@@ -77,6 +85,19 @@ pub async fn run(
     // drops what it has not written, and its successor writes it from what it observes.
     let _followups = AbortOnDropHandle::new(tokio::spawn(followups));
     let _probe = AbortOnDropHandle::new(tokio::spawn(ctx.clone().probe_reachability()));
+    let _wakeups = AbortOnDropHandle::new(tokio::spawn({
+        let (ctx, store) = (ctx.clone(), at_store.clone());
+        async move {
+            wakeups
+                .run(|at| {
+                    // A deleted At has nothing left to do.
+                    if store.get(&at).is_some() {
+                        ctx.wake_up(at);
+                    }
+                })
+                .await
+        }
+    }));
     Controller::for_stream(at_events, at_store)
         .owns_stream(pod_events)
         .reconcile_on(retriggers)

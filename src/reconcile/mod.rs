@@ -4,6 +4,7 @@
 
 pub mod decide;
 pub mod followup;
+pub mod wakeups;
 
 use crate::api::{At, AtStatus, Phase};
 use crate::events::EventSink;
@@ -15,6 +16,7 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
 use decide::{decide, Action as Step, Decision, Note, PodObservation, Severity};
 use followup::PodsFirst;
+use wakeups::{Wake, Wakeups};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
@@ -178,6 +180,35 @@ impl Context {
             *count
         };
         retry_delay(attempt)
+    }
+
+    /// Reconciles `at` now (for `wakeups::Wakeups::run`).
+    pub fn wake_up(&self, at: ObjectRef<At>) {
+        let _ = self.retrigger.send(at);
+    }
+
+    /// Whether a watched version of `at` needs a reconcile now; if not, `wakeups` holds when it
+    /// does (see `wakeups`).
+    pub fn needs_reconcile(&self, at: &At, wakeups: &Wakeups) -> bool {
+        if self.is_stale(at) {
+            return false;
+        }
+        // By name only: the index holds one small key per waiting At.
+        let at_ref = ObjectRef::new(&at.name_any()).within(&namespace(at));
+        match wakeups::wake(at, (self.clock)(), &self.policy) {
+            Wake::Now => {
+                wakeups.clear(&at_ref);
+                true
+            }
+            Wake::After(left) => {
+                wakeups.set(at_ref, tokio::time::Instant::now() + left);
+                false
+            }
+            Wake::OnChange => {
+                wakeups.clear(&at_ref);
+                false
+            }
+        }
     }
 
     /// Reconciles `at` again after `delay` (nothing happens if the loop ended meanwhile).

@@ -550,20 +550,38 @@ impl ApiServer {
         }
     }
 
+    /// A list, in pages of `limit` when asked (as kube's watcher does, 500 at a time): the
+    /// `continue` token names the last key served and the first page's resourceVersion, which
+    /// every page reports, as a real server serves all pages from one snapshot.
     fn list_response(&self, route: &Route, query: &BTreeMap<String, String>) -> Response<Body> {
         let state = self.lock();
-        let items: Vec<Value> = state
-            .objects
-            .iter()
-            .filter(|((r, ns, _), v)| {
-                *r == route.resource && route.matches_ns(ns) && selects(query, v)
-            })
-            .map(|(_, v)| v.clone())
-            .collect();
+        let limit: usize = query
+            .get("limit")
+            .and_then(|l| l.parse().ok())
+            .filter(|l| *l > 0)
+            .unwrap_or(usize::MAX);
+        let token = query.get("continue").filter(|c| !c.is_empty());
+        let (rv, after) = match token.and_then(|t| t.split_once('/')) {
+            Some((rv, key)) => (rv.to_owned(), key.split_once('/')),
+            None => (state.rv.to_string(), None),
+        };
+        let mut matching = state.objects.iter().filter(|((r, ns, name), v)| {
+            *r == route.resource
+                && route.matches_ns(ns)
+                && selects(query, v)
+                && after.is_none_or(|(a_ns, a_name)| (ns.as_str(), name.as_str()) > (a_ns, a_name))
+        });
+        let page: Vec<(&Key, &Value)> = matching.by_ref().take(limit).collect();
+        let more = matching.next().is_some();
+        let next = match page.last() {
+            Some(((_, ns, name), _)) if more => format!("{rv}/{ns}/{name}"),
+            _ => String::new(),
+        };
+        let items: Vec<&Value> = page.iter().map(|(_, v)| *v).collect();
         let list = json!({
             "apiVersion": route.resource.api_version(),
             "kind": format!("{}List", route.resource.kind()),
-            "metadata": {"resourceVersion": state.rv.to_string()},
+            "metadata": {"resourceVersion": rv, "continue": next},
             "items": items,
         });
         ok(StatusCode::OK, &list)

@@ -1,0 +1,132 @@
+//! Which watched Ats need a reconcile now, and when the rest must be looked at: one ordered
+//! index instead of a reconcile (and a runtime timer) per At.
+//!
+//! A new leader lists every At. Most of them are settled: PENDING with the right status until
+//! their time, or DONE. Reconciling each only to learn that wastes seconds at 100,000 Ats while
+//! an At that is due now waits in the same queue. So the watch stream passes on only the Ats
+//! `wake` says need work now; the others go into `Wakeups` under the instant they fall due
+//! (or nowhere, when nothing will ever be due) and are reconciled then.
+
+use super::decide::{decide, Action, PodObservation};
+use crate::api::At;
+use crate::policy::RunPolicy;
+use chrono::{DateTime, Utc};
+use kube::runtime::reflector::ObjectRef;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// When a watched At needs its next reconcile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wake {
+    /// Now: something to write, a pod to create or look up.
+    Now,
+    /// Nothing to do until this much time has passed.
+    After(Duration),
+    /// Nothing to do until the At (or its pod) changes.
+    OnChange,
+}
+
+/// Decides from the At alone, as its reconcile would with no pod in the cache. A cached pod
+/// only matters for Ats whose reconcile looks it up (`Now`), and a pod that appears triggers its
+/// At's reconcile by itself.
+pub fn wake(at: &At, now: DateTime<Utc>, policy: &RunPolicy) -> Wake {
+    let decision = decide(at, &PodObservation::NotCached, now, policy);
+    if decision.action != Action::Nothing || decision.status.is_some() || decision.retry {
+        return Wake::Now;
+    }
+    match decision.requeue {
+        Some(left) => Wake::After(left),
+        None => Wake::OnChange,
+    }
+}
+
+/// Instants at which Ats must be reconciled, earliest first; one entry per At.
+#[derive(Default)]
+pub struct Wakeups {
+    index: Mutex<Index>,
+    changed: Notify,
+}
+
+#[derive(Default)]
+struct Index {
+    by_time: BTreeMap<(Instant, u64), ObjectRef<At>>,
+    by_at: HashMap<ObjectRef<At>, (Instant, u64)>,
+    next_id: u64,
+}
+
+impl Wakeups {
+    /// `at` is reconciled at `when` (replacing an earlier entry for it).
+    pub fn set(&self, at: ObjectRef<At>, when: Instant) {
+        let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+        let id = index.next_id;
+        index.next_id += 1;
+        if let Some(old) = index.by_at.insert(at.clone(), (when, id)) {
+            index.by_time.remove(&old);
+        }
+        index.by_time.insert((when, id), at);
+        drop(index);
+        self.changed.notify_one();
+    }
+
+    /// `at` needs no wakeup (it is being reconciled now, or was deleted).
+    pub fn clear(&self, at: &ObjectRef<At>) {
+        let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(key) = index.by_at.remove(at) {
+            index.by_time.remove(&key);
+        }
+    }
+
+    /// Entries now.
+    pub fn len(&self) -> usize {
+        self.index
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_at
+            .len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Removes and returns every At due at `now`, and the next instant after them.
+    pub fn take_due(&self, now: Instant) -> (Vec<ObjectRef<At>>, Option<Instant>) {
+        let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+        let mut due = Vec::new();
+        while let Some(entry) = index.by_time.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let at = entry.remove();
+            index.by_at.remove(&at);
+            due.push(at);
+        }
+        let next = index.by_time.keys().next().map(|(when, _)| *when);
+        (due, next)
+    }
+
+    /// Runs until dropped: hands each At to `wake_up` when its instant comes.
+    pub async fn run(&self, mut wake_up: impl FnMut(ObjectRef<At>)) {
+        loop {
+            // Registered before looking, so an entry set meanwhile is not missed.
+            let changed = self.changed.notified();
+            let (due, next) = self.take_due(Instant::now());
+            due.into_iter().for_each(&mut wake_up);
+            match next {
+                Some(next) => {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(next) => {}
+                        _ = changed => {}
+                    }
+                }
+                None => changed.await,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

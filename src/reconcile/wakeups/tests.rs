@@ -1,0 +1,115 @@
+use super::*;
+use crate::api::{AtSpec, AtStatus, Phase};
+
+const NOW: &str = "2026-11-22T02:10:00Z";
+
+fn now() -> DateTime<Utc> {
+    DateTime::parse_from_rfc3339(NOW).unwrap().to_utc()
+}
+
+fn at(schedule: &str, status: Option<AtStatus>) -> At {
+    let mut at = At::new(
+        "example-at",
+        AtSpec {
+            schedule: schedule.into(),
+            command: "echo YAY".into(),
+            image: "busybox".into(),
+            ..AtSpec::default()
+        },
+    );
+    at.metadata.namespace = Some("default".into());
+    at.metadata.uid = Some("4c4a2a4f-0d1e-4a59-9d0e-6c9d3c2a7a01".into());
+    at.status = status;
+    at
+}
+
+/// The At as its reconcile at `when` leaves it.
+fn settled(mut at: At, when: DateTime<Utc>) -> At {
+    let decided = decide(&at, &PodObservation::NotCached, when, &RunPolicy::default());
+    at.status = decided.status.or(at.status);
+    at
+}
+
+#[test]
+fn only_ats_with_work_now_are_reconciled_at_once() {
+    let policy = RunPolicy::default();
+    let in_an_hour = "2026-11-22T03:10:00Z";
+    // New: its PENDING status is to be written.
+    assert_eq!(wake(&at(in_an_hour, None), now(), &policy), Wake::Now);
+    // Settled by an earlier leader: nothing until it is due, to the millisecond.
+    let pending = settled(at(in_an_hour, None), now() - chrono::Duration::minutes(5));
+    assert_eq!(
+        wake(&pending, now(), &policy),
+        Wake::After(Duration::from_secs(3600))
+    );
+    // Due now, or overdue: its pod is created now.
+    assert_eq!(wake(&pending, now() + chrono::Duration::hours(1), &policy), Wake::Now);
+    assert_eq!(wake(&pending, now() + chrono::Duration::hours(5), &policy), Wake::Now);
+    // A bad schedule, already reported: nothing until the At changes.
+    let bad = settled(at("tomorrow noon", None), now());
+    assert_eq!(bad.status.as_ref().unwrap().phase, Phase::Pending);
+    assert_eq!(wake(&bad, now(), &policy), Wake::OnChange);
+    // RUNNING: its pod is looked at now.
+    let running = AtStatus {
+        phase: Phase::Running,
+        ..bad.status.clone().unwrap()
+    };
+    assert_eq!(wake(&at(in_an_hour, Some(running)), now(), &policy), Wake::Now);
+}
+
+#[test]
+fn a_finished_at_waits_for_its_ttl_or_for_nothing() {
+    let done = AtStatus {
+        phase: Phase::Done,
+        completion_time: Some(now()),
+        ..AtStatus::default()
+    };
+    let finished = at("2026-11-22T02:00:00Z", Some(done));
+    assert_eq!(
+        wake(&finished, now(), &RunPolicy::default()),
+        Wake::OnChange
+    );
+    let mut expiring = finished.clone();
+    expiring.spec.ttl_seconds_after_finished = Some(60);
+    assert_eq!(
+        wake(&expiring, now(), &RunPolicy::default()),
+        Wake::After(Duration::from_secs(60))
+    );
+    assert_eq!(
+        wake(&expiring, now() + chrono::Duration::seconds(61), &RunPolicy::default()),
+        Wake::Now
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn wakeups_come_in_order_once_each_and_a_later_entry_replaces_an_earlier() {
+    let wakeups = std::sync::Arc::new(Wakeups::default());
+    let (woken, mut order) = tokio::sync::mpsc::unbounded_channel();
+    let runner = {
+        let wakeups = wakeups.clone();
+        tokio::spawn(async move { wakeups.run(|at| woken.send(at.name).unwrap()).await })
+    };
+    let start = Instant::now();
+    let a = ObjectRef::<At>::new("a").within("default");
+    let b = ObjectRef::<At>::new("b").within("default");
+    let c = ObjectRef::<At>::new("c").within("default");
+    wakeups.set(a.clone(), start + Duration::from_secs(5));
+    wakeups.set(b.clone(), start + Duration::from_secs(1));
+    wakeups.set(a.clone(), start + Duration::from_secs(2));
+    wakeups.set(c.clone(), start + Duration::from_secs(3));
+    wakeups.clear(&c);
+    assert_eq!(wakeups.len(), 2);
+
+    assert_eq!(order.recv().await.unwrap(), "b");
+    assert_eq!(start.elapsed(), Duration::from_secs(1));
+    assert_eq!(order.recv().await.unwrap(), "a");
+    assert_eq!(start.elapsed(), Duration::from_secs(2));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(order.try_recv().is_err(), "a was replaced, c cleared");
+    assert!(wakeups.is_empty());
+
+    // An entry set while the runner sleeps with nothing to do still wakes it.
+    wakeups.set(c, Instant::now() + Duration::from_millis(300));
+    assert_eq!(order.recv().await.unwrap(), "c");
+    runner.abort();
+}
