@@ -96,7 +96,7 @@ async fn outage(n: usize, down: Duration) {
                    "spec": {"schedule": due.to_rfc3339(), "command": "true", "image": "busybox"}}),
         );
     }
-    let mut operator = spawn_operator(&kubeconfig);
+    let _operator = spawn_operator(&kubeconfig);
     let pending = poll(&server, LEAD, |s| {
         names.iter().all(|a| {
             s.get(Resource::Ats, "default", a)
@@ -135,8 +135,6 @@ async fn outage(n: usize, down: Duration) {
         first_p50_max(after),
         server.count("POST pods")
     );
-    operator.kill().unwrap();
-    let _ = operator.wait();
     let _ = std::fs::remove_file(kubeconfig);
 }
 
@@ -190,7 +188,7 @@ async fn run(n: usize) {
                    "spec": {"schedule": due.to_rfc3339(), "command": "true", "image": "busybox"}}),
         );
     }
-    let mut operator = spawn_operator(&kubeconfig);
+    let operator = spawn_operator(&kubeconfig);
 
     let names: Vec<String> = (0..n).map(|i| format!("at-{i}")).collect();
     let settled = poll(&server, lead, |s| {
@@ -254,18 +252,26 @@ async fn run(n: usize) {
         summary(paced_done),
         rss as f64 / 1024.0
     );
-    operator.kill().unwrap();
-    let _ = operator.wait();
     let _ = std::fs::remove_file(kubeconfig);
 }
 
+/// The operator process, killed when dropped (also when the bench panics).
+struct Operator(Child);
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// The operator as in production: leader election and the webhooks on, logs at warn.
-fn spawn_operator(kubeconfig: &std::path::Path) -> Child {
+fn spawn_operator(kubeconfig: &std::path::Path) -> Operator {
     spawn_operator_with_admin(kubeconfig).0
 }
 
 /// `spawn_operator`, also returning its admin (metrics) address.
-fn spawn_operator_with_admin(kubeconfig: &std::path::Path) -> (Child, std::net::SocketAddr) {
+fn spawn_operator_with_admin(kubeconfig: &std::path::Path) -> (Operator, std::net::SocketAddr) {
     let dir = kubeconfig.with_extension("certs");
     let certs = Command::new(env!("CARGO_BIN_EXE_cnat"))
         .args(["certs", "--out-dir", dir.to_str().unwrap()])
@@ -291,11 +297,11 @@ fn spawn_operator_with_admin(kubeconfig: &std::path::Path) -> (Child, std::net::
         .stderr(Stdio::inherit())
         .spawn()
         .expect("the cnat binary");
-    (child, admin)
+    (Operator(child), admin)
 }
 
-fn rss_kib(child: &Child) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+fn rss_kib(operator: &Operator) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", operator.0.id())).unwrap();
     status
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
@@ -368,11 +374,18 @@ async fn pending(n: usize) {
     std::fs::write(&kubeconfig, ApiServer::kubeconfig(addr, "default")).unwrap();
     let now = chrono::Utc::now();
     let create = |name: String, schedule: chrono::DateTime<chrono::Utc>, settled: bool| {
-        let mut at = json!({"metadata": {"name": name, "namespace": "default"},
+        let mut at = json!({"metadata": {"name": name, "namespace": "default", "generation": 1},
                "spec": {"schedule": schedule.to_rfc3339(), "command": "true", "image": "busybox"}});
         if settled {
             let typed: cnat::api::At = serde_json::from_value(at.clone()).unwrap();
-            let decided = decide(&typed, &PodObservation::NotCached, now, &Default::default());
+            // As a leader wrote it a minute ago, when even the due one was still ahead.
+            let then = now - chrono::Duration::minutes(1);
+            let decided = decide(
+                &typed,
+                &PodObservation::NotCached,
+                then,
+                &Default::default(),
+            );
             at["status"] = serde_json::to_value(decided.status.unwrap()).unwrap();
         }
         server.create(Resource::Ats, at);
@@ -383,13 +396,19 @@ async fn pending(n: usize) {
     // In the middle of the list, as likely as any to be reconciled last.
     create(format!("at-{:06}-due", n / 2), now, true);
 
-    let (mut operator, admin) = spawn_operator_with_admin(&kubeconfig);
+    let (operator, admin) = spawn_operator_with_admin(&kubeconfig);
     let due_pod = format!("at-{:06}-due-pod", n / 2);
     let ran = poll(&server, Duration::from_secs(300), |s| {
         s.pod_created_at("default", &due_pod).is_some()
     })
     .await;
-    assert!(ran, "the due At never got its pod");
+    assert!(
+        ran,
+        "the due At never got its pod; requests: {} status writes, {} lease writes, {} lists",
+        server.count("PATCH ats/status"),
+        server.count("PATCH leases") + server.count("POST leases"),
+        server.count("GET ats")
+    );
     let led = server
         .calls_by("http")
         .into_iter()
@@ -409,7 +428,10 @@ async fn pending(n: usize) {
     assert!(settled, "not every At was reconciled");
     let started = Instant::now();
     tokio::time::sleep(Duration::from_secs(60).saturating_sub(started.elapsed())).await;
-    let (writes, events) = (server.count("PATCH ats/status"), server.count("POST events"));
+    let (writes, events) = (
+        server.count("PATCH ats/status"),
+        server.count("POST events"),
+    );
     let rss_settled = rss_kib(&operator);
 
     // 5,000 more, as fast as the test server takes them; sample memory until they are PENDING.
@@ -440,8 +462,6 @@ async fn pending(n: usize) {
         rss_settled as f64 / 1024.0,
         rss_max as f64 / 1024.0
     );
-    operator.kill().unwrap();
-    let _ = operator.wait();
     let _ = std::fs::remove_file(kubeconfig);
 }
 

@@ -16,7 +16,6 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
 use decide::{decide, Action as Step, Decision, Note, PodObservation, Severity};
 use followup::PodsFirst;
-use wakeups::{Wake, Wakeups};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
@@ -30,6 +29,7 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 use tracing::field::{display, Empty};
 use tracing::{debug, info, info_span, warn, Instrument, Span};
+use wakeups::{Wake, Wakeups};
 
 /// Field manager recorded on everything cnat writes.
 pub const FIELD_MANAGER: &str = "cnat";
@@ -96,7 +96,7 @@ pub struct Context {
     policy: RunPolicy,
     /// Per At uid, the resourceVersion our last status write replaced: a cache still showing it
     /// is stale, and deciding on it would redo the step just taken.
-    superseded: Mutex<HashMap<String, String>>,
+    superseded: Mutex<HashMap<String, (String, Phase)>>,
     /// Per At uid, consecutive failed reconciles, for exponential backoff.
     failures: Mutex<HashMap<String, u32>>,
     /// Pod creates in flight, which status writes that follow creates wait for.
@@ -190,7 +190,7 @@ impl Context {
     /// Whether a watched version of `at` needs a reconcile now; if not, `wakeups` holds when it
     /// does (see `wakeups`).
     pub fn needs_reconcile(&self, at: &At, wakeups: &Wakeups) -> bool {
-        if self.is_stale(at) {
+        if self.is_stale(at).is_some() {
             return false;
         }
         // By name only: the index holds one small key per waiting At.
@@ -245,23 +245,31 @@ pub async fn reconcile(at: Arc<At>, ctx: Arc<Context>) -> Result<Action, Error> 
 }
 
 async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
-    if ctx.is_stale(at) {
-        Span::current().record("action", "skip-stale");
-        return Ok(Action::await_change());
-    }
+    // A version whose status write we queued or made: acting on it again would redo that step.
+    // Only an At that fell due while its PENDING write waits behind other writes goes ahead
+    // with its pod (whose fixed name makes the create idempotent).
+    let stale = ctx.is_stale(at);
     let now = (ctx.clock)();
     let mut observation = ctx.cached_pod(at);
     let mut taken = Vec::new();
     for _ in 0..MAX_STEPS {
         let decision = decide(at, &observation, now, &ctx.policy);
+        let pending_write = stale == Some(Phase::Pending) && decision.action == Step::CreatePod;
+        if stale.is_some() && !pending_write {
+            taken.push("skip-stale");
+            Span::current().record("action", taken.join(",").as_str());
+            return Ok(Action::await_change());
+        }
         taken.push(action_name(decision.action));
         Span::current().record("action", taken.join(",").as_str());
         observation = match decision.action {
-            Step::Nothing => return ctx.commit(at, decision, now).await,
+            // Status writes and events follow at lower priority, behind the pod creates in
+            // flight; a refused pod's status is written here, before the error backs off.
+            Step::Nothing if decision.retry => return ctx.commit(at, decision, now).await,
+            Step::Nothing => return Ok(ctx.defer(at, decision, now)),
             Step::LookUpPod => ctx.fetch_pod(at).await?,
             Step::DeleteAt => return ctx.delete_at(at).await,
             Step::CreatePod => match ctx.create_pod(at).await? {
-                // Pods first: the status write and event wait for the creates in flight.
                 None => return Ok(ctx.defer(at, decision, now)),
                 Some(found) => found,
             },
@@ -305,16 +313,19 @@ impl Context {
         Api::namespaced(self.client.clone(), &namespace(at))
     }
 
-    fn is_stale(&self, at: &At) -> bool {
+    /// The phase we wrote (or queued) over this version of `at`, if we did: the cache has not
+    /// caught up with our write.
+    fn is_stale(&self, at: &At) -> Option<Phase> {
         let mut superseded = self.superseded.lock().unwrap_or_else(|e| e.into_inner());
         let uid = uid(at);
-        let stale = superseded
+        let written = superseded
             .get(&uid)
-            .is_some_and(|rv| Some(rv) == at.resource_version().as_ref());
-        if !stale {
+            .filter(|(rv, _)| Some(rv) == at.resource_version().as_ref())
+            .map(|(_, phase)| *phase);
+        if written.is_none() {
             superseded.remove(&uid);
         }
-        stale
+        written
     }
 
     fn cached_pod(&self, at: &At) -> PodObservation {
@@ -391,7 +402,7 @@ impl Context {
     ) -> Result<Action, Error> {
         if let Some(status) = &decision.status {
             match self.write_status(at, status).await {
-                Ok(()) => self.remember_write(at),
+                Ok(()) => self.remember_write(at, status.phase),
                 // Someone wrote first: the watch brings the newer At, and we decide on that.
                 Err(kube::Error::Api(s)) if s.is_conflict() => {
                     debug!(at = %key(at), "status changed meanwhile; waiting for the newer version");
@@ -435,8 +446,8 @@ impl Context {
         decided_at: DateTime<Utc>,
     ) -> Action {
         let action = self.succeeded(at, &decision, decided_at);
-        if decision.status.is_some() {
-            self.remember_write(at);
+        if let Some(status) = &decision.status {
+            self.remember_write(at, status.phase);
             self.follow_up(at.clone(), decision);
         }
         action
@@ -508,12 +519,12 @@ impl Context {
             .remove(&uid(at));
     }
 
-    fn remember_write(&self, at: &At) {
+    fn remember_write(&self, at: &At, phase: Phase) {
         if let Some(rv) = at.resource_version() {
             self.superseded
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .insert(uid(at), rv);
+                .insert(uid(at), (rv, phase));
         }
     }
 

@@ -721,7 +721,7 @@ async fn a_failed_follow_up_write_is_retried_by_a_new_reconcile_after_backoff() 
     );
     assert_eq!(h.ctx.failures.lock().unwrap()[AT_UID], 1);
     // The cached version is no longer skipped: the next reconcile acts on it.
-    assert!(!h.ctx.is_stale(&example_at(None)));
+    assert_eq!(h.ctx.is_stale(&example_at(None)), None);
     drop(retriggers);
     h.finish(2).await;
 }
@@ -783,4 +783,55 @@ async fn an_answer_that_refuses_is_not_an_outage() {
     error_policy(at, &error, h.ctx.clone());
     assert_eq!(h.ctx.unreachable.waiting(), 0, "backs off instead");
     h.finish(1).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_at_due_while_its_pending_write_waits_gets_its_pod_without_waiting() {
+    use std::sync::atomic::{AtomicI64, Ordering};
+    let offset = Arc::new(AtomicI64::new(0));
+    let clock: Clock = Box::new({
+        let offset = offset.clone();
+        move || {
+            DateTime::parse_from_rfc3339(NOW).unwrap().to_utc()
+                + chrono::Duration::seconds(offset.load(Ordering::SeqCst))
+        }
+    });
+    let mut future = example_at(None);
+    future.spec.schedule = "2026-11-22T02:10:10Z".into();
+    let h = harness_at(
+        vec![
+            answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
+            answer("PATCH", STATUS, 200, at_response(&running_status())),
+            answer(
+                "PATCH",
+                STATUS,
+                409,
+                fixture("status-409-conflict-stale-resourceversion.json"),
+            ),
+            answer("POST", EVENTS, 201, created_event()),
+        ],
+        clock,
+    );
+    // Other pods are being created: the PENDING write waits in the queue.
+    let others = h.ctx.pods_first.creating();
+    assert_eq!(
+        h.reconcile(future.clone()).await.unwrap(),
+        Action::requeue(Duration::from_secs(10))
+    );
+    // The version decided on is not acted on again while it is not due...
+    assert_eq!(
+        h.reconcile(future.clone()).await.unwrap(),
+        Action::await_change()
+    );
+    assert_eq!(h.answered(), 0);
+    // ...but once due, its pod is created at once.
+    offset.store(11, Ordering::SeqCst);
+    h.reconcile(future).await.unwrap();
+    assert_eq!(h.answered(), 1);
+    drop(others);
+    let sent = h.finish(4).await;
+    assert_eq!(
+        (sent[0].method.as_str(), sent[0].path.as_str()),
+        ("POST", PODS)
+    );
 }

@@ -43,8 +43,14 @@ fn only_ats_with_work_now_are_reconciled_at_once() {
         Wake::After(Duration::from_secs(3600))
     );
     // Due now, or overdue: its pod is created now.
-    assert_eq!(wake(&pending, now() + chrono::Duration::hours(1), &policy), Wake::Now);
-    assert_eq!(wake(&pending, now() + chrono::Duration::hours(5), &policy), Wake::Now);
+    assert_eq!(
+        wake(&pending, now() + chrono::Duration::hours(1), &policy),
+        Wake::Now
+    );
+    assert_eq!(
+        wake(&pending, now() + chrono::Duration::hours(5), &policy),
+        Wake::Now
+    );
     // A bad schedule, already reported: nothing until the At changes.
     let bad = settled(at("tomorrow noon", None), now());
     assert_eq!(bad.status.as_ref().unwrap().phase, Phase::Pending);
@@ -54,7 +60,10 @@ fn only_ats_with_work_now_are_reconciled_at_once() {
         phase: Phase::Running,
         ..bad.status.clone().unwrap()
     };
-    assert_eq!(wake(&at(in_an_hour, Some(running)), now(), &policy), Wake::Now);
+    assert_eq!(
+        wake(&at(in_an_hour, Some(running)), now(), &policy),
+        Wake::Now
+    );
 }
 
 #[test]
@@ -76,7 +85,11 @@ fn a_finished_at_waits_for_its_ttl_or_for_nothing() {
         Wake::After(Duration::from_secs(60))
     );
     assert_eq!(
-        wake(&expiring, now() + chrono::Duration::seconds(61), &RunPolicy::default()),
+        wake(
+            &expiring,
+            now() + chrono::Duration::seconds(61),
+            &RunPolicy::default()
+        ),
         Wake::Now
     );
 }
