@@ -1,13 +1,17 @@
 //! Pods first: when many Ats fall due together, the API server's write capacity goes to their
-//! pods before any RUNNING status write or event of that wave. A reconcile that created a pod
-//! queues its status write here and returns at once; the queue's writers wait until no pod
-//! create is in flight, then write (still guarded by the resourceVersion decided on) and publish
-//! the event. Exactly-once does not depend on this: the pod's deterministic name does.
+//! pods before any status write or event of that wave, and to status writes before events. A
+//! reconcile queues its status write here and returns at once; the queue's writers wait until no
+//! pod create is in flight, then write (still guarded by the resourceVersion decided on); the
+//! event waits until no status write is queued either. Exactly-once does not depend on this:
+//! the pod's deterministic name does.
 
 use super::{key, Context, Decision};
 use crate::api::At;
 use futures::StreamExt;
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::runtime::events::Event;
 use kube::runtime::reflector::ObjectRef;
+use kube::Resource;
 use std::sync::Arc;
 use tokio::sync::{mpsc, watch};
 use tracing::field::{display, Empty};
@@ -16,45 +20,63 @@ use tracing::{debug, info_span, warn, Instrument, Span};
 /// Status writes that follow pod creates, at once.
 const WRITERS: usize = 8;
 
-/// Counts pod creates in flight; follow-up writes wait for none.
-pub struct PodsFirst {
-    creating: watch::Sender<usize>,
-}
+/// Counts work in flight (or queued) of one priority; lower priorities wait until it is idle.
+#[derive(Clone)]
+pub struct Busy(Arc<watch::Sender<usize>>);
 
-impl Default for PodsFirst {
+impl Default for Busy {
     fn default() -> Self {
-        PodsFirst {
-            creating: watch::Sender::new(0),
-        }
+        Busy(Arc::new(watch::Sender::new(0)))
     }
 }
 
-/// A pod create in flight, from `PodsFirst::creating` until dropped.
-pub struct Creating<'a>(&'a PodsFirst);
+/// One unit of work counted by `Busy`, until dropped.
+pub struct Entered(Busy);
 
-impl Drop for Creating<'_> {
+impl Drop for Entered {
     fn drop(&mut self) {
-        self.0.creating.send_modify(|n| *n -= 1);
+        self.0 .0.send_modify(|n| *n -= 1);
     }
+}
+
+impl Busy {
+    /// Counts one more unit until the returned guard is dropped.
+    pub fn enter(&self) -> Entered {
+        self.0.send_modify(|n| *n += 1);
+        Entered(self.clone())
+    }
+
+    /// Returns once nothing is counted.
+    pub async fn idle(&self) {
+        let mut count = self.0.subscribe();
+        // The sender lives as long as `self`, so waiting cannot fail.
+        let _ = count.wait_for(|n| *n == 0).await;
+    }
+
+    /// Units counted now.
+    pub fn in_flight(&self) -> usize {
+        *self.0.borrow()
+    }
+}
+
+/// The three priorities of writes: pod creates, then status writes, then events.
+#[derive(Default)]
+pub struct PodsFirst {
+    /// Pod creates in flight.
+    pub creating: Busy,
+    /// Follow-up status writes queued or in flight.
+    pub writing: Busy,
 }
 
 impl PodsFirst {
     /// Marks a pod create in flight until the returned guard is dropped.
-    pub fn creating(&self) -> Creating<'_> {
-        self.creating.send_modify(|n| *n += 1);
-        Creating(self)
-    }
-
-    /// Returns once no pod create is in flight.
-    pub async fn idle(&self) {
-        let mut creating = self.creating.subscribe();
-        // The sender lives as long as `self`, so waiting cannot fail.
-        let _ = creating.wait_for(|n| *n == 0).await;
+    pub fn creating(&self) -> Entered {
+        self.creating.enter()
     }
 
     /// Pod creates in flight now.
     pub fn in_flight(&self) -> usize {
-        *self.creating.borrow()
+        self.creating.in_flight()
     }
 }
 
@@ -65,21 +87,43 @@ pub struct Followup {
     decision: Decision,
     /// A `status-write` span, child of the reconcile that queued it: same trace.
     span: Span,
+    /// Counts this write as queued until it is done.
+    _writing: Entered,
 }
 
-/// The queue's sending and receiving ends, as `Context` holds them.
-pub(super) struct Queue {
-    pub sender: mpsc::UnboundedSender<Followup>,
-    pub receiver: std::sync::Mutex<Option<mpsc::UnboundedReceiver<Followup>>>,
+/// An event that waits for the pod creates and status writes queued before it.
+pub struct Telling {
+    ctx: Arc<Context>,
+    event: Event,
+    regarding: ObjectReference,
 }
 
-impl Default for Queue {
+/// A queue's sending and receiving ends, as `Context` holds them.
+pub(super) struct Queue<T> {
+    pub sender: mpsc::UnboundedSender<T>,
+    pub receiver: std::sync::Mutex<Option<mpsc::UnboundedReceiver<T>>>,
+}
+
+impl<T> Default for Queue<T> {
     fn default() -> Self {
         let (sender, receiver) = mpsc::unbounded_channel();
         Queue {
             sender,
             receiver: std::sync::Mutex::new(Some(receiver)),
         }
+    }
+}
+
+impl<T> Queue<T> {
+    fn take(&self) -> Option<impl futures::Stream<Item = T> + use<T>> {
+        let receiver = self
+            .receiver
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()?;
+        Some(futures::stream::unfold(receiver, |mut rx| async {
+            rx.recv().await.map(|item| (item, rx))
+        }))
     }
 }
 
@@ -97,6 +141,7 @@ impl Context {
             at,
             decision,
             span,
+            _writing: self.pods_first.writing.enter(),
         };
         if self.followups.sender.send(job).is_err() {
             // Only after the writer stopped, i.e. the loop is ending: the next leader writes it.
@@ -104,36 +149,57 @@ impl Context {
         }
     }
 
-    /// The follow-up writer: runs until every `Context` handle is gone (or it is dropped with the
-    /// reconcile loop). Returns `None` if it was already taken.
+    /// The follow-up writer: status writes once no pod create is in flight, events once no
+    /// status write is queued either. Runs until every `Context` handle is gone (or it is
+    /// dropped with the reconcile loop). Returns `None` if it was already taken.
     pub fn followup_writer(&self) -> Option<impl std::future::Future<Output = ()> + use<>> {
-        let receiver = self
-            .followups
-            .receiver
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()?;
-        let jobs = futures::stream::unfold(receiver, |mut rx| async {
-            rx.recv().await.map(|job| (job, rx))
-        });
-        Some(jobs.for_each_concurrent(WRITERS, |job| async move {
+        let jobs = self.followups.take()?;
+        let events = self.tellings.take()?;
+        let writes = jobs.for_each_concurrent(WRITERS, |job| async move {
             let span = job.span.clone();
             job.ctx
                 .write_followup(&job.at, &job.decision)
                 .instrument(span)
                 .await;
-        }))
+        });
+        // One at a time: the event sink publishes them concurrently in the background.
+        let events = events.for_each(|telling| async move {
+            let lanes = &telling.ctx.pods_first;
+            lanes.creating.idle().await;
+            lanes.writing.idle().await;
+            telling
+                .ctx
+                .events
+                .send(telling.event, telling.regarding)
+                .await;
+        });
+        Some(async move {
+            futures::future::join(writes, events).await;
+        })
     }
 
-    async fn write_followup(&self, at: &Arc<At>, decision: &Decision) {
+    /// Queues `event` about `at` behind the pod creates and status writes.
+    pub(super) fn tell_later(self: &Arc<Self>, at: &At, event: Event) {
+        let telling = Telling {
+            ctx: self.clone(),
+            event,
+            regarding: at.object_ref(&()),
+        };
+        if self.tellings.sender.send(telling).is_err() {
+            debug!("follow-up writer stopped; event dropped");
+        }
+    }
+
+    async fn write_followup(self: &Arc<Self>, at: &Arc<At>, decision: &Decision) {
         let Some(status) = &decision.status else {
             return;
         };
-        self.pods_first.idle().await;
+        self.pods_first.creating.idle().await;
         match self.write_status(at, status).await {
             Ok(()) => {
                 if let Some(note) = &decision.note {
-                    self.tell(at, status, note).await;
+                    let event = self.log_transition(at, status, note);
+                    self.tell_later(at, event);
                 }
             }
             Err(kube::Error::Api(s)) if s.is_conflict() => {

@@ -101,8 +101,10 @@ pub struct Context {
     failures: Mutex<HashMap<String, u32>>,
     /// Pod creates in flight, which status writes that follow creates wait for.
     pods_first: PodsFirst,
-    /// Status writes (and events) queued behind pod creates.
-    followups: followup::Queue,
+    /// Status writes queued behind pod creates.
+    followups: followup::Queue<followup::Followup>,
+    /// Events queued behind pod creates and status writes.
+    tellings: followup::Queue<followup::Telling>,
     /// Ats to reconcile again outside the runtime's own requeues (a failed follow-up write).
     retrigger: tokio::sync::mpsc::UnboundedSender<ObjectRef<At>>,
     retriggered: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<ObjectRef<At>>>>,
@@ -131,6 +133,7 @@ impl Context {
             failures: Mutex::default(),
             pods_first: PodsFirst::default(),
             followups: followup::Queue::default(),
+            tellings: followup::Queue::default(),
             retrigger,
             retriggered: Mutex::new(Some(retriggered)),
             unreachable: Reachability::default(),
@@ -528,14 +531,15 @@ impl Context {
         }
     }
 
-    async fn tell(&self, at: &At, status: &AtStatus, note: &Note) {
+    /// Logs the transition `note` tells and returns its event.
+    fn log_transition(&self, at: &At, status: &AtStatus, note: &Note) -> Event {
         let from = at.status.as_ref().map(|s| s.phase.as_str());
         let (at_key, to, reason) = (key(at), status.phase.as_str(), note.reason);
         match note.severity {
             Severity::Normal => info!(at = %at_key, from, to, reason, "{}", note.message),
             Severity::Warning => warn!(at = %at_key, from, to, reason, "{}", note.message),
         }
-        let event = Event {
+        Event {
             type_: match note.severity {
                 Severity::Normal => EventType::Normal,
                 Severity::Warning => EventType::Warning,
@@ -544,7 +548,11 @@ impl Context {
             note: Some(note.message.clone()),
             action: "Reconcile".into(),
             secondary: None,
-        };
+        }
+    }
+
+    async fn tell(&self, at: &At, status: &AtStatus, note: &Note) {
+        let event = self.log_transition(at, status, note);
         self.events.send(event, at.object_ref(&())).await;
     }
 }

@@ -835,3 +835,26 @@ async fn an_at_due_while_its_pending_write_waits_gets_its_pod_without_waiting() 
         ("POST", PODS)
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn events_wait_until_no_status_write_is_queued() {
+    let mut future = example_at(None);
+    future.spec.schedule = "2026-11-22T02:10:42.5Z".into();
+    let h = harness(vec![
+        answer("PATCH", STATUS, 200, at_response(&running_status())),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    // Another At's status write is queued.
+    let other = h.ctx.pods_first.writing.enter();
+    h.reconcile(future).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(
+        h.answered(),
+        1,
+        "the status write went out, its event waits"
+    );
+    drop(other);
+    let sent = h.finish(2).await;
+    assert_status_patch(&sent[0], Phase::Pending);
+    assert_event(&sent[1], "Normal", "Scheduled");
+}
