@@ -24,6 +24,8 @@ pub const MAX_NOTE_BYTES: usize = 1024;
 #[derive(Clone)]
 pub struct EventSink {
     queue: mpsc::Sender<(Event, ObjectReference)>,
+    client: kube::Client,
+    reporter: Reporter,
 }
 
 impl EventSink {
@@ -33,16 +35,24 @@ impl EventSink {
         let pending = futures::stream::unfold(receiver, |mut rx| async {
             rx.recv().await.map(|e| (e, rx))
         });
-        tokio::spawn(pending.for_each_concurrent(CONCURRENCY, move |(event, regarding)| {
-            let recorder = Recorder::new(client.clone(), reporter.clone());
-            async move {
-                // Best effort: the At's status already holds the same facts.
-                if let Err(error) = recorder.publish(&event, &regarding).await {
-                    warn!(%error, reason = event.reason, object = regarding.name.as_deref().unwrap_or(""), "could not publish event");
-                }
-            }
-        }));
-        EventSink { queue }
+        let (publisher, reporting) = (client.clone(), reporter.clone());
+        tokio::spawn(
+            pending.for_each_concurrent(CONCURRENCY, move |(event, regarding)| {
+                publish(publisher.clone(), reporting.clone(), event, regarding)
+            }),
+        );
+        EventSink {
+            queue,
+            client,
+            reporter,
+        }
+    }
+
+    /// Publishes `event` about `regarding` now, returning when the API server answered (for
+    /// callers that pace events themselves).
+    pub async fn publish_now(&self, mut event: Event, regarding: ObjectReference) {
+        event.note = event.note.map(|note| fit_note(&note));
+        publish(self.client.clone(), self.reporter.clone(), event, regarding).await;
     }
 
     /// Queues `event` about `regarding`, its note cut to what the API server accepts.
@@ -51,6 +61,21 @@ impl EventSink {
         if self.queue.send((event, regarding)).await.is_err() {
             warn!("event publisher stopped; event dropped");
         }
+    }
+}
+
+async fn publish(
+    client: kube::Client,
+    reporter: Reporter,
+    event: Event,
+    regarding: ObjectReference,
+) {
+    // Best effort: the At's status already holds the same facts.
+    if let Err(error) = Recorder::new(client, reporter)
+        .publish(&event, &regarding)
+        .await
+    {
+        warn!(%error, reason = event.reason, object = regarding.name.as_deref().unwrap_or(""), "could not publish event");
     }
 }
 

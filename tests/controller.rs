@@ -77,6 +77,7 @@ async fn the_book_example_runs_once_at_its_time_and_ends_done() {
     assert_eq!(pod["metadata"]["ownerReferences"][0]["name"], "example-at");
 
     // At the due time the pod is created first, with no read or status write before it.
+    server.told("example-at", 2).await;
     let writes: Vec<String> = server
         .requests()
         .into_iter()
@@ -106,7 +107,7 @@ async fn the_book_example_runs_once_at_its_time_and_ends_done() {
     assert_eq!(server.count("POST pods"), 1);
     // Each transition is told once: no duplicate writes or events.
     assert_eq!(server.count("PATCH ats/status"), 3);
-    let reasons = server.event_reasons("example-at");
+    let reasons = server.told("example-at", 3).await;
     assert_eq!(reasons, ["Scheduled", "PodCreated", "Succeeded"]);
     operator.abort();
 }
@@ -128,7 +129,7 @@ async fn a_past_schedule_fires_at_once_and_a_failing_command_is_recorded() {
         (Some(Outcome::Failed), Some(3))
     );
     assert_eq!(
-        server.event_reasons("fails"),
+        server.told("fails", 2).await,
         ["PodCreated", "CommandFailed"]
     );
     operator.abort();
@@ -206,7 +207,7 @@ async fn a_pod_the_at_does_not_own_is_left_alone() {
         "adopted a foreign pod"
     );
     assert_eq!(pod["spec"]["containers"][0]["image"], "nginx");
-    assert_eq!(server.event_reasons("taken"), ["PodNameConflict"]);
+    assert_eq!(server.told("taken", 1).await, ["PodNameConflict"]);
     operator.abort();
 }
 
@@ -224,7 +225,7 @@ async fn an_unparseable_schedule_is_reported_once_without_a_hot_loop() {
         message,
         r#"spec.schedule: "tomorrow noon" is not an RFC 3339 time (expected e.g. 2019-04-12T10:12:00Z)"#
     );
-    assert_eq!(server.event_reasons("bad"), ["InvalidSchedule"]);
+    assert_eq!(server.told("bad", 1).await, ["InvalidSchedule"]);
     operator.abort();
 }
 
@@ -392,7 +393,7 @@ mod production {
             "{}",
             server.count("POST pods")
         );
-        assert_eq!(server.event_reasons("quota"), ["PodForbidden"]);
+        assert_eq!(server.told("quota", 1).await, ["PodForbidden"]);
 
         // The quota is fixed: the next retry creates the pod.
         server.refuse_creates(Resource::Pods, None);
@@ -408,7 +409,7 @@ mod production {
             ("True", "PodCreated")
         );
         assert_eq!(
-            server.event_reasons("quota"),
+            server.told("quota", 2).await,
             ["PodForbidden", "PodCreated"]
         );
         operator.abort();
@@ -431,7 +432,7 @@ mod production {
         assert_eq!(st.outcome, Some(Outcome::Missed));
         assert_eq!(st.reason.as_deref(), Some("MissedDeadline"));
         assert_eq!(
-            server.event_reasons("late"),
+            server.told("late", 2).await,
             ["PodForbidden", "MissedDeadline"]
         );
         // Even once pods are allowed, it never runs.

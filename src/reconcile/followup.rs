@@ -19,6 +19,8 @@ use tracing::{debug, info_span, warn, Instrument, Span};
 
 /// Status writes that follow pod creates, at once.
 const WRITERS: usize = 8;
+/// How long pod creates and status writes must have been idle before an event goes out.
+const QUIET: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// Counts work in flight (or queued) of one priority; lower priorities wait until it is idle.
 #[derive(Clone)]
@@ -69,6 +71,18 @@ pub struct PodsFirst {
 }
 
 impl PodsFirst {
+    /// Returns once neither pod creates nor status writes have been in flight for `QUIET`.
+    pub async fn quiet(&self) {
+        loop {
+            self.creating.idle().await;
+            self.writing.idle().await;
+            tokio::time::sleep(QUIET).await;
+            if self.creating.in_flight() == 0 && self.writing.in_flight() == 0 {
+                return;
+            }
+        }
+    }
+
     /// Marks a pod create in flight until the returned guard is dropped.
     pub fn creating(&self) -> Entered {
         self.creating.enter()
@@ -162,15 +176,14 @@ impl Context {
                 .instrument(span)
                 .await;
         });
-        // One at a time: the event sink publishes them concurrently in the background.
+        // One at a time, each only once pod creates and status writes have been quiet for a
+        // moment: a wave's events wait for the whole wave.
         let events = events.for_each(|telling| async move {
-            let lanes = &telling.ctx.pods_first;
-            lanes.creating.idle().await;
-            lanes.writing.idle().await;
+            telling.ctx.pods_first.quiet().await;
             telling
                 .ctx
                 .events
-                .send(telling.event, telling.regarding)
+                .publish_now(telling.event, telling.regarding)
                 .await;
         });
         Some(async move {

@@ -353,6 +353,16 @@ impl ApiServer {
     }
 
     /// Reasons of the events about `name`, in order.
+    /// The reasons of the events about `name`, once there are at least `n` (events follow
+    /// status writes in the background) or after 10 s.
+    pub async fn told(&self, name: &str, n: usize) -> Vec<String> {
+        self.wait_for(Duration::from_secs(10), |s| {
+            s.event_reasons(name).len() >= n
+        })
+        .await;
+        self.event_reasons(name)
+    }
+
     pub fn event_reasons(&self, name: &str) -> Vec<String> {
         let mut events: Vec<Value> = self
             .list(Resource::Events)
