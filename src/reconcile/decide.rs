@@ -418,4 +418,4 @@ impl<'a> Next<'a> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -12,7 +12,7 @@ fn decide(at: &At, pod: &PodObservation, now: DateTime<Utc>) -> Decision {
     super::decide(at, pod, now, &RunPolicy::default())
 }
 
-fn at_named(name: &str, schedule: &str, status: Option<AtStatus>) -> At {
+pub(crate) fn at_named(name: &str, schedule: &str, status: Option<AtStatus>) -> At {
     let mut at = At::new(
         name,
         AtSpec {
@@ -29,7 +29,7 @@ fn at_named(name: &str, schedule: &str, status: Option<AtStatus>) -> At {
     at
 }
 
-fn at(schedule: &str, status: Option<AtStatus>) -> At {
+pub(crate) fn at(schedule: &str, status: Option<AtStatus>) -> At {
     at_named("example-at", schedule, status)
 }
 

@@ -1,26 +1,11 @@
 use super::*;
-use crate::api::{AtSpec, AtStatus, Phase};
+use crate::api::{AtStatus, Phase};
+use crate::reconcile::decide::tests::at;
 
 const NOW: &str = "2026-11-22T02:10:00Z";
 
 fn now() -> DateTime<Utc> {
     DateTime::parse_from_rfc3339(NOW).unwrap().to_utc()
-}
-
-fn at(schedule: &str, status: Option<AtStatus>) -> At {
-    let mut at = At::new(
-        "example-at",
-        AtSpec {
-            schedule: schedule.into(),
-            command: "echo YAY".into(),
-            image: "busybox".into(),
-            ..AtSpec::default()
-        },
-    );
-    at.metadata.namespace = Some("default".into());
-    at.metadata.uid = Some("4c4a2a4f-0d1e-4a59-9d0e-6c9d3c2a7a01".into());
-    at.status = status;
-    at
 }
 
 /// The At as its reconcile at `when` leaves it.
