@@ -1,5 +1,9 @@
 //! Wires the reconciler to the cluster: a trimmed watch of Ats, a watch of only the pods cnat
 //! created (by label), and kube-runtime's `Controller` for queueing, requeues and concurrency.
+//!
+//! The Ats are cached by every replica (`AtCache`), leader or not, so a replica that becomes
+//! leader starts from a full cache instead of listing every At first; the pods, usually far
+//! fewer, are watched by the leader only.
 
 use crate::api::At;
 use crate::events::EventSink;
@@ -14,10 +18,12 @@ use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::utils::Backoff;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::{Api, Client};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{info, warn};
@@ -33,7 +39,53 @@ pub struct Settings {
     pub policy: RunPolicy,
 }
 
-/// Runs the reconcile loop until `stop` is cancelled; reconciles in flight then finish.
+/// Changes to cached Ats kept for a leader that falls behind; past that it looks at them all.
+const CHANGES: usize = 4096;
+
+/// The Ats this replica caches, with a feed of every change for the leader's reconcile loop.
+#[derive(Clone)]
+pub struct AtCache {
+    store: Store<At>,
+    changes: broadcast::Sender<Arc<At>>,
+    _watch: Arc<AbortOnDropHandle<()>>,
+}
+
+impl AtCache {
+    /// Starts watching Ats (in `namespace`, or all) on the current runtime, until dropped.
+    pub fn start(client: &Client, namespace: Option<&str>) -> Self {
+        let (ats, _) = apis(client, namespace);
+        let (store, writer) = reflector::store();
+        let (changes, _) = broadcast::channel(CHANGES);
+        let feed = changes.clone();
+        let watch = watcher(ats, watcher::Config::default())
+            .backoff(WatchBackoff::new())
+            .modify(trim_at)
+            .reflect(writer)
+            .applied_objects()
+            .for_each(move |at| {
+                match at {
+                    // No leader listening is fine: nothing is kept for it.
+                    Ok(at) => drop(feed.send(Arc::new(at))),
+                    Err(error) => warn!(%error, "watching Ats"),
+                }
+                std::future::ready(())
+            });
+        AtCache {
+            store,
+            changes,
+            _watch: Arc::new(AbortOnDropHandle::new(tokio::spawn(watch))),
+        }
+    }
+}
+
+impl AtCache {
+    /// The cached Ats.
+    pub fn store(&self) -> &Store<At> {
+        &self.store
+    }
+}
+
+/// Runs the reconcile loop with a cache of its own (see `run_with_cache`).
 pub async fn run(
     client: Client,
     settings: Settings,
@@ -41,7 +93,21 @@ pub async fn run(
     metrics: Arc<Metrics>,
     stop: CancellationToken,
 ) {
-    let (ats, pods) = apis(&client, settings.namespace.as_deref());
+    let cache = AtCache::start(&client, settings.namespace.as_deref());
+    run_with_cache(cache, client, settings, events, metrics, stop).await
+}
+
+/// Runs the reconcile loop on `cache` until `stop` is cancelled; reconciles in flight then
+/// finish.
+pub async fn run_with_cache(
+    cache: AtCache,
+    client: Client,
+    settings: Settings,
+    events: EventSink,
+    metrics: Arc<Metrics>,
+    stop: CancellationToken,
+) {
+    let (_, pods) = apis(&client, settings.namespace.as_deref());
     let (pod_store, pod_writer) = reflector::store();
     let pod_events = watcher(pods, watcher::Config::default().labels(pod::SELECTOR))
         .backoff(WatchBackoff::new())
@@ -60,16 +126,42 @@ pub async fn run(
     // Only Ats with work now are reconciled as they are watched; settled ones wait in one
     // ordered index until they fall due (see `reconcile::wakeups`).
     let wakeups = Arc::new(Wakeups::default());
-    let (at_store, at_writer) = reflector::store();
-    let at_events = watcher(ats, watcher::Config::default())
-        .backoff(WatchBackoff::new())
-        .modify(trim_at)
-        .reflect(at_writer)
-        .applied_objects()
-        .try_filter({
-            let (ctx, wakeups) = (ctx.clone(), wakeups.clone());
-            move |at| std::future::ready(ctx.needs_reconcile(at, &wakeups))
-        });
+    // Subscribed before the first look at the cache, so no change falls between the two.
+    let changes = cache.changes.subscribe();
+    let at_store = cache.store.clone();
+    let at_events = futures::stream::unfold(changes, {
+        let (ctx, wakeups, store) = (ctx.clone(), wakeups.clone(), at_store.clone());
+        move |mut changes| {
+            let (ctx, wakeups, store) = (ctx.clone(), wakeups.clone(), store.clone());
+            async move {
+                loop {
+                    match changes.recv().await {
+                        Ok(at) => return Some((Ok(Arc::unwrap_or_clone(at)), changes)),
+                        // Fell behind: whatever was missed is in the cache.
+                        Err(broadcast::error::RecvError::Lagged(missed)) => {
+                            warn!(missed, "reconcile loop fell behind the At watch; looking at every At");
+                            look_at_all(&ctx, &wakeups, &store);
+                        }
+                        Err(broadcast::error::RecvError::Closed) => return None,
+                    }
+                }
+            }
+        }
+    })
+    .try_filter({
+        let (ctx, wakeups) = (ctx.clone(), wakeups.clone());
+        move |at: &At| std::future::ready(ctx.needs_reconcile(at, &wakeups))
+    });
+    // Then every At already cached (once the cache has listed them all).
+    let first_look = tokio::spawn({
+        let (ctx, wakeups, store) = (ctx.clone(), wakeups.clone(), at_store.clone());
+        async move {
+            if store.wait_until_ready().await.is_ok() {
+                look_at_all(&ctx, &wakeups, &store);
+            }
+        }
+    });
+    let _first_look = AbortOnDropHandle::new(first_look);
 
     metrics.count_ats(at_store.clone());
     let _forget = ForgetAts(metrics);
@@ -115,6 +207,15 @@ pub async fn run(
         })
         .await;
     info!("reconcile loop stopped");
+}
+
+/// Reconciles every cached At that needs it now; the others go into `wakeups`.
+fn look_at_all(ctx: &Context, wakeups: &Wakeups, store: &Store<At>) {
+    for at in store.state() {
+        if ctx.needs_reconcile(&at, wakeups) {
+            ctx.wake_up(ObjectRef::from_obj(at.as_ref()));
+        }
+    }
 }
 
 /// Stops the At count when the loop ends, also when it is aborted on lost leadership.

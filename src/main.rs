@@ -204,13 +204,16 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
     };
     let (work_client, work_events, work_metrics) =
         (client.clone(), events.clone(), metrics.clone());
+    // Every replica caches the Ats, so the next leader starts with all of them.
+    let cache = controller::AtCache::start(&client, args.namespace.as_deref());
     let election = tokio::spawn(leader::run(
         client,
         election_settings,
         leadership,
         events,
         move |stop| {
-            controller::run(
+            controller::run_with_cache(
+                cache.clone(),
                 work_client.clone(),
                 controller_settings.clone(),
                 work_events.clone(),

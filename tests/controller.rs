@@ -501,3 +501,56 @@ mod production {
         operator.abort();
     }
 }
+
+#[tokio::test]
+async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
+    let server = ApiServer::new();
+    let later = (Utc::now() + Span::hours(1)).to_rfc3339();
+    for i in 0..50 {
+        server.create(Resource::Ats, at_json(&format!("later-{i}"), &later, "true"));
+    }
+    // A first leader settles them, then goes.
+    let first = start(&server);
+    let settled = server
+        .wait_for(WAIT, |s| {
+            (0..50).all(|i| phase(s, &format!("later-{i}")) == Some(Phase::Pending))
+        })
+        .await;
+    assert!(settled);
+    first.abort();
+
+    // A candidate caches every At while another replica leads.
+    let client = server.client();
+    let cache = cnat::controller::AtCache::start(&client, None);
+    assert!(
+        support::until(WAIT, || cache.store().state().len() == 50).await,
+        "the candidate never cached the Ats"
+    );
+    server.create(Resource::Ats, at_json("due", "2019-04-12T10:12:00Z", "true"));
+    assert!(support::until(WAIT, || cache.store().state().len() == 51).await);
+    let (reads, writes) = (server.count("GET ats"), server.count("PATCH ats/status"));
+
+    // It becomes leader: the due At runs, from the cache, without listing or watching Ats again
+    // and without a write for the settled ones.
+    let settings = cnat::controller::Settings {
+        namespace: None,
+        concurrency: 32,
+        policy: Default::default(),
+    };
+    let events = support::events(&client, "cnat-1");
+    let metrics = std::sync::Arc::new(cnat::metrics::Metrics::new(Default::default()));
+    let leader = tokio::spawn(cnat::controller::run_with_cache(
+        cache,
+        client,
+        settings,
+        events,
+        metrics,
+        tokio_util::sync::CancellationToken::new(),
+    ));
+    wait_phase(&server, "due", Phase::Running).await;
+    server.told("due", 1).await;
+    assert_eq!(server.count("GET ats"), reads, "the leader read Ats again");
+    assert_eq!(server.count("PATCH ats/status"), writes + 1, "only the due At's RUNNING");
+    assert_eq!(server.count("POST pods"), 1);
+    leader.abort();
+}
