@@ -14,7 +14,8 @@
 //! Sizes above 20,000 run a different scenario: that many Ats already PENDING as a previous
 //! leader left them (status already right), one of them due the moment the operator becomes
 //! leader; it reports how soon that At's pod comes, how many writes the operator makes, and its
-//! memory, also while 5,000 more Ats are created.
+//! memory, also while 5,000 more Ats are created. Then a second replica starts (a candidate,
+//! caching every At), and the leader gets SIGTERM 50 ms before another At is due.
 //!
 //!     cargo bench --bench due            # 100 and 1000 Ats, then the outages
 //!     cargo bench --bench due -- 5000    # any sizes (no outages)
@@ -30,6 +31,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const LEAD: Duration = Duration::from_secs(4);
+/// How long a candidate gets to list and cache every At before the leader is stopped.
+const CANDIDATE_SETTLES: Duration = Duration::from_secs(20);
 /// Sizes above this run the pending scenario.
 const PENDING_SCENARIO: usize = 20_000;
 /// A real API server's cost per write (see the module comment).
@@ -59,8 +62,8 @@ async fn main() {
     }
     if !pending_sizes.is_empty() {
         println!();
-        println!("| Ats pending | leader -> due At's pod | status writes / events until settled | RSS settled | RSS max while 5,000 more are created |");
-        println!("|---|---|---|---|---|");
+        println!("| Ats pending | leader -> due At's pod | status writes / events until settled | RSS settled | RSS max while 5,000 more are created | candidate RSS | At due 50 ms after the leader's SIGTERM: pod after due |");
+        println!("|---|---|---|---|---|---|---|");
         for n in pending_sizes {
             pending(n).await;
         }
@@ -463,10 +466,36 @@ async fn pending(n: usize) {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // A candidate caches them too; then the leader gets SIGTERM 50 ms before an At is due.
+    let (candidate, _) = spawn_operator_with_admin(&kubeconfig);
+    tokio::time::sleep(CANDIDATE_SETTLES).await;
+    let candidate_rss = rss_kib(&candidate);
+    let due = chrono::Utc::now() + chrono::Duration::milliseconds(50);
+    let due_instant = Instant::now() + Duration::from_millis(50);
+    server.create(
+        Resource::Ats,
+        json!({"metadata": {"name": "handover-due", "namespace": "default"},
+               "spec": {"schedule": due.to_rfc3339(), "command": "true", "image": "busybox"}}),
+    );
+    let status = Command::new("kill")
+        .args(["-TERM", &operator.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let ran = poll(&server, Duration::from_secs(60), |s| {
+        s.pod_created_at("default", "handover-due-pod").is_some()
+    })
+    .await;
+    assert!(ran, "the At due at the handover never ran");
+    let handover_late = server
+        .pod_created_at("default", "handover-due-pod")
+        .unwrap()
+        .saturating_duration_since(due_instant);
     println!(
-        "| {n} | {to_pod:.0?} | {writes} / {events} | {:.0} MiB | {:.0} MiB |",
+        "| {n} | {to_pod:.0?} | {writes} / {events} | {:.0} MiB | {:.0} MiB | {:.0} MiB | {handover_late:.0?} |",
         rss_settled as f64 / 1024.0,
-        rss_max as f64 / 1024.0
+        rss_max as f64 / 1024.0,
+        candidate_rss as f64 / 1024.0
     );
     let _ = std::fs::remove_file(kubeconfig);
 }

@@ -1,8 +1,9 @@
 //! Graceful handover with real processes: three `cnat run` replicas (release build, default
 //! election timings) against the fake API server over HTTP on loopback, as in a rolling upgrade:
 //! the leader gets SIGTERM and is replaced by a new replica, round after round. Measured on the
-//! API server's side: SIGTERM -> the new leader's first request for Ats (its reconcile loop
-//! starting), and an At due 50 ms after the SIGTERM -> its pod.
+//! API server's side: SIGTERM -> the new leader's first request for pods (its reconcile loop
+//! starting: every replica caches the Ats, only the leader watches pods), and an At due 50 ms
+//! after the SIGTERM -> its pod.
 //!
 //!     cargo bench --bench handover          # 5 rounds
 //!     cargo bench --bench handover -- 20    # any number of rounds
@@ -74,9 +75,9 @@ async fn main() {
             .calls_by("http")
             .into_iter()
             .map(|(what, at)| (what, at.into_std()))
-            .find(|(what, at)| what == "GET ats" && *at > signalled)
+            .find(|(what, at)| what == "GET pods" && *at > signalled)
             .map(|(_, at)| at - signalled)
-            .expect("the new leader lists Ats");
+            .expect("the new leader lists pods");
         let new = holder(&server).unwrap_or_default();
         assert_ne!(new, leader, "round {round}: leadership did not move");
         handovers.push(took);

@@ -17,8 +17,8 @@ use chrono::Utc;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::{self, Controller};
-use kube::runtime::utils::Backoff;
 use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::utils::Backoff;
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::{Api, Client};
 use std::sync::Arc;
@@ -139,7 +139,10 @@ pub async fn run_with_cache(
                         Ok(at) => return Some((Ok(Arc::unwrap_or_clone(at)), changes)),
                         // Fell behind: whatever was missed is in the cache.
                         Err(broadcast::error::RecvError::Lagged(missed)) => {
-                            warn!(missed, "reconcile loop fell behind the At watch; looking at every At");
+                            warn!(
+                                missed,
+                                "reconcile loop fell behind the At watch; looking at every At"
+                            );
                             look_at_all(&ctx, &wakeups, &store);
                         }
                         Err(broadcast::error::RecvError::Closed) => return None,

@@ -507,7 +507,10 @@ async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
     let server = ApiServer::new();
     let later = (Utc::now() + Span::hours(1)).to_rfc3339();
     for i in 0..50 {
-        server.create(Resource::Ats, at_json(&format!("later-{i}"), &later, "true"));
+        server.create(
+            Resource::Ats,
+            at_json(&format!("later-{i}"), &later, "true"),
+        );
     }
     // A first leader settles them, then goes.
     let first = start(&server);
@@ -526,7 +529,10 @@ async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
         support::until(WAIT, || cache.store().state().len() == 50).await,
         "the candidate never cached the Ats"
     );
-    server.create(Resource::Ats, at_json("due", "2019-04-12T10:12:00Z", "true"));
+    server.create(
+        Resource::Ats,
+        at_json("due", "2019-04-12T10:12:00Z", "true"),
+    );
     assert!(support::until(WAIT, || cache.store().state().len() == 51).await);
     let (reads, writes) = (server.count("GET ats"), server.count("PATCH ats/status"));
 
@@ -550,7 +556,11 @@ async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
     wait_phase(&server, "due", Phase::Running).await;
     server.told("due", 1).await;
     assert_eq!(server.count("GET ats"), reads, "the leader read Ats again");
-    assert_eq!(server.count("PATCH ats/status"), writes + 1, "only the due At's RUNNING");
+    assert_eq!(
+        server.count("PATCH ats/status"),
+        writes + 1,
+        "only the due At's RUNNING"
+    );
     assert_eq!(server.count("POST pods"), 1);
     leader.abort();
 }
