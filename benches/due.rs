@@ -80,15 +80,7 @@ async fn main() {
 
 /// `n` Ats fall due in the middle of an API server outage lasting `down`.
 async fn outage(n: usize, down: Duration) {
-    let server = ApiServer::new();
-    server.set_write_cost(WRITE_COST);
-    let addr = server.serve_http().await;
-    let kubeconfig = std::env::temp_dir().join(format!(
-        "cnat-bench-{}-outage-{}.kubeconfig",
-        std::process::id(),
-        down.as_secs()
-    ));
-    std::fs::write(&kubeconfig, ApiServer::kubeconfig(addr, "default")).unwrap();
+    let (server, kubeconfig) = modelled_server(&format!("outage-{}", down.as_secs())).await;
     let lead = LEAD + down / 2;
     let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
     let names: Vec<String> = (0..n).map(|i| format!("at-{i}")).collect();
@@ -112,22 +104,7 @@ async fn outage(n: usize, down: Duration) {
     tokio::time::sleep(down).await;
     server.set_down(false);
     let back = Instant::now();
-    let created = poll(&server, Duration::from_secs(120), |s| {
-        names
-            .iter()
-            .all(|a| s.pod_created_at("default", &format!("{a}-pod")).is_some())
-    })
-    .await;
-    assert!(created, "not every pod was created after the outage");
-    let after: Vec<Duration> = names
-        .iter()
-        .map(|a| {
-            server
-                .pod_created_at("default", &format!("{a}-pod"))
-                .unwrap()
-                .saturating_duration_since(back)
-        })
-        .collect();
+    let after = pods_after(&server, &names, back, Duration::from_secs(120)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     // Pod names are fixed, so a repeated create (its answer lost in the outage) gets a 409.
     let pods = server.list(Resource::Pods).len();
@@ -172,12 +149,7 @@ async fn bare_creates(n: usize) -> Duration {
 
 async fn run(n: usize) {
     let floor = bare_creates(n).await;
-    let server = ApiServer::new();
-    server.set_write_cost(WRITE_COST);
-    let addr = server.serve_http().await;
-    let kubeconfig =
-        std::env::temp_dir().join(format!("cnat-bench-{}-{n}.kubeconfig", std::process::id()));
-    std::fs::write(&kubeconfig, ApiServer::kubeconfig(addr, "default")).unwrap();
+    let (server, kubeconfig) = modelled_server(&n.to_string()).await;
 
     // Time for every At's PENDING status and event (two writes each) before they fall due, so
     // the burst is measured alone.
@@ -205,22 +177,7 @@ async fn run(n: usize) {
         settled && Instant::now() < due_instant,
         "the PENDING writes did not settle before the due time"
     );
-    let created = poll(&server, lead + Duration::from_secs(60), |s| {
-        names
-            .iter()
-            .all(|a| s.pod_created_at("default", &format!("{a}-pod")).is_some())
-    })
-    .await;
-    assert!(created, "not every pod was created");
-    let late: Vec<Duration> = names
-        .iter()
-        .map(|a| {
-            server
-                .pod_created_at("default", &format!("{a}-pod"))
-                .unwrap()
-                .saturating_duration_since(due_instant)
-        })
-        .collect();
+    let late = pods_after(&server, &names, due_instant, lead + Duration::from_secs(60)).await;
     let early = names.iter().any(|a| {
         server
             .pod_created_at("default", &format!("{a}-pod"))
@@ -256,6 +213,45 @@ async fn run(n: usize) {
         rss as f64 / 1024.0
     );
     let _ = std::fs::remove_file(kubeconfig);
+}
+
+/// Waits (up to `timeout`) for the pod of every At in `ats`, and returns when each came after
+/// `since`.
+async fn pods_after(
+    server: &ApiServer,
+    ats: &[String],
+    since: Instant,
+    timeout: Duration,
+) -> Vec<Duration> {
+    let pod = |a: &String| format!("{a}-pod");
+    let created = poll(server, timeout, |s| {
+        ats.iter()
+            .all(|a| s.pod_created_at("default", &pod(a)).is_some())
+    })
+    .await;
+    assert!(created, "not every pod was created");
+    ats.iter()
+        .map(|a| {
+            server
+                .pod_created_at("default", &pod(a))
+                .unwrap()
+                .saturating_duration_since(since)
+        })
+        .collect()
+}
+
+/// A test API server with the modelled write cost, served over HTTP, and a kubeconfig for it
+/// (named after `label`).
+async fn modelled_server(label: &str) -> (ApiServer, std::path::PathBuf) {
+    let server = ApiServer::new();
+    server.set_write_cost(WRITE_COST);
+    let addr = server.serve_http().await;
+    let kubeconfig = std::env::temp_dir().join(format!(
+        "cnat-bench-{}-{label}.kubeconfig",
+        std::process::id()
+    ));
+    std::fs::write(&kubeconfig, ApiServer::kubeconfig(addr, "default")).unwrap();
+    (server, kubeconfig)
 }
 
 /// The operator process, killed when dropped (also when the bench panics).
@@ -367,14 +363,7 @@ async fn poll(server: &ApiServer, timeout: Duration, check: impl Fn(&ApiServer) 
 /// operator starts.
 async fn pending(n: usize) {
     use cnat::reconcile::decide::{decide, PodObservation};
-    let server = ApiServer::new();
-    server.set_write_cost(WRITE_COST);
-    let addr = server.serve_http().await;
-    let kubeconfig = std::env::temp_dir().join(format!(
-        "cnat-bench-{}-pending-{n}.kubeconfig",
-        std::process::id()
-    ));
-    std::fs::write(&kubeconfig, ApiServer::kubeconfig(addr, "default")).unwrap();
+    let (server, kubeconfig) = modelled_server(&format!("pending-{n}")).await;
     let now = chrono::Utc::now();
     let create = |name: String, schedule: chrono::DateTime<chrono::Utc>, settled: bool| {
         let mut at = json!({"metadata": {"name": name, "namespace": "default", "generation": 1},

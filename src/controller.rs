@@ -14,7 +14,7 @@ use crate::reconcile::wakeups::Wakeups;
 use crate::reconcile::{error_policy, reconcile, Context};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::Utc;
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -76,9 +76,7 @@ impl AtCache {
             _watch: Arc::new(AbortOnDropHandle::new(tokio::spawn(watch))),
         }
     }
-}
 
-impl AtCache {
     /// The cached Ats.
     pub fn store(&self) -> &Store<At> {
         &self.store
@@ -129,31 +127,28 @@ pub async fn run_with_cache(
     // Subscribed before the first look at the cache, so no change falls between the two.
     let changes = cache.changes.subscribe();
     let at_store = cache.store.clone();
-    let at_events = futures::stream::unfold(changes, {
-        let (ctx, wakeups, store) = (ctx.clone(), wakeups.clone(), at_store.clone());
-        move |mut changes| {
-            let (ctx, wakeups, store) = (ctx.clone(), wakeups.clone(), store.clone());
-            async move {
-                loop {
-                    match changes.recv().await {
-                        Ok(at) => return Some((Ok(Arc::unwrap_or_clone(at)), changes)),
-                        // Fell behind: whatever was missed is in the cache.
-                        Err(broadcast::error::RecvError::Lagged(missed)) => {
-                            warn!(
-                                missed,
-                                "reconcile loop fell behind the At watch; looking at every At"
-                            );
-                            look_at_all(&ctx, &wakeups, &store);
-                        }
-                        Err(broadcast::error::RecvError::Closed) => return None,
+    let at_events = futures::stream::unfold(
+        (changes, ctx.clone(), wakeups.clone(), at_store.clone()),
+        |(mut changes, ctx, wakeups, store)| async move {
+            loop {
+                match changes.recv().await {
+                    Ok(at) => return Some((at, (changes, ctx, wakeups, store))),
+                    // Fell behind: whatever was missed is in the cache.
+                    Err(broadcast::error::RecvError::Lagged(missed)) => {
+                        warn!(
+                            missed,
+                            "reconcile loop fell behind the At watch; looking at every At"
+                        );
+                        look_at_all(&ctx, &wakeups, &store);
                     }
+                    Err(broadcast::error::RecvError::Closed) => return None,
                 }
             }
-        }
-    })
-    .try_filter({
+        },
+    )
+    .filter({
         let (ctx, wakeups) = (ctx.clone(), wakeups.clone());
-        move |at: &At| std::future::ready(ctx.needs_reconcile(at, &wakeups))
+        move |at: &Arc<At>| std::future::ready(ctx.needs_reconcile(at, &wakeups))
     });
     // Then every At already cached (once the cache has listed them all).
     let first_look = tokio::spawn({
@@ -193,7 +188,7 @@ pub async fn run_with_cache(
                 .await
         }
     }));
-    Controller::for_stream(at_events, at_store)
+    Controller::for_shared_stream(at_events, at_store)
         .owns_stream(pod_events)
         .reconcile_on(retriggers)
         .with_config(controller::Config::default().concurrency(settings.concurrency))

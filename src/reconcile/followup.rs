@@ -82,16 +82,6 @@ impl PodsFirst {
             }
         }
     }
-
-    /// Marks a pod create in flight until the returned guard is dropped.
-    pub fn creating(&self) -> Entered {
-        self.creating.enter()
-    }
-
-    /// Pod creates in flight now.
-    pub fn in_flight(&self) -> usize {
-        self.creating.in_flight()
-    }
 }
 
 /// A status write (and its event) that waits for the pods of its wave.
@@ -129,7 +119,8 @@ impl<T> Default for Queue<T> {
 }
 
 impl<T> Queue<T> {
-    fn take(&self) -> Option<impl futures::Stream<Item = T> + use<T>> {
+    /// The receiving end as a stream; `None` once taken.
+    pub(super) fn take(&self) -> Option<impl futures::Stream<Item = T> + use<T>> {
         let receiver = self
             .receiver
             .lock()

@@ -99,15 +99,15 @@ pub struct Context {
     superseded: Mutex<HashMap<String, (String, Phase)>>,
     /// Per At uid, consecutive failed reconciles, for exponential backoff.
     failures: Mutex<HashMap<String, u32>>,
-    /// Pod creates in flight, which status writes that follow creates wait for.
+    /// Pod creates and status writes in flight, which lower-priority writes wait for.
     pods_first: PodsFirst,
     /// Status writes queued behind pod creates.
     followups: followup::Queue<followup::Followup>,
     /// Events queued behind pod creates and status writes.
     tellings: followup::Queue<followup::Telling>,
-    /// Ats to reconcile again outside the runtime's own requeues (a failed follow-up write).
-    retrigger: tokio::sync::mpsc::UnboundedSender<ObjectRef<At>>,
-    retriggered: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<ObjectRef<At>>>>,
+    /// Ats to reconcile outside the runtime's own requeues (wakeups, failed follow-up writes,
+    /// an API server that answers again).
+    retriggers: followup::Queue<ObjectRef<At>>,
     /// Ats whose last attempt got no answer from the API server: retried when it answers.
     unreachable: Reachability<ObjectRef<At>>,
 }
@@ -121,7 +121,6 @@ impl Context {
         metrics: Arc<Metrics>,
         policy: RunPolicy,
     ) -> Self {
-        let (retrigger, retriggered) = tokio::sync::mpsc::unbounded_channel();
         Context {
             client,
             pods,
@@ -134,8 +133,7 @@ impl Context {
             pods_first: PodsFirst::default(),
             followups: followup::Queue::default(),
             tellings: followup::Queue::default(),
-            retrigger,
-            retriggered: Mutex::new(Some(retriggered)),
+            retriggers: followup::Queue::default(),
             unreachable: Reachability::default(),
         }
     }
@@ -144,11 +142,8 @@ impl Context {
     /// `reachability::PROBE_EVERY`; its first answer reconciles them all again at once.
     pub async fn probe_reachability(self: Arc<Self>) {
         let ask = || reachability::answers(&self.client);
-        let release = |at| {
-            let _ = self.retrigger.send(at);
-        };
         self.unreachable
-            .probe(reachability::PROBE_EVERY, ask, release)
+            .probe(reachability::PROBE_EVERY, ask, |at| self.wake_up(at))
             .await;
     }
 
@@ -164,14 +159,7 @@ impl Context {
 
     /// Ats to reconcile again, for `Controller::reconcile_on`; `None` if already taken.
     pub fn retriggers(&self) -> Option<impl futures::Stream<Item = ObjectRef<At>> + use<>> {
-        let receiver = self
-            .retriggered
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()?;
-        Some(futures::stream::unfold(receiver, |mut rx| async {
-            rx.recv().await.map(|at| (at, rx))
-        }))
+        self.retriggers.take()
     }
 
     /// Counts one more failure of `at` and returns the backoff before its next attempt.
@@ -187,7 +175,8 @@ impl Context {
 
     /// Reconciles `at` now (for `wakeups::Wakeups::run`).
     pub fn wake_up(&self, at: ObjectRef<At>) {
-        let _ = self.retrigger.send(at);
+        // Fails only once the loop has ended, when nothing is left to wake.
+        let _ = self.retriggers.sender.send(at);
     }
 
     /// Whether a watched version of `at` needs a reconcile now; if not, `wakeups` holds when it
@@ -216,10 +205,10 @@ impl Context {
 
     /// Reconciles `at` again after `delay` (nothing happens if the loop ended meanwhile).
     fn retrigger_after(&self, at: ObjectRef<At>, delay: Duration) {
-        let retrigger = self.retrigger.clone();
+        let retriggers = self.retriggers.sender.clone();
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;
-            let _ = retrigger.send(at);
+            let _ = retriggers.send(at);
         });
     }
 }
@@ -358,7 +347,7 @@ impl Context {
             field_manager: Some(FIELD_MANAGER.into()),
             ..PostParams::default()
         };
-        let creating = self.pods_first.creating();
+        let creating = self.pods_first.creating.enter();
         let created = self
             .pod_api(at)
             .create(&params, &pod::build(at, &self.policy))

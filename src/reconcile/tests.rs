@@ -675,7 +675,7 @@ async fn status_writes_after_a_pod_create_wait_until_no_pod_create_is_in_flight(
         answer("POST", EVENTS, 201, created_event()),
     ]);
     // Another At's pod create is in flight while this one's pod is created.
-    let other = h.ctx.pods_first.creating();
+    let other = h.ctx.pods_first.creating.enter();
     assert_eq!(
         h.reconcile(example_at(None)).await.unwrap(),
         Action::await_change()
@@ -687,7 +687,7 @@ async fn status_writes_after_a_pod_create_wait_until_no_pod_create_is_in_flight(
         h.reconcile(example_at(None)).await.unwrap(),
         Action::await_change()
     );
-    assert_eq!(h.ctx.pods_first.in_flight(), 1);
+    assert_eq!(h.ctx.pods_first.creating.in_flight(), 1);
 
     drop(other);
     let sent = h.finish(3).await;
@@ -813,7 +813,7 @@ async fn an_at_due_while_its_pending_write_waits_gets_its_pod_without_waiting() 
         clock,
     );
     // Other pods are being created: the PENDING write waits in the queue.
-    let others = h.ctx.pods_first.creating();
+    let others = h.ctx.pods_first.creating.enter();
     assert_eq!(
         h.reconcile(future.clone()).await.unwrap(),
         Action::requeue(Duration::from_secs(10))

@@ -12,7 +12,7 @@ fn decide(at: &At, pod: &PodObservation, now: DateTime<Utc>) -> Decision {
     super::decide(at, pod, now, &RunPolicy::default())
 }
 
-pub(crate) fn at_named(name: &str, schedule: &str, status: Option<AtStatus>) -> At {
+fn at_named(name: &str, schedule: &str, status: Option<AtStatus>) -> At {
     let mut at = At::new(
         name,
         AtSpec {
