@@ -1,22 +1,39 @@
 //! Admission throughput and latency of the real `cnat run` binary over TLS with keep-alive:
-//! `wrk -t1 -c16 -d10s --latency` posting a captured AdmissionReview to the validating webhook,
-//! with logging on as in production (JSON, info). Needs `wrk` (Debian package `wrk`).
+//! `wrk -t1 -c16 -d10s --latency` posting a captured AdmissionReview to the validating and the
+//! mutating webhook, with logging (JSON, info), metrics and trace ids on as in production. Beside
+//! it, in the same run and with the same certificate, load and body, a faithful equivalent of
+//! kube-rs's admission example (warp over rustls, `benches/support/kube_admission_example.rs`)
+//! runs as its own process; the rounds alternate between the two, and the bench reports cnat's
+//! mutating webhook against it as ratios (p99 latency, throughput). Needs `wrk` (Debian package
+//! `wrk`).
 //!
-//!     cargo bench --bench webhook                  # validating, then mutating
+//!     cargo bench --bench webhook                  # 5 rounds, then the medians
 //!     cargo bench --bench webhook -- -d30s         # other wrk arguments
 
 #[path = "../tests/support/apiserver.rs"]
 mod apiserver;
+#[path = "support/kube_admission_example.rs"]
+mod kube_admission_example;
 
 use apiserver::ApiServer;
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// Set in the environment of this binary's second process: it serves the kube-rs example there.
+const EXAMPLE_ADDR: &str = "CNAT_BENCH_KUBE_EXAMPLE_ADDR";
+const ROUNDS: usize = 5;
+
 #[tokio::main]
 async fn main() {
     if std::env::args().any(|a| a == "--list") {
         return; // test runners asking for tests: this binary has none
+    }
+    if let Ok(addr) = std::env::var(EXAMPLE_ADDR) {
+        let dir = std::path::PathBuf::from(std::env::var("CNAT_BENCH_DIR").unwrap());
+        let addr = addr.parse().unwrap();
+        kube_admission_example::serve(addr, &dir.join("tls.crt"), &dir.join("tls.key")).await;
+        return;
     }
     let extra: Vec<String> = std::env::args()
         .skip(1)
@@ -38,15 +55,9 @@ async fn main() {
         dir.to_str().unwrap(),
     ]);
 
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let admin = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let port = free_port();
+    let example_port = free_port();
+    let admin = format!("127.0.0.1:{}", free_port());
     let mut operator = Command::new(env!("CARGO_BIN_EXE_cnat"))
         .args(["run", "--log-format=json", "--log=info"])
         .arg(format!("--webhook-addr=127.0.0.1:{port}"))
@@ -58,47 +69,159 @@ async fn main() {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
+    let mut example = Command::new(std::env::current_exe().unwrap())
+        .env(EXAMPLE_ADDR, format!("127.0.0.1:{example_port}"))
+        .env("CNAT_BENCH_DIR", &dir)
+        .env("RUST_LOG", "info") // the example's fmt subscriber: its info lines, as cnat's are on
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    listening(port).await;
+    listening(example_port).await;
+
+    let targets = [
+        (
+            "cnat validating",
+            &operator,
+            port,
+            "validating",
+            "validating-create.json",
+        ),
+        (
+            "cnat mutating",
+            &operator,
+            port,
+            "mutating",
+            "mutating-create.json",
+        ),
+        (
+            "kube-rs example",
+            &example,
+            example_port,
+            "mutate",
+            "mutating-create.json",
+        ),
+    ];
+    println!("| round | webhook | requests/s | p50 | p99 | server CPU per review |");
+    println!("|---|---|---|---|---|---|");
+    let mut ratios = Vec::new();
+    for round in 1..=ROUNDS {
+        let mut measured = Vec::new();
+        for (label, server, port, path, fixture) in targets {
+            let script = dir.join(format!("{path}.lua"));
+            std::fs::write(&script, lua(fixture)).unwrap();
+            // By name: wrk sends the host as SNI, and the example's rustls 0.22 refuses an IP there.
+            let url = format!("https://localhost:{port}/{path}?timeout=10s");
+            let mut wrk = vec![
+                "wrk",
+                "-t1",
+                "-c16",
+                "-d10s",
+                "--latency",
+                "-s",
+                script.to_str().unwrap(),
+            ];
+            wrk.extend(extra.iter().map(String::as_str));
+            wrk.push(&url);
+            let cpu_before = cpu_seconds(server.id());
+            let report = run(&wrk);
+            let cpu = cpu_seconds(server.id()) - cpu_before;
+            assert!(!report.contains("Non-2xx"), "{label}: {report}");
+            assert!(!report.contains("Socket errors"), "{label}: {report}");
+            // "123456 requests in 10.10s, ...": the count comes before the words.
+            let requests: f64 = report
+                .lines()
+                .find(|l| l.contains(" requests in "))
+                .and_then(|l| l.split_whitespace().next()?.parse().ok())
+                .unwrap_or(f64::NAN);
+            let figures = Figures {
+                rate: field(&report, "Requests/sec:").parse().unwrap_or(f64::NAN),
+                p99_ms: millis(&field(&report, "99%")),
+                cpu_us: cpu * 1e6 / requests,
+            };
+            println!(
+                "| {round} | {label} | {:.0} | {} | {} | {:.1} µs |",
+                figures.rate,
+                field(&report, "50%"),
+                field(&report, "99%"),
+                figures.cpu_us
+            );
+            measured.push(figures);
+        }
+        let (cnat, kube) = (&measured[1], &measured[2]);
+        ratios.push([
+            cnat.p99_ms / kube.p99_ms,
+            cnat.rate / kube.rate,
+            cnat.cpu_us / kube.cpu_us,
+        ]);
+    }
+    println!();
+    println!("| round | cnat mutating / example: p99 | requests/s | CPU per review |");
+    println!("|---|---|---|---|");
+    for (round, [p99, rate, cpu]) in ratios.iter().enumerate() {
+        println!("| {} | {p99:.2}x | {rate:.2}x | {cpu:.2}x |", round + 1);
+    }
+    let median = |i: usize| {
+        let mut values: Vec<f64> = ratios.iter().map(|r| r[i]).collect();
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    println!(
+        "| median | {:.2}x | {:.2}x | {:.2}x |",
+        median(0),
+        median(1),
+        median(2)
+    );
+    for child in [&mut operator, &mut example] {
+        child.kill().unwrap();
+        let _ = child.wait();
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+struct Figures {
+    rate: f64,
+    p99_ms: f64,
+    /// Server CPU time (user and system) per review served.
+    cpu_us: f64,
+}
+
+/// User plus system CPU time a process has used, from `/proc/PID/stat` (clock ticks of 10 ms).
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    ticks / 100.0
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn listening(port: u16) {
     let started = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(
             started.elapsed() < Duration::from_secs(10),
-            "the webhook server did not start"
+            "the webhook server on port {port} did not start"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
 
-    println!("| webhook | requests/s | p50 | p99 |");
-    println!("|---|---|---|---|");
-    for (name, fixture) in [
-        ("validating", "validating-create.json"),
-        ("mutating", "mutating-create.json"),
-    ] {
-        let script = dir.join(format!("{name}.lua"));
-        std::fs::write(&script, lua(fixture)).unwrap();
-        let url = format!("https://127.0.0.1:{port}/{name}?timeout=10s");
-        let mut wrk = vec![
-            "wrk",
-            "-t1",
-            "-c16",
-            "-d10s",
-            "--latency",
-            "-s",
-            script.to_str().unwrap(),
-        ];
-        wrk.extend(extra.iter().map(String::as_str));
-        wrk.push(&url);
-        let report = run(&wrk);
-        println!(
-            "| {name} | {} | {} | {} |",
-            field(&report, "Requests/sec:"),
-            field(&report, "50%"),
-            field(&report, "99%")
-        );
-        assert!(!report.contains("Non-2xx"), "{report}");
-    }
-    operator.kill().unwrap();
-    let _ = operator.wait();
-    let _ = std::fs::remove_dir_all(dir);
+/// wrk's latency (`812.00us`, `4.21ms`, `1.02s`) in milliseconds.
+fn millis(latency: &str) -> f64 {
+    let number = |suffix: &str| latency.strip_suffix(suffix)?.parse::<f64>().ok();
+    number("us")
+        .map(|us| us / 1e3)
+        .or_else(|| number("ms"))
+        .or_else(|| number("s").map(|s| s * 1e3))
+        .unwrap_or(f64::NAN)
 }
 
 /// A wrk script that posts the captured AdmissionReview.

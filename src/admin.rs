@@ -66,11 +66,26 @@ impl Health {
 
 /// The admin routes.
 pub fn router(health: Arc<Health>, metrics: Arc<Metrics>) -> Router {
-    let scrape = get(|| async move {
-        (
-            [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
-            metrics.encode(),
-        )
+    // OpenMetrics for scrapers that ask for it (Prometheus does); the classic text format for
+    // everything else (curl, `promtool check metrics`), as Prometheus's Go client answers.
+    let scrape = get(|headers: axum::http::HeaderMap| async move {
+        let accept = headers
+            .get_all(header::ACCEPT)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect::<Vec<_>>()
+            .join(",");
+        if accept.contains("application/openmetrics-text") {
+            (
+                [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
+                metrics.encode(),
+            )
+        } else {
+            (
+                [(header::CONTENT_TYPE, metrics::CLASSIC_CONTENT_TYPE)],
+                metrics::classic(&metrics.encode()),
+            )
+        }
     });
     Router::new()
         .route("/metrics", scrape)
@@ -100,7 +115,14 @@ mod tests {
     use tower::ServiceExt;
 
     async fn get(health: &Arc<Health>, path: &str) -> (StatusCode, String) {
-        let request = Request::get(path).body(Body::empty()).unwrap();
+        get_as(health, path, "*/*").await
+    }
+
+    async fn get_as(health: &Arc<Health>, path: &str, accept: &str) -> (StatusCode, String) {
+        let request = Request::get(path)
+            .header(header::ACCEPT, accept)
+            .body(Body::empty())
+            .unwrap();
         let metrics = Arc::new(Metrics::new(health.leadership.clone()));
         let response = router(health.clone(), metrics)
             .oneshot(request)
@@ -182,14 +204,28 @@ mod tests {
     #[tokio::test]
     async fn metrics_report_leadership_as_it_is_at_scrape_time() {
         let health = health();
-        let (status, body) = get(&health, "/metrics").await;
+        // What Prometheus asks for.
+        let openmetrics = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        let (status, body) = get_as(&health, "/metrics", openmetrics).await;
         assert_eq!(status, StatusCode::OK);
         assert!(body.contains("\ncnat_leader 0\n"), "{body}");
         assert!(
-            body.contains("\ncnat_leader_transitions_total 0\n"),
+            body.contains(
+                "# TYPE cnat_leader_transitions counter\ncnat_leader_transitions_total 0\n"
+            ),
             "{body}"
         );
         assert!(body.ends_with("# EOF\n"), "{body}");
+        // Anyone else (curl, promtool) gets the classic text format.
+        let (status, body) = get(&health, "/metrics").await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(
+            body.contains(
+                "# TYPE cnat_leader_transitions_total counter\ncnat_leader_transitions_total 0\n"
+            ),
+            "{body}"
+        );
+        assert!(!body.contains("# EOF"), "{body}");
         health.leadership.set_leading(true);
         let body = get(&health, "/metrics").await.1;
         assert!(body.contains("\ncnat_leader 1\n"), "{body}");

@@ -11,6 +11,7 @@ pub mod cli;
 pub mod controller;
 pub mod defaulting;
 pub mod events;
+pub mod kubectl_at;
 pub mod leader;
 pub mod listen;
 pub mod metrics;

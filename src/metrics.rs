@@ -15,8 +15,42 @@ use prometheus_client::registry::Registry;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// The `Content-Type` of `/metrics`.
+/// The `Content-Type` of `/metrics` in the OpenMetrics format.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The `Content-Type` of `/metrics` in Prometheus's classic text format.
+pub const CLASSIC_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// The classic Prometheus text format (0.0.4) of OpenMetrics text as `Metrics::encode` writes
+/// it: a counter's `HELP` and `TYPE` name its samples (`x_total`, not `x`), and there is no
+/// `# EOF`, `# UNIT` or `_created` sample. Everything else is the same in both formats.
+pub fn classic(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let sample = line.split(['{', ' ']).next().unwrap_or_default();
+        if sample
+            .strip_suffix("_created")
+            .is_some_and(|name| counters.contains(name))
+        {
+            continue;
+        }
+        let described = ["# HELP ", "# TYPE "].iter().find_map(|prefix| {
+            let (name, tail) = line.strip_prefix(prefix)?.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{prefix}{name}_total {tail}"))
+        });
+        out.push_str(described.as_deref().unwrap_or(line));
+        out.push('\n');
+    }
+    out
+}
 
 /// Seconds between a schedule and its pod's creation: the run lateness buckets.
 const LATENESS_BUCKETS: [f64; 16] = [
@@ -40,6 +74,21 @@ pub struct AdmissionLabels {
     pub allowed: bool,
 }
 
+/// The `reason` values of `cnat_pods_refused_total`.
+const REFUSAL_REASONS: [&str; 5] = [
+    "quota_needs_resources",
+    "quota_exceeded",
+    "pod_security",
+    "policy",
+    "invalid",
+];
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RefusalLabels {
+    /// `quota_needs_resources`, `quota_exceeded`, `pod_security`, `policy` (403s) or `invalid`.
+    reason: &'static str,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct WebhookLabels {
     webhook: &'static str,
@@ -54,6 +103,7 @@ pub struct Metrics {
     admissions: Family<AdmissionLabels, Counter>,
     admission_duration: Family<WebhookLabels, Histogram, fn() -> Histogram>,
     lateness: Histogram,
+    pods_refused: Family<RefusalLabels, Counter>,
     ats: Arc<AtCount>,
 }
 
@@ -66,6 +116,11 @@ impl Metrics {
         let admission_duration: Family<_, _, fn() -> Histogram> =
             Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.0001, 2.0, 14)));
         let lateness = Histogram::new(LATENESS_BUCKETS);
+        let pods_refused: Family<RefusalLabels, Counter> = Family::default();
+        // Every reason at 0 from the start, so the first refusal is an increase.
+        for reason in REFUSAL_REASONS {
+            drop(pods_refused.get_or_create(&RefusalLabels { reason }));
+        }
         let ats = Arc::new(AtCount::default());
         let mut registry = Registry::default();
         registry.register(
@@ -94,6 +149,11 @@ impl Metrics {
             lateness.clone(),
         );
         registry.register(
+            "cnat_pods_refused",
+            "Pod creates the API server refused, by reason: a quota (quota_needs_resources, quota_exceeded), pod_security, another policy, or invalid; the At stays PENDING and is retried (invalid: until its spec changes)",
+            pods_refused.clone(),
+        );
+        registry.register(
             "cnat_leader_handover_seconds",
             "On the replica that became leader: time from seeing the Lease released or expired until it led",
             leadership.handovers().clone(),
@@ -107,8 +167,16 @@ impl Metrics {
             admissions,
             admission_duration,
             lateness,
+            pods_refused,
             ats,
         }
+    }
+
+    /// The API server refused a pod create for `reason` (a `Refusal` label, or `invalid`).
+    pub fn pod_refused(&self, reason: &'static str) {
+        self.pods_refused
+            .get_or_create(&RefusalLabels { reason })
+            .inc();
     }
 
     pub fn reconciled(&self, ok: bool, took: Duration) {
@@ -186,6 +254,12 @@ struct PhaseLabels {
     phase: &'static str,
 }
 
+/// Not `namespace`: scrapers set that label to the operator's own namespace.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct NamespaceLabels {
+    at_namespace: String,
+}
+
 impl Collector for AtCount {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let Some(store) = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
@@ -205,6 +279,112 @@ impl Collector for AtCount {
             let count = ats.iter().filter(|at| at.phase() == phase).count();
             ConstGauge::new(count as i64).encode(family.encode_family(&labels)?)?;
         }
+        let mut family = encoder.encode_descriptor(
+            "cnat_ats_overdue",
+            "PENDING Ats more than 30 s past their schedule, by the Ats' namespace (only the leader reports this; a namespace appears only while it has some): they should be running",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (namespace, count) in overdue(ats.iter().map(|at| at.as_ref()), chrono::Utc::now()) {
+            let labels = NamespaceLabels {
+                at_namespace: namespace,
+            };
+            ConstGauge::new(count as i64).encode(family.encode_family(&labels)?)?;
+        }
         Ok(())
+    }
+}
+
+/// How long past its schedule a PENDING At must be to count as overdue: in a burst, Ats due
+/// this instant wait a moment for their pods (1000 take about 2 s on a real API server), which
+/// is not what the gauge is for.
+pub const OVERDUE_AFTER: chrono::TimeDelta = chrono::TimeDelta::seconds(30);
+
+/// PENDING Ats whose schedule is more than `OVERDUE_AFTER` before `now`, counted by namespace.
+/// An At whose schedule does not parse is never due, so never overdue (its status says why).
+pub fn overdue<'a>(
+    ats: impl Iterator<Item = &'a At>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> std::collections::BTreeMap<String, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for at in ats.filter(|at| at.phase() == Phase::Pending) {
+        let due = crate::schedule::parse(&at.spec.schedule, at.spec.time_zone.as_deref());
+        if due.is_ok_and(|due| due + OVERDUE_AFTER < now) {
+            let namespace = at.metadata.namespace.clone().unwrap_or_default();
+            *counts.entry(namespace).or_insert(0) += 1;
+        }
+    }
+    counts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{AtSpec, AtStatus};
+
+    fn at(namespace: &str, schedule: &str, phase: Option<Phase>) -> At {
+        let mut at = At::new(
+            "x",
+            AtSpec {
+                schedule: schedule.into(),
+                command: "true".into(),
+                ..AtSpec::default()
+            },
+        );
+        at.metadata.namespace = Some(namespace.into());
+        at.status = phase.map(|phase| AtStatus {
+            phase,
+            ..AtStatus::default()
+        });
+        at
+    }
+
+    #[test]
+    fn overdue_counts_pending_ats_past_their_schedule_by_namespace() {
+        let now = "2026-11-22T12:00:00Z".parse().unwrap();
+        let ats = [
+            at("a", "2026-11-22T11:59:29Z", None),
+            at("a", "2026-11-22T11:00:00Z", Some(Phase::Pending)),
+            at("b", "2026-11-22T11:00:00Z", Some(Phase::Pending)),
+            // Not overdue: due up to 30 s ago or later, started, finished, or never due.
+            at("c", "2026-11-22T11:59:30Z", None),
+            at("c", "2026-11-22T12:00:00Z", None),
+            at("c", "2026-11-22T13:00:00Z", None),
+            at("c", "2026-11-22T11:00:00Z", Some(Phase::Running)),
+            at("c", "2026-11-22T11:00:00Z", Some(Phase::Done)),
+            at("c", "tomorrow", None),
+        ];
+        let counts = overdue(ats.iter(), now);
+        assert_eq!(
+            counts.into_iter().collect::<Vec<_>>(),
+            [("a".to_owned(), 2), ("b".to_owned(), 1)]
+        );
+        assert!(overdue(ats[3..].iter(), now).is_empty());
+    }
+
+    #[test]
+    fn the_classic_format_names_counters_by_their_samples() {
+        let openmetrics = "# HELP a_x Things.\n# TYPE a_x counter\na_x_total{k=\"v\"} 2\na_x_created 1.0\n# HELP g A gauge.\n# TYPE g gauge\n# UNIT g seconds\ng 1\n# HELP h A histogram.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 1\nh_sum 0.5\nh_count 1\n# EOF\n";
+        assert_eq!(
+            classic(openmetrics),
+            "# HELP a_x_total Things.\n# TYPE a_x_total counter\na_x_total{k=\"v\"} 2\n# HELP g A gauge.\n# TYPE g gauge\ng 1\n# HELP h A histogram.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 1\nh_sum 0.5\nh_count 1\n"
+        );
+    }
+
+    #[test]
+    fn refused_pods_are_counted_by_reason() {
+        let metrics = Metrics::new(Arc::new(Leadership::default()));
+        metrics.pod_refused("quota_exceeded");
+        metrics.pod_refused("quota_exceeded");
+        metrics.pod_refused("pod_security");
+        let text = metrics.encode();
+        assert!(
+            text.contains("cnat_pods_refused_total{reason=\"quota_exceeded\"} 2\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("cnat_pods_refused_total{reason=\"pod_security\"} 1\n"),
+            "{text}"
+        );
     }
 }

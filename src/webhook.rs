@@ -201,18 +201,35 @@ fn respond(review: Result<AdmissionResponse, String>) -> Response {
 }
 
 /// The AdmissionReview JSON for `response`. kube-core 4.2 writes `response.patch` as an array of
-/// numbers (kube-rs/kube#1781); the API's `[]byte` is a base64 string, so it is re-encoded.
-fn encode(response: AdmissionResponse) -> Vec<u8> {
-    if response.patch.is_none() {
-        return serde_json::to_vec(&response.into_review()).unwrap_or_default();
+/// numbers (kube-rs/kube#1781); the API's `[]byte` is a base64 string, so the patch is written
+/// beside the rest of the response instead.
+fn encode(mut response: AdmissionResponse) -> Vec<u8> {
+    #[derive(serde::Serialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Review<'a> {
+        api_version: &'static str,
+        kind: &'static str,
+        response: Answer<'a>,
     }
-    let mut review = serde_json::to_value(response.into_review()).unwrap_or_default();
-    if let Some(patch) = review.pointer_mut("/response/patch") {
-        let bytes: Vec<u8> = serde_json::from_value(patch.take()).unwrap_or_default();
-        *patch = base64::engine::general_purpose::STANDARD
-            .encode(bytes)
-            .into();
+    #[derive(serde::Serialize)]
+    struct Answer<'a> {
+        #[serde(flatten)]
+        response: &'a AdmissionResponse,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        patch: Option<String>,
     }
+    let patch = response
+        .patch
+        .take()
+        .map(|bytes| base64::engine::general_purpose::STANDARD.encode(bytes));
+    let review = Review {
+        api_version: "admission.k8s.io/v1",
+        kind: "AdmissionReview",
+        response: Answer {
+            response: &response,
+            patch,
+        },
+    };
     serde_json::to_vec(&review).unwrap_or_default()
 }
 
@@ -327,9 +344,6 @@ fn mutate(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
     else {
         return response;
     };
-    let Ok(object) = serde_json::to_value(object) else {
-        return response;
-    };
     let target = if is_status(request) {
         Target::Status
     } else {
@@ -337,7 +351,9 @@ fn mutate(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
             create: request.operation == Operation::Create,
         }
     };
-    let patch = defaulting::patch(&object, target);
+    // Everything but apiVersion, kind and metadata, at the same paths as in the object: all the
+    // defaults live there (spec and status).
+    let patch = defaulting::patch(&object.data, target);
     if patch.0.is_empty() {
         return response;
     }

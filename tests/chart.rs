@@ -486,6 +486,22 @@ fn bad_values_are_rejected_by_the_schema() {
             "metrics.serviceMonitor.interval=often",
             "/metrics/serviceMonitor/interval",
         ),
+        (
+            "metrics.prometheusRule.overdue.for=soon",
+            "/metrics/prometheusRule/overdue/for",
+        ),
+        (
+            "metrics.prometheusRule.reconcileErrors.ratio=2",
+            "/metrics/prometheusRule/reconcileErrors/ratio",
+        ),
+        (
+            "metrics.prometheusRule.runbookUrl=README.md",
+            "/metrics/prometheusRule/runbookUrl",
+        ),
+        (
+            "metrics.prometheusRule.pagers=on",
+            "additional properties 'pagers' not allowed",
+        ),
     ] {
         let error = render(&[set]).unwrap_err();
         assert!(
@@ -603,6 +619,109 @@ fn by_default_metrics_have_a_service_and_no_traces_are_exported() {
     for (key, value) in spec.selector.unwrap() {
         assert_eq!(pod_labels.get(&key), Some(&value), "selector {key}");
     }
+}
+
+#[test]
+fn the_prometheus_rule_is_off_by_default_and_takes_labels_thresholds_and_a_runbook() {
+    assert!(Rendered::new(&[]).all::<Value>("PrometheusRule").is_empty());
+    let rendered = Rendered::new(&[
+        "metrics.prometheusRule.enabled=true",
+        "metrics.prometheusRule.labels.release=prometheus",
+        "metrics.prometheusRule.runbookUrl=https://docs.example.com/cnat/README.md",
+        "metrics.prometheusRule.runsLate.seconds=120",
+        "metrics.prometheusRule.overdue.for=15m",
+    ]);
+    let rule: Value = rendered.one("PrometheusRule");
+    assert_eq!(rule["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(rule["metadata"]["labels"]["release"], "prometheus");
+    let alerts = rule["spec"]["groups"][0]["rules"].as_array().unwrap();
+    let names: Vec<&str> = alerts
+        .iter()
+        .map(|a| a["alert"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "CnatNoLeader",
+            "CnatManyLeaders",
+            "CnatAtsOverdue",
+            "CnatRunsLate",
+            "CnatReconcileErrors",
+            "CnatPodsRefused",
+            "CnatAdmissionDenialsSpiking",
+            "CnatWebhookErrors",
+            "CnatWebhookSlow",
+        ]
+    );
+    for alert in alerts {
+        let name = alert["alert"].as_str().unwrap();
+        let annotations = &alert["annotations"];
+        assert!(annotations["summary"].is_string(), "{name}");
+        assert!(
+            annotations["description"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("\"Operating cnat\", {name}")),
+            "{name}"
+        );
+        assert_eq!(
+            annotations["runbook_url"],
+            format!(
+                "https://docs.example.com/cnat/README.md#{}",
+                name.to_lowercase()
+            ),
+        );
+    }
+    let by_name = |name: &str| alerts.iter().find(|a| a["alert"] == name).unwrap();
+    // Only this release's series: the job its ServiceMonitor gives them.
+    assert_eq!(
+        by_name("CnatManyLeaders")["expr"],
+        "sum(cnat_leader{job=\"cnat-metrics\"}) > 1"
+    );
+    assert!(by_name("CnatRunsLate")["expr"]
+        .as_str()
+        .unwrap()
+        .ends_with("> 120"));
+    assert_eq!(by_name("CnatAtsOverdue")["for"], "15m");
+    // Without a runbook URL there is no runbook_url annotation; a selector picks other series.
+    let plain: Value = Rendered::new(&[
+        "metrics.prometheusRule.enabled=true",
+        "metrics.prometheusRule.selector=job=\"cnat\"\\,env=\"prod\"",
+    ])
+    .one("PrometheusRule");
+    let first = &plain["spec"]["groups"][0]["rules"][0];
+    assert!(first["annotations"]["runbook_url"].is_null());
+    assert_eq!(
+        first["expr"],
+        "(sum(cnat_leader{job=\"cnat\",env=\"prod\"}) or vector(0)) < 1"
+    );
+}
+
+#[test]
+fn the_grafana_dashboard_is_an_optional_configmap_for_the_sidecar() {
+    let named = |r: &Rendered| {
+        r.all::<Value>("ConfigMap")
+            .into_iter()
+            .filter(|c| c["metadata"]["name"] == "cnat-dashboard")
+            .collect::<Vec<_>>()
+    };
+    assert!(named(&Rendered::new(&[])).is_empty());
+    let rendered = Rendered::new(&[
+        "metrics.dashboard.enabled=true",
+        "metrics.dashboard.namespace=monitoring",
+    ]);
+    let maps = named(&rendered);
+    assert_eq!(maps.len(), 1);
+    assert_eq!(maps[0]["metadata"]["labels"]["grafana_dashboard"], "1");
+    assert_eq!(maps[0]["metadata"]["namespace"], "monitoring");
+    let shipped: Value =
+        serde_json::from_str(maps[0]["data"]["cnat.json"].as_str().unwrap()).unwrap();
+    let repo: Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{CHART}/dashboards/cnat.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(shipped, repo);
+    assert_eq!(repo["uid"], "cnat-overview");
 }
 
 #[test]

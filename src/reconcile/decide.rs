@@ -188,14 +188,48 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
 
 /// What to do about a pod the API server refused (HTTP 403), judged from its message.
 fn refusal_advice(reason: &str) -> &'static str {
-    if reason.contains("must specify") {
-        "set spec.resources (requests and limits for what the quota names), or have the operator default them (cnat run --default-requests / --default-limits); cnat retries with backoff"
-    } else if reason.contains("exceeded quota") {
-        "the namespace's ResourceQuota is used up; cnat retries with backoff until it frees up, or raise the quota"
-    } else if reason.contains("PodSecurity") {
-        "the namespace's Pod Security admission refused it; cnat retries with backoff, so relax the namespace's pod-security.kubernetes.io/enforce level or ask its administrator"
-    } else {
-        "a quota or admission policy refused it; cnat retries with backoff, so fix what the message names"
+    match Refusal::of(reason) {
+        Refusal::QuotaNeedsResources => "set spec.resources (requests and limits for what the quota names), or have the operator default them (cnat run --default-requests / --default-limits); cnat retries with backoff",
+        Refusal::QuotaExceeded => "the namespace's ResourceQuota is used up; cnat retries with backoff until it frees up, or raise the quota",
+        Refusal::PodSecurity => "the namespace's Pod Security admission refused it; cnat retries with backoff, so relax the namespace's pod-security.kubernetes.io/enforce level or ask its administrator",
+        Refusal::Policy => "a quota or admission policy refused it; cnat retries with backoff, so fix what the message names",
+    }
+}
+
+/// Why the API server refused (403) a pod, from its message: the kinds the metrics count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// A ResourceQuota requires requests or limits the pod does not set.
+    QuotaNeedsResources,
+    /// A ResourceQuota is used up.
+    QuotaExceeded,
+    /// Pod Security admission.
+    PodSecurity,
+    /// Anything else: a policy webhook (Kyverno, Gatekeeper), another admission plugin.
+    Policy,
+}
+
+impl Refusal {
+    pub fn of(message: &str) -> Refusal {
+        if message.contains("must specify") {
+            Refusal::QuotaNeedsResources
+        } else if message.contains("exceeded quota") {
+            Refusal::QuotaExceeded
+        } else if message.contains("PodSecurity") {
+            Refusal::PodSecurity
+        } else {
+            Refusal::Policy
+        }
+    }
+
+    /// The `reason` label of `cnat_pods_refused_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::QuotaNeedsResources => "quota_needs_resources",
+            Refusal::QuotaExceeded => "quota_exceeded",
+            Refusal::PodSecurity => "pod_security",
+            Refusal::Policy => "policy",
+        }
     }
 }
 

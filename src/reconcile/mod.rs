@@ -362,10 +362,13 @@ impl Context {
                 self.fetch_pod(at).await.map(Some)
             }
             Err(kube::Error::Api(status)) if status.is_invalid() || status.code == 400 => {
+                self.metrics.pod_refused("invalid");
                 Ok(Some(PodObservation::Rejected(status.message)))
             }
             // Quota, Pod Security or a policy webhook: may pass later, so retried with backoff.
             Err(kube::Error::Api(status)) if status.is_forbidden() => {
+                self.metrics
+                    .pod_refused(decide::Refusal::of(&status.message).label());
                 Ok(Some(PodObservation::Refused(status.message)))
             }
             Err(source) => Err(Error::CreatePod {

@@ -399,10 +399,13 @@ async fn a_pod_the_api_server_rejects_is_reported_in_status() {
 
 #[tokio::test]
 async fn a_pod_refused_by_quota_or_policy_is_shown_and_retried_with_backoff() {
-    for file in [
-        "status-403-forbidden-quota-requires-limits.json",
-        "status-403-forbidden-quota-exceeded.json",
-        "status-403-forbidden-pod-security.json",
+    for (file, reason) in [
+        (
+            "status-403-forbidden-quota-requires-limits.json",
+            "quota_needs_resources",
+        ),
+        ("status-403-forbidden-quota-exceeded.json", "quota_exceeded"),
+        ("status-403-forbidden-pod-security.json", "pod_security"),
     ] {
         let h = harness(vec![
             answer("POST", PODS, 403, fixture(file)),
@@ -414,6 +417,7 @@ async fn a_pod_refused_by_quota_or_policy_is_shown_and_retried_with_backoff() {
             matches!(error, Error::PodRefused { .. }),
             "{file}: backoff, not a plain requeue: {error}"
         );
+        let metrics = h.metrics.clone();
         let sent = h.finish(3).await;
         let written = assert_status_patch(&sent[1], Phase::Pending);
         assert_eq!(written.reason.as_deref(), Some("PodForbidden"), "{file}");
@@ -427,6 +431,9 @@ async fn a_pod_refused_by_quota_or_policy_is_shown_and_retried_with_backoff() {
         assert_event(&sent[2], "Warning", "PodForbidden");
         // The error policy counts it: the next retry waits longer.
         assert!(error.to_string().contains("example-at-pod"), "{error}");
+        let counted = format!("cnat_pods_refused_total{{reason=\"{reason}\"}} 1\n");
+        let metrics = metrics.encode();
+        assert!(metrics.contains(&counted), "{file}: {metrics}");
     }
 }
 

@@ -106,6 +106,8 @@ struct State {
     no_pods: std::collections::BTreeSet<(String, String)>,
     /// Watches of a resource that resume from a resourceVersion below this get 410 Expired.
     compacted: BTreeMap<Resource, u64>,
+    /// What each pod's container wrote (`pods/NAME/log`).
+    pod_logs: BTreeMap<(String, String), String>,
 }
 
 /// The fake API server; clones share state.
@@ -343,6 +345,38 @@ impl ApiServer {
         }
     }
 
+    /// The output pod `ns/name`'s container wrote, served at `pods/NAME/log`; until set, the
+    /// container is still starting.
+    pub fn set_pod_log(&self, ns: &str, name: &str, text: &str) {
+        self.lock()
+            .pod_logs
+            .insert((ns.into(), name.into()), text.into());
+    }
+
+    /// `GET pods/NAME/log`: the text as kube-apiserver sends it (the whole log, then the end of
+    /// the stream once the container has ended), 400 while the container is starting and 404
+    /// when there is no such pod, with kubelet's and kube-apiserver's messages.
+    fn pod_log(&self, ns: &str, name: &str) -> Response<Body> {
+        if self.get(Resource::Pods, ns, name).is_none() {
+            return not_found(Resource::Pods, name);
+        }
+        match self.lock().pod_logs.get(&(ns.to_owned(), name.to_owned())) {
+            Some(text) => Response::builder()
+                .status(StatusCode::OK)
+                .header("content-type", "text/plain")
+                .body(Full::new(Bytes::from(text.clone())).boxed())
+                .unwrap(),
+            None => status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                &format!(
+                    "container \"at\" in pod \"{name}\" is waiting to start: ContainerCreating"
+                ),
+                None,
+            ),
+        }
+    }
+
     /// How many requests matched `what`, e.g. "POST pods" or "PATCH ats/status".
     pub fn count(&self, what: &str) -> usize {
         self.lock()
@@ -500,6 +534,12 @@ impl ApiServer {
                 self.watch(&route, &query)
             }
             (&Method::GET, None) => self.list_response(&route, &query),
+            (&Method::GET, Some(name))
+                if route.resource == Resource::Pods
+                    && route.subresource.as_deref() == Some("log") =>
+            {
+                self.pod_log(&route.ns(), name)
+            }
             (&Method::GET, Some(name)) => match self.get(route.resource, &route.ns(), name) {
                 Some(object) => ok(StatusCode::OK, &object),
                 None => not_found(route.resource, name),
@@ -543,6 +583,11 @@ impl ApiServer {
             (&Method::PATCH, Some(name)) => {
                 let patch: Value = serde_json::from_slice(&bytes).unwrap();
                 self.merge_patch(&route, name, &patch)
+            }
+            (&Method::DELETE, Some(name))
+                if self.get(route.resource, &route.ns(), name).is_none() =>
+            {
+                not_found(route.resource, name)
             }
             (&Method::DELETE, Some(name)) => {
                 self.delete(route.resource, &route.ns(), name);
