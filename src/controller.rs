@@ -1,19 +1,18 @@
-//! Wires the reconciler to the cluster: a trimmed watch of Ats, a watch of only the pods cnat
-//! created (by label), and kube-runtime's `Controller` for queueing, requeues and concurrency.
-//!
-//! The Ats are cached by every replica (`AtCache`), leader or not, so a replica that becomes
-//! leader starts from a full cache instead of listing every At first; the pods, usually far
-//! fewer, are watched by the leader only.
+//! Wires the reconciler to the cluster: the Ats every replica caches (`cache::AtCache`), a
+//! watch of only the pods cnat created (by label), and kube-runtime's `Controller` for queueing,
+//! requeues and concurrency. The pods, usually far fewer than the Ats, are watched by the leader
+//! only.
 
-use crate::api::At;
+use crate::cache::{self, AtCache, CachedAt};
 use crate::events::EventSink;
 use crate::metrics::Metrics;
 use crate::pod;
 use crate::policy::RunPolicy;
 use crate::reconcile::wakeups::Wakeups;
-use crate::reconcile::{error_policy, reconcile, Context};
+use crate::reconcile::{self, error_policy, reconcile, Context};
 use backon::{BackoffBuilder, ExponentialBuilder};
-use chrono::Utc;
+use crate::api::Phase;
+use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::{self, Controller};
@@ -39,50 +38,6 @@ pub struct Settings {
     pub policy: RunPolicy,
 }
 
-/// Changes to cached Ats kept for a leader that falls behind; past that it looks at them all.
-const CHANGES: usize = 4096;
-
-/// The Ats this replica caches, with a feed of every change for the leader's reconcile loop.
-#[derive(Clone)]
-pub struct AtCache {
-    store: Store<At>,
-    changes: broadcast::Sender<Arc<At>>,
-    _watch: Arc<AbortOnDropHandle<()>>,
-}
-
-impl AtCache {
-    /// Starts watching Ats (in `namespace`, or all) on the current runtime, until dropped.
-    pub fn start(client: &Client, namespace: Option<&str>) -> Self {
-        let (ats, _) = apis(client, namespace);
-        let (store, writer) = reflector::store();
-        let (changes, _) = broadcast::channel(CHANGES);
-        let feed = changes.clone();
-        let watch = watcher(ats, watcher::Config::default())
-            .backoff(WatchBackoff::new())
-            .modify(trim_at)
-            .reflect(writer)
-            .applied_objects()
-            .for_each(move |at| {
-                match at {
-                    // No leader listening is fine: nothing is kept for it.
-                    Ok(at) => drop(feed.send(Arc::new(at))),
-                    Err(error) => warn!(%error, "watching Ats"),
-                }
-                std::future::ready(())
-            });
-        AtCache {
-            store,
-            changes,
-            _watch: Arc::new(AbortOnDropHandle::new(tokio::spawn(watch))),
-        }
-    }
-
-    /// The cached Ats.
-    pub fn store(&self) -> &Store<At> {
-        &self.store
-    }
-}
-
 /// Runs the reconcile loop with a cache of its own (see `run_with_cache`).
 pub async fn run(
     client: Client,
@@ -105,7 +60,7 @@ pub async fn run_with_cache(
     metrics: Arc<Metrics>,
     stop: CancellationToken,
 ) {
-    let (_, pods) = apis(&client, settings.namespace.as_deref());
+    let pods = pod_api(&client, settings.namespace.as_deref());
     let (pod_store, pod_writer) = reflector::store();
     let pod_events = watcher(pods, watcher::Config::default().labels(pod::SELECTOR))
         .backoff(WatchBackoff::new())
@@ -125,8 +80,8 @@ pub async fn run_with_cache(
     // ordered index until they fall due (see `reconcile::wakeups`).
     let wakeups = Arc::new(Wakeups::default());
     // Subscribed before the first look at the cache, so no change falls between the two.
-    let changes = cache.changes.subscribe();
-    let at_store = cache.store.clone();
+    let changes = cache.subscribe();
+    let at_store = cache.store().clone();
     let at_events = futures::stream::unfold(
         (changes, ctx.clone(), wakeups.clone(), at_store.clone()),
         |(mut changes, ctx, wakeups, store)| async move {
@@ -148,7 +103,10 @@ pub async fn run_with_cache(
     )
     .filter({
         let (ctx, wakeups) = (ctx.clone(), wakeups.clone());
-        move |at: &Arc<At>| std::future::ready(ctx.needs_reconcile(at, &wakeups))
+        move |cached: &Arc<CachedAt>| {
+            let needs = cache::read(cached).is_some_and(|at| ctx.needs_reconcile(&at, &wakeups));
+            std::future::ready(needs)
+        }
     });
     // Then every At already cached (once the cache has listed them all).
     let first_look = tokio::spawn({
@@ -181,7 +139,7 @@ pub async fn run_with_cache(
             wakeups
                 .run(|at| {
                     // A deleted At has nothing left to do.
-                    if store.get(&at).is_some() {
+                    if store.get(&CachedAt::key_of(&at)).is_some() {
                         ctx.wake_up(at);
                     }
                 })
@@ -190,10 +148,10 @@ pub async fn run_with_cache(
     }));
     Controller::for_shared_stream(at_events, at_store)
         .owns_stream(pod_events)
-        .reconcile_on(retriggers)
+        .reconcile_on(retriggers.map(|at| CachedAt::key_of(&at)))
         .with_config(controller::Config::default().concurrency(settings.concurrency))
         .graceful_shutdown_on(stop.cancelled_owned())
-        .run(reconcile, error_policy, ctx)
+        .run(reconcile_cached, error_policy_cached, ctx)
         .for_each(|result| async move {
             // Reconcile failures were logged by the error policy; these are the runtime's own.
             if let Err(
@@ -207,12 +165,50 @@ pub async fn run_with_cache(
     info!("reconcile loop stopped");
 }
 
-/// Reconciles every cached At that needs it now; the others go into `wakeups`.
-fn look_at_all(ctx: &Context, wakeups: &Wakeups, store: &Store<At>) {
-    for at in store.state() {
+/// Reconciles every cached At that needs it now; the others go into `wakeups`. Ats already due
+/// come first (reading 100,000 cached Ats back takes about 0.4 s), then those that run.
+fn look_at_all(ctx: &Context, wakeups: &Wakeups, store: &Store<CachedAt>) {
+    let now = ctx.now();
+    let mut ats = store.state();
+    ats.sort_by_key(|at| first_look_order(at, now));
+    for at in ats.iter().filter_map(|cached| cache::read(cached)) {
         if ctx.needs_reconcile(&at, wakeups) {
-            ctx.wake_up(ObjectRef::from_obj(at.as_ref()));
+            ctx.wake_up(ObjectRef::from_obj(&at));
         }
+    }
+}
+
+/// Where `at` comes in a first look at every At: PENDING and due first, earliest first; then
+/// RUNNING (its pod may have ended); then the rest.
+fn first_look_order(at: &CachedAt, now: DateTime<Utc>) -> (u8, Option<DateTime<Utc>>) {
+    match at.phase() {
+        Phase::Pending if at.due().is_some_and(|due| due <= now) => (0, at.due()),
+        Phase::Running => (1, None),
+        _ => (2, None),
+    }
+}
+
+/// `reconcile` on the cached At, read back.
+async fn reconcile_cached(
+    cached: Arc<CachedAt>,
+    ctx: Arc<Context>,
+) -> Result<controller::Action, reconcile::Error> {
+    match cache::read(&cached) {
+        Some(at) => reconcile(Arc::new(at), ctx).await,
+        // Logged; nothing can be done with it until it changes.
+        None => Ok(controller::Action::await_change()),
+    }
+}
+
+/// `error_policy` on the cached At, read back.
+fn error_policy_cached(
+    cached: Arc<CachedAt>,
+    error: &reconcile::Error,
+    ctx: Arc<Context>,
+) -> controller::Action {
+    match cache::read(&cached) {
+        Some(at) => error_policy(Arc::new(at), error, ctx),
+        None => controller::Action::await_change(),
     }
 }
 
@@ -229,10 +225,10 @@ impl Drop for ForgetAts {
 /// never more than 1 s; reset by any event. kube's
 /// default grows to 30 s, which after an API server outage leaves the caches (and new Ats)
 /// waiting up to that long after the server is back; one request a second per watch is cheap.
-struct WatchBackoff(backon::ExponentialBackoff);
+pub(crate) struct WatchBackoff(backon::ExponentialBackoff);
 
 impl WatchBackoff {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         WatchBackoff(
             ExponentialBuilder::new()
                 .with_min_delay(Duration::from_millis(100))
@@ -258,25 +254,53 @@ impl Backoff for WatchBackoff {
     }
 }
 
-fn apis(client: &Client, namespace: Option<&str>) -> (Api<At>, Api<Pod>) {
+fn pod_api(client: &Client, namespace: Option<&str>) -> Api<Pod> {
     match namespace {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
     }
-}
-
-/// Drops what the reconciler never reads, so the cache stays small.
-fn trim_at(at: &mut At) {
-    at.metadata.managed_fields = None;
-    at.metadata.annotations = None;
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::At;
+    use kube::ResourceExt;
+
+    fn cached(name: &str, schedule: &str, phase: Phase) -> CachedAt {
+        let mut at = At::new(
+            name,
+            crate::api::AtSpec {
+                schedule: schedule.into(),
+                command: "true".into(),
+                ..Default::default()
+            },
+        );
+        at.status = Some(crate::api::AtStatus {
+            phase,
+            ..Default::default()
+        });
+        at.into()
+    }
+
+    #[test]
+    fn a_first_look_takes_due_ats_first_earliest_first_then_running_ones() {
+        let now = "2026-11-23T12:00:00Z".parse().unwrap();
+        let mut ats = [
+            cached("later", "2026-11-23T13:00:00Z", Phase::Pending),
+            cached("done", "2026-11-23T11:00:00Z", Phase::Done),
+            cached("running", "2026-11-23T11:00:00Z", Phase::Running),
+            cached("bad", "soon", Phase::Pending),
+            cached("due-now", "2026-11-23T12:00:00Z", Phase::Pending),
+            cached("overdue", "2026-11-23T11:00:00Z", Phase::Pending),
+        ];
+        ats.sort_by_key(|at| first_look_order(at, now));
+        let names: Vec<String> = ats.iter().map(|at| at.name_any()).collect();
+        assert_eq!(names[..3], ["overdue", "due-now", "running"]);
+        let mut rest = names[3..].to_vec();
+        rest.sort();
+        assert_eq!(rest, ["bad", "done", "later"]);
+    }
 
     #[test]
     fn watch_retries_stay_within_a_second_and_start_over_after_success() {

@@ -6,6 +6,7 @@
 pub mod access_review;
 pub mod admin;
 pub mod api;
+pub mod cache;
 pub mod check;
 pub mod cli;
 pub mod controller;

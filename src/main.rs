@@ -205,7 +205,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
     let (work_client, work_events, work_metrics) =
         (client.clone(), events.clone(), metrics.clone());
     // Every replica caches the Ats, so the next leader starts with all of them.
-    let cache = controller::AtCache::start(&client, args.namespace.as_deref());
+    let cache = cnat::cache::AtCache::start(&client, args.namespace.as_deref());
     let election = tokio::spawn(leader::run(
         client,
         election_settings,

@@ -2,7 +2,8 @@
 //! and histograms are updated where things happen; leadership and the At count are read from
 //! their owners at scrape time, so they can never drift from the truth.
 
-use crate::api::{At, Phase};
+use crate::api::Phase;
+use crate::cache::CachedAt;
 use crate::leader::Leadership;
 use kube::runtime::reflector::Store;
 use prometheus_client::collector::Collector;
@@ -203,7 +204,7 @@ impl Metrics {
     }
 
     /// Counts Ats by phase from `store` (the leader's cache) until `forget_ats`.
-    pub fn count_ats(&self, store: Store<At>) {
+    pub fn count_ats(&self, store: Store<CachedAt>) {
         *self.ats.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(store);
     }
 
@@ -247,7 +248,7 @@ impl Collector for LeaderCollector {
 
 /// The leader's At cache, when there is one.
 #[derive(Debug, Default)]
-struct AtCount(Mutex<Option<Store<At>>>);
+struct AtCount(Mutex<Option<Store<CachedAt>>>);
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct PhaseLabels {
@@ -303,14 +304,13 @@ pub const OVERDUE_AFTER: chrono::TimeDelta = chrono::TimeDelta::seconds(30);
 /// PENDING Ats whose schedule is more than `OVERDUE_AFTER` before `now`, counted by namespace.
 /// An At whose schedule does not parse is never due, so never overdue (its status says why).
 pub fn overdue<'a>(
-    ats: impl Iterator<Item = &'a At>,
+    ats: impl Iterator<Item = &'a CachedAt>,
     now: chrono::DateTime<chrono::Utc>,
 ) -> std::collections::BTreeMap<String, usize> {
     let mut counts = std::collections::BTreeMap::new();
     for at in ats.filter(|at| at.phase() == Phase::Pending) {
-        let due = crate::schedule::parse(&at.spec.schedule, at.spec.time_zone.as_deref());
-        if due.is_ok_and(|due| due + OVERDUE_AFTER < now) {
-            let namespace = at.metadata.namespace.clone().unwrap_or_default();
+        if at.due().is_some_and(|due| due + OVERDUE_AFTER < now) {
+            let namespace = kube::ResourceExt::namespace(at).unwrap_or_default();
             *counts.entry(namespace).or_insert(0) += 1;
         }
     }
@@ -320,9 +320,9 @@ pub fn overdue<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{AtSpec, AtStatus};
+    use crate::api::{At, AtSpec, AtStatus};
 
-    fn at(namespace: &str, schedule: &str, phase: Option<Phase>) -> At {
+    fn at(namespace: &str, schedule: &str, phase: Option<Phase>) -> CachedAt {
         let mut at = At::new(
             "x",
             AtSpec {
@@ -336,7 +336,7 @@ mod tests {
             phase,
             ..AtStatus::default()
         });
-        at
+        at.into()
     }
 
     #[test]

@@ -173,6 +173,11 @@ impl Context {
         retry_delay(attempt)
     }
 
+    /// The time now, by the injected clock.
+    pub fn now(&self) -> DateTime<Utc> {
+        (self.clock)()
+    }
+
     /// Reconciles `at` now (for `wakeups::Wakeups::run`).
     pub fn wake_up(&self, at: ObjectRef<At>) {
         // Fails only once the loop has ended, when nothing is left to wake.

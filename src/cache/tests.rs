@@ -1,0 +1,180 @@
+use super::*;
+use crate::api::{AtSpec, AtStatus, Condition, Outcome};
+use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use serde_json::Value;
+use std::collections::BTreeMap;
+
+/// An At as the real API server stored it (managed fields, uid, resourceVersion, a status).
+fn captured() -> Value {
+    let path = format!(
+        "{}/tests/fixtures/admission-review-k8s-1.24/validating-update-status.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let capture: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    capture["review"]["request"]["object"].clone()
+}
+
+/// An At with every field the reconciler reads set, and what it does not read.
+fn full_at() -> At {
+    let mut at: At = serde_json::from_value(captured()).unwrap();
+    at.metadata.annotations = Some(BTreeMap::from([("note".into(), "x".repeat(500))]));
+    at.metadata.labels = Some(BTreeMap::from([("team".into(), "a".into())]));
+    at.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        "2026-11-22T03:00:00Z".parse().unwrap(),
+    ));
+    at.spec = AtSpec {
+        schedule: "2026-11-22T12:00:00".into(),
+        command: "echo 'a b' | tr a-z A-Z && exit 3".into(),
+        image: "alpine:3.20".into(),
+        time_zone: Some("Europe/Berlin".into()),
+        starting_deadline_seconds: Some(60),
+        active_deadline_seconds: Some(600),
+        ttl_seconds_after_finished: Some(0),
+        resources: Some(ResourceRequirements {
+            limits: Some(BTreeMap::from([("memory".into(), Quantity("64Mi".into()))])),
+            requests: Some(BTreeMap::from([("cpu".into(), Quantity("10m".into()))])),
+            ..ResourceRequirements::default()
+        }),
+        env: Some(vec![EnvVar {
+            name: "GREETING".into(),
+            value: Some("héllo \"world\"\n".into()),
+            value_from: None,
+        }]),
+        service_account_name: Some("runner".into()),
+        node_selector: Some(BTreeMap::from([("disk".into(), "ssd".into())])),
+        tolerations: Some(vec![Toleration {
+            key: Some("dedicated".into()),
+            operator: Some("Exists".into()),
+            ..Toleration::default()
+        }]),
+        image_pull_secrets: None,
+    };
+    at.status = Some(AtStatus {
+        phase: Phase::Done,
+        pod_name: Some("example-at-pod".into()),
+        scheduled_time: Some("2026-11-22T11:00:00.123456789Z".parse().unwrap()),
+        start_time: Some("2026-11-22T11:00:00.2Z".parse().unwrap()),
+        completion_time: Some("2026-11-22T11:00:03Z".parse().unwrap()),
+        outcome: Some(Outcome::Failed),
+        exit_code: Some(3),
+        reason: Some("Failed".into()),
+        message: Some("the command exited with code 3".into()),
+        conditions: vec![Condition {
+            type_: "Complete".into(),
+            status: "False".into(),
+            reason: "Failed".into(),
+            message: "the command exited with code 3".into(),
+            last_transition_time: "2026-11-22T11:00:03.5Z".parse().unwrap(),
+            observed_generation: Some(2),
+        }],
+        observed_generation: Some(2),
+    });
+    at
+}
+
+/// `At` has no `PartialEq`: its parts do.
+fn assert_same(read: &At, expected: &At) {
+    assert_eq!(read.metadata, expected.metadata);
+    assert_eq!(read.spec, expected.spec);
+    assert_eq!(read.status, expected.status);
+}
+
+#[test]
+fn reads_back_the_at_it_cached_without_what_the_operator_never_reads() {
+    let at = full_at();
+    let cached = CachedAt::from(at.clone());
+    let mut expected = at;
+    expected.metadata.managed_fields = None;
+    expected.metadata.annotations = None;
+    assert_same(&cached.at().unwrap(), &expected);
+    // What the runtime keys on, and what the metrics read without reading the At back.
+    assert_eq!(cached.name_any(), "example-at");
+    assert_eq!(cached.namespace().as_deref(), Some("capture"));
+    assert_eq!(cached.phase(), Phase::Done);
+    // 12:00 in Berlin in November is 11:00 UTC.
+    assert_eq!(cached.due(), Some("2026-11-22T11:00:00Z".parse().unwrap()));
+    // Nothing else is kept as metadata: no second copy of uid, version, labels.
+    assert_eq!(
+        cached.meta(),
+        &ObjectMeta {
+            name: Some("example-at".into()),
+            namespace: Some("capture".into()),
+            ..ObjectMeta::default()
+        }
+    );
+}
+
+#[test]
+fn decodes_the_api_servers_json_as_an_at_and_trims_it() {
+    let cached: CachedAt = serde_json::from_value(captured()).unwrap();
+    let at = cached.at().unwrap();
+    assert_eq!(at.metadata.managed_fields, None, "managed fields dropped");
+    assert_eq!(
+        at.metadata.uid.as_deref(),
+        Some("d8145ff9-fa52-4f7f-92ec-300d1e253d72")
+    );
+    assert_eq!(at.metadata.resource_version.as_deref(), Some("28914"));
+    assert_eq!(at.metadata.generation, Some(2));
+    assert_eq!(at.spec.command, "echo YAY YAY");
+    assert_eq!(at.spec.image, crate::api::DEFAULT_IMAGE, "defaults applied");
+    assert_eq!(cached.phase(), Phase::Running);
+    assert_eq!(cached.due(), Some("2019-04-12T10:12:00Z".parse().unwrap()));
+    // What is kept is a fraction of the server's JSON.
+    assert!(cached.packed.len() < serde_json::to_string(&captured()).unwrap().len() / 3);
+}
+
+#[test]
+fn an_at_without_status_is_pending_and_a_bad_schedule_is_never_due() {
+    let mut at = At::new(
+        "x",
+        AtSpec {
+            schedule: "tomorrow".into(),
+            command: "true".into(),
+            ..AtSpec::default()
+        },
+    );
+    at.metadata.namespace = Some("default".into());
+    let cached = CachedAt::from(at.clone());
+    assert_eq!(cached.phase(), Phase::Pending);
+    assert_eq!(cached.due(), None);
+    assert_same(&cached.at().unwrap(), &at);
+    // A DST gap in the At's zone does not parse either.
+    at.spec.schedule = "2026-03-29T02:30:00".into();
+    at.spec.time_zone = Some("Europe/Berlin".into());
+    assert_eq!(CachedAt::from(at).due(), None);
+}
+
+#[test]
+fn a_cached_copy_that_does_not_read_back_is_an_error_naming_the_at() {
+    let mut cached = CachedAt::from(full_at());
+    cached.packed = lz4_flex::block::compress_prepend_size(b"{\"spec\": 1}").into();
+    let error = cached.at().unwrap_err().to_string();
+    assert!(
+        error.starts_with("At capture/example-at: the cached copy does not read back (decoding: "),
+        "{error}"
+    );
+    assert!(error.contains("report this as a bug"), "{error}");
+    assert!(read(&cached).is_none());
+    // Bytes that do not decompress: the size says 1000, the data ends at once.
+    cached.packed = vec![232, 3, 0, 0].into();
+    let error = cached.at().unwrap_err().to_string();
+    assert!(error.contains("(decompressing: "), "{error}");
+}
+
+#[test]
+fn is_the_at_resource_to_the_api_and_to_pods_owner_references() {
+    assert_eq!(CachedAt::kind(&()), "At");
+    assert_eq!(CachedAt::api_version(&()), At::api_version(&()));
+    assert_eq!(CachedAt::plural(&()), "ats");
+    assert_eq!(
+        CachedAt::url_path(&(), Some("team-a")),
+        At::url_path(&(), Some("team-a"))
+    );
+    let at_ref = ObjectRef::<At>::new("x").within("team-a");
+    assert_eq!(CachedAt::key_of(&at_ref), ObjectRef::new("x").within("team-a"));
+    assert_eq!(
+        CachedAt::key_of(&ObjectRef::<At>::new("y")),
+        ObjectRef::new("y")
+    );
+}
