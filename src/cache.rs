@@ -3,7 +3,8 @@
 //!
 //! `CachedAt` is an At in the form the cache keeps: at 100,000 Ats a typed `At` (872 bytes
 //! before its two dozen strings, each its own allocation) would be most of the operator's
-//! memory. It keeps the name and namespace (all the runtime's store and queue key on), what the
+//! memory. It keeps the name and namespace (all the runtime's store and queue key on), the
+//! resourceVersion (which the watch resumes from), what the
 //! metrics read on every scrape (phase, due instant, namespace), and the rest of the At as its
 //! JSON, LZ4-compressed, read back with `at()` when a reconcile or wake-up needs it.
 
@@ -28,7 +29,8 @@ use tracing::{error, warn};
 #[derive(Clone, Debug, Deserialize)]
 #[serde(from = "At")]
 pub struct CachedAt {
-    /// Name and namespace only: the rest is in `packed`.
+    /// Name, namespace and resourceVersion (which the watch resumes from) only: the rest is in
+    /// `packed`.
     metadata: ObjectMeta,
     phase: Phase,
     /// The instant the schedule names; `None` when it does not parse.
@@ -51,6 +53,7 @@ impl From<At> for CachedAt {
         let key = ObjectMeta {
             name: metadata.name.take(),
             namespace: metadata.namespace.take(),
+            resource_version: metadata.resource_version.take(),
             ..ObjectMeta::default()
         };
         metadata.managed_fields = None;
@@ -73,8 +76,8 @@ impl From<At> for CachedAt {
     }
 }
 
-/// What the JSON holds: the At without what `CachedAt` keeps apart (name, namespace) or the type
-/// says (apiVersion, kind).
+/// What the JSON holds: the At without what `CachedAt` keeps apart (name, namespace,
+/// resourceVersion) or the type says (apiVersion, kind).
 #[derive(Serialize, Deserialize)]
 struct Rest {
     metadata: ObjectMeta,
@@ -88,7 +91,11 @@ impl CachedAt {
     /// back, which is a bug: callers log it and leave the At alone.
     pub fn at(&self) -> Result<At, CacheError> {
         let fault = |source| CacheError {
-            at: format!("{}/{}", self.namespace().unwrap_or_default(), self.name_any()),
+            at: format!(
+                "{}/{}",
+                self.namespace().unwrap_or_default(),
+                self.name_any()
+            ),
             source,
         };
         let json = lz4_flex::block::decompress_size_prepended(&self.packed)
@@ -98,6 +105,7 @@ impl CachedAt {
         at.metadata = ObjectMeta {
             name: self.metadata.name.clone(),
             namespace: self.metadata.namespace.clone(),
+            resource_version: self.metadata.resource_version.clone(),
             ..rest.metadata
         };
         at.status = rest.status;

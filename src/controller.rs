@@ -3,6 +3,7 @@
 //! requeues and concurrency. The pods, usually far fewer than the Ats, are watched by the leader
 //! only.
 
+use crate::api::Phase;
 use crate::cache::{self, AtCache, CachedAt};
 use crate::events::EventSink;
 use crate::metrics::Metrics;
@@ -11,7 +12,6 @@ use crate::policy::RunPolicy;
 use crate::reconcile::wakeups::Wakeups;
 use crate::reconcile::{self, error_policy, reconcile, Context};
 use backon::{BackoffBuilder, ExponentialBuilder};
-use crate::api::Phase;
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;

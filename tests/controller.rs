@@ -524,7 +524,7 @@ async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
 
     // A candidate caches every At while another replica leads.
     let client = server.client();
-    let cache = cnat::controller::AtCache::start(&client, None);
+    let cache = cnat::cache::AtCache::start(&client, None);
     assert!(
         support::until(WAIT, || cache.store().state().len() == 50).await,
         "the candidate never cached the Ats"

@@ -94,12 +94,13 @@ fn reads_back_the_at_it_cached_without_what_the_operator_never_reads() {
     assert_eq!(cached.phase(), Phase::Done);
     // 12:00 in Berlin in November is 11:00 UTC.
     assert_eq!(cached.due(), Some("2026-11-22T11:00:00Z".parse().unwrap()));
-    // Nothing else is kept as metadata: no second copy of uid, version, labels.
+    // Nothing else is kept as metadata: no second copy of uid, labels, timestamps.
     assert_eq!(
         cached.meta(),
         &ObjectMeta {
             name: Some("example-at".into()),
             namespace: Some("capture".into()),
+            resource_version: Some("28914".into()),
             ..ObjectMeta::default()
         }
     );
@@ -172,7 +173,10 @@ fn is_the_at_resource_to_the_api_and_to_pods_owner_references() {
         At::url_path(&(), Some("team-a"))
     );
     let at_ref = ObjectRef::<At>::new("x").within("team-a");
-    assert_eq!(CachedAt::key_of(&at_ref), ObjectRef::new("x").within("team-a"));
+    assert_eq!(
+        CachedAt::key_of(&at_ref),
+        ObjectRef::new("x").within("team-a")
+    );
     assert_eq!(
         CachedAt::key_of(&ObjectRef::<At>::new("y")),
         ObjectRef::new("y")
