@@ -111,3 +111,30 @@ async fn wakeups_come_in_order_once_each_and_a_later_entry_replaces_an_earlier()
     assert_eq!(order.recv().await.unwrap(), "c");
     runner.abort();
 }
+
+#[test]
+fn ats_of_one_name_in_two_namespaces_wake_apart_and_come_back_whole() {
+    let wakeups = Wakeups::default();
+    let start = Instant::now();
+    let a = ObjectRef::<At>::new("x").within("team-a");
+    let b = ObjectRef::<At>::new("x").within("team-b");
+    let bare = ObjectRef::<At>::new("y");
+    wakeups.set(a.clone(), start);
+    wakeups.set(b.clone(), start + Duration::from_secs(1));
+    wakeups.set(bare.clone(), start + Duration::from_secs(2));
+    wakeups.clear(&ObjectRef::new("x").within("team-c"));
+    assert_eq!(wakeups.len(), 3);
+    let (due, next) = wakeups.take_due(start + Duration::from_secs(1));
+    let names: Vec<_> = due
+        .iter()
+        .map(|at| (at.namespace.as_deref(), at.name.as_str()))
+        .collect();
+    assert_eq!(names, [(Some("team-a"), "x"), (Some("team-b"), "x")]);
+    assert_eq!(next, Some(start + Duration::from_secs(2)));
+    let (due, next) = wakeups.take_due(start + Duration::from_secs(2));
+    assert_eq!(
+        (due[0].namespace.as_deref(), due[0].name.as_str()),
+        (None, "y")
+    );
+    assert_eq!(next, None);
+}
