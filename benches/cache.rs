@@ -7,8 +7,8 @@
 //!     cargo bench --bench cache -- 20000
 
 use cnat::api::At;
-use cnat::cache::CachedAt;
-use cnat::reconcile::decide::{decide, PodObservation};
+use cnat::operator::cache::CachedAt;
+use cnat::operator::reconcile::decide::{decide, PodObservation};
 use kube::runtime::reflector::{self, Lookup};
 use kube::runtime::watcher::Event;
 use serde::de::DeserializeOwned;
@@ -48,7 +48,11 @@ fn measure(form: &str, n: usize) -> (f64, u64) {
         .env(FORM, form)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
     let mut fields = text.split_whitespace().map(|f| f.parse::<f64>().unwrap());
     (fields.next().unwrap(), fields.next().unwrap() as u64)

@@ -362,7 +362,7 @@ async fn poll(server: &ApiServer, timeout: Duration, check: impl Fn(&ApiServer) 
 /// `n` Ats PENDING with the status a leader wrote for them, plus one already due, then the
 /// operator starts.
 async fn pending(n: usize) {
-    use cnat::reconcile::decide::{decide, PodObservation};
+    use cnat::operator::reconcile::decide::{decide, PodObservation};
     let (server, kubeconfig) = modelled_server(&format!("pending-{n}")).await;
     let now = chrono::Utc::now();
     let create = |name: String, schedule: chrono::DateTime<chrono::Utc>, settled: bool| {

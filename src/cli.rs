@@ -1,8 +1,8 @@
 //! Command-line interface. Every flag of `cnat run` can also be set by a `CNAT_*` variable.
 
-use crate::access_review::{self, OnError};
+use crate::admission::access_review::{self, OnError};
 use crate::leader::Timing;
-use crate::policy::{self, RunPolicy};
+use crate::operator::policy::{self, RunPolicy};
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use std::collections::BTreeMap;

@@ -1,31 +1,23 @@
 //! cnat: a Kubernetes operator for the `At` resource, "run this shell command once, at this time".
 //!
-//! The state machine (`reconcile::decide`), schedule parsing (`schedule`) and pod naming and spec
-//! (`pod`) are pure; Kubernetes I/O lives in `reconcile` and `controller`.
+//! The state machine (`operator::reconcile::decide`), schedule parsing (`schedule`) and pod naming
+//! and spec (`operator::pod`) are pure; Kubernetes I/O lives in `operator::reconcile` and
+//! `operator::controller`.
+//!
+//! Modules are grouped by concern: `operator` (reconciling Ats), `admission` (the webhooks and
+//! their rules), `serving` (admin endpoints, sockets, TLS) and `observability` (metrics, logs,
+//! traces); the At types, schedules, the election, the CLI and `kubectl at` stay at the top.
 
-pub mod access_review;
-pub mod admin;
+pub mod admission;
 pub mod api;
-pub mod cache;
-pub mod check;
 pub mod cli;
-pub mod controller;
-pub mod defaulting;
-pub mod events;
 pub mod kubectl_at;
 pub mod leader;
-pub mod listen;
-pub mod metrics;
-pub mod pod;
-pub mod policy;
-pub mod reachability;
-pub mod reconcile;
+pub mod observability;
+pub mod operator;
 pub mod schedule;
+pub mod serving;
 pub mod smoke_test;
-pub mod telemetry;
-pub mod tls;
-pub mod validation;
-pub mod webhook;
 
 use thiserror::Error;
 

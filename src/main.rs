@@ -3,14 +3,14 @@
 
 use axum_server::tls_rustls::RustlsConfig;
 use clap::Parser;
-use cnat::access_review::AccessReviewer;
-use cnat::admin::{self, Health};
+use cnat::admission::access_review::AccessReviewer;
 use cnat::cli::{CertsArgs, CheckArgs, Cli, Command, RunArgs, SmokeTestArgs};
-use cnat::events::EventSink;
 use cnat::leader::{self, Leadership};
-use cnat::metrics::Metrics;
-use cnat::tls::{self, CertFiles};
-use cnat::{api, controller, telemetry, webhook};
+use cnat::observability::metrics::Metrics;
+use cnat::operator::events::EventSink;
+use cnat::serving::admin::{self, Health};
+use cnat::serving::tls::{self, CertFiles};
+use cnat::{admission::webhook, api, observability::telemetry, operator::controller};
 use kube::runtime::events::Reporter;
 use std::future::IntoFuture;
 use std::net::SocketAddr;
@@ -48,7 +48,7 @@ async fn main() -> ExitCode {
 
 /// `cnat check`: problems on stdout, a summary on stderr, exit 1 if any At is invalid.
 fn check(args: CheckArgs) -> ExitCode {
-    let report = cnat::check::check_paths(&args.files, std::io::stdin());
+    let report = cnat::admission::check::check_paths(&args.files, std::io::stdin());
     for problem in &report.problems {
         println!("{problem}");
     }
@@ -160,7 +160,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
         timing.lease_duration,
         args.webhooks,
     ));
-    let listener = cnat::listen::bind(args.admin_addr)
+    let listener = cnat::serving::listen::bind(args.admin_addr)
         .and_then(tokio::net::TcpListener::from_std)
         .map_err(|e| format!("--admin-addr {}: {e}", args.admin_addr))?;
     let close_servers = CancellationToken::new();
@@ -205,7 +205,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
     let (work_client, work_events, work_metrics) =
         (client.clone(), events.clone(), metrics.clone());
     // Every replica caches the Ats, so the next leader starts with all of them.
-    let cache = cnat::cache::AtCache::start(&client, args.namespace.as_deref());
+    let cache = cnat::operator::cache::AtCache::start(&client, args.namespace.as_deref());
     let election = tokio::spawn(leader::run(
         client,
         election_settings,
@@ -276,7 +276,7 @@ async fn start_webhooks(
         stop_reloading,
     ));
     let handle = axum_server::Handle::new();
-    let listener = cnat::listen::bind(args.webhook_addr)
+    let listener = cnat::serving::listen::bind(args.webhook_addr)
         .map_err(|e| format!("--webhook-addr {}: {e}", args.webhook_addr))?;
     let server = tokio::spawn(webhook::serve(listener, config, handle.clone(), shared));
     if handle.listening().await.is_none() {

@@ -359,7 +359,7 @@ mod production {
     //! What production throws at the operator: refused pods, deadlines, TTL, lost deletions.
 
     use super::*;
-    use cnat::policy::RunPolicy;
+    use cnat::operator::policy::RunPolicy;
 
     fn past(seconds: i64) -> String {
         (Utc::now() - Span::seconds(seconds)).to_rfc3339()
@@ -524,7 +524,7 @@ async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
 
     // A candidate caches every At while another replica leads.
     let client = server.client();
-    let cache = cnat::cache::AtCache::start(&client, None);
+    let cache = cnat::operator::cache::AtCache::start(&client, None);
     assert!(
         support::until(WAIT, || cache.store().state().len() == 50).await,
         "the candidate never cached the Ats"
@@ -538,14 +538,16 @@ async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
 
     // It becomes leader: the due At runs, from the cache, without listing or watching Ats again
     // and without a write for the settled ones.
-    let settings = cnat::controller::Settings {
+    let settings = cnat::operator::controller::Settings {
         namespace: None,
         concurrency: 32,
         policy: Default::default(),
     };
     let events = support::events(&client, "cnat-1");
-    let metrics = std::sync::Arc::new(cnat::metrics::Metrics::new(Default::default()));
-    let leader = tokio::spawn(cnat::controller::run_with_cache(
+    let metrics = std::sync::Arc::new(cnat::observability::metrics::Metrics::new(
+        Default::default(),
+    ));
+    let leader = tokio::spawn(cnat::operator::controller::run_with_cache(
         cache,
         client,
         settings,

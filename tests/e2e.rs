@@ -8,8 +8,8 @@
 //!     CNAT_E2E_KUBECONFIG=/tmp/cnat-e2e.kubeconfig cargo nextest run --test e2e --run-ignored all
 
 use cnat::api::{At, AtSpec, Outcome, Phase};
-use cnat::events::EventSink;
-use cnat::metrics::Metrics;
+use cnat::observability::metrics::Metrics;
+use cnat::operator::events::EventSink;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, LogParams, Patch, PatchParams, PostParams};
@@ -83,7 +83,7 @@ fn at(name: &str, schedule: chrono::DateTime<chrono::Utc>, command: &str) -> At 
 
 /// The reconcile loop, watching `ns` only, until aborted.
 fn start_operator(client: &Client, ns: &str) -> tokio::task::JoinHandle<()> {
-    let settings = cnat::controller::Settings {
+    let settings = cnat::operator::controller::Settings {
         namespace: Some(ns.to_owned()),
         concurrency: 32,
         policy: Default::default(),
@@ -93,7 +93,7 @@ fn start_operator(client: &Client, ns: &str) -> tokio::task::JoinHandle<()> {
         instance: Some("cnat-e2e".into()),
     };
     let events = EventSink::start(client.clone(), reporter);
-    tokio::spawn(cnat::controller::run(
+    tokio::spawn(cnat::operator::controller::run(
         client.clone(),
         settings,
         events,
@@ -148,7 +148,7 @@ async fn ats_run_once_at_their_time_in_a_restricted_namespace() {
         .metadata
         .creation_timestamp
         .as_ref()
-        .map(cnat::pod::to_chrono)
+        .map(cnat::operator::pod::to_chrono)
         .unwrap();
     assert!(
         created >= due - chrono::Duration::seconds(1),

@@ -299,7 +299,7 @@ async fn graceful_handovers_take_under_half_a_second() {
 }
 
 fn scrape(leadership: &Arc<Leadership>) -> String {
-    let metrics = cnat::metrics::Metrics::new(leadership.clone());
+    let metrics = cnat::observability::metrics::Metrics::new(leadership.clone());
     metrics.encode()
 }
 
@@ -463,17 +463,19 @@ async fn stop_a_busy_leader(after: Duration, list: Duration) -> usize {
     let controller = |id: &str| {
         let (who, log) = (id.to_owned(), activity.clone());
         move |client: kube::Client, stop: CancellationToken| {
-            let settings = cnat::controller::Settings {
+            let settings = cnat::operator::controller::Settings {
                 namespace: None,
                 concurrency: 32,
                 policy: Default::default(),
             };
             let events = support::events(&client, &who);
-            let metrics = Arc::new(cnat::metrics::Metrics::new(Default::default()));
+            let metrics = Arc::new(cnat::observability::metrics::Metrics::new(
+                Default::default(),
+            ));
             logged(
                 who.clone(),
                 log.clone(),
-                cnat::controller::run(client, settings, events, metrics, stop),
+                cnat::operator::controller::run(client, settings, events, metrics, stop),
             )
         }
     };

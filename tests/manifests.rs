@@ -1,6 +1,6 @@
 //! The webhook configurations in webhooks/ are what the server serves and what the apiserver needs.
 
-use cnat::webhook::{MUTATING_PATH, VALIDATING_PATH};
+use cnat::admission::webhook::{MUTATING_PATH, VALIDATING_PATH};
 use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
 };

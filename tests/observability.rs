@@ -200,7 +200,7 @@ async fn spans_reach_the_collector(
     // As the chart sets them from the downward API (the Lease stays in the context namespace).
     env.push(("POD_NAME", format!("cnat-{name}-7d9f8")));
     env.push(("POD_NAMESPACE", "cnat-system".into()));
-    let operator = Operator::start(name, &env, "info,cnat::webhook=debug").await;
+    let operator = Operator::start(name, &env, "info,cnat::admission::webhook=debug").await;
     operator.run_at("now", "2019-04-12T10:12:00Z").await;
     let traceparent = format!("00-{TRACE_ID}-{PARENT_ID}-01");
     let (status, review) = operator
@@ -355,7 +355,7 @@ async fn the_traces_endpoint_sampler_and_service_name_variables_are_honoured() {
 async fn nothing_is_exported_without_an_endpoint_and_ids_still_reach_the_logs() {
     // A protocol but no endpoint: no exporter (not one sending to the default localhost:4317).
     let env = vec![("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc".to_owned())];
-    let operator = Operator::start("noexport", &env, "info,cnat::webhook=debug").await;
+    let operator = Operator::start("noexport", &env, "info,cnat::admission::webhook=debug").await;
     let traceparent = format!("00-{TRACE_ID}-{PARENT_ID}-01");
     operator
         .admit("validating-create.json", &[("traceparent", &traceparent)])

@@ -2,8 +2,8 @@
 //! what they accept, and keep their messages bounded; defaulting is idempotent.
 
 use chrono::{DateTime, FixedOffset, TimeZone, Utc};
-use cnat::defaulting::{self, Target};
-use cnat::{schedule, webhook};
+use cnat::admission::defaulting::{self, Target};
+use cnat::{admission::webhook, schedule};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 

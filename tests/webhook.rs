@@ -6,10 +6,10 @@ mod support;
 
 use axum_server::tls_rustls::RustlsConfig;
 use base64::Engine;
-use cnat::access_review::{self, AccessReviewer};
-use cnat::metrics::Metrics;
-use cnat::tls::{self, CertFiles};
-use cnat::webhook;
+use cnat::admission::access_review::{self, AccessReviewer};
+use cnat::admission::webhook;
+use cnat::observability::metrics::Metrics;
+use cnat::serving::tls::{self, CertFiles};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -40,7 +40,7 @@ async fn server_with(name: &str, reviewer: Option<Arc<AccessReviewer>>) -> Serve
     let config = RustlsConfig::from_config(tls::server_config(&files).unwrap());
     let handle = axum_server::Handle::new();
     tokio::spawn(webhook::serve(
-        cnat::listen::bind("127.0.0.1:0".parse().unwrap()).unwrap(),
+        cnat::serving::listen::bind("127.0.0.1:0".parse().unwrap()).unwrap(),
         config.clone(),
         handle.clone(),
         webhook::Shared {

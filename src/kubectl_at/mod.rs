@@ -9,8 +9,8 @@
 pub mod show;
 pub mod time;
 
+use crate::admission::validation;
 use crate::api::{At, AtSpec, Phase};
-use crate::validation;
 use clap::{Parser, ValueEnum};
 use futures::AsyncBufReadExt;
 use jiff::tz::TimeZone;

@@ -20,7 +20,7 @@ pub mod timing;
 
 pub use timing::{Timing, TimingError};
 
-use crate::events::EventSink;
+use crate::operator::events::EventSink;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::runtime::events::{Event, EventType};

@@ -30,7 +30,7 @@ impl LeaseError {
     /// Whether the API server gave no answer (down, unreachable, too slow).
     pub fn unanswered(&self) -> bool {
         match self {
-            LeaseError::Api(error) => crate::reachability::unanswered(error),
+            LeaseError::Api(error) => crate::operator::reachability::unanswered(error),
             LeaseError::Timeout(_) => true,
             LeaseError::NoNamespace(_) => false,
         }

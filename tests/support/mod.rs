@@ -7,8 +7,8 @@ pub mod https;
 pub mod otlp;
 pub mod process;
 
-use cnat::events::EventSink;
-use cnat::metrics::Metrics;
+use cnat::observability::metrics::Metrics;
+use cnat::operator::events::EventSink;
 use kube::runtime::events::Reporter;
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,15 +32,15 @@ pub fn run_controller(client: kube::Client) -> JoinHandle<()> {
 /// The reconcile loop with operator-wide defaults `policy`.
 pub fn run_controller_with(
     client: kube::Client,
-    policy: cnat::policy::RunPolicy,
+    policy: cnat::operator::policy::RunPolicy,
 ) -> JoinHandle<()> {
-    let settings = cnat::controller::Settings {
+    let settings = cnat::operator::controller::Settings {
         namespace: None,
         concurrency: 32,
         policy,
     };
     let events = events(&client, "cnat-test");
-    tokio::spawn(cnat::controller::run(
+    tokio::spawn(cnat::operator::controller::run(
         client,
         settings,
         events,

@@ -3,7 +3,7 @@
 //! waiting for a new pod that cannot become leader while the old one holds the Lease.
 
 use crate::leader::Leadership;
-use crate::metrics::{self, Metrics};
+use crate::observability::metrics::{self, Metrics};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::routing::get;

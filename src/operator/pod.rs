@@ -2,7 +2,7 @@
 //! summary of it that the state machine reads. Pure: no client, no clock.
 
 use crate::api::At;
-use crate::policy::RunPolicy;
+use crate::operator::policy::RunPolicy;
 use chrono::{DateTime, Utc};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerStatus, Pod, PodSecurityContext, PodSpec, SeccompProfile,
@@ -339,8 +339,8 @@ mod tests {
         }))
         .unwrap();
         let policy = RunPolicy {
-            requests: crate::policy::parse_quantities("cpu=100m,memory=64Mi").unwrap(),
-            limits: crate::policy::parse_quantities("cpu=1,memory=256Mi").unwrap(),
+            requests: crate::operator::policy::parse_quantities("cpu=100m,memory=64Mi").unwrap(),
+            limits: crate::operator::policy::parse_quantities("cpu=1,memory=256Mi").unwrap(),
             active_deadline_seconds: Some(3600),
             ..RunPolicy::default()
         };
@@ -496,7 +496,7 @@ mod tests {
 
     #[test]
     fn trim_keeps_what_view_reads() {
-        let fixture = include_str!("../tests/fixtures/api-k8s-1.24/pod-created.json");
+        let fixture = include_str!("../../tests/fixtures/api-k8s-1.24/pod-created.json");
         let mut pod: Pod = serde_json::from_str(fixture).unwrap();
         let before = view(&pod);
         trim(&mut pod);

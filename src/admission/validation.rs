@@ -2,7 +2,7 @@
 //! message names the field, the bad value and the fix, and all problems are reported together.
 
 use crate::api::{At, AtSpec, Phase};
-use crate::{pod, schedule};
+use crate::{operator::pod, schedule};
 use kube::{Resource, ResourceExt};
 use oci_spec::distribution::Reference;
 use std::str::FromStr;

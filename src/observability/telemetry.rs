@@ -306,7 +306,7 @@ mod tests {
         assert_eq!((trace.len(), span.len()), (32, 16), "{}", lines[1]);
         assert!(trace.chars().all(|c| c.is_ascii_hexdigit()) && trace != "0".repeat(32));
         assert!(
-            lines[1].ends_with("reconcile: cnat::telemetry::tests: inside"),
+            lines[1].ends_with("reconcile: cnat::observability::telemetry::tests: inside"),
             "{}",
             lines[1]
         );

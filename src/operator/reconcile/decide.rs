@@ -6,8 +6,8 @@
 //! already exists adopts it only if it controls it, so a command never runs twice.
 
 use crate::api::{At, AtStatus, Condition, Outcome, Phase};
-use crate::pod::{self, PodEnd, PodView};
-use crate::policy::RunPolicy;
+use crate::operator::pod::{self, PodEnd, PodView};
+use crate::operator::policy::RunPolicy;
 use crate::schedule;
 use chrono::{DateTime, SecondsFormat, Utc};
 use kube::ResourceExt;

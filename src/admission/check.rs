@@ -2,8 +2,8 @@
 //! reads YAML or JSON manifests (several documents per file, `List` objects, whole directories),
 //! checks every At in them with exactly the webhook's rules, and ignores other kinds.
 
+use crate::admission::validation;
 use crate::api::{At, GROUP};
-use crate::validation;
 use serde_json::Value;
 use std::io::Read;
 use std::path::{Path, PathBuf};

@@ -201,7 +201,7 @@ impl AtCache {
         let (changes, _) = broadcast::channel(CHANGES);
         let (feed, cached) = (changes.clone(), store.clone());
         let watch = watcher(ats, watcher::Config::default())
-            .backoff(crate::controller::WatchBackoff::new())
+            .backoff(crate::operator::controller::WatchBackoff::new())
             .reflect(writer)
             .applied_objects()
             .for_each(move |at| {

@@ -3,8 +3,8 @@
 //! their owners at scrape time, so they can never drift from the truth.
 
 use crate::api::Phase;
-use crate::cache::CachedAt;
 use crate::leader::Leadership;
+use crate::operator::cache::CachedAt;
 use kube::runtime::reflector::Store;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};

@@ -4,13 +4,13 @@
 //! only.
 
 use crate::api::Phase;
-use crate::cache::{self, AtCache, CachedAt};
-use crate::events::EventSink;
-use crate::metrics::Metrics;
-use crate::pod;
-use crate::policy::RunPolicy;
-use crate::reconcile::wakeups::Wakeups;
-use crate::reconcile::{self, error_policy, reconcile, Context};
+use crate::observability::metrics::Metrics;
+use crate::operator::cache::{self, AtCache, CachedAt};
+use crate::operator::events::EventSink;
+use crate::operator::pod;
+use crate::operator::policy::RunPolicy;
+use crate::operator::reconcile::wakeups::Wakeups;
+use crate::operator::reconcile::{self, error_policy, reconcile, Context};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
 use futures::StreamExt;

@@ -1,6 +1,6 @@
 use super::*;
 use crate::api::{AtStatus, Phase};
-use crate::reconcile::decide::tests::at;
+use crate::operator::reconcile::decide::tests::at;
 
 const NOW: &str = "2026-11-22T02:10:00Z";
 

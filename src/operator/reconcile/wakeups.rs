@@ -9,7 +9,7 @@
 
 use super::decide::{decide, Action, PodObservation};
 use crate::api::At;
-use crate::policy::RunPolicy;
+use crate::operator::policy::RunPolicy;
 use chrono::{DateTime, Utc};
 use kube::runtime::reflector::ObjectRef;
 use std::collections::{BTreeMap, HashMap};

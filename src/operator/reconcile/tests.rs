@@ -3,8 +3,8 @@
 
 use super::*;
 use crate::api::{AtSpec, Phase};
-use crate::metrics::Metrics;
-use crate::policy::RunPolicy;
+use crate::observability::metrics::Metrics;
+use crate::operator::policy::RunPolicy;
 use futures::StreamExt;
 use http::{Request, Response};
 use kube::client::Body;

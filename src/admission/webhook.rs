@@ -4,11 +4,11 @@
 //! Each request is an `admission` span (a child of the caller's W3C `traceparent`, which
 //! kube-apiserver sends when its tracing is on) and is counted in the metrics.
 
-use crate::access_review::AccessReviewer;
+use crate::admission::access_review::AccessReviewer;
+use crate::admission::defaulting::{self, Target};
+use crate::admission::validation;
 use crate::api::{At, GROUP};
-use crate::defaulting::{self, Target};
-use crate::metrics::{AdmissionLabels, Metrics};
-use crate::validation;
+use crate::observability::metrics::{AdmissionLabels, Metrics};
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, StatusCode};

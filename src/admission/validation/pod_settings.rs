@@ -3,8 +3,8 @@
 //! changed; each message names the field, the bad value and the fix.
 
 use crate::api::AtSpec;
-use crate::pod::is_dns_subdomain;
-use crate::policy::is_quantity;
+use crate::operator::pod::is_dns_subdomain;
+use crate::operator::policy::is_quantity;
 use k8s_openapi::api::core::v1::{EnvVar, Toleration};
 use std::collections::BTreeMap;
 

@@ -7,11 +7,11 @@ pub mod followup;
 pub mod wakeups;
 
 use crate::api::{At, AtStatus, Phase};
-use crate::events::EventSink;
-use crate::metrics::Metrics;
-use crate::policy::RunPolicy;
-use crate::reachability::{self, Reachability};
-use crate::{pod, schedule};
+use crate::observability::metrics::Metrics;
+use crate::operator::events::EventSink;
+use crate::operator::policy::RunPolicy;
+use crate::operator::reachability::{self, Reachability};
+use crate::{operator::pod, schedule};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
 use decide::{decide, Action as Step, Decision, Note, PodObservation, Severity};

@@ -1,0 +1,18 @@
+//! The operator: running each At's command in a pod once it falls due, and recording how it
+//! went, against the API server.
+//!
+//! - `controller`: wires the reconciler to the cluster: watches and kube-runtime's `Controller`.
+//! - `reconcile`: the pure state machine (`reconcile::decide`) and carrying its decisions out.
+//! - `events`: publishes Kubernetes Events in the background, so a reconcile never waits.
+//! - `reachability`: resumes work when an unreachable API server answers again.
+//! - `pod`: the pod an At runs in: name, labels, spec and the summary `decide` reads; pure.
+//! - `policy`: operator-wide run policy (`cnat run --default-*`) for what an At leaves out.
+//! - `cache`: the Ats as every replica caches them, leader or not (compact `CachedAt`).
+
+pub mod cache;
+pub mod controller;
+pub mod events;
+pub mod pod;
+pub mod policy;
+pub mod reachability;
+pub mod reconcile;

@@ -1,0 +1,9 @@
+//! Serving: what every replica listens with, apart from the webhooks' own handlers.
+//!
+//! - `admin`: the plain-HTTP admin endpoints: `/healthz`, `/readyz` and `/metrics`.
+//! - `listen`: listening sockets: dual-stack `[::]`, or `0.0.0.0` on a host without IPv6.
+//! - `tls`: the webhook server's certificate, reloaded when it changes, and `cnat certs`.
+
+pub mod admin;
+pub mod listen;
+pub mod tls;
