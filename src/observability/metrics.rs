@@ -320,23 +320,9 @@ pub fn overdue<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{At, AtSpec, AtStatus};
 
     fn at(namespace: &str, schedule: &str, phase: Option<Phase>) -> CachedAt {
-        let mut at = At::new(
-            "x",
-            AtSpec {
-                schedule: schedule.into(),
-                command: "true".into(),
-                ..AtSpec::default()
-            },
-        );
-        at.metadata.namespace = Some(namespace.into());
-        at.status = phase.map(|phase| AtStatus {
-            phase,
-            ..AtStatus::default()
-        });
-        at.into()
+        CachedAt::example("x", namespace, schedule, phase)
     }
 
     #[test]

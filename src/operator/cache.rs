@@ -132,6 +132,32 @@ impl CachedAt {
     }
 }
 
+#[cfg(test)]
+impl CachedAt {
+    /// An At running `true` at `schedule`, in `phase` (`None`: no status yet), as cached.
+    pub(crate) fn example(
+        name: &str,
+        namespace: &str,
+        schedule: &str,
+        phase: Option<Phase>,
+    ) -> Self {
+        let mut at = At::new(
+            name,
+            AtSpec {
+                schedule: schedule.into(),
+                command: "true".into(),
+                ..AtSpec::default()
+            },
+        );
+        at.metadata.namespace = Some(namespace.into());
+        at.status = phase.map(|phase| AtStatus {
+            phase,
+            ..AtStatus::default()
+        });
+        at.into()
+    }
+}
+
 /// A cached At that does not read back as an At (a bug in cnat).
 #[derive(Debug, thiserror::Error)]
 #[error("At {at}: the cached copy does not read back ({source}); it is left alone until it changes. Please report this as a bug")]

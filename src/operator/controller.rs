@@ -264,23 +264,10 @@ fn pod_api(client: &Client, namespace: Option<&str>) -> Api<Pod> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::At;
     use kube::ResourceExt;
 
     fn cached(name: &str, schedule: &str, phase: Phase) -> CachedAt {
-        let mut at = At::new(
-            name,
-            crate::api::AtSpec {
-                schedule: schedule.into(),
-                command: "true".into(),
-                ..Default::default()
-            },
-        );
-        at.status = Some(crate::api::AtStatus {
-            phase,
-            ..Default::default()
-        });
-        at.into()
+        CachedAt::example(name, "default", schedule, Some(phase))
     }
 
     #[test]
