@@ -503,6 +503,37 @@ mod production {
 }
 
 #[tokio::test]
+async fn an_at_fixed_while_the_at_watch_relisted_runs() {
+    let server = ApiServer::new();
+    let operator = start(&server);
+    server.create(Resource::Ats, at_json("fixed", "tomorrow", "true"));
+    let invalid = server
+        .wait_for(WAIT, |s| {
+            status(s, "fixed").and_then(|st| st.reason).as_deref() == Some("InvalidSchedule")
+        })
+        .await;
+    assert!(invalid, "{:?}", status(&server, "fixed"));
+    // Fixed while the watch is down: the re-list finds the new spec, but no event says so.
+    let now = Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    server.change_unseen(Resource::Ats, "default", "fixed", |at| {
+        at["spec"]["schedule"] = now.into();
+        at["metadata"]["generation"] = 2.into();
+    });
+    server.expire_watches(Resource::Ats);
+    let ran = server
+        .wait_for(WAIT, |s| {
+            s.get(Resource::Pods, "default", "fixed-pod").is_some()
+        })
+        .await;
+    assert!(
+        ran,
+        "the fixed At never got its pod: {:?}",
+        status(&server, "fixed")
+    );
+    operator.abort();
+}
+
+#[tokio::test]
 async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
     let server = ApiServer::new();
     let later = (Utc::now() + Span::hours(1)).to_rfc3339();

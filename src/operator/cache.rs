@@ -15,6 +15,7 @@ use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::NamespaceResourceScope;
 use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher::Event;
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::{Deserialize, Serialize};
@@ -63,15 +64,17 @@ impl From<At> for CachedAt {
             spec,
             status,
         };
+        // It serializes: its maps have string keys. Were that ever to fail, reading it back
+        // fails too, and says so; this says why.
+        let json = serde_json::to_vec(&rest).unwrap_or_else(|error| {
+            error!(%error, at = ?key.name, namespace = ?key.namespace, "caching an At");
+            Vec::new()
+        });
         CachedAt {
             metadata: key,
             phase,
             due,
-            // It serializes without error: its maps have string keys.
-            packed: lz4_flex::block::compress_prepend_size(
-                &serde_json::to_vec(&rest).unwrap_or_default(),
-            )
-            .into(),
+            packed: lz4_flex::block::compress_prepend_size(&json).into(),
         }
     }
 }
@@ -208,11 +211,21 @@ impl Resource for CachedAt {
 /// Changes to cached Ats kept for a leader that falls behind; past that it looks at them all.
 const CHANGES: usize = 4096;
 
+/// What the cache tells the leader's reconcile loop.
+#[derive(Clone, Debug)]
+pub enum Change {
+    /// An At was created or changed: this version, as the store now holds it.
+    At(Arc<CachedAt>),
+    /// The watch listed every At again (at start, or after its resourceVersion expired): the
+    /// store now holds what that list found, so anything may have changed.
+    Relisted,
+}
+
 /// The Ats this replica caches, with a feed of every change for the leader's reconcile loop.
 #[derive(Clone)]
 pub struct AtCache {
     store: Store<CachedAt>,
-    changes: broadcast::Sender<Arc<CachedAt>>,
+    changes: broadcast::Sender<Change>,
     _watch: Arc<AbortOnDropHandle<()>>,
 }
 
@@ -229,18 +242,27 @@ impl AtCache {
         let watch = watcher(ats, watcher::Config::default())
             .backoff(crate::operator::controller::WatchBackoff::new())
             .reflect(writer)
-            .applied_objects()
-            .for_each(move |at| {
-                match at {
-                    Ok(at) => {
-                        // The copy the store holds, not another one.
-                        let shared = cached
+            .for_each(move |event| {
+                let change = match event {
+                    // The store was written before this runs, in the same task: its copy is
+                    // this version (shared, not copied again).
+                    Ok(Event::Apply(at)) => Some(Change::At(
+                        cached
                             .get(&ObjectRef::from_obj(&at))
-                            .unwrap_or_else(|| Arc::new(at));
-                        // No leader listening is fine: nothing is kept for it.
-                        drop(feed.send(shared));
+                            .unwrap_or_else(|| Arc::new(at)),
+                    )),
+                    // A list goes into the store only whole, at its end.
+                    Ok(Event::InitDone) => Some(Change::Relisted),
+                    // A deleted At's wake-up finds it gone from the store.
+                    Ok(Event::Delete(_) | Event::Init | Event::InitApply(_)) => None,
+                    Err(error) => {
+                        warn!(%error, "watching Ats");
+                        None
                     }
-                    Err(error) => warn!(%error, "watching Ats"),
+                };
+                // No leader listening is fine: nothing is kept for it.
+                if let Some(change) = change {
+                    drop(feed.send(change));
                 }
                 std::future::ready(())
             });
@@ -257,7 +279,7 @@ impl AtCache {
     }
 
     /// Every change from now on; `Lagged` when the receiver fell more than 4096 behind.
-    pub fn subscribe(&self) -> broadcast::Receiver<Arc<CachedAt>> {
+    pub fn subscribe(&self) -> broadcast::Receiver<Change> {
         self.changes.subscribe()
     }
 }

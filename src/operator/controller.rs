@@ -5,7 +5,7 @@
 
 use crate::api::Phase;
 use crate::observability::metrics::Metrics;
-use crate::operator::cache::{self, AtCache, CachedAt};
+use crate::operator::cache::{self, AtCache, CachedAt, Change};
 use crate::operator::events::EventSink;
 use crate::operator::pod;
 use crate::operator::policy::RunPolicy;
@@ -13,7 +13,7 @@ use crate::operator::reconcile::wakeups::Wakeups;
 use crate::operator::reconcile::{self, error_policy, reconcile, Context};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -87,14 +87,15 @@ pub async fn run_with_cache(
         |(mut changes, ctx, wakeups, store)| async move {
             loop {
                 match changes.recv().await {
-                    Ok(at) => return Some((at, (changes, ctx, wakeups, store))),
+                    Ok(Change::At(at)) => return Some((at, (changes, ctx, wakeups, store))),
+                    Ok(Change::Relisted) => look_at_all(&ctx, &wakeups, &store).await,
                     // Fell behind: whatever was missed is in the cache.
                     Err(broadcast::error::RecvError::Lagged(missed)) => {
                         warn!(
                             missed,
                             "reconcile loop fell behind the At watch; looking at every At"
                         );
-                        look_at_all(&ctx, &wakeups, &store);
+                        look_at_all(&ctx, &wakeups, &store).await;
                     }
                     Err(broadcast::error::RecvError::Closed) => return None,
                 }
@@ -108,12 +109,12 @@ pub async fn run_with_cache(
             std::future::ready(needs)
         }
     });
-    // Then every At already cached (once the cache has listed them all).
+    // Then every At already cached. A cache still listing says `Relisted` when it has them all.
     let first_look = tokio::spawn({
         let (ctx, wakeups, store) = (ctx.clone(), wakeups.clone(), at_store.clone());
         async move {
-            if store.wait_until_ready().await.is_ok() {
-                look_at_all(&ctx, &wakeups, &store);
+            if let Some(Ok(())) = store.wait_until_ready().now_or_never() {
+                look_at_all(&ctx, &wakeups, &store).await;
             }
         }
     });
@@ -166,14 +167,20 @@ pub async fn run_with_cache(
 }
 
 /// Reconciles every cached At that needs it now; the others go into `wakeups`. Ats already due
-/// come first (reading 100,000 cached Ats back takes about 0.4 s), then those that run.
-fn look_at_all(ctx: &Context, wakeups: &Wakeups, store: &Store<CachedAt>) {
+/// come first (reading 100,000 cached Ats back takes about 0.3 s), then those that run; it
+/// yields to other tasks every 1000 Ats.
+async fn look_at_all(ctx: &Context, wakeups: &Wakeups, store: &Store<CachedAt>) {
     let now = ctx.now();
     let mut ats = store.state();
     ats.sort_by_key(|at| first_look_order(at, now));
-    for at in ats.iter().filter_map(|cached| cache::read(cached)) {
-        if ctx.needs_reconcile(&at, wakeups) {
-            ctx.wake_up(ObjectRef::from_obj(&at));
+    for (i, cached) in ats.iter().enumerate() {
+        if i % 1000 == 999 {
+            tokio::task::yield_now().await;
+        }
+        if let Some(at) = cache::read(cached) {
+            if ctx.needs_reconcile(&at, wakeups) {
+                ctx.wake_up(ObjectRef::from_obj(&at));
+            }
         }
     }
 }

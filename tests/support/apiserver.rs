@@ -197,6 +197,24 @@ impl ApiServer {
             .remove(&(resource, ns.into(), name.into()));
     }
 
+    /// Changes an object at a new resourceVersion without telling watchers, as when it changes
+    /// while a watch is down.
+    pub fn change_unseen(
+        &self,
+        resource: Resource,
+        ns: &str,
+        name: &str,
+        change: impl FnOnce(&mut Value),
+    ) {
+        let mut state = self.lock();
+        let key = (resource, ns.to_owned(), name.to_owned());
+        let mut object = state.objects.get(&key).cloned().expect("object to change");
+        change(&mut object);
+        state.rv += 1;
+        object["metadata"]["resourceVersion"] = state.rv.to_string().into();
+        state.objects.insert(key, object);
+    }
+
     /// Ends the open watches of `resource` with 410 Expired and forgets the history, as etcd
     /// compaction does: those watchers must re-list, and learn of nothing that vanished meanwhile.
     pub fn expire_watches(&self, resource: Resource) {
