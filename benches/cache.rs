@@ -6,6 +6,9 @@
 //!     cargo bench --bench cache            # 100,000 Ats
 //!     cargo bench --bench cache -- 20000
 
+#[path = "support/rss.rs"]
+mod rss;
+
 use cnat::api::At;
 use cnat::operator::cache::CachedAt;
 use cnat::operator::reconcile::decide::{decide, PodObservation};
@@ -73,7 +76,7 @@ where
             serde_json::to_vec(&json!({ "items": items })).unwrap()
         })
         .collect();
-    let before = rss_kib();
+    let before = rss::rss_kib("self");
     let (store, mut writer) = reflector::store::<K>();
     writer.apply_watcher_event(&Event::Init);
     for page in &pages {
@@ -87,7 +90,7 @@ where
         }
     }
     writer.apply_watcher_event(&Event::InitDone);
-    let bytes = (rss_kib() - before) as f64 * 1024.0 / n as f64;
+    let bytes = (rss::rss_kib("self") - before) as f64 * 1024.0 / n as f64;
     let state = store.state();
     assert_eq!(state.len(), n);
     println!("{bytes} {}", after(&state));
@@ -114,13 +117,4 @@ fn pending_at(i: usize, now: chrono::DateTime<chrono::Utc>) -> Value {
     let decided = decide(&typed, &PodObservation::NotCached, now, &Default::default());
     at["status"] = serde_json::to_value(decided.status.unwrap()).unwrap();
     at
-}
-
-fn rss_kib() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap()
 }

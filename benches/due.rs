@@ -23,6 +23,8 @@
 
 #[path = "../tests/support/apiserver.rs"]
 mod apiserver;
+#[path = "support/rss.rs"]
+mod rss;
 
 use apiserver::{ApiServer, Resource};
 use futures::StreamExt;
@@ -300,12 +302,7 @@ fn spawn_operator_with_admin(kubeconfig: &std::path::Path) -> (Operator, std::ne
 }
 
 fn rss_kib(operator: &Operator) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", operator.0.id())).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap()
+    rss::rss_kib(&operator.0.id().to_string())
 }
 
 fn first_p50_max(mut samples: Vec<Duration>) -> String {

@@ -206,13 +206,7 @@ impl ApiServer {
         name: &str,
         change: impl FnOnce(&mut Value),
     ) {
-        let mut state = self.lock();
-        let key = (resource, ns.to_owned(), name.to_owned());
-        let mut object = state.objects.get(&key).cloned().expect("object to change");
-        change(&mut object);
-        state.rv += 1;
-        object["metadata"]["resourceVersion"] = state.rv.to_string().into();
-        state.objects.insert(key, object);
+        changed(&mut self.lock(), resource, ns, name, change);
     }
 
     /// Ends the open watches of `resource` with 410 Expired and forgets the history, as etcd
@@ -804,12 +798,7 @@ impl ApiServer {
 
     fn update(&self, resource: Resource, ns: &str, name: &str, change: impl FnOnce(&mut Value)) {
         let mut state = self.lock();
-        let key = (resource, ns.to_owned(), name.to_owned());
-        let mut object = state.objects.get(&key).cloned().expect("object to update");
-        change(&mut object);
-        state.rv += 1;
-        object["metadata"]["resourceVersion"] = state.rv.to_string().into();
-        state.objects.insert(key, object.clone());
+        let object = changed(&mut state, resource, ns, name, change);
         self.record_at(&mut state, resource, "MODIFIED", object);
     }
 
@@ -1011,6 +1000,23 @@ fn conflict(resource: Resource, name: &str) -> Response<Body> {
 }
 
 /// The Status of a watch from a compacted resourceVersion, as kube-apiserver sends it.
+/// Applies `change` to a stored object at a new resourceVersion; returns the new object.
+fn changed(
+    state: &mut State,
+    resource: Resource,
+    ns: &str,
+    name: &str,
+    change: impl FnOnce(&mut Value),
+) -> Value {
+    let key = (resource, ns.to_owned(), name.to_owned());
+    let mut object = state.objects.get(&key).cloned().expect("object to change");
+    change(&mut object);
+    state.rv += 1;
+    object["metadata"]["resourceVersion"] = state.rv.to_string().into();
+    state.objects.insert(key, object.clone());
+    object
+}
+
 fn expired() -> Value {
     json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
            "message": "too old resource version: 1 (2)", "reason": "Expired", "code": 410})
