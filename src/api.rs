@@ -55,16 +55,16 @@ pub struct AtSpec {
     /// quota, policy), it never runs: the At ends `DONE` with outcome `Missed`. Without it, an At
     /// runs however late. As in a CronJob.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 0))]
+    #[schemars(range(min = 0, max = 2147483647))]
     pub starting_deadline_seconds: Option<i64>,
     /// The command's time limit in seconds, counted from the pod's start; a command that runs
     /// longer is stopped and the At ends `DONE`, outcome `Failed`, reason `DeadlineExceeded`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 2147483647))]
     pub active_deadline_seconds: Option<i64>,
     /// Delete the At (and its pod) this many seconds after it is `DONE`, as for a Job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 0))]
+    #[schemars(range(min = 0, max = 2147483647))]
     pub ttl_seconds_after_finished: Option<i32>,
     /// CPU and memory requests and limits of the command's container. Needed in namespaces whose
     /// ResourceQuota limits `requests.*` or `limits.*` (unless the operator sets defaults).

@@ -2,6 +2,7 @@
 
 use crate::admission::access_review::{self, OnError};
 use crate::leader::Timing;
+use crate::limits;
 use crate::operator::policy::{self, RunPolicy};
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -90,11 +91,11 @@ pub struct RunArgs {
     pub default_limits: Option<BTreeMap<String, Quantity>>,
 
     /// `activeDeadlineSeconds` for Ats that do not set it.
-    #[arg(long, env = "CNAT_DEFAULT_ACTIVE_DEADLINE_SECONDS", value_parser = clap::value_parser!(i64).range(1..))]
+    #[arg(long, env = "CNAT_DEFAULT_ACTIVE_DEADLINE_SECONDS", value_parser = clap::value_parser!(i64).range(1..=limits::MAX_SECONDS))]
     pub default_active_deadline_seconds: Option<i64>,
 
     /// `startingDeadlineSeconds` for Ats that do not set it (without it they run however late).
-    #[arg(long, env = "CNAT_DEFAULT_STARTING_DEADLINE_SECONDS", value_parser = clap::value_parser!(i64).range(0..))]
+    #[arg(long, env = "CNAT_DEFAULT_STARTING_DEADLINE_SECONDS", value_parser = clap::value_parser!(i64).range(0..=limits::MAX_SECONDS))]
     pub default_starting_deadline_seconds: Option<i64>,
 
     /// `ttlSecondsAfterFinished` for Ats that do not set it (without it DONE Ats stay).

@@ -13,6 +13,7 @@ pub mod api;
 pub mod cli;
 pub mod kubectl_at;
 pub mod leader;
+pub mod limits;
 pub mod observability;
 pub mod operator;
 pub mod schedule;

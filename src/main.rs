@@ -124,6 +124,8 @@ async fn run(args: RunArgs) -> Result<(), String> {
     let identity = args.identity.clone().unwrap_or_else(cnat::identity);
     let telemetry =
         telemetry::init(args.log_format, &args.log, &identity).map_err(|e| e.to_string())?;
+    // Panic messages go through the log, once each (see `operator::contain`).
+    cnat::operator::contain::install_hook();
     let result = serve(args, identity, telemetry.exporting()).await;
     // Whatever happened, the spans that tell about it reach the collector.
     telemetry.shutdown(TRACE_FLUSH_TIMEOUT).await;

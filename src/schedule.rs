@@ -22,6 +22,8 @@ pub enum ScheduleError {
     NoOffset(String),
     #[error("spec.schedule: {0} is not an RFC 3339 time (expected e.g. {EXAMPLE})")]
     Malformed(String),
+    #[error("spec.schedule: {0} names an instant outside the years 0000 to 9999 (UTC), which is all an RFC 3339 time can hold; write a time within them (expected e.g. {EXAMPLE})")]
+    OutOfRange(String),
     #[error("spec.timeZone: {0} is not an IANA time zone name (expected e.g. Europe/Berlin, America/New_York or UTC)")]
     UnknownZone(String),
     #[error("spec.schedule: {schedule} has a UTC offset, but spec.timeZone is set to {zone}; drop the offset to mean wall-clock time in {zone}, or drop spec.timeZone")]
@@ -47,6 +49,25 @@ pub enum ScheduleError {
 /// the zone database is built into the binary; where the system has one (`/usr/share/zoneinfo`,
 /// also in the container image), jiff reads that.
 pub fn parse(raw: &str, zone: Option<&str>) -> Result<DateTime<Utc>, ScheduleError> {
+    let instant = parse_any(raw, zone)?;
+    if !(earliest()..=latest()).contains(&instant) {
+        return Err(ScheduleError::OutOfRange(quote(raw)));
+    }
+    Ok(instant)
+}
+
+/// The first instant a schedule may name: 0000-01-01T00:00:00Z.
+fn earliest() -> DateTime<Utc> {
+    DateTime::from_timestamp(-62_167_219_200, 0).unwrap_or(DateTime::<Utc>::MIN_UTC)
+}
+
+/// The last instant a schedule may name: 9999-12-31T23:59:59.999999999Z. Status times are
+/// written as RFC 3339, whose years have four digits: a later instant could not be stored.
+fn latest() -> DateTime<Utc> {
+    DateTime::from_timestamp(253_402_300_799, 999_999_999).unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+fn parse_any(raw: &str, zone: Option<&str>) -> Result<DateTime<Utc>, ScheduleError> {
     if raw.trim().is_empty() {
         return Err(ScheduleError::Empty);
     }
@@ -95,7 +116,10 @@ fn in_zone(
     )
     .map_err(|_| malformed())?;
     let at = |offset: jiff::tz::Offset| -> Result<DateTime<Utc>, ScheduleError> {
-        let ts = offset.to_timestamp(wall).map_err(|_| malformed())?;
+        // jiff's timestamps end in the last days of 9999 (and start in -9999).
+        let ts = offset
+            .to_timestamp(wall)
+            .map_err(|_| ScheduleError::OutOfRange(quote(raw)))?;
         DateTime::from_timestamp(ts.as_second(), ts.subsec_nanosecond().unsigned_abs())
             .ok_or_else(malformed)
     };
@@ -213,6 +237,41 @@ mod tests {
             ScheduleError::NoOffset(r#""2019-04-12T10:12:00""#.into())
         );
         assert!(err.to_string().contains("add `Z` for UTC"));
+    }
+
+    #[test]
+    fn years_0000_to_9999_with_the_widest_offsets_are_the_range() {
+        let first = parse("0000-01-01T00:00:00Z", None).unwrap();
+        assert_eq!(first, earliest());
+        let last = parse("9999-12-31T23:59:59.999999999Z", None).unwrap();
+        assert_eq!(last, latest());
+        // Offsets as wide as RFC 3339 allows, inside the range.
+        assert!(parse("0000-01-01T23:59:00+23:59", None).is_ok());
+        assert!(parse("9999-12-31T00:00:00-23:59", None).is_ok());
+        // ... and pushing the instant out of it.
+        for raw in ["0000-01-01T00:00:00+00:01", "9999-12-31T23:59:59-23:59"] {
+            let err = parse(raw, None).unwrap_err();
+            assert!(matches!(err, ScheduleError::OutOfRange(_)), "{raw}: {err}");
+            assert!(err.to_string().starts_with("spec.schedule: "), "{err}");
+            assert!(err.to_string().contains("years 0000 to 9999"), "{err}");
+        }
+        // Wall-clock times in a zone, at both ends and past them.
+        assert!(parse("9999-12-31T12:00:00", Some("Pacific/Kiritimati")).is_ok());
+        assert!(matches!(
+            parse("9999-12-31T23:00:00", Some("America/Adak")),
+            Err(ScheduleError::OutOfRange(_))
+        ));
+        assert!(matches!(
+            parse("0000-01-01T00:00:00", Some("Asia/Tokyo")),
+            Err(ScheduleError::OutOfRange(_))
+        ));
+        for raw in [
+            "+10000-01-01T00:00:00",
+            "-0001-01-01T00:00:00",
+            "99999-01-01T00:00:00",
+        ] {
+            assert!(parse(raw, Some("UTC")).is_err(), "{raw}");
+        }
     }
 
     #[test]

@@ -408,12 +408,12 @@ impl Elector {
             let took = Instant::now().saturating_duration_since(free);
             self.leadership.handovers.observe(took.as_secs_f64());
         }
+        // Best effort, and never awaited: renewals must not wait on event publishing.
         self.tell(
             EventType::Normal,
             "LeaderElected",
             "became leader: reconciling Ats",
-        )
-        .await;
+        );
 
         let mut renewal: Option<RenewalFuture> = None;
         let mut renew_at = held.sent + timing.retry_period;
@@ -480,8 +480,7 @@ impl Elector {
                     EventType::Normal,
                     "LeaderReleased",
                     "released the lease on shutdown",
-                )
-                .await;
+                );
                 Ended::Released
             }
             why => {
@@ -504,8 +503,7 @@ impl Elector {
                     EventType::Warning,
                     "LeaderLost",
                     &format!("stopped leading: {reason}"),
-                )
-                .await;
+                );
                 Ended::Lost
             }
         }
@@ -576,7 +574,8 @@ impl Elector {
         }
     }
 
-    async fn tell(&self, type_: EventType, reason: &str, note: &str) {
+    /// Logs and queues an event on the Lease; dropped when the event queue is full.
+    fn tell(&self, type_: EventType, reason: &str, note: &str) {
         info!(lease = %self.name(), identity = %self.me(), reason, "{note}");
         let event = Event {
             type_,
@@ -593,7 +592,9 @@ impl Elector {
             },
             spec: None,
         };
-        self.events.send(event, regarding.object_ref(&())).await;
+        if !self.events.try_send(event, regarding.object_ref(&())) {
+            debug!(lease = %self.name(), reason, "event queue full; event dropped");
+        }
     }
 }
 

@@ -105,7 +105,16 @@ pub struct Metrics {
     admission_duration: Family<WebhookLabels, Histogram, fn() -> Histogram>,
     lateness: Histogram,
     pods_refused: Family<RefusalLabels, Counter>,
+    panics: Family<PanicLabels, Counter>,
+    events_dropped: Counter,
     ats: Arc<AtCount>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct PanicLabels {
+    /// `reconcile` (an At's reconcile), `look` (deciding whether an At needs one) or `task`
+    /// (another task of the reconcile loop).
+    place: &'static str,
 }
 
 impl Metrics {
@@ -122,6 +131,11 @@ impl Metrics {
         for reason in REFUSAL_REASONS {
             drop(pods_refused.get_or_create(&RefusalLabels { reason }));
         }
+        let panics: Family<PanicLabels, Counter> = Family::default();
+        for place in ["reconcile", "look", "task"] {
+            drop(panics.get_or_create(&PanicLabels { place }));
+        }
+        let events_dropped = Counter::default();
         let ats = Arc::new(AtCount::default());
         let mut registry = Registry::default();
         registry.register(
@@ -155,6 +169,16 @@ impl Metrics {
             pods_refused.clone(),
         );
         registry.register(
+            "cnat_panics",
+            "Panics in the reconcile loop, by place (reconcile, look, task); each ends leadership, releases the Lease and starts the loop again",
+            panics.clone(),
+        );
+        registry.register(
+            "cnat_events_dropped",
+            "Kubernetes Events not published because the queue of events waiting was full (the At's status holds the same facts)",
+            events_dropped.clone(),
+        );
+        registry.register(
             "cnat_leader_handover_seconds",
             "On the replica that became leader: time from seeing the Lease released or expired until it led",
             leadership.handovers().clone(),
@@ -169,8 +193,20 @@ impl Metrics {
             admission_duration,
             lateness,
             pods_refused,
+            panics,
+            events_dropped,
             ats,
         }
+    }
+
+    /// A panic in the reconcile loop, at `place` (`reconcile`, `look` or `task`).
+    pub fn panicked(&self, place: &'static str) {
+        self.panics.get_or_create(&PanicLabels { place }).inc();
+    }
+
+    /// An event was dropped: its queue was full.
+    pub fn event_dropped(&self) {
+        self.events_dropped.inc();
     }
 
     /// The API server refused a pod create for `reason` (a `Refusal` label, or `invalid`).

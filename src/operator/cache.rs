@@ -9,6 +9,7 @@
 //! reconcile or wake-up needs it. `cargo bench --bench cache` measures what that saves.
 
 use crate::api::{At, AtSpec, AtStatus, Phase};
+use crate::operator::contain::Quarantine;
 use crate::schedule;
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
@@ -125,6 +126,15 @@ impl CachedAt {
         self.due
     }
 
+    /// The At this cached copy is of, by name and namespace.
+    pub fn at_ref(cached: &CachedAt) -> ObjectRef<At> {
+        let key = ObjectRef::new(&cached.name_any());
+        match cached.namespace() {
+            Some(namespace) => key.within(&namespace),
+            None => key,
+        }
+    }
+
     /// The same At's key in the runtime's queue of Ats to reconcile.
     pub fn key_of(at: &ObjectRef<At>) -> ObjectRef<CachedAt> {
         let key = ObjectRef::new(&at.name);
@@ -216,6 +226,8 @@ const CHANGES: usize = 4096;
 pub enum Change {
     /// An At was created or changed: this version, as the store now holds it.
     At(Arc<CachedAt>),
+    /// An At was deleted (its name and namespace).
+    Deleted(ObjectRef<At>),
     /// The watch listed every At again (at start, or after its resourceVersion expired): the
     /// store now holds what that list found, so anything may have changed.
     Relisted,
@@ -226,6 +238,8 @@ pub enum Change {
 pub struct AtCache {
     store: Store<CachedAt>,
     changes: broadcast::Sender<Change>,
+    /// At versions whose handling panicked, kept across leaderships (see `contain`).
+    quarantine: Arc<Quarantine>,
     _watch: Arc<AbortOnDropHandle<()>>,
 }
 
@@ -253,8 +267,11 @@ impl AtCache {
                     )),
                     // A list goes into the store only whole, at its end.
                     Ok(Event::InitDone) => Some(Change::Relisted),
-                    // A deleted At's wake-up finds it gone from the store.
-                    Ok(Event::Delete(_) | Event::Init | Event::InitApply(_)) => None,
+                    // The leader drops what it kept for it.
+                    Ok(Event::Delete(at)) => Some(Change::Deleted(
+                        ObjectRef::new(&at.name_any()).within(&at.namespace().unwrap_or_default()),
+                    )),
+                    Ok(Event::Init | Event::InitApply(_)) => None,
                     Err(error) => {
                         warn!(%error, "watching Ats");
                         None
@@ -269,8 +286,14 @@ impl AtCache {
         AtCache {
             store,
             changes,
+            quarantine: Arc::default(),
             _watch: Arc::new(AbortOnDropHandle::new(tokio::spawn(watch))),
         }
+    }
+
+    /// At versions this replica skips after a panic handling them.
+    pub fn quarantine(&self) -> &Arc<Quarantine> {
+        &self.quarantine
     }
 
     /// The cached Ats.

@@ -6,26 +6,26 @@
 use crate::api::Phase;
 use crate::observability::metrics::Metrics;
 use crate::operator::cache::{self, AtCache, CachedAt, Change};
+use crate::operator::contain;
 use crate::operator::events::EventSink;
 use crate::operator::pod;
 use crate::operator::policy::RunPolicy;
-use crate::operator::reconcile::wakeups::Wakeups;
 use crate::operator::reconcile::{self, error_policy, reconcile, Context};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
-use futures::{FutureExt, StreamExt};
+use futures::{FutureExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::utils::Backoff;
 use kube::runtime::{reflector, watcher, WatchStreamExt};
-use kube::{Api, Client};
+use kube::{Api, Client, ResourceExt};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, mpsc};
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::AbortOnDropHandle;
-use tracing::{info, warn};
+use tracing::{debug, error, info, warn};
 
 /// What `cnat run` tells the controller.
 #[derive(Debug, Clone)]
@@ -51,7 +51,8 @@ pub async fn run(
 }
 
 /// Runs the reconcile loop on `cache` until `stop` is cancelled; reconciles in flight then
-/// finish.
+/// finish. It also ends when a reconcile panicked or one of its tasks ended (see `contain`): the
+/// leader then releases the Lease and competes again.
 pub async fn run_with_cache(
     cache: AtCache,
     client: Client,
@@ -62,12 +63,6 @@ pub async fn run_with_cache(
 ) {
     let pods = pod_api(&client, settings.namespace.as_deref());
     let (pod_store, pod_writer) = reflector::store();
-    let pod_events = watcher(pods, watcher::Config::default().labels(pod::SELECTOR))
-        .backoff(WatchBackoff::new())
-        .modify(pod::trim)
-        .reflect(pod_writer)
-        // Deletions too: a pod that vanishes must end its At.
-        .touched_objects();
     let ctx = Arc::new(Context::new(
         client,
         pod_store,
@@ -75,27 +70,49 @@ pub async fn run_with_cache(
         Box::new(Utc::now),
         metrics.clone(),
         settings.policy.clone(),
+        cache.quarantine().clone(),
     ));
-    // Only Ats with work now are reconciled as they are watched; settled ones wait in one
-    // ordered index until they fall due (see `reconcile::wakeups`).
-    let wakeups = Arc::new(Wakeups::default());
+    let at_store = cache.store().clone();
+    // Pods of deleted Ats that wait for cnat's finalizer to go.
+    let (orphans, orphaned) = mpsc::unbounded_channel();
+    let pod_events = watcher(pods, watcher::Config::default().labels(pod::SELECTOR))
+        .backoff(WatchBackoff::new())
+        .modify(pod::trim)
+        .reflect(pod_writer)
+        // Deletions too: a pod that vanishes must end its At.
+        .touched_objects()
+        .inspect_ok({
+            let (store, orphans) = (at_store.clone(), orphans.clone());
+            move |found: &Pod| {
+                if pod::awaits_release(found) && owner_gone(found, &store) {
+                    let _ = orphans.send(ObjectRef::from_obj(found));
+                }
+            }
+        });
     // Subscribed before the first look at the cache, so no change falls between the two.
     let changes = cache.subscribe();
-    let at_store = cache.store().clone();
+    // Only Ats with work now are reconciled as they are watched; settled ones wait in one
+    // ordered index until they fall due (see `reconcile::wakeups`).
     let at_events = futures::stream::unfold(
-        (changes, ctx.clone(), wakeups.clone(), at_store.clone()),
-        |(mut changes, ctx, wakeups, store)| async move {
+        (changes, ctx.clone(), at_store.clone(), orphans),
+        |(mut changes, ctx, store, orphans)| async move {
             loop {
                 match changes.recv().await {
-                    Ok(Change::At(at)) => return Some((at, (changes, ctx, wakeups, store))),
-                    Ok(Change::Relisted) => look_at_all(&ctx, &wakeups, &store).await,
+                    Ok(Change::At(at)) => return Some((at, (changes, ctx, store, orphans))),
+                    Ok(Change::Deleted(at)) => {
+                        ctx.forget(&at);
+                        if let Some(held) = ctx.held_pod_of(&at) {
+                            let _ = orphans.send(held);
+                        }
+                    }
+                    Ok(Change::Relisted) => look_at_all(&ctx, &store).await,
                     // Fell behind: whatever was missed is in the cache.
                     Err(broadcast::error::RecvError::Lagged(missed)) => {
                         warn!(
                             missed,
                             "reconcile loop fell behind the At watch; looking at every At"
                         );
-                        look_at_all(&ctx, &wakeups, &store).await;
+                        look_at_all(&ctx, &store).await;
                     }
                     Err(broadcast::error::RecvError::Closed) => return None,
                 }
@@ -103,25 +120,24 @@ pub async fn run_with_cache(
         },
     )
     .filter({
-        let (ctx, wakeups) = (ctx.clone(), wakeups.clone());
-        move |cached: &Arc<CachedAt>| {
-            let needs = cache::read(cached).is_some_and(|at| ctx.needs_reconcile(&at, &wakeups));
-            std::future::ready(needs)
-        }
+        let ctx = ctx.clone();
+        move |cached: &Arc<CachedAt>| std::future::ready(needs_reconcile(&ctx, cached))
     });
+
+    // Every task of the loop is supervised: if one panics or ends, the loop ends.
+    let mut tasks: JoinSet<&'static str> = JoinSet::new();
     // Then every At already cached. A cache still listing says `Relisted` when it has them all.
-    let first_look = tokio::spawn({
-        let (ctx, wakeups, store) = (ctx.clone(), wakeups.clone(), at_store.clone());
+    tasks.spawn({
+        let (ctx, store) = (ctx.clone(), at_store.clone());
         async move {
             if let Some(Ok(())) = store.wait_until_ready().now_or_never() {
-                look_at_all(&ctx, &wakeups, &store).await;
+                look_at_all(&ctx, &store).await;
             }
+            FIRST_LOOK
         }
     });
-    let _first_look = AbortOnDropHandle::new(first_look);
-
     metrics.count_ats(at_store.clone());
-    let _forget = ForgetAts(metrics);
+    let _forget = ForgetAts(metrics.clone());
     info!(
         namespace = settings.namespace.as_deref().unwrap_or("<all>"),
         "reconciling Ats"
@@ -132,22 +148,43 @@ pub async fn run_with_cache(
     };
     // Status writes queued behind pod creates live and die with the loop: a stopping leader
     // drops what it has not written, and its successor writes it from what it observes.
-    let _followups = AbortOnDropHandle::new(tokio::spawn(followups));
-    let _probe = AbortOnDropHandle::new(tokio::spawn(ctx.clone().probe_reachability()));
-    let _wakeups = AbortOnDropHandle::new(tokio::spawn({
+    tasks.spawn(async move {
+        followups.await;
+        "follow-up writer"
+    });
+    tasks.spawn({
+        let ctx = ctx.clone();
+        async move {
+            ctx.probe_reachability().await;
+            "reachability probe"
+        }
+    });
+    tasks.spawn({
         let (ctx, store) = (ctx.clone(), at_store.clone());
         async move {
-            wakeups
+            ctx.wakeups()
                 .run(|at| {
                     // A deleted At has nothing left to do.
                     if store.get(&CachedAt::key_of(&at)).is_some() {
                         ctx.wake_up(at);
                     }
                 })
-                .await
+                .await;
+            "wakeups"
         }
-    }));
-    Controller::for_shared_stream(at_events, at_store)
+    });
+    tasks.spawn({
+        let ctx = ctx.clone();
+        let mut orphaned = orphaned;
+        async move {
+            while let Some(found) = orphaned.recv().await {
+                ctx.release_orphan(&found).await;
+            }
+            "orphan release"
+        }
+    });
+    let fatal = ctx.fatal().clone();
+    let controller = Controller::for_shared_stream(at_events, at_store)
         .owns_stream(pod_events)
         .reconcile_on(retriggers.map(|at| CachedAt::key_of(&at)))
         .with_config(controller::Config::default().concurrency(settings.concurrency))
@@ -155,21 +192,75 @@ pub async fn run_with_cache(
         .run(reconcile_cached, error_policy_cached, ctx)
         .for_each(|result| async move {
             // Reconcile failures were logged by the error policy; these are the runtime's own.
-            if let Err(
-                error @ (controller::Error::ObjectNotFound(_) | controller::Error::QueueError(_)),
-            ) = result
-            {
-                warn!(%error, "controller");
+            match result {
+                // A pod or wakeup of an At deleted meanwhile: normal, e.g. under mass deletion.
+                Err(error @ controller::Error::ObjectNotFound(_)) => debug!(%error, "controller"),
+                Err(error @ controller::Error::QueueError(_)) => warn!(%error, "controller"),
+                _ => {}
             }
-        })
-        .await;
+        });
+    tokio::pin!(controller);
+    loop {
+        tokio::select! {
+            _ = &mut controller => break,
+            // Logged and counted where it was caught, with its At.
+            _ = fatal.cancelled() => break,
+            Some(ended) = tasks.join_next() => match ended {
+                Ok(FIRST_LOOK) => {}
+                Ok(task) => {
+                    metrics.panicked("task");
+                    error!(task, "a task of the reconcile loop ended; ending the loop");
+                    break;
+                }
+                Err(error) => {
+                    // A panic's message was logged by the panic hook as it happened.
+                    metrics.panicked("task");
+                    error!(%error, "a task of the reconcile loop panicked; ending the loop");
+                    break;
+                }
+            },
+        }
+    }
     info!("reconcile loop stopped");
+}
+
+/// The first look at every cached At ends by itself; every other task runs as long as the loop.
+const FIRST_LOOK: &str = "first look";
+
+/// Whether the owner At of `found` is gone from `store` (or is another At by that name now).
+fn owner_gone(found: &Pod, store: &Store<CachedAt>) -> bool {
+    let Some(owner) = found
+        .owner_references()
+        .iter()
+        .find(|o| o.controller == Some(true))
+    else {
+        return true;
+    };
+    let key = ObjectRef::new(&owner.name).within(&found.namespace().unwrap_or_default());
+    match store.get(&key).as_deref().and_then(cache::read) {
+        Some(at) => at.uid().as_deref() != Some(owner.uid.as_str()),
+        None => true,
+    }
+}
+
+/// `Context::needs_reconcile` on a cached At read back; a panic is caught and ends the loop.
+fn needs_reconcile(ctx: &Context, cached: &CachedAt) -> bool {
+    let Some(at) = cache::read(cached) else {
+        return false;
+    };
+    match contain::catch(|| ctx.needs_reconcile(&at)) {
+        Ok(needs) => needs,
+        Err(panic) => {
+            ctx.panicked(&at, "look", &panic);
+            false
+        }
+    }
 }
 
 /// Reconciles every cached At that needs it now; the others go into `wakeups`. Ats already due
 /// come first (reading 100,000 cached Ats back takes about 0.3 s), then those that run; it
 /// yields to other tasks every 1000 Ats.
-async fn look_at_all(ctx: &Context, wakeups: &Wakeups, store: &Store<CachedAt>) {
+async fn look_at_all(ctx: &Context, store: &Store<CachedAt>) {
     let now = ctx.now();
     let mut ats = store.state();
     ats.sort_by_key(|at| first_look_order(at, now));
@@ -177,10 +268,8 @@ async fn look_at_all(ctx: &Context, wakeups: &Wakeups, store: &Store<CachedAt>) 
         if i % 1000 == 999 {
             tokio::task::yield_now().await;
         }
-        if let Some(at) = cache::read(cached) {
-            if ctx.needs_reconcile(&at, wakeups) {
-                ctx.wake_up(ObjectRef::from_obj(&at));
-            }
+        if needs_reconcile(ctx, cached) {
+            ctx.wake_up(CachedAt::at_ref(cached));
         }
     }
 }
@@ -200,10 +289,20 @@ async fn reconcile_cached(
     cached: Arc<CachedAt>,
     ctx: Arc<Context>,
 ) -> Result<controller::Action, reconcile::Error> {
-    match cache::read(&cached) {
-        Some(at) => reconcile(Arc::new(at), ctx).await,
+    let Some(at) = cache::read(&cached) else {
         // Logged; nothing can be done with it until it changes.
-        None => Ok(controller::Action::await_change()),
+        return Ok(controller::Action::await_change());
+    };
+    if ctx.quarantined(&at) {
+        return Ok(controller::Action::await_change());
+    }
+    let at = Arc::new(at);
+    match contain::Caught::new(reconcile(at.clone(), ctx.clone())).await {
+        Ok(result) => result,
+        Err(panic) => {
+            ctx.panicked(&at, "reconcile", &panic);
+            Ok(controller::Action::await_change())
+        }
     }
 }
 
@@ -271,7 +370,6 @@ fn pod_api(client: &Client, namespace: Option<&str>) -> Api<Pod> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kube::ResourceExt;
 
     fn cached(name: &str, schedule: &str, phase: Phase) -> CachedAt {
         CachedAt::example(name, "default", schedule, Some(phase))

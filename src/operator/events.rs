@@ -13,7 +13,8 @@ use kube::runtime::events::{Event, Recorder, Reporter};
 use tokio::sync::mpsc;
 use tracing::warn;
 
-/// Events waiting to be published; past this, reconciles wait for room (backpressure).
+/// Events waiting to be published; past this they are dropped (and counted by the caller):
+/// nothing waits for room, least of all the leader's renewals.
 const QUEUE: usize = 4096;
 /// Events published at once; each is one API request.
 const CONCURRENCY: usize = 8;
@@ -55,12 +56,11 @@ impl EventSink {
         publish(self.client.clone(), self.reporter.clone(), event, regarding).await;
     }
 
-    /// Queues `event` about `regarding`, its note cut to what the API server accepts.
-    pub async fn send(&self, mut event: Event, regarding: ObjectReference) {
+    /// Queues `event` about `regarding`, its note cut to what the API server accepts, without
+    /// waiting: `false` when the queue is full (or the publisher stopped) and it was dropped.
+    pub fn try_send(&self, mut event: Event, regarding: ObjectReference) -> bool {
         event.note = event.note.map(|note| fit_note(&note));
-        if self.queue.send((event, regarding)).await.is_err() {
-            warn!("event publisher stopped; event dropped");
-        }
+        self.queue.try_send((event, regarding)).is_ok()
     }
 }
 

@@ -10,6 +10,7 @@
 //! - `cache`: the Ats as every replica caches them, leader or not (compact `CachedAt`).
 
 pub mod cache;
+pub mod contain;
 pub mod controller;
 pub mod events;
 pub mod pod;

@@ -21,6 +21,11 @@ pub const MANAGED_BY: &str = "cnat";
 pub const SELECTOR: &str = "app.kubernetes.io/managed-by=cnat";
 /// Label that names the At a pod belongs to, so `kubectl get pods -l` finds it.
 pub const AT_LABEL: &str = "cnat.programming-kubernetes.info/at";
+/// Finalizer on every pod cnat creates: the pod object stays (terminating) until the At's status
+/// records it, so a pod deleted before that write landed (a leader change in between) is still
+/// seen by the next leader, which reports it instead of creating a second one. cnat removes it
+/// once the status names the pod, or when the At is gone or going.
+pub const FINALIZER: &str = "cnat.programming-kubernetes.info/run-once";
 /// Name of the container that runs the command.
 pub const CONTAINER: &str = "command";
 /// Numeric non-root user the command runs as (`nobody`), as the `restricted` profile demands.
@@ -95,6 +100,7 @@ pub fn build(at: &At, policy: &RunPolicy) -> Pod {
             namespace: at.namespace(),
             labels: Some(labels),
             owner_references: at.controller_owner_ref(&()).map(|owner| vec![owner]),
+            finalizers: Some(vec![FINALIZER.to_owned()]),
             ..ObjectMeta::default()
         },
         spec: Some(PodSpec {
@@ -180,6 +186,10 @@ pub struct PodView {
     pub name: String,
     pub created_at: Option<DateTime<Utc>>,
     pub end: Option<PodEnd>,
+    /// Being deleted (it has a deletionTimestamp).
+    pub deleting: bool,
+    /// Carries cnat's `FINALIZER`.
+    pub held: bool,
 }
 
 /// How a pod ended.
@@ -201,7 +211,35 @@ pub fn view(pod: &Pod) -> PodView {
         name: pod.name_any(),
         created_at: pod.metadata.creation_timestamp.as_ref().map(to_chrono),
         end: end_of(pod),
+        deleting: pod.metadata.deletion_timestamp.is_some(),
+        held: is_held(pod),
     }
+}
+
+/// Whether `pod` carries cnat's finalizer.
+pub fn is_held(pod: &Pod) -> bool {
+    pod.finalizers().iter().any(|f| f == FINALIZER)
+}
+
+/// Whether `pod` waits for cnat alone to be deleted: terminating, with cnat's finalizer.
+pub fn awaits_release(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_some() && is_held(pod)
+}
+
+/// The merge patch that removes cnat's finalizer from `pod`, guarded by its resourceVersion
+/// (a merge patch replaces the whole list, so a finalizer added meanwhile must not be lost).
+pub fn release_patch(pod: &Pod) -> serde_json::Value {
+    let others: Vec<&String> = pod
+        .finalizers()
+        .iter()
+        .filter(|f| *f != FINALIZER)
+        .collect();
+    serde_json::json!({
+        "metadata": {
+            "resourceVersion": pod.resource_version(),
+            "finalizers": others,
+        }
+    })
 }
 
 fn end_of(pod: &Pod) -> Option<PodEnd> {

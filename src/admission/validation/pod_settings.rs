@@ -3,6 +3,7 @@
 //! changed; each message names the field, the bad value and the fix.
 
 use crate::api::AtSpec;
+use crate::limits;
 use crate::operator::pod::is_dns_subdomain;
 use crate::operator::policy::is_quantity;
 use k8s_openapi::api::core::v1::{EnvVar, Toleration};
@@ -12,30 +13,15 @@ use std::collections::BTreeMap;
 pub fn problems(new: &AtSpec, was: Option<&AtSpec>) -> Vec<String> {
     let mut problems = Vec::new();
     let changed = |same: &dyn Fn(&AtSpec) -> bool| was.is_none_or(|w| !same(w));
-    if changed(&|w| w.starting_deadline_seconds == new.starting_deadline_seconds) {
-        problems.extend(at_least(
-            "spec.startingDeadlineSeconds",
-            new.starting_deadline_seconds,
-            0,
-            "seconds after the schedule during which the command may still start",
-        ));
-    }
-    if changed(&|w| w.active_deadline_seconds == new.active_deadline_seconds) {
-        problems.extend(at_least(
-            "spec.activeDeadlineSeconds",
-            new.active_deadline_seconds,
-            1,
-            "the command's time limit in seconds",
-        ));
-    }
-    if changed(&|w| w.ttl_seconds_after_finished == new.ttl_seconds_after_finished) {
-        problems.extend(at_least(
-            "spec.ttlSecondsAfterFinished",
-            new.ttl_seconds_after_finished.map(i64::from),
-            0,
-            "seconds to keep the At once DONE",
-        ));
-    }
+    problems.extend(limits::problems(new, |field| match field {
+        "spec.startingDeadlineSeconds" => {
+            changed(&|w| w.starting_deadline_seconds == new.starting_deadline_seconds)
+        }
+        "spec.activeDeadlineSeconds" => {
+            changed(&|w| w.active_deadline_seconds == new.active_deadline_seconds)
+        }
+        _ => changed(&|w| w.ttl_seconds_after_finished == new.ttl_seconds_after_finished),
+    }));
     if changed(&|w| w.resources == new.resources) {
         if let Some(resources) = &new.resources {
             for (kind, map) in [
@@ -82,13 +68,6 @@ pub fn problems(new: &AtSpec, was: Option<&AtSpec>) -> Vec<String> {
         }
     }
     problems
-}
-
-fn at_least(field: &str, value: Option<i64>, min: i64, meaning: &str) -> Option<String> {
-    let value = value.filter(|v| *v < min)?;
-    Some(format!(
-        "{field}: {value} must be at least {min} ({meaning}); remove it for no limit"
-    ))
 }
 
 fn quantity_problems(
@@ -247,15 +226,23 @@ mod tests {
         for (extra, expected) in [
             (
                 json!({"startingDeadlineSeconds": -1}),
-                "spec.startingDeadlineSeconds: -1 must be at least 0",
+                "spec.startingDeadlineSeconds: -1 is out of range: it must be between 0 and 2147483647",
             ),
             (
                 json!({"activeDeadlineSeconds": 0}),
-                "spec.activeDeadlineSeconds: 0 must be at least 1",
+                "spec.activeDeadlineSeconds: 0 is out of range: it must be between 1 and 2147483647",
             ),
             (
                 json!({"ttlSecondsAfterFinished": -5}),
-                "spec.ttlSecondsAfterFinished: -5 must be at least 0",
+                "spec.ttlSecondsAfterFinished: -5 is out of range: it must be between 0 and 2147483647",
+            ),
+            (
+                json!({"startingDeadlineSeconds": 10_000_000_000_000_i64}),
+                "spec.startingDeadlineSeconds: 10000000000000 is out of range",
+            ),
+            (
+                json!({"activeDeadlineSeconds": 2147483648_i64}),
+                "spec.activeDeadlineSeconds: 2147483648 is out of range",
             ),
             (
                 json!({"resources": {"limits": {"memory": "1GB"}}}),

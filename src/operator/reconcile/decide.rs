@@ -8,8 +8,8 @@
 use crate::api::{At, AtStatus, Condition, Outcome, Phase};
 use crate::operator::pod::{self, PodEnd, PodView};
 use crate::operator::policy::RunPolicy;
-use crate::schedule;
-use chrono::{DateTime, SecondsFormat, Utc};
+use crate::{limits, schedule};
+use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
 use kube::ResourceExt;
 use std::time::Duration;
 
@@ -51,6 +51,9 @@ pub enum Action {
     LookUpPod,
     /// Delete the At (its pod goes with it): `ttlSecondsAfterFinished` has passed.
     DeleteAt,
+    /// Remove cnat's finalizer from the pod, which is being deleted: the At's status records it
+    /// (or the At is going too), so nothing depends on the pod object any more.
+    ReleasePod,
 }
 
 /// Severity of an event.
@@ -65,7 +68,10 @@ pub enum Severity {
 pub struct Note {
     pub severity: Severity,
     pub reason: &'static str,
+    /// For the At's status and event: may quote the command's output.
     pub message: String,
+    /// For the operator's log: the message without the command's output.
+    pub summary: String,
 }
 
 /// The outcome of one decision.
@@ -97,11 +103,31 @@ impl Decision {
 /// Decides the next step for `at` given what is known of its pod at time `now`, with `policy`
 /// supplying what the At leaves out.
 pub fn decide(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {
-    match at.status.as_ref().map(|s| s.phase) {
+    let decision = match at.status.as_ref().map(|s| s.phase) {
         Some(Phase::Done) => finished(at, now, policy),
         Some(Phase::Running) => running(at, pod, now, policy),
         Some(Phase::Pending) | None => pending(at, pod, now, policy),
+    };
+    match pod {
+        PodObservation::Owned(view) if releases(at, view, &decision) => Decision {
+            action: Action::ReleasePod,
+            ..decision
+        },
+        _ => decision,
     }
+}
+
+/// Whether the finalizer of `view`, which is being deleted, can go: the At is going too, or its
+/// status already names the pod and this decision writes nothing more about it.
+fn releases(at: &At, view: &PodView, decision: &Decision) -> bool {
+    if !(view.deleting && view.held) {
+        return false;
+    }
+    let recorded = at.status.as_ref().is_some_and(|s| {
+        s.phase != Phase::Pending && s.pod_name.as_deref() == Some(view.name.as_str())
+    });
+    let settled = decision.status.is_none() && decision.action == Action::Nothing;
+    at.metadata.deletion_timestamp.is_some() || (recorded && settled)
 }
 
 fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {
@@ -111,6 +137,15 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
     }
     if let PodObservation::Owned(view) = pod {
         return from_pod(at, view, now, policy);
+    }
+    // Stored before the CRD and the webhook had these bounds (or with the webhook off).
+    let out_of_range = limits::problems(&at.spec, |_| true);
+    if !out_of_range.is_empty() {
+        let message = format!(
+            "{}; cnat does not run an At with a value outside its range: fix the field (kubectl edit) and it runs",
+            out_of_range.join("; ")
+        );
+        return next.invalid("InvalidSpec", message);
     }
     let due = match schedule::parse(&at.spec.schedule, at.spec.time_zone.as_deref()) {
         Ok(due) => due,
@@ -133,7 +168,7 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
         .spec
         .starting_deadline_seconds
         .or(policy.starting_deadline_seconds);
-    if let Some(seconds) = deadline.filter(|s| now > due + chrono::Duration::seconds(*s)) {
+    if let Some(seconds) = deadline.filter(|s| after(due, *s).is_some_and(|end| now > end)) {
         return match pod {
             // It may exist already (the cache lags): a pod that runs must be reported, not missed.
             PodObservation::NotCached => Decision {
@@ -258,7 +293,10 @@ fn finished(at: &At, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {
     else {
         return Decision::idle();
     };
-    let expires = done_at + chrono::Duration::seconds(i64::from(ttl));
+    // Past what a time can hold: it never expires.
+    let Some(expires) = after(done_at, i64::from(ttl)) else {
+        return Decision::idle();
+    };
     match schedule::until_due(expires, now) {
         Some(left) => Decision {
             requeue: Some(left),
@@ -326,14 +364,18 @@ fn from_pod(at: &At, view: &PodView, now: DateTime<Utc>, policy: &RunPolicy) -> 
             format!("pod {} failed before the command finished", view.name),
         ),
     };
-    let message = match &end.detail {
+    let told = match &end.detail {
         Some(detail) if !end.succeeded => format!("{message}: {detail}"),
-        _ => message,
+        _ => message.clone(),
     };
     let mut next = Next::new(at, Phase::Done, now);
     next.status.pod_name = Some(view.name.clone());
     next.status.start_time = next.status.start_time.or(view.created_at);
-    next.finish(end, reason, message)
+    let mut decision = next.finish(end, reason, told);
+    if let Some(note) = decision.note.as_mut() {
+        note.summary = message;
+    }
+    decision
 }
 
 /// The pod is gone or replaced before it finished: report it, never re-create it.
@@ -349,6 +391,11 @@ fn lost(at: &At, now: DateTime<Utc>, what: String) -> Decision {
         finished_at: None,
     };
     Next::new(at, Phase::Done, now).finish(&end, "PodLost", message)
+}
+
+/// `seconds` after `start`, or `None` past what a time can hold.
+fn after(start: DateTime<Utc>, seconds: i64) -> Option<DateTime<Utc>> {
+    start.checked_add_signed(TimeDelta::try_seconds(seconds)?)
 }
 
 fn runs_at(due: DateTime<Utc>) -> String {
@@ -406,6 +453,7 @@ impl<'a> Next<'a> {
         self.note = Some(Note {
             severity,
             reason,
+            summary: message.clone(),
             message,
         });
         self

@@ -21,6 +21,11 @@ use tracing::{debug, info_span, warn, Instrument, Span};
 const WRITERS: usize = 8;
 /// How long pod creates and status writes must have been idle before an event goes out.
 const QUIET: std::time::Duration = std::time::Duration::from_millis(20);
+/// Events published at once (each one API request).
+const TELLERS: usize = 8;
+/// Events waiting behind writes; past this they are dropped and counted
+/// (`cnat_events_dropped_total`): the At's status holds the same facts.
+pub const MAX_TELLINGS: usize = 4096;
 
 /// Counts work in flight (or queued) of one priority; lower priorities wait until it is idle.
 #[derive(Clone)]
@@ -121,15 +126,41 @@ impl<T> Default for Queue<T> {
 impl<T> Queue<T> {
     /// The receiving end as a stream; `None` once taken.
     pub(super) fn take(&self) -> Option<impl futures::Stream<Item = T> + use<T>> {
-        let receiver = self
-            .receiver
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()?;
+        let receiver = take(&self.receiver)?;
         Some(futures::stream::unfold(receiver, |mut rx| async {
             rx.recv().await.map(|item| (item, rx))
         }))
     }
+}
+
+/// A queue that holds at most `MAX_TELLINGS`: senders drop what does not fit.
+pub(super) struct Bounded<T> {
+    pub sender: mpsc::Sender<T>,
+    pub receiver: std::sync::Mutex<Option<mpsc::Receiver<T>>>,
+}
+
+impl<T> Default for Bounded<T> {
+    fn default() -> Self {
+        let (sender, receiver) = mpsc::channel(MAX_TELLINGS);
+        Bounded {
+            sender,
+            receiver: std::sync::Mutex::new(Some(receiver)),
+        }
+    }
+}
+
+impl<T> Bounded<T> {
+    /// The receiving end as a stream; `None` once taken.
+    pub(super) fn take(&self) -> Option<impl futures::Stream<Item = T> + use<T>> {
+        let receiver = take(&self.receiver)?;
+        Some(futures::stream::unfold(receiver, |mut rx| async {
+            rx.recv().await.map(|item| (item, rx))
+        }))
+    }
+}
+
+fn take<R>(slot: &std::sync::Mutex<Option<R>>) -> Option<R> {
+    slot.lock().unwrap_or_else(|e| e.into_inner()).take()
 }
 
 impl Context {
@@ -167,9 +198,9 @@ impl Context {
                 .instrument(span)
                 .await;
         });
-        // One at a time, each only once pod creates and status writes have been quiet for a
-        // moment: a wave's events wait for the whole wave.
-        let events = events.for_each(|telling| async move {
+        // Each only once pod creates and status writes have been quiet for a moment (a wave's
+        // events wait for the whole wave), then several at once.
+        let events = events.for_each_concurrent(TELLERS, |telling| async move {
             telling.ctx.pods_first.quiet().await;
             telling
                 .ctx
@@ -189,8 +220,12 @@ impl Context {
             event,
             regarding: at.object_ref(&()),
         };
-        if self.tellings.sender.send(telling).is_err() {
-            debug!("follow-up writer stopped; event dropped");
+        match self.tellings.sender.try_send(telling) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => self.metrics.event_dropped(),
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                debug!("follow-up writer stopped; event dropped");
+            }
         }
     }
 

@@ -8,6 +8,7 @@ pub mod wakeups;
 
 use crate::api::{At, AtStatus, Phase};
 use crate::observability::metrics::Metrics;
+use crate::operator::contain::{Panicked, Quarantine};
 use crate::operator::events::EventSink;
 use crate::operator::policy::RunPolicy;
 use crate::operator::reachability::{self, Reachability};
@@ -27,6 +28,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use thiserror::Error;
+use tokio_util::sync::CancellationToken;
 use tracing::field::{display, Empty};
 use tracing::{debug, info, info_span, warn, Instrument, Span};
 use wakeups::{Wake, Wakeups};
@@ -36,6 +38,10 @@ pub const FIELD_MANAGER: &str = "cnat";
 
 /// A reconcile never needs more than: look up or create the pod, look it up again, decide.
 const MAX_STEPS: usize = 3;
+
+/// The longest requeue handed to the runtime: its timer queue refuses (panics on) instants more
+/// than about 2.2 years ahead, and an At may be due in 9999. Looking again hourly is cheap.
+pub const MAX_REQUEUE: Duration = Duration::from_secs(3600);
 
 /// A failed reconcile; it is retried with backoff. Each names the At and what was being done.
 #[derive(Debug, Error)]
@@ -66,6 +72,12 @@ pub enum Error {
         pod: String,
         reason: String,
     },
+    #[error("At {at}: removing cnat's finalizer from pod {pod}, which is being deleted: {source}")]
+    ReleasePod {
+        at: String,
+        pod: String,
+        source: kube::Error,
+    },
     #[error("At {at}: deleting it after ttlSecondsAfterFinished: {source}")]
     Delete { at: String, source: kube::Error },
 }
@@ -77,6 +89,7 @@ impl Error {
             Error::CreatePod { source, .. }
             | Error::ReadPod { source, .. }
             | Error::WriteStatus { source, .. }
+            | Error::ReleasePod { source, .. }
             | Error::Delete { source, .. } => Some(source),
             Error::PodChurn { .. } | Error::PodRefused { .. } => None,
         }
@@ -104,12 +117,18 @@ pub struct Context {
     /// Status writes queued behind pod creates.
     followups: followup::Queue<followup::Followup>,
     /// Events queued behind pod creates and status writes.
-    tellings: followup::Queue<followup::Telling>,
+    tellings: followup::Bounded<followup::Telling>,
     /// Ats to reconcile outside the runtime's own requeues (wakeups, failed follow-up writes,
     /// an API server that answers again).
     retriggers: followup::Queue<ObjectRef<At>>,
     /// Ats whose last attempt got no answer from the API server: retried when it answers.
     unreachable: Reachability<ObjectRef<At>>,
+    /// When settled Ats (and failed follow-up writes) are looked at again.
+    wakeups: Arc<Wakeups>,
+    /// At versions whose handling panicked: skipped until they change (see `contain`).
+    quarantine: Arc<Quarantine>,
+    /// Cancelled when a reconcile panicked: the loop ends, and with it this leadership.
+    fatal: CancellationToken,
 }
 
 impl Context {
@@ -120,6 +139,7 @@ impl Context {
         clock: Clock,
         metrics: Arc<Metrics>,
         policy: RunPolicy,
+        quarantine: Arc<Quarantine>,
     ) -> Self {
         Context {
             client,
@@ -132,10 +152,70 @@ impl Context {
             failures: Mutex::default(),
             pods_first: PodsFirst::default(),
             followups: followup::Queue::default(),
-            tellings: followup::Queue::default(),
+            tellings: followup::Bounded::default(),
             retriggers: followup::Queue::default(),
             unreachable: Reachability::default(),
+            wakeups: Arc::default(),
+            quarantine,
+            fatal: CancellationToken::new(),
         }
+    }
+
+    /// When settled Ats are looked at again (`Wakeups::run` hands them to `wake_up`).
+    pub fn wakeups(&self) -> &Arc<Wakeups> {
+        &self.wakeups
+    }
+
+    /// Cancelled once a reconcile panicked: the loop must end.
+    pub fn fatal(&self) -> &CancellationToken {
+        &self.fatal
+    }
+
+    /// Drops everything kept for a deleted At: its backoff, its last write, its wakeup.
+    pub fn forget(&self, at: &ObjectRef<At>) {
+        let at_key = at_ref_key(at);
+        self.failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&at_key);
+        self.superseded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&at_key);
+        self.quarantine.remove(&at_key);
+        self.wakeups.clear(at);
+    }
+
+    /// Entries kept per At now: backoffs, last writes, wakeups (for tests of forgetting).
+    pub fn kept(&self) -> (usize, usize, usize) {
+        let failures = self
+            .failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len();
+        let superseded = self
+            .superseded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len();
+        (failures, superseded, self.wakeups.len())
+    }
+
+    /// A panic while handling `at` at `place`: logged once with the At and the panic, counted,
+    /// this version quarantined, and the loop ended (the leader releases the Lease).
+    pub fn panicked(&self, at: &At, place: &'static str, panic: &Panicked) {
+        self.metrics.panicked(place);
+        let at_key = key(at);
+        tracing::error!(at = %at_key, place, %panic, "panic while handling this At; it is skipped until it changes, and leadership ends so the reconcile loop starts afresh. Please report this as a bug");
+        self.quarantine
+            .add(at_key, at.resource_version().unwrap_or_default());
+        self.fatal.cancel();
+    }
+
+    /// Whether this version of `at` is quarantined after a panic.
+    pub fn quarantined(&self, at: &At) -> bool {
+        self.quarantine
+            .holds(&key(at), at.resource_version().as_deref())
     }
 
     /// Runs until dropped: while Ats wait for an unreachable API server, asks it every
@@ -166,7 +246,7 @@ impl Context {
     fn next_retry(&self, at: &At) -> Duration {
         let attempt = {
             let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
-            let count = failures.entry(uid(at)).or_insert(0);
+            let count = failures.entry(key(at)).or_insert(0);
             *count += 1;
             *count
         };
@@ -186,10 +266,11 @@ impl Context {
 
     /// Whether a watched version of `at` needs a reconcile now; if not, `wakeups` holds when it
     /// does (see `wakeups`).
-    pub fn needs_reconcile(&self, at: &At, wakeups: &Wakeups) -> bool {
-        if self.is_stale(at).is_some() {
+    pub fn needs_reconcile(&self, at: &At) -> bool {
+        if self.is_stale(at).is_some() || self.quarantined(at) {
             return false;
         }
+        let wakeups = &self.wakeups;
         // By name only: the index holds one small key per waiting At.
         let at_ref = ObjectRef::new(&at.name_any()).within(&namespace(at));
         match wakeups::wake(at, (self.clock)(), &self.policy) {
@@ -208,13 +289,9 @@ impl Context {
         }
     }
 
-    /// Reconciles `at` again after `delay` (nothing happens if the loop ended meanwhile).
+    /// Reconciles `at` again after `delay`, through its wakeup (no task of its own).
     fn retrigger_after(&self, at: ObjectRef<At>, delay: Duration) {
-        let retriggers = self.retriggers.sender.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(delay).await;
-            let _ = retriggers.send(at);
-        });
+        self.wakeups.set(at, tokio::time::Instant::now() + delay);
     }
 }
 
@@ -266,6 +343,7 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
             Step::Nothing => return Ok(ctx.defer(at, decision, now)),
             Step::LookUpPod => ctx.fetch_pod(at).await?,
             Step::DeleteAt => return ctx.delete_at(at).await,
+            Step::ReleasePod => ctx.release_pod(at).await?,
             Step::CreatePod => match ctx.create_pod(at).await? {
                 None => return Ok(ctx.defer(at, decision, now)),
                 Some(found) => found,
@@ -314,7 +392,7 @@ impl Context {
     /// caught up with our write.
     fn is_stale(&self, at: &At) -> Option<Phase> {
         let mut superseded = self.superseded.lock().unwrap_or_else(|e| e.into_inner());
-        let uid = uid(at);
+        let uid = key(at);
         let written = superseded
             .get(&uid)
             .filter(|(rv, _)| Some(rv) == at.resource_version().as_ref())
@@ -343,6 +421,79 @@ impl Context {
                 pod: name,
                 source,
             }),
+        }
+    }
+
+    /// The pod of `at` if the pod cache shows it waiting for cnat's finalizer to go.
+    pub fn held_pod_of(&self, at: &ObjectRef<At>) -> Option<ObjectRef<Pod>> {
+        let name = pod::name_for(&at.name);
+        let key = ObjectRef::new(&name).within(at.namespace.as_deref().unwrap_or_default());
+        self.pods
+            .get(&key)
+            .filter(|found| pod::awaits_release(found))
+            .map(|_| key)
+    }
+
+    /// Removes cnat's finalizer from a pod whose At is gone: nothing is left to record.
+    pub async fn release_orphan(&self, found: &ObjectRef<Pod>) {
+        let api: Api<Pod> = Api::namespaced(
+            self.client.clone(),
+            found.namespace.as_deref().unwrap_or_default(),
+        );
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PatchParams::default()
+        };
+        // A conflict or a failure is retried with the pod's next change, or by the next leader.
+        let result = match api.get_opt(&found.name).await {
+            Ok(Some(current)) if pod::awaits_release(&current) => api
+                .patch(
+                    &found.name,
+                    &params,
+                    &Patch::Merge(pod::release_patch(&current)),
+                )
+                .await
+                .map(drop),
+            Ok(_) => Ok(()),
+            Err(error) => Err(error),
+        };
+        match result {
+            Ok(()) => debug!(pod = %found, "released the pod of a deleted At"),
+            Err(error) => {
+                warn!(pod = %found, %error, "could not remove cnat's finalizer from the pod of a deleted At")
+            }
+        }
+    }
+
+    /// Removes cnat's finalizer from the At's pod (read fresh, so the patch carries its current
+    /// resourceVersion and other finalizers), then says what is left of the pod.
+    async fn release_pod(&self, at: &At) -> Result<PodObservation, Error> {
+        let name = pod::name_for(&at.name_any());
+        let fail = |source| Error::ReleasePod {
+            at: key(at),
+            pod: name.clone(),
+            source,
+        };
+        let api = self.pod_api(at);
+        let Some(found) = api.get_opt(&name).await.map_err(fail)? else {
+            return Ok(PodObservation::Missing);
+        };
+        if !pod::awaits_release(&found) {
+            return Ok(observe(&found, at));
+        }
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PatchParams::default()
+        };
+        match api
+            .patch(&name, &params, &Patch::Merge(pod::release_patch(&found)))
+            .await
+        {
+            Ok(released) => Ok(observe(&released, at)),
+            // Gone meanwhile (its last finalizer went), or changed: look again.
+            Err(kube::Error::Api(s)) if s.is_not_found() => Ok(PodObservation::Missing),
+            Err(kube::Error::Api(s)) if s.is_conflict() => self.fetch_pod(at).await,
+            Err(source) => Err(fail(source)),
         }
     }
 
@@ -459,13 +610,13 @@ impl Context {
         self.failures
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&uid(at));
+            .remove(&key(at));
         let span = Span::current();
         let after = decision.status.as_ref().map_or(at.phase(), |s| s.phase);
         span.record("phase.after", after.as_str());
         let spent = ((self.clock)() - decided_at).to_std().unwrap_or_default();
         decision.requeue.map_or_else(Action::await_change, |left| {
-            let left = left.saturating_sub(spent);
+            let left = left.saturating_sub(spent).min(MAX_REQUEUE);
             span.record("requeue.seconds", left.as_secs_f64());
             Action::requeue(left)
         })
@@ -516,7 +667,7 @@ impl Context {
         self.superseded
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&uid(at));
+            .remove(&key(at));
     }
 
     fn remember_write(&self, at: &At, phase: Phase) {
@@ -524,7 +675,7 @@ impl Context {
             self.superseded
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .insert(uid(at), (rv, phase));
+                .insert(key(at), (rv, phase));
         }
     }
 
@@ -532,9 +683,12 @@ impl Context {
     fn log_transition(&self, at: &At, status: &AtStatus, note: &Note) -> Event {
         let from = at.status.as_ref().map(|s| s.phase.as_str());
         let (at_key, to, reason) = (key(at), status.phase.as_str(), note.reason);
+        // The log gathers every tenant's Ats: it gets the summary, never the command's output,
+        // which stays on the At (status and event) for whoever may read it.
+        let logged = &note.summary;
         match note.severity {
-            Severity::Normal => info!(at = %at_key, from, to, reason, "{}", note.message),
-            Severity::Warning => warn!(at = %at_key, from, to, reason, "{}", note.message),
+            Severity::Normal => info!(at = %at_key, from, to, reason, "{logged}"),
+            Severity::Warning => warn!(at = %at_key, from, to, reason, "{logged}"),
         }
         Event {
             type_: match note.severity {
@@ -550,7 +704,9 @@ impl Context {
 
     async fn tell(&self, at: &At, status: &AtStatus, note: &Note) {
         let event = self.log_transition(at, status, note);
-        self.events.send(event, at.object_ref(&())).await;
+        if !self.events.try_send(event, at.object_ref(&())) {
+            self.metrics.event_dropped();
+        }
     }
 }
 
@@ -568,6 +724,7 @@ fn action_name(action: Step) -> &'static str {
         Step::LookUpPod => "look-up-pod",
         Step::CreatePod => "create-pod",
         Step::DeleteAt => "delete-at",
+        Step::ReleasePod => "release-pod",
     }
 }
 
@@ -579,9 +736,17 @@ fn uid(at: &At) -> String {
     at.uid().unwrap_or_default()
 }
 
-/// `namespace/name`, how logs and errors name an At.
+/// `namespace/name`, how logs and errors name an At, and what per-At maps are keyed by.
 fn key(at: &At) -> String {
     format!("{}/{}", namespace(at), at.name_any())
+}
+
+fn at_ref_key(at: &ObjectRef<At>) -> String {
+    format!(
+        "{}/{}",
+        at.namespace.as_deref().unwrap_or_default(),
+        at.name
+    )
 }
 
 #[cfg(test)]

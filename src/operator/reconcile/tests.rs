@@ -117,6 +117,8 @@ struct Harness {
     server: tokio::task::JoinHandle<Vec<Sent>>,
     /// Requests the mock API server answered so far.
     answered: Arc<std::sync::atomic::AtomicUsize>,
+    /// Runs the context's wakeups; it holds a handle to the context until aborted.
+    wakeups: tokio::task::JoinHandle<()>,
 }
 
 /// A context whose client talks to a mock API server that answers `script` in order and
@@ -195,15 +197,22 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
         clock,
         metrics.clone(),
         RunPolicy::default(),
+        Arc::default(),
     ));
-    // As in production, status writes that follow pod creates go through the writer.
+    // As in production, status writes that follow pod creates go through the writer, and
+    // wakeups (retries of failed writes among them) reconcile again.
     tokio::spawn(ctx.followup_writer().unwrap());
+    let wakeups = tokio::spawn({
+        let ctx = ctx.clone();
+        async move { ctx.wakeups().run(|at| ctx.wake_up(at)).await }
+    });
     Harness {
         ctx,
         metrics,
         pods,
         server,
         answered,
+        wakeups,
     }
 }
 
@@ -219,6 +228,8 @@ impl Harness {
 
     /// Stops the mock server and returns what was sent, checking it followed the script.
     async fn finish(self, expected: usize) -> Vec<Sent> {
+        self.wakeups.abort();
+        let _ = self.wakeups.await;
         drop(self.ctx);
         let sent = tokio::time::timeout(Duration::from_secs(5), self.server)
             .await
@@ -580,7 +591,7 @@ async fn api_errors_name_the_at_and_retry_with_growing_backoff() {
     for _ in 0..3 {
         error_policy(at.clone(), &error, h.ctx.clone());
     }
-    assert_eq!(h.ctx.failures.lock().unwrap()[AT_UID], 3);
+    assert_eq!(h.ctx.failures.lock().unwrap()["default/example-at"], 3);
     let metrics = h.metrics.encode();
     assert!(
         metrics.contains("\ncnat_reconciles_total{result=\"error\"} 1\n"),
@@ -638,7 +649,11 @@ async fn success_resets_the_backoff() {
         answer("PATCH", STATUS, 200, at_response(&running_status())),
         answer("POST", EVENTS, 201, created_event()),
     ]);
-    h.ctx.failures.lock().unwrap().insert(AT_UID.into(), 5);
+    h.ctx
+        .failures
+        .lock()
+        .unwrap()
+        .insert("default/example-at".into(), 5);
     h.reconcile(example_at(None)).await.unwrap();
     assert!(h.ctx.failures.lock().unwrap().is_empty());
     h.finish(3).await;
@@ -726,7 +741,7 @@ async fn a_failed_follow_up_write_is_retried_by_a_new_reconcile_after_backoff() 
         waited >= Duration::from_millis(500) && waited <= Duration::from_secs(1),
         "backoff of a first failure: {waited:?}"
     );
-    assert_eq!(h.ctx.failures.lock().unwrap()[AT_UID], 1);
+    assert_eq!(h.ctx.failures.lock().unwrap()["default/example-at"], 1);
     // The cached version is no longer skipped: the next reconcile acts on it.
     assert_eq!(h.ctx.is_stale(&example_at(None)), None);
     drop(retriggers);
@@ -750,7 +765,11 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
     let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
     let probe = tokio::spawn(h.ctx.clone().probe_reachability());
     // The outage has lasted: eight failures already, so the backoff is past a minute.
-    h.ctx.failures.lock().unwrap().insert(AT_UID.into(), 8);
+    h.ctx
+        .failures
+        .lock()
+        .unwrap()
+        .insert("default/example-at".into(), 8);
     let at = Arc::new(example_at(None));
     let error = reconcile(at.clone(), h.ctx.clone()).await.unwrap_err();
     assert!(
@@ -760,7 +779,7 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
     let started = tokio::time::Instant::now();
     error_policy(at, &error, h.ctx.clone());
     // The ninth failure: the runtime's own retry comes after at least 128 s.
-    assert_eq!(h.ctx.failures.lock().unwrap()[AT_UID], 9);
+    assert_eq!(h.ctx.failures.lock().unwrap()["default/example-at"], 9);
     assert!(retry_delay(9) >= Duration::from_secs(128));
 
     // Three probes go unanswered; the fourth answer brings the At back at once.

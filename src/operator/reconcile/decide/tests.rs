@@ -46,6 +46,8 @@ fn running_pod() -> PodView {
         name: "example-at-pod".into(),
         created_at: Some(time("2019-04-12T10:12:00.100Z")),
         end: None,
+        deleting: false,
+        held: true,
     }
 }
 

@@ -1,0 +1,184 @@
+//! Panics in the reconcile loop. A bug must not leave a leader that holds the Lease and does
+//! nothing: where the At being worked on is known (its reconcile, the look that decides whether
+//! it needs one), a panic is caught, logged once with that At, counted, and ends the loop, so the
+//! leader releases the Lease and competes again; the At's version that panicked is quarantined
+//! (skipped until it changes), so one bad At cannot make that a loop. Any other task of the
+//! reconcile loop is supervised by the loop itself (`controller`).
+//!
+//! `install_hook` routes every panic message through the log: a panic inside a catch is handed
+//! to the catch (which logs it with the At), any other is logged as it happens.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::task::{Context, Poll};
+
+/// Most quarantined At versions kept; past this the map starts afresh (a version that panics
+/// again is caught again).
+const MAX_QUARANTINED: usize = 1000;
+
+thread_local! {
+    /// Whether this thread runs inside a catch, and what the panic said.
+    static CATCHING: Cell<bool> = const { Cell::new(false) };
+    static CAUGHT: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// A panic caught by `catch` or `Caught`: its message and where it happened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Panicked(pub String);
+
+impl std::fmt::Display for Panicked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Routes panic messages into the log (one `ERROR` line each) instead of stderr; a caught one
+/// is left to its catch, which logs it with the At it concerns.
+pub fn install_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let message = describe(info);
+        if CATCHING.get() {
+            CAUGHT.set(Some(message));
+        } else {
+            tracing::error!(panic = %message, "panic");
+        }
+    }));
+}
+
+fn describe(info: &std::panic::PanicHookInfo<'_>) -> String {
+    let payload = info.payload();
+    let text = payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".to_owned());
+    match info.location() {
+        Some(at) => format!("{text} at {}:{}", at.file(), at.line()),
+        None => text,
+    }
+}
+
+/// Runs `f`, turning a panic into `Err`.
+pub fn catch<T>(f: impl FnOnce() -> T) -> Result<T, Panicked> {
+    let was = CATCHING.replace(true);
+    let result = catch_unwind(AssertUnwindSafe(f));
+    CATCHING.set(was);
+    result.map_err(|payload| {
+        let message = CAUGHT.take().unwrap_or_else(|| {
+            payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "(no message)".to_owned())
+        });
+        Panicked(message)
+    })
+}
+
+/// A future whose panics (in any poll) become `Err`.
+pub struct Caught<F>(Pin<Box<F>>);
+
+impl<F: Future> Caught<F> {
+    pub fn new(future: F) -> Self {
+        Caught(Box::pin(future))
+    }
+}
+
+impl<F: Future> Future for Caught<F> {
+    type Output = Result<F::Output, Panicked>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = &mut self.0;
+        match catch(|| inner.as_mut().poll(cx)) {
+            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(panicked) => Poll::Ready(Err(panicked)),
+        }
+    }
+}
+
+/// At versions (`namespace/name` and resourceVersion) whose handling panicked: skipped until
+/// they change or are deleted. Shared by every leadership of this replica.
+#[derive(Debug, Default)]
+pub struct Quarantine(Mutex<HashMap<String, String>>);
+
+impl Quarantine {
+    pub fn add(&self, at: String, resource_version: String) {
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if map.len() >= MAX_QUARANTINED {
+            map.clear();
+        }
+        map.insert(at, resource_version);
+    }
+
+    /// Whether this version of `at` is quarantined; a newer version ends its quarantine.
+    pub fn holds(&self, at: &str, resource_version: Option<&str>) -> bool {
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match map.get(at) {
+            None => false,
+            Some(rv) if Some(rv.as_str()) == resource_version => true,
+            Some(_) => {
+                map.remove(at);
+                false
+            }
+        }
+    }
+
+    pub fn remove(&self, at: &str) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(at);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_caught_panic_names_its_message_and_place() {
+        install_hook();
+        let caught = catch(|| -> u8 { panic!("boom {}", 7) }).unwrap_err();
+        assert!(
+            caught.0.starts_with("boom 7 at src/operator/contain.rs:"),
+            "{caught}"
+        );
+        assert_eq!(catch(|| 5), Ok(5));
+        // The flag is reset: a later panic outside a catch is not taken for a caught one.
+        assert!(!CATCHING.get());
+    }
+
+    #[tokio::test]
+    async fn a_future_that_panics_in_a_later_poll_is_caught() {
+        install_hook();
+        let result = Caught::new(async {
+            tokio::task::yield_now().await;
+            let big: i64 = i64::MAX;
+            chrono::TimeDelta::seconds(big)
+        })
+        .await;
+        assert!(result
+            .unwrap_err()
+            .0
+            .contains("TimeDelta::seconds out of bounds"));
+        assert_eq!(Caught::new(async { 1 }).await, Ok(1));
+    }
+
+    #[test]
+    fn quarantine_holds_one_version_until_it_changes() {
+        let quarantine = Quarantine::default();
+        quarantine.add("ns/a".into(), "7".into());
+        assert!(quarantine.holds("ns/a", Some("7")));
+        assert!(!quarantine.holds("ns/b", Some("7")));
+        assert!(!quarantine.holds("ns/a", Some("8")), "a newer version runs");
+        assert!(
+            !quarantine.holds("ns/a", Some("7")),
+            "and the entry is gone"
+        );
+        quarantine.add("ns/a".into(), "9".into());
+        quarantine.remove("ns/a");
+        assert!(!quarantine.holds("ns/a", Some("9")));
+    }
+}
