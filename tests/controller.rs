@@ -158,6 +158,66 @@ async fn a_deleted_pod_ends_the_at_failed_and_is_not_recreated() {
     operator.abort();
 }
 
+/// A pod created, then deleted before its RUNNING write landed, with a leader change in
+/// between: the next leader must not create it again (the command would run twice).
+#[tokio::test]
+async fn a_pod_deleted_before_its_running_write_landed_is_not_created_again() {
+    let server = ApiServer::new();
+    server.hold_status_writes(true);
+    let first = start(&server);
+    server.create(
+        Resource::Ats,
+        at_json("twice", "2019-04-12T10:12:00Z", "sleep 3600"),
+    );
+    assert!(support::until(Duration::from_secs(5), || server.count("POST pods") == 1).await);
+    // The leader goes while its RUNNING write waits; the pod is deleted meanwhile.
+    first.abort();
+    let _ = first.await;
+    server.delete(Resource::Pods, "default", "twice-pod");
+    assert_eq!(status(&server, "twice").map(|s| s.phase), None, "RUNNING never landed");
+    server.hold_status_writes(false);
+
+    let second = start(&server);
+    wait_phase(&server, "twice", Phase::Done).await;
+    let done = status(&server, "twice").unwrap();
+    assert_eq!(done.outcome, Some(Outcome::Failed));
+    assert_eq!(done.reason.as_deref(), Some("PodLost"), "{done:?}");
+    // Released by the new leader once the status named it, then gone.
+    assert!(
+        support::until(Duration::from_secs(5), || server
+            .get(Resource::Pods, "default", "twice-pod")
+            .is_none())
+        .await
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(server.count("POST pods"), 1, "the command ran twice");
+    second.abort();
+}
+
+/// The garbage collector deletes the pod of a deleted At; cnat's finalizer must not keep it.
+#[tokio::test]
+async fn the_pod_of_a_deleted_at_is_released_and_the_leader_forgets_the_at() {
+    let server = ApiServer::new();
+    let operator = start(&server);
+    server.create(
+        Resource::Ats,
+        at_json("gone", "2019-04-12T10:12:00Z", "sleep 3600"),
+    );
+    wait_phase(&server, "gone", Phase::Running).await;
+    server.delete(Resource::Ats, "default", "gone");
+    // As the garbage collector does once the owner is gone.
+    server.delete(Resource::Pods, "default", "gone-pod");
+    assert!(
+        support::until(Duration::from_secs(5), || server
+            .get(Resource::Pods, "default", "gone-pod")
+            .is_none())
+        .await,
+        "the pod stayed terminating"
+    );
+    assert_eq!(server.count("POST pods"), 1);
+    operator.abort();
+}
+
 #[tokio::test]
 async fn a_restarted_operator_does_not_run_a_command_again() {
     let server = ApiServer::new();

@@ -135,3 +135,169 @@ fn round_trip_covers_the_book_example() {
     let book: DateTime<Utc> = "2019-04-12T10:12:00Z".parse().unwrap();
     assert_eq!(schedule::parse(&book.to_rfc3339(), None), Ok(book));
 }
+
+/// Any instant chrono can hold, often at the ends of its range and of RFC 3339's.
+fn instant() -> impl Strategy<Value = DateTime<Utc>> {
+    let (min, max) = (
+        DateTime::<Utc>::MIN_UTC.timestamp(),
+        DateTime::<Utc>::MAX_UTC.timestamp(),
+    );
+    prop_oneof![
+        Just(DateTime::<Utc>::MIN_UTC),
+        Just(DateTime::<Utc>::MAX_UTC),
+        (-62_167_219_200i64..=253_402_300_799).prop_map(|s| Utc.timestamp_opt(s, 0).unwrap()),
+        (min..=max).prop_map(|s| Utc.timestamp_opt(s, 0).unwrap()),
+    ]
+}
+
+/// Schedules: RFC 3339 anywhere in years 0000-9999 with any offset, wall-clock times, the
+/// ends, and garbage.
+fn schedule_text() -> impl Strategy<Value = String> {
+    prop_oneof![
+        (-62_167_219_200i64..=253_402_300_799, -1439i32..1440).prop_map(|(s, m)| {
+            let offset = FixedOffset::east_opt(m * 60).unwrap();
+            Utc.timestamp_opt(s, 0).unwrap().with_timezone(&offset).to_rfc3339()
+        }),
+        Just("0000-01-01T00:00:00Z".to_owned()),
+        Just("9999-12-31T23:59:59-23:59".to_owned()),
+        Just("0000-01-01T00:00:00+23:59".to_owned()),
+        Just("9999-12-31T23:59:59".to_owned()),
+        ".{0,40}",
+    ]
+}
+
+fn seconds() -> impl Strategy<Value = Option<i64>> {
+    prop_oneof![
+        Just(None),
+        Just(Some(i64::MAX)),
+        Just(Some(i64::MIN)),
+        Just(Some(i64::from(i32::MAX))),
+        any::<i64>().prop_map(Some),
+    ]
+}
+
+fn at_strategy() -> impl Strategy<Value = cnat::api::At> {
+    use cnat::api::{At, AtSpec, AtStatus, Outcome, Phase};
+    let spec = (
+        schedule_text(),
+        prop::option::of(prop::sample::select(vec![
+            "UTC", "Europe/Berlin", "Pacific/Kiritimati", "America/Adak", "Etc/GMT+12",
+            "Etc/GMT-14", "posix/Europe/Berlin", "../../etc/passwd", "", "Mars/Olympus",
+        ])),
+        seconds(),
+        seconds(),
+        prop::option::of(any::<i32>()),
+    );
+    let status = prop::option::of((
+        prop::sample::select(vec![Phase::Pending, Phase::Running, Phase::Done]),
+        prop::option::of(instant()),
+        prop::option::of(instant()),
+        prop::option::of(instant()),
+        prop::option::of(prop::sample::select(vec![
+            Outcome::Succeeded,
+            Outcome::Failed,
+            Outcome::Missed,
+        ])),
+        prop::option::of("[a-z-]{1,20}"),
+    ));
+    (spec, status, any::<bool>()).prop_map(|(spec, status, deleting)| {
+        let (schedule, zone, starting, active, ttl) = spec;
+        let mut at = At::new(
+            "x",
+            AtSpec {
+                schedule,
+                command: "true".into(),
+                time_zone: zone.map(str::to_owned),
+                starting_deadline_seconds: starting,
+                active_deadline_seconds: active,
+                ttl_seconds_after_finished: ttl,
+                ..AtSpec::default()
+            },
+        );
+        at.metadata.namespace = Some("default".into());
+        at.metadata.uid = Some("uid".into());
+        at.metadata.resource_version = Some("1".into());
+        if deleting {
+            at.metadata.deletion_timestamp = Some(
+                k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
+            );
+        }
+        at.status = status.map(|(phase, scheduled, started, completed, outcome, pod)| AtStatus {
+            phase,
+            scheduled_time: scheduled,
+            start_time: started,
+            completion_time: completed,
+            outcome,
+            pod_name: pod,
+            ..AtStatus::default()
+        });
+        at
+    })
+}
+
+fn pod_strategy() -> impl Strategy<Value = cnat::operator::reconcile::decide::PodObservation> {
+    use cnat::operator::pod::{PodEnd, PodView};
+    use cnat::operator::reconcile::decide::PodObservation;
+    let end = prop::option::of((
+        any::<bool>(),
+        prop::option::of(any::<i32>()),
+        prop::option::of(".{0,40}"),
+        prop::option::of(prop::sample::select(vec!["DeadlineExceeded", "Evicted"])),
+        prop::option::of(instant()),
+    ))
+    .prop_map(|end| {
+        end.map(|(succeeded, exit_code, detail, reason, finished_at)| PodEnd {
+            succeeded,
+            exit_code,
+            detail,
+            pod_reason: reason.map(str::to_owned),
+            finished_at,
+        })
+    });
+    let view = (prop::option::of(instant()), end, any::<bool>(), any::<bool>()).prop_map(
+        |(created_at, end, deleting, held)| PodView {
+            name: "x-pod".into(),
+            created_at,
+            end,
+            deleting,
+            held,
+        },
+    );
+    prop_oneof![
+        Just(PodObservation::NotCached),
+        Just(PodObservation::Missing),
+        Just(PodObservation::Foreign),
+        ".{0,20}".prop_map(PodObservation::Rejected),
+        ".{0,20}".prop_map(PodObservation::Refused),
+        view.prop_map(PodObservation::Owned),
+    ]
+}
+
+proptest! {
+    /// The whole decision path (not only the parser): any spec, any status, any pod, any time,
+    /// the ends of every range included: deciding, waking, building the pod and caching the At
+    /// never panic, and every requeue is a time the runtime can hold once capped.
+    #[test]
+    fn the_whole_decision_path_never_panics(
+        at in at_strategy(),
+        pod in pod_strategy(),
+        now in instant(),
+        default_deadline in seconds(),
+    ) {
+        use cnat::operator::reconcile::{decide, wakeups};
+        let policy = cnat::operator::policy::RunPolicy {
+            starting_deadline_seconds: default_deadline,
+            ..Default::default()
+        };
+        let decision = decide::decide(&at, &pod, now, &policy);
+        if let Some(status) = &decision.status {
+            // What is written serializes (the API server gets JSON).
+            prop_assert!(serde_json::to_string(status).is_ok());
+        }
+        let _ = wakeups::wake(&at, now, &policy);
+        let _ = cnat::operator::pod::build(&at, &policy);
+        let cached = cnat::operator::cache::CachedAt::from(at.clone());
+        let back = cached.at().unwrap();
+        prop_assert_eq!((&back.spec, &back.status), (&at.spec, &at.status));
+    }
+}

@@ -119,6 +119,8 @@ pub struct ApiServer {
     in_flight: Arc<tokio::sync::Semaphore>,
     /// While true, the HTTP server is down: connections are dropped without an answer.
     down: Arc<tokio::sync::watch::Sender<bool>>,
+    /// While true, At status writes wait before the server acts on them (a slow write).
+    status_held: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl Default for ApiServer {
@@ -135,7 +137,13 @@ impl ApiServer {
             changes,
             in_flight: Arc::new(tokio::sync::Semaphore::new(WRITES_IN_FLIGHT)),
             down: Arc::new(tokio::sync::watch::Sender::new(false)),
+            status_held: Arc::new(tokio::sync::watch::Sender::new(false)),
         }
+    }
+
+    /// While `held`, At status writes wait (unanswered) before the server acts on them.
+    pub fn hold_status_writes(&self, held: bool) {
+        self.status_held.send_replace(held);
     }
 
     /// A kube client talking to this server in-process.
@@ -350,10 +358,24 @@ impl ApiServer {
         });
     }
 
+    /// Deletes `ns/name` as a real server does: an object with finalizers only gets a
+    /// `deletionTimestamp` and stays until a write removes its last finalizer.
     pub fn delete(&self, resource: Resource, ns: &str, name: &str) {
         let mut state = self.lock();
-        if let Some(object) = state.objects.remove(&(resource, ns.into(), name.into())) {
+        let key = (resource, ns.to_owned(), name.to_owned());
+        let Some(object) = state.objects.get(&key).cloned() else {
+            return;
+        };
+        let finalized = object["metadata"]["finalizers"]
+            .as_array()
+            .is_some_and(|f| !f.is_empty());
+        if !finalized {
+            state.objects.remove(&key);
             self.record(&mut state, resource, "DELETED", object);
+        } else if object["metadata"]["deletionTimestamp"].is_null() {
+            let mut terminating = object;
+            terminating["metadata"]["deletionTimestamp"] = now_rfc3339().into();
+            self.record(&mut state, resource, "MODIFIED", terminating);
         }
     }
 
@@ -503,6 +525,10 @@ impl ApiServer {
                 let call = (client.to_owned(), what, tokio::time::Instant::now());
                 state.calls.push(call);
             }
+        }
+        if route.resource == Resource::Ats && route.subresource.as_deref() == Some("status") {
+            let mut held = self.status_held.subscribe();
+            let _ = held.wait_for(|held| !held).await;
         }
         // A write waits for admission and for the storage, as on a real server.
         let write_cost = self.lock().write_cost;
@@ -753,8 +779,18 @@ impl ApiServer {
                 .entry((key.1.clone(), key.2.clone()))
                 .or_insert_with(Instant::now);
         }
-        state.objects.insert(key, updated.clone());
-        self.record_at(&mut state, route.resource, "MODIFIED", updated.clone());
+        let gone = !updated["metadata"]["deletionTimestamp"].is_null()
+            && updated["metadata"]["finalizers"]
+                .as_array()
+                .is_none_or(|f| f.is_empty());
+        if gone {
+            // Its last finalizer went: a terminating object is removed.
+            state.objects.remove(&key);
+            self.record_at(&mut state, route.resource, "DELETED", updated.clone());
+        } else {
+            state.objects.insert(key, updated.clone());
+            self.record_at(&mut state, route.resource, "MODIFIED", updated.clone());
+        }
         ok(StatusCode::OK, &updated)
     }
 

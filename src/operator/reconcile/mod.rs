@@ -434,31 +434,42 @@ impl Context {
             .map(|_| key)
     }
 
-    /// Removes cnat's finalizer from a pod whose At is gone: nothing is left to record.
+    /// Removes cnat's finalizer from a pod whose At is gone: nothing is left to record. The
+    /// caches may lag, so the API server is asked first: a pod whose At still exists is left to
+    /// that At's reconcile.
     pub async fn release_orphan(&self, found: &ObjectRef<Pod>) {
-        let api: Api<Pod> = Api::namespaced(
-            self.client.clone(),
-            found.namespace.as_deref().unwrap_or_default(),
-        );
+        let namespace = found.namespace.as_deref().unwrap_or_default();
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let ats: Api<At> = Api::namespaced(self.client.clone(), namespace);
         let params = PatchParams {
             field_manager: Some(FIELD_MANAGER.into()),
             ..PatchParams::default()
         };
         // A conflict or a failure is retried with the pod's next change, or by the next leader.
-        let result = match api.get_opt(&found.name).await {
-            Ok(Some(current)) if pod::awaits_release(&current) => api
-                .patch(
-                    &found.name,
-                    &params,
-                    &Patch::Merge(pod::release_patch(&current)),
-                )
-                .await
-                .map(drop),
-            Ok(_) => Ok(()),
-            Err(error) => Err(error),
+        let released = async {
+            let Some(current) = pods.get_opt(&found.name).await? else {
+                return Ok(false);
+            };
+            if !pod::awaits_release(&current) {
+                return Ok(false);
+            }
+            let owner = current
+                .owner_references()
+                .iter()
+                .find(|o| o.controller == Some(true))
+                .cloned();
+            if let Some(owner) = owner {
+                let at = ats.get_opt(&owner.name).await?;
+                if at.is_some_and(|at| at.uid().as_deref() == Some(owner.uid.as_str())) {
+                    return Ok(false);
+                }
+            }
+            let patch = Patch::Merge(pod::release_patch(&current));
+            pods.patch(&found.name, &params, &patch).await.map(|_| true)
         };
-        match result {
-            Ok(()) => debug!(pod = %found, "released the pod of a deleted At"),
+        match released.await {
+            Ok(true) => debug!(pod = %found, "released the pod of a deleted At"),
+            Ok(false) => {}
             Err(error) => {
                 warn!(pod = %found, %error, "could not remove cnat's finalizer from the pod of a deleted At")
             }
