@@ -280,7 +280,13 @@ async fn start_webhooks(
     let handle = axum_server::Handle::new();
     let listener = cnat::serving::listen::bind(args.webhook_addr)
         .map_err(|e| format!("--webhook-addr {}: {e}", args.webhook_addr))?;
-    let server = tokio::spawn(webhook::serve(listener, config, handle.clone(), shared));
+    let server = tokio::spawn(webhook::serve(
+        listener,
+        config,
+        handle.clone(),
+        shared,
+        cnat::serving::guard::Limits::default(),
+    ));
     if handle.listening().await.is_none() {
         let why = match server.await {
             Ok(Err(error)) => error.to_string(),

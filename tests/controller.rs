@@ -174,7 +174,11 @@ async fn a_pod_deleted_before_its_running_write_landed_is_not_created_again() {
     first.abort();
     let _ = first.await;
     server.delete(Resource::Pods, "default", "twice-pod");
-    assert_eq!(status(&server, "twice").map(|s| s.phase), None, "RUNNING never landed");
+    assert_eq!(
+        status(&server, "twice").map(|s| s.phase),
+        None,
+        "RUNNING never landed"
+    );
     server.hold_status_writes(false);
 
     let second = start(&server);
@@ -196,7 +200,7 @@ async fn a_pod_deleted_before_its_running_write_landed_is_not_created_again() {
 
 /// The garbage collector deletes the pod of a deleted At; cnat's finalizer must not keep it.
 #[tokio::test]
-async fn the_pod_of_a_deleted_at_is_released_and_the_leader_forgets_the_at() {
+async fn the_pod_of_a_deleted_at_is_released() {
     let server = ApiServer::new();
     let operator = start(&server);
     server.create(

@@ -156,7 +156,10 @@ fn schedule_text() -> impl Strategy<Value = String> {
     prop_oneof![
         (-62_167_219_200i64..=253_402_300_799, -1439i32..1440).prop_map(|(s, m)| {
             let offset = FixedOffset::east_opt(m * 60).unwrap();
-            Utc.timestamp_opt(s, 0).unwrap().with_timezone(&offset).to_rfc3339()
+            Utc.timestamp_opt(s, 0)
+                .unwrap()
+                .with_timezone(&offset)
+                .to_rfc3339()
         }),
         Just("0000-01-01T00:00:00Z".to_owned()),
         Just("9999-12-31T23:59:59-23:59".to_owned()),
@@ -181,8 +184,16 @@ fn at_strategy() -> impl Strategy<Value = cnat::api::At> {
     let spec = (
         schedule_text(),
         prop::option::of(prop::sample::select(vec![
-            "UTC", "Europe/Berlin", "Pacific/Kiritimati", "America/Adak", "Etc/GMT+12",
-            "Etc/GMT-14", "posix/Europe/Berlin", "../../etc/passwd", "", "Mars/Olympus",
+            "UTC",
+            "Europe/Berlin",
+            "Pacific/Kiritimati",
+            "America/Adak",
+            "Etc/GMT+12",
+            "Etc/GMT-14",
+            "posix/Europe/Berlin",
+            "../../etc/passwd",
+            "",
+            "Mars/Olympus",
         ])),
         seconds(),
         seconds(),
@@ -222,15 +233,17 @@ fn at_strategy() -> impl Strategy<Value = cnat::api::At> {
                 k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
             );
         }
-        at.status = status.map(|(phase, scheduled, started, completed, outcome, pod)| AtStatus {
-            phase,
-            scheduled_time: scheduled,
-            start_time: started,
-            completion_time: completed,
-            outcome,
-            pod_name: pod,
-            ..AtStatus::default()
-        });
+        at.status = status.map(
+            |(phase, scheduled, started, completed, outcome, pod)| AtStatus {
+                phase,
+                scheduled_time: scheduled,
+                start_time: started,
+                completion_time: completed,
+                outcome,
+                pod_name: pod,
+                ..AtStatus::default()
+            },
+        );
         at
     })
 }
@@ -246,23 +259,29 @@ fn pod_strategy() -> impl Strategy<Value = cnat::operator::reconcile::decide::Po
         prop::option::of(instant()),
     ))
     .prop_map(|end| {
-        end.map(|(succeeded, exit_code, detail, reason, finished_at)| PodEnd {
-            succeeded,
-            exit_code,
-            detail,
-            pod_reason: reason.map(str::to_owned),
-            finished_at,
-        })
+        end.map(
+            |(succeeded, exit_code, detail, reason, finished_at)| PodEnd {
+                succeeded,
+                exit_code,
+                detail,
+                pod_reason: reason.map(str::to_owned),
+                finished_at,
+            },
+        )
     });
-    let view = (prop::option::of(instant()), end, any::<bool>(), any::<bool>()).prop_map(
-        |(created_at, end, deleting, held)| PodView {
+    let view = (
+        prop::option::of(instant()),
+        end,
+        any::<bool>(),
+        any::<bool>(),
+    )
+        .prop_map(|(created_at, end, deleting, held)| PodView {
             name: "x-pod".into(),
             created_at,
             end,
             deleting,
             held,
-        },
-    );
+        });
     prop_oneof![
         Just(PodObservation::NotCached),
         Just(PodObservation::Missing),

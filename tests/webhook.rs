@@ -9,6 +9,7 @@ use base64::Engine;
 use cnat::admission::access_review::{self, AccessReviewer};
 use cnat::admission::webhook;
 use cnat::observability::metrics::Metrics;
+use cnat::serving::guard::Limits;
 use cnat::serving::tls::{self, CertFiles};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
@@ -31,6 +32,15 @@ async fn server(name: &str) -> Server {
 
 /// The webhook server with the escalation guard asking `reviewer`.
 async fn server_with(name: &str, reviewer: Option<Arc<AccessReviewer>>) -> Server {
+    server_limited(name, reviewer, Limits::default()).await
+}
+
+/// The webhook server within `limits`.
+async fn server_limited(
+    name: &str,
+    reviewer: Option<Arc<AccessReviewer>>,
+    limits: Limits,
+) -> Server {
     let dir = std::env::temp_dir().join(format!("cnat-webhook-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let files = tls::generate("cnat-webhook", "cnat-system", 1)
@@ -47,6 +57,7 @@ async fn server_with(name: &str, reviewer: Option<Arc<AccessReviewer>>) -> Serve
             metrics: Arc::new(Metrics::new(Default::default())),
             reviewer,
         },
+        limits,
     ));
     let addr = handle.listening().await.expect("listening");
     Server {
@@ -537,4 +548,89 @@ mod escalation_guard {
         assert_eq!(response["allowed"], false, "{response}");
         assert_eq!(api.count("POST subjectaccessreviews"), 1);
     }
+}
+
+#[tokio::test]
+async fn a_trickled_body_is_cut_off_at_the_deadline_and_holds_a_request_slot_until_then() {
+    let limits = Limits {
+        max_in_flight: 1,
+        request_timeout: Duration::from_millis(500),
+        ..Limits::default()
+    };
+    let server = server_limited("trickle", None, limits).await;
+    let (path, body) = fixture("validating-create.json");
+    let length = serde_json::to_vec(&body).unwrap().len();
+    let (pieces, trickle) = tokio::sync::mpsc::channel(4);
+    pieces.send(bytes::Bytes::from_static(b"{")).await.unwrap();
+    let trickled = tokio::spawn({
+        let (ca, path) = (server.dir.join("ca.crt"), path.clone());
+        let addr = server.addr;
+        async move { support::https::post_trickled(&ca, addr, &path, length, trickle).await }
+    });
+    // While it holds the one request slot, another request is refused at once, not queued.
+    let https = trusting(&server);
+    let mut refused = false;
+    for _ in 0..50 {
+        let (status, answer) = support::https::post(
+            &https,
+            server.addr,
+            &path,
+            serde_json::to_vec(&body).unwrap(),
+        )
+        .await
+        .unwrap();
+        if status == 429 {
+            assert!(String::from_utf8_lossy(&answer).contains("too many admission requests"));
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(refused, "a second request beyond the cap was not refused");
+    // The trickler is answered 408 at the deadline although its body never completed.
+    let status = tokio::time::timeout(Duration::from_secs(10), trickled)
+        .await
+        .expect("cut off")
+        .unwrap();
+    assert_eq!(status, Ok(408));
+    drop(pieces);
+    // And the slot is free again.
+    let answer = review(&https, server.addr, &path, &body).await;
+    assert_eq!(answer["allowed"], true);
+    server.handle.shutdown();
+}
+
+#[tokio::test]
+async fn connections_beyond_the_cap_are_closed_while_admissions_go_on() {
+    use tokio::io::AsyncReadExt;
+    let limits = Limits {
+        max_connections: 2,
+        ..Limits::default()
+    };
+    let server = server_limited("capped", None, limits).await;
+    let (path, body) = fixture("validating-create.json");
+    // A client that keeps its connection (as kube-apiserver does) is admitted...
+    let https = trusting(&server);
+    assert_eq!(
+        review(&https, server.addr, &path, &body).await["allowed"],
+        true
+    );
+    // ... one idle connection takes the other place ...
+    let _idle = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // ... and a third is closed at once.
+    let mut third = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let mut buf = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(5), third.read(&mut buf))
+        .await
+        .expect("closed, not left hanging");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    // The admitted client goes on over its kept connection.
+    for _ in 0..5 {
+        assert_eq!(
+            review(&https, server.addr, &path, &body).await["allowed"],
+            true
+        );
+    }
+    server.handle.shutdown();
 }

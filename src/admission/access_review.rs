@@ -86,10 +86,14 @@ pub fn unanswered(namespace: &str, error: &str) -> String {
     )
 }
 
+/// Everything the review sends, so two requests share an answer only if the API server would
+/// be asked the same question: user, uid, groups and extra (each sorted), namespace.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Key {
     user: String,
+    uid: String,
     groups: Vec<String>,
+    extra: Vec<(String, Vec<String>)>,
     namespace: String,
 }
 
@@ -97,9 +101,22 @@ impl Key {
     fn new(user: &UserInfo, namespace: &str) -> Self {
         let mut groups = user.groups.clone().unwrap_or_default();
         groups.sort();
+        let mut extra: Vec<(String, Vec<String>)> = user
+            .extra
+            .iter()
+            .flatten()
+            .map(|(key, values)| {
+                let mut values = values.clone();
+                values.sort();
+                (key.clone(), values)
+            })
+            .collect();
+        extra.sort();
         Key {
             user: user.username.clone().unwrap_or_default(),
+            uid: user.uid.clone().unwrap_or_default(),
             groups,
+            extra,
             namespace: namespace.to_owned(),
         }
     }
@@ -141,6 +158,10 @@ impl AccessReviewer {
                 let status = reviewed.status.unwrap_or_default();
                 if status.allowed {
                     Ok(())
+                } else if let Some(error) = status.evaluation_error.filter(|e| !e.is_empty()) {
+                    // The authorizer could not decide (e.g. a webhook authorizer failed): no
+                    // answer, so not cached.
+                    return self.unanswered(namespace, &format!("evaluation error: {error}"));
                 } else {
                     Err(denial(user, namespace, status.reason.as_deref()))
                 }

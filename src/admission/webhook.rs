@@ -9,6 +9,7 @@ use crate::admission::defaulting::{self, Target};
 use crate::admission::validation;
 use crate::api::{At, GROUP};
 use crate::observability::metrics::{AdmissionLabels, Metrics};
+use crate::serving::guard;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -165,14 +166,21 @@ impl Verdict {
     }
 }
 
-/// Serves the webhooks over TLS on `addr` until `handle` shuts the server down.
+/// Serves the webhooks over TLS on `addr` until `handle` shuts the server down, within `limits`
+/// (see `serving::guard`).
 pub async fn serve(
     listener: std::net::TcpListener,
     tls: RustlsConfig,
     handle: Handle<SocketAddr>,
     shared: Shared,
+    limits: guard::Limits,
 ) -> std::io::Result<()> {
-    let acceptor = RustlsAcceptor::new(tls).handshake_timeout(HANDSHAKE_TIMEOUT);
+    let acceptor = RustlsAcceptor::new(tls)
+        .handshake_timeout(HANDSHAKE_TIMEOUT)
+        .acceptor(guard::Capped::new(
+            axum_server::accept::DefaultAcceptor::new(),
+            limits.max_connections,
+        ));
     let mut server = axum_server::from_tcp(listener)?
         .acceptor(acceptor)
         .handle(handle)
@@ -182,7 +190,11 @@ pub async fn serve(
         .http1()
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(HEADER_TIMEOUT);
-    server.serve(router(shared).into_make_service()).await
+    let app = router(shared).layer(axum::middleware::from_fn_with_state(
+        guard::RequestGuard::new(limits),
+        guard::guard,
+    ));
+    server.serve(app.into_make_service()).await
 }
 
 /// The HTTP answer: the AdmissionReview, or 400 with the reason the body is not one.

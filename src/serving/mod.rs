@@ -1,9 +1,12 @@
 //! Serving: what every replica listens with, apart from the webhooks' own handlers.
 //!
 //! - `admin`: the plain-HTTP admin endpoints: `/healthz`, `/readyz` and `/metrics`.
+//! - `guard`: what any client of the webhook port may hold: connections, requests in flight,
+//!   time per request.
 //! - `listen`: listening sockets: dual-stack `[::]`, or `0.0.0.0` on a host without IPv6.
 //! - `tls`: the webhook server's certificate, reloaded when it changes, and `cnat certs`.
 
 pub mod admin;
+pub mod guard;
 pub mod listen;
 pub mod tls;

@@ -12,6 +12,48 @@ pub type Https = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>
 
 /// An HTTPS client that trusts only the CA in `ca`, restricted to `versions`.
 pub fn client(ca: &Path, versions: &[&'static rustls::SupportedProtocolVersion]) -> Https {
+    Client::builder(TokioExecutor::new()).build(connector(ca, versions))
+}
+
+/// A request body sent in pieces: what is sent on the channel, when it is sent.
+pub type Trickle = http_body_util::StreamBody<
+    futures::stream::BoxStream<'static, Result<hyper::body::Frame<Bytes>, std::io::Error>>,
+>;
+
+/// Posts to `path` a body of `length` bytes that arrives only as `pieces` sends it; returns the
+/// HTTP status once the server answers.
+pub async fn post_trickled(
+    ca: &Path,
+    addr: SocketAddr,
+    path: &str,
+    length: usize,
+    pieces: tokio::sync::mpsc::Receiver<Bytes>,
+) -> Result<u16, String> {
+    use futures::StreamExt;
+    let client: Client<_, Trickle> =
+        Client::builder(TokioExecutor::new()).build(connector(ca, rustls::DEFAULT_VERSIONS));
+    let frames = futures::stream::unfold(pieces, |mut rx| async {
+        rx.recv()
+            .await
+            .map(|piece| (Ok(hyper::body::Frame::data(piece)), rx))
+    })
+    .boxed();
+    let request = http::Request::post(format!("https://localhost:{}{path}", addr.port()))
+        .header("content-type", "application/json")
+        .header("content-length", length.to_string())
+        .body(http_body_util::StreamBody::new(frames))
+        .unwrap();
+    client
+        .request(request)
+        .await
+        .map(|response| response.status().as_u16())
+        .map_err(|e| format!("{e:?}"))
+}
+
+fn connector(
+    ca: &Path,
+    versions: &[&'static rustls::SupportedProtocolVersion],
+) -> hyper_rustls::HttpsConnector<HttpConnector> {
     let mut roots = rustls::RootCertStore::empty();
     let pem = std::fs::read(ca).unwrap();
     for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(&pem) {
@@ -24,12 +66,11 @@ pub fn client(ca: &Path, versions: &[&'static rustls::SupportedProtocolVersion])
     .unwrap()
     .with_root_certificates(roots)
     .with_no_client_auth();
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+    hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(config)
         .https_only()
         .enable_http1()
-        .build();
-    Client::builder(TokioExecutor::new()).build(connector)
+        .build()
 }
 
 pub async fn post(

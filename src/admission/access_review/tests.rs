@@ -149,3 +149,51 @@ async fn with_on_error_allow_a_failed_review_lets_the_at_through() {
     let reviewer = AccessReviewer::new(client, settings);
     assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_cache_key_is_everything_the_review_sends() {
+    let (client, task) = server(vec![
+        Some((201, fixture("subjectaccessreview-denied.json"))),
+        Some((201, fixture("subjectaccessreview-allowed.json"))),
+        Some((201, fixture("subjectaccessreview-allowed.json"))),
+    ]);
+    let reviewer = AccessReviewer::new(client, Settings::default());
+    assert!(reviewer.check(&alice(), "fx").await.is_err());
+    // Same name and groups, another uid (a recreated user): asked again, not the cached "no".
+    let mut other_uid = alice();
+    other_uid.uid = Some("u-2".into());
+    assert_eq!(reviewer.check(&other_uid, "fx").await, Ok(()));
+    // Other extra (e.g. a scope that an authorizer reads): asked again.
+    let mut other_extra = alice();
+    other_extra.extra = Some([("scopes".into(), vec!["y".into()])].into());
+    assert_eq!(reviewer.check(&other_extra, "fx").await, Ok(()));
+    // The same extra again: cached.
+    let mut reordered = alice();
+    reordered.extra = Some([("scopes".into(), vec!["x".into()])].into());
+    assert!(reviewer.check(&reordered, "fx").await.is_err());
+    drop(reviewer);
+    assert_eq!(task.await.unwrap().len(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_no_with_an_evaluation_error_is_no_answer_and_is_not_cached() {
+    let mut undecided = fixture("subjectaccessreview-denied.json");
+    undecided["status"]["evaluationError"] = "webhook authorizer: connection refused".into();
+    let (client, task) = server(vec![
+        Some((201, undecided)),
+        Some((201, fixture("subjectaccessreview-allowed.json"))),
+    ]);
+    let reviewer = AccessReviewer::new(client, Settings::default());
+    let failed = reviewer.check(&alice(), "fx").await.unwrap_err();
+    assert!(
+        failed.starts_with("cnat could not check whether you may create pods in namespace fx"),
+        "{failed}"
+    );
+    assert!(
+        failed.contains("evaluation error: webhook authorizer"),
+        "{failed}"
+    );
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()), "asked again");
+    drop(reviewer);
+    assert_eq!(task.await.unwrap().len(), 2);
+}

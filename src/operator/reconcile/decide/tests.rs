@@ -866,8 +866,15 @@ fn the_poison_at_gets_invalid_spec_instead_of_a_panic() {
     // Stored before the bounds existed: the reproduction from the issue.
     let mut poison = at("2020-01-01T00:00:00Z", None);
     poison.spec.starting_deadline_seconds = Some(10_000_000_000_000);
-    let d = decide(&poison, &PodObservation::NotCached, time("2026-11-24T00:00:00Z"));
-    assert_eq!((d.action, d.requeue, d.retry), (Action::Nothing, None, false));
+    let d = decide(
+        &poison,
+        &PodObservation::NotCached,
+        time("2026-11-24T00:00:00Z"),
+    );
+    assert_eq!(
+        (d.action, d.requeue, d.retry),
+        (Action::Nothing, None, false)
+    );
     let status = status_of(&d);
     assert_eq!(status.phase, Phase::Pending);
     assert_eq!(status.reason.as_deref(), Some("InvalidSpec"));
@@ -879,7 +886,11 @@ fn the_poison_at_gets_invalid_spec_instead_of_a_panic() {
     assert!(message.contains("fix the field"), "{message}");
     assert_eq!(note_of(&d).severity, Severity::Warning);
     // Reported once: the written status decides nothing more.
-    let again = decide(&written(poison, &d), &PodObservation::NotCached, time("2026-11-24T00:00:01Z"));
+    let again = decide(
+        &written(poison, &d),
+        &PodObservation::NotCached,
+        time("2026-11-24T00:00:01Z"),
+    );
     assert_eq!(again, Decision::idle());
 }
 
@@ -891,7 +902,11 @@ fn extreme_values_in_range_decide_without_overflow() {
         extreme.spec.starting_deadline_seconds = max;
         extreme.spec.active_deadline_seconds = max;
         extreme.spec.ttl_seconds_after_finished = Some(i32::MAX);
-        for now in ["0000-01-01T00:00:00Z", "2026-11-24T00:00:00Z", "9999-12-31T23:59:59Z"] {
+        for now in [
+            "0000-01-01T00:00:00Z",
+            "2026-11-24T00:00:00Z",
+            "9999-12-31T23:59:59Z",
+        ] {
             let d = decide(&extreme, &PodObservation::NotCached, time(now));
             // Either a status (scheduled, or due: running), or, past the deadline, a look for
             // a pod before it is reported missed.
@@ -918,12 +933,24 @@ fn extreme_values_in_range_decide_without_overflow() {
 #[test]
 fn a_failed_command_s_output_is_on_the_at_but_not_in_the_log_summary() {
     let view = ended_pod(false, Some(3), Some("Error: password=hunter2"));
-    let d = decide(&running_at(), &PodObservation::Owned(view), time("2019-04-12T10:12:05Z"));
+    let d = decide(
+        &running_at(),
+        &PodObservation::Owned(view),
+        time("2019-04-12T10:12:05Z"),
+    );
     let note = note_of(&d);
     assert!(note.message.contains("hunter2"), "{}", note.message);
-    assert!(status_of(&d).message.as_deref().unwrap().contains("hunter2"));
+    assert!(status_of(&d)
+        .message
+        .as_deref()
+        .unwrap()
+        .contains("hunter2"));
     assert!(!note.summary.contains("hunter2"), "{}", note.summary);
-    assert!(note.summary.contains("exited with code 3"), "{}", note.summary);
+    assert!(
+        note.summary.contains("exited with code 3"),
+        "{}",
+        note.summary
+    );
 }
 
 fn deleting(mut view: PodView) -> PodView {
@@ -936,19 +963,30 @@ fn a_deleted_pod_is_released_only_once_the_status_names_it() {
     let now = time("2019-04-12T10:12:05Z");
     // PENDING (the RUNNING write was lost with the old leader): record the pod first.
     let pending = at(BOOK_SCHEDULE, None);
-    let d = decide(&pending, &PodObservation::Owned(deleting(running_pod())), now);
+    let d = decide(
+        &pending,
+        &PodObservation::Owned(deleting(running_pod())),
+        now,
+    );
     assert_eq!(d.action, Action::Nothing);
     assert_eq!(status_of(&d).phase, Phase::Running);
     assert_eq!(status_of(&d).pod_name.as_deref(), Some("example-at-pod"));
     // RUNNING with the pod named: the finalizer can go.
     let recorded = written(pending, &d);
-    let d = decide(&recorded, &PodObservation::Owned(deleting(running_pod())), now);
+    let d = decide(
+        &recorded,
+        &PodObservation::Owned(deleting(running_pod())),
+        now,
+    );
     assert_eq!(d.action, Action::ReleasePod);
     assert_eq!(d.status, None);
     // A pod that ended while being deleted: its outcome is recorded before the release.
     let ended = deleting(ended_pod(true, Some(0), None));
     let d = decide(&recorded, &PodObservation::Owned(ended.clone()), now);
-    assert_eq!((d.action, status_of(&d).phase), (Action::Nothing, Phase::Done));
+    assert_eq!(
+        (d.action, status_of(&d).phase),
+        (Action::Nothing, Phase::Done)
+    );
     let done = written(recorded.clone(), &d);
     assert_eq!(
         decide(&done, &PodObservation::Owned(ended), now).action,
@@ -959,7 +997,10 @@ fn a_deleted_pod_is_released_only_once_the_status_names_it() {
     assert_eq!(d.action, Action::Nothing);
     let mut free = deleting(running_pod());
     free.held = false;
-    assert_eq!(decide(&recorded, &PodObservation::Owned(free), now).action, Action::Nothing);
+    assert_eq!(
+        decide(&recorded, &PodObservation::Owned(free), now).action,
+        Action::Nothing
+    );
     // An At that is itself being deleted lets its pod go at once.
     let mut going = at(BOOK_SCHEDULE, None);
     going.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
