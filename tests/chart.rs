@@ -13,7 +13,7 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule, Role};
 use rustls::client::danger::ServerCertVerifier;
 use rustls::pki_types::{pem::PemObject, CertificateDer, ServerName, UnixTime};
 use serde::de::DeserializeOwned;
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
@@ -255,7 +255,12 @@ fn rbac_is_exactly_what_the_operator_uses() {
                 &["patch"],
                 None
             ),
-            rule(&[""], &["pods"], &["get", "list", "watch", "create"], None),
+            rule(
+                &[""],
+                &["pods"],
+                &["get", "list", "watch", "create", "patch"],
+                None
+            ),
             rule(&["events.k8s.io"], &["events"], &["create", "patch"], None),
             rule(
                 &["authorization.k8s.io"],
@@ -520,6 +525,7 @@ fn the_default_install_renders_exactly_these_objects() {
         "ClusterRoleBinding",
         "Deployment",
         "MutatingWebhookConfiguration",
+        "NetworkPolicy",
         "Pod",
         "PodDisruptionBudget",
         "Role",
@@ -890,4 +896,36 @@ fn only_cert_manager_and_existing_secret_render_the_same_twice() {
         stdout.contains("helm template") && stdout.contains("certManager.enabled"),
         "NOTES warn GitOps users: {stdout}"
     );
+}
+
+#[test]
+fn the_network_policy_admits_only_the_webhook_and_admin_ports_from_the_peers_given() {
+    let policy: Value = Rendered::new(&[]).one("NetworkPolicy");
+    let ingress = policy["spec"]["ingress"].as_array().unwrap();
+    let ports: Vec<&Value> = ingress
+        .iter()
+        .map(|rule| &rule["ports"][0]["port"])
+        .collect();
+    assert_eq!(ports, ["webhook", "admin"]);
+    assert!(
+        ingress.iter().all(|rule| rule.get("from").is_none()),
+        "open by default: {policy}"
+    );
+    assert_eq!(policy["spec"]["policyTypes"], json!(["Ingress"]));
+    let narrowed: Value = Rendered::new(&[
+        "networkPolicy.webhookFrom[0].ipBlock.cidr=10.0.0.0/24",
+        "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring",
+    ])
+    .one("NetworkPolicy");
+    assert_eq!(
+        narrowed["spec"]["ingress"][0]["from"],
+        json!([{"ipBlock": {"cidr": "10.0.0.0/24"}}])
+    );
+    assert_eq!(
+        narrowed["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"]["team"],
+        "monitoring"
+    );
+    assert!(Rendered::new(&["networkPolicy.enabled=false"])
+        .all::<Value>("NetworkPolicy")
+        .is_empty());
 }
