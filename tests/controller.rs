@@ -222,6 +222,30 @@ async fn the_pod_of_a_deleted_at_is_released() {
     operator.abort();
 }
 
+/// An At stored before the CRD bounded its numbers: the API server refuses any status for it
+/// (the whole object is validated), so the event says why, once, and nothing loops.
+#[tokio::test]
+async fn an_at_beyond_the_bounds_is_told_in_an_event_without_a_retry_loop() {
+    let server = ApiServer::new();
+    let operator = start(&server);
+    let mut poison = at_json("poison", "2020-01-01T00:00:00Z", "true");
+    poison["spec"]["startingDeadlineSeconds"] = 10_000_000_000_000_i64.into();
+    server.create(Resource::Ats, poison);
+    assert_eq!(server.told("poison", 1).await, ["InvalidSpec"]);
+    let events = server.list(Resource::Events);
+    let note = events[0]["note"].as_str().unwrap();
+    assert!(
+        note.starts_with("spec.startingDeadlineSeconds: 10000000000000 is out of range"),
+        "{note}"
+    );
+    assert!(note.contains("the API server refuses any status"), "{note}");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(server.count("PATCH ats/status"), 1, "no retry loop");
+    assert_eq!(server.count("POST pods"), 0);
+    assert_eq!(status(&server, "poison"), None);
+    operator.abort();
+}
+
 #[tokio::test]
 async fn a_restarted_operator_does_not_run_a_command_again() {
     let server = ApiServer::new();

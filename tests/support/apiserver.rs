@@ -762,6 +762,22 @@ impl ApiServer {
             }
             _ => {}
         }
+        // As a real server: a write validates the whole object against the CRD's schema, so an
+        // At stored before the schema bounded its numbers can take no status at all.
+        if route.resource == Resource::Ats {
+            if let Ok(spec) = serde_json::from_value::<cnat::api::AtSpec>(current["spec"].clone()) {
+                if let Some(problem) = cnat::limits::problems(&spec, |_| true).first() {
+                    return status(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        "Invalid",
+                        &format!(
+                            "At.cnat.programming-kubernetes.info {name:?} is invalid: {problem}"
+                        ),
+                        Some(name),
+                    );
+                }
+            }
+        }
         let mut updated = current.clone();
         if route.subresource.as_deref() == Some("status") {
             // The status subresource changes status only.

@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test binary uses a different part
 
 pub mod apiserver;
+pub mod envtest;
 pub mod https;
 pub mod otlp;
 pub mod process;

@@ -229,6 +229,46 @@ impl Context {
         }
     }
 
+    /// The API server validates the whole At on a status write, so an At whose spec breaks the
+    /// CRD's schema (stored before the schema had today's bounds) can get no status at all
+    /// (422). Retrying cannot help: the decided event tells the story instead, with the
+    /// server's words, and this version is left alone until it changes.
+    pub(super) fn refused_status(
+        self: &Arc<Self>,
+        at: &At,
+        decision: &Decision,
+        refusal: &kube::core::Status,
+    ) {
+        let at_key = key(at);
+        let told = decision.note.as_ref().map_or_else(
+            || {
+                format!(
+                    "the API server refuses any status for this At: {}",
+                    refusal.message
+                )
+            },
+            |note| {
+                format!(
+                    "{}; the API server refuses any status for this At until its spec is fixed: {}",
+                    note.message, refusal.message
+                )
+            },
+        );
+        warn!(at = %at_key, reason = decision.note.as_ref().map(|n| n.reason), "the API server refuses any status for this At (its spec breaks the CRD's schema); told in an event only");
+        let event = Event {
+            type_: kube::runtime::events::EventType::Warning,
+            reason: decision
+                .note
+                .as_ref()
+                .map_or("InvalidSpec", |n| n.reason)
+                .into(),
+            note: Some(told),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        self.tell_later(at, event);
+    }
+
     async fn write_followup(self: &Arc<Self>, at: &Arc<At>, decision: &Decision) {
         let Some(status) = &decision.status else {
             return;
@@ -244,6 +284,8 @@ impl Context {
             Err(kube::Error::Api(s)) if s.is_conflict() => {
                 debug!(at = %key(at), "status changed meanwhile; waiting for the newer version");
             }
+            // The server refuses any status on this version: see `refused_status`.
+            Err(kube::Error::Api(s)) if s.is_invalid() => self.refused_status(at, decision, &s),
             Err(error) => {
                 let span = Span::current();
                 span.record("error", display(&error));

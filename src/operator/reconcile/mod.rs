@@ -557,7 +557,7 @@ impl Context {
     /// Writes the decided status, then tells the story in an event and a log line. A requeue is
     /// shortened by the time spent since `decided_at`, so a due time is not missed by that much.
     async fn commit(
-        &self,
+        self: &Arc<Self>,
         at: &At,
         decision: Decision,
         decided_at: DateTime<Utc>,
@@ -568,6 +568,11 @@ impl Context {
                 // Someone wrote first: the watch brings the newer At, and we decide on that.
                 Err(kube::Error::Api(s)) if s.is_conflict() => {
                     debug!(at = %key(at), "status changed meanwhile; waiting for the newer version");
+                    return Ok(Action::await_change());
+                }
+                Err(kube::Error::Api(s)) if s.is_invalid() => {
+                    self.remember_write(at, status.phase);
+                    self.refused_status(at, &decision, &s);
                     return Ok(Action::await_change());
                 }
                 Err(source) => {

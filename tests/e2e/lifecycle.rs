@@ -1,0 +1,269 @@
+//! The At lifecycle on a real API server: the book example, a failing command, a bad schedule,
+//! a quota that refuses and later allows, a namespace enforcing PodSecurity `restricted`.
+
+use crate::support;
+use crate::support::envtest::{wait_at, Target};
+use cnat::api::{At, AtSpec, Outcome, Phase};
+use cnat::observability::metrics::Metrics;
+use k8s_openapi::api::core::v1::{Pod, ResourceQuota};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{ListParams, PostParams};
+use kube::{Api, Client};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Long enough for a pod on a real cluster (image pull) and for a loaded 2-core machine.
+const DONE_WITHIN: Duration = Duration::from_secs(120);
+
+pub fn at(name: &str, schedule: chrono::DateTime<chrono::Utc>, command: &str) -> At {
+    At::new(
+        name,
+        AtSpec {
+            schedule: schedule.to_rfc3339(),
+            command: command.into(),
+            image: "busybox".into(),
+            ..AtSpec::default()
+        },
+    )
+}
+
+/// The reconcile loop, watching `ns` only, until the handle is dropped.
+pub fn start_operator(client: &Client, ns: &str) -> tokio_util::task::AbortOnDropHandle<()> {
+    let settings = cnat::operator::controller::Settings {
+        namespace: Some(ns.to_owned()),
+        concurrency: 32,
+        policy: Default::default(),
+    };
+    let events = support::events(client, "cnat-e2e");
+    tokio_util::task::AbortOnDropHandle::new(tokio::spawn(cnat::operator::controller::run(
+        client.clone(),
+        settings,
+        events,
+        Arc::new(Metrics::new(Default::default())),
+        CancellationToken::new(),
+    )))
+}
+
+fn phase_is(phase: Phase) -> impl Fn(&At) -> bool {
+    move |at| at.status.as_ref().is_some_and(|s| s.phase == phase)
+}
+
+/// The reasons of the events about At `name`, oldest first.
+pub async fn event_reasons(client: &Client, ns: &str, name: &str) -> Vec<String> {
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    let mut found: Vec<Event> = events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .collect();
+    found.sort_by_key(|e| e.metadata.creation_timestamp.clone());
+    found.into_iter().filter_map(|e| e.reason).collect()
+}
+
+/// Waits until the events about `name` include every one of `reasons`.
+async fn wait_events(client: &Client, ns: &str, name: &str, reasons: &[&str]) -> Vec<String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let told = event_reasons(client, ns, name).await;
+        if reasons.iter().all(|r| told.iter().any(|t| t == r)) {
+            return told;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{name}: events {told:?}, expected {reasons:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Runs the pod of At `name` to its end: on a real cluster by itself, else as a kubelet would.
+async fn run_pod(target: &Target, ns: &str, name: &str, exit_code: i32, message: &str) {
+    let ats: Api<At> = Api::namespaced(target.client.clone(), ns);
+    wait_at(&ats, name, DONE_WITHIN, phase_is(Phase::Running)).await;
+    target
+        .finish_pod(ns, &format!("{name}-pod"), exit_code, message)
+        .await;
+}
+
+#[tokio::test]
+async fn the_book_example_runs_once_and_failures_and_bad_schedules_show_on_the_at() {
+    let target = crate::e2e_target!();
+    target.install_crd().await;
+    let ns = target
+        .namespace(
+            "lifecycle",
+            &[("pod-security.kubernetes.io/enforce", "restricted")],
+        )
+        .await;
+    let _operator = start_operator(&target.client, &ns);
+    let ats: Api<At> = Api::namespaced(target.client.clone(), &ns);
+    let params = PostParams::default();
+    let due = chrono::Utc::now() + chrono::Duration::seconds(3);
+
+    // Created without status, it reads PENDING at once (the CRD's default).
+    let created = ats
+        .create(&params, &at("example-at", due, "echo YAY"))
+        .await
+        .unwrap();
+    assert_eq!(created.status.map(|s| s.phase), Some(Phase::Pending));
+    ats.create(
+        &params,
+        &at("fails", due, "echo 'about to fail' >&2; exit 3"),
+    )
+    .await
+    .unwrap();
+    let mut bad = at("bad-schedule", due, "true");
+    bad.spec.schedule = "tomorrow noon".into();
+    ats.create(&params, &bad).await.unwrap();
+
+    run_pod(&target, &ns, "example-at", 0, "").await;
+    let done = wait_at(&ats, "example-at", DONE_WITHIN, phase_is(Phase::Done)).await;
+    let status = done.status.unwrap();
+    assert_eq!(
+        (status.outcome, status.exit_code),
+        (Some(Outcome::Succeeded), Some(0))
+    );
+    // Not before its time, and admitted in a namespace that enforces `restricted`.
+    let pods: Api<Pod> = Api::namespaced(target.client.clone(), &ns);
+    let pod = pods.get("example-at-pod").await.unwrap();
+    let created = cnat::operator::pod::to_chrono(pod.metadata.creation_timestamp.as_ref().unwrap());
+    assert!(
+        created >= due - chrono::Duration::seconds(1),
+        "ran early: {created} < {due}"
+    );
+    let told = wait_events(
+        &target.client,
+        &ns,
+        "example-at",
+        &["Scheduled", "PodCreated", "Succeeded"],
+    )
+    .await;
+    assert_eq!(
+        told.iter().filter(|r| *r == "PodCreated").count(),
+        1,
+        "{told:?}"
+    );
+
+    run_pod(&target, &ns, "fails", 3, "about to fail").await;
+    let failed = wait_at(&ats, "fails", DONE_WITHIN, phase_is(Phase::Done)).await;
+    let failed = failed.status.unwrap();
+    assert_eq!(
+        (failed.outcome, failed.exit_code),
+        (Some(Outcome::Failed), Some(3))
+    );
+    assert_eq!(failed.reason.as_deref(), Some("CommandFailed"));
+    assert!(failed.message.unwrap().contains("about to fail"));
+    wait_events(&target.client, &ns, "fails", &["CommandFailed"]).await;
+
+    let bad = wait_at(&ats, "bad-schedule", Duration::from_secs(30), |at| {
+        at.status.as_ref().is_some_and(|s| s.reason.is_some())
+    })
+    .await;
+    let bad = bad.status.unwrap();
+    assert_eq!(
+        (bad.phase, bad.reason.as_deref()),
+        (Phase::Pending, Some("InvalidSchedule"))
+    );
+    assert!(bad
+        .message
+        .unwrap()
+        .contains("\"tomorrow noon\" is not an RFC 3339 time"));
+    wait_events(&target.client, &ns, "bad-schedule", &["InvalidSchedule"]).await;
+    // Exactly one pod per At that ran.
+    let all = pods.list(&ListParams::default()).await.unwrap().items;
+    let mut names: Vec<String> = all.into_iter().filter_map(|p| p.metadata.name).collect();
+    names.sort();
+    assert_eq!(names, ["example-at-pod", "fails-pod"]);
+}
+
+/// A namespace whose ResourceQuota requires limits and has room for one small pod: an At
+/// without resources shows the server's own refusal as `PodForbidden`; a second sized At waits
+/// (quota exceeded) until the first pod ends and frees the quota, then runs.
+#[tokio::test]
+async fn a_quota_refusal_shows_on_the_at_and_it_runs_once_the_quota_allows() {
+    let target = crate::e2e_target!();
+    target.install_crd().await;
+    let ns = target.namespace("quota", &[]).await;
+    let quota: ResourceQuota = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "compute"},
+        "spec": {"hard": {"limits.cpu": "100m", "limits.memory": "64Mi", "pods": "1"}},
+    }))
+    .unwrap();
+    let quotas: Api<ResourceQuota> = Api::namespaced(target.client.clone(), &ns);
+    quotas.create(&PostParams::default(), &quota).await.unwrap();
+    // The quota admission refuses every pod until the controller manager computed its usage.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while quotas
+        .get("compute")
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.used)
+        .is_none()
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "quota usage never computed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _operator = start_operator(&target.client, &ns);
+    let ats: Api<At> = Api::namespaced(target.client.clone(), &ns);
+    let now = chrono::Utc::now();
+    let sized = |name: &str| {
+        let mut sized = at(name, now, "true");
+        sized.spec.resources = Some(
+            serde_json::from_value(
+                serde_json::json!({"limits": {"cpu": "100m", "memory": "64Mi"}}),
+            )
+            .unwrap(),
+        );
+        sized
+    };
+    ats.create(&PostParams::default(), &at("unsized", now, "true"))
+        .await
+        .unwrap();
+    let refused = wait_at(&ats, "unsized", Duration::from_secs(60), |at| {
+        at.status
+            .as_ref()
+            .is_some_and(|s| s.reason.as_deref() == Some("PodForbidden"))
+    })
+    .await
+    .status
+    .unwrap();
+    assert_eq!(refused.phase, Phase::Pending);
+    let message = refused.message.unwrap();
+    // The server's own words, and cnat's advice.
+    assert!(
+        message.contains("failed quota: compute: must specify limits.cpu"),
+        "{message}"
+    );
+    assert!(message.contains("set spec.resources"), "{message}");
+
+    // One pod at a time: the second waits (quota exceeded) while the first runs...
+    ats.create(&PostParams::default(), &sized("first"))
+        .await
+        .unwrap();
+    wait_at(&ats, "first", DONE_WITHIN, phase_is(Phase::Running)).await;
+    ats.create(&PostParams::default(), &sized("second"))
+        .await
+        .unwrap();
+    let waiting = wait_at(&ats, "second", Duration::from_secs(60), |at| {
+        at.status
+            .as_ref()
+            .is_some_and(|s| s.reason.as_deref() == Some("PodForbidden"))
+    })
+    .await;
+    let message = waiting.status.unwrap().message.unwrap();
+    assert!(message.contains("exceeded quota: compute"), "{message}");
+    // ... and runs once the first pod ended (a finished pod no longer counts).
+    run_pod(&target, &ns, "first", 0, "").await;
+    wait_at(&ats, "first", DONE_WITHIN, phase_is(Phase::Done)).await;
+    run_pod(&target, &ns, "second", 0, "").await;
+    let second = wait_at(&ats, "second", DONE_WITHIN, phase_is(Phase::Done)).await;
+    assert_eq!(second.status.unwrap().outcome, Some(Outcome::Succeeded));
+}

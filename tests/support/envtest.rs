@@ -1,0 +1,663 @@
+//! A private, real Kubernetes control plane for tests, the envtest way: `KUBEBUILDER_ASSETS`
+//! names a folder with `etcd`, `kube-apiserver`, `kubectl` and (here) `kube-controller-manager`,
+//! as controller-runtime's `setup-envtest` lays it out; `scripts/envtest` prepares one in
+//! `.tools/envtest` from `../shared/envtest`.
+//!
+//! `control_plane()` starts etcd, kube-apiserver and kube-controller-manager once per test
+//! process on free loopback ports in a temporary folder, waits for `/readyz`, and hands out
+//! clients: an admin one, and others that impersonate a user or ServiceAccount, so that a test
+//! binds exactly the RBAC it means to test. Each test takes its own namespace.
+//!
+//! Clean-up: the processes die with the test process (`PR_SET_PDEATHSIG`, from a thread that
+//! lives as long as the process), and are stopped and the folder removed when the process exits
+//! normally (after a test panicked too); a folder left by an interrupted run is removed by the
+//! next start. Under `cargo nextest` every test is a process of its own, so each gets its own
+//! control plane; under `cargo test`, the tests of a binary share one.
+//!
+//! Without the binaries, `control_plane()` returns `None` after printing one line on how to get
+//! them, and the test passes as skipped; with `CI=true` and `../shared/envtest` present, that is
+//! a failure instead.
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::PostParams;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client};
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+const ADMIN_TOKEN: &str = "cnat-envtest-admin";
+/// Where every control plane's folder goes, one per process id.
+const FOLDERS: &str = "cnat-envtest";
+
+/// A running control plane.
+pub struct ControlPlane {
+    /// `https://127.0.0.1:PORT`.
+    pub server: String,
+    /// Its folder: certificates, etcd data, kubeconfig, logs.
+    pub dir: PathBuf,
+    /// An admin kubeconfig file (token auth, the apiserver's own CA).
+    pub kubeconfig: PathBuf,
+    ca: Vec<u8>,
+}
+
+/// What is running, for the exit handler.
+static RUNNING: Mutex<Option<(Vec<u32>, PathBuf)>> = Mutex::new(None);
+static SHARED: OnceLock<Option<ControlPlane>> = OnceLock::new();
+
+/// The folder with the binaries, if `KUBEBUILDER_ASSETS` names one that has them all.
+pub fn assets() -> Option<PathBuf> {
+    let dir = PathBuf::from(std::env::var_os("KUBEBUILDER_ASSETS")?);
+    ["etcd", "kube-apiserver", "kube-controller-manager"]
+        .iter()
+        .all(|b| dir.join(b).is_file())
+        .then_some(dir)
+}
+
+/// The control plane of this test process, started on first use; `None` (after one line on
+/// stderr saying how to enable it) when there are no binaries. Panics when it cannot start, or
+/// when binaries are missing in CI where they should be.
+pub fn control_plane() -> Option<&'static ControlPlane> {
+    SHARED
+        .get_or_init(|| match assets() {
+            Some(dir) => Some(start(&dir)),
+            None => {
+                let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/envtest");
+                let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+                assert!(
+                    !(ci && shared.exists()),
+                    "CI=true and {} exists, but KUBEBUILDER_ASSETS names no folder with etcd, kube-apiserver and kube-controller-manager: run scripts/envtest",
+                    shared.display()
+                );
+                eprintln!("skipped: no real control plane; set KUBEBUILDER_ASSETS to a folder with etcd, kube-apiserver, kube-controller-manager and kubectl (scripts/envtest prepares .tools/envtest, or `setup-envtest use 1.24 -p path`)");
+                None
+            }
+        })
+        .as_ref()
+}
+
+/// `control_plane()`, or return from the test (skipped) when there is none.
+#[macro_export]
+macro_rules! real_control_plane {
+    () => {
+        match $crate::support::envtest::control_plane() {
+            Some(plane) => plane,
+            None => return,
+        }
+    };
+}
+
+impl ControlPlane {
+    /// A client with every right (`system:masters`).
+    pub async fn admin(&self) -> Client {
+        self.client_as(None).await
+    }
+
+    /// A client acting as `user` in `groups` (impersonation by the admin): it has exactly the
+    /// rights RBAC gives that user, and webhooks see it as the requester.
+    pub async fn user(&self, user: &str, groups: &[&str]) -> Client {
+        self.client_as(Some((user, groups))).await
+    }
+
+    /// A client acting as ServiceAccount `namespace/name`.
+    pub async fn service_account(&self, namespace: &str, name: &str) -> Client {
+        let user = format!("system:serviceaccount:{namespace}:{name}");
+        let ns_group = format!("system:serviceaccounts:{namespace}");
+        self.user(
+            &user,
+            &["system:serviceaccounts", &ns_group, "system:authenticated"],
+        )
+        .await
+    }
+
+    async fn client_as(&self, who: Option<(&str, &[&str])>) -> Client {
+        let mut config = kube::Config::from_custom_kubeconfig(
+            self.kubeconfig_value(),
+            &KubeConfigOptions::default(),
+        )
+        .await
+        .expect("the envtest kubeconfig is usable");
+        if let Some((user, groups)) = who {
+            config.auth_info.impersonate = Some(user.to_owned());
+            config.auth_info.impersonate_groups =
+                Some(groups.iter().map(|g| (*g).to_owned()).collect());
+        }
+        // Tests make many requests at once; the default 5 s read timeout is plenty per request.
+        config.read_timeout = Some(Duration::from_secs(30));
+        Client::try_from(config).expect("a client")
+    }
+
+    fn kubeconfig_value(&self) -> Kubeconfig {
+        Kubeconfig::from_yaml(&self.kubeconfig_yaml()).expect("a kubeconfig")
+    }
+
+    fn kubeconfig_yaml(&self) -> String {
+        use base64::Engine;
+        let ca = base64::engine::general_purpose::STANDARD.encode(&self.ca);
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: envtest\n  cluster:\n    server: {}\n    certificate-authority-data: {ca}\nusers:\n- name: admin\n  user:\n    token: {ADMIN_TOKEN}\ncontexts:\n- name: envtest\n  context:\n    cluster: envtest\n    user: admin\n    namespace: default\ncurrent-context: envtest\n",
+            self.server
+        )
+    }
+
+    /// A new namespace named after `test` (unique in this control plane), with `labels`.
+    pub async fn namespace(&self, test: &str, labels: &[(&str, &str)]) -> String {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let name: String = format!("{test}-{n}")
+            .to_lowercase()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .take(55)
+            .collect();
+        let labels: serde_json::Map<String, serde_json::Value> = labels
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).into()))
+            .collect();
+        let ns: Namespace = serde_json::from_value(
+            serde_json::json!({"metadata": {"name": name, "labels": labels}}),
+        )
+        .unwrap();
+        let namespaces: Api<Namespace> = Api::all(self.admin().await);
+        namespaces
+            .create(&PostParams::default(), &ns)
+            .await
+            .expect("namespace created");
+        // Pods need the namespace's `default` ServiceAccount, which the controller manager adds.
+        let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+            Api::namespaced(self.admin().await, &name);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while accounts.get_opt("default").await.ok().flatten().is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "no default ServiceAccount in {name}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        name
+    }
+
+    /// `kubectl` against this control plane, as admin.
+    pub fn kubectl(&self) -> Command {
+        let assets = assets().expect("assets");
+        let kubectl = if assets.join("kubectl").exists() {
+            assets.join("kubectl")
+        } else {
+            PathBuf::from("kubectl")
+        };
+        let mut command = Command::new(kubectl);
+        command.env("KUBECONFIG", &self.kubeconfig);
+        command
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Removes the folders of control planes whose process is gone (an interrupted run).
+fn sweep(parent: &Path) {
+    for entry in std::fs::read_dir(parent).into_iter().flatten().flatten() {
+        let pid = entry.file_name().to_string_lossy().parse::<u32>().ok();
+        if pid.is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+extern "C" fn stop_at_exit() {
+    let running = RUNNING.lock().map(|mut r| r.take()).unwrap_or(None);
+    if let Some((pids, dir)) = running {
+        // Nothing in it is worth a graceful stop: the folder goes next.
+        for pid in pids.iter().rev() {
+            // SAFETY: sending a signal to a process this process started.
+            unsafe {
+                libc::kill(pid.cast_signed(), libc::SIGKILL);
+            }
+        }
+        for pid in &pids {
+            // SAFETY: reaping a child of this process, so it leaves no zombie.
+            unsafe {
+                libc::waitpid(pid.cast_signed(), std::ptr::null_mut(), 0);
+            }
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+/// Spawns `command` from the keeper thread, so that `PR_SET_PDEATHSIG` (which fires when the
+/// spawning thread ends) kills it only when the process ends.
+fn spawn(mut command: Command, log: &Path) -> Child {
+    static KEEPER: OnceLock<std::sync::mpsc::Sender<(Command, std::sync::mpsc::Sender<Child>)>> =
+        OnceLock::new();
+    let keeper = KEEPER.get_or_init(|| {
+        let (jobs, inbox) = std::sync::mpsc::channel::<(Command, std::sync::mpsc::Sender<Child>)>();
+        std::thread::spawn(move || {
+            for (mut command, reply) in inbox {
+                let child = command.spawn().expect("a control plane process starts");
+                let _ = reply.send(child);
+            }
+            // The channel lives in a static: this thread never ends before the process.
+        });
+        jobs
+    });
+    let out = std::fs::File::create(log).expect("a log file");
+    let err = out.try_clone().expect("a log file");
+    command.stdout(Stdio::from(out)).stderr(Stdio::from(err));
+    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let (reply, child) = std::sync::mpsc::channel();
+    keeper
+        .send((command, reply))
+        .expect("the keeper thread runs");
+    child.recv().expect("the keeper thread answers")
+}
+
+fn start(assets: &Path) -> ControlPlane {
+    let parent = std::env::temp_dir().join(FOLDERS);
+    std::fs::create_dir_all(&parent).expect("a folder for control planes");
+    sweep(&parent);
+    let dir = parent.join(std::process::id().to_string());
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("certs")).expect("a folder for the control plane");
+    // SAFETY: registering a plain extern "C" function.
+    unsafe {
+        libc::atexit(stop_at_exit);
+    }
+
+    // The ServiceAccount token signing key.
+    let key = rcgen::KeyPair::generate().expect("a key");
+    std::fs::write(dir.join("sa.key"), key.serialize_pem()).unwrap();
+    std::fs::write(dir.join("sa.pub"), key.public_key_pem()).unwrap();
+    std::fs::write(
+        dir.join("tokens.csv"),
+        format!("{ADMIN_TOKEN},admin,admin,system:masters\n"),
+    )
+    .unwrap();
+
+    let (etcd_port, peer_port, api_port, kcm_port) =
+        (free_port(), free_port(), free_port(), free_port());
+    let etcd_url = format!("http://127.0.0.1:{etcd_port}");
+    let peer_url = format!("http://127.0.0.1:{peer_port}");
+    let mut etcd = Command::new(assets.join("etcd"));
+    etcd.args([
+        "--data-dir",
+        dir.join("etcd").to_str().unwrap(),
+        "--listen-client-urls",
+        &etcd_url,
+        "--advertise-client-urls",
+        &etcd_url,
+        "--listen-peer-urls",
+        &peer_url,
+        "--initial-advertise-peer-urls",
+        &peer_url,
+        "--initial-cluster",
+        &format!("default={peer_url}"),
+        "--log-level",
+        "warn",
+    ]);
+    let mut pids = vec![spawn(etcd, &dir.join("etcd.log")).id()];
+    *RUNNING.lock().unwrap() = Some((pids.clone(), dir.clone()));
+
+    let d = |file: &str| dir.join(file).to_str().unwrap().to_owned();
+    let mut apiserver = Command::new(assets.join("kube-apiserver"));
+    apiserver.args([
+        format!("--etcd-servers={etcd_url}"),
+        "--bind-address=127.0.0.1".into(),
+        "--advertise-address=127.0.0.1".into(),
+        format!("--secure-port={api_port}"),
+        format!("--cert-dir={}", d("certs")),
+        format!("--token-auth-file={}", d("tokens.csv")),
+        "--authorization-mode=Node,RBAC".into(),
+        "--service-account-issuer=https://kubernetes.default.svc".into(),
+        format!("--service-account-key-file={}", d("sa.pub")),
+        format!("--service-account-signing-key-file={}", d("sa.key")),
+        "--service-cluster-ip-range=10.96.0.0/16".into(),
+        "--enable-admission-plugins=NamespaceLifecycle,ServiceAccount,MutatingAdmissionWebhook,ValidatingAdmissionWebhook,ResourceQuota".into(),
+        "--feature-gates=CustomResourceValidationExpressions=true".into(),
+        "--enable-priority-and-fairness=false".into(),
+    ]);
+    pids.push(spawn(apiserver, &dir.join("kube-apiserver.log")).id());
+    *RUNNING.lock().unwrap() = Some((pids.clone(), dir.clone()));
+
+    // The serving certificate appears in the cert dir; it is its own CA.
+    let ca_path = dir.join("certs/apiserver.crt");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ca_path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "kube-apiserver wrote no certificate; see {}",
+            dir.join("kube-apiserver.log").display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let ca = std::fs::read(&ca_path).unwrap();
+    let plane = ControlPlane {
+        server: format!("https://127.0.0.1:{api_port}"),
+        kubeconfig: dir.join("kubeconfig"),
+        dir: dir.clone(),
+        ca,
+    };
+    std::fs::write(&plane.kubeconfig, plane.kubeconfig_yaml()).unwrap();
+    wait_ready(&plane, "kube-apiserver.log", deadline);
+
+    let kubeconfig = plane.kubeconfig.to_str().unwrap().to_owned();
+    let mut kcm = Command::new(assets.join("kube-controller-manager"));
+    kcm.args([
+        format!("--kubeconfig={kubeconfig}"),
+        format!("--authentication-kubeconfig={kubeconfig}"),
+        format!("--authorization-kubeconfig={kubeconfig}"),
+        "--leader-elect=false".into(),
+        format!("--service-account-private-key-file={}", d("sa.key")),
+        format!("--root-ca-file={}", ca_path.display()),
+        "--controllers=*,-nodeipam,-nodelifecycle".into(),
+        "--bind-address=127.0.0.1".into(),
+        format!("--secure-port={kcm_port}"),
+    ]);
+    pids.push(spawn(kcm, &dir.join("kube-controller-manager.log")).id());
+    *RUNNING.lock().unwrap() = Some((pids, dir));
+    plane
+}
+
+/// Waits until `/readyz` answers `ok` (asked from a runtime of its own: this runs inside the
+/// first test's runtime, which is blocked meanwhile).
+fn wait_ready(plane: &ControlPlane, log: &str, deadline: Instant) {
+    let config = plane.kubeconfig_value();
+    let ready = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        runtime.block_on(async move {
+            let config =
+                kube::Config::from_custom_kubeconfig(config, &KubeConfigOptions::default())
+                    .await
+                    .expect("the envtest kubeconfig is usable");
+            let client = Client::try_from(config).expect("a client");
+            while Instant::now() < deadline {
+                let request = http::Request::get("/readyz").body(Vec::new()).unwrap();
+                if client.request_text(request).await.is_ok_and(|t| t == "ok") {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            false
+        })
+    });
+    assert!(
+        ready.join().unwrap_or(false),
+        "kube-apiserver not ready; see {}",
+        plane.dir.join(log).display()
+    );
+}
+
+/// Where the end-to-end tests run: a real cluster named by `CNAT_E2E_KUBECONFIG` (with a
+/// kubelet: pods really run), or else the private control plane (no kubelet: the test writes
+/// each pod's end itself).
+pub struct Target {
+    pub client: Client,
+    /// Pods run by themselves (a real cluster); otherwise `finish_pod` plays the kubelet.
+    pub kubelet: bool,
+    /// The private control plane, when that is the target.
+    pub plane: Option<&'static ControlPlane>,
+}
+
+/// The kubeconfig of a disposable real cluster, for `Target`.
+pub const CLUSTER_ENV: &str = "CNAT_E2E_KUBECONFIG";
+
+/// The target of this run, or `None` (skipped, said on stderr) when there is none.
+pub async fn target() -> Option<Target> {
+    if let Some(path) = std::env::var_os(CLUSTER_ENV) {
+        let kubeconfig = Kubeconfig::read_from(&path).expect("a readable kubeconfig");
+        let config =
+            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .expect("a usable kubeconfig");
+        return Some(Target {
+            client: Client::try_from(config).expect("a client"),
+            kubelet: true,
+            plane: None,
+        });
+    }
+    let plane = control_plane()?;
+    Some(Target {
+        client: plane.admin().await,
+        kubelet: false,
+        plane: Some(plane),
+    })
+}
+
+/// `target()`, or return from the test (skipped) when there is none.
+#[macro_export]
+macro_rules! e2e_target {
+    () => {
+        match $crate::support::envtest::target().await {
+            Some(target) => target,
+            None => return,
+        }
+    };
+}
+
+impl Target {
+    /// A fresh namespace for `test` with `labels`.
+    pub async fn namespace(&self, test: &str, labels: &[(&str, &str)]) -> String {
+        match self.plane {
+            Some(plane) => plane.namespace(test, labels).await,
+            None => {
+                let name = format!("cnat-e2e-{test}-{}", std::process::id());
+                let labels: serde_json::Map<String, serde_json::Value> = labels
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).into()))
+                    .collect();
+                let ns: Namespace = serde_json::from_value(
+                    serde_json::json!({"metadata": {"name": name, "labels": labels}}),
+                )
+                .unwrap();
+                Api::<Namespace>::all(self.client.clone())
+                    .create(&PostParams::default(), &ns)
+                    .await
+                    .expect("namespace created");
+                name
+            }
+        }
+    }
+
+    /// Installs (or updates) the At CRD from `cnat crd` and waits until it is established.
+    pub async fn install_crd(&self) {
+        install_crd(&self.client, &cnat::api::crd_yaml()).await;
+    }
+
+    /// Plays the kubelet where there is none: pod `name` ran and its command exited with
+    /// `exit_code`. On a real cluster, waits for the pod to end by itself.
+    pub async fn finish_pod(&self, namespace: &str, name: &str, exit_code: i32, message: &str) {
+        let pods: Api<k8s_openapi::api::core::v1::Pod> =
+            Api::namespaced(self.client.clone(), namespace);
+        if self.kubelet {
+            return;
+        }
+        let now = jiff::Timestamp::now().to_string();
+        let phase = if exit_code == 0 {
+            "Succeeded"
+        } else {
+            "Failed"
+        };
+        let patch = serde_json::json!({"status": {
+            "phase": phase,
+            "containerStatuses": [{
+                "name": "command", "image": "busybox", "imageID": "", "ready": false,
+                "restartCount": 0,
+                "state": {"terminated": {"exitCode": exit_code,
+                    "reason": if exit_code == 0 { "Completed" } else { "Error" },
+                    "message": message, "startedAt": now, "finishedAt": now}},
+            }],
+        }});
+        pods.patch_status(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .expect("pod status written");
+    }
+}
+
+/// Applies the CRD in `yaml` (as `cnat crd` prints it) and waits until it is established.
+pub async fn install_crd(client: &Client, yaml: &str) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::runtime::wait::{await_condition, conditions};
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let body = yaml.split_once("---\n").map_or(yaml, |(_, crd)| crd);
+    let crd: CustomResourceDefinition = serde_saphyr::from_str(body).expect("a CRD");
+    let name = crd.metadata.name.clone().expect("a CRD name");
+    crds.patch(
+        &name,
+        &kube::api::PatchParams::apply("cnat-e2e").force(),
+        &kube::api::Patch::Apply(&crd),
+    )
+    .await
+    .expect("CRD applied");
+    let established = await_condition(crds, &name, conditions::is_crd_established());
+    tokio::time::timeout(Duration::from_secs(30), established)
+        .await
+        .expect("CRD established within 30 s")
+        .expect("CRD watch");
+}
+
+/// Waits up to `timeout` until `check` holds for At `name`, and returns it.
+pub async fn wait_at(
+    ats: &Api<cnat::api::At>,
+    name: &str,
+    timeout: Duration,
+    check: impl Fn(&cnat::api::At) -> bool,
+) -> cnat::api::At {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let at = ats.get_opt(name).await.expect("At read");
+        if let Some(at) = at.filter(&check) {
+            return at;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "At {name}: condition not reached within {timeout:?}: {:?}",
+            ats.get_opt(name).await.ok().flatten().map(|a| a.status)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A `cnat run` process against this control plane; killed when dropped.
+pub struct Replica {
+    pub child: Child,
+    pub admin: std::net::SocketAddr,
+    pub webhook: std::net::SocketAddr,
+    /// Its log (JSON lines), stdout and stderr together.
+    pub log: PathBuf,
+}
+
+impl ControlPlane {
+    /// Starts `cnat run` as `identity`, its Lease in `lease_namespace`, with `extra` flags;
+    /// short election timings (lease 3 s, renew deadline 2 s, retry 500 ms).
+    pub fn replica(&self, identity: &str, lease_namespace: &str, extra: &[&str]) -> Replica {
+        let free = || {
+            TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free port")
+        };
+        let (admin, webhook) = (free(), free());
+        let certs = self.dir.join(format!("certs-{identity}"));
+        std::fs::create_dir_all(&certs).expect("a certificate folder");
+        let files = cnat::serving::tls::generate("cnat-webhook", "cnat-system", 1)
+            .and_then(|certs_| certs_.write(&certs))
+            .expect("webhook certificates");
+        let log = self.dir.join(format!("{identity}.log"));
+        let mut command = Command::new(env!("CARGO_BIN_EXE_cnat"));
+        command
+            .arg("run")
+            .arg(format!("--admin-addr={admin}"))
+            .arg(format!("--webhook-addr={webhook}"))
+            .arg(format!("--tls-cert={}", files.cert.display()))
+            .arg(format!("--tls-key={}", files.key.display()))
+            .arg(format!("--identity={identity}"))
+            .arg(format!("--lease-namespace={lease_namespace}"))
+            .args([
+                "--lease-duration=3s",
+                "--renew-deadline=2s",
+                "--retry-period=500ms",
+                "--shutdown-delay=200ms",
+                "--shutdown-timeout=5s",
+                "--log-format=json",
+            ])
+            .args(extra)
+            .env("KUBECONFIG", &self.kubeconfig)
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env_remove("POD_NAME")
+            .env_remove("POD_NAMESPACE");
+        let child = spawn(command, &log);
+        if let Ok(mut running) = RUNNING.lock() {
+            if let Some((pids, _)) = running.as_mut() {
+                pids.push(child.id());
+            }
+        }
+        Replica {
+            child,
+            admin,
+            webhook,
+            log,
+        }
+    }
+}
+
+impl Replica {
+    /// Its log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM (a graceful stop, as a Deployment does).
+    pub fn terminate(&self) {
+        // SAFETY: signalling a child of this process.
+        unsafe {
+            libc::kill(self.child.id().cast_signed(), libc::SIGTERM);
+        }
+    }
+
+    /// Kills it at once (SIGKILL: a crash or a lost node).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The holder of Lease `namespace/name`, if any.
+pub async fn lease_holder(client: &Client, namespace: &str, name: &str) -> Option<String> {
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(client.clone(), namespace);
+    leases
+        .get_opt(name)
+        .await
+        .ok()
+        .flatten()?
+        .spec?
+        .holder_identity
+        .filter(|h| !h.is_empty())
+}
