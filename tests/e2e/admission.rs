@@ -1,1 +1,231 @@
-//! placeholder
+//! Admission through a real API server: the webhook configurations cnat ships (`webhooks/`),
+//! pointed at a `cnat run` replica by URL with its generated CA; denials with the real message,
+//! defaults applied, the escalation guard on real RBAC and SubjectAccessReviews, and status
+//! writes that never depend on the webhook.
+
+use crate::lifecycle::{at, start_operator};
+use crate::support::envtest::{wait_at, ControlPlane, Replica};
+use base64::Engine;
+use cnat::api::{At, Phase};
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// The shipped configuration in `webhooks/FILE`, served at `replica` by URL with the CA that
+/// signed its certificate, for Ats in `namespace` only.
+fn configuration(file: &str, replica: &Replica, namespace: &str) -> Value {
+    let path = format!("{}/webhooks/{file}", env!("CARGO_MANIFEST_DIR"));
+    let mut config: Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let ca = std::fs::read(replica.ca()).unwrap();
+    config["metadata"]["name"] = format!("cnat-{namespace}").into();
+    for hook in config["webhooks"].as_array_mut().unwrap() {
+        let path = hook["clientConfig"]["service"]["path"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        hook["clientConfig"] = json!({
+            "url": format!("https://127.0.0.1:{}{path}", replica.webhook.port()),
+            "caBundle": base64::engine::general_purpose::STANDARD.encode(&ca),
+        });
+        hook["namespaceSelector"] =
+            json!({"matchLabels": {"kubernetes.io/metadata.name": namespace}});
+    }
+    config
+}
+
+async fn register(client: &Client, replica: &Replica, namespace: &str) {
+    let params = PatchParams::apply("cnat-e2e").force();
+    let validating: ValidatingWebhookConfiguration =
+        serde_json::from_value(configuration("validating.yaml", replica, namespace)).unwrap();
+    let name = validating.metadata.name.clone().unwrap();
+    Api::<ValidatingWebhookConfiguration>::all(client.clone())
+        .patch(&name, &params, &Patch::Apply(&validating))
+        .await
+        .unwrap();
+    let mutating: MutatingWebhookConfiguration =
+        serde_json::from_value(configuration("mutating.yaml", replica, namespace)).unwrap();
+    Api::<MutatingWebhookConfiguration>::all(client.clone())
+        .patch(&name, &params, &Patch::Apply(&mutating))
+        .await
+        .unwrap();
+}
+
+/// A Role in `ns` granting `verbs` on `resources` (group, resource) to `user`.
+async fn grant(client: &Client, ns: &str, user: &str, rules: Value) {
+    let role: Role = serde_json::from_value(json!({
+        "metadata": {"name": user}, "rules": rules,
+    }))
+    .unwrap();
+    Api::<Role>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": user},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": user},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+}
+
+/// Creates `at`, retrying while the API server has not yet picked up a new webhook
+/// configuration or RBAC binding (both reach its caches asynchronously).
+async fn create(ats: &Api<At>, at: &At) -> Result<At, kube::Error> {
+    let mut tries = 0;
+    loop {
+        let result = ats.create(&PostParams::default(), at).await;
+        match &result {
+            Err(kube::Error::Api(s))
+                if s.code == 403 && s.message.contains("cannot create") && tries < 50 => {}
+            _ => return result,
+        }
+        tries += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn ready(plane: &ControlPlane, replica: &Replica) {
+    let _ = plane;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while crate::support::process::probe(replica.admin, "/readyz") != Some(200) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never ready: {}",
+            replica.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn admission_denies_defaults_guards_and_never_blocks_status_writes() {
+    let plane = crate::real_control_plane!();
+    let admin = plane.admin().await;
+    crate::support::envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
+    let ns = plane.namespace("admission", &[]).await;
+    // Serves the webhooks; reconciles nothing (it watches another namespace).
+    let mut replica = plane.replica("cnat-0", &ns, &["--namespace=elsewhere"]);
+    ready(plane, &replica).await;
+    register(&admin, &replica, &ns).await;
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let soon = chrono::Utc::now() + chrono::Duration::seconds(30);
+
+    // A bad schedule is denied with the webhook's message, as kubectl shows it. The first
+    // creates may still pass before the API server loaded the configuration.
+    let mut bad = at("bad", soon, "true");
+    bad.spec.schedule = "tomorrow noon".into();
+    let denied = loop {
+        match ats.create(&PostParams::default(), &bad).await {
+            Err(kube::Error::Api(status)) => break status,
+            Ok(_) => {
+                ats.delete("bad", &Default::default()).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(other) => panic!("{other}"),
+        }
+    };
+    assert_eq!(denied.code, 400, "{denied:?}");
+    assert!(
+        denied.message.starts_with(
+            "admission webhook \"validate.ats.cnat.programming-kubernetes.info\" denied the request: At"
+        ),
+        "{}",
+        denied.message
+    );
+    assert!(
+        denied
+            .message
+            .contains("\"tomorrow noon\" is not an RFC 3339 time"),
+        "{}",
+        denied.message
+    );
+
+    // Defaults: the image, and the phase that reads on every At.
+    let raw: Api<kube::core::DynamicObject> = Api::namespaced_with(
+        admin.clone(),
+        &ns,
+        &kube::discovery::ApiResource::erase::<At>(&()),
+    );
+    let bare: kube::core::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+        "metadata": {"name": "bare"},
+        "spec": {"schedule": soon.to_rfc3339(), "command": "true"},
+    }))
+    .unwrap();
+    let created = raw.create(&PostParams::default(), &bare).await.unwrap();
+    assert_eq!(created.data["spec"]["image"], "busybox");
+    assert_eq!(created.data["status"]["phase"], "PENDING");
+
+    // The escalation guard: alice may create Ats but not pods; bob may do both.
+    let at_rules = json!([{"apiGroups": ["cnat.programming-kubernetes.info"], "resources": ["ats"],
+                           "verbs": ["create", "get"]}]);
+    grant(&admin, &ns, "alice", at_rules.clone()).await;
+    let mut both = at_rules.as_array().unwrap().clone();
+    both.push(json!({"apiGroups": [""], "resources": ["pods"], "verbs": ["create"]}));
+    grant(&admin, &ns, "bob", Value::from(both)).await;
+    let as_alice: Api<At> =
+        Api::namespaced(plane.user("alice", &["system:authenticated"]).await, &ns);
+    let as_bob: Api<At> = Api::namespaced(plane.user("bob", &["system:authenticated"]).await, &ns);
+    let refused = create(&as_alice, &at("by-alice", soon, "true"))
+        .await
+        .unwrap_err();
+    let kube::Error::Api(refused) = refused else {
+        panic!("{refused}")
+    };
+    assert!(
+        refused
+            .message
+            .contains("alice may not create pods in namespace"),
+        "{}",
+        refused.message
+    );
+    create(&as_bob, &at("by-bob", soon, "true")).await.unwrap();
+
+    // With the webhook down, creates fail (failurePolicy Fail) but the operator's status
+    // writes do not: the rules leave ats/status out.
+    let due = chrono::Utc::now() + chrono::Duration::seconds(2);
+    ats.create(&PostParams::default(), &at("while-down", due, "true"))
+        .await
+        .unwrap();
+    replica.kill();
+    let down = ats
+        .create(
+            &PostParams::default(),
+            &at("refused-while-down", due, "true"),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        down.to_string().contains("failed calling webhook"),
+        "{down}"
+    );
+    let _operator = start_operator(&admin, &ns);
+    let running = wait_at(&ats, "while-down", Duration::from_secs(60), |at| {
+        at.status
+            .as_ref()
+            .is_some_and(|s| s.phase == Phase::Running)
+    })
+    .await;
+    assert_eq!(
+        running.status.unwrap().pod_name.as_deref(),
+        Some("while-down-pod")
+    );
+    // The By-bob At got its PENDING status written too.
+    let scheduled = wait_at(&ats, "by-bob", Duration::from_secs(30), |at| {
+        at.status
+            .as_ref()
+            .is_some_and(|s| s.reason.as_deref() == Some("Scheduled"))
+    })
+    .await;
+    assert_eq!(scheduled.status.unwrap().phase, Phase::Pending);
+}

@@ -566,6 +566,8 @@ pub struct Replica {
     pub webhook: std::net::SocketAddr,
     /// Its log (JSON lines), stdout and stderr together.
     pub log: PathBuf,
+    /// Its webhook certificates (`ca.crt`, `tls.crt`, `tls.key`).
+    pub certs: PathBuf,
 }
 
 impl ControlPlane {
@@ -617,11 +619,17 @@ impl ControlPlane {
             admin,
             webhook,
             log,
+            certs,
         }
     }
 }
 
 impl Replica {
+    /// The CA that signed its webhook serving certificate.
+    pub fn ca(&self) -> PathBuf {
+        self.certs.join("ca.crt")
+    }
+
     /// Its log so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
