@@ -147,6 +147,7 @@ pub struct AtStatus {
     pub outcome: Option<Outcome>,
     /// Exit code of the command, when it ran to the end.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = -2147483648, max = 2147483647))]
     pub exit_code: Option<i32>,
     /// Machine-readable reason of the last change, e.g. `Scheduled`, `PodForbidden`, `Succeeded`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

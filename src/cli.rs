@@ -64,8 +64,8 @@ pub struct CertsArgs {
     /// Namespace of the webhook Service.
     #[arg(long, default_value = "cnat-system")]
     pub namespace: String,
-    /// How long the certificates are valid.
-    #[arg(long, default_value_t = 365)]
+    /// How long the certificates are valid, in days (at most 3650).
+    #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..=3650))]
     pub days: u32,
 }
 

@@ -21,7 +21,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, timeout, Instant};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 /// How long exiting waits for the collector to take the last spans.
 const TRACE_FLUSH_TIMEOUT: Duration = Duration::from_secs(3);
@@ -208,6 +208,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
         (client.clone(), events.clone(), metrics.clone());
     // Every replica caches the Ats, so the next leader starts with all of them.
     let cache = cnat::operator::cache::AtCache::start(&client, args.namespace.as_deref());
+    let cache_stopped = cache.stopped();
     let election = tokio::spawn(leader::run(
         client,
         election_settings,
@@ -227,7 +228,14 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
     ));
     info!(admin = %args.admin_addr, exporting_traces = exporting, "cnat started");
 
-    shutdown.cancelled().await;
+    let failed = tokio::select! {
+        _ = shutdown.cancelled() => None,
+        _ = cache_stopped => {
+            error!("the At cache stopped following the Ats (its task panicked); stopping, so that the pod restarts");
+            shutdown.cancel();
+            Some("the At cache stopped following the Ats".to_owned())
+        }
+    };
     let signalled = Instant::now();
     health.set_not_ready();
     let graceful = async {
@@ -249,7 +257,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
             warn!(timeout = ?args.shutdown_timeout, "graceful shutdown took too long; exiting")
         }
     }
-    Ok(())
+    failed.map_or(Ok(()), Err)
 }
 
 /// Starts the HTTPS webhook server and its certificate reloader; returns once it listens.

@@ -198,6 +198,42 @@ async fn a_pod_deleted_before_its_running_write_landed_is_not_created_again() {
     second.abort();
 }
 
+/// The pod ended and was deleted while no leader could record it: the next leader records the
+/// outcome, then lets the pod go (nothing else would bring it back: a terminating pod that
+/// ended changes no more).
+#[tokio::test]
+async fn a_deleted_pod_that_ended_is_recorded_then_released() {
+    let server = ApiServer::new();
+    server.hold_status_writes(true);
+    let first = start(&server);
+    server.create(
+        Resource::Ats,
+        at_json("short", "2019-04-12T10:12:00Z", "true"),
+    );
+    assert!(support::until(Duration::from_secs(5), || server.count("POST pods") == 1).await);
+    first.abort();
+    let _ = first.await;
+    server.finish_pod("default", "short-pod", 0);
+    server.delete(Resource::Pods, "default", "short-pod");
+    server.hold_status_writes(false);
+
+    let second = start(&server);
+    wait_phase(&server, "short", Phase::Done).await;
+    assert_eq!(
+        status(&server, "short").unwrap().outcome,
+        Some(Outcome::Succeeded)
+    );
+    assert!(
+        support::until(Duration::from_secs(5), || server
+            .get(Resource::Pods, "default", "short-pod")
+            .is_none())
+        .await,
+        "the pod stayed terminating"
+    );
+    assert_eq!(server.count("POST pods"), 1);
+    second.abort();
+}
+
 /// The garbage collector deletes the pod of a deleted At; cnat's finalizer must not keep it.
 #[tokio::test]
 async fn the_pod_of_a_deleted_at_is_released() {

@@ -27,9 +27,11 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{error, warn};
 
 /// An At as the cache keeps it (see the module docs). Decoded from the API server's JSON as an
-/// `At`, trimmed (no managed fields or annotations, which nothing here reads) and compacted.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(from = "At")]
+/// `At`, trimmed (no managed fields or annotations, which nothing here reads) and compacted. An
+/// At that does not decode (a value the schema lets through but the At type cannot hold, e.g. an
+/// `exitCode` past int32, which kube-apiserver does not check) is kept as unreadable, with the
+/// reason: one such At must not fail the list of every At.
+#[derive(Clone, Debug)]
 pub struct CachedAt {
     /// Name, namespace and resourceVersion (which the watch resumes from) only: the rest is in
     /// `packed`.
@@ -40,6 +42,50 @@ pub struct CachedAt {
     /// The rest of the trimmed At (`Rest`), as JSON compressed with LZ4, which takes out the
     /// repeats (a PENDING At's status names its due time four times).
     packed: Box<[u8]>,
+    /// Why the At did not decode; `packed` is then empty.
+    unreadable: Option<Box<str>>,
+}
+
+/// Through a JSON value, which any deserializer can give (a watch event's object comes through
+/// serde's buffered content, which cannot give raw JSON text).
+impl<'de> Deserialize<'de> for CachedAt {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = serde_json::Value::deserialize(deserializer)?;
+        Ok(CachedAt::decode(&value))
+    }
+}
+
+impl CachedAt {
+    /// Decodes an At from its JSON; what does not decode is kept as unreadable.
+    pub fn decode(json: &serde_json::Value) -> CachedAt {
+        match At::deserialize(json) {
+            Ok(at) => at.into(),
+            Err(error) => {
+                let meta = json
+                    .get("metadata")
+                    .and_then(|m| ObjectMeta::deserialize(m).ok())
+                    .unwrap_or_default();
+                CachedAt {
+                    metadata: ObjectMeta {
+                        name: meta.name,
+                        namespace: meta.namespace,
+                        resource_version: meta.resource_version,
+                        uid: meta.uid,
+                        ..ObjectMeta::default()
+                    },
+                    phase: Phase::Pending,
+                    due: None,
+                    packed: Box::default(),
+                    unreadable: Some(error.to_string().into()),
+                }
+            }
+        }
+    }
+
+    /// Why this At could not be read, if it could not.
+    pub fn unreadable(&self) -> Option<&str> {
+        self.unreadable.as_deref()
+    }
 }
 
 impl From<At> for CachedAt {
@@ -76,6 +122,7 @@ impl From<At> for CachedAt {
             phase,
             due,
             packed: lz4_flex::block::compress_prepend_size(&json).into(),
+            unreadable: None,
         }
     }
 }
@@ -94,6 +141,16 @@ impl CachedAt {
     /// The At, as it was cached. An error means the cache holds what the At type cannot read
     /// back, which is a bug: callers log it and leave the At alone.
     pub fn at(&self) -> Result<At, CacheError> {
+        if let Some(why) = &self.unreadable {
+            return Err(CacheError {
+                at: format!(
+                    "{}/{}",
+                    self.namespace().unwrap_or_default(),
+                    self.name_any()
+                ),
+                source: Fault::Unreadable(why.to_string()),
+            });
+        }
         let fault = |source| CacheError {
             at: format!(
                 "{}/{}",
@@ -182,6 +239,8 @@ pub struct CacheError {
 /// What went wrong reading a cached At back.
 #[derive(Debug, thiserror::Error)]
 pub enum Fault {
+    #[error("it does not decode as an At: {0}")]
+    Unreadable(String),
     #[error("decompressing: {0}")]
     Lz4(lz4_flex::block::DecompressError),
     #[error("decoding: {0}")]
@@ -240,6 +299,8 @@ pub struct AtCache {
     changes: broadcast::Sender<Change>,
     /// At versions whose handling panicked, kept across leaderships (see `contain`).
     quarantine: Arc<Quarantine>,
+    /// Cancelled when the watch task ended (it only does by a panic): the cache is frozen.
+    stopped: tokio_util::sync::CancellationToken,
     _watch: Arc<AbortOnDropHandle<()>>,
 }
 
@@ -253,6 +314,9 @@ impl AtCache {
         let (store, writer) = reflector::store();
         let (changes, _) = broadcast::channel(CHANGES);
         let (feed, cached) = (changes.clone(), store.clone());
+        let stopped = tokio_util::sync::CancellationToken::new();
+        // Dropped when the task ends, by a panic too (unwinding drops it).
+        let alive = stopped.clone().drop_guard();
         let watch = watcher(ats, watcher::Config::default())
             .backoff(crate::operator::controller::WatchBackoff::new())
             .reflect(writer)
@@ -283,12 +347,23 @@ impl AtCache {
                 }
                 std::future::ready(())
             });
+        let watch = async move {
+            let _alive = alive;
+            watch.await;
+        };
         AtCache {
             store,
             changes,
             quarantine: Arc::default(),
+            stopped,
             _watch: Arc::new(AbortOnDropHandle::new(tokio::spawn(watch))),
         }
+    }
+
+    /// Completes if the cache stopped following the Ats (its task panicked): nothing this
+    /// replica does is right after that, so `cnat run` exits and the pod restarts.
+    pub fn stopped(&self) -> tokio_util::sync::WaitForCancellationFutureOwned {
+        self.stopped.clone().cancelled_owned()
     }
 
     /// At versions this replica skips after a panic handling them.
@@ -307,8 +382,12 @@ impl AtCache {
     }
 }
 
-/// Reads `cached` back as an At; logs and gives `None` if it does not read (a bug).
+/// Reads `cached` back as an At; `None` if it does not read: an At the API server holds but
+/// the At type cannot (the leader tells it in an event), or else a bug, which is logged.
 pub fn read(cached: &CachedAt) -> Option<At> {
+    if cached.unreadable.is_some() {
+        return None;
+    }
     cached
         .at()
         .inspect_err(|bug| error!(error = %bug, "cached At"))

@@ -19,6 +19,9 @@ use std::task::{Context, Poll};
 /// Most quarantined At versions kept; past this the map starts afresh (a version that panics
 /// again is caught again).
 const MAX_QUARANTINED: usize = 1000;
+/// How long a version stays quarantined: the panic may have come from something passing (its
+/// pod, a bug on a path since left), and an At that never changes must get another chance.
+pub const QUARANTINE: std::time::Duration = std::time::Duration::from_secs(600);
 
 thread_local! {
     /// Whether this thread runs inside a catch, and what the panic said.
@@ -40,7 +43,12 @@ impl std::fmt::Display for Panicked {
 /// is left to its catch, which logs it with the At it concerns.
 pub fn install_hook() {
     std::panic::set_hook(Box::new(|info| {
-        let message = describe(info);
+        let mut message = describe(info);
+        // Only with RUST_BACKTRACE set, as Rust's own hook.
+        let backtrace = std::backtrace::Backtrace::capture();
+        if backtrace.status() == std::backtrace::BacktraceStatus::Captured {
+            message = format!("{message}\n{backtrace}");
+        }
         if CATCHING.get() {
             CAUGHT.set(Some(message));
         } else {
@@ -64,6 +72,8 @@ fn describe(info: &std::panic::PanicHookInfo<'_>) -> String {
 
 /// Runs `f`, turning a panic into `Err`.
 pub fn catch<T>(f: impl FnOnce() -> T) -> Result<T, Panicked> {
+    // A panic caught by someone else's catch_unwind in an earlier run left its message here.
+    CAUGHT.take();
     let was = CATCHING.replace(true);
     let result = catch_unwind(AssertUnwindSafe(f));
     CATCHING.set(was);
@@ -102,9 +112,9 @@ impl<F: Future> Future for Caught<F> {
 }
 
 /// At versions (`namespace/name` and resourceVersion) whose handling panicked: skipped until
-/// they change or are deleted. Shared by every leadership of this replica.
+/// they change, are deleted, or `QUARANTINE` passed. Shared by every leadership of this replica.
 #[derive(Debug, Default)]
-pub struct Quarantine(Mutex<HashMap<String, String>>);
+pub struct Quarantine(Mutex<HashMap<String, (String, tokio::time::Instant)>>);
 
 impl Quarantine {
     pub fn add(&self, at: String, resource_version: String) {
@@ -112,15 +122,21 @@ impl Quarantine {
         if map.len() >= MAX_QUARANTINED {
             map.clear();
         }
-        map.insert(at, resource_version);
+        let until = tokio::time::Instant::now() + QUARANTINE;
+        map.insert(at, (resource_version, until));
     }
 
-    /// Whether this version of `at` is quarantined; a newer version ends its quarantine.
+    /// Whether this version of `at` is quarantined; a newer version, or time, ends it.
     pub fn holds(&self, at: &str, resource_version: Option<&str>) -> bool {
         let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
         match map.get(at) {
             None => false,
-            Some(rv) if Some(rv.as_str()) == resource_version => true,
+            Some((rv, until))
+                if Some(rv.as_str()) == resource_version
+                    && tokio::time::Instant::now() < *until =>
+            {
+                true
+            }
             Some(_) => {
                 map.remove(at);
                 false
@@ -166,8 +182,18 @@ mod tests {
         assert_eq!(Caught::new(async { 1 }).await, Ok(1));
     }
 
-    #[test]
-    fn quarantine_holds_one_version_until_it_changes() {
+    #[tokio::test(start_paused = true)]
+    async fn quarantine_ends_after_its_time() {
+        let quarantine = Quarantine::default();
+        quarantine.add("ns/a".into(), "7".into());
+        tokio::time::advance(QUARANTINE - std::time::Duration::from_secs(1)).await;
+        assert!(quarantine.holds("ns/a", Some("7")));
+        tokio::time::advance(std::time::Duration::from_secs(1)).await;
+        assert!(!quarantine.holds("ns/a", Some("7")));
+    }
+
+    #[tokio::test]
+    async fn quarantine_holds_one_version_until_it_changes() {
         let quarantine = Quarantine::default();
         quarantine.add("ns/a".into(), "7".into());
         assert!(quarantine.holds("ns/a", Some("7")));

@@ -3,7 +3,7 @@
 //! requeues and concurrency. The pods, usually far fewer than the Ats, are watched by the leader
 //! only.
 
-use crate::api::Phase;
+use crate::api::{At, Phase};
 use crate::observability::metrics::Metrics;
 use crate::operator::cache::{self, AtCache, CachedAt, Change};
 use crate::operator::contain;
@@ -98,6 +98,7 @@ pub async fn run_with_cache(
         |(mut changes, ctx, store, orphans)| async move {
             loop {
                 match changes.recv().await {
+                    Ok(Change::At(at)) if at.unreadable().is_some() => report(&ctx, &at),
                     Ok(Change::At(at)) => return Some((at, (changes, ctx, store, orphans))),
                     Ok(Change::Deleted(at)) => {
                         ctx.forget(&at);
@@ -105,13 +106,17 @@ pub async fn run_with_cache(
                             let _ = orphans.send(held);
                         }
                     }
-                    Ok(Change::Relisted) => look_at_all(&ctx, &store).await,
+                    Ok(Change::Relisted) => {
+                        sweep(&ctx, &store, &orphans);
+                        look_at_all(&ctx, &store).await;
+                    }
                     // Fell behind: whatever was missed is in the cache.
                     Err(broadcast::error::RecvError::Lagged(missed)) => {
                         warn!(
                             missed,
                             "reconcile loop fell behind the At watch; looking at every At"
                         );
+                        sweep(&ctx, &store, &orphans);
                         look_at_all(&ctx, &store).await;
                     }
                     Err(broadcast::error::RecvError::Closed) => return None,
@@ -175,11 +180,16 @@ pub async fn run_with_cache(
     });
     tasks.spawn({
         let ctx = ctx.clone();
-        let mut orphaned = orphaned;
+        let orphaned = futures::stream::unfold(orphaned, |mut rx| async {
+            rx.recv().await.map(|found| (found, rx))
+        });
         async move {
-            while let Some(found) = orphaned.recv().await {
-                ctx.release_orphan(&found).await;
-            }
+            orphaned
+                .for_each_concurrent(ORPHAN_RELEASES, |found| {
+                    let ctx = ctx.clone();
+                    async move { ctx.release_orphan(&found).await }
+                })
+                .await;
             "orphan release"
         }
     });
@@ -208,7 +218,6 @@ pub async fn run_with_cache(
             Some(ended) = tasks.join_next() => match ended {
                 Ok(FIRST_LOOK) => {}
                 Ok(task) => {
-                    metrics.panicked("task");
                     error!(task, "a task of the reconcile loop ended; ending the loop");
                     break;
                 }
@@ -226,6 +235,17 @@ pub async fn run_with_cache(
 
 /// The first look at every cached At ends by itself; every other task runs as long as the loop.
 const FIRST_LOOK: &str = "first look";
+/// Pods of deleted Ats released at once (three requests each).
+const ORPHAN_RELEASES: usize = 8;
+
+/// After a relist or a lagging feed, deletions were not seen one by one: drops what is kept
+/// for Ats no longer cached, and releases the pods of those Ats.
+fn sweep(ctx: &Context, store: &Store<CachedAt>, orphans: &mpsc::UnboundedSender<ObjectRef<Pod>>) {
+    ctx.forget_all_but(|at| store.get(&CachedAt::key_of(at)).is_some());
+    for found in ctx.held_pods(|found| owner_gone(found, store)) {
+        let _ = orphans.send(found);
+    }
+}
 
 /// Whether the owner At of `found` is gone from `store` (or is another At by that name now).
 fn owner_gone(found: &Pod, store: &Store<CachedAt>) -> bool {
@@ -241,6 +261,15 @@ fn owner_gone(found: &Pod, store: &Store<CachedAt>) -> bool {
         Some(at) => at.uid().as_deref() != Some(owner.uid.as_str()),
         None => true,
     }
+}
+
+/// Tells in an event that `cached` does not decode as an At.
+fn report(ctx: &Arc<Context>, cached: &CachedAt) {
+    let mut at = At::new(&cached.name_any(), Default::default());
+    at.metadata.namespace = cached.namespace();
+    at.metadata.uid = cached.uid();
+    at.metadata.resource_version = cached.resource_version();
+    ctx.report_unreadable(&at, cached.unreadable().unwrap_or_default());
 }
 
 /// `Context::needs_reconcile` on a cached At read back; a panic is caught and ends the loop.
@@ -260,13 +289,17 @@ fn needs_reconcile(ctx: &Context, cached: &CachedAt) -> bool {
 /// Reconciles every cached At that needs it now; the others go into `wakeups`. Ats already due
 /// come first (reading 100,000 cached Ats back takes about 0.3 s), then those that run; it
 /// yields to other tasks every 1000 Ats.
-async fn look_at_all(ctx: &Context, store: &Store<CachedAt>) {
+async fn look_at_all(ctx: &Arc<Context>, store: &Store<CachedAt>) {
     let now = ctx.now();
     let mut ats = store.state();
     ats.sort_by_key(|at| first_look_order(at, now));
     for (i, cached) in ats.iter().enumerate() {
         if i % 1000 == 999 {
             tokio::task::yield_now().await;
+        }
+        if cached.unreadable().is_some() {
+            report(ctx, cached);
+            continue;
         }
         if needs_reconcile(ctx, cached) {
             ctx.wake_up(CachedAt::at_ref(cached));

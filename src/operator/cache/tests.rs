@@ -182,3 +182,48 @@ fn is_the_at_resource_to_the_api_and_to_pods_owner_references() {
         ObjectRef::new("y")
     );
 }
+
+#[test]
+fn an_at_that_does_not_decode_is_kept_as_unreadable_and_the_list_still_decodes() {
+    let good = serde_json::json!({
+        "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+        "metadata": {"name": "good", "namespace": "ns", "resourceVersion": "1", "uid": "u1"},
+        "spec": {"schedule": "2020-01-01T00:00:00Z", "command": "true"},
+    });
+    let mut bad = good.clone();
+    bad["metadata"]["name"] = "bad".into();
+    bad["status"] = serde_json::json!({"phase": "DONE", "exitCode": 3_000_000_000_i64});
+    let list = serde_json::json!({"items": [good, bad]});
+    #[derive(serde::Deserialize)]
+    struct List {
+        items: Vec<CachedAt>,
+    }
+    let decoded: List = serde_json::from_slice(&serde_json::to_vec(&list).unwrap()).unwrap();
+    let [good, bad] = &decoded.items[..] else {
+        panic!("two items")
+    };
+    assert!(good.unreadable().is_none());
+    assert!(read(good).is_some());
+    let why = bad.unreadable().unwrap();
+    assert!(why.contains("3000000000"), "{why}");
+    assert_eq!(
+        (bad.name_any(), bad.namespace().as_deref()),
+        ("bad".into(), Some("ns"))
+    );
+    assert_eq!(bad.uid().as_deref(), Some("u1"));
+    assert!(read(bad).is_none());
+    assert!(bad
+        .at()
+        .unwrap_err()
+        .to_string()
+        .contains("does not decode as an At"));
+    // A watch event's object comes through serde's buffered content: it decodes too.
+    for at in [&list["items"][0], &list["items"][1]] {
+        let line = serde_json::json!({"type": "MODIFIED", "object": at}).to_string();
+        let event: kube::core::WatchEvent<CachedAt> = serde_json::from_str(&line).unwrap();
+        assert!(
+            matches!(event, kube::core::WatchEvent::Modified(_)),
+            "{line}"
+        );
+    }
+}

@@ -164,6 +164,11 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
             .decide(Action::Nothing, Some(left));
     }
     let pod_name = pod::name_for(&at.name_any());
+    // An At being deleted starts nothing (its pod would be orphaned at once, and cnat's
+    // finalizer on that pod is already let go).
+    if at.metadata.deletion_timestamp.is_some() {
+        return Decision::idle();
+    }
     let deadline = at
         .spec
         .starting_deadline_seconds

@@ -284,6 +284,10 @@ impl Context {
             Err(kube::Error::Api(s)) if s.is_conflict() => {
                 debug!(at = %key(at), "status changed meanwhile; waiting for the newer version");
             }
+            // Deleted meanwhile: nothing to retry, and nothing to keep for it.
+            Err(kube::Error::Api(s)) if s.is_not_found() => {
+                self.forget(&ObjectRef::from_obj(at.as_ref()));
+            }
             // The server refuses any status on this version: see `refused_status`.
             Err(kube::Error::Api(s)) if s.is_invalid() => self.refused_status(at, decision, &s),
             Err(error) => {

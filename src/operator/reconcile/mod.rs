@@ -39,8 +39,12 @@ pub const FIELD_MANAGER: &str = "cnat";
 /// A reconcile never needs more than: look up or create the pod, look it up again, decide.
 const MAX_STEPS: usize = 3;
 
-/// The longest requeue handed to the runtime: its timer queue refuses (panics on) instants more
-/// than about 2.2 years ahead, and an At may be due in 9999. Looking again hourly is cheap.
+/// Attempts to release the pod of a deleted At before leaving it to the next relist or leader.
+const ORPHAN_ATTEMPTS: u32 = 6;
+
+/// The longest requeue handed to the runtime. kube-runtime clamps requeues its timer queue
+/// could not hold (tokio-util's DelayQueue panics past about 2.2 years, and an At may be due in
+/// 9999); an hourly look also keeps a far-off At's wait independent of that clamp, and is cheap.
 pub const MAX_REQUEUE: Duration = Duration::from_secs(3600);
 
 /// A failed reconcile; it is retried with backoff. Each names the At and what was being done.
@@ -107,10 +111,10 @@ pub struct Context {
     clock: Clock,
     metrics: Arc<Metrics>,
     policy: RunPolicy,
-    /// Per At uid, the resourceVersion our last status write replaced: a cache still showing it
+    /// Per At (`namespace/name`), the resourceVersion our last status write replaced: a cache still showing it
     /// is stale, and deciding on it would redo the step just taken.
     superseded: Mutex<HashMap<String, (String, Phase)>>,
-    /// Per At uid, consecutive failed reconciles, for exponential backoff.
+    /// Per At (`namespace/name`), consecutive failed reconciles, for exponential backoff.
     failures: Mutex<HashMap<String, u32>>,
     /// Pod creates and status writes in flight, which lower-priority writes wait for.
     pods_first: PodsFirst,
@@ -184,6 +188,57 @@ impl Context {
             .remove(&at_key);
         self.quarantine.remove(&at_key);
         self.wakeups.clear(at);
+    }
+
+    /// Drops what is kept for Ats `known` does not hold any more (deletions a relist or a lagging
+    /// feed did not report one by one).
+    pub fn forget_all_but(&self, known: impl Fn(&ObjectRef<At>) -> bool) {
+        let gone = |at_key: &String| {
+            let (namespace, name) = at_key.split_once('/').unwrap_or(("", at_key));
+            !known(&ObjectRef::new(name).within(namespace))
+        };
+        let dropped: Vec<String> = {
+            let failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+            let superseded = self.superseded.lock().unwrap_or_else(|e| e.into_inner());
+            failures
+                .keys()
+                .chain(superseded.keys())
+                .filter(|k| gone(k))
+                .cloned()
+                .collect()
+        };
+        for at_key in dropped {
+            let (namespace, name) = at_key.split_once('/').unwrap_or(("", &at_key));
+            self.forget(&ObjectRef::new(name).within(namespace));
+        }
+        self.wakeups.retain(known);
+    }
+
+    /// The pods in the pod cache that wait for cnat's finalizer while `owner_gone` says their
+    /// At is gone.
+    pub fn held_pods(&self, owner_gone: impl Fn(&Pod) -> bool) -> Vec<ObjectRef<Pod>> {
+        self.pods
+            .state()
+            .iter()
+            .filter(|found| pod::awaits_release(found) && owner_gone(found))
+            .map(|found| ObjectRef::from_obj(found.as_ref()))
+            .collect()
+    }
+
+    /// Tells, in a Warning event on the At, that cnat cannot read it (`why`), so it does nothing
+    /// with it until it is fixed.
+    pub fn report_unreadable(self: &Arc<Self>, at: &At, why: &str) {
+        warn!(at = %key(at), "an At that does not decode as an At is left alone until it changes");
+        let event = Event {
+            type_: EventType::Warning,
+            reason: "Unreadable".into(),
+            note: Some(format!(
+                "cnat cannot read this At ({why}), so it does nothing with it; fix the field named (kubectl edit) and it runs"
+            )),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        self.tell_later(at, event);
     }
 
     /// Entries kept per At now: backoffs, last writes, wakeups (for tests of forgetting).
@@ -273,6 +328,12 @@ impl Context {
         let wakeups = &self.wakeups;
         // By name only: the index holds one small key per waiting At.
         let at_ref = ObjectRef::new(&at.name_any()).within(&namespace(at));
+        // Its pod waits for cnat's finalizer to go: only a reconcile, which sees the pod,
+        // decides that (a terminating pod changes no more, so nothing else would bring it).
+        if self.held_pod_of(&at_ref).is_some() {
+            self.wakeups.clear(&at_ref);
+            return true;
+        }
         match wakeups::wake(at, (self.clock)(), &self.policy) {
             Wake::Now => {
                 wakeups.clear(&at_ref);
@@ -392,13 +453,13 @@ impl Context {
     /// caught up with our write.
     fn is_stale(&self, at: &At) -> Option<Phase> {
         let mut superseded = self.superseded.lock().unwrap_or_else(|e| e.into_inner());
-        let uid = key(at);
+        let at_key = key(at);
         let written = superseded
-            .get(&uid)
+            .get(&at_key)
             .filter(|(rv, _)| Some(rv) == at.resource_version().as_ref())
             .map(|(_, phase)| *phase);
         if written.is_none() {
-            superseded.remove(&uid);
+            superseded.remove(&at_key);
         }
         written
     }
@@ -445,35 +506,49 @@ impl Context {
             field_manager: Some(FIELD_MANAGER.into()),
             ..PatchParams::default()
         };
-        // A conflict or a failure is retried with the pod's next change, or by the next leader.
-        let released = async {
-            let Some(current) = pods.get_opt(&found.name).await? else {
-                return Ok(false);
-            };
-            if !pod::awaits_release(&current) {
-                return Ok(false);
-            }
-            let owner = current
-                .owner_references()
-                .iter()
-                .find(|o| o.controller == Some(true))
-                .cloned();
-            if let Some(owner) = owner {
-                let at = ats.get_opt(&owner.name).await?;
-                if at.is_some_and(|at| at.uid().as_deref() == Some(owner.uid.as_str())) {
-                    return Ok(false);
+        // Retried a few times with backoff (a terminating pod changes no more, so no event would
+        // bring it back); past that, the next relist or the next leader finds it again.
+        for attempt in 1..=ORPHAN_ATTEMPTS {
+            match self.try_release_orphan(found, &pods, &ats, &params).await {
+                Ok(true) => return debug!(pod = %found, "released the pod of a deleted At"),
+                Ok(false) => return,
+                Err(error) if attempt == ORPHAN_ATTEMPTS => {
+                    return warn!(pod = %found, %error, attempts = attempt, "could not remove cnat's finalizer from the pod of a deleted At; the next relist or leader tries again")
+                }
+                Err(error) => {
+                    debug!(pod = %found, %error, attempt, "removing cnat's finalizer failed; retrying");
+                    tokio::time::sleep(retry_delay(attempt)).await;
                 }
             }
-            let patch = Patch::Merge(pod::release_patch(&current));
-            pods.patch(&found.name, &params, &patch).await.map(|_| true)
+        }
+    }
+
+    async fn try_release_orphan(
+        &self,
+        found: &ObjectRef<Pod>,
+        pods: &Api<Pod>,
+        ats: &Api<At>,
+        params: &PatchParams,
+    ) -> Result<bool, kube::Error> {
+        let Some(current) = pods.get_opt(&found.name).await? else {
+            return Ok(false);
         };
-        match released.await {
-            Ok(true) => debug!(pod = %found, "released the pod of a deleted At"),
-            Ok(false) => {}
-            Err(error) => {
-                warn!(pod = %found, %error, "could not remove cnat's finalizer from the pod of a deleted At")
+        if !pod::awaits_release(&current) {
+            return Ok(false);
+        }
+        let owner = current
+            .owner_references()
+            .iter()
+            .find(|o| o.controller == Some(true))
+            .cloned();
+        if let Some(owner) = owner {
+            let at = ats.get_opt(&owner.name).await?;
+            if at.is_some_and(|at| at.uid().as_deref() == Some(owner.uid.as_str())) {
+                return Ok(false);
             }
         }
+        let patch = Patch::Merge(pod::release_patch(&current));
+        pods.patch(&found.name, params, &patch).await.map(|_| true)
     }
 
     /// Removes cnat's finalizer from the At's pod (read fresh, so the patch carries its current
@@ -489,7 +564,8 @@ impl Context {
         let Some(found) = api.get_opt(&name).await.map_err(fail)? else {
             return Ok(PodObservation::Missing);
         };
-        if !pod::awaits_release(&found) {
+        // Only our own pod, and only while it waits for us.
+        if !pod::awaits_release(&found) || !pod::is_controlled_by(&found, &uid(at)) {
             return Ok(observe(&found, at));
         }
         let params = PatchParams {
@@ -568,6 +644,10 @@ impl Context {
                 // Someone wrote first: the watch brings the newer At, and we decide on that.
                 Err(kube::Error::Api(s)) if s.is_conflict() => {
                     debug!(at = %key(at), "status changed meanwhile; waiting for the newer version");
+                    return Ok(Action::await_change());
+                }
+                Err(kube::Error::Api(s)) if s.is_not_found() => {
+                    self.forget(&ObjectRef::from_obj(at));
                     return Ok(Action::await_change());
                 }
                 Err(kube::Error::Api(s)) if s.is_invalid() => {

@@ -105,6 +105,22 @@ impl Wakeups {
         }
     }
 
+    /// Keeps only the Ats `known` holds.
+    pub fn retain(&self, known: impl Fn(&ObjectRef<At>) -> bool) {
+        let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+        let gone: Vec<Key> = index
+            .by_at
+            .keys()
+            .filter(|k| !known(&k.at()))
+            .cloned()
+            .collect();
+        for at in gone {
+            if let Some(entry) = index.by_at.remove(&at) {
+                index.by_time.remove(&entry);
+            }
+        }
+    }
+
     /// Entries now.
     pub fn len(&self) -> usize {
         self.index
