@@ -95,6 +95,22 @@ async fn no_at_stops_a_replica_and_each_extreme_at_shows_a_phase_or_a_reason() {
     create("poison", poison.clone())
         .await
         .expect("stored before the bounds");
+    // kube-apiserver does not check `format: int32`: without the bounds, a status writer could
+    // store an exit code no i32 holds. Such an At must not stop the list of every At.
+    create(
+        "exit-code-beyond-int32",
+        spec("2020-01-01T00:00:00Z", json!({})),
+    )
+    .await
+    .unwrap();
+    let beyond = json!({"status": {"phase": "DONE", "exitCode": 3_000_000_000_i64}});
+    raw.patch_status(
+        "exit-code-beyond-int32",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(&beyond),
+    )
+    .await
+    .expect("stored: the server does not check int32");
     install_crd(&admin, &cnat::api::crd_yaml()).await;
     let refused = create("poison-again", poison)
         .await
