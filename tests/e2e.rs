@@ -18,3 +18,5 @@ mod admission;
 mod bad_input;
 #[path = "e2e/lifecycle.rs"]
 mod lifecycle;
+#[path = "e2e/rbac.rs"]
+mod rbac;

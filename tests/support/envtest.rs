@@ -561,6 +561,7 @@ pub async fn wait_at(
 
 /// A `cnat run` process against this control plane; killed when dropped.
 pub struct Replica {
+    pub identity: String,
     pub child: Child,
     pub admin: std::net::SocketAddr,
     pub webhook: std::net::SocketAddr,
@@ -574,6 +575,37 @@ impl ControlPlane {
     /// Starts `cnat run` as `identity`, its Lease in `lease_namespace`, with `extra` flags;
     /// short election timings (lease 3 s, renew deadline 2 s, retry 500 ms).
     pub fn replica(&self, identity: &str, lease_namespace: &str, extra: &[&str]) -> Replica {
+        self.start_replica(identity, lease_namespace, extra, &self.kubeconfig)
+    }
+
+    /// `replica`, acting as ServiceAccount `user` (`system:serviceaccount:NS:NAME`) with
+    /// exactly the rights RBAC gives it.
+    pub fn replica_as(
+        &self,
+        identity: &str,
+        lease_namespace: &str,
+        extra: &[&str],
+        user: &str,
+    ) -> Replica {
+        let namespace = user.split(':').nth(2).unwrap_or_default();
+        let kubeconfig = self.dir.join(format!("{identity}.kubeconfig"));
+        let yaml = self.kubeconfig_yaml().replace(
+            &format!("    token: {ADMIN_TOKEN}\n"),
+            &format!(
+                "    token: {ADMIN_TOKEN}\n    as: {user}\n    as-groups: [system:serviceaccounts, system:serviceaccounts:{namespace}, system:authenticated]\n"
+            ),
+        );
+        std::fs::write(&kubeconfig, yaml).expect("a kubeconfig");
+        self.start_replica(identity, lease_namespace, extra, &kubeconfig)
+    }
+
+    fn start_replica(
+        &self,
+        identity: &str,
+        lease_namespace: &str,
+        extra: &[&str],
+        kubeconfig: &Path,
+    ) -> Replica {
         let free = || {
             TcpListener::bind("127.0.0.1:0")
                 .and_then(|l| l.local_addr())
@@ -604,7 +636,7 @@ impl ControlPlane {
                 "--log-format=json",
             ])
             .args(extra)
-            .env("KUBECONFIG", &self.kubeconfig)
+            .env("KUBECONFIG", kubeconfig)
             .env_remove("KUBERNETES_SERVICE_HOST")
             .env_remove("POD_NAME")
             .env_remove("POD_NAMESPACE");
@@ -615,6 +647,7 @@ impl ControlPlane {
             }
         }
         Replica {
+            identity: identity.to_owned(),
             child,
             admin,
             webhook,

@@ -1,0 +1,271 @@
+//! The chart's RBAC on a real API server: its ClusterRole, Role and bindings, rendered by helm
+//! and applied, and `cnat run` as the chart's ServiceAccount with exactly those rights: the
+//! Lease (created, watched by name with a field selector under `resourceNames`, renewed), Ats
+//! from PENDING to DONE, pods created and released, events. Then three such replicas: one
+//! leader, a graceful handover, a killed leader replaced after the lease, one pod per At.
+
+use crate::lifecycle::{at, event_reasons};
+use crate::support::envtest::{lease_holder, wait_at, ControlPlane, Replica};
+use cnat::api::{At, Outcome, Phase};
+use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
+use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use kube::discovery::Discovery;
+use kube::{Api, Client};
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+/// `helm template` of the chart into `namespace` with `sets`; every object rendered.
+pub fn render(namespace: &str, sets: &[&str]) -> Vec<Value> {
+    let helm = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/helm");
+    assert!(
+        helm.exists(),
+        "no helm at {}: run scripts/fetch-helm",
+        helm.display()
+    );
+    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/cnat");
+    let mut command = Command::new(helm);
+    command.args(["template", "cnat", chart, "--namespace", namespace]);
+    for set in sets {
+        command.args(["--set", set]);
+    }
+    let output = command.output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let docs: Vec<Value> =
+        serde_saphyr::from_multiple(&String::from_utf8_lossy(&output.stdout)).unwrap();
+    docs.into_iter().filter(Value::is_object).collect()
+}
+
+/// Applies `objects` (server-side apply, as `kubectl apply --server-side` would), namespaced
+/// ones without a namespace into `namespace` (as helm does).
+pub async fn apply(client: &Client, namespace: &str, objects: &[Value]) {
+    let discovery = Discovery::new(client.clone()).run().await.unwrap();
+    for object in objects {
+        let object: DynamicObject = serde_json::from_value(object.clone()).unwrap();
+        let types = object.types.clone().unwrap();
+        let gvk = kube::core::GroupVersionKind::try_from(&types).unwrap();
+        let (resource, caps) = discovery.resolve_gvk(&gvk).expect("a known kind");
+        let api: Api<DynamicObject> = match caps.scope {
+            kube::discovery::Scope::Namespaced => Api::namespaced_with(
+                client.clone(),
+                object.metadata.namespace.as_deref().unwrap_or(namespace),
+                &resource,
+            ),
+            kube::discovery::Scope::Cluster => Api::all_with(client.clone(), &resource),
+        };
+        let name = object.metadata.name.clone().unwrap();
+        api.patch(
+            &name,
+            &PatchParams::apply("cnat-e2e").force(),
+            &Patch::Apply(&object),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{} {name}: {e}", types.kind));
+    }
+}
+
+/// The chart's RBAC objects for a release in `ns`, applied, with its ServiceAccount.
+async fn chart_rbac(plane: &ControlPlane, ns: &str) {
+    let admin = plane.admin().await;
+    let rbac: Vec<Value> = render(ns, &[])
+        .into_iter()
+        .filter(|o| {
+            let kind = o["kind"].as_str().unwrap_or_default();
+            kind.ends_with("Role") || kind.ends_with("RoleBinding") || kind == "ServiceAccount"
+        })
+        // The helm test's own Role and ServiceAccount are not the operator's.
+        .filter(|o| o["metadata"]["annotations"]["helm.sh/hook"].is_null())
+        .collect();
+    let kinds: Vec<&str> = rbac.iter().filter_map(|o| o["kind"].as_str()).collect();
+    assert!(
+        kinds.contains(&"ClusterRole") && kinds.contains(&"Role"),
+        "{kinds:?}"
+    );
+    apply(&admin, ns, &rbac).await;
+    let accounts: Api<ServiceAccount> = Api::namespaced(admin, ns);
+    assert!(accounts.get_opt("cnat").await.unwrap().is_some());
+}
+
+fn as_chart_account(plane: &ControlPlane, identity: &str, ns: &str) -> Replica {
+    plane.replica_as(
+        identity,
+        ns,
+        &[&format!("--namespace={ns}")],
+        &format!("system:serviceaccount:{ns}:cnat"),
+    )
+}
+
+async fn wait_holder(
+    client: &Client,
+    ns: &str,
+    want: impl Fn(Option<&str>) -> bool,
+) -> Option<String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let holder = lease_holder(client, ns, "cnat").await;
+        if want(holder.as_deref()) {
+            return holder;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "lease holder stayed {holder:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_chart_s_rbac_is_all_the_operator_needs() {
+    let plane = crate::real_control_plane!();
+    let admin = plane.admin().await;
+    crate::support::envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
+    let ns = plane.namespace("rbac", &[]).await;
+    chart_rbac(plane, &ns).await;
+    let replica = as_chart_account(plane, "cnat-0", &ns);
+    let holder = wait_holder(&admin, &ns, |h| h.is_some()).await;
+    assert_eq!(holder.as_deref(), Some("cnat-0"), "{}", replica.log_text());
+
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let due = chrono::Utc::now() + chrono::Duration::seconds(1);
+    ats.create(&PostParams::default(), &at("ran", due, "true"))
+        .await
+        .unwrap();
+    wait_at(&ats, "ran", Duration::from_secs(30), |at| {
+        at.status
+            .as_ref()
+            .is_some_and(|s| s.phase == Phase::Running)
+    })
+    .await;
+    plane_kubelet(plane, &ns, "ran-pod", 0).await;
+    let done = wait_at(&ats, "ran", Duration::from_secs(30), |at| {
+        at.status.as_ref().is_some_and(|s| s.phase == Phase::Done)
+    })
+    .await;
+    assert_eq!(done.status.unwrap().outcome, Some(Outcome::Succeeded));
+    // Its pod deleted: the finalizer is removed with the rights the chart gives (pods patch).
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    pods.delete("ran-pod", &Default::default()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while pods.get_opt("ran-pod").await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "pod kept: {}",
+            replica.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(event_reasons(&admin, &ns, "ran")
+        .await
+        .contains(&"Succeeded".to_owned()));
+    // Nothing was refused (403 Forbidden) in the log, the Lease watch by name among them.
+    let log = replica.log_text();
+    assert!(!log.to_lowercase().contains("forbidden"), "{log}");
+    assert!(!log.contains("cannot watch the lease"), "{log}");
+}
+
+async fn plane_kubelet(plane: &'static ControlPlane, ns: &str, pod: &str, exit_code: i32) {
+    crate::support::envtest::Target {
+        client: plane.admin().await,
+        kubelet: false,
+        plane: Some(plane),
+    }
+    .finish_pod(ns, pod, exit_code, "")
+    .await;
+}
+
+/// Three replicas on the real Lease: one leader; a graceful handover (SIGTERM) within 0.5 s; a
+/// killed leader replaced after the lease duration; one pod per At throughout.
+#[tokio::test]
+async fn three_replicas_elect_one_leader_and_hand_over() {
+    let plane = crate::real_control_plane!();
+    let admin = plane.admin().await;
+    crate::support::envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
+    let ns = plane.namespace("election", &[]).await;
+    chart_rbac(plane, &ns).await;
+    let mut replicas: Vec<Replica> = (0..3)
+        .map(|i| as_chart_account(plane, &format!("cnat-{i}"), &ns))
+        .collect();
+    let first = wait_holder(&admin, &ns, |h| h.is_some()).await.unwrap();
+    let names: Vec<String> = replicas.iter().map(|r| r.identity.clone()).collect();
+    let index = |name: &str| names.iter().position(|n| n == name).unwrap();
+    // Only one leads: the others say so in their metrics.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let leaders: Vec<String> = replicas
+        .iter()
+        .filter(|r| {
+            crate::support::process::get(r.admin, "/metrics")
+                .is_some_and(|(_, body)| body.contains("\ncnat_leader 1\n"))
+        })
+        .map(|r| r.identity.clone())
+        .collect();
+    assert_eq!(leaders, [first.clone()]);
+
+    // Ats due during the handovers.
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let now = chrono::Utc::now();
+    for i in 0..10 {
+        let due = now + chrono::Duration::milliseconds(500 * i);
+        ats.create(&PostParams::default(), &at(&format!("at-{i}"), due, "true"))
+            .await
+            .unwrap();
+    }
+
+    // Graceful: SIGTERM, the Lease is released and another takes it at once.
+    let terminated = tokio::time::Instant::now();
+    replicas[index(&first)].terminate();
+    let second = wait_holder(&admin, &ns, |h| h.is_some_and(|h| h != first))
+        .await
+        .unwrap();
+    let handover = terminated.elapsed();
+    assert!(
+        handover < Duration::from_millis(500),
+        "graceful handover took {handover:?}"
+    );
+
+    // Killed: the Lease expires (3 s) and a third replica takes it.
+    let killed = tokio::time::Instant::now();
+    replicas[index(&second)].kill();
+    let third = wait_holder(&admin, &ns, |h| {
+        h.is_some_and(|h| h != first && h != second)
+    })
+    .await
+    .unwrap();
+    let replaced = killed.elapsed();
+    assert!(
+        replaced >= Duration::from_secs(2) && replaced < Duration::from_secs(10),
+        "a killed leader was replaced after {replaced:?} (lease 3 s)"
+    );
+    assert!(replicas[index(&third)].child.try_wait().unwrap().is_none());
+
+    // Every At got exactly one pod.
+    for i in 0..10 {
+        let name = format!("at-{i}");
+        wait_at(&ats, &name, Duration::from_secs(30), |at| {
+            at.status
+                .as_ref()
+                .is_some_and(|s| s.phase == Phase::Running)
+        })
+        .await;
+    }
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    let mut names: Vec<String> = pods
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|p| p.metadata.name)
+        .collect();
+    names.sort();
+    let mut expected: Vec<String> = (0..10).map(|i| format!("at-{i}-pod")).collect();
+    expected.sort();
+    assert_eq!(names, expected);
+    for replica in &mut replicas {
+        replica.kill();
+    }
+}
