@@ -44,8 +44,8 @@ pub struct ControlPlane {
     ca: Vec<u8>,
 }
 
-/// What is running, for the exit handler.
-static RUNNING: Mutex<Option<(Vec<u32>, PathBuf)>> = Mutex::new(None);
+/// What is running (processes and folder of each control plane), for the exit handler.
+static RUNNING: Mutex<Vec<(Vec<u32>, PathBuf)>> = Mutex::new(Vec::new());
 static SHARED: OnceLock<Option<ControlPlane>> = OnceLock::new();
 
 /// The folder with the binaries, if `KUBEBUILDER_ASSETS` names one that has them all.
@@ -62,21 +62,32 @@ pub fn assets() -> Option<PathBuf> {
 /// when binaries are missing in CI where they should be.
 pub fn control_plane() -> Option<&'static ControlPlane> {
     SHARED
-        .get_or_init(|| match assets() {
-            Some(dir) => Some(start(&dir)),
-            None => {
-                let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/envtest");
-                let ci = std::env::var("CI").is_ok_and(|v| v == "true");
-                assert!(
-                    !(ci && shared.exists()),
-                    "CI=true and {} exists, but KUBEBUILDER_ASSETS names no folder with etcd, kube-apiserver and kube-controller-manager: run scripts/envtest",
-                    shared.display()
-                );
-                eprintln!("skipped: no real control plane; set KUBEBUILDER_ASSETS to a folder with etcd, kube-apiserver, kube-controller-manager and kubectl (scripts/envtest prepares .tools/envtest, or `setup-envtest use 1.24 -p path`)");
-                None
-            }
-        })
+        .get_or_init(|| Some(start(&assets_or_skip()?)))
         .as_ref()
+}
+
+/// The binaries' folder; or, without one, `None` after saying how to get them (a failure in CI
+/// where they should be).
+fn assets_or_skip() -> Option<PathBuf> {
+    if let Some(dir) = assets() {
+        return Some(dir);
+    }
+    let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/envtest");
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    assert!(
+        !(ci && shared.exists()),
+        "CI=true and {} exists, but KUBEBUILDER_ASSETS names no folder with etcd, kube-apiserver and kube-controller-manager: run scripts/envtest",
+        shared.display()
+    );
+    eprintln!("skipped: no real control plane; set KUBEBUILDER_ASSETS to a folder with etcd, kube-apiserver, kube-controller-manager and kubectl (scripts/envtest prepares .tools/envtest, or `setup-envtest use 1.24 -p path`)");
+    None
+}
+
+/// A control plane of the calling test's own (not shared), for tests that change cluster-wide
+/// state others would trip over (webhook configurations of a whole chart, say); `None` as for
+/// `control_plane()`.
+pub fn own_control_plane() -> Option<&'static ControlPlane> {
+    Some(Box::leak(Box::new(start(&assets_or_skip()?))))
 }
 
 /// `control_plane()`, or return from the test (skipped) when there is none.
@@ -204,7 +215,8 @@ fn free_port() -> u16 {
 /// Removes the folders of control planes whose process is gone (an interrupted run).
 fn sweep(parent: &Path) {
     for entry in std::fs::read_dir(parent).into_iter().flatten().flatten() {
-        let pid = entry.file_name().to_string_lossy().parse::<u32>().ok();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let pid = name.split('-').next().and_then(|p| p.parse::<u32>().ok());
         if pid.is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
             let _ = std::fs::remove_dir_all(entry.path());
         }
@@ -212,8 +224,11 @@ fn sweep(parent: &Path) {
 }
 
 extern "C" fn stop_at_exit() {
-    let running = RUNNING.lock().map(|mut r| r.take()).unwrap_or(None);
-    if let Some((pids, dir)) = running {
+    let running = RUNNING
+        .lock()
+        .map(|mut r| std::mem::take(&mut *r))
+        .unwrap_or_default();
+    for (pids, dir) in running {
         // Nothing in it is worth a graceful stop: the folder goes next.
         for pid in pids.iter().rev() {
             // SAFETY: sending a signal to a process this process started.
@@ -228,6 +243,15 @@ extern "C" fn stop_at_exit() {
             }
         }
         let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+/// Records `pid` as part of the control plane in `dir`, for the exit handler.
+fn running(dir: &Path, pid: u32) {
+    let mut running = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
+    match running.iter_mut().find(|(_, d)| d == dir) {
+        Some((pids, _)) => pids.push(pid),
+        None => running.push((vec![pid], dir.to_owned())),
     }
 }
 
@@ -270,13 +294,16 @@ fn start(assets: &Path) -> ControlPlane {
     let parent = std::env::temp_dir().join(FOLDERS);
     std::fs::create_dir_all(&parent).expect("a folder for control planes");
     sweep(&parent);
-    let dir = parent.join(std::process::id().to_string());
+    static PLANES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = PLANES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let dir = parent.join(format!("{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("certs")).expect("a folder for the control plane");
-    // SAFETY: registering a plain extern "C" function.
-    unsafe {
+    static AT_EXIT: std::sync::Once = std::sync::Once::new();
+    // SAFETY: registering a plain extern "C" function, once.
+    AT_EXIT.call_once(|| unsafe {
         libc::atexit(stop_at_exit);
-    }
+    });
 
     // The ServiceAccount token signing key.
     let key = rcgen::KeyPair::generate().expect("a key");
@@ -309,8 +336,7 @@ fn start(assets: &Path) -> ControlPlane {
         "--log-level",
         "warn",
     ]);
-    let mut pids = vec![spawn(etcd, &dir.join("etcd.log")).id()];
-    *RUNNING.lock().unwrap() = Some((pids.clone(), dir.clone()));
+    running(&dir, spawn(etcd, &dir.join("etcd.log")).id());
 
     let d = |file: &str| dir.join(file).to_str().unwrap().to_owned();
     let mut apiserver = Command::new(assets.join("kube-apiserver"));
@@ -330,8 +356,7 @@ fn start(assets: &Path) -> ControlPlane {
         "--feature-gates=CustomResourceValidationExpressions=true".into(),
         "--enable-priority-and-fairness=false".into(),
     ]);
-    pids.push(spawn(apiserver, &dir.join("kube-apiserver.log")).id());
-    *RUNNING.lock().unwrap() = Some((pids.clone(), dir.clone()));
+    running(&dir, spawn(apiserver, &dir.join("kube-apiserver.log")).id());
 
     // The serving certificate appears in the cert dir; it is its own CA.
     let ca_path = dir.join("certs/apiserver.crt");
@@ -368,8 +393,10 @@ fn start(assets: &Path) -> ControlPlane {
         "--bind-address=127.0.0.1".into(),
         format!("--secure-port={kcm_port}"),
     ]);
-    pids.push(spawn(kcm, &dir.join("kube-controller-manager.log")).id());
-    *RUNNING.lock().unwrap() = Some((pids, dir));
+    running(
+        &dir,
+        spawn(kcm, &dir.join("kube-controller-manager.log")).id(),
+    );
     plane
 }
 
@@ -641,11 +668,7 @@ impl ControlPlane {
             .env_remove("POD_NAME")
             .env_remove("POD_NAMESPACE");
         let child = spawn(command, &log);
-        if let Ok(mut running) = RUNNING.lock() {
-            if let Some((pids, _)) = running.as_mut() {
-                pids.push(child.id());
-            }
-        }
+        running(&self.dir, child.id());
         Replica {
             identity: identity.to_owned(),
             child,
