@@ -16,6 +16,8 @@ mod support;
 mod admission;
 #[path = "e2e/bad_input.rs"]
 mod bad_input;
+#[path = "e2e/cel.rs"]
+mod cel;
 #[path = "e2e/chart.rs"]
 mod chart;
 #[path = "e2e/lifecycle.rs"]
