@@ -18,11 +18,17 @@
 //! caching every At), and the leader gets SIGTERM 50 ms before another At is due.
 //!
 //!     cargo bench --bench due            # 100 and 1000 Ats, then the outages
+//!     cargo bench --bench due -- --real  # the same burst on a real kube-apiserver (KUBEBUILDER_ASSETS)
 //!     cargo bench --bench due -- 5000    # any sizes (no outages)
 //!     cargo bench --bench due -- 100000  # 100,000 pending Ats
 
 #[path = "../tests/support/apiserver.rs"]
 mod apiserver;
+#[allow(dead_code)] // the benches use part of it
+#[path = "../tests/support/envtest.rs"]
+mod envtest;
+#[path = "support/real.rs"]
+mod real;
 #[path = "support/rss.rs"]
 mod rss;
 
@@ -49,6 +55,15 @@ async fn main() {
         .skip(1)
         .filter_map(|a| a.parse().ok())
         .collect();
+    if std::env::args().any(|a| a == "--real") {
+        let sizes = if sizes.is_empty() {
+            vec![100, 1000]
+        } else {
+            sizes
+        };
+        real::run(&sizes).await;
+        return;
+    }
     let outages = sizes.is_empty();
     let sizes = if sizes.is_empty() {
         vec![100, 1000]

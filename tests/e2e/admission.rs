@@ -124,11 +124,16 @@ async fn admission_denies_defaults_guards_and_never_blocks_status_writes() {
     // creates may still pass before the API server loaded the configuration.
     let mut bad = at("bad", soon, "true");
     bad.spec.schedule = "tomorrow noon".into();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let denied = loop {
         match ats.create(&PostParams::default(), &bad).await {
             Err(kube::Error::Api(status)) => break status,
             Ok(_) => {
                 ats.delete("bad", &Default::default()).await.unwrap();
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the webhook never applied"
+                );
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Err(other) => panic!("{other}"),
@@ -165,6 +170,12 @@ async fn admission_denies_defaults_guards_and_never_blocks_status_writes() {
     let created = raw.create(&PostParams::default(), &bare).await.unwrap();
     assert_eq!(created.data["spec"]["image"], "busybox");
     assert_eq!(created.data["status"]["phase"], "PENDING");
+    // The CRD defaults these too: the replica's metrics show the mutating webhook answered.
+    let (_, metrics) = crate::support::process::get(replica.admin, "/metrics").unwrap();
+    assert!(
+        metrics.contains("cnat_admission_requests_total{webhook=\"mutating\",operation=\"CREATE\",allowed=\"true\"}"),
+        "{metrics}"
+    );
 
     // The escalation guard: alice may create Ats but not pods; bob may do both.
     let at_rules = json!([{"apiGroups": ["cnat.programming-kubernetes.info"], "resources": ["ats"],

@@ -67,7 +67,10 @@ fn spec(schedule: &str, extra: Value) -> Value {
 
 #[tokio::test]
 async fn no_at_stops_a_replica_and_each_extreme_at_shows_a_phase_or_a_reason() {
-    let plane = crate::real_control_plane!();
+    // It changes cluster-wide objects (the CRD, the chart's ClusterRole): a control plane of its own.
+    let Some(plane) = crate::support::envtest::own_control_plane() else {
+        return;
+    };
     let admin = plane.admin().await;
     let ns = plane.namespace("bad-input", &[]).await;
     let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
@@ -112,9 +115,23 @@ async fn no_at_stops_a_replica_and_each_extreme_at_shows_a_phase_or_a_reason() {
     .await
     .expect("stored: the server does not check int32");
     install_crd(&admin, &cnat::api::crd_yaml()).await;
-    let refused = create("poison-again", poison)
-        .await
-        .expect_err("the CRD bounds it now");
+    // The server takes a new schema asynchronously: wait until it refuses.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let refused = loop {
+        match create("poison-again", poison.clone()).await {
+            Err(refused) => break refused,
+            Ok(_) => {
+                raw.delete("poison-again", &Default::default())
+                    .await
+                    .unwrap();
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the bounds never applied"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
     assert!(
         refused.to_string().contains("spec.startingDeadlineSeconds"),
         "{refused}"

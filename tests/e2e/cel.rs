@@ -1,7 +1,8 @@
 //! The CRD's CEL transition rule (`status.phase` never goes back) on kube-apiserver v1.24. CEL
 //! validation is alpha in 1.24 (feature gate `CustomResourceValidationExpressions`, off by
-//! default), and transition rules (`oldSelf`) came with 1.25's beta; what 1.24 does with the rule
-//! is recorded here, whatever it is, so a change shows.
+//! default; on in this control plane, as `../shared/envtest` recommends); with the gate on, 1.24
+//! evaluates transition rules (`oldSelf`) too. What 1.24 does is recorded here, so a change
+//! shows.
 
 use crate::lifecycle::at;
 use cnat::api::At;

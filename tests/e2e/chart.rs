@@ -87,6 +87,21 @@ async fn the_chart_installs_upgrades_rolls_back_and_uninstalls_on_a_real_server(
     let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/cnat");
     let kubeconfig = &plane.kubeconfig;
 
+    // An At from before (with the CRD applied first, as for an upgrade): uninstalling keeps it.
+    // (While the chart is installed, its webhooks have no pods to answer: no At can be made.)
+    crate::support::envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
+    let ats: Api<cnat::api::At> = Api::namespaced(admin.clone(), "default");
+    ats.create(
+        &Default::default(),
+        &crate::lifecycle::at(
+            "kept",
+            chrono::Utc::now() + chrono::Duration::days(1),
+            "true",
+        ),
+    )
+    .await
+    .unwrap();
+
     helm(
         kubeconfig,
         &[
@@ -179,6 +194,23 @@ async fn the_chart_installs_upgrades_rolls_back_and_uninstalls_on_a_real_server(
         let left = released(&admin, &discovery, group, version, kind).await;
         assert!(left.is_empty(), "{kind} left after uninstall: {left:?}");
     }
+    assert!(
+        ats.get_opt("kept").await.unwrap().is_some(),
+        "the At went with the chart"
+    );
+    // The webhook certificate's Secret is kept on purpose (helm.sh/resource-policy: keep).
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(admin.clone(), "cnat-system");
+    let kept: Vec<String> = secrets
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|s| s.metadata.name)
+        .filter(|n| n.starts_with("cnat"))
+        .collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
     // The CRD stays, with every At in it.
     let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
         Api::all(admin.clone());

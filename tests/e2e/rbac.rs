@@ -121,7 +121,10 @@ async fn wait_holder(
 
 #[tokio::test]
 async fn the_chart_s_rbac_is_all_the_operator_needs() {
-    let plane = crate::real_control_plane!();
+    // It changes cluster-wide objects (the CRD, the chart's ClusterRole): a control plane of its own.
+    let Some(plane) = crate::support::envtest::own_control_plane() else {
+        return;
+    };
     let admin = plane.admin().await;
     crate::support::envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
     let ns = plane.namespace("rbac", &[]).await;
@@ -182,7 +185,10 @@ async fn plane_kubelet(plane: &'static ControlPlane, ns: &str, pod: &str, exit_c
 /// killed leader replaced after the lease duration; one pod per At throughout.
 #[tokio::test]
 async fn three_replicas_elect_one_leader_and_hand_over() {
-    let plane = crate::real_control_plane!();
+    // It changes cluster-wide objects (the CRD, the chart's ClusterRole): a control plane of its own.
+    let Some(plane) = crate::support::envtest::own_control_plane() else {
+        return;
+    };
     let admin = plane.admin().await;
     crate::support::envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
     let ns = plane.namespace("election", &[]).await;
@@ -193,17 +199,32 @@ async fn three_replicas_elect_one_leader_and_hand_over() {
     let first = wait_holder(&admin, &ns, |h| h.is_some()).await.unwrap();
     let names: Vec<String> = replicas.iter().map(|r| r.identity.clone()).collect();
     let index = |name: &str| names.iter().position(|n| n == name).unwrap();
-    // Only one leads: the others say so in their metrics.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let leaders: Vec<String> = replicas
+    // Only one leads: every replica answers, and only one says it leads.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let leading = loop {
+        let answers: Vec<Option<bool>> = replicas
+            .iter()
+            .map(|r| {
+                crate::support::process::get(r.admin, "/metrics")
+                    .map(|(_, body)| body.contains("\ncnat_leader 1\n"))
+            })
+            .collect();
+        if answers.iter().all(Option::is_some) {
+            break answers;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not every replica serves metrics"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let leaders: Vec<&str> = replicas
         .iter()
-        .filter(|r| {
-            crate::support::process::get(r.admin, "/metrics")
-                .is_some_and(|(_, body)| body.contains("\ncnat_leader 1\n"))
-        })
-        .map(|r| r.identity.clone())
+        .zip(&leading)
+        .filter(|(_, leads)| **leads == Some(true))
+        .map(|(r, _)| r.identity.as_str())
         .collect();
-    assert_eq!(leaders, [first.clone()]);
+    assert_eq!(leaders, [first.as_str()]);
 
     // Ats due during the handovers.
     let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
@@ -265,6 +286,15 @@ async fn three_replicas_elect_one_leader_and_hand_over() {
     let mut expected: Vec<String> = (0..10).map(|i| format!("at-{i}-pod")).collect();
     expected.sort();
     assert_eq!(names, expected);
+    // Pod names are fixed, so a second create would only fail: the events say each pod was
+    // created once, by whichever replica led then.
+    for i in 0..10 {
+        let told = event_reasons(&admin, &ns, &format!("at-{i}")).await;
+        assert!(
+            told.iter().filter(|r| *r == "PodCreated").count() <= 1,
+            "at-{i}: {told:?}"
+        );
+    }
     for replica in &mut replicas {
         replica.kill();
     }

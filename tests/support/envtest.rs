@@ -46,12 +46,12 @@ pub struct ControlPlane {
 
 /// What is running (processes and folder of each control plane), for the exit handler.
 static RUNNING: Mutex<Vec<(Vec<u32>, PathBuf)>> = Mutex::new(Vec::new());
-static SHARED: OnceLock<Option<ControlPlane>> = OnceLock::new();
+static SHARED: OnceLock<Result<Option<ControlPlane>, String>> = OnceLock::new();
 
 /// The folder with the binaries, if `KUBEBUILDER_ASSETS` names one that has them all.
 pub fn assets() -> Option<PathBuf> {
     let dir = PathBuf::from(std::env::var_os("KUBEBUILDER_ASSETS")?);
-    ["etcd", "kube-apiserver", "kube-controller-manager"]
+    ["etcd", "kube-apiserver"]
         .iter()
         .all(|b| dir.join(b).is_file())
         .then_some(dir)
@@ -61,9 +61,20 @@ pub fn assets() -> Option<PathBuf> {
 /// stderr saying how to enable it) when there are no binaries. Panics when it cannot start, or
 /// when binaries are missing in CI where they should be.
 pub fn control_plane() -> Option<&'static ControlPlane> {
-    SHARED
-        .get_or_init(|| Some(start(&assets_or_skip()?)))
-        .as_ref()
+    // A start that failed is not tried again by every later test of the process.
+    let shared = SHARED.get_or_init(|| {
+        std::panic::catch_unwind(|| Some(start(&assets_or_skip()?))).map_err(|panic| {
+            panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_default()
+        })
+    });
+    match shared {
+        Ok(plane) => plane.as_ref(),
+        Err(why) => panic!("the control plane did not start: {why}"),
+    }
 }
 
 /// The binaries' folder; or, without one, `None` after saying how to get them (a failure in CI
@@ -76,10 +87,10 @@ fn assets_or_skip() -> Option<PathBuf> {
     let ci = std::env::var("CI").is_ok_and(|v| v == "true");
     assert!(
         !(ci && shared.exists()),
-        "CI=true and {} exists, but KUBEBUILDER_ASSETS names no folder with etcd, kube-apiserver and kube-controller-manager: run scripts/envtest",
+        "CI=true and {} exists, but KUBEBUILDER_ASSETS names no folder with etcd and kube-apiserver: run scripts/envtest",
         shared.display()
     );
-    eprintln!("skipped: no real control plane; set KUBEBUILDER_ASSETS to a folder with etcd, kube-apiserver, kube-controller-manager and kubectl (scripts/envtest prepares .tools/envtest, or `setup-envtest use 1.24 -p path`)");
+    eprintln!("skipped: no real control plane; set KUBEBUILDER_ASSETS to a folder with etcd and kube-apiserver (and kube-controller-manager for quotas; scripts/envtest prepares .tools/envtest, or `setup-envtest use 1.24 -p path`)");
     None
 }
 
@@ -177,10 +188,20 @@ impl ControlPlane {
             .create(&PostParams::default(), &ns)
             .await
             .expect("namespace created");
-        // Pods need the namespace's `default` ServiceAccount, which the controller manager adds.
+        // Pods need the namespace's `default` ServiceAccount, which the controller manager adds;
+        // without one, it is made here.
         let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
             Api::namespaced(self.admin().await, &name);
-        let deadline = Instant::now() + Duration::from_secs(30);
+        if !self.has_controller_manager() {
+            let account =
+                serde_json::from_value(serde_json::json!({"metadata": {"name": "default"}}))
+                    .unwrap();
+            accounts
+                .create(&PostParams::default(), &account)
+                .await
+                .expect("a ServiceAccount");
+        }
+        let deadline = Instant::now() + Duration::from_secs(90);
         while accounts.get_opt("default").await.ok().flatten().is_none() {
             assert!(
                 Instant::now() < deadline,
@@ -189,6 +210,12 @@ impl ControlPlane {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         name
+    }
+
+    /// Whether kube-controller-manager runs (quota usage, garbage collection, namespace
+    /// deletion, ServiceAccounts); `setup-envtest`'s folders have none.
+    pub fn has_controller_manager(&self) -> bool {
+        assets().is_some_and(|dir| dir.join("kube-controller-manager").exists())
     }
 
     /// `kubectl` against this control plane, as admin.
@@ -205,11 +232,13 @@ impl ControlPlane {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+/// Three distinct free ports (all held until each is chosen).
+fn free_ports() -> (u16, u16, u16) {
+    let listeners: Vec<TcpListener> = (0..3)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("a free port"))
+        .collect();
+    let port = |i: usize| listeners[i].local_addr().expect("a port").port();
+    (port(0), port(1), port(2))
 }
 
 /// Removes the folders of control planes whose process is gone (an interrupted run).
@@ -224,10 +253,7 @@ fn sweep(parent: &Path) {
 }
 
 extern "C" fn stop_at_exit() {
-    let running = RUNNING
-        .lock()
-        .map(|mut r| std::mem::take(&mut *r))
-        .unwrap_or_default();
+    let running = std::mem::take(&mut *RUNNING.lock().unwrap_or_else(|e| e.into_inner()));
     for (pids, dir) in running {
         // Nothing in it is worth a graceful stop: the folder goes next.
         for pid in pids.iter().rev() {
@@ -246,6 +272,14 @@ extern "C" fn stop_at_exit() {
     }
 }
 
+/// Forgets `pid` (reaped: the number may be reused by another process).
+fn stopped(pid: u32) {
+    let mut running = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
+    for (pids, _) in running.iter_mut() {
+        pids.retain(|p| *p != pid);
+    }
+}
+
 /// Records `pid` as part of the control plane in `dir`, for the exit handler.
 fn running(dir: &Path, pid: u32) {
     let mut running = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
@@ -258,19 +292,31 @@ fn running(dir: &Path, pid: u32) {
 /// Spawns `command` from the keeper thread, so that `PR_SET_PDEATHSIG` (which fires when the
 /// spawning thread ends) kills it only when the process ends.
 fn spawn(mut command: Command, log: &Path) -> Child {
-    static KEEPER: OnceLock<std::sync::mpsc::Sender<(Command, std::sync::mpsc::Sender<Child>)>> =
-        OnceLock::new();
+    type Job = (Command, std::sync::mpsc::Sender<std::io::Result<Child>>);
+    static KEEPER: OnceLock<std::sync::mpsc::Sender<Job>> = OnceLock::new();
     let keeper = KEEPER.get_or_init(|| {
-        let (jobs, inbox) = std::sync::mpsc::channel::<(Command, std::sync::mpsc::Sender<Child>)>();
+        let (jobs, inbox) = std::sync::mpsc::channel::<Job>();
         std::thread::spawn(move || {
+            // Never panics: its end would kill every process it started.
             for (mut command, reply) in inbox {
-                let child = command.spawn().expect("a control plane process starts");
-                let _ = reply.send(child);
+                let _ = reply.send(command.spawn());
             }
             // The channel lives in a static: this thread never ends before the process.
         });
         jobs
     });
+    // Nothing from the test's environment that would change what they do (what the caller set
+    // stays).
+    let set: Vec<std::ffi::OsString> = command.get_envs().map(|(k, _)| k.to_owned()).collect();
+    for (name, _) in std::env::vars_os() {
+        let text = name.to_string_lossy();
+        let foreign = ["CNAT_", "OTEL_", "ETCD_", "KUBE", "RUST_LOG"]
+            .iter()
+            .any(|prefix| text.starts_with(prefix));
+        if foreign && !set.contains(&name) {
+            command.env_remove(&name);
+        }
+    }
     let out = std::fs::File::create(log).expect("a log file");
     let err = out.try_clone().expect("a log file");
     command.stdout(Stdio::from(out)).stderr(Stdio::from(err));
@@ -287,7 +333,31 @@ fn spawn(mut command: Command, log: &Path) -> Child {
     keeper
         .send((command, reply))
         .expect("the keeper thread runs");
-    child.recv().expect("the keeper thread answers")
+    child
+        .recv()
+        .expect("the keeper thread answers")
+        .unwrap_or_else(|e| panic!("starting {}: {e}", log.display()))
+}
+
+/// Stops what a start that failed had started (a panic unwinds through it).
+struct Unstarted(PathBuf);
+
+impl Drop for Unstarted {
+    fn drop(&mut self) {
+        let mut running = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(index) = running.iter().position(|(_, dir)| *dir == self.0) {
+            let (pids, dir) = running.remove(index);
+            drop(running);
+            for pid in &pids {
+                // SAFETY: our own children, not yet reaped.
+                unsafe {
+                    libc::kill(pid.cast_signed(), libc::SIGKILL);
+                    libc::waitpid(pid.cast_signed(), std::ptr::null_mut(), 0);
+                }
+            }
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }
 
 fn start(assets: &Path) -> ControlPlane {
@@ -315,8 +385,7 @@ fn start(assets: &Path) -> ControlPlane {
     )
     .unwrap();
 
-    let (etcd_port, peer_port, api_port, kcm_port) =
-        (free_port(), free_port(), free_port(), free_port());
+    let (etcd_port, peer_port, api_port) = free_ports();
     let etcd_url = format!("http://127.0.0.1:{etcd_port}");
     let peer_url = format!("http://127.0.0.1:{peer_port}");
     let mut etcd = Command::new(assets.join("etcd"));
@@ -337,6 +406,7 @@ fn start(assets: &Path) -> ControlPlane {
         "warn",
     ]);
     running(&dir, spawn(etcd, &dir.join("etcd.log")).id());
+    let unstarted = Unstarted(dir.clone());
 
     let d = |file: &str| dir.join(file).to_str().unwrap().to_owned();
     let mut apiserver = Command::new(assets.join("kube-apiserver"));
@@ -361,16 +431,25 @@ fn start(assets: &Path) -> ControlPlane {
     // The serving certificate appears in the cert dir; it is its own CA.
     let ca_path = dir.join("certs/apiserver.crt");
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !ca_path.exists() {
+    // Written in place: wait until it holds the whole certificate (and its CA).
+    let written = |pem: &[u8]| {
+        String::from_utf8_lossy(pem)
+            .matches("-----END CERTIFICATE-----")
+            .count()
+            >= 2
+    };
+    let ca = loop {
+        match std::fs::read(&ca_path) {
+            Ok(pem) if written(&pem) => break pem,
+            _ => {}
+        }
         assert!(
             Instant::now() < deadline,
             "kube-apiserver wrote no certificate; see {}",
             dir.join("kube-apiserver.log").display()
         );
         std::thread::sleep(Duration::from_millis(50));
-    }
-    std::thread::sleep(Duration::from_millis(100));
-    let ca = std::fs::read(&ca_path).unwrap();
+    };
     let plane = ControlPlane {
         server: format!("https://127.0.0.1:{api_port}"),
         kubeconfig: dir.join("kubeconfig"),
@@ -381,7 +460,13 @@ fn start(assets: &Path) -> ControlPlane {
     wait_ready(&plane, "kube-apiserver.log", deadline);
 
     let kubeconfig = plane.kubeconfig.to_str().unwrap().to_owned();
-    let mut kcm = Command::new(assets.join("kube-controller-manager"));
+    let kcm_binary = assets.join("kube-controller-manager");
+    if !kcm_binary.exists() {
+        // As setup-envtest lays it out: namespaces get their ServiceAccount from `namespace()`.
+        std::mem::forget(unstarted);
+        return plane;
+    }
+    let mut kcm = Command::new(kcm_binary);
     kcm.args([
         format!("--kubeconfig={kubeconfig}"),
         format!("--authentication-kubeconfig={kubeconfig}"),
@@ -391,12 +476,14 @@ fn start(assets: &Path) -> ControlPlane {
         format!("--root-ca-file={}", ca_path.display()),
         "--controllers=*,-nodeipam,-nodelifecycle".into(),
         "--bind-address=127.0.0.1".into(),
-        format!("--secure-port={kcm_port}"),
+        // Nothing here talks to it: no port to race for.
+        "--secure-port=0".into(),
     ]);
     running(
         &dir,
         spawn(kcm, &dir.join("kube-controller-manager.log")).id(),
     );
+    std::mem::forget(unstarted);
     plane
 }
 
@@ -622,6 +709,10 @@ impl ControlPlane {
                 "    token: {ADMIN_TOKEN}\n    as: {user}\n    as-groups: [system:serviceaccounts, system:serviceaccounts:{namespace}, system:authenticated]\n"
             ),
         );
+        assert!(
+            yaml.contains(&format!("as: {user}")),
+            "impersonation not set: {yaml}"
+        );
         std::fs::write(&kubeconfig, yaml).expect("a kubeconfig");
         self.start_replica(identity, lease_namespace, extra, &kubeconfig)
     }
@@ -692,17 +783,22 @@ impl Replica {
     }
 
     /// Sends SIGTERM (a graceful stop, as a Deployment does).
-    pub fn terminate(&self) {
-        // SAFETY: signalling a child of this process.
-        unsafe {
-            libc::kill(self.child.id().cast_signed(), libc::SIGTERM);
+    pub fn terminate(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            // SAFETY: signalling a child of this process, not yet reaped.
+            unsafe {
+                libc::kill(self.child.id().cast_signed(), libc::SIGTERM);
+            }
         }
     }
 
     /// Kills it at once (SIGKILL: a crash or a lost node).
     pub fn kill(&mut self) {
-        let _ = self.child.kill();
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+        }
         let _ = self.child.wait();
+        stopped(self.child.id());
     }
 }
 

@@ -1,0 +1,253 @@
+//! `cargo bench --bench due -- --real [SIZES]`: the burst scenario on a real kube-apiserver v1.24
+//! with etcd and kube-controller-manager (the control plane of `tests/support/envtest.rs`,
+//! `KUBEBUILDER_ASSETS`), the `cnat run` release binary as its own process. For each size `n`,
+//! in the same run:
+//!
+//! - floors: `n` bare pod creates over 8 connections, and `n` bare At status merge patches over
+//!   8 connections (both by this process, in namespaces the operator does not watch);
+//! - `n` Ats due at one instant: the first / median / last pod after due (from a pod watch, as
+//!   each ADDED event arrives here), the last as a ratio to the create floor;
+//! - then a kubelet stand-in ends all `n` pods at once (their status written over 8
+//!   connections): how long after the last pod ended every At said DONE, and as a ratio to the
+//!   status-patch floor;
+//! - the operator's resident memory at the end.
+
+use crate::envtest::{self, ControlPlane};
+use cnat::api::At;
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Api, Client};
+use serde_json::json;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// Connections the floors and the kubelet stand-in use, as the operator's own writers.
+const CONNECTIONS: usize = 8;
+
+pub async fn run(sizes: &[usize]) {
+    let Some(plane) = envtest::control_plane() else {
+        panic!("--real needs a real control plane: run scripts/envtest and set KUBEBUILDER_ASSETS");
+    };
+    let admin = plane.admin().await;
+    envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
+    println!("On a real kube-apiserver v1.24 + etcd 3.4 + kube-controller-manager (envtest), this machine:");
+    println!();
+    println!("| Ats due at once | bare pod creates (floor) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | every At DONE after the last pod ended | DONE / floor | operator RSS |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for &n in sizes {
+        burst(plane, &admin, n).await;
+    }
+}
+
+fn bare_pod(name: &str) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+    }))
+    .unwrap()
+}
+
+fn at(name: &str, schedule: chrono::DateTime<chrono::Utc>) -> At {
+    serde_json::from_value(json!({
+        "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+        "metadata": {"name": name},
+        "spec": {"schedule": schedule.to_rfc3339(), "command": "true", "image": "busybox"},
+    }))
+    .unwrap()
+}
+
+/// Runs `each(i)` for `0..n`, `CONNECTIONS` at once; returns how long it took.
+async fn concurrently<F, Fut>(n: usize, each: F) -> Duration
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let started = Instant::now();
+    futures::stream::iter(0..n)
+        .for_each_concurrent(CONNECTIONS, each)
+        .await;
+    started.elapsed()
+}
+
+async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
+    // Floor 1: bare pod creates.
+    let floor_ns = plane.namespace(&format!("floor-{n}"), &[]).await;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &floor_ns);
+    let create_floor = concurrently(n, |i| {
+        let pods = pods.clone();
+        async move {
+            pods.create(&PostParams::default(), &bare_pod(&format!("bare-{i}")))
+                .await
+                .unwrap();
+        }
+    })
+    .await;
+    // Floor 2: bare At status patches, on Ats nobody reconciles.
+    let ats: Api<At> = Api::namespaced(admin.clone(), &floor_ns);
+    let later = chrono::Utc::now() + chrono::Duration::days(1);
+    concurrently(n, |i| {
+        let ats = ats.clone();
+        async move {
+            ats.create(&PostParams::default(), &at(&format!("bare-{i}"), later))
+                .await
+                .unwrap();
+        }
+    })
+    .await;
+    let patch_floor = concurrently(n, |i| {
+        let ats = ats.clone();
+        async move {
+            let status =
+                json!({"status": {"phase": "DONE", "outcome": "Succeeded", "exitCode": 0}});
+            ats.patch_status(
+                &format!("bare-{i}"),
+                &PatchParams::default(),
+                &Patch::Merge(&status),
+            )
+            .await
+            .unwrap();
+        }
+    })
+    .await;
+
+    // The operator, watching its own namespace.
+    let ns = plane.namespace(&format!("burst-{n}"), &[]).await;
+    let mut operator = plane.replica(
+        &format!("bench-{n}"),
+        &ns,
+        &[&format!("--namespace={ns}"), "--log=warn"],
+    );
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    // Time to create them and let their PENDING writes settle before they fall due.
+    let lead = Duration::from_secs(5) + create_floor * 4;
+    let due_instant = Instant::now() + lead;
+    let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
+    let pod_seen = tokio::spawn(watch_pods(pods.clone(), n));
+    concurrently(n, |i| {
+        let ats = ats.clone();
+        async move {
+            ats.create(&PostParams::default(), &at(&format!("at-{i}"), due))
+                .await
+                .unwrap();
+        }
+    })
+    .await;
+    let seen = tokio::time::timeout(lead + Duration::from_secs(120), pod_seen)
+        .await
+        .expect("every pod within two minutes of due")
+        .unwrap();
+    assert!(
+        Instant::now() > due_instant,
+        "the Ats' PENDING writes did not settle before due"
+    );
+    let mut after: Vec<Duration> = seen
+        .values()
+        .map(|t| t.saturating_duration_since(due_instant))
+        .collect();
+    after.sort();
+    let early = seen
+        .values()
+        .filter(|t| **t + Duration::from_millis(50) < due_instant)
+        .count();
+    assert_eq!(early, 0, "a pod was created before its At was due");
+
+    // Every At RUNNING, then every pod ends at once.
+    wait_phases(&ats, n, "RUNNING").await;
+    let done_seen = tokio::spawn(watch_done(ats.clone(), n));
+    let ended = concurrently(n, |i| {
+        let pods = pods.clone();
+        async move {
+            let now = jiff::Timestamp::now().to_string();
+            let status = json!({"status": {"phase": "Succeeded", "containerStatuses": [{
+                "name": "command", "image": "busybox", "imageID": "", "ready": false,
+                "restartCount": 0,
+                "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                                         "startedAt": now, "finishedAt": now}}}]}});
+            pods.patch_status(
+                &format!("at-{i}-pod"),
+                &PatchParams::default(),
+                &Patch::Merge(&status),
+            )
+            .await
+            .unwrap();
+        }
+    })
+    .await;
+    let last_ended = Instant::now();
+    let _ = ended;
+    let done = tokio::time::timeout(Duration::from_secs(120), done_seen)
+        .await
+        .expect("every At DONE within two minutes")
+        .unwrap();
+    let all_done = done.saturating_duration_since(last_ended);
+    let rss = crate::rss::rss_kib(&operator.child.id().to_string());
+    let created = pods.list(&Default::default()).await.unwrap().items.len();
+    assert_eq!(created, n, "one pod per At");
+    let q = |p: f64| after[((after.len() - 1) as f64 * p).round() as usize];
+    println!(
+        "| {n} | {create_floor:.2?} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} | {all_done:.2?} | {:.2}x | {:.0} MiB |",
+        q(0.0),
+        q(0.5),
+        q(1.0),
+        q(1.0).as_secs_f64() / create_floor.as_secs_f64(),
+        all_done.as_secs_f64() / patch_floor.as_secs_f64(),
+        rss as f64 / 1024.0
+    );
+    operator.kill();
+}
+
+/// When each of `n` pods was first seen (ADDED), here.
+async fn watch_pods(pods: Api<Pod>, n: usize) -> HashMap<String, Instant> {
+    let mut seen = HashMap::new();
+    let stream = watcher(pods, watcher::Config::default()).applied_objects();
+    futures::pin_mut!(stream);
+    while seen.len() < n {
+        let Some(pod) = stream.try_next().await.unwrap() else {
+            break;
+        };
+        if let Some(name) = pod.metadata.name {
+            seen.entry(name).or_insert_with(Instant::now);
+        }
+    }
+    seen
+}
+
+/// When the last of `n` Ats was seen DONE.
+async fn watch_done(ats: Api<At>, n: usize) -> Instant {
+    let mut done = std::collections::HashSet::new();
+    let stream = watcher(ats, watcher::Config::default()).applied_objects();
+    futures::pin_mut!(stream);
+    while done.len() < n {
+        let Some(at) = stream.try_next().await.unwrap() else {
+            break;
+        };
+        if at
+            .status
+            .as_ref()
+            .is_some_and(|s| s.phase == cnat::api::Phase::Done)
+        {
+            done.insert(at.metadata.name.unwrap_or_default());
+        }
+    }
+    Instant::now()
+}
+
+async fn wait_phases(ats: &Api<At>, n: usize, phase: &str) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let list = ats.list(&Default::default()).await.unwrap();
+        let count = list
+            .items
+            .iter()
+            .filter(|a| a.status.as_ref().is_some_and(|s| s.phase.as_str() == phase))
+            .count();
+        if count == n {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{count} of {n} Ats {phase}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
