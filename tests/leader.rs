@@ -811,3 +811,51 @@ mod scripted {
         assert_eq!(seen[2].1["metadata"]["resourceVersion"], "100");
     }
 }
+
+/// A reconcile loop that panics (or ends) ends leadership: the Lease is released at once, and
+/// the replica competes again and leads again after a retry period.
+#[tokio::test(start_paused = true)]
+async fn a_reconcile_loop_that_panics_releases_the_lease_and_leads_again() {
+    let server = ApiServer::new();
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = runs.clone();
+    let replica = replica_with(&server, "cnat-0", 0, move |_client, stop| {
+        let run = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async move {
+            if run == 0 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                panic!("a bug in the reconcile loop");
+            }
+            stop.cancelled().await
+        }
+    });
+    let holder = |server: &ApiServer| {
+        server
+            .get(Resource::Leases, "cnat-system", "cnat")
+            .and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_owned))
+    };
+    assert!(
+        support::until(TIMING.lease_duration, || holder(&server).as_deref()
+            == Some("cnat-0"))
+        .await
+    );
+    // Released (not left to expire) once the loop panicked ...
+    assert!(
+        support::until(Duration::from_secs(1), || holder(&server).as_deref()
+            == Some(""))
+        .await,
+        "the lease was not released"
+    );
+    // ... and led again, with a fresh loop.
+    assert!(
+        support::until(TIMING.lease_duration, || runs
+            .load(std::sync::atomic::Ordering::SeqCst)
+            == 2
+            && replica.leadership.is_leader())
+        .await,
+        "never led again"
+    );
+    assert_eq!(holder(&server).as_deref(), Some("cnat-0"));
+    replica.shutdown.cancel();
+    let _ = replica.task.await;
+}

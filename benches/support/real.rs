@@ -34,8 +34,8 @@ pub async fn run(sizes: &[usize]) {
     envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
     println!("On a real kube-apiserver v1.24 + etcd 3.4 + kube-controller-manager (envtest), this machine:");
     println!();
-    println!("| Ats due at once | bare pod creates (floor) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | every At DONE after the last pod ended | DONE / floor | operator RSS |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| Ats due at once | bare pod creates (floor) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | every At DONE after the last pod ended | DONE / floor | every Succeeded event after the last DONE | operator RSS |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for &n in sizes {
         burst(plane, &admin, n).await;
     }
@@ -183,12 +183,31 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         .expect("every At DONE within two minutes")
         .unwrap();
     let all_done = done.saturating_duration_since(last_ended);
+    // Events follow the status writes they describe: when the last `Succeeded` one is out.
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(admin.clone(), &ns);
+    let told = loop {
+        let list = events.list(&Default::default()).await.unwrap();
+        let succeeded = list
+            .items
+            .iter()
+            .filter(|e| e.reason.as_deref() == Some("Succeeded"))
+            .count();
+        if succeeded >= n {
+            break Instant::now();
+        }
+        assert!(
+            last_ended.elapsed() < Duration::from_secs(300),
+            "{succeeded} of {n} events"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let events_after = told.saturating_duration_since(done);
     let rss = crate::rss::rss_kib(&operator.child.id().to_string());
     let created = pods.list(&Default::default()).await.unwrap().items.len();
     assert_eq!(created, n, "one pod per At");
     let q = |p: f64| after[((after.len() - 1) as f64 * p).round() as usize];
     println!(
-        "| {n} | {create_floor:.2?} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} | {all_done:.2?} | {:.2}x | {:.0} MiB |",
+        "| {n} | {create_floor:.2?} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} | {all_done:.2?} | {:.2}x | {events_after:.2?} | {:.0} MiB |",
         q(0.0),
         q(0.5),
         q(1.0),

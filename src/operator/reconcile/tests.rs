@@ -884,3 +884,34 @@ async fn events_wait_until_no_status_write_is_queued() {
     assert_status_patch(&sent[0], Phase::Pending);
     assert_event(&sent[1], "Normal", "Scheduled");
 }
+
+#[tokio::test]
+async fn a_deleted_at_leaves_nothing_behind_in_the_leader_s_maps() {
+    let h = harness(vec![]);
+    let at = example_at(None);
+    let at_ref = ObjectRef::from_obj(&at);
+    // A failure's backoff, a write's record, a wakeup: all kept per At.
+    h.ctx.next_retry(&at);
+    h.ctx.remember_write(&at, Phase::Pending);
+    h.ctx.wakeups().set(
+        at_ref.clone(),
+        tokio::time::Instant::now() + Duration::from_secs(3600),
+    );
+    assert_eq!(h.ctx.kept(), (1, 1, 1));
+    h.ctx.forget(&at_ref);
+    assert_eq!(h.ctx.kept(), (0, 0, 0));
+
+    // Deletions a relist did not report one by one: only Ats still known keep their entries.
+    let mut other = example_at(None);
+    other.metadata.name = Some("other".into());
+    for at in [&at, &other] {
+        h.ctx.next_retry(at);
+        h.ctx.wakeups().set(
+            ObjectRef::from_obj(at),
+            tokio::time::Instant::now() + Duration::from_secs(3600),
+        );
+    }
+    h.ctx.forget_all_but(|known| known.name == "other");
+    assert_eq!(h.ctx.kept(), (1, 0, 1));
+    h.finish(0).await;
+}
