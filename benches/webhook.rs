@@ -9,9 +9,14 @@
 //!
 //!     cargo bench --bench webhook                  # 5 rounds, then the medians
 //!     cargo bench --bench webhook -- -d30s         # other wrk arguments
+//!     cargo bench --bench webhook -- --real        # the escalation guard asks a real
+//!                                                  # kube-apiserver (KUBEBUILDER_ASSETS)
 
 #[path = "../tests/support/apiserver.rs"]
 mod apiserver;
+#[allow(dead_code)] // the benches use part of it
+#[path = "../tests/support/envtest.rs"]
+mod envtest;
 #[path = "support/kube_admission_example.rs"]
 mod kube_admission_example;
 
@@ -35,19 +40,29 @@ async fn main() {
         kube_admission_example::serve(addr, &dir.join("tls.crt"), &dir.join("tls.key")).await;
         return;
     }
+    let real = std::env::args().any(|a| a == "--real");
     let extra: Vec<String> = std::env::args()
         .skip(1)
-        .filter(|a| a.starts_with('-') && a != "--bench")
+        .filter(|a| a.starts_with('-') && a != "--bench" && a != "--real")
         .collect();
     let dir = std::env::temp_dir().join(format!("cnat-bench-webhook-{}", std::process::id()));
     let server = ApiServer::new();
     let kubeconfig = dir.join("kubeconfig");
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        &kubeconfig,
-        ApiServer::kubeconfig(server.serve_http().await, "cnat-system"),
-    )
-    .unwrap();
+    if real {
+        // The escalation guard's SubjectAccessReviews go to a real kube-apiserver.
+        let plane = envtest::control_plane()
+            .expect("--real needs a real control plane: run scripts/envtest and set KUBEBUILDER_ASSETS");
+        std::fs::copy(&plane.kubeconfig, &kubeconfig).unwrap();
+        envtest::install_crd(&plane.admin().await, &cnat::api::crd_yaml()).await;
+        println!("The escalation guard asks a real kube-apiserver v1.24 (envtest).");
+    } else {
+        std::fs::write(
+            &kubeconfig,
+            ApiServer::kubeconfig(server.serve_http().await, "cnat-system"),
+        )
+        .unwrap();
+    }
     run(&[
         env!("CARGO_BIN_EXE_cnat"),
         "certs",
