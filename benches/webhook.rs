@@ -51,8 +51,9 @@ async fn main() {
     std::fs::create_dir_all(&dir).unwrap();
     if real {
         // The escalation guard's SubjectAccessReviews go to a real kube-apiserver.
-        let plane = envtest::control_plane()
-            .expect("--real needs a real control plane: run scripts/envtest and set KUBEBUILDER_ASSETS");
+        let plane = envtest::control_plane().expect(
+            "--real needs a real control plane: run scripts/envtest and set KUBEBUILDER_ASSETS",
+        );
         std::fs::copy(&plane.kubeconfig, &kubeconfig).unwrap();
         envtest::install_crd(&plane.admin().await, &cnat::api::crd_yaml()).await;
         println!("The escalation guard asks a real kube-apiserver v1.24 (envtest).");

@@ -207,7 +207,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     assert_eq!(created, n, "one pod per At");
     let q = |p: f64| after[((after.len() - 1) as f64 * p).round() as usize];
     println!(
-        "| {n} | {create_floor:.2?} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} | {all_done:.2?} | {:.2}x | {events_after:.2?} | {:.0} MiB |",
+        "| {n} | {create_floor:.2?} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {all_done:.2?} | {:.2}x | {events_after:.2?} | {:.0} MiB |",
         q(0.0),
         q(0.5),
         q(1.0),

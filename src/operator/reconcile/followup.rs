@@ -231,8 +231,8 @@ impl Context {
 
     /// The API server validates the whole At on a status write, so an At whose spec breaks the
     /// CRD's schema (stored before the schema had today's bounds) can get no status at all
-    /// (422). Retrying cannot help: the decided event tells the story instead, with the
-    /// server's words, and this version is left alone until it changes.
+    /// (422; see `refuses_any_status`). Retrying cannot help: the decided event tells the story
+    /// instead, with the server's words, and this version is left alone until it changes.
     pub(super) fn refused_status(
         self: &Arc<Self>,
         at: &At,
@@ -289,7 +289,9 @@ impl Context {
                 self.forget(&ObjectRef::from_obj(at.as_ref()));
             }
             // The server refuses any status on this version: see `refused_status`.
-            Err(kube::Error::Api(s)) if s.is_invalid() => self.refused_status(at, decision, &s),
+            Err(kube::Error::Api(s)) if refuses_any_status(at, &s) => {
+                self.refused_status(at, decision, &s)
+            }
             Err(error) => {
                 let span = Span::current();
                 span.record("error", display(&error));
@@ -305,4 +307,13 @@ impl Context {
             }
         }
     }
+}
+
+/// Whether the API server's `refusal` of a status write means it refuses any status for this
+/// version of `at`: a 422 for an At whose spec is out of the CRD's bounds. Any other 422 is
+/// retried like other errors: kube-apiserver v1.24 with CEL validation on answers some
+/// concurrent status writes 422 with "internal error: runtime error: index out of range"
+/// while evaluating the CRD's transition rule, and that write succeeds when sent again.
+pub(super) fn refuses_any_status(at: &At, refusal: &kube::core::Status) -> bool {
+    refusal.is_invalid() && !crate::limits::problems(&at.spec, |_| true).is_empty()
 }

@@ -650,7 +650,7 @@ impl Context {
                     self.forget(&ObjectRef::from_obj(at));
                     return Ok(Action::await_change());
                 }
-                Err(kube::Error::Api(s)) if s.is_invalid() => {
+                Err(kube::Error::Api(s)) if followup::refuses_any_status(at, &s) => {
                     self.remember_write(at, status.phase);
                     self.refused_status(at, &decision, &s);
                     return Ok(Action::await_change());

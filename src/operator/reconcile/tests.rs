@@ -915,3 +915,30 @@ async fn a_deleted_at_leaves_nothing_behind_in_the_leader_s_maps() {
     assert_eq!(h.ctx.kept(), (1, 0, 1));
     h.finish(0).await;
 }
+
+/// kube-apiserver v1.24 with CEL validation on answers some concurrent status writes 422 with an
+/// internal error from evaluating the CRD's transition rule (seen on the real server): that is
+/// no verdict on the At, so the write is retried, not given up as for an out-of-range spec.
+#[tokio::test(start_paused = true)]
+async fn a_422_from_the_cel_rule_s_internal_error_is_retried() {
+    let h = harness(vec![
+        answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
+        answer(
+            "PATCH",
+            STATUS,
+            422,
+            serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 422, "reason": "Invalid",
+                "message": "At.cnat.programming-kubernetes.info \"example-at\" is invalid: status: Invalid value: \"object\": internal error: runtime error: index out of range [4] with length 3 evaluating rule: status.phase cannot go back"}),
+        ),
+    ]);
+    let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
+    h.reconcile(example_at(None)).await.unwrap();
+    let again = tokio::time::timeout(Duration::from_secs(5), retriggers.next())
+        .await
+        .expect("retried")
+        .unwrap();
+    assert_eq!(again, ObjectRef::new("example-at").within("default"));
+    assert_eq!(h.ctx.failures.lock().unwrap()["default/example-at"], 1);
+    drop(retriggers);
+    h.finish(2).await;
+}
