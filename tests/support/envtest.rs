@@ -424,7 +424,6 @@ fn start(assets: &Path) -> ControlPlane {
         "--service-cluster-ip-range=10.96.0.0/16".into(),
         "--enable-admission-plugins=NamespaceLifecycle,ServiceAccount,MutatingAdmissionWebhook,ValidatingAdmissionWebhook,ResourceQuota".into(),
         "--feature-gates=CustomResourceValidationExpressions=true".into(),
-        "--enable-priority-and-fairness=false".into(),
     ]);
     running(&dir, spawn(apiserver, &dir.join("kube-apiserver.log")).id());
 
