@@ -175,19 +175,7 @@ impl ControlPlane {
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
             .take(55)
             .collect();
-        let labels: serde_json::Map<String, serde_json::Value> = labels
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).into()))
-            .collect();
-        let ns: Namespace = serde_json::from_value(
-            serde_json::json!({"metadata": {"name": name, "labels": labels}}),
-        )
-        .unwrap();
-        let namespaces: Api<Namespace> = Api::all(self.admin().await);
-        namespaces
-            .create(&PostParams::default(), &ns)
-            .await
-            .expect("namespace created");
+        create_namespace(&self.admin().await, &name, labels).await;
         // Pods need the namespace's `default` ServiceAccount, which the controller manager adds;
         // without one, it is made here.
         let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
@@ -572,18 +560,7 @@ impl Target {
             Some(plane) => plane.namespace(test, labels).await,
             None => {
                 let name = format!("cnat-e2e-{test}-{}", std::process::id());
-                let labels: serde_json::Map<String, serde_json::Value> = labels
-                    .iter()
-                    .map(|(k, v)| ((*k).to_owned(), (*v).into()))
-                    .collect();
-                let ns: Namespace = serde_json::from_value(
-                    serde_json::json!({"metadata": {"name": name, "labels": labels}}),
-                )
-                .unwrap();
-                Api::<Namespace>::all(self.client.clone())
-                    .create(&PostParams::default(), &ns)
-                    .await
-                    .expect("namespace created");
+                create_namespace(&self.client, &name, labels).await;
                 name
             }
         }
@@ -626,6 +603,21 @@ impl Target {
         .await
         .expect("pod status written");
     }
+}
+
+/// Creates namespace `name` with `labels`.
+async fn create_namespace(client: &Client, name: &str, labels: &[(&str, &str)]) {
+    let labels: serde_json::Map<String, serde_json::Value> = labels
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).into()))
+        .collect();
+    let ns: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name, "labels": labels}}))
+            .unwrap();
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .expect("namespace created");
 }
 
 /// Applies the CRD in `yaml` (as `cnat crd` prints it) and waits until it is established.
