@@ -209,11 +209,17 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
     // Every replica caches the Ats, so the next leader starts with all of them.
     let cache = cnat::operator::cache::AtCache::start(&client, args.namespace.as_deref());
     let cache_stopped = cache.stopped();
+    // Ready, and a candidate for the Lease, only with every At cached (see `Health::require`).
+    health.require({
+        let cache = cache.clone();
+        move || cache.readiness()
+    });
     let election = tokio::spawn(leader::run(
         client,
         election_settings,
         leadership,
         events,
+        cache.listed(),
         move |stop| {
             controller::run_with_cache(
                 cache.clone(),

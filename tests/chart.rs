@@ -209,6 +209,35 @@ fn defaults_run_two_replicas_that_upgrade_without_losing_one() {
 }
 
 #[test]
+fn a_replica_listing_many_ats_is_started_by_readiness_and_not_killed_by_liveness() {
+    let probe = |sets: &[&str]| {
+        let deployment: Deployment = Rendered::new(sets).one("Deployment");
+        let pod = deployment.spec.unwrap().template.spec.unwrap();
+        pod.containers[0].startup_probe.clone().unwrap()
+    };
+    let startup = probe(&[]);
+    let get = startup.http_get.as_ref().unwrap();
+    assert_eq!(get.path.as_deref(), Some("/readyz"));
+    assert_eq!(
+        serde_json::to_value(&get.port).unwrap(),
+        serde_json::json!("admin")
+    );
+    assert_eq!(
+        (startup.period_seconds, startup.failure_threshold),
+        (Some(2), Some(300)),
+        "600 s by default"
+    );
+    let sized = probe(&[
+        "startupProbe.periodSeconds=5",
+        "startupProbe.failureThreshold=720",
+    ]);
+    assert_eq!(
+        (sized.period_seconds, sized.failure_threshold),
+        (Some(5), Some(720))
+    );
+}
+
+#[test]
 fn the_operator_pod_runs_locked_down() {
     let pod = Rendered::new(&[]).pod_template().spec.unwrap();
     let psc = pod.security_context.unwrap();
@@ -457,6 +486,10 @@ fn bad_values_are_rejected_by_the_schema() {
         ),
         ("replicas=3", "additional properties 'replicas' not allowed"),
         ("tracing.protocol=http/json", "/tracing/protocol"),
+        (
+            "startupProbe.failureThreshold=0",
+            "/startupProbe/failureThreshold",
+        ),
         (
             "runDefaults.limits.memory=lots",
             "/runDefaults/limits/memory",

@@ -140,6 +140,7 @@ where
         settings(id, skew_ms),
         leadership.clone(),
         support::events(&client, id),
+        std::future::ready(()),
         move |stop| work(work_client.clone(), stop),
         shutdown.clone(),
     ));
@@ -679,6 +680,7 @@ mod scripted {
             settings,
             leadership.clone(),
             support::events(&elsewhere, "cnat-0"),
+            std::future::ready(()),
             move |stop| {
                 logged("cnat-0".into(), log.clone(), async move {
                     stop.cancelled().await
@@ -858,4 +860,186 @@ async fn a_reconcile_loop_that_panics_releases_the_lease_and_leads_again() {
     assert_eq!(holder(&server).as_deref(), Some("cnat-0"));
     replica.shutdown.cancel();
     let _ = replica.task.await;
+}
+
+/// A replica as `cnat run` wires it: an At cache of its own, ready and a candidate only once
+/// that cache holds every At, and the real reconcile loop while it leads.
+struct CachingReplica {
+    replica: Replica,
+    cache: cnat::operator::cache::AtCache,
+}
+
+fn caching_replica(server: &ApiServer, id: &str) -> CachingReplica {
+    let (client, partition) = server.named_client(id);
+    let shutdown = CancellationToken::new();
+    let leadership = Arc::new(Leadership::default());
+    let cache = cnat::operator::cache::AtCache::start(&client, None);
+    let (work_client, work_cache, who) = (client.clone(), cache.clone(), id.to_owned());
+    let task = tokio::spawn(leader::run(
+        client.clone(),
+        settings(id, 0),
+        leadership.clone(),
+        support::events(&client, id),
+        cache.listed(),
+        move |stop| {
+            let settings = cnat::operator::controller::Settings {
+                namespace: None,
+                concurrency: 8,
+                policy: Default::default(),
+            };
+            cnat::operator::controller::run_with_cache(
+                work_cache.clone(),
+                work_client.clone(),
+                settings,
+                support::events(&work_client, &who),
+                Arc::new(cnat::observability::metrics::Metrics::new(
+                    Default::default(),
+                )),
+                stop,
+            )
+        },
+        shutdown.clone(),
+    ));
+    CachingReplica {
+        replica: Replica {
+            id: id.into(),
+            shutdown,
+            partition,
+            leadership,
+            task,
+        },
+        cache,
+    }
+}
+
+fn create_ats(server: &ApiServer, n: usize, schedule: &str) {
+    for i in 0..n {
+        server.create(
+            Resource::Ats,
+            json!({"metadata": {"name": format!("at-{i}"), "namespace": "default"},
+                   "spec": {"schedule": schedule, "command": "true", "image": "busybox"}}),
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_replica_still_listing_ats_neither_competes_for_the_lease_nor_says_it_is_ready() {
+    let server = ApiServer::new();
+    server.set_latency(LATENCY);
+    create_ats(&server, 100, "2999-01-01T00:00:00Z");
+    // The first list takes 30 s, as 100,000 Ats may on a real API server.
+    server.set_list_latency(Duration::from_secs(30));
+    let started = Instant::now();
+    let x = caching_replica(&server, "cnat-0");
+    tokio::time::sleep(Duration::from_secs(29)).await;
+    let lease_calls = |server: &ApiServer| {
+        server
+            .calls_by("cnat-0")
+            .into_iter()
+            .filter(|(what, _)| what.contains("leases"))
+            .count()
+    };
+    assert_eq!(
+        lease_calls(&server),
+        0,
+        "competed before its cache was full"
+    );
+    assert!(!x.replica.leadership.is_leader());
+    let why = x.cache.readiness().unwrap_err();
+    assert!(why.starts_with("listing Ats: "), "{why}");
+    // Once the list is in: ready, and leading at once (no other candidate).
+    assert!(
+        support::until(Duration::from_secs(2), || x.replica.leadership.is_leader()).await,
+        "did not lead once its cache was full"
+    );
+    assert!(started.elapsed() >= Duration::from_secs(30));
+    assert_eq!(x.cache.readiness(), Ok(()));
+    assert_eq!(x.cache.store().len(), 100);
+    assert_eq!(holder(&server), "cnat-0");
+    x.replica.shutdown.cancel();
+    x.replica.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_standby_still_listing_leaves_the_lease_to_the_leader_and_takes_it_once_listed() {
+    let server = ApiServer::new();
+    server.set_latency(LATENCY);
+    create_ats(&server, 100, "2999-01-01T00:00:00Z");
+    let old = caching_replica(&server, "cnat-old");
+    assert!(support::until(TIMING.lease_duration, || old.replica.leadership.is_leader()).await);
+    // The new replica's first list takes 30 s; the old one leads meanwhile.
+    server.set_list_latency(Duration::from_secs(30));
+    let new = caching_replica(&server, "cnat-new");
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert!(new.cache.readiness().is_err());
+    assert_eq!(holder(&server), "cnat-old");
+    // A rolling update stops the old pod only once the new one is ready.
+    assert!(support::until(Duration::from_secs(11), || new.cache.readiness().is_ok()).await);
+    let asked = Instant::now();
+    old.replica.shutdown.cancel();
+    old.replica.task.await.unwrap();
+    assert!(
+        support::until(Duration::from_millis(500), || new
+            .replica
+            .leadership
+            .is_leader())
+        .await,
+        "the ready standby did not take over within 0.5 s"
+    );
+    assert!(asked.elapsed() < Duration::from_millis(500));
+    assert_eq!(holder(&server), "cnat-new");
+    new.replica.shutdown.cancel();
+    new.replica.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_leader_whose_watch_must_relist_keeps_leading_on_the_store_it_has() {
+    let server = ApiServer::new();
+    server.set_latency(LATENCY);
+    create_ats(&server, 100, "2999-01-01T00:00:00Z");
+    // One At due long ago: it runs at once.
+    server.create(
+        Resource::Ats,
+        json!({"metadata": {"name": "due", "namespace": "default"},
+               "spec": {"schedule": "2000-01-01T00:00:00Z", "command": "true", "image": "busybox"}}),
+    );
+    let x = caching_replica(&server, "cnat-0");
+    assert!(
+        support::until(TIMING.lease_duration, || server
+            .get(Resource::Pods, "default", "due-pod")
+            .is_some())
+        .await,
+        "the due At never ran"
+    );
+    assert!(
+        support::until(Duration::from_secs(2), || server
+            .get(Resource::Ats, "default", "due")
+            .is_some_and(|at| at["status"]["phase"] == "RUNNING"))
+        .await
+    );
+    // The At watch expires and its list takes 30 s.
+    server.set_list_latency(Duration::from_secs(30));
+    server.expire_watches(Resource::Ats);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Still leading, still ready, and reconciling from the store it has: the pod ends and the
+    // At says DONE long before the list is in.
+    server.finish_pod("default", "due-pod", 0);
+    assert!(
+        support::until(Duration::from_secs(5), || server
+            .get(Resource::Ats, "default", "due")
+            .is_some_and(|at| at["status"]["phase"] == "DONE"))
+        .await,
+        "the leader stopped reconciling while its watch relisted"
+    );
+    assert!(x.replica.leadership.is_leader());
+    assert_eq!(x.replica.leadership.transitions(), 1);
+    assert_eq!(x.cache.readiness(), Ok(()));
+    assert_eq!(x.cache.store().len(), 101);
+    // And after the list too.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(x.replica.leadership.is_leader());
+    assert_eq!(x.replica.leadership.transitions(), 1);
+    assert_eq!(holder(&server), "cnat-0");
+    x.replica.shutdown.cancel();
+    x.replica.task.await.unwrap();
 }

@@ -140,21 +140,32 @@ impl Leadership {
     }
 }
 
-/// Competes for the Lease until `shutdown`; while holding it, runs `work`. `work` gets a token
-/// that asks it to stop; on shutdown it has `step_down_grace` to do so before it is aborted and
-/// the Lease released. When renewals fail until the renew deadline, it is aborted at once.
-pub async fn run<W, F>(
+/// Once `able` completes, competes for the Lease until `shutdown`; while holding it, runs
+/// `work`. `work` gets a token that asks it to stop; on shutdown it has `step_down_grace` to do
+/// so before it is aborted and the Lease released. When renewals fail until the renew deadline,
+/// it is aborted at once. `cnat run` passes the At cache's first complete list as `able`: a
+/// replica that would lead on a partial cache would reconcile nothing for as long as its list
+/// takes, while the replica it took the Lease from could have gone on.
+pub async fn run<W, F, A>(
     client: Client,
     settings: Settings,
     leadership: Arc<Leadership>,
     events: EventSink,
+    able: A,
     work: W,
     shutdown: CancellationToken,
 ) where
     W: Fn(CancellationToken) -> F,
     F: Future<Output = ()> + Send + 'static,
+    A: Future<Output = ()>,
 {
     let elector = Elector::new(client, settings, leadership, events);
+    let waiting = Instant::now();
+    tokio::select! {
+        _ = shutdown.cancelled() => return,
+        _ = able => {}
+    }
+    debug!(waited = ?waiting.elapsed(), lease = %elector.name(), "competing for the Lease");
     loop {
         let Some(won) = elector.campaign(&shutdown).await else {
             return;

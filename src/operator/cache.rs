@@ -21,10 +21,11 @@ use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::broadcast;
 use tokio_util::task::AbortOnDropHandle;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
 /// An At as the cache keeps it (see the module docs). Decoded from the API server's JSON as an
 /// `At`, trimmed (no managed fields or annotations, which nothing here reads) and compacted. An
@@ -301,7 +302,19 @@ pub struct AtCache {
     quarantine: Arc<Quarantine>,
     /// Cancelled when the watch task ended (it only does by a panic): the cache is frozen.
     stopped: tokio_util::sync::CancellationToken,
+    /// How far the first list has come.
+    listing: Arc<Listing>,
     _watch: Arc<AbortOnDropHandle<()>>,
+}
+
+/// How far the cache's first list has come: a replica leads, and says it is ready, only once
+/// it holds every At (see `AtCache::listed`).
+#[derive(Debug, Default)]
+struct Listing {
+    /// Ats received by the list in progress.
+    received: std::sync::atomic::AtomicUsize,
+    /// A complete list is in the store; relists keep the store they replace until they end.
+    complete: tokio_util::sync::CancellationToken,
 }
 
 impl AtCache {
@@ -314,6 +327,9 @@ impl AtCache {
         let (store, writer) = reflector::store();
         let (changes, _) = broadcast::channel(CHANGES);
         let (feed, cached) = (changes.clone(), store.clone());
+        let listing = Arc::new(Listing::default());
+        let progress = listing.clone();
+        let started = std::time::Instant::now();
         let stopped = tokio_util::sync::CancellationToken::new();
         // Dropped when the task ends, by a panic too (unwinding drops it).
         let alive = stopped.clone().drop_guard();
@@ -330,12 +346,29 @@ impl AtCache {
                             .unwrap_or_else(|| Arc::new(at)),
                     )),
                     // A list goes into the store only whole, at its end.
-                    Ok(Event::InitDone) => Some(Change::Relisted),
+                    Ok(Event::InitDone) => {
+                        if !progress.complete.is_cancelled() {
+                            info!(
+                                ats = cached.len(),
+                                took = ?started.elapsed(),
+                                "the At cache holds every At"
+                            );
+                            progress.complete.cancel();
+                        }
+                        Some(Change::Relisted)
+                    }
                     // The leader drops what it kept for it.
                     Ok(Event::Delete(at)) => Some(Change::Deleted(
                         ObjectRef::new(&at.name_any()).within(&at.namespace().unwrap_or_default()),
                     )),
-                    Ok(Event::Init | Event::InitApply(_)) => None,
+                    Ok(Event::Init) => {
+                        progress.received.store(0, Ordering::Relaxed);
+                        None
+                    }
+                    Ok(Event::InitApply(_)) => {
+                        progress.received.fetch_add(1, Ordering::Relaxed);
+                        None
+                    }
                     Err(error) => {
                         warn!(%error, "watching Ats");
                         None
@@ -356,6 +389,7 @@ impl AtCache {
             changes,
             quarantine: Arc::default(),
             stopped,
+            listing,
             _watch: Arc::new(AbortOnDropHandle::new(tokio::spawn(watch))),
         }
     }
@@ -364,6 +398,23 @@ impl AtCache {
     /// replica does is right after that, so `cnat run` exits and the pod restarts.
     pub fn stopped(&self) -> tokio_util::sync::WaitForCancellationFutureOwned {
         self.stopped.clone().cancelled_owned()
+    }
+
+    /// Completes once the cache holds a complete list of the Ats (at once if it did).
+    pub fn listed(&self) -> tokio_util::sync::WaitForCancellationFutureOwned {
+        self.listing.complete.clone().cancelled_owned()
+    }
+
+    /// `Ok` once the cache holds a complete list; else how far the first list has come, for
+    /// `/readyz`.
+    pub fn readiness(&self) -> Result<(), String> {
+        match self.listing.complete.is_cancelled() {
+            true => Ok(()),
+            false => Err(format!(
+                "listing Ats: {} received so far; this replica leads and is ready once it holds them all",
+                self.listing.received.load(Ordering::Relaxed)
+            )),
+        }
     }
 
     /// At versions this replica skips after a panic handling them.

@@ -1,6 +1,8 @@
 //! The plain-HTTP admin endpoints every replica serves: `/healthz` (liveness), `/readyz`
 //! (readiness) and `/metrics` (Prometheus). Readiness never depends on leadership, or a rolling upgrade would deadlock
-//! waiting for a new pod that cannot become leader while the old one holds the Lease.
+//! waiting for a new pod that cannot become leader while the old one holds the Lease. It does
+//! depend on what `require` adds: `cnat run` requires a complete At cache, so a rolling update
+//! keeps the old pods (and their leader) until the new one could lead at once.
 
 use crate::leader::Leadership;
 use crate::observability::metrics::{self, Metrics};
@@ -13,14 +15,27 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// What the probes report on.
-#[derive(Debug)]
 pub struct Health {
     pub leadership: Arc<Leadership>,
     /// A leader that has not renewed for longer than this is stuck.
     pub lease_duration: Duration,
     webhooks_serving: AtomicBool,
     shutting_down: AtomicBool,
+    /// More conditions of readiness, each saying why not.
+    required: std::sync::Mutex<Vec<Requirement>>,
 }
+
+impl std::fmt::Debug for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Health")
+            .field("leadership", &self.leadership)
+            .field("ready", &self.readiness())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A condition of readiness: `Err` says what is missing.
+pub type Requirement = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
 
 impl Health {
     /// Not ready until `set_webhooks_serving`, unless this replica serves no webhooks.
@@ -30,7 +45,16 @@ impl Health {
             lease_duration,
             webhooks_serving: AtomicBool::new(!webhooks),
             shutting_down: AtomicBool::new(false),
+            required: std::sync::Mutex::default(),
         }
+    }
+
+    /// Not ready while `requirement` says `Err` (its message is the probe's answer).
+    pub fn require(&self, requirement: impl Fn() -> Result<(), String> + Send + Sync + 'static) {
+        self.required
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Box::new(requirement));
     }
 
     /// The webhook server listens with a loaded certificate.
@@ -59,7 +83,8 @@ impl Health {
         } else if !self.webhooks_serving.load(Ordering::SeqCst) {
             Err("the webhook server is not serving yet".into())
         } else {
-            Ok(())
+            let required = self.required.lock().unwrap_or_else(|e| e.into_inner());
+            required.iter().try_for_each(|requirement| requirement())
         }
     }
 }
@@ -183,6 +208,38 @@ mod tests {
         );
         health.set_webhooks_serving();
         assert_eq!(get(&health, "/readyz").await.0, StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn readiness_waits_for_every_requirement_and_says_which_is_missing() {
+        let health = health();
+        let listed = Arc::new(AtomicBool::new(false));
+        health.require({
+            let listed = listed.clone();
+            move || match listed.load(Ordering::SeqCst) {
+                true => Ok(()),
+                false => Err("the At cache is listing Ats".into()),
+            }
+        });
+        assert_eq!(
+            get(&health, "/readyz").await,
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the At cache is listing Ats\n".into()
+            )
+        );
+        // Liveness does not wait for it.
+        assert_eq!(get(&health, "/healthz").await.0, StatusCode::OK);
+        listed.store(true, Ordering::SeqCst);
+        assert_eq!(
+            get(&health, "/readyz").await,
+            (StatusCode::OK, "ok\n".into())
+        );
+        health.set_not_ready();
+        assert_eq!(
+            get(&health, "/readyz").await,
+            (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n".into())
+        );
     }
 
     #[tokio::test]
