@@ -17,8 +17,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::NamespaceResourceScope;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher::Event;
-use kube::runtime::{reflector, watcher, WatchStreamExt};
-use kube::{Api, Client, Resource, ResourceExt};
+use kube::runtime::{reflector, WatchStreamExt};
+use kube::{Client, Resource, ResourceExt};
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 use std::sync::atomic::Ordering;
@@ -320,10 +320,6 @@ struct Listing {
 impl AtCache {
     /// Starts watching Ats (in `namespace`, or all) on the current runtime, until dropped.
     pub fn start(client: &Client, namespace: Option<&str>) -> Self {
-        let ats: Api<CachedAt> = match namespace {
-            Some(ns) => Api::namespaced(client.clone(), ns),
-            None => Api::all(client.clone()),
-        };
         let (store, writer) = reflector::store();
         let (changes, _) = broadcast::channel(CHANGES);
         let (feed, cached) = (changes.clone(), store.clone());
@@ -333,7 +329,7 @@ impl AtCache {
         let stopped = tokio_util::sync::CancellationToken::new();
         // Dropped when the task ends, by a panic too (unwinding drops it).
         let alive = stopped.clone().drop_guard();
-        let watch = watcher(ats, watcher::Config::default())
+        let watch = follow::follow(client.clone(), namespace.map(str::to_owned))
             .backoff(crate::operator::controller::WatchBackoff::new())
             .reflect(writer)
             .for_each(move |event| {
@@ -444,6 +440,8 @@ pub fn read(cached: &CachedAt) -> Option<At> {
         .inspect_err(|bug| error!(error = %bug, "cached At"))
         .ok()
 }
+
+mod follow;
 
 #[cfg(test)]
 mod tests;
