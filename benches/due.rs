@@ -19,6 +19,7 @@
 //!
 //!     cargo bench --bench due            # 100 and 1000 Ats, then the outages
 //!     cargo bench --bench due -- --real  # the same burst on a real kube-apiserver (KUBEBUILDER_ASSETS)
+//!     cargo bench --bench due -- --real 100000  # pending Ats and a rolling step on it
 //!     cargo bench --bench due -- 5000    # any sizes (no outages)
 //!     cargo bench --bench due -- 100000  # 100,000 pending Ats
 
@@ -61,7 +62,14 @@ async fn main() {
         } else {
             sizes
         };
-        real::run(&sizes).await;
+        let (pending, bursts): (Vec<usize>, Vec<usize>) =
+            sizes.into_iter().partition(|n| *n > PENDING_SCENARIO);
+        if !bursts.is_empty() {
+            real::run(&bursts).await;
+        }
+        if !pending.is_empty() {
+            real::pending_all(&pending).await;
+        }
         return;
     }
     let outages = sizes.is_empty();

@@ -285,3 +285,165 @@ async fn wait_phases(ats: &Api<At>, n: usize, phase: &str) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Ats already pending: the 100,000-At scenarios of a rolling upgrade, on the real server.
+///
+/// 1. A replica (the leader) starts, then `n` Ats are created over 16 connections, due in an
+///    hour; the leader writes each one's PENDING status. Its resident memory: at most while they
+///    are created, and once every status is written.
+/// 2. A second replica starts cold: how long until its `/readyz` says ready (every At cached),
+///    as its log says too, and its memory then.
+/// 3. The rolling step: the old leader gets SIGTERM (as a Deployment does once the new pod is
+///    ready) and an At falls due 3 s later: how late its pod is (seen here through a pod
+///    watch), and the new leader's memory once it has led for 10 s.
+pub async fn pending_all(sizes: &[usize]) {
+    let Some(plane) = envtest::control_plane() else {
+        panic!("--real needs a real control plane: run scripts/envtest and set KUBEBUILDER_ASSETS");
+    };
+    let admin = plane.admin().await;
+    envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
+    println!("On a real kube-apiserver v1.24 + etcd 3.4 + kube-controller-manager (envtest), this machine:");
+    println!();
+    println!("| Ats pending | created in | leader RSS: max while created / settled | cold replica: every At cached after | its RSS then | rolling step: At due 3 s after the SIGTERM, pod after due | new leader RSS after 10 s |");
+    println!("|---|---|---|---|---|---|---|");
+    for &n in sizes {
+        pending(plane, &admin, n).await;
+    }
+}
+
+async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
+    let ns = plane.namespace(&format!("pending-{n}"), &[]).await;
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    let flags = [format!("--namespace={ns}"), "--log=info".to_owned()];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let mut old = plane.replica(&format!("old-{n}"), &ns, &flags);
+    wait_ready(&old, Duration::from_secs(60)).await;
+
+    // 1. Created while the leader watches; it writes every PENDING status.
+    let settled = tokio::spawn(watch_statuses(ats.clone(), n));
+    let later = chrono::Utc::now() + chrono::Duration::hours(1);
+    let rss = |r: &envtest::Replica| crate::rss::rss_kib(&r.child.id().to_string());
+    let max_rss = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let sampler = tokio::spawn({
+        let (max_rss, pid) = (max_rss.clone(), old.child.id().to_string());
+        async move {
+            loop {
+                max_rss.fetch_max(crate::rss::rss_kib(&pid), std::sync::atomic::Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+    });
+    let started = Instant::now();
+    futures::stream::iter(0..n)
+        .for_each_concurrent(16, |i| {
+            let ats = ats.clone();
+            async move {
+                ats.create(&PostParams::default(), &at(&format!("at-{i:06}"), later))
+                    .await
+                    .unwrap();
+            }
+        })
+        .await;
+    let created = started.elapsed();
+    tokio::time::timeout(Duration::from_secs(900), settled)
+        .await
+        .expect("every PENDING status within 15 minutes")
+        .unwrap();
+    // Quiet for a moment: the events of those writes go out too.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    sampler.abort();
+    let old_settled = rss(&old);
+    let old_max = max_rss.load(std::sync::atomic::Ordering::SeqCst).max(old_settled);
+
+    // 2. A cold replica.
+    let spawned = Instant::now();
+    let mut new = plane.replica(&format!("new-{n}"), &ns, &flags);
+    wait_ready(&new, Duration::from_secs(600)).await;
+    let cached_after = spawned.elapsed();
+    let new_ready_rss = rss(&new);
+    let logged = new
+        .log_text()
+        .lines()
+        .find(|l| l.contains("the At cache holds every At"))
+        .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .and_then(|v| v["took"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| "not logged".into());
+
+    // 3. The rolling step.
+    let pod_seen = tokio::spawn(watch_pods(pods.clone(), 1));
+    let due_instant = Instant::now() + Duration::from_secs(3);
+    let due = chrono::Utc::now() + chrono::Duration::seconds(3);
+    ats.create(&PostParams::default(), &at("rolling-due", due))
+        .await
+        .unwrap();
+    old.terminate();
+    let seen = tokio::time::timeout(Duration::from_secs(120), pod_seen)
+        .await
+        .expect("the At due during the rolling step ran within two minutes")
+        .unwrap();
+    let late = seen["rolling-due-pod"].saturating_duration_since(due_instant);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let holder = envtest::lease_holder(admin, &ns, "cnat").await;
+    assert_eq!(holder.as_deref(), Some(new.identity.as_str()), "the new replica leads");
+    let new_rss = rss(&new);
+    let created_pods = pods.list(&Default::default()).await.unwrap().items.len();
+    assert_eq!(created_pods, 1, "only the due At ran");
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    println!(
+        "| {n} | {created:.0?} | {:.0} / {:.0} MiB | {cached_after:.1?} (its log: {logged}) | {:.0} MiB | {late:.0?} | {:.0} MiB |",
+        mib(old_max),
+        mib(old_settled),
+        mib(new_ready_rss),
+        mib(new_rss)
+    );
+    new.kill();
+    old.kill();
+}
+
+/// Until the replica's `/readyz` answers 200.
+async fn wait_ready(replica: &envtest::Replica, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let ready = tokio::net::TcpStream::connect(replica.admin)
+            .await
+            .ok()
+            .map(|mut stream| async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                stream
+                    .write_all(b"GET /readyz HTTP/1.0\r\nHost: cnat\r\n\r\n")
+                    .await
+                    .ok()?;
+                let mut answer = String::new();
+                stream.read_to_string(&mut answer).await.ok()?;
+                Some(answer.starts_with("HTTP/1.0 200") || answer.starts_with("HTTP/1.1 200"))
+            });
+        if let Some(answer) = ready {
+            if answer.await == Some(true) {
+                return;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} not ready within {timeout:?}: {}",
+            replica.identity,
+            replica.log_text().lines().rev().take(5).collect::<Vec<_>>().join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Until `n` Ats have a status.
+async fn watch_statuses(ats: Api<At>, n: usize) {
+    let mut with_status = std::collections::HashSet::new();
+    let stream = watcher(ats, watcher::Config::default()).applied_objects();
+    futures::pin_mut!(stream);
+    while with_status.len() < n {
+        let Some(at) = stream.try_next().await.unwrap() else {
+            break;
+        };
+        if at.status.is_some() {
+            with_status.insert(at.metadata.name.unwrap_or_default());
+        }
+    }
+}

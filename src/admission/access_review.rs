@@ -11,8 +11,9 @@ use k8s_openapi::api::authorization::v1::{
 };
 use kube::api::PostParams;
 use kube::{Api, Client};
+use futures::future::{BoxFuture, FutureExt, Shared};
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::{timeout, Instant};
 
@@ -122,78 +123,148 @@ impl Key {
     }
 }
 
-/// Cached answers: when each was given, and `Err(denial)` or `Ok`.
-type Cache = HashMap<Key, (Instant, Result<(), String>)>;
+/// What one review came to.
+#[derive(Debug, Clone)]
+enum Reviewed {
+    Allowed,
+    /// No, with the authorizer's reason.
+    Denied(Option<String>),
+    /// No answer (an error, a timeout, an evaluation error): never cached.
+    Unanswered(String),
+}
 
-/// Asks the API server, with a short-lived cache.
+/// A review in flight, shared by every request that needs its answer.
+type Asking = Shared<BoxFuture<'static, Reviewed>>;
+
+/// Answers, each with when its question was sent, and the reviews in flight.
+#[derive(Default)]
+struct Reviews {
+    answers: HashMap<Key, (Instant, Reviewed)>,
+    asking: HashMap<Key, Asking>,
+}
+
+/// Asks the API server, with a short-lived cache. Concurrent requests with the same key share
+/// one review (single flight); an answer past half its life is refreshed in the background
+/// while it is still served, so after the first request per key, admissions that keep coming
+/// never wait on the API server. No answer is ever served older than `cache_ttl`.
 pub struct AccessReviewer {
-    reviews: Api<SubjectAccessReview>,
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    api: Api<SubjectAccessReview>,
     settings: Settings,
-    /// Per (user, groups, namespace).
-    cache: Mutex<Cache>,
+    reviews: Mutex<Reviews>,
 }
 
 impl AccessReviewer {
     pub fn new(client: Client, settings: Settings) -> Self {
         AccessReviewer {
-            reviews: Api::all(client),
-            settings,
-            cache: Mutex::default(),
+            inner: Arc::new(Inner {
+                api: Api::all(client),
+                settings,
+                reviews: Mutex::default(),
+            }),
         }
     }
 
     /// `Ok` when `user` may create pods in `namespace`, else the denial message.
     pub async fn check(&self, user: &UserInfo, namespace: &str) -> Result<(), String> {
         let key = Key::new(user, namespace);
+        let ttl = self.inner.settings.cache_ttl;
         let now = Instant::now();
-        if let Some((at, answer)) = self.lock().get(&key) {
-            if now.duration_since(*at) < self.settings.cache_ttl {
-                return answer.clone();
-            }
-        }
-        let (params, question) = (PostParams::default(), review(user, namespace));
-        let asked = self.reviews.create(&params, &question);
-        let answer = match timeout(self.settings.timeout, asked).await {
-            Ok(Ok(reviewed)) => {
-                let status = reviewed.status.unwrap_or_default();
-                if status.allowed {
-                    Ok(())
-                } else if let Some(error) = status.evaluation_error.filter(|e| !e.is_empty()) {
-                    // The authorizer could not decide (e.g. a webhook authorizer failed): no
-                    // answer, so not cached.
-                    return self.unanswered(namespace, &format!("evaluation error: {error}"));
-                } else {
-                    Err(denial(user, namespace, status.reason.as_deref()))
+        let asking = {
+            let mut reviews = self.inner.lock();
+            if let Some((asked, answer)) = reviews.answers.get(&key) {
+                let age = now.duration_since(*asked);
+                if age < ttl {
+                    let answer = answer.clone();
+                    if age >= ttl / 2 && !reviews.asking.contains_key(&key) {
+                        let refresh = Inner::ask(&self.inner, key.clone(), user, namespace);
+                        reviews.asking.insert(key, refresh.clone());
+                        tokio::spawn(refresh);
+                    }
+                    return self.verdict(user, namespace, answer);
                 }
             }
-            // No answer: not cached, so the next request asks again.
-            Ok(Err(error)) => return self.unanswered(namespace, &error.to_string()),
-            Err(_) => {
-                let waited = format!("no answer within {:?}", self.settings.timeout);
-                return self.unanswered(namespace, &waited);
+            match reviews.asking.get(&key) {
+                Some(asking) => asking.clone(),
+                None => {
+                    let asking = Inner::ask(&self.inner, key.clone(), user, namespace);
+                    reviews.asking.insert(key, asking.clone());
+                    asking
+                }
             }
         };
-        let mut cache = self.lock();
-        if cache.len() >= MAX_CACHED {
-            let ttl = self.settings.cache_ttl;
-            cache.retain(|_, (at, _)| now.duration_since(*at) < ttl);
-        }
-        if cache.len() < MAX_CACHED {
-            cache.insert(key, (now, answer.clone()));
-        }
-        answer
+        let answer = asking.await;
+        self.verdict(user, namespace, answer)
     }
 
-    fn unanswered(&self, namespace: &str, error: &str) -> Result<(), String> {
-        tracing::warn!(namespace, error, on_error = ?self.settings.on_error, "SubjectAccessReview failed");
-        match self.settings.on_error {
-            OnError::Allow => Ok(()),
-            OnError::Deny => Err(unanswered(namespace, error)),
+    fn verdict(&self, user: &UserInfo, namespace: &str, answer: Reviewed) -> Result<(), String> {
+        match answer {
+            Reviewed::Allowed => Ok(()),
+            Reviewed::Denied(reason) => Err(denial(user, namespace, reason.as_deref())),
+            Reviewed::Unanswered(error) => match self.inner.settings.on_error {
+                OnError::Allow => Ok(()),
+                OnError::Deny => Err(unanswered(namespace, &error)),
+            },
         }
     }
+}
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Cache> {
-        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+impl Inner {
+    /// The review for `key`, bounded in time; its answer goes into the cache (unless there was
+    /// none) and it leaves the reviews in flight, whoever polls it to the end.
+    fn ask(inner: &Arc<Inner>, key: Key, user: &UserInfo, namespace: &str) -> Asking {
+        let (inner, question) = (inner.clone(), review(user, namespace));
+        let namespace = namespace.to_owned();
+        async move {
+            let asked = Instant::now();
+            let reviewed = match timeout(
+                inner.settings.timeout,
+                inner.api.create(&PostParams::default(), &question),
+            )
+            .await
+            {
+                Ok(Ok(reviewed)) => {
+                    let status = reviewed.status.unwrap_or_default();
+                    match status.evaluation_error.filter(|e| !e.is_empty()) {
+                        _ if status.allowed => Reviewed::Allowed,
+                        // The authorizer could not decide (e.g. a webhook authorizer failed).
+                        Some(error) => Reviewed::Unanswered(format!("evaluation error: {error}")),
+                        None => Reviewed::Denied(status.reason),
+                    }
+                }
+                Ok(Err(error)) => Reviewed::Unanswered(error.to_string()),
+                Err(_) => Reviewed::Unanswered(format!(
+                    "no answer within {:?}",
+                    inner.settings.timeout
+                )),
+            };
+            let mut reviews = inner.lock();
+            reviews.asking.remove(&key);
+            match &reviewed {
+                Reviewed::Unanswered(error) => {
+                    tracing::warn!(namespace, error, on_error = ?inner.settings.on_error, "SubjectAccessReview failed");
+                }
+                answer => {
+                    let (ttl, now) = (inner.settings.cache_ttl, Instant::now());
+                    if reviews.answers.len() >= MAX_CACHED {
+                        reviews.answers.retain(|_, (at, _)| now.duration_since(*at) < ttl);
+                    }
+                    if reviews.answers.len() < MAX_CACHED {
+                        reviews.answers.insert(key, (asked, answer.clone()));
+                    }
+                }
+            }
+            reviewed
+        }
+        .boxed()
+        .shared()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Reviews> {
+        self.reviews.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

@@ -56,30 +56,107 @@ impl<'de> Deserialize<'de> for CachedAt {
     }
 }
 
+/// What the cache decodes of an At: its metadata without managedFields and annotations, which
+/// nothing here reads and which are most of an At's bytes (the decoder skips them without
+/// building them), its spec and its status.
+#[derive(Deserialize)]
+struct Incoming {
+    metadata: KeptMeta,
+    spec: AtSpec,
+    #[serde(default)]
+    status: Option<AtStatus>,
+}
+
+/// `ObjectMeta` but for `managedFields` and `annotations` (same names, same types).
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct KeptMeta {
+    name: Option<String>,
+    namespace: Option<String>,
+    uid: Option<String>,
+    resource_version: Option<String>,
+    generation: Option<i64>,
+    generate_name: Option<String>,
+    creation_timestamp: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    deletion_timestamp: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    deletion_grace_period_seconds: Option<i64>,
+    finalizers: Option<Vec<String>>,
+    labels: Option<std::collections::BTreeMap<String, String>>,
+    owner_references: Option<Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference>>,
+    self_link: Option<String>,
+}
+
+impl From<Incoming> for At {
+    fn from(incoming: Incoming) -> At {
+        let Incoming {
+            metadata: m,
+            spec,
+            status,
+        } = incoming;
+        let mut at = At::new(m.name.as_deref().unwrap_or_default(), spec);
+        at.metadata = ObjectMeta {
+            name: m.name,
+            namespace: m.namespace,
+            uid: m.uid,
+            resource_version: m.resource_version,
+            generation: m.generation,
+            generate_name: m.generate_name,
+            creation_timestamp: m.creation_timestamp,
+            deletion_timestamp: m.deletion_timestamp,
+            deletion_grace_period_seconds: m.deletion_grace_period_seconds,
+            finalizers: m.finalizers,
+            labels: m.labels,
+            owner_references: m.owner_references,
+            self_link: m.self_link,
+            annotations: None,
+            managed_fields: None,
+        };
+        at.status = status;
+        at
+    }
+}
+
 impl CachedAt {
+    /// Decodes an At from its JSON text (an item of a list); what does not decode is kept as
+    /// unreadable.
+    pub fn decode_text(json: &str) -> CachedAt {
+        match serde_json::from_str::<Incoming>(json) {
+            Ok(incoming) => At::from(incoming).into(),
+            // The slow way, which says why and keeps what it can.
+            Err(_) => match serde_json::from_str::<serde_json::Value>(json) {
+                Ok(value) => CachedAt::decode(&value),
+                Err(error) => CachedAt::undecodable(ObjectMeta::default(), error.to_string()),
+            },
+        }
+    }
+
     /// Decodes an At from its JSON; what does not decode is kept as unreadable.
     pub fn decode(json: &serde_json::Value) -> CachedAt {
-        match At::deserialize(json) {
-            Ok(at) => at.into(),
+        match Incoming::deserialize(json) {
+            Ok(incoming) => At::from(incoming).into(),
             Err(error) => {
                 let meta = json
                     .get("metadata")
                     .and_then(|m| ObjectMeta::deserialize(m).ok())
                     .unwrap_or_default();
-                CachedAt {
-                    metadata: ObjectMeta {
-                        name: meta.name,
-                        namespace: meta.namespace,
-                        resource_version: meta.resource_version,
-                        uid: meta.uid,
-                        ..ObjectMeta::default()
-                    },
-                    phase: Phase::Pending,
-                    due: None,
-                    packed: Box::default(),
-                    unreadable: Some(error.to_string().into()),
-                }
+                CachedAt::undecodable(meta, error.to_string())
             }
+        }
+    }
+
+    fn undecodable(meta: ObjectMeta, why: String) -> CachedAt {
+        CachedAt {
+            metadata: ObjectMeta {
+                name: meta.name,
+                namespace: meta.namespace,
+                resource_version: meta.resource_version,
+                uid: meta.uid,
+                ..ObjectMeta::default()
+            },
+            phase: Phase::Pending,
+            due: None,
+            packed: Box::default(),
+            unreadable: Some(why.into()),
         }
     }
 

@@ -11,7 +11,7 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, Recorder, Reporter};
 use tokio::sync::mpsc;
-use tracing::warn;
+use tracing::{debug, warn};
 
 /// Events waiting to be published; past this they are dropped (and counted by the caller):
 /// nothing waits for room, least of all the leader's renewals.
@@ -75,7 +75,25 @@ async fn publish(
         .publish(&event, &regarding)
         .await
     {
-        warn!(%error, reason = event.reason, object = regarding.name.as_deref().unwrap_or(""), "could not publish event");
+        let object = regarding.name.as_deref().unwrap_or("");
+        if namespace_going(&error) {
+            debug!(%error, reason = event.reason, object, "event not published: its namespace is being deleted");
+        } else {
+            warn!(%error, reason = event.reason, object, "could not publish event");
+        }
+    }
+}
+
+/// The namespace is being deleted (or is gone): no event can go there, and that is normal
+/// when a namespace full of Ats is deleted, so not worth a warning per event.
+fn namespace_going(error: &kube::Error) -> bool {
+    match error {
+        kube::Error::Api(status) if status.code == 404 => true,
+        kube::Error::Api(status) if status.code == 403 => status
+            .details
+            .as_ref()
+            .is_some_and(|d| d.causes.iter().any(|c| c.reason == "NamespaceTerminating")),
+        _ => false,
     }
 }
 
@@ -96,6 +114,36 @@ pub fn fit_note(note: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn api_error(json: &str) -> kube::Error {
+        kube::Error::Api(serde_json::from_str(json).unwrap())
+    }
+
+    #[test]
+    fn a_namespace_being_deleted_is_no_reason_to_warn() {
+        let terminating = api_error(include_str!(
+            "../../tests/fixtures/api-k8s-1.24/status-403-forbidden-namespace-terminating.json"
+        ));
+        assert!(namespace_going(&terminating));
+        let gone = api_error(include_str!(
+            "../../tests/fixtures/api-k8s-1.24/status-404-not-found.json"
+        ));
+        assert!(namespace_going(&gone));
+        // Other refusals are warned about.
+        for other in [
+            "status-403-forbidden-quota-exceeded.json",
+            "status-409-already-exists.json",
+            "status-500-webhook-unreachable-create.json",
+        ] {
+            let json = std::fs::read_to_string(format!(
+                "{}/tests/fixtures/api-k8s-1.24/{other}",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+            .unwrap();
+            assert!(!namespace_going(&api_error(&json)), "{other}");
+        }
+        assert!(!namespace_going(&kube::Error::LinesCodecMaxLineLengthExceeded));
+    }
 
     #[test]
     fn notes_fit_the_api_limit_in_bytes() {

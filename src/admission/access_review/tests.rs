@@ -197,3 +197,53 @@ async fn a_no_with_an_evaluation_error_is_no_answer_and_is_not_cached() {
     drop(reviewer);
     assert_eq!(task.await.unwrap().len(), 2);
 }
+
+#[tokio::test(start_paused = true)]
+async fn concurrent_requests_of_one_user_share_one_review() {
+    let (client, task) = server(vec![
+        Some((201, fixture("subjectaccessreview-allowed.json"))),
+        Some((201, fixture("subjectaccessreview-denied.json"))),
+    ]);
+    let reviewer = AccessReviewer::new(client, Settings::default());
+    // A cold start: 16 applies by alice arrive at once, and one by bob.
+    let alice = alice();
+    let mut bob = alice.clone();
+    bob.username = Some("bob".into());
+    let alices = futures::future::join_all((0..16).map(|_| reviewer.check(&alice, "fx")));
+    let (alices, bobs) = futures::join!(alices, reviewer.check(&bob, "fx"));
+    assert!(alices.iter().all(|a| a.is_ok()), "{alices:?}");
+    let denied = bobs.unwrap_err();
+    assert!(denied.starts_with("bob may not create pods in namespace fx"), "{denied}");
+    drop(reviewer);
+    let seen = task.await.unwrap();
+    assert_eq!(seen.len(), 2, "one review per user");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_answer_in_use_is_refreshed_before_it_expires_and_no_request_waits_for_it() {
+    let (client, task) = server(vec![
+        Some((201, fixture("subjectaccessreview-allowed.json"))),
+        // The RoleBinding was removed meanwhile.
+        Some((201, fixture("subjectaccessreview-denied.json"))),
+        None, // the next refresh never gets an answer
+    ]);
+    let ttl = Settings::default().cache_ttl;
+    let reviewer = AccessReviewer::new(client, Settings::default());
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    // Past half its life: served at once, and refreshed behind the scenes.
+    tokio::time::advance(ttl / 2).await;
+    let started = Instant::now();
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    // Past the first answer's life: the refreshed answer, at once (its own refresh, which
+    // hangs, is asked in the background).
+    tokio::time::advance(ttl / 2).await;
+    let started = Instant::now();
+    let denied = reviewer.check(&alice(), "fx").await.unwrap_err();
+    assert!(denied.starts_with("alice may not create pods"), "{denied}");
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    drop(reviewer);
+    assert_eq!(task.await.unwrap().len(), 3);
+}

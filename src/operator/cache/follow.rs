@@ -350,7 +350,10 @@ impl<'de> Visitor<'de> for ItemsSeed<'_> {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<(), A::Error> {
-        while let Some(at) = items.next_element::<CachedAt>()? {
+        // Each item as its text first: the fast decoder skips what the cache does not keep.
+        while let Some(text) = items.next_element::<Box<serde_json::value::RawValue>>()? {
+            let at = CachedAt::decode_text(text.get());
+            drop(text);
             if self.ats.blocking_send(at).is_err() {
                 return Err(de::Error::custom("the list is no longer wanted"));
             }
