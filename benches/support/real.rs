@@ -329,7 +329,10 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
         let (max_rss, pid) = (max_rss.clone(), old.child.id().to_string());
         async move {
             loop {
-                max_rss.fetch_max(crate::rss::rss_kib(&pid), std::sync::atomic::Ordering::SeqCst);
+                max_rss.fetch_max(
+                    crate::rss::rss_kib(&pid),
+                    std::sync::atomic::Ordering::SeqCst,
+                );
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
         }
@@ -354,7 +357,9 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
     tokio::time::sleep(Duration::from_secs(10)).await;
     sampler.abort();
     let old_settled = rss(&old);
-    let old_max = max_rss.load(std::sync::atomic::Ordering::SeqCst).max(old_settled);
+    let old_max = max_rss
+        .load(std::sync::atomic::Ordering::SeqCst)
+        .max(old_settled);
 
     // 2. A cold replica.
     let spawned = Instant::now();
@@ -385,7 +390,11 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
     let late = seen["rolling-due-pod"].saturating_duration_since(due_instant);
     tokio::time::sleep(Duration::from_secs(10)).await;
     let holder = envtest::lease_holder(admin, &ns, "cnat").await;
-    assert_eq!(holder.as_deref(), Some(new.identity.as_str()), "the new replica leads");
+    assert_eq!(
+        holder.as_deref(),
+        Some(new.identity.as_str()),
+        "the new replica leads"
+    );
     let new_rss = rss(&new);
     let created_pods = pods.list(&Default::default()).await.unwrap().items.len();
     assert_eq!(created_pods, 1, "only the due At ran");
@@ -427,7 +436,13 @@ async fn wait_ready(replica: &envtest::Replica, timeout: Duration) {
             Instant::now() < deadline,
             "{} not ready within {timeout:?}: {}",
             replica.identity,
-            replica.log_text().lines().rev().take(5).collect::<Vec<_>>().join("\n")
+            replica
+                .log_text()
+                .lines()
+                .rev()
+                .take(5)
+                .collect::<Vec<_>>()
+                .join("\n")
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

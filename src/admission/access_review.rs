@@ -5,13 +5,13 @@
 //! denies, with a message naming the missing permission, when the answer is no or (by default)
 //! when no answer comes.
 
+use futures::future::{BoxFuture, FutureExt, Shared};
 use k8s_openapi::api::authentication::v1::UserInfo;
 use k8s_openapi::api::authorization::v1::{
     ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
 use kube::api::PostParams;
 use kube::{Api, Client};
-use futures::future::{BoxFuture, FutureExt, Shared};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

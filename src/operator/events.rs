@@ -142,7 +142,9 @@ mod tests {
             .unwrap();
             assert!(!namespace_going(&api_error(&json)), "{other}");
         }
-        assert!(!namespace_going(&kube::Error::LinesCodecMaxLineLengthExceeded));
+        assert!(!namespace_going(
+            &kube::Error::LinesCodecMaxLineLengthExceeded
+        ));
     }
 
     #[test]

@@ -213,7 +213,10 @@ async fn concurrent_requests_of_one_user_share_one_review() {
     let (alices, bobs) = futures::join!(alices, reviewer.check(&bob, "fx"));
     assert!(alices.iter().all(|a| a.is_ok()), "{alices:?}");
     let denied = bobs.unwrap_err();
-    assert!(denied.starts_with("bob may not create pods in namespace fx"), "{denied}");
+    assert!(
+        denied.starts_with("bob may not create pods in namespace fx"),
+        "{denied}"
+    );
     drop(reviewer);
     let seen = task.await.unwrap();
     assert_eq!(seen.len(), 2, "one review per user");

@@ -18,7 +18,7 @@
 //! - Errors are yielded as `watcher::Error`s for the caller's backoff; the next poll retries.
 
 use super::CachedAt;
-use futures::{AsyncReadExt, Stream, StreamExt};
+use futures::{AsyncBufReadExt, Stream, StreamExt};
 use kube::api::{ListParams, VersionMatch, WatchEvent, WatchParams};
 use kube::core::Request;
 use kube::runtime::watcher::{Error, Event};
@@ -31,9 +31,11 @@ use tokio::sync::mpsc;
 
 /// Seconds a watch asks to last (kube-runtime's watcher asks the same).
 const WATCH_TIMEOUT: u32 = 290;
-/// Chunks of the list body in flight to the decoder, and decoded Ats in flight back.
-const CHUNKS: usize = 16;
-const DECODED: usize = 1024;
+/// Chunks of the list body in flight to the decoder, and batches of decoded Ats in flight
+/// back, of at most `BATCH` each (one wake-up per batch, not per At).
+const CHUNKS: usize = 64;
+const BATCHES: usize = 8;
+const BATCH: usize = 256;
 
 type EventStream = Pin<Box<dyn Stream<Item = kube::Result<WatchEvent<CachedAt>>> + Send>>;
 
@@ -106,7 +108,10 @@ async fn step(
             }
         }
         State::Listing(mut listing) => match listing.ats.recv().await {
-            Some(at) => (State::Listing(listing), vec![Ok(Event::InitApply(at))]),
+            Some(ats) => {
+                let events = ats.into_iter().map(|at| Ok(Event::InitApply(at))).collect();
+                (State::Listing(listing), events)
+            }
             // Every At is in: the decoder's answer is the list's resourceVersion.
             None => match listing.done.await {
                 Ok(Ok(Some(version))) => (State::Watch(version), vec![Ok(Event::InitDone)]),
@@ -197,7 +202,7 @@ fn watched(
 struct Listing {
     /// The version the list asked for, to ask again if it fails.
     asked: Option<String>,
-    ats: mpsc::Receiver<CachedAt>,
+    ats: mpsc::Receiver<Vec<CachedAt>>,
     done: tokio::task::JoinHandle<kube::Result<Option<String>>>,
 }
 
@@ -208,7 +213,7 @@ impl Listing {
         asked: Option<String>,
     ) -> Listing {
         let (chunks_in, chunks) = mpsc::channel::<Vec<u8>>(CHUNKS);
-        let (ats_out, ats) = mpsc::channel(DECODED);
+        let (ats_out, ats) = mpsc::channel(BATCHES);
         let reading = tokio::spawn(read_chunks(body, chunks_in));
         let decoding = tokio::task::spawn_blocking(move || {
             let reader = std::io::BufReader::with_capacity(1 << 16, Chunks::new(chunks));
@@ -237,12 +242,11 @@ async fn read_chunks(
     chunks: mpsc::Sender<Vec<u8>>,
 ) -> std::io::Result<()> {
     loop {
-        let mut chunk = vec![0; 1 << 16];
-        let n = body.read(&mut chunk).await?;
-        if n == 0 {
+        let chunk = body.fill_buf().await?.to_vec();
+        if chunk.is_empty() {
             return Ok(());
         }
-        chunk.truncate(n);
+        body.consume_unpin(chunk.len());
         if chunks.send(chunk).await.is_err() {
             return Ok(());
         }
@@ -283,7 +287,7 @@ impl std::io::Read for Chunks {
 /// A list object: its `items` go out one by one as they are decoded; its
 /// `metadata.resourceVersion` is the answer.
 struct ListSeed<'a> {
-    ats: &'a mpsc::Sender<CachedAt>,
+    ats: &'a mpsc::Sender<Vec<CachedAt>>,
 }
 
 impl<'de> DeserializeSeed<'de> for ListSeed<'_> {
@@ -326,7 +330,7 @@ impl<'de> Visitor<'de> for ListSeed<'_> {
 
 /// A list's `items`, sent on as they are decoded.
 struct ItemsSeed<'a> {
-    ats: &'a mpsc::Sender<CachedAt>,
+    ats: &'a mpsc::Sender<Vec<CachedAt>>,
 }
 
 impl<'de> DeserializeSeed<'de> for ItemsSeed<'_> {
@@ -350,13 +354,18 @@ impl<'de> Visitor<'de> for ItemsSeed<'_> {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<(), A::Error> {
+        let gone = || de::Error::custom("the list is no longer wanted");
+        let mut batch = Vec::with_capacity(BATCH);
         // Each item as its text first: the fast decoder skips what the cache does not keep.
         while let Some(text) = items.next_element::<Box<serde_json::value::RawValue>>()? {
-            let at = CachedAt::decode_text(text.get());
-            drop(text);
-            if self.ats.blocking_send(at).is_err() {
-                return Err(de::Error::custom("the list is no longer wanted"));
+            batch.push(CachedAt::decode_text(text.get()));
+            if batch.len() == BATCH {
+                let full = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
+                self.ats.blocking_send(full).map_err(|_| gone())?;
             }
+        }
+        if !batch.is_empty() {
+            self.ats.blocking_send(batch).map_err(|_| gone())?;
         }
         Ok(())
     }

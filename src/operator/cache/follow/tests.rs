@@ -40,12 +40,15 @@ async fn decode(body: &[u8], piece: usize) -> (Vec<String>, kube::Result<Option<
     });
     let mut listing = Listing::start(reader, None);
     let mut names = Vec::new();
-    while let Some(at) = listing.ats.recv().await {
-        let name = at.meta().name.clone().unwrap_or_default();
-        names.push(match at.unreadable() {
-            Some(_) => format!("{name} (unreadable)"),
-            None => name,
-        });
+    while let Some(batch) = listing.ats.recv().await {
+        assert!(!batch.is_empty() && batch.len() <= BATCH);
+        for at in batch {
+            let name = at.meta().name.clone().unwrap_or_default();
+            names.push(match at.unreadable() {
+                Some(_) => format!("{name} (unreadable)"),
+                None => name,
+            });
+        }
     }
     (names, listing.done.await.unwrap())
 }
