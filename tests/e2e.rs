@@ -22,5 +22,7 @@ mod cel;
 mod chart;
 #[path = "e2e/lifecycle.rs"]
 mod lifecycle;
+#[path = "e2e/mass_deletion.rs"]
+mod mass_deletion;
 #[path = "e2e/rbac.rs"]
 mod rbac;

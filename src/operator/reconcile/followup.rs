@@ -17,8 +17,9 @@ use tokio::sync::{mpsc, watch};
 use tracing::field::{display, Empty};
 use tracing::{debug, info_span, warn, Instrument, Span};
 
-/// Status writes that follow pod creates, at once.
-const WRITERS: usize = 8;
+/// Status writes that follow pod creates, at once: as many as reconciles (pod creates) run at
+/// once by default (`--concurrency`).
+pub const WRITERS: usize = 32;
 /// How long pod creates and status writes must have been idle before an event goes out.
 const QUIET: std::time::Duration = std::time::Duration::from_millis(20);
 /// Events published at once (each one API request).
@@ -89,15 +90,56 @@ impl PodsFirst {
     }
 }
 
-/// A status write (and its event) that waits for the pods of its wave.
+/// A status write (and its event) that waits for the pods of its wave. It keeps of its At only
+/// what the write, its event and its log line need, and of the reconcile that queued it only
+/// the trace ids: when Ats are created faster than their statuses can be written, thousands
+/// wait here, and whole Ats and open spans would cost several KiB each.
 pub struct Followup {
     ctx: Arc<Context>,
-    at: Arc<At>,
+    target: Target,
     decision: Decision,
-    /// A `status-write` span, child of the reconcile that queued it: same trace.
-    span: Span,
+    /// The reconcile's span, as trace ids: the `status-write` span is its child.
+    parent: opentelemetry::trace::SpanContext,
     /// Counts this write as queued until it is done.
     _writing: Entered,
+}
+
+/// What a queued status write keeps of its At.
+struct Target {
+    name: String,
+    namespace: Option<String>,
+    uid: Option<String>,
+    resource_version: Option<String>,
+    /// The phase before (for the log line).
+    from: Option<crate::api::Phase>,
+    /// Its spec is outside the CRD's bounds (see `refuses_any_status`).
+    out_of_range: bool,
+}
+
+impl Target {
+    fn of(at: &At) -> Self {
+        Target {
+            name: kube::ResourceExt::name_any(at),
+            namespace: at.metadata.namespace.clone(),
+            uid: at.metadata.uid.clone(),
+            resource_version: at.metadata.resource_version.clone(),
+            from: at.status.as_ref().map(|s| s.phase),
+            out_of_range: !crate::limits::problems(&at.spec, |_| true).is_empty(),
+        }
+    }
+
+    /// The At as far as the write needs it: identity, version and phase, no spec.
+    fn at(&self) -> At {
+        let mut at = At::new(&self.name, crate::api::AtSpec::default());
+        at.metadata.namespace = self.namespace.clone();
+        at.metadata.uid = self.uid.clone();
+        at.metadata.resource_version = self.resource_version.clone();
+        at.status = self.from.map(|phase| crate::api::AtStatus {
+            phase,
+            ..crate::api::AtStatus::default()
+        });
+        at
+    }
 }
 
 /// An event that waits for the pod creates and status writes queued before it.
@@ -165,18 +207,15 @@ fn take<R>(slot: &std::sync::Mutex<Option<R>>) -> Option<R> {
 
 impl Context {
     /// Queues the status write and event of `decision` for `at` behind the pods in flight.
-    pub(super) fn follow_up(self: &Arc<Self>, at: Arc<At>, decision: Decision) {
-        let span = info_span!(
-            "status-write",
-            phase = decision.status.as_ref().map(|s| s.phase.as_str()),
-            error = Empty,
-            "otel.status_code" = Empty,
-        );
+    pub(super) fn follow_up(self: &Arc<Self>, at: &At, decision: Decision) {
+        use opentelemetry::trace::TraceContextExt;
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        let parent = Span::current().context().span().span_context().clone();
         let job = Followup {
             ctx: self.clone(),
-            at,
+            target: Target::of(at),
             decision,
-            span,
+            parent,
             _writing: self.pods_first.writing.enter(),
         };
         if self.followups.sender.send(job).is_err() {
@@ -192,11 +231,21 @@ impl Context {
         let jobs = self.followups.take()?;
         let events = self.tellings.take()?;
         let writes = jobs.for_each_concurrent(WRITERS, |job| async move {
-            let span = job.span.clone();
-            job.ctx
-                .write_followup(&job.at, &job.decision)
-                .instrument(span)
-                .await;
+            use opentelemetry::trace::TraceContextExt;
+            use tracing_opentelemetry::OpenTelemetrySpanExt;
+            let span = info_span!(
+                "status-write",
+                at = %format_args!("{}/{}", job.target.namespace.as_deref().unwrap_or_default(), job.target.name),
+                phase = job.decision.status.as_ref().map(|s| s.phase.as_str()),
+                error = Empty,
+                "otel.status_code" = Empty,
+            );
+            // Without a collector or a sampled trace, there is no parent to name.
+            if job.parent.is_valid() {
+                let parent = opentelemetry::Context::new().with_remote_span_context(job.parent.clone());
+                let _ = span.set_parent(parent);
+            }
+            job.ctx.write_followup(&job).instrument(span).await;
         });
         // Each only once pod creates and status writes have been quiet for a moment (a wave's
         // events wait for the whole wave), then several at once.
@@ -269,7 +318,8 @@ impl Context {
         self.tell_later(at, event);
     }
 
-    async fn write_followup(self: &Arc<Self>, at: &Arc<At>, decision: &Decision) {
+    async fn write_followup(self: &Arc<Self>, job: &Followup) {
+        let (at, decision) = (&job.target.at(), &job.decision);
         let Some(status) = &decision.status else {
             return;
         };
@@ -286,10 +336,10 @@ impl Context {
             }
             // Deleted meanwhile: nothing to retry, and nothing to keep for it.
             Err(kube::Error::Api(s)) if s.is_not_found() => {
-                self.forget(&ObjectRef::from_obj(at.as_ref()));
+                self.forget(&ObjectRef::from_obj(at));
             }
             // The server refuses any status on this version: see `refused_status`.
-            Err(kube::Error::Api(s)) if refuses_any_status(at, &s) => {
+            Err(kube::Error::Api(s)) if s.is_invalid() && job.target.out_of_range => {
                 self.refused_status(at, decision, &s)
             }
             Err(error) => {
@@ -303,7 +353,7 @@ impl Context {
                 let delay = self.next_retry(at);
                 let unanswered = self.wait_if_unanswered(at, &error);
                 warn!(at = %key(at), phase = status.phase.as_str(), %error, retry_in = ?delay, unanswered, "writing status failed");
-                self.retrigger_after(ObjectRef::from_obj(at.as_ref()), delay);
+                self.retrigger_after(ObjectRef::from_obj(at), delay);
             }
         }
     }

@@ -695,7 +695,7 @@ impl Context {
         let action = self.succeeded(at, &decision, decided_at);
         if let Some(status) = &decision.status {
             self.remember_write(at, status.phase);
-            self.follow_up(at.clone(), decision);
+            self.follow_up(at, decision);
         }
         action
     }
