@@ -162,6 +162,13 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
         timing.lease_duration,
         args.webhooks,
     ));
+    // Every replica caches the Ats, so the next leader starts with all of them. Ready, and a
+    // candidate for the Lease, only with every At cached (required before `/readyz` answers).
+    let cache = cnat::operator::cache::AtCache::start(&client, args.namespace.as_deref());
+    health.require({
+        let cache = cache.clone();
+        move || cache.readiness()
+    });
     let listener = cnat::serving::listen::bind(args.admin_addr)
         .and_then(tokio::net::TcpListener::from_std)
         .map_err(|e| format!("--admin-addr {}: {e}", args.admin_addr))?;
@@ -206,14 +213,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
     };
     let (work_client, work_events, work_metrics) =
         (client.clone(), events.clone(), metrics.clone());
-    // Every replica caches the Ats, so the next leader starts with all of them.
-    let cache = cnat::operator::cache::AtCache::start(&client, args.namespace.as_deref());
     let cache_stopped = cache.stopped();
-    // Ready, and a candidate for the Lease, only with every At cached (see `Health::require`).
-    health.require({
-        let cache = cache.clone();
-        move || cache.readiness()
-    });
     let election = tokio::spawn(leader::run(
         client,
         election_settings,

@@ -26,7 +26,8 @@ use std::time::{Duration, Instant};
 /// Connections the floors and the kubelet stand-in use, as the operator's own writers.
 const CONNECTIONS: usize = 8;
 
-pub async fn run(sizes: &[usize]) {
+/// The control plane with the CRD installed, and the table's header printed.
+async fn start(header: &str) -> (&'static ControlPlane, Client) {
     let Some(plane) = envtest::control_plane() else {
         panic!("--real needs a real control plane: run scripts/envtest and set KUBEBUILDER_ASSETS");
     };
@@ -34,8 +35,13 @@ pub async fn run(sizes: &[usize]) {
     envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
     println!("On a real kube-apiserver v1.24 + etcd 3.4 + kube-controller-manager (envtest), this machine:");
     println!();
-    println!("| Ats due at once | bare pod creates (floor) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | every At DONE after the last pod ended | DONE / floor | every Succeeded event after the last DONE | operator RSS |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("{header}");
+    println!("{}|", "|---".repeat(header.matches('|').count() - 1));
+    (plane, admin)
+}
+
+pub async fn run(sizes: &[usize]) {
+    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | every At DONE after the last pod ended | DONE / floor | every Succeeded event after the last DONE | operator RSS |").await;
     for &n in sizes {
         burst(plane, &admin, n).await;
     }
@@ -297,15 +303,7 @@ async fn wait_phases(ats: &Api<At>, n: usize, phase: &str) {
 ///    ready) and an At falls due 3 s later: how late its pod is (seen here through a pod
 ///    watch), and the new leader's memory once it has led for 10 s.
 pub async fn pending_all(sizes: &[usize]) {
-    let Some(plane) = envtest::control_plane() else {
-        panic!("--real needs a real control plane: run scripts/envtest and set KUBEBUILDER_ASSETS");
-    };
-    let admin = plane.admin().await;
-    envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
-    println!("On a real kube-apiserver v1.24 + etcd 3.4 + kube-controller-manager (envtest), this machine:");
-    println!();
-    println!("| Ats pending | created in | leader RSS: max while created / settled | cold replica: every At cached after | its RSS then | rolling step: At due 3 s after the SIGTERM, pod after due | new leader RSS after 10 s |");
-    println!("|---|---|---|---|---|---|---|");
+    let (plane, admin) = start("| Ats pending | created in | leader RSS: max while created / settled | cold replica: every At cached after | its RSS then | rolling step: At due 3 s after the SIGTERM, pod after due | new leader RSS after 10 s |").await;
     for &n in sizes {
         pending(plane, &admin, n).await;
     }
@@ -328,7 +326,8 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
     let sampler = tokio::spawn({
         let (max_rss, pid) = (max_rss.clone(), old.child.id().to_string());
         async move {
-            loop {
+            // Until the process is gone.
+            while std::path::Path::new(&format!("/proc/{pid}/status")).exists() {
                 max_rss.fetch_max(
                     crate::rss::rss_kib(&pid),
                     std::sync::atomic::Ordering::SeqCst,
@@ -338,17 +337,29 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
         }
     });
     let started = Instant::now();
+    let failed = std::sync::atomic::AtomicUsize::new(0);
     futures::stream::iter(0..n)
         .for_each_concurrent(16, |i| {
             let ats = ats.clone();
+            let failed = &failed;
             async move {
-                ats.create(&PostParams::default(), &at(&format!("at-{i:06}"), later))
-                    .await
-                    .unwrap();
+                let name = format!("at-{i:06}");
+                // A create that got no answer may have been stored: AlreadyExists is success.
+                for attempt in 1.. {
+                    match ats.create(&PostParams::default(), &at(&name, later)).await {
+                        Ok(_) => return,
+                        Err(kube::Error::Api(s)) if s.code == 409 && attempt > 1 => return,
+                        Err(error) => {
+                            assert!(attempt < 5, "{name}: {error}");
+                            failed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        }
+                    }
+                }
             }
         })
         .await;
     let created = started.elapsed();
+    let failed = failed.into_inner();
     tokio::time::timeout(Duration::from_secs(900), settled)
         .await
         .expect("every PENDING status within 15 minutes")
@@ -400,7 +411,7 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
     assert_eq!(created_pods, 1, "only the due At ran");
     let mib = |kib: u64| kib as f64 / 1024.0;
     println!(
-        "| {n} | {created:.0?} | {:.0} / {:.0} MiB | {cached_after:.1?} (its log: {logged}) | {:.0} MiB | {late:.0?} | {:.0} MiB |",
+        "| {n} | {created:.0?} ({failed} sent again) | {:.0} / {:.0} MiB | {cached_after:.1?} (its log: {logged}) | {:.0} MiB | {late:.0?} | {:.0} MiB |",
         mib(old_max),
         mib(old_settled),
         mib(new_ready_rss),

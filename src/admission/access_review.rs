@@ -17,7 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::{timeout, Instant};
 
-/// Most cached answers; past this, the oldest half is dropped.
+/// Most cached answers; past this, expired ones are dropped, and new ones not cached while it
+/// stays full.
 const MAX_CACHED: usize = 10_000;
 
 /// What to do when the API server gives no answer in time.
@@ -192,6 +193,9 @@ impl AccessReviewer {
                 None => {
                     let asking = Inner::ask(&self.inner, key.clone(), user, namespace);
                     reviews.asking.insert(key, asking.clone());
+                    // Driven to its end (at most the timeout) even if every request waiting
+                    // for it goes away, so it never lingers with an answer from long ago.
+                    tokio::spawn(asking.clone());
                     asking
                 }
             }

@@ -88,7 +88,11 @@ async fn publish(
 /// when a namespace full of Ats is deleted, so not worth a warning per event.
 fn namespace_going(error: &kube::Error) -> bool {
     match error {
-        kube::Error::Api(status) if status.code == 404 => true,
+        // The namespace itself is not found (not, say, an earlier event of a series).
+        kube::Error::Api(status) if status.code == 404 => status
+            .details
+            .as_ref()
+            .is_some_and(|d| d.kind == "namespaces"),
         kube::Error::Api(status) if status.code == 403 => status
             .details
             .as_ref()
@@ -125,10 +129,16 @@ mod tests {
             "../../tests/fixtures/api-k8s-1.24/status-403-forbidden-namespace-terminating.json"
         ));
         assert!(namespace_going(&terminating));
-        let gone = api_error(include_str!(
+        // As kube-apiserver answers a write into a namespace that no longer exists.
+        let gone = api_error(
+            r#"{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure","message":"namespaces \"gone\" not found","reason":"NotFound","details":{"name":"gone","kind":"namespaces"},"code":404}"#,
+        );
+        assert!(namespace_going(&gone));
+        // Any other 404 is worth a warning.
+        let other = api_error(include_str!(
             "../../tests/fixtures/api-k8s-1.24/status-404-not-found.json"
         ));
-        assert!(namespace_going(&gone));
+        assert!(!namespace_going(&other));
         // Other refusals are warned about.
         for other in [
             "status-403-forbidden-quota-exceeded.json",

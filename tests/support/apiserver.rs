@@ -221,8 +221,9 @@ impl ApiServer {
     /// compaction does: those watchers must re-list, and learn of nothing that vanished meanwhile.
     pub fn expire_watches(&self, resource: Resource) {
         let mut state = self.lock();
-        let next = state.rv + 1;
-        state.compacted.insert(resource, next);
+        // A watch from the current version (what a list now answers) is fine; older is gone.
+        let now = state.rv;
+        state.compacted.insert(resource, now);
         let _ = self.changes.send(Change {
             rv: u64::MAX,
             resource,

@@ -250,3 +250,24 @@ async fn an_answer_in_use_is_refreshed_before_it_expires_and_no_request_waits_fo
     drop(reviewer);
     assert_eq!(task.await.unwrap().len(), 3);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_review_whose_requests_went_away_still_ends_and_never_answers_a_later_request() {
+    let (client, task) = server(vec![
+        Some((201, fixture("subjectaccessreview-allowed.json"))),
+        Some((201, fixture("subjectaccessreview-denied.json"))),
+    ]);
+    let reviewer = AccessReviewer::new(client, Settings::default());
+    // The only request waiting for the first review goes away (kubectl interrupted).
+    let gone = tokio::time::timeout(Duration::ZERO, reviewer.check(&alice(), "fx")).await;
+    assert!(gone.is_err(), "it was still waiting");
+    // The review still ends and caches its answer...
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    // ... which is not used past its life: a later request gets a fresh answer.
+    tokio::time::advance(Settings::default().cache_ttl * 3).await;
+    let denied = reviewer.check(&alice(), "fx").await.unwrap_err();
+    assert!(denied.starts_with("alice may not create pods"), "{denied}");
+    drop(reviewer);
+    assert_eq!(task.await.unwrap().len(), 2);
+}

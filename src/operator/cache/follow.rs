@@ -14,8 +14,12 @@
 //!   watch cache). Each later list, after a watch expired (410), asks for a version not older
 //!   than the last one seen, so the cache never goes back in time.
 //! - A watch ends normally after its timeout; it is started again from the last version seen
-//!   (bookmarks keep that fresh).
+//!   (bookmarks keep that fresh). A watch silent for longer than its timeout, a list body
+//!   silent for `IDLE`, or an answer that does not start within `IDLE`, is taken for a dead
+//!   connection (kube-client sets no read timeout): the watch is started again, the list failed.
 //! - Errors are yielded as `watcher::Error`s for the caller's backoff; the next poll retries.
+//!   A watch whose version expired (410) is yielded as an error too (then listed again), as
+//!   kube-runtime does, so a relist is logged and backed off.
 
 use super::CachedAt;
 use futures::{AsyncBufReadExt, Stream, StreamExt};
@@ -27,10 +31,18 @@ use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor
 use std::collections::VecDeque;
 use std::fmt;
 use std::pin::Pin;
+use std::time::Duration;
 use tokio::sync::mpsc;
+use tokio::time::timeout;
+use tokio_util::task::AbortOnDropHandle;
 
 /// Seconds a watch asks to last (kube-runtime's watcher asks the same).
 const WATCH_TIMEOUT: u32 = 290;
+/// A watch with no event (bookmarks included) for this long is dead (as kube-runtime judges).
+const WATCH_IDLE: Duration = Duration::from_secs(WATCH_TIMEOUT as u64 + 5);
+/// An answer that does not start, or a list body that stops, for this long is dead
+/// (kube-apiserver ends any request after 60 s by default).
+const IDLE: Duration = Duration::from_secs(60);
 /// Chunks of the list body in flight to the decoder, and batches of decoded Ats in flight
 /// back, of at most `BATCH` each (one wake-up per batch, not per At).
 const CHUNKS: usize = 64;
@@ -50,8 +62,8 @@ enum State {
     Watching(String, EventStream),
 }
 
-/// Follows the Ats at `url` (all, or one namespace's) with `client`, as kube-runtime's
-/// `watcher` does (see the module docs for the difference).
+/// Follows the Ats (of `namespace`, or all) with `client`, as kube-runtime's `watcher` does
+/// (see the module docs for the difference).
 pub fn follow(
     client: Client,
     namespace: Option<String>,
@@ -88,22 +100,21 @@ async fn step(
                     ..ListParams::default()
                 },
             };
-            match Request::new(url).list(&params) {
-                Ok(request) => match client.request_stream(request).await {
-                    Ok(body) => (
-                        State::Listing(Listing::start(body, version)),
-                        vec![Ok(Event::Init)],
-                    ),
-                    Err(error) => (
-                        State::List(version),
-                        vec![Err(Error::InitialListFailed(error))],
-                    ),
-                },
+            let request = Request::new(url).list(&params);
+            let answer = match request {
+                Ok(request) => timeout(IDLE, client.request_stream(request))
+                    .await
+                    .unwrap_or_else(|_| Err(silent())),
+                Err(error) => Err(kube::Error::BuildRequest(error)),
+            };
+            match answer {
+                Ok(body) => (
+                    State::Listing(Listing::start(body, version)),
+                    vec![Ok(Event::Init)],
+                ),
                 Err(error) => (
                     State::List(version),
-                    vec![Err(Error::InitialListFailed(kube::Error::BuildRequest(
-                        error,
-                    )))],
+                    vec![Err(Error::InitialListFailed(error))],
                 ),
             }
         }
@@ -145,25 +156,27 @@ async fn step(
                     )
                 }
             };
-            match client.request_events::<CachedAt>(request).await {
+            // A refusal (410 too) comes as the stream's first event.
+            let started = timeout(IDLE, client.request_events::<CachedAt>(request))
+                .await
+                .unwrap_or_else(|_| Err(silent()));
+            match started {
                 Ok(events) => (State::Watching(version, Box::pin(events)), vec![]),
-                Err(kube::Error::Api(status)) if status.code == 410 => {
-                    (State::List(Some(version)), vec![])
-                }
                 Err(error) => (
                     State::Watch(version),
                     vec![Err(Error::WatchStartFailed(error))],
                 ),
             }
         }
-        State::Watching(version, mut events) => match events.next().await {
-            Some(Ok(event)) => watched(version, events, event),
-            Some(Err(kube::Error::Api(status))) if status.code == 410 => {
-                (State::List(Some(version)), vec![])
-            }
-            Some(Err(error)) => (State::Watch(version), vec![Err(Error::WatchFailed(error))]),
-            // Timed out, as asked: go on from where it ended.
-            None => (State::Watch(version), vec![]),
+        State::Watching(version, mut events) => match timeout(WATCH_IDLE, events.next()).await {
+            Ok(Some(Ok(event))) => watched(version, events, event),
+            Ok(Some(Err(kube::Error::Api(status)))) if status.code == 410 => (
+                State::List(Some(version)),
+                vec![Err(Error::WatchError(status))],
+            ),
+            Ok(Some(Err(error))) => (State::Watch(version), vec![Err(Error::WatchFailed(error))]),
+            // Ended after its timeout, as asked, or silent past it: go on from the last version.
+            Ok(None) | Err(_) => (State::Watch(version), vec![]),
         },
     }
 }
@@ -193,7 +206,10 @@ fn watched(
             State::Watching(mark.metadata.resource_version, events),
             vec![],
         ),
-        WatchEvent::Error(status) if status.code == 410 => (State::List(Some(version)), vec![]),
+        WatchEvent::Error(status) if status.code == 410 => (
+            State::List(Some(version)),
+            vec![Err(Error::WatchError(status))],
+        ),
         WatchEvent::Error(status) => (State::Watch(version), vec![Err(Error::WatchError(status))]),
     }
 }
@@ -203,7 +219,7 @@ struct Listing {
     /// The version the list asked for, to ask again if it fails.
     asked: Option<String>,
     ats: mpsc::Receiver<Vec<CachedAt>>,
-    done: tokio::task::JoinHandle<kube::Result<Option<String>>>,
+    done: AbortOnDropHandle<kube::Result<Option<String>>>,
 }
 
 impl Listing {
@@ -214,14 +230,15 @@ impl Listing {
     ) -> Listing {
         let (chunks_in, chunks) = mpsc::channel::<Vec<u8>>(CHUNKS);
         let (ats_out, ats) = mpsc::channel(BATCHES);
-        let reading = tokio::spawn(read_chunks(body, chunks_in));
+        // Dropped with the list (its stream was dropped): reading stops, which ends the decoder.
+        let reading = AbortOnDropHandle::new(tokio::spawn(read_chunks(body, chunks_in)));
         let decoding = tokio::task::spawn_blocking(move || {
             let reader = std::io::BufReader::with_capacity(1 << 16, Chunks::new(chunks));
             let mut json = serde_json::Deserializer::from_reader(reader);
             let decoded = ListSeed { ats: &ats_out }.deserialize(&mut json);
             decoded.and_then(|version| json.end().map(|()| version))
         });
-        let done = tokio::spawn(async move {
+        let done = AbortOnDropHandle::new(tokio::spawn(async move {
             let decoded = decoding.await;
             // The body's own error (a dropped connection) says more than the decoder's EOF.
             let read = reading.await;
@@ -231,7 +248,7 @@ impl Listing {
                 (Ok(Err(error)), _) => Err(kube::Error::SerdeError(error)),
                 (Err(join), _) => Err(kube::Error::Service(Box::new(join))),
             }
-        });
+        }));
         Listing { asked, ats, done }
     }
 }
@@ -242,7 +259,10 @@ async fn read_chunks(
     chunks: mpsc::Sender<Vec<u8>>,
 ) -> std::io::Result<()> {
     loop {
-        let chunk = body.fill_buf().await?.to_vec();
+        let chunk = timeout(IDLE, body.fill_buf())
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "the list stopped"))??
+            .to_vec();
         if chunk.is_empty() {
             return Ok(());
         }
@@ -369,6 +389,14 @@ impl<'de> Visitor<'de> for ItemsSeed<'_> {
         }
         Ok(())
     }
+}
+
+/// The error for an API server that stayed silent past `IDLE`.
+fn silent() -> kube::Error {
+    kube::Error::ReadEvents(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("no answer within {IDLE:?}"),
+    ))
 }
 
 #[cfg(test)]
