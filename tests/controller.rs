@@ -721,3 +721,83 @@ async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
     assert_eq!(server.count("POST pods"), 1);
     leader.abort();
 }
+
+#[tokio::test]
+async fn the_at_cache_lists_once_follows_every_change_and_relists_no_older_after_a_410() {
+    let server = ApiServer::new();
+    for i in 0..3 {
+        server.create(
+            Resource::Ats,
+            at_json(&format!("at-{i}"), "2999-01-01T00:00:00Z", "true"),
+        );
+    }
+    let cache = cnat::operator::cache::AtCache::start(&server.client(), None);
+    tokio::time::timeout(WAIT, cache.listed())
+        .await
+        .expect("never listed");
+    assert_eq!(cache.readiness(), Ok(()));
+    assert_eq!(cache.store().state().len(), 3);
+    // One request, from the API server's watch cache: any version, no pages.
+    let lists: Vec<String> = server
+        .queries("GET ats")
+        .into_iter()
+        .filter(|q| !q.contains("watch=true"))
+        .collect();
+    assert_eq!(lists.len(), 1, "{lists:?}");
+    assert!(lists[0].contains("resourceVersion=0"), "{}", lists[0]);
+    assert!(!lists[0].contains("limit="), "{}", lists[0]);
+    let command = |name: &str| {
+        let key = kube::runtime::reflector::ObjectRef::new(name).within("default");
+        cache
+            .store()
+            .get(&key)
+            .map(|at| at.at().unwrap().spec.command)
+    };
+    // Watched: a new At, a deleted one.
+    server.create(
+        Resource::Ats,
+        at_json("at-3", "2999-01-01T00:00:00Z", "new"),
+    );
+    server.delete(Resource::Ats, "default", "at-0");
+    assert!(
+        support::until(WAIT, || command("at-3").as_deref() == Some("new")
+            && command("at-0").is_none())
+        .await
+    );
+    // A change no watch told, then the watch expires: the cache lists again, at a version not
+    // older than the last one it saw, and has the change.
+    server.change_unseen(Resource::Ats, "default", "at-2", |at| {
+        at["spec"]["command"] = json!("unseen");
+    });
+    server.expire_watches(Resource::Ats);
+    assert!(
+        support::until(WAIT, || command("at-2").as_deref() == Some("unseen")).await,
+        "never listed again"
+    );
+    let lists: Vec<String> = server
+        .queries("GET ats")
+        .into_iter()
+        .filter(|q| !q.contains("watch=true"))
+        .collect();
+    assert_eq!(lists.len(), 2, "{lists:?}");
+    assert!(
+        lists[1].contains("resourceVersionMatch=NotOlderThan")
+            && !lists[1].contains("resourceVersion=0&"),
+        "{}",
+        lists[1]
+    );
+    assert_eq!(cache.store().state().len(), 3);
+    assert_eq!(cache.readiness(), Ok(()));
+    // And it watches on from there: no relist loop.
+    server.create(
+        Resource::Ats,
+        at_json("at-4", "2999-01-01T00:00:00Z", "after"),
+    );
+    assert!(support::until(WAIT, || command("at-4").as_deref() == Some("after")).await);
+    let relists = server
+        .queries("GET ats")
+        .into_iter()
+        .filter(|q| !q.contains("watch=true"))
+        .count();
+    assert_eq!(relists, 2);
+}

@@ -83,6 +83,8 @@ struct State {
     log: Vec<Change>,
     /// Requests served, as "METHOD resource[/subresource]", e.g. "PATCH ats/status".
     requests: Vec<String>,
+    /// Each request's "METHOD resource[/sub]" and query string, in order.
+    queries: Vec<(String, String)>,
     /// When each pod was created, for lateness measurements.
     pod_created: BTreeMap<(String, String), Instant>,
     /// When each At's status first said DONE.
@@ -451,6 +453,13 @@ impl ApiServer {
             .collect()
     }
 
+    /// The query strings of the requests `what` ("METHOD resource[/sub]"), in order.
+    pub fn queries(&self, what: &str) -> Vec<String> {
+        let state = self.lock();
+        let asked = state.queries.iter().filter(|(w, _)| w == what);
+        asked.map(|(_, query)| query.clone()).collect()
+    }
+
     pub fn requests(&self) -> Vec<String> {
         self.lock().requests.clone()
     }
@@ -522,6 +531,8 @@ impl ApiServer {
         {
             let mut state = self.lock();
             state.requests.push(what.clone());
+            let asked = (what.clone(), parts.uri.query().unwrap_or("").to_owned());
+            state.queries.push(asked);
             if !client.is_empty() {
                 let call = (client.to_owned(), what, tokio::time::Instant::now());
                 state.calls.push(call);
