@@ -801,3 +801,34 @@ async fn the_at_cache_lists_once_follows_every_change_and_relists_no_older_after
         .count();
     assert_eq!(relists, 2);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_cache_whose_list_gets_no_answer_gives_up_says_why_and_lists_once_it_can() {
+    let server = ApiServer::new();
+    server.create(
+        Resource::Ats,
+        at_json("at-0", "2999-01-01T00:00:00Z", "true"),
+    );
+    // The network to the API server is cut: requests hang, unanswered.
+    let (client, partition) = server.partitionable_client();
+    partition.cut();
+    let cache = cnat::operator::cache::AtCache::start(&client, None);
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(
+        cache.readiness(),
+        Err("listing Ats: 0 received so far; this replica leads and is ready once it holds them all".into())
+    );
+    // A list that gets no answer for 60 s is given up (kube-client has no read timeout).
+    tokio::time::sleep(Duration::from_secs(31)).await;
+    let why = cache.readiness().unwrap_err();
+    assert!(
+        why.contains("(the last attempt failed: ") && why.contains("no answer within 60s"),
+        "{why}"
+    );
+    partition.heal();
+    tokio::time::timeout(Duration::from_secs(65), cache.listed())
+        .await
+        .expect("never listed once the server answered");
+    assert_eq!(cache.readiness(), Ok(()));
+    assert_eq!(cache.store().state().len(), 1);
+}

@@ -392,6 +392,8 @@ struct Listing {
     received: std::sync::atomic::AtomicUsize,
     /// A complete list is in the store; relists keep the store they replace until they end.
     complete: tokio_util::sync::CancellationToken,
+    /// Why the last attempt failed, while none succeeded (for `/readyz`).
+    failed: std::sync::Mutex<Option<String>>,
 }
 
 impl AtCache {
@@ -444,6 +446,11 @@ impl AtCache {
                     }
                     Err(error) => {
                         warn!(%error, "watching Ats");
+                        if !progress.complete.is_cancelled() {
+                            let mut failed =
+                                progress.failed.lock().unwrap_or_else(|e| e.into_inner());
+                            *failed = Some(error.to_string());
+                        }
                         None
                     }
                 };
@@ -481,13 +488,22 @@ impl AtCache {
     /// `Ok` once the cache holds a complete list; else how far the first list has come, for
     /// `/readyz`.
     pub fn readiness(&self) -> Result<(), String> {
-        match self.listing.complete.is_cancelled() {
-            true => Ok(()),
-            false => Err(format!(
-                "listing Ats: {} received so far; this replica leads and is ready once it holds them all",
-                self.listing.received.load(Ordering::Relaxed)
-            )),
+        if self.listing.complete.is_cancelled() {
+            return Ok(());
         }
+        let received = self.listing.received.load(Ordering::Relaxed);
+        let failed = self
+            .listing
+            .failed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let last = failed
+            .as_deref()
+            .map(|error| format!(" (the last attempt failed: {error})"))
+            .unwrap_or_default();
+        Err(format!(
+            "listing Ats: {received} received so far{last}; this replica leads and is ready once it holds them all"
+        ))
     }
 
     /// At versions this replica skips after a panic handling them.

@@ -1,7 +1,7 @@
 //! Readable logs when many Ats go at once: an At deleted while its reconcile was queued, and
 //! events refused because their namespace is being deleted, are normal and logged at debug.
 
-use crate::support::envtest::lease_holder;
+use crate::support::envtest::{install_crd, lease_holder};
 use cnat::api::At;
 use futures::StreamExt;
 use kube::api::{DeleteParams, ListParams, PostParams};
@@ -12,6 +12,7 @@ use std::time::Duration;
 async fn deleting_a_thousand_ats_and_then_their_namespace_logs_no_warnings() {
     let plane = crate::real_control_plane!();
     let admin = plane.admin().await;
+    install_crd(&admin, &cnat::api::crd_yaml()).await;
     let lease_ns = plane.namespace("mass-deletion-lease", &[]).await;
     let ns = plane.namespace("mass-deletion", &[]).await;
     let mut replica = plane.replica(

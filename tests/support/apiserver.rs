@@ -905,6 +905,11 @@ impl Partition {
         self.0.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// New requests get through again (those sent while cut still hang).
+    pub fn heal(&self) {
+        self.0.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+
     fn is_cut(&self) -> bool {
         self.0.load(std::sync::atomic::Ordering::SeqCst)
     }
