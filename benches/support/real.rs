@@ -64,6 +64,19 @@ fn at(name: &str, schedule: chrono::DateTime<chrono::Utc>) -> At {
     .unwrap()
 }
 
+/// Creates Ats `{prefix}-0` .. `{prefix}-{n-1}`, all due at `when`, `CONNECTIONS` at once.
+async fn create_ats(ats: &Api<At>, n: usize, prefix: &str, when: chrono::DateTime<chrono::Utc>) {
+    concurrently(n, |i| {
+        let ats = ats.clone();
+        async move {
+            ats.create(&PostParams::default(), &at(&format!("{prefix}-{i}"), when))
+                .await
+                .unwrap();
+        }
+    })
+    .await;
+}
+
 /// Runs `each(i)` for `0..n`, `CONNECTIONS` at once; returns how long it took.
 async fn concurrently<F, Fut>(n: usize, each: F) -> Duration
 where
@@ -93,15 +106,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     // Floor 2: bare At status patches, on Ats nobody reconciles.
     let ats: Api<At> = Api::namespaced(admin.clone(), &floor_ns);
     let later = chrono::Utc::now() + chrono::Duration::days(1);
-    concurrently(n, |i| {
-        let ats = ats.clone();
-        async move {
-            ats.create(&PostParams::default(), &at(&format!("bare-{i}"), later))
-                .await
-                .unwrap();
-        }
-    })
-    .await;
+    create_ats(&ats, n, "bare", later).await;
     // kube-apiserver v1.24 with CEL validation on refuses some concurrent status writes (422,
     // "internal error ... evaluating rule"); sent again, they pass. Counted.
     let refused = std::sync::atomic::AtomicUsize::new(0);
@@ -147,15 +152,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     let due_instant = Instant::now() + lead;
     let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
     let pod_seen = tokio::spawn(watch_pods(pods.clone(), n));
-    concurrently(n, |i| {
-        let ats = ats.clone();
-        async move {
-            ats.create(&PostParams::default(), &at(&format!("at-{i}"), due))
-                .await
-                .unwrap();
-        }
-    })
-    .await;
+    create_ats(&ats, n, "at", due).await;
     let seen = tokio::time::timeout(lead + Duration::from_secs(120), pod_seen)
         .await
         .expect("every pod within two minutes of due")

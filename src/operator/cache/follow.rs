@@ -191,7 +191,7 @@ fn watched(
         at.meta()
             .resource_version
             .clone()
-            .unwrap_or(version.clone())
+            .unwrap_or_else(|| version.clone())
     };
     match event {
         WatchEvent::Added(at) | WatchEvent::Modified(at) => (
