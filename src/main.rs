@@ -172,6 +172,8 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
     let listener = cnat::serving::listen::bind(args.admin_addr)
         .and_then(tokio::net::TcpListener::from_std)
         .map_err(|e| format!("--admin-addr {}: {e}", args.admin_addr))?;
+    // The address bound, so that `--admin-addr=127.0.0.1:0` is useful: the log says the port.
+    let admin_addr = listener.local_addr().unwrap_or(args.admin_addr);
     let close_servers = CancellationToken::new();
     let admin = tokio::spawn(
         axum::serve(listener, admin::router(health.clone(), metrics.clone()))
@@ -232,7 +234,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
         },
         shutdown.clone(),
     ));
-    info!(admin = %args.admin_addr, exporting_traces = exporting, "cnat started");
+    info!(admin = %admin_addr, exporting_traces = exporting, "cnat started");
 
     let failed = tokio::select! {
         _ = shutdown.cancelled() => None,
@@ -301,14 +303,14 @@ async fn start_webhooks(
         shared,
         cnat::serving::guard::Limits::default(),
     ));
-    if handle.listening().await.is_none() {
+    let Some(bound) = handle.listening().await else {
         let why = match server.await {
             Ok(Err(error)) => error.to_string(),
             other => format!("{other:?}"),
         };
         return Err(format!("--webhook-addr {}: {why}", args.webhook_addr));
-    }
-    info!(addr = %args.webhook_addr, "serving admission webhooks");
+    };
+    info!(addr = %bound, "serving admission webhooks");
     Ok((server, handle))
 }
 

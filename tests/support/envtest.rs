@@ -22,7 +22,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::PostParams;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client};
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -715,12 +715,6 @@ impl ControlPlane {
         extra: &[&str],
         kubeconfig: &Path,
     ) -> Replica {
-        let free = || {
-            TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("a free port")
-        };
-        let (admin, webhook) = (free(), free());
         let certs = self.dir.join(format!("certs-{identity}"));
         std::fs::create_dir_all(&certs).expect("a certificate folder");
         let files = cnat::serving::tls::generate("cnat-webhook", "cnat-system", 1)
@@ -730,8 +724,10 @@ impl ControlPlane {
         let mut command = Command::new(env!("CARGO_BIN_EXE_cnat"));
         command
             .arg("run")
-            .arg(format!("--admin-addr={admin}"))
-            .arg(format!("--webhook-addr={webhook}"))
+            // Port 0: the replica binds a free port itself and logs it; a port picked here and
+            // released could be taken by another process before the replica binds it.
+            .arg("--admin-addr=127.0.0.1:0")
+            .arg("--webhook-addr=127.0.0.1:0")
             .arg(format!("--tls-cert={}", files.cert.display()))
             .arg(format!("--tls-key={}", files.key.display()))
             .arg(format!("--identity={identity}"))
@@ -749,8 +745,9 @@ impl ControlPlane {
             .env_remove("KUBERNETES_SERVICE_HOST")
             .env_remove("POD_NAME")
             .env_remove("POD_NAMESPACE");
-        let child = spawn(command, &log);
+        let mut child = spawn(command, &log);
         running(&self.dir, child.id());
+        let (admin, webhook) = bound_addresses(&mut child, &log);
         Replica {
             identity: identity.to_owned(),
             child,
@@ -759,6 +756,37 @@ impl ControlPlane {
             log,
             certs,
         }
+    }
+}
+
+/// The admin and webhook addresses a starting replica logs ("serving admission webhooks",
+/// "cnat started"); the webhook one is `0.0.0.0:0` with `--webhooks=false`. Panics with its log
+/// when it exits or does not start within a minute.
+fn bound_addresses(child: &mut Child, log: &Path) -> (SocketAddr, SocketAddr) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .filter_map(|line| serde_json::from_str(line).ok())
+            .collect();
+        let field = |message: &str, name: &str| -> Option<SocketAddr> {
+            let line = lines.iter().find(|l| l["message"] == message)?;
+            line[name].as_str()?.parse().ok()
+        };
+        if let Some(admin) = field("cnat started", "admin") {
+            let webhook = field("serving admission webhooks", "addr")
+                .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+            return (admin, webhook);
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("the replica exited before it started ({status}):\n{text}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the replica did not start within a minute:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
