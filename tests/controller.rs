@@ -381,6 +381,76 @@ async fn many_ats_due_together_each_get_exactly_one_pod() {
     operator.abort();
 }
 
+/// A status write never waits behind an event: with every event request hanging (all the
+/// publishers busy), 40 Ats still go PENDING -> RUNNING -> DONE; their events follow once the
+/// server answers again.
+#[tokio::test(start_paused = true)]
+async fn a_status_write_never_waits_behind_events() {
+    let server = ApiServer::new();
+    server.hold_events(true);
+    let operator = start(&server);
+    let names: Vec<String> = (0..40).map(|i| format!("at-{i}")).collect();
+    for name in &names {
+        server.create(Resource::Ats, at_json(name, "2019-04-12T10:12:00Z", "true"));
+    }
+    let all = |want: Phase| {
+        let (server, names) = (server.clone(), names.clone());
+        move || names.iter().all(|n| phase(&server, n) == Some(want))
+    };
+    assert!(support::until(WAIT, all(Phase::Running)).await);
+    // Their `PodCreated` events are out, unanswered: every publisher hangs.
+    let hanging = || server.count("POST events") >= 8;
+    assert!(support::until(WAIT, hanging).await, "no event was tried");
+    for name in &names {
+        server.finish_pod("default", &format!("{name}-pod"), 0);
+    }
+    assert!(support::until(WAIT, all(Phase::Done)).await);
+    assert!(
+        names.iter().all(|n| server.event_reasons(n).is_empty()),
+        "an event was published while they were held"
+    );
+    server.hold_events(false);
+    let told = || {
+        names.iter().all(|n| {
+            let reasons = server.event_reasons(n);
+            ["PodCreated", "Succeeded"]
+                .iter()
+                .all(|want| reasons.iter().any(|r| r == want))
+        })
+    };
+    assert!(support::until(WAIT, told).await, "the events never followed");
+    operator.abort();
+}
+
+/// Pods first: with writes costing the server time, 64 Ats due at once get every pod created
+/// before any of their status writes goes out.
+#[tokio::test(start_paused = true)]
+async fn due_ats_get_their_pods_before_any_status_write() {
+    let server = ApiServer::new();
+    server.set_write_cost(Duration::from_millis(5));
+    for i in 0..64 {
+        server.create(
+            Resource::Ats,
+            at_json(&format!("at-{i}"), "2019-04-12T10:12:00Z", "true"),
+        );
+    }
+    let operator = start(&server);
+    let running = || (0..64).all(|i| phase(&server, &format!("at-{i}")) == Some(Phase::Running));
+    assert!(support::until(WAIT, running).await);
+    let requests = server.requests();
+    let last_pod = requests.iter().rposition(|r| r == "POST pods").unwrap();
+    let first_status = requests
+        .iter()
+        .position(|r| r == "PATCH ats/status")
+        .unwrap();
+    assert_eq!(server.count("POST pods"), 64);
+    assert!(
+        last_pod < first_status,
+        "a status write (request {first_status}) went before the last pod (request {last_pod})"
+    );
+    operator.abort();
+}
+
 /// Plays the kubelet: every pod that appears ends with `exit_code`.
 fn kubelet(server: &ApiServer, exit_code: i32) -> JoinHandle<()> {
     let server = server.clone();

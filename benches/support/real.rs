@@ -4,7 +4,9 @@
 //! in the same run:
 //!
 //! - floors: `n` bare pod creates over 8 connections, and `n` bare At status merge patches over
-//!   8 connections (both by this process, in namespaces the operator does not watch);
+//!   8 connections (both by this process, in namespaces the operator does not watch); the same
+//!   status patches on copies of the CRD without the CEL transition rule and with a minimal
+//!   schema (like kazk/cnat-rs's), to show what our CRD's status writes cost the server;
 //! - `n` Ats due at one instant: the first / median / last pod after due (from a pod watch, as
 //!   each ADDED event arrives here), the last as a ratio to the create floor;
 //! - then a kubelet stand-in ends all `n` pods at once (their status written over 8
@@ -41,7 +43,7 @@ async fn start(header: &str) -> (&'static ControlPlane, Client) {
 }
 
 pub async fn run(sizes: &[usize]) {
-    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | every At DONE after the last pod ended | DONE / floor | every Succeeded event after the last DONE | operator RSS |").await;
+    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | the same without the CEL rule / with a minimal schema | every At DONE after the last pod ended | DONE / floor | every Succeeded event after the last DONE | operator RSS |").await;
     for &n in sizes {
         burst(plane, &admin, n).await;
     }
@@ -103,40 +105,14 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         }
     })
     .await;
-    // Floor 2: bare At status patches, on Ats nobody reconciles.
-    let ats: Api<At> = Api::namespaced(admin.clone(), &floor_ns);
+    // Floor 2: bare At status patches, on Ats nobody reconciles; and the same on copies of the
+    // CRD without the CEL transition rule, and with a schema as small as kazk/cnat-rs's.
     let later = chrono::Utc::now() + chrono::Duration::days(1);
+    let ats: Api<At> = Api::namespaced(admin.clone(), &floor_ns);
     create_ats(&ats, n, "bare", later).await;
-    // kube-apiserver v1.24 with CEL validation on refuses some concurrent status writes (422,
-    // "internal error ... evaluating rule"); sent again, they pass. Counted.
-    let refused = std::sync::atomic::AtomicUsize::new(0);
-    let patch_floor = concurrently(n, |i| {
-        let (ats, refused) = (ats.clone(), &refused);
-        async move {
-            let status =
-                json!({"status": {"phase": "DONE", "outcome": "Succeeded", "exitCode": 0}});
-            loop {
-                let patched = ats
-                    .patch_status(
-                        &format!("bare-{i}"),
-                        &PatchParams::default(),
-                        &Patch::Merge(&status),
-                    )
-                    .await;
-                match patched {
-                    Ok(_) => break,
-                    Err(kube::Error::Api(s))
-                        if s.code == 422 && s.message.contains("internal error") =>
-                    {
-                        refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    }
-                    Err(other) => panic!("{other}"),
-                }
-            }
-        }
-    })
-    .await;
-    let refused = refused.into_inner();
+    let (patch_floor, refused) = status_patch_floor(admin, &floor_ns, n, CrdCopy::Shipped).await;
+    let (no_cel_floor, _) = status_patch_floor(admin, &floor_ns, n, CrdCopy::WithoutCel).await;
+    let (minimal_floor, _) = status_patch_floor(admin, &floor_ns, n, CrdCopy::Minimal).await;
 
     // The operator, watching its own namespace.
     let ns = plane.namespace(&format!("burst-{n}"), &[]).await;
@@ -225,7 +201,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     assert_eq!(created, n, "one pod per At");
     let q = |p: f64| after[((after.len() - 1) as f64 * p).round() as usize];
     println!(
-        "| {n} | {create_floor:.2?} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {all_done:.2?} | {:.2}x | {events_after:.2?} | {:.0} MiB |",
+        "| {n} | {create_floor:.2?} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {events_after:.2?} | {:.0} MiB |",
         q(0.0),
         q(0.5),
         q(1.0),
@@ -234,6 +210,129 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         rss as f64 / 1024.0
     );
     operator.kill();
+}
+
+/// Which CRD the status-patch floor writes to.
+#[derive(Clone, Copy, PartialEq)]
+enum CrdCopy {
+    /// cnat's own (`cnat crd`), on the Ats `bare-0..n` already created.
+    Shipped,
+    /// cnat's schema without its `x-kubernetes-validations` (the CEL transition rule), in
+    /// group `nocel.cnat.programming-kubernetes.info`.
+    WithoutCel,
+    /// A schema like kazk/cnat-rs's: spec schedule and command, status phase, no bounds and no
+    /// rule, in group `minimal.cnat.programming-kubernetes.info`.
+    Minimal,
+}
+
+/// `n` bare status merge patches (DONE, Succeeded, exit code 0) over `CONNECTIONS`, on Ats of
+/// the CRD `copy` in `ns` (created first, unless `Shipped`): how long they took, and how many
+/// kube-apiserver v1.24 refused with its CEL `internal error ... evaluating rule` (422; sent
+/// again, they pass).
+async fn status_patch_floor(
+    admin: &Client,
+    ns: &str,
+    n: usize,
+    copy: CrdCopy,
+) -> (Duration, usize) {
+    use kube::api::{ApiResource, DynamicObject};
+    use kube::core::GroupVersionKind;
+    let group = match copy {
+        CrdCopy::Shipped => "cnat.programming-kubernetes.info",
+        CrdCopy::WithoutCel => "nocel.cnat.programming-kubernetes.info",
+        CrdCopy::Minimal => "minimal.cnat.programming-kubernetes.info",
+    };
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk(group, "v1alpha1", "At"),
+        "ats",
+    );
+    let api: Api<DynamicObject> = Api::namespaced_with(admin.clone(), ns, &resource);
+    if copy != CrdCopy::Shipped {
+        envtest::install_crd(admin, &crd_copy(copy, group)).await;
+        let later = chrono::Utc::now() + chrono::Duration::days(1);
+        concurrently(n, |i| {
+            let api = api.clone();
+            let mut object = serde_json::to_value(at(&format!("bare-{i}"), later)).unwrap();
+            object["apiVersion"] = json!(format!("{group}/v1alpha1"));
+            async move {
+                let object: DynamicObject = serde_json::from_value(object).unwrap();
+                api.create(&PostParams::default(), &object).await.unwrap();
+            }
+        })
+        .await;
+    }
+    let refused = std::sync::atomic::AtomicUsize::new(0);
+    let took = concurrently(n, |i| {
+        let (api, refused) = (api.clone(), &refused);
+        async move {
+            let status =
+                json!({"status": {"phase": "DONE", "outcome": "Succeeded", "exitCode": 0}});
+            loop {
+                let patched = api
+                    .patch_status(
+                        &format!("bare-{i}"),
+                        &PatchParams::default(),
+                        &Patch::Merge(&status),
+                    )
+                    .await;
+                match patched {
+                    Ok(_) => break,
+                    Err(kube::Error::Api(s))
+                        if s.code == 422 && s.message.contains("internal error") =>
+                    {
+                        refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    Err(other) => panic!("{other}"),
+                }
+            }
+        }
+    })
+    .await;
+    (took, refused.into_inner())
+}
+
+/// The YAML of CRD `copy` in `group`: cnat's schema without its CEL rules, or a minimal one.
+fn crd_copy(copy: CrdCopy, group: &str) -> String {
+    let yaml = cnat::api::crd_yaml();
+    let body = yaml.split_once("---\n").map_or(yaml.as_str(), |(_, crd)| crd);
+    let mut crd: serde_json::Value = serde_saphyr::from_str(body).expect("cnat's CRD");
+    crd["metadata"]["name"] = json!(format!("ats.{group}"));
+    crd["spec"]["group"] = json!(group);
+    let schema = &mut crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+    match copy {
+        CrdCopy::Shipped => {}
+        CrdCopy::WithoutCel => strip(schema, "x-kubernetes-validations"),
+        CrdCopy::Minimal => {
+            *schema = json!({
+                "type": "object",
+                "properties": {
+                    "spec": {"type": "object", "properties": {
+                        "schedule": {"type": "string"},
+                        "command": {"type": "string"},
+                        "image": {"type": "string"},
+                    }},
+                    "status": {"type": "object", "properties": {
+                        "phase": {"type": "string"},
+                        "outcome": {"type": "string"},
+                        "exitCode": {"type": "integer"},
+                    }},
+                },
+            });
+        }
+    }
+    serde_json::to_string(&crd).unwrap()
+}
+
+/// Removes every `key` from `value`, at any depth.
+fn strip(value: &mut serde_json::Value, key: &str) {
+    match value {
+        serde_json::Value::Object(map) => {
+            map.remove(key);
+            map.values_mut().for_each(|v| strip(v, key));
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(|v| strip(v, key)),
+        _ => {}
+    }
 }
 
 /// When each of `n` pods was first seen (ADDED), here.

@@ -123,6 +123,7 @@ pub struct ApiServer {
     down: Arc<tokio::sync::watch::Sender<bool>>,
     /// While true, At status writes wait before the server acts on them (a slow write).
     status_held: Arc<tokio::sync::watch::Sender<bool>>,
+    events_held: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl Default for ApiServer {
@@ -140,12 +141,18 @@ impl ApiServer {
             in_flight: Arc::new(tokio::sync::Semaphore::new(WRITES_IN_FLIGHT)),
             down: Arc::new(tokio::sync::watch::Sender::new(false)),
             status_held: Arc::new(tokio::sync::watch::Sender::new(false)),
+            events_held: Arc::new(tokio::sync::watch::Sender::new(false)),
         }
     }
 
     /// While `held`, At status writes wait (unanswered) before the server acts on them.
     pub fn hold_status_writes(&self, held: bool) {
         self.status_held.send_replace(held);
+    }
+
+    /// While `held`, every Event request waits (unanswered) before the server acts on it.
+    pub fn hold_events(&self, held: bool) {
+        self.events_held.send_replace(held);
     }
 
     /// A kube client talking to this server in-process.
@@ -540,6 +547,10 @@ impl ApiServer {
         }
         if route.resource == Resource::Ats && route.subresource.as_deref() == Some("status") {
             let mut held = self.status_held.subscribe();
+            let _ = held.wait_for(|held| !held).await;
+        }
+        if route.resource == Resource::Events {
+            let mut held = self.events_held.subscribe();
             let _ = held.wait_for(|held| !held).await;
         }
         // A write waits for admission and for the storage, as on a real server.
