@@ -2,6 +2,12 @@
 //!
 //! - `metrics`: Prometheus metrics, served by `serving::admin` on `/metrics`.
 //! - `telemetry`: log lines carrying trace and span ids, and OpenTelemetry traces over OTLP.
+//! - `collector_tls`: TLS and mutual TLS to the trace collector, its files re-read per connection.
+//! - `exporter`: the OTLP span exporter for the configured endpoint and protocol.
+//! - `throttle`: at most one report per period.
 
+pub mod collector_tls;
+pub mod exporter;
 pub mod metrics;
 pub mod telemetry;
+pub mod throttle;

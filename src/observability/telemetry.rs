@@ -21,11 +21,7 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
-/// The OTLP variables that name a trace endpoint; without one nothing is exported.
-pub const ENDPOINT_VARS: [&str; 2] = [
-    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-    "OTEL_EXPORTER_OTLP_ENDPOINT",
-];
+use super::exporter::ENDPOINT_VARS;
 
 #[derive(Debug, Error)]
 pub enum Error {
@@ -36,10 +32,8 @@ pub enum Error {
         directives: String,
         source: tracing_subscriber::filter::ParseError,
     },
-    #[error("OTLP trace exporter: {0}; check OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_EXPORTER_OTLP_PROTOCOL (grpc or http/protobuf)")]
-    Exporter(#[from] opentelemetry_otlp::ExporterBuildError),
-    #[error("{var}={endpoint:?}: cnat sends traces over plain HTTP only; use an http:// endpoint (an in-cluster collector or a node agent)")]
-    Tls { var: &'static str, endpoint: String },
+    #[error(transparent)]
+    Exporter(#[from] super::exporter::Error),
     #[error("a log subscriber is already installed: {0}")]
     Installed(#[from] tracing_subscriber::util::TryInitError),
 }
@@ -107,8 +101,7 @@ fn tracer_provider(identity: &str) -> Result<(SdkTracerProvider, bool), Error> {
     if !export_configured(var) {
         return Ok((builder.build(), false));
     }
-    plain_http(var)?;
-    let exporter = opentelemetry_otlp::SpanExporter::builder().build()?;
+    let exporter = super::exporter::build()?;
     let batch = BatchSpanProcessor::builder(exporter).build();
     Ok((builder.with_span_processor(batch).build(), true))
 }
@@ -121,23 +114,6 @@ pub fn export_configured(var: impl Fn(&str) -> Option<String>) -> bool {
     ENDPOINT_VARS.iter().any(|name| set(name))
         && !is("OTEL_SDK_DISABLED", "true")
         && !is("OTEL_TRACES_EXPORTER", "none")
-}
-
-/// Refuses an `https://` endpoint: the exporter is built without TLS, and would otherwise fail
-/// on every export instead of at start.
-pub fn plain_http(var: impl Fn(&str) -> Option<String>) -> Result<(), Error> {
-    let endpoint = ENDPOINT_VARS
-        .iter()
-        .find_map(|name| Some((*name, var(name).filter(|v| !v.trim().is_empty())?)));
-    match endpoint {
-        Some((name, url)) if url.trim().to_ascii_lowercase().starts_with("https://") => {
-            Err(Error::Tls {
-                var: name,
-                endpoint: url,
-            })
-        }
-        _ => Ok(()),
-    }
 }
 
 /// `service.name` (cnat unless `OTEL_SERVICE_NAME` or `OTEL_RESOURCE_ATTRIBUTES` say otherwise),
@@ -272,23 +248,6 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
-    }
-
-    #[test]
-    fn an_https_endpoint_is_refused_with_the_variable_that_set_it() {
-        let traces = (
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-            "https://c:4318/v1/traces",
-        );
-        let generic = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317");
-        let error = plain_http(env(&[traces, generic])).unwrap_err().to_string();
-        assert_eq!(
-            error,
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=\"https://c:4318/v1/traces\": cnat sends traces over plain HTTP only; use an http:// endpoint (an in-cluster collector or a node agent)"
-        );
-        assert!(plain_http(env(&[generic])).is_ok());
-        assert!(plain_http(env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "HTTPS://c")])).is_err());
-        assert!(plain_http(env(&[])).is_ok());
     }
 
     #[test]

@@ -1,0 +1,371 @@
+//! TLS to the trace collector: the CA bundle that verifies it and the client certificate it may
+//! require, named by the standard OpenTelemetry variables (`OTEL_EXPORTER_OTLP_CERTIFICATE`,
+//! `..._CLIENT_CERTIFICATE`, `..._CLIENT_KEY`, their `_TRACES_` variants first).
+//!
+//! The files are read again whenever a connection to the collector is made, so a mounted Secret
+//! that is updated in place (by symlink swap) is picked up without a restart: new connections
+//! verify with the new CA and present the new client certificate; an open connection keeps the
+//! ones it was made with. A changed file that cannot be used is reported (at most once a minute)
+//! and the previous contents kept. At start, a file that is missing, unreadable or not PEM stops
+//! the start with one line naming the variable, the file and the problem.
+
+use crate::observability::throttle::Throttle;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::{ResolvesClientCert, WebPkiServerVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::sign::CertifiedKey;
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use thiserror::Error;
+use tracing::{info, warn};
+
+/// The CA bundle variables, the most specific first.
+pub const CA_VARS: [&str; 2] = [
+    "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+    "OTEL_EXPORTER_OTLP_CERTIFICATE",
+];
+/// The client certificate chain variables, the most specific first.
+pub const CERT_VARS: [&str; 2] = [
+    "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
+    "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
+];
+/// The client key variables, the most specific first.
+pub const KEY_VARS: [&str; 2] = [
+    "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY",
+    "OTEL_EXPORTER_OTLP_CLIENT_KEY",
+];
+
+/// A file named by a variable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileVar {
+    pub var: &'static str,
+    pub path: PathBuf,
+}
+
+impl std::fmt::Display for FileVar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}={}", self.var, self.path.display())
+    }
+}
+
+/// The files the variables name.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TlsFiles {
+    /// The CA bundle; without it, the system's roots.
+    pub ca: Option<FileVar>,
+    /// The client certificate chain and its key, for mutual TLS.
+    pub client: Option<(FileVar, FileVar)>,
+}
+
+/// Why the collector's TLS files cannot be used. Each names the variable, the file and the fix.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum TlsFileError {
+    #[error("{file}: {problem}")]
+    File { file: FileVar, problem: String },
+    #[error("{file} is set but {missing} is not: mutual TLS needs both the client certificate and its key")]
+    Half { file: FileVar, missing: &'static str },
+    #[error("{cert} and {key}: the key does not belong to the certificate ({reason})")]
+    Mismatch {
+        cert: FileVar,
+        key: FileVar,
+        reason: String,
+    },
+    #[error("an https:// collector, but no CA to verify it: this system has no CA certificates; set OTEL_EXPORTER_OTLP_CERTIFICATE to the collector's CA bundle (PEM)")]
+    NoRoots,
+}
+
+impl TlsFiles {
+    /// The files named by `var` (the environment), the `_TRACES_` variables first.
+    pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Self, TlsFileError> {
+        let first = |names: [&'static str; 2]| {
+            names.into_iter().find_map(|name| {
+                let value = var(name).filter(|v| !v.trim().is_empty())?;
+                Some(FileVar {
+                    var: name,
+                    path: PathBuf::from(value.trim()),
+                })
+            })
+        };
+        let client = match (first(CERT_VARS), first(KEY_VARS)) {
+            (Some(cert), Some(key)) => Some((cert, key)),
+            (Some(file), None) => {
+                return Err(TlsFileError::Half {
+                    file,
+                    missing: KEY_VARS[1],
+                })
+            }
+            (None, Some(file)) => {
+                return Err(TlsFileError::Half {
+                    file,
+                    missing: CERT_VARS[1],
+                })
+            }
+            (None, None) => None,
+        };
+        Ok(TlsFiles {
+            ca: first(CA_VARS),
+            client,
+        })
+    }
+}
+
+/// The files' contents as last read, to see whether they changed.
+#[derive(Debug, PartialEq, Eq, Clone)]
+struct Contents {
+    ca: Option<Vec<u8>>,
+    cert: Option<Vec<u8>>,
+    key: Option<Vec<u8>>,
+}
+
+/// What the files hold, ready for a handshake.
+#[derive(Debug)]
+struct Loaded {
+    contents: Contents,
+    verifier: Arc<WebPkiServerVerifier>,
+    client: Option<Arc<CertifiedKey>>,
+}
+
+/// Reads every file; an unreadable one is a `File` error naming it.
+fn read(files: &TlsFiles) -> Result<Contents, TlsFileError> {
+    let read = |file: &FileVar| {
+        std::fs::read(&file.path).map_err(|e| TlsFileError::File {
+            file: file.clone(),
+            problem: format!("cannot read it: {e}"),
+        })
+    };
+    Ok(Contents {
+        ca: files.ca.as_ref().map(read).transpose()?,
+        cert: files.client.as_ref().map(|(c, _)| read(c)).transpose()?,
+        key: files.client.as_ref().map(|(_, k)| read(k)).transpose()?,
+    })
+}
+
+/// PEM certificates in `bytes`, or a `File` error for `file`.
+fn certificates(
+    file: &FileVar,
+    bytes: &[u8],
+) -> Result<Vec<CertificateDer<'static>>, TlsFileError> {
+    let mut certs = Vec::new();
+    for cert in CertificateDer::pem_slice_iter(bytes) {
+        certs.push(cert.map_err(|e| TlsFileError::File {
+            file: file.clone(),
+            problem: format!("not a PEM certificate file: {e}"),
+        })?);
+    }
+    if certs.is_empty() {
+        return Err(TlsFileError::File {
+            file: file.clone(),
+            problem: "no PEM certificate in it (expected -----BEGIN CERTIFICATE-----)".into(),
+        });
+    }
+    Ok(certs)
+}
+
+/// Parses `contents` (read from `files`) into a verifier and a client identity.
+fn load(
+    files: &TlsFiles,
+    contents: Contents,
+    provider: &Arc<CryptoProvider>,
+    system_roots: impl Fn() -> Vec<CertificateDer<'static>>,
+) -> Result<Loaded, TlsFileError> {
+    let mut roots = RootCertStore::empty();
+    match (&files.ca, &contents.ca) {
+        (Some(file), Some(bytes)) => {
+            for cert in certificates(file, bytes)? {
+                roots.add(cert).map_err(|e| TlsFileError::File {
+                    file: file.clone(),
+                    problem: format!("not a usable CA certificate: {e}"),
+                })?;
+            }
+        }
+        _ => {
+            roots.add_parsable_certificates(system_roots());
+            if roots.is_empty() {
+                return Err(TlsFileError::NoRoots);
+            }
+        }
+    }
+    let verifier = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .build()
+        .map_err(|e| match &files.ca {
+            Some(file) => TlsFileError::File {
+                file: file.clone(),
+                problem: format!("not a usable CA bundle: {e}"),
+            },
+            None => TlsFileError::NoRoots,
+        })?;
+    let client = match (&files.client, &contents.cert, &contents.key) {
+        (Some((cert_file, key_file)), Some(cert), Some(key)) => {
+            let chain = certificates(cert_file, cert)?;
+            let key_der = PrivateKeyDer::from_pem_slice(key).map_err(|e| TlsFileError::File {
+                file: key_file.clone(),
+                problem: format!("no usable PEM private key in it ({e})"),
+            })?;
+            let identity = CertifiedKey::from_der(chain, key_der, provider).map_err(|e| {
+                TlsFileError::Mismatch {
+                    cert: cert_file.clone(),
+                    key: key_file.clone(),
+                    reason: e.to_string(),
+                }
+            })?;
+            Some(Arc::new(identity))
+        }
+        _ => None,
+    };
+    Ok(Loaded {
+        contents,
+        verifier,
+        client,
+    })
+}
+
+/// The system's CA certificates (in cnat's image, Debian's bundle).
+fn system_roots() -> Vec<CertificateDer<'static>> {
+    rustls_native_certs::load_native_certs().certs
+}
+
+/// Verifies the collector and presents the client certificate with what the files hold now.
+#[derive(Debug)]
+struct Reloading {
+    files: TlsFiles,
+    provider: Arc<CryptoProvider>,
+    loaded: Mutex<Arc<Loaded>>,
+    /// Reports of a changed file that cannot be used, or of a collector that does not verify.
+    complaints: Throttle,
+}
+
+impl Reloading {
+    /// The files as they are now: read again, parsed again if they changed; a change that
+    /// cannot be used is reported and the previous contents kept.
+    fn current(&self) -> Arc<Loaded> {
+        let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        let fresh = read(&self.files).and_then(|contents| {
+            if contents == loaded.contents {
+                return Ok(None);
+            }
+            load(&self.files, contents, &self.provider, system_roots).map(Some)
+        });
+        match fresh {
+            Ok(None) => {}
+            Ok(Some(new)) => {
+                info!(ca = ?self.files.ca.as_ref().map(|f| f.path.display().to_string()), client_certificate = ?self.files.client.as_ref().map(|(c, _)| c.path.display().to_string()), "reloaded the trace collector's TLS files");
+                *loaded = Arc::new(new);
+            }
+            Err(error) => {
+                if self.complaints.allow(std::time::Instant::now()) {
+                    warn!(%error, "the trace collector's TLS files changed but cannot be used; keeping the previous ones");
+                }
+            }
+        }
+        loaded.clone()
+    }
+}
+
+impl ServerCertVerifier for Reloading {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let verified = self.current().verifier.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        );
+        if let Err(error) = &verified {
+            if self.complaints.allow(std::time::Instant::now()) {
+                let ca = self.files.ca.as_ref().map_or_else(
+                    || "the system's CA certificates".to_owned(),
+                    ToString::to_string,
+                );
+                warn!(%error, server = ?server_name, %ca, "the trace collector's certificate does not verify; spans are not exported (check OTEL_EXPORTER_OTLP_CERTIFICATE and the endpoint's host name)");
+            }
+        }
+        verified
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+impl ResolvesClientCert for Reloading {
+    fn resolve(
+        &self,
+        _root_hint_subjects: &[&[u8]],
+        _sigschemes: &[SignatureScheme],
+    ) -> Option<Arc<CertifiedKey>> {
+        self.current().client.clone()
+    }
+
+    fn has_certs(&self) -> bool {
+        self.files.client.is_some()
+    }
+}
+
+/// A TLS client config for the collector: TLS 1.2 or 1.3, ALPN `alpn`, verifying with the CA
+/// bundle (or the system's roots) and presenting the client certificate when one is set, both
+/// read again for each new connection. Fails when a file cannot be used now.
+pub fn client_config(files: TlsFiles, alpn: &[&[u8]]) -> Result<Arc<ClientConfig>, TlsFileError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let loaded = load(&files, read(&files)?, &provider, system_roots)?;
+    let mutual = files.client.is_some();
+    let reloading = Arc::new(Reloading {
+        files,
+        provider: provider.clone(),
+        loaded: Mutex::new(Arc::new(loaded)),
+        complaints: Throttle::every(std::time::Duration::from_secs(60)),
+    });
+    let builder = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("ring supports TLS 1.2 and 1.3")
+        .dangerous()
+        .with_custom_certificate_verifier(reloading.clone());
+    let mut config = match mutual {
+        true => builder.with_client_cert_resolver(reloading),
+        false => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,313 @@
+//! The OTLP span exporter for the endpoint and protocol the standard `OTEL_*` variables name.
+//!
+//! Plain `http://` endpoints (and schemeless gRPC ones with `OTEL_EXPORTER_OTLP_INSECURE=true`)
+//! are left to opentelemetry-otlp as they are. For `https://` (and schemeless gRPC ones without
+//! `INSECURE`), cnat hands the exporter a connection made with `collector_tls`: the CA bundle
+//! and client certificate are read again for every new connection, which no exporter built
+//! from a fixed TLS config would do. Either way, failed exports are logged at most once a
+//! minute with the reason; spans never wait for the collector (the batch processor drops what
+//! does not fit its queue).
+
+use super::collector_tls::{self, TlsFileError, TlsFiles};
+use super::throttle::Throttle;
+use opentelemetry_otlp::{WithExportConfig, WithHttpConfig, WithTonicConfig};
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::trace::{SpanData, SpanExporter};
+use std::sync::Arc;
+use std::time::Duration;
+use thiserror::Error;
+use tracing::warn;
+
+/// The OTLP variables that name a trace endpoint, the most specific first.
+pub const ENDPOINT_VARS: [&str; 2] = [
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+];
+const PROTOCOL_VARS: [&str; 2] = [
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+];
+const INSECURE_VARS: [&str; 2] = [
+    "OTEL_EXPORTER_OTLP_TRACES_INSECURE",
+    "OTEL_EXPORTER_OTLP_INSECURE",
+];
+const TIMEOUT_VARS: [&str; 2] = [
+    "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+    "OTEL_EXPORTER_OTLP_TIMEOUT",
+];
+/// The OTLP default export timeout.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Error)]
+pub enum Error {
+    #[error("OTLP trace exporter: {0}; check OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_EXPORTER_OTLP_PROTOCOL (grpc or http/protobuf)")]
+    Build(#[from] opentelemetry_otlp::ExporterBuildError),
+    #[error("TLS to the trace collector: {0}")]
+    Tls(#[from] TlsFileError),
+    #[error("{var}={endpoint:?}: not a usable gRPC endpoint URL ({reason})")]
+    Endpoint {
+        var: &'static str,
+        endpoint: String,
+        reason: String,
+    },
+}
+
+/// How spans leave: the protocol, and the endpoint when cnat makes the TLS connection itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// Left to opentelemetry-otlp: plain HTTP, or a protocol it refuses with its own error.
+    Library,
+    /// OTLP/gRPC over TLS to `url` (named by `var`).
+    GrpcTls { var: &'static str, url: String },
+    /// OTLP/HTTP (protobuf) over TLS; the library resolves the URL.
+    HttpTls,
+}
+
+/// The route the variables ask for (`var` reads the environment).
+pub fn route(var: impl Fn(&str) -> Option<String>) -> Route {
+    let first = |names: [&'static str; 2]| {
+        names.into_iter().find_map(|name| {
+            let value = var(name).filter(|v| !v.trim().is_empty())?;
+            Some((name, value.trim().to_owned()))
+        })
+    };
+    let Some((endpoint_var, endpoint)) = first(ENDPOINT_VARS) else {
+        return Route::Library;
+    };
+    let protocol = first(PROTOCOL_VARS).map_or_else(|| "http/protobuf".to_owned(), |(_, p)| p);
+    let insecure = first(INSECURE_VARS).is_some_and(|(_, v)| v.eq_ignore_ascii_case("true"));
+    // A scheme is what comes before "://", when no path, query or fragment starts earlier.
+    let scheme = endpoint
+        .split_once("://")
+        .filter(|(scheme, _)| !scheme.contains(['/', '?', '#']))
+        .map(|(scheme, _)| scheme.to_ascii_lowercase());
+    match (protocol.as_str(), scheme.as_deref()) {
+        ("grpc", Some("https")) => Route::GrpcTls {
+            var: endpoint_var,
+            url: endpoint,
+        },
+        // The OTLP rule: a schemeless gRPC endpoint is secure unless INSECURE says otherwise.
+        ("grpc", None) if !insecure => Route::GrpcTls {
+            var: endpoint_var,
+            url: format!("https://{endpoint}"),
+        },
+        ("http/protobuf", Some("https")) => Route::HttpTls,
+        _ => Route::Library,
+    }
+}
+
+/// The export timeout the variables set, in milliseconds (default 10 s).
+fn timeout(var: impl Fn(&str) -> Option<String>) -> Duration {
+    TIMEOUT_VARS
+        .iter()
+        .find_map(|name| var(name)?.trim().parse::<u64>().ok())
+        .map_or(DEFAULT_TIMEOUT, Duration::from_millis)
+}
+
+/// The span exporter the environment asks for. Must run inside the tokio runtime: the TLS
+/// connections live on it.
+pub fn build() -> Result<Reported<opentelemetry_otlp::SpanExporter>, Error> {
+    let var = |name: &str| std::env::var(name).ok();
+    let builder = opentelemetry_otlp::SpanExporter::builder();
+    let exporter = match route(var) {
+        Route::Library => builder.build()?,
+        Route::GrpcTls { var: name, url } => {
+            let config = collector_tls::client_config(TlsFiles::from_env(var)?, &[b"h2"])?;
+            let connector = hyper_rustls::HttpsConnectorBuilder::new()
+                .with_tls_config((*config).clone())
+                .https_only()
+                .enable_http2()
+                .build();
+            let endpoint = tonic::transport::Endpoint::from_shared(url.clone()).map_err(|e| {
+                Error::Endpoint {
+                    var: name,
+                    endpoint: url,
+                    reason: e.to_string(),
+                }
+            })?;
+            let channel = endpoint
+                .timeout(timeout(var))
+                .connect_with_connector_lazy(connector);
+            builder.with_tonic().with_channel(channel).build()?
+        }
+        Route::HttpTls => {
+            let config = collector_tls::client_config(TlsFiles::from_env(var)?, &[b"http/1.1"])?;
+            let connector = hyper_rustls::HttpsConnectorBuilder::new()
+                .with_tls_config((*config).clone())
+                .https_only()
+                .enable_http1()
+                .build();
+            let client =
+                opentelemetry_http::hyper::HyperClient::new(connector, timeout(var), None);
+            let on_runtime = OnRuntime {
+                runtime: tokio::runtime::Handle::current(),
+                client: Arc::new(client),
+            };
+            builder
+                .with_http()
+                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+                .with_http_client(on_runtime)
+                .build()?
+        }
+    };
+    Ok(Reported {
+        exporter,
+        complaints: Throttle::every(Duration::from_secs(60)),
+    })
+}
+
+/// Runs an HTTP client's requests on the tokio runtime: the batch span processor exports from a
+/// thread of its own, where hyper's connections could not be spawned.
+#[derive(Debug)]
+struct OnRuntime<C> {
+    runtime: tokio::runtime::Handle,
+    client: Arc<C>,
+}
+
+#[async_trait::async_trait]
+impl<C: opentelemetry_http::HttpClient + 'static> opentelemetry_http::HttpClient for OnRuntime<C> {
+    async fn send_bytes(
+        &self,
+        request: http::Request<bytes::Bytes>,
+    ) -> Result<http::Response<bytes::Bytes>, opentelemetry_http::HttpError> {
+        let client = self.client.clone();
+        self.runtime
+            .spawn(async move { client.send_bytes(request).await })
+            .await?
+    }
+}
+
+/// An exporter whose failures are logged, at most once a minute, with the reason.
+#[derive(Debug)]
+pub struct Reported<E> {
+    exporter: E,
+    complaints: Throttle,
+}
+
+impl<E: SpanExporter> SpanExporter for Reported<E> {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        let spans = batch.len();
+        let exported = self.exporter.export(batch).await;
+        if let Err(error) = &exported {
+            if self.complaints.allow(std::time::Instant::now()) {
+                warn!(%error, spans, "spans could not be exported to the trace collector (reported at most once a minute)");
+            }
+        }
+        exported
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.exporter.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.exporter.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &opentelemetry_sdk::Resource) {
+        self.exporter.set_resource(resource);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        |name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn https_endpoints_and_schemeless_grpc_ones_go_over_tls() {
+        let grpc = ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc");
+        let generic = |url| ("OTEL_EXPORTER_OTLP_ENDPOINT", url);
+        assert_eq!(route(env(&[])), Route::Library);
+        assert_eq!(route(env(&[generic("http://c:4318")])), Route::Library);
+        assert_eq!(route(env(&[generic("https://c:4318")])), Route::HttpTls);
+        assert_eq!(route(env(&[generic("HTTPS://c:4318")])), Route::HttpTls);
+        assert_eq!(route(env(&[generic("http://c:4317"), grpc])), Route::Library);
+        assert_eq!(
+            route(env(&[generic("https://c:4317"), grpc])),
+            Route::GrpcTls {
+                var: "OTEL_EXPORTER_OTLP_ENDPOINT",
+                url: "https://c:4317".into()
+            }
+        );
+        // Schemeless gRPC: TLS unless INSECURE=true (the OTLP rule); the _TRACES_ one first.
+        assert_eq!(
+            route(env(&[generic("c:4317"), grpc])),
+            Route::GrpcTls {
+                var: "OTEL_EXPORTER_OTLP_ENDPOINT",
+                url: "https://c:4317".into()
+            }
+        );
+        assert_eq!(
+            route(env(&[
+                generic("c:4317"),
+                grpc,
+                ("OTEL_EXPORTER_OTLP_INSECURE", "TRUE")
+            ])),
+            Route::Library
+        );
+        assert_eq!(
+            route(env(&[
+                generic("c:4317"),
+                grpc,
+                ("OTEL_EXPORTER_OTLP_INSECURE", "true"),
+                ("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "false")
+            ])),
+            Route::GrpcTls {
+                var: "OTEL_EXPORTER_OTLP_ENDPOINT",
+                url: "https://c:4317".into()
+            }
+        );
+        // The traces variables win over the generic ones.
+        assert_eq!(
+            route(env(&[
+                generic("http://c:4318"),
+                ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "https://t:4318/v1/traces")
+            ])),
+            Route::HttpTls
+        );
+        assert_eq!(
+            route(env(&[
+                generic("https://c:4317"),
+                grpc,
+                ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+            ])),
+            Route::HttpTls
+        );
+        // Other protocols are the library's to refuse.
+        assert_eq!(
+            route(env(&[
+                generic("https://c:4318"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+            ])),
+            Route::Library
+        );
+    }
+
+    #[test]
+    fn the_timeout_comes_from_the_variables_in_milliseconds() {
+        assert_eq!(timeout(env(&[])), DEFAULT_TIMEOUT);
+        assert_eq!(
+            timeout(env(&[("OTEL_EXPORTER_OTLP_TIMEOUT", "2500")])),
+            Duration::from_millis(2500)
+        );
+        assert_eq!(
+            timeout(env(&[
+                ("OTEL_EXPORTER_OTLP_TIMEOUT", "2500"),
+                ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "300")
+            ])),
+            Duration::from_millis(300)
+        );
+        assert_eq!(
+            timeout(env(&[("OTEL_EXPORTER_OTLP_TIMEOUT", "soon")])),
+            DEFAULT_TIMEOUT
+        );
+    }
+}
