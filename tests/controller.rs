@@ -418,7 +418,10 @@ async fn a_status_write_never_waits_behind_events() {
                 .all(|want| reasons.iter().any(|r| r == want))
         })
     };
-    assert!(support::until(WAIT, told).await, "the events never followed");
+    assert!(
+        support::until(WAIT, told).await,
+        "the events never followed"
+    );
     operator.abort();
 }
 

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use support::apiserver::{ApiServer, Resource};
 use support::https::{client, post_with, Https};
-use support::otlp::{Collector, Received};
+use support::otlp::{Collector, Pki, Received, ServerTls};
 use support::process::{cnat, dev_certs, free_port, get, holder, kubeconfig, probe, sigterm};
 
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -194,9 +194,11 @@ async fn spans_reach_the_collector(
     name: &str,
     protocol: Option<&str>,
     collector: Collector,
-    addr: SocketAddr,
+    endpoint: String,
+    tls: &[(&'static str, String)],
 ) {
-    let mut env = otlp_env(format!("http://{addr}"), protocol);
+    let mut env = otlp_env(endpoint, protocol);
+    env.extend_from_slice(tls);
     // As the chart sets them from the downward API (the Lease stays in the context namespace).
     env.push(("POD_NAME", format!("cnat-{name}-7d9f8")));
     env.push(("POD_NAMESPACE", "cnat-system".into()));
@@ -281,13 +283,203 @@ async fn spans_reach_the_collector(
 #[tokio::test]
 async fn spans_reach_a_collector_over_grpc() {
     let (collector, addr) = Collector::grpc().await;
-    spans_reach_the_collector("grpc", Some("grpc"), collector, addr).await;
+    spans_reach_the_collector(
+        "grpc",
+        Some("grpc"),
+        collector,
+        format!("http://{addr}"),
+        &[],
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn spans_reach_a_collector_over_http_protobuf_the_default_protocol() {
     let (collector, addr) = Collector::http().await;
-    spans_reach_the_collector("http", None, collector, addr).await;
+    spans_reach_the_collector("http", None, collector, format!("http://{addr}"), &[]).await;
+}
+
+/// The variables that point cnat at `dir`'s CA and, when `mutual`, its client certificate.
+fn tls_env(dir: &std::path::Path, mutual: bool) -> Vec<(&'static str, String)> {
+    let file = |name: &str| dir.join(name).display().to_string();
+    let mut env = vec![("OTEL_EXPORTER_OTLP_CERTIFICATE", file("ca.crt"))];
+    if mutual {
+        env.push(("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", file("client.crt")));
+        env.push(("OTEL_EXPORTER_OTLP_CLIENT_KEY", file("client.key")));
+    }
+    env
+}
+
+/// A folder of its own for a test's certificates, empty.
+fn cert_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("cnat-otlp-tls-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[tokio::test]
+async fn spans_reach_a_collector_over_tls_with_a_private_ca_for_both_protocols() {
+    let (pki, dir) = (Pki::new(), cert_dir("oneway"));
+    pki.write(&dir);
+    let tls = ServerTls::new(&pki, false);
+    let (collector, addr) = Collector::tls(true, tls.clone()).await;
+    let endpoint = format!("https://127.0.0.1:{}", addr.port());
+    spans_reach_the_collector(
+        "tls-grpc",
+        Some("grpc"),
+        collector,
+        endpoint,
+        &tls_env(&dir, false),
+    )
+    .await;
+    let (collector, addr) = Collector::tls(false, tls).await;
+    let endpoint = format!("https://localhost:{}", addr.port());
+    spans_reach_the_collector("tls-http", None, collector, endpoint, &tls_env(&dir, false)).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Sends admission requests until the collector holds a span named `admission`, or `tries`
+/// requests 100 ms apart went by.
+async fn admitted_span_arrives(operator: &Operator, collector: &Collector, tries: usize) -> bool {
+    let arrived = || collector.spans().iter().any(|s| s.name == "admission");
+    for _ in 0..tries {
+        operator.admit("validating-create.json", &[]).await;
+        if arrived() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    arrived()
+}
+
+#[tokio::test]
+async fn a_collector_that_requires_a_client_certificate_gets_spans_only_from_one_that_has_it() {
+    let (pki, dir) = (Pki::new(), cert_dir("mutual"));
+    pki.write(&dir);
+    for (grpc, protocol) in [(true, "grpc"), (false, "http/protobuf")] {
+        let tls = ServerTls::new(&pki, true);
+        let (collector, addr) = Collector::tls(grpc, tls.clone()).await;
+        let mut env = otlp_env(format!("https://127.0.0.1:{}", addr.port()), Some(protocol));
+        env.push(("OTEL_BSP_SCHEDULE_DELAY", "50".into()));
+        let without = [env.clone(), tls_env(&dir, false)].concat();
+        let operator = Operator::start(&format!("no-client-{grpc}"), &without, "info").await;
+        assert!(!admitted_span_arrives(&operator, &collector, 20).await);
+        let (_, logs) = operator.stop().await;
+        assert!(tls.refused.load(std::sync::atomic::Ordering::SeqCst) > 0);
+        assert!(collector.spans().is_empty());
+        let failed: Vec<&Value> = logs
+            .iter()
+            .filter(|l| {
+                l["message"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with("spans could not be exported"))
+            })
+            .collect();
+        assert_eq!(failed.len(), 1, "reported once a minute: {logs:#?}");
+        // The exporters say "broken pipe" or "network error"; the reason is the collector's alert.
+        let reason = failed[0]["tls"].as_str().unwrap_or_default();
+        assert!(
+            reason.ends_with("ended the TLS connection: received fatal alert: CertificateRequired"),
+            "{protocol}: {:#?}",
+            failed[0]
+        );
+
+        let with = [env, tls_env(&dir, true)].concat();
+        let operator = Operator::start(&format!("client-{grpc}"), &with, "info").await;
+        assert!(
+            admitted_span_arrives(&operator, &collector, 100).await,
+            "{protocol}"
+        );
+        operator.stop().await;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn a_collector_that_does_not_verify_is_reported_once_and_slows_no_admission() {
+    let (collector_pki, other, dir) = (Pki::new(), Pki::new(), cert_dir("wrong-ca"));
+    // cnat trusts another CA than the one that signed the collector's certificate.
+    other.write(&dir);
+    let (collector, addr) = Collector::tls(true, ServerTls::new(&collector_pki, false)).await;
+    let mut env = otlp_env(format!("https://127.0.0.1:{}", addr.port()), Some("grpc"));
+    env.push(("OTEL_BSP_SCHEDULE_DELAY", "20".into()));
+    env.extend(tls_env(&dir, false));
+    let wrong = Operator::start("wrong-ca", &env, "info").await;
+    let baseline = Operator::start("wrong-ca-baseline", &[], "info").await;
+    latencies(&baseline, 20).await;
+    latencies(&wrong, 20).await;
+    let normal = latencies(&baseline, 200).await;
+    let with_wrong_ca = latencies(&wrong, 200).await;
+    let (median, worst) = (with_wrong_ca[100], with_wrong_ca[199]);
+    assert!(
+        median <= 2.0 * normal[100] + 20.0 && worst < 1000.0,
+        "with a collector that does not verify: median {median:.2} ms, worst {worst:.2} ms; normal: median {:.2} ms, worst {:.2} ms",
+        normal[100],
+        normal[199]
+    );
+    let (_, logs) = wrong.stop().await;
+    baseline.stop().await;
+    assert!(collector.spans().is_empty());
+    let reports: Vec<&Value> = logs
+        .iter()
+        .filter(|l| {
+            l["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("the trace collector's certificate does not verify"))
+        })
+        .collect();
+    assert_eq!(reports.len(), 1, "at most once a minute: {logs:#?}");
+    assert_eq!(reports[0]["level"], "WARN");
+    let error = reports[0]["error"].as_str().unwrap();
+    assert!(error.contains("UnknownIssuer"), "{error}");
+    assert_eq!(
+        reports[0]["ca"],
+        format!(
+            "OTEL_EXPORTER_OTLP_CERTIFICATE={}",
+            dir.join("ca.crt").display()
+        )
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn a_rotated_ca_and_client_certificate_are_used_without_a_restart() {
+    let (first, second, dir) = (Pki::new(), Pki::new(), cert_dir("rotate"));
+    first.write(&dir);
+    for (grpc, protocol) in [(true, "grpc"), (false, "http/protobuf")] {
+        first.write(&dir);
+        let tls = ServerTls::new(&first, true);
+        let (collector, addr) = Collector::tls(grpc, tls.clone()).await;
+        let mut env = otlp_env(format!("https://127.0.0.1:{}", addr.port()), Some(protocol));
+        env.push(("OTEL_BSP_SCHEDULE_DELAY", "50".into()));
+        env.extend(tls_env(&dir, true));
+        let operator = Operator::start(&format!("rotate-{grpc}"), &env, "info").await;
+        assert!(
+            admitted_span_arrives(&operator, &collector, 100).await,
+            "{protocol}: before"
+        );
+        // Both sides move to a new CA; the collector drops its connections. Only a client that
+        // reads the new CA and client certificate gets through again.
+        second.write(&dir);
+        tls.rotate(&second, true);
+        let before = collector.spans().len();
+        let arrived_again = {
+            let mut arrived = false;
+            for _ in 0..100 {
+                operator.admit("validating-create.json", &[]).await;
+                if collector.spans().len() > before {
+                    arrived = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            arrived
+        };
+        assert!(arrived_again, "{protocol}: no span after the rotation");
+        let (_, logs) = operator.stop().await;
+        log_line(&logs, "reloaded the trace collector's TLS files");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -308,17 +500,52 @@ fn a_bad_log_directive_is_refused_at_start() {
 }
 
 #[test]
-fn an_https_collector_is_refused_at_start() {
-    let output = cnat(&[], std::path::Path::new("/nonexistent"))
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", "https://otel-collector:4317")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(
-        stderr.contains("OTEL_EXPORTER_OTLP_ENDPOINT=\"https://otel-collector:4317\": cnat sends traces over plain HTTP only"),
-        "{stderr}"
-    );
+fn a_bad_collector_tls_file_stops_the_start_with_one_line_naming_it() {
+    let dir = cert_dir("bad-files");
+    Pki::new().write(&dir);
+    std::fs::write(dir.join("garbage.key"), "not a key\n").unwrap();
+    let file = |name: &str| dir.join(name).display().to_string();
+    let cases = [
+        (
+            vec![("OTEL_EXPORTER_OTLP_CERTIFICATE", file("missing.crt"))],
+            format!("OTEL_EXPORTER_OTLP_CERTIFICATE={}: cannot read it: No such file or directory", file("missing.crt")),
+        ),
+        (
+            vec![("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", file("client.key"))],
+            format!("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE={}: no PEM certificate in it (expected -----BEGIN CERTIFICATE-----)", file("client.key")),
+        ),
+        (
+            vec![
+                ("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", file("client.crt")),
+                ("OTEL_EXPORTER_OTLP_CLIENT_KEY", file("garbage.key")),
+            ],
+            format!("OTEL_EXPORTER_OTLP_CLIENT_KEY={}: no usable PEM private key in it", file("garbage.key")),
+        ),
+        (
+            vec![("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", file("client.crt"))],
+            format!("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE={} is set but OTEL_EXPORTER_OTLP_CLIENT_KEY is not", file("client.crt")),
+        ),
+    ];
+    for (vars, expected) in cases {
+        let mut command = cnat(&[], std::path::Path::new("/nonexistent"));
+        command.env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "https://otel-gateway.observability:4317",
+        );
+        command.env("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc");
+        for (var, value) in &vars {
+            command.env(var, value);
+        }
+        let output = command.output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(
+            stderr.starts_with(&format!("cnat: TLS to the trace collector: {expected}")),
+            "{stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]

@@ -242,10 +242,8 @@ async fn status_patch_floor(
         CrdCopy::WithoutCel => "nocel.cnat.programming-kubernetes.info",
         CrdCopy::Minimal => "minimal.cnat.programming-kubernetes.info",
     };
-    let resource = ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk(group, "v1alpha1", "At"),
-        "ats",
-    );
+    let resource =
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, "v1alpha1", "At"), "ats");
     let api: Api<DynamicObject> = Api::namespaced_with(admin.clone(), ns, &resource);
     if copy != CrdCopy::Shipped {
         envtest::install_crd(admin, &crd_copy(copy, group)).await;
@@ -294,7 +292,9 @@ async fn status_patch_floor(
 /// The YAML of CRD `copy` in `group`: cnat's schema without its CEL rules, or a minimal one.
 fn crd_copy(copy: CrdCopy, group: &str) -> String {
     let yaml = cnat::api::crd_yaml();
-    let body = yaml.split_once("---\n").map_or(yaml.as_str(), |(_, crd)| crd);
+    let body = yaml
+        .split_once("---\n")
+        .map_or(yaml.as_str(), |(_, crd)| crd);
     let mut crd: serde_json::Value = serde_saphyr::from_str(body).expect("cnat's CRD");
     crd["metadata"]["name"] = json!(format!("ats.{group}"));
     crd["spec"]["group"] = json!(group);

@@ -66,7 +66,10 @@ pub enum TlsFileError {
     #[error("{file}: {problem}")]
     File { file: FileVar, problem: String },
     #[error("{file} is set but {missing} is not: mutual TLS needs both the client certificate and its key")]
-    Half { file: FileVar, missing: &'static str },
+    Half {
+        file: FileVar,
+        missing: &'static str,
+    },
     #[error("{cert} and {key}: the key does not belong to the certificate ({reason})")]
     Mismatch {
         cert: FileVar,
@@ -341,10 +344,11 @@ impl ResolvesClientCert for Reloading {
     }
 }
 
-/// A TLS client config for the collector: TLS 1.2 or 1.3, ALPN `alpn`, verifying with the CA
+/// A TLS client config for the collector: TLS 1.2 or 1.3 (ALPN is the connector's to set),
+/// verifying with the CA
 /// bundle (or the system's roots) and presenting the client certificate when one is set, both
 /// read again for each new connection. Fails when a file cannot be used now.
-pub fn client_config(files: TlsFiles, alpn: &[&[u8]]) -> Result<Arc<ClientConfig>, TlsFileError> {
+pub fn client_config(files: TlsFiles) -> Result<Arc<ClientConfig>, TlsFileError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let loaded = load(&files, read(&files)?, &provider, system_roots)?;
     let mutual = files.client.is_some();
@@ -359,12 +363,53 @@ pub fn client_config(files: TlsFiles, alpn: &[&[u8]]) -> Result<Arc<ClientConfig
         .expect("ring supports TLS 1.2 and 1.3")
         .dangerous()
         .with_custom_certificate_verifier(reloading.clone());
-    let mut config = match mutual {
+    let config = match mutual {
         true => builder.with_client_cert_resolver(reloading),
         false => builder.with_no_client_auth(),
     };
-    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(Arc::new(config))
+}
+
+/// Why a TLS connection to the collector at `uri` fails, if it does: a handshake that fails, or
+/// (TLS 1.3) the alert a collector sends after the handshake when it refuses our client
+/// certificate, which the exporters only see as "broken pipe" or "network error". `None` when
+/// the connection is made and the collector says nothing within `wait`.
+pub async fn diagnose(
+    config: Arc<ClientConfig>,
+    uri: http::Uri,
+    wait: std::time::Duration,
+) -> Option<String> {
+    use tokio::io::AsyncReadExt;
+    let host = uri
+        .host()?
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
+    let port = uri.port_u16().unwrap_or(443);
+    let name = ServerName::try_from(host.clone()).ok()?;
+    let attempt = async {
+        let tcp = tokio::net::TcpStream::connect((host.as_str(), port))
+            .await
+            .map_err(|e| format!("cannot connect to {host}:{port}: {e}"))?;
+        let mut tls = tokio_rustls::TlsConnector::from(config)
+            .connect(name, tcp)
+            .await
+            .map_err(|e| format!("TLS handshake with {host}:{port} failed: {e}"))?;
+        let mut byte = [0u8; 1];
+        match tls.read(&mut byte).await {
+            Err(e) => Err(format!(
+                "the collector at {host}:{port} ended the TLS connection: {e}"
+            )),
+            Ok(0) => Err(format!(
+                "the collector at {host}:{port} closed the TLS connection at once"
+            )),
+            Ok(_) => Ok(()),
+        }
+    };
+    match tokio::time::timeout(wait, attempt).await {
+        Ok(Err(reason)) => Some(reason),
+        Ok(Ok(())) | Err(_) => None,
+    }
 }
 
 #[cfg(test)]

@@ -35,6 +35,8 @@ const TIMEOUT_VARS: [&str; 2] = [
     "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
     "OTEL_EXPORTER_OTLP_TIMEOUT",
 ];
+/// How long a diagnosing connection waits for the collector to refuse it.
+const DIAGNOSIS: Duration = Duration::from_secs(2);
 /// The OTLP default export timeout.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -59,8 +61,9 @@ pub enum Route {
     Library,
     /// OTLP/gRPC over TLS to `url` (named by `var`).
     GrpcTls { var: &'static str, url: String },
-    /// OTLP/HTTP (protobuf) over TLS; the library resolves the URL.
-    HttpTls,
+    /// OTLP/HTTP (protobuf) over TLS to the host and port of `url` (named by `var`); the
+    /// library resolves the path.
+    HttpTls { var: &'static str, url: String },
 }
 
 /// The route the variables ask for (`var` reads the environment).
@@ -91,7 +94,10 @@ pub fn route(var: impl Fn(&str) -> Option<String>) -> Route {
             var: endpoint_var,
             url: format!("https://{endpoint}"),
         },
-        ("http/protobuf", Some("https")) => Route::HttpTls,
+        ("http/protobuf", Some("https")) => Route::HttpTls {
+            var: endpoint_var,
+            url: endpoint,
+        },
         _ => Route::Library,
     }
 }
@@ -109,51 +115,88 @@ fn timeout(var: impl Fn(&str) -> Option<String>) -> Duration {
 pub fn build() -> Result<Reported<opentelemetry_otlp::SpanExporter>, Error> {
     let var = |name: &str| std::env::var(name).ok();
     let builder = opentelemetry_otlp::SpanExporter::builder();
-    let exporter = match route(var) {
-        Route::Library => builder.build()?,
+    let runtime = tokio::runtime::Handle::current();
+    let (exporter, tls) = match route(var) {
+        Route::Library => (builder.build()?, None),
         Route::GrpcTls { var: name, url } => {
-            let config = collector_tls::client_config(TlsFiles::from_env(var)?, &[b"h2"])?;
+            let config = collector_tls::client_config(TlsFiles::from_env(var)?)?;
+            let uri = parse(name, &url)?;
             let connector = hyper_rustls::HttpsConnectorBuilder::new()
                 .with_tls_config((*config).clone())
                 .https_only()
                 .enable_http2()
                 .build();
-            let endpoint = tonic::transport::Endpoint::from_shared(url.clone()).map_err(|e| {
-                Error::Endpoint {
-                    var: name,
-                    endpoint: url,
-                    reason: e.to_string(),
-                }
-            })?;
-            let channel = endpoint
+            let channel = tonic::transport::Endpoint::from(uri.clone())
                 .timeout(timeout(var))
                 .connect_with_connector_lazy(connector);
-            builder.with_tonic().with_channel(channel).build()?
+            let exporter = builder.with_tonic().with_channel(channel).build()?;
+            (
+                exporter,
+                Some(Diagnosis {
+                    config,
+                    uri,
+                    runtime,
+                }),
+            )
         }
-        Route::HttpTls => {
-            let config = collector_tls::client_config(TlsFiles::from_env(var)?, &[b"http/1.1"])?;
+        Route::HttpTls { var: name, url } => {
+            let config = collector_tls::client_config(TlsFiles::from_env(var)?)?;
+            let uri = parse(name, &url)?;
             let connector = hyper_rustls::HttpsConnectorBuilder::new()
                 .with_tls_config((*config).clone())
                 .https_only()
                 .enable_http1()
                 .build();
-            let client =
-                opentelemetry_http::hyper::HyperClient::new(connector, timeout(var), None);
+            let client = opentelemetry_http::hyper::HyperClient::new(connector, timeout(var), None);
             let on_runtime = OnRuntime {
-                runtime: tokio::runtime::Handle::current(),
+                runtime: runtime.clone(),
                 client: Arc::new(client),
             };
-            builder
+            let exporter = builder
                 .with_http()
                 .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
                 .with_http_client(on_runtime)
-                .build()?
+                .build()?;
+            (
+                exporter,
+                Some(Diagnosis {
+                    config,
+                    uri,
+                    runtime,
+                }),
+            )
         }
     };
     Ok(Reported {
         exporter,
+        tls,
         complaints: Throttle::every(Duration::from_secs(60)),
     })
+}
+
+/// `url` (from variable `var`) as a URI with a host.
+fn parse(var: &'static str, url: &str) -> Result<http::Uri, Error> {
+    let invalid = |reason: String| Error::Endpoint {
+        var,
+        endpoint: url.to_owned(),
+        reason,
+    };
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| invalid(e.to_string()))?;
+    match uri.host() {
+        Some(_) => Ok(uri),
+        None => Err(invalid("no host in it".into())),
+    }
+}
+
+/// How to find out why exports over TLS fail: a connection of our own with the same TLS
+/// config, made on the runtime.
+#[derive(Debug)]
+struct Diagnosis {
+    config: Arc<rustls::ClientConfig>,
+    uri: http::Uri,
+    runtime: tokio::runtime::Handle,
 }
 
 /// Runs an HTTP client's requests on the tokio runtime: the batch span processor exports from a
@@ -177,10 +220,13 @@ impl<C: opentelemetry_http::HttpClient + 'static> opentelemetry_http::HttpClient
     }
 }
 
-/// An exporter whose failures are logged, at most once a minute, with the reason.
+/// An exporter whose failures are logged, at most once a minute, with the reason: the
+/// exporter's own error and, over TLS, what a connection of our own finds out (a collector
+/// that refuses our client certificate says so only in a TLS alert the exporter does not show).
 #[derive(Debug)]
 pub struct Reported<E> {
     exporter: E,
+    tls: Option<Diagnosis>,
     complaints: Throttle,
 }
 
@@ -190,7 +236,15 @@ impl<E: SpanExporter> SpanExporter for Reported<E> {
         let exported = self.exporter.export(batch).await;
         if let Err(error) = &exported {
             if self.complaints.allow(std::time::Instant::now()) {
-                warn!(%error, spans, "spans could not be exported to the trace collector (reported at most once a minute)");
+                let tls = match &self.tls {
+                    Some(d) => {
+                        let asked =
+                            collector_tls::diagnose(d.config.clone(), d.uri.clone(), DIAGNOSIS);
+                        d.runtime.spawn(asked).await.ok().flatten()
+                    }
+                    None => None,
+                };
+                warn!(%error, tls, spans, "spans could not be exported to the trace collector (reported at most once a minute)");
             }
         }
         exported
@@ -227,9 +281,23 @@ mod tests {
         let generic = |url| ("OTEL_EXPORTER_OTLP_ENDPOINT", url);
         assert_eq!(route(env(&[])), Route::Library);
         assert_eq!(route(env(&[generic("http://c:4318")])), Route::Library);
-        assert_eq!(route(env(&[generic("https://c:4318")])), Route::HttpTls);
-        assert_eq!(route(env(&[generic("HTTPS://c:4318")])), Route::HttpTls);
-        assert_eq!(route(env(&[generic("http://c:4317"), grpc])), Route::Library);
+        let http_tls = |var, url: &str| Route::HttpTls {
+            var,
+            url: url.into(),
+        };
+        let generic_var = "OTEL_EXPORTER_OTLP_ENDPOINT";
+        assert_eq!(
+            route(env(&[generic("https://c:4318")])),
+            http_tls(generic_var, "https://c:4318")
+        );
+        assert_eq!(
+            route(env(&[generic("HTTPS://c:4318")])),
+            http_tls(generic_var, "HTTPS://c:4318")
+        );
+        assert_eq!(
+            route(env(&[generic("http://c:4317"), grpc])),
+            Route::Library
+        );
         assert_eq!(
             route(env(&[generic("https://c:4317"), grpc])),
             Route::GrpcTls {
@@ -269,9 +337,15 @@ mod tests {
         assert_eq!(
             route(env(&[
                 generic("http://c:4318"),
-                ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "https://t:4318/v1/traces")
+                (
+                    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                    "https://t:4318/v1/traces"
+                )
             ])),
-            Route::HttpTls
+            http_tls(
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "https://t:4318/v1/traces"
+            )
         );
         assert_eq!(
             route(env(&[
@@ -279,7 +353,7 @@ mod tests {
                 grpc,
                 ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
             ])),
-            Route::HttpTls
+            http_tls(generic_var, "https://c:4317")
         );
         // Other protocols are the library's to refuse.
         assert_eq!(

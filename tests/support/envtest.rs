@@ -785,7 +785,10 @@ fn bound_addresses(child: &mut Child, log: &Path, webhooks: bool) -> (SocketAddr
         }
         let text = || std::fs::read_to_string(log).unwrap_or_default();
         if let Ok(Some(status)) = child.try_wait() {
-            panic!("the replica exited before it listened ({status}):\n{}", text());
+            panic!(
+                "the replica exited before it listened ({status}):\n{}",
+                text()
+            );
         }
         assert!(
             Instant::now() < deadline,
@@ -805,7 +808,8 @@ fn answers_http(addr: SocketAddr) -> bool {
         return false;
     };
     let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-    let asked = stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: cnat\r\nConnection: close\r\n\r\n");
+    let asked =
+        stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: cnat\r\nConnection: close\r\n\r\n");
     let mut start = [0u8; 5];
     asked.is_ok() && stream.read_exact(&mut start).is_ok() && &start == b"HTTP/"
 }
@@ -820,7 +824,12 @@ fn listening_ports(pid: u32) -> Vec<u16> {
         .filter_map(|fd| std::fs::read_link(fd.path()).ok())
         .filter_map(|target| {
             let target = target.to_string_lossy().into_owned();
-            Some(target.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+            Some(
+                target
+                    .strip_prefix("socket:[")?
+                    .strip_suffix(']')?
+                    .to_owned(),
+            )
         })
         .collect();
     let mut ports = Vec::new();

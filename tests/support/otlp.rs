@@ -1,5 +1,7 @@
 //! An OTLP trace receiver, as an OpenTelemetry Collector would run one: gRPC (`TraceService`)
-//! or HTTP (`POST /v1/traces`, protobuf). It keeps every span it was sent.
+//! or HTTP (`POST /v1/traces`, protobuf), in plain text or over TLS (optionally requiring a
+//! client certificate, its certificates replaceable while it runs). It keeps every span it was
+//! sent.
 
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
@@ -68,6 +70,52 @@ impl Collector {
         (collector, addr)
     }
 
+    /// Receives OTLP over TLS with `tls` on a free local port: gRPC (HTTP/2) or HTTP/1.1.
+    pub async fn tls(grpc: bool, tls: ServerTls) -> (Self, SocketAddr) {
+        let collector = Collector::default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let receiver = collector.clone();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let (receiver, tls_) = (receiver.clone(), tls.clone());
+                let connection = tokio::spawn(async move {
+                    let acceptor = tokio_rustls::TlsAcceptor::from(tls_.current());
+                    // A refused handshake (no or a wrong client certificate) ends here.
+                    let Ok(stream) = acceptor.accept(socket).await else {
+                        tls_.refused
+                            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        return;
+                    };
+                    let io = hyper_util::rt::TokioIo::new(stream);
+                    if grpc {
+                        let service = hyper_util::service::TowerToHyperService::new(
+                            TraceServiceServer::new(receiver),
+                        );
+                        let _ = hyper::server::conn::http2::Builder::new(
+                            hyper_util::rt::TokioExecutor::new(),
+                        )
+                        .serve_connection(io, service)
+                        .await;
+                    } else {
+                        let service = hyper::service::service_fn(move |request| {
+                            let receiver = receiver.clone();
+                            async move { Ok::<_, Infallible>(receiver.http_export(request).await) }
+                        });
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(io, service)
+                            .await;
+                    }
+                });
+                tls.connections
+                    .lock()
+                    .unwrap()
+                    .push(connection.abort_handle());
+            }
+        });
+        (collector, addr)
+    }
+
     async fn http_export(
         &self,
         request: hyper::Request<hyper::body::Incoming>,
@@ -108,6 +156,134 @@ impl Collector {
         }
         spans
     }
+}
+
+/// A test PKI: a CA, a serving certificate for `localhost`/`127.0.0.1` and a client
+/// certificate, signed by it; as PEM, and written as `ca.crt`, `server.crt`, `server.key`,
+/// `client.crt`, `client.key` by `write`.
+pub struct Pki {
+    pub ca: String,
+    pub server_cert: String,
+    pub server_key: String,
+    pub client_cert: String,
+    pub client_key: String,
+}
+
+impl Pki {
+    pub fn new() -> Self {
+        use rcgen::{
+            BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+        };
+        let ca_key = KeyPair::generate().unwrap();
+        static MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let made = MADE.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.distinguished_name.push(
+            rcgen::DnType::CommonName,
+            format!("test collector CA {} {made}", std::process::id()),
+        );
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        let issuer = Issuer::new(ca, ca_key);
+        let leaf = |names: Vec<String>, usage| {
+            let key = KeyPair::generate().unwrap();
+            let mut params = CertificateParams::new(names).unwrap();
+            params.extended_key_usages = vec![usage];
+            let cert = params.signed_by(&key, &issuer).unwrap();
+            (cert.pem(), key.serialize_pem())
+        };
+        let (server_cert, server_key) = leaf(
+            vec!["localhost".into(), "127.0.0.1".into()],
+            ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        let (client_cert, client_key) =
+            leaf(vec!["cnat".into()], ExtendedKeyUsagePurpose::ClientAuth);
+        Pki {
+            ca: ca_cert.pem(),
+            server_cert,
+            server_key,
+            client_cert,
+            client_key,
+        }
+    }
+
+    /// Writes the files into `dir`, each replaced at once (written aside, then renamed over),
+    /// as a Secret volume's update appears to a reader.
+    pub fn write(&self, dir: &std::path::Path) {
+        std::fs::create_dir_all(dir).unwrap();
+        for (name, contents) in [
+            ("ca.crt", &self.ca),
+            ("server.crt", &self.server_cert),
+            ("server.key", &self.server_key),
+            ("client.crt", &self.client_cert),
+            ("client.key", &self.client_key),
+        ] {
+            let aside = dir.join(format!(".{name}.new"));
+            std::fs::write(&aside, contents).unwrap();
+            std::fs::rename(&aside, dir.join(name)).unwrap();
+        }
+    }
+}
+
+/// A collector's TLS: its serving certificate and, optionally, the CA client certificates must
+/// chain to. `rotate` replaces them and closes the open connections.
+#[derive(Clone)]
+pub struct ServerTls {
+    config: Arc<Mutex<Arc<rustls::ServerConfig>>>,
+    connections: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
+    /// Handshakes refused so far.
+    pub refused: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl ServerTls {
+    /// Serving `pki`'s server certificate; requiring a client certificate from `pki`'s CA when
+    /// `mutual`.
+    pub fn new(pki: &Pki, mutual: bool) -> Self {
+        ServerTls {
+            config: Arc::new(Mutex::new(server_config(pki, mutual))),
+            connections: Arc::default(),
+            refused: Arc::default(),
+        }
+    }
+
+    fn current(&self) -> Arc<rustls::ServerConfig> {
+        self.config.lock().unwrap().clone()
+    }
+
+    /// From now on, `pki`'s certificates; the open connections are closed.
+    pub fn rotate(&self, pki: &Pki, mutual: bool) {
+        *self.config.lock().unwrap() = server_config(pki, mutual);
+        for connection in self.connections.lock().unwrap().drain(..) {
+            connection.abort();
+        }
+    }
+}
+
+fn server_config(pki: &Pki, mutual: bool) -> Arc<rustls::ServerConfig> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let chain = vec![CertificateDer::from_pem_slice(pki.server_cert.as_bytes()).unwrap()];
+    let key = PrivateKeyDer::from_pem_slice(pki.server_key.as_bytes()).unwrap();
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .unwrap();
+    let builder = if mutual {
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(CertificateDer::from_pem_slice(pki.ca.as_bytes()).unwrap())
+            .unwrap();
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .unwrap();
+        builder.with_client_cert_verifier(verifier)
+    } else {
+        builder.with_no_client_auth()
+    };
+    let mut config = builder.with_single_cert(chain, key).unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Arc::new(config)
 }
 
 #[tonic::async_trait]

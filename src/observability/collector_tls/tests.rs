@@ -19,7 +19,8 @@ fn file(var: &'static str, path: &Path) -> FileVar {
 
 /// A folder of its own under the temporary folder, empty.
 fn folder(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("cnat-collector-tls-{name}-{}", std::process::id()));
+    let dir =
+        std::env::temp_dir().join(format!("cnat-collector-tls-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
@@ -84,14 +85,13 @@ fn the_traces_variables_win_and_half_a_client_identity_is_refused() {
 fn good_files_make_a_config_for_mutual_tls() {
     let dir = folder("good");
     let files = written(&dir);
-    let config = client_config(files, &[b"h2"]).unwrap();
+    let config = client_config(files).unwrap();
     assert!(config.client_auth_cert_resolver.has_certs());
-    assert_eq!(config.alpn_protocols, vec![b"h2".to_vec()]);
     let one_way = TlsFiles {
         client: None,
         ..written(&dir)
     };
-    let config = client_config(one_way, &[b"http/1.1"]).unwrap();
+    let config = client_config(one_way).unwrap();
     assert!(!config.client_auth_cert_resolver.has_certs());
 }
 
@@ -100,7 +100,7 @@ fn each_bad_file_stops_the_start_naming_the_variable_the_file_and_the_problem() 
     let dir = folder("bad");
     let good = written(&dir);
     let (cert, key) = good.client.clone().unwrap();
-    let error = |files: TlsFiles| client_config(files, &[]).unwrap_err().to_string();
+    let error = |files: TlsFiles| client_config(files).unwrap_err().to_string();
 
     // Missing.
     let missing = TlsFiles {
@@ -153,7 +153,9 @@ fn each_bad_file_stops_the_start_naming_the_variable_the_file_and_the_problem() 
     };
     let text = error(mismatched);
     assert!(
-        text.starts_with(&format!("{cert} and {other_key}: the key does not belong to the certificate")),
+        text.starts_with(&format!(
+            "{cert} and {other_key}: the key does not belong to the certificate"
+        )),
         "{text}"
     );
 
@@ -170,7 +172,11 @@ fn each_bad_file_stops_the_start_naming_the_variable_the_file_and_the_problem() 
         )),
         "{text}"
     );
-    let _ = (key, std::fs::remove_dir_all(&dir), std::fs::remove_dir_all(&other));
+    let _ = (
+        key,
+        std::fs::remove_dir_all(&dir),
+        std::fs::remove_dir_all(&other),
+    );
 }
 
 #[test]
@@ -186,7 +192,10 @@ fn changed_files_are_used_for_the_next_connection_and_a_broken_change_is_not() {
         complaints: Throttle::every(std::time::Duration::from_secs(60)),
     };
     let before = reloading.current();
-    assert!(Arc::ptr_eq(&before, &reloading.current()), "unchanged files are not parsed again");
+    assert!(
+        Arc::ptr_eq(&before, &reloading.current()),
+        "unchanged files are not parsed again"
+    );
     let presented = |loaded: &Loaded| loaded.client.as_ref().unwrap().cert[0].clone();
 
     // Rotated, as a Secret volume does: every file replaced.
@@ -199,7 +208,11 @@ fn changed_files_are_used_for_the_next_connection_and_a_broken_change_is_not() {
         .next()
         .unwrap()
         .unwrap();
-    assert_eq!(presented(&after), on_disk, "the new certificate is presented");
+    assert_eq!(
+        presented(&after),
+        on_disk,
+        "the new certificate is presented"
+    );
 
     // A broken change keeps what worked.
     std::fs::write(dir.join("tls.key"), "-----BEGIN PRIVATE KEY-----\nbroken\n").unwrap();
