@@ -517,8 +517,17 @@ fn bad_values_are_rejected_by_the_schema() {
             "/tracing/otlpEndpoint",
         ),
         (
-            "tracing.otlpEndpoint=https://otel-collector:4317",
+            "tracing.otlpEndpoint=ftp://otel-collector:4317",
             "/tracing/otlpEndpoint",
+        ),
+        ("tracing.tls.caSecret=Collector_CA", "/tracing/tls/caSecret"),
+        (
+            "tracing.tls.clientSecret=-client",
+            "/tracing/tls/clientSecret",
+        ),
+        (
+            "tracing.tls.certificate=x",
+            "additional properties 'certificate' not allowed",
         ),
         (
             "metrics.serviceMonitor.interval=often",
@@ -761,6 +770,64 @@ fn the_grafana_dashboard_is_an_optional_configmap_for_the_sidecar() {
     .unwrap();
     assert_eq!(shipped, repo);
     assert_eq!(repo["uid"], "cnat-overview");
+}
+
+#[test]
+fn collector_tls_secrets_are_mounted_whole_and_named_by_the_standard_variables() {
+    let none = Rendered::new(&["tracing.otlpEndpoint=https://otel-gateway.observability:4317"]);
+    let env = plain_env(&none);
+    assert!(
+        !env.keys().any(|k| k.contains("CERTIFICATE") || k.contains("CLIENT_KEY")),
+        "the image's CA bundle unless a Secret is named: {env:?}"
+    );
+    let pod = none.pod_template().spec.unwrap();
+    assert_eq!(pod.volumes.unwrap().len(), 1, "only the webhook certificate");
+
+    let rendered = Rendered::new(&[
+        "tracing.otlpEndpoint=https://otel-gateway.observability:4317",
+        "tracing.tls.caSecret=collector-ca",
+        "tracing.tls.clientSecret=cnat-collector-client",
+    ]);
+    let env = plain_env(&rendered);
+    assert_eq!(
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"],
+        "https://otel-gateway.observability:4317"
+    );
+    let pod = rendered.pod_template().spec.unwrap();
+    let mounts = pod.containers[0].volume_mounts.clone().unwrap();
+    let volumes = pod.volumes.unwrap();
+    for (var, volume, secret, key) in [
+        ("OTEL_EXPORTER_OTLP_CERTIFICATE", "collector-ca", "collector-ca", "ca.crt"),
+        (
+            "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
+            "collector-client",
+            "cnat-collector-client",
+            "tls.crt",
+        ),
+        (
+            "OTEL_EXPORTER_OTLP_CLIENT_KEY",
+            "collector-client",
+            "cnat-collector-client",
+            "tls.key",
+        ),
+    ] {
+        let mount = mounts
+            .iter()
+            .find(|m| m.name == volume)
+            .unwrap_or_else(|| panic!("no mount {volume}: {mounts:?}"));
+        // Read-only and whole: a subPath mount would never see a renewed certificate.
+        assert_eq!(mount.read_only, Some(true));
+        assert_eq!(mount.sub_path, None);
+        assert_eq!(env[var], format!("{}/{key}", mount.mount_path), "{var}");
+        let source = volumes
+            .iter()
+            .find(|v| v.name == volume)
+            .and_then(|v| v.secret.clone())
+            .unwrap_or_else(|| panic!("no Secret volume {volume}"));
+        assert_eq!(source.secret_name.as_deref(), Some(secret));
+        let items = source.items.unwrap_or_default();
+        assert!(items.iter().any(|i| i.key == key && i.path == key), "{items:?}");
+    }
 }
 
 #[test]
