@@ -777,11 +777,16 @@ fn collector_tls_secrets_are_mounted_whole_and_named_by_the_standard_variables()
     let none = Rendered::new(&["tracing.otlpEndpoint=https://otel-gateway.observability:4317"]);
     let env = plain_env(&none);
     assert!(
-        !env.keys().any(|k| k.contains("CERTIFICATE") || k.contains("CLIENT_KEY")),
+        !env.keys()
+            .any(|k| k.contains("CERTIFICATE") || k.contains("CLIENT_KEY")),
         "the image's CA bundle unless a Secret is named: {env:?}"
     );
     let pod = none.pod_template().spec.unwrap();
-    assert_eq!(pod.volumes.unwrap().len(), 1, "only the webhook certificate");
+    assert_eq!(
+        pod.volumes.unwrap().len(),
+        1,
+        "only the webhook certificate"
+    );
 
     let rendered = Rendered::new(&[
         "tracing.otlpEndpoint=https://otel-gateway.observability:4317",
@@ -797,7 +802,12 @@ fn collector_tls_secrets_are_mounted_whole_and_named_by_the_standard_variables()
     let mounts = pod.containers[0].volume_mounts.clone().unwrap();
     let volumes = pod.volumes.unwrap();
     for (var, volume, secret, key) in [
-        ("OTEL_EXPORTER_OTLP_CERTIFICATE", "collector-ca", "collector-ca", "ca.crt"),
+        (
+            "OTEL_EXPORTER_OTLP_CERTIFICATE",
+            "collector-ca",
+            "collector-ca",
+            "ca.crt",
+        ),
         (
             "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
             "collector-client",
@@ -826,7 +836,10 @@ fn collector_tls_secrets_are_mounted_whole_and_named_by_the_standard_variables()
             .unwrap_or_else(|| panic!("no Secret volume {volume}"));
         assert_eq!(source.secret_name.as_deref(), Some(secret));
         let items = source.items.unwrap_or_default();
-        assert!(items.iter().any(|i| i.key == key && i.path == key), "{items:?}");
+        assert!(
+            items.iter().any(|i| i.key == key && i.path == key),
+            "{items:?}"
+        );
     }
 }
 

@@ -499,6 +499,37 @@ fn a_bad_log_directive_is_refused_at_start() {
     );
 }
 
+/// A new connection is a full handshake with the files as they are: a CA taken out of cnat's
+/// bundle is not trusted again through a resumed TLS session, though the collector would resume.
+#[tokio::test]
+async fn a_ca_removed_from_the_bundle_is_not_trusted_through_a_resumed_session() {
+    let (pki, other, dir) = (Pki::new(), Pki::new(), cert_dir("resume"));
+    pki.write(&dir);
+    let tls = ServerTls::new(&pki, false);
+    let (collector, addr) = Collector::tls(true, tls.clone()).await;
+    let mut env = otlp_env(format!("https://127.0.0.1:{}", addr.port()), Some("grpc"));
+    env.push(("OTEL_BSP_SCHEDULE_DELAY", "50".into()));
+    env.extend(tls_env(&dir, false));
+    let operator = Operator::start("resume", &env, "info").await;
+    assert!(admitted_span_arrives(&operator, &collector, 100).await);
+    // cnat now trusts another CA only; the collector keeps its certificate and sessions.
+    other.write(&dir);
+    tls.drop_connections();
+    let before = collector.spans().len();
+    for _ in 0..20 {
+        operator.admit("validating-create.json", &[]).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        collector.spans().len(),
+        before,
+        "a span went over a resumed session"
+    );
+    let (_, logs) = operator.stop().await;
+    log_line(&logs, "the trace collector's certificate does not verify");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_bad_collector_tls_file_stops_the_start_with_one_line_naming_it() {
     let dir = cert_dir("bad-files");

@@ -22,6 +22,9 @@ use std::sync::{Arc, Mutex};
 use thiserror::Error;
 use tracing::{info, warn};
 
+/// How often a failing collector or broken file is reported at most.
+const REPORT_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// The CA bundle variables, the most specific first.
 pub const CA_VARS: [&str; 2] = [
     "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
@@ -236,34 +239,44 @@ struct Reloading {
     files: TlsFiles,
     provider: Arc<CryptoProvider>,
     loaded: Mutex<Arc<Loaded>>,
-    /// Reports of a changed file that cannot be used, or of a collector that does not verify.
-    complaints: Throttle,
+    /// Reports of a changed file that cannot be used.
+    broken_files: Throttle,
+    /// Reports of a collector whose certificate does not verify.
+    unverified: Throttle,
 }
 
 impl Reloading {
-    /// The files as they are now: read again, parsed again if they changed; a change that
-    /// cannot be used is reported and the previous contents kept.
+    /// The files as they are now: read again, parsed again if they changed (outside the lock,
+    /// so handshakes do not wait on each other's file reads); a change that cannot be used is
+    /// reported and the previous contents kept.
     fn current(&self) -> Arc<Loaded> {
-        let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        let lock = || self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        let held = lock().clone();
         let fresh = read(&self.files).and_then(|contents| {
-            if contents == loaded.contents {
+            if contents == held.contents {
                 return Ok(None);
             }
             load(&self.files, contents, &self.provider, system_roots).map(Some)
         });
         match fresh {
-            Ok(None) => {}
+            Ok(None) => held,
             Ok(Some(new)) => {
-                info!(ca = ?self.files.ca.as_ref().map(|f| f.path.display().to_string()), client_certificate = ?self.files.client.as_ref().map(|(c, _)| c.path.display().to_string()), "reloaded the trace collector's TLS files");
-                *loaded = Arc::new(new);
+                let new = Arc::new(new);
+                let mut loaded = lock();
+                // Another handshake may have loaded the same change meanwhile: one log line.
+                if loaded.contents != new.contents {
+                    info!(ca = ?self.files.ca.as_ref().map(|f| f.path.display().to_string()), client_certificate = ?self.files.client.as_ref().map(|(c, _)| c.path.display().to_string()), "reloaded the trace collector's TLS files");
+                    *loaded = new;
+                }
+                loaded.clone()
             }
             Err(error) => {
-                if self.complaints.allow(std::time::Instant::now()) {
+                if self.broken_files.allow(std::time::Instant::now()) {
                     warn!(%error, "the trace collector's TLS files changed but cannot be used; keeping the previous ones");
                 }
+                held
             }
         }
-        loaded.clone()
     }
 }
 
@@ -284,7 +297,7 @@ impl ServerCertVerifier for Reloading {
             now,
         );
         if let Err(error) = &verified {
-            if self.complaints.allow(std::time::Instant::now()) {
+            if self.unverified.allow(std::time::Instant::now()) {
                 let ca = self.files.ca.as_ref().map_or_else(
                     || "the system's CA certificates".to_owned(),
                     ToString::to_string,
@@ -356,17 +369,21 @@ pub fn client_config(files: TlsFiles) -> Result<Arc<ClientConfig>, TlsFileError>
         files,
         provider: provider.clone(),
         loaded: Mutex::new(Arc::new(loaded)),
-        complaints: Throttle::every(std::time::Duration::from_secs(60)),
+        broken_files: Throttle::every(REPORT_EVERY),
+        unverified: Throttle::every(REPORT_EVERY),
     });
     let builder = ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .expect("ring supports TLS 1.2 and 1.3")
         .dangerous()
         .with_custom_certificate_verifier(reloading.clone());
-    let config = match mutual {
+    let mut config = match mutual {
         true => builder.with_client_cert_resolver(reloading),
         false => builder.with_no_client_auth(),
     };
+    // A resumed session skips both the verifier and the client certificate: every connection
+    // is a full handshake with the files as they are (the exporters keep theirs open anyway).
+    config.resumption = rustls::client::Resumption::disabled();
     Ok(Arc::new(config))
 }
 

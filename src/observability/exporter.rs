@@ -46,7 +46,7 @@ pub enum Error {
     Build(#[from] opentelemetry_otlp::ExporterBuildError),
     #[error("TLS to the trace collector: {0}")]
     Tls(#[from] TlsFileError),
-    #[error("{var}={endpoint:?}: not a usable gRPC endpoint URL ({reason})")]
+    #[error("{var}={endpoint:?}: not a usable collector URL ({reason})")]
     Endpoint {
         var: &'static str,
         endpoint: String,
@@ -77,8 +77,21 @@ pub fn route(var: impl Fn(&str) -> Option<String>) -> Route {
     let Some((endpoint_var, endpoint)) = first(ENDPOINT_VARS) else {
         return Route::Library;
     };
-    let protocol = first(PROTOCOL_VARS).map_or_else(|| "http/protobuf".to_owned(), |(_, p)| p);
-    let insecure = first(INSECURE_VARS).is_some_and(|(_, v)| v.eq_ignore_ascii_case("true"));
+    // As opentelemetry-otlp reads them: the first protocol it knows (any case), else its
+    // default; INSECURE from the traces variable when set at all, else the generic one.
+    let protocol = PROTOCOL_VARS
+        .iter()
+        .find_map(|name| {
+            let value = var(name)?.trim().to_ascii_lowercase();
+            ["grpc", "http/protobuf"]
+                .contains(&value.as_str())
+                .then_some(value)
+        })
+        .unwrap_or_else(|| "http/protobuf".to_owned());
+    let insecure = INSECURE_VARS
+        .iter()
+        .find_map(|name| var(name))
+        .is_some_and(|v| v.eq_ignore_ascii_case("true"));
     // A scheme is what comes before "://", when no path, query or fragment starts earlier.
     let scheme = endpoint
         .split_once("://")
@@ -133,7 +146,7 @@ pub fn build() -> Result<Reported<opentelemetry_otlp::SpanExporter>, Error> {
             (
                 exporter,
                 Some(Diagnosis {
-                    config,
+                    config: with_alpn(&config, b"h2"),
                     uri,
                     runtime,
                 }),
@@ -160,7 +173,7 @@ pub fn build() -> Result<Reported<opentelemetry_otlp::SpanExporter>, Error> {
             (
                 exporter,
                 Some(Diagnosis {
-                    config,
+                    config: with_alpn(&config, b"http/1.1"),
                     uri,
                     runtime,
                 }),
@@ -188,6 +201,14 @@ fn parse(var: &'static str, url: &str) -> Result<http::Uri, Error> {
         Some(_) => Ok(uri),
         None => Err(invalid("no host in it".into())),
     }
+}
+
+/// `config` offering `protocol` in ALPN, as the exporter's connections do (a gRPC collector
+/// closes a connection that does not offer `h2`).
+fn with_alpn(config: &Arc<rustls::ClientConfig>, protocol: &[u8]) -> Arc<rustls::ClientConfig> {
+    let mut config = (**config).clone();
+    config.alpn_protocols = vec![protocol.to_vec()];
+    Arc::new(config)
 }
 
 /// How to find out why exports over TLS fail: a connection of our own with the same TLS
@@ -236,15 +257,19 @@ impl<E: SpanExporter> SpanExporter for Reported<E> {
         let exported = self.exporter.export(batch).await;
         if let Err(error) = &exported {
             if self.complaints.allow(std::time::Instant::now()) {
-                let tls = match &self.tls {
+                let (error, reason) = (error.to_string(), "spans could not be exported to the trace collector (reported at most once a minute)");
+                match &self.tls {
+                    // Found out on the runtime, so that this thread goes on exporting.
                     Some(d) => {
                         let asked =
                             collector_tls::diagnose(d.config.clone(), d.uri.clone(), DIAGNOSIS);
-                        d.runtime.spawn(asked).await.ok().flatten()
+                        d.runtime.spawn(async move {
+                            let tls = asked.await;
+                            warn!(error, tls, spans, "{reason}");
+                        });
                     }
-                    None => None,
-                };
-                warn!(%error, tls, spans, "spans could not be exported to the trace collector (reported at most once a minute)");
+                    None => warn!(error, spans, "{reason}"),
+                }
             }
         }
         exported
@@ -355,13 +380,72 @@ mod tests {
             ])),
             http_tls(generic_var, "https://c:4317")
         );
-        // Other protocols are the library's to refuse.
+        // Protocols in any case, as the library reads them; one it does not know gives way to
+        // the generic variable.
+        assert_eq!(
+            route(env(&[
+                generic("https://c:4317"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "GRPC")
+            ])),
+            Route::GrpcTls {
+                var: "OTEL_EXPORTER_OTLP_ENDPOINT",
+                url: "https://c:4317".into()
+            }
+        );
+        assert_eq!(
+            route(env(&[
+                generic("https://c:4318"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", " HTTP/PROTOBUF ")
+            ])),
+            http_tls(generic_var, "https://c:4318")
+        );
+        assert_eq!(
+            route(env(&[
+                generic("https://c:4317"),
+                grpc,
+                ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "bogus")
+            ])),
+            Route::GrpcTls {
+                var: "OTEL_EXPORTER_OTLP_ENDPOINT",
+                url: "https://c:4317".into()
+            }
+        );
+        // An empty traces INSECURE is set, and not "true": TLS, whatever the generic one says.
+        assert_eq!(
+            route(env(&[
+                generic("c:4317"),
+                grpc,
+                ("OTEL_EXPORTER_OTLP_INSECURE", "true"),
+                ("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "")
+            ])),
+            Route::GrpcTls {
+                var: "OTEL_EXPORTER_OTLP_ENDPOINT",
+                url: "https://c:4317".into()
+            }
+        );
+        // IPv6 literals keep their brackets.
+        assert_eq!(
+            route(env(&[generic("https://[fd00::1]:4317"), grpc])),
+            Route::GrpcTls {
+                var: "OTEL_EXPORTER_OTLP_ENDPOINT",
+                url: "https://[fd00::1]:4317".into()
+            }
+        );
+        assert_eq!(
+            parse("OTEL_EXPORTER_OTLP_ENDPOINT", "https://[fd00::1]:4317")
+                .unwrap()
+                .host(),
+            Some("[fd00::1]")
+        );
+        assert!(parse("OTEL_EXPORTER_OTLP_ENDPOINT", "https://").is_err());
+        // A protocol cnat is not built with (http/json) falls back to the default, as the
+        // library itself does.
         assert_eq!(
             route(env(&[
                 generic("https://c:4318"),
                 ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
             ])),
-            Route::Library
+            http_tls(generic_var, "https://c:4318")
         );
     }
 

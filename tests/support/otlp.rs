@@ -250,6 +250,13 @@ impl ServerTls {
         self.config.lock().unwrap().clone()
     }
 
+    /// Closes the open connections; the certificates and session tickets stay.
+    pub fn drop_connections(&self) {
+        for connection in self.connections.lock().unwrap().drain(..) {
+            connection.abort();
+        }
+    }
+
     /// From now on, `pki`'s certificates; the open connections are closed.
     pub fn rotate(&self, pki: &Pki, mutual: bool) {
         *self.config.lock().unwrap() = server_config(pki, mutual);

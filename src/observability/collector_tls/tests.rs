@@ -189,7 +189,8 @@ fn changed_files_are_used_for_the_next_connection_and_a_broken_change_is_not() {
         files: files.clone(),
         provider,
         loaded: Mutex::new(Arc::new(first)),
-        complaints: Throttle::every(std::time::Duration::from_secs(60)),
+        broken_files: Throttle::every(REPORT_EVERY),
+        unverified: Throttle::every(REPORT_EVERY),
     };
     let before = reloading.current();
     assert!(
@@ -219,4 +220,72 @@ fn changed_files_are_used_for_the_next_connection_and_a_broken_change_is_not() {
     let kept = reloading.current();
     assert!(Arc::ptr_eq(&after, &kept));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_collector_s_certificate_must_chain_to_the_ca_and_name_the_host() {
+    let dir = folder("verify");
+    let files = written(&dir);
+    let served = CertificateDer::pem_file_iter(dir.join("tls.crt"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let reloading = Reloading {
+        files: files.clone(),
+        provider: provider.clone(),
+        loaded: Mutex::new(Arc::new(
+            load(&files, read(&files).unwrap(), &provider, Vec::new).unwrap(),
+        )),
+        broken_files: Throttle::every(REPORT_EVERY),
+        unverified: Throttle::every(REPORT_EVERY),
+    };
+    let verify = |name: &str| {
+        let name = ServerName::try_from(name.to_owned()).unwrap();
+        reloading.verify_server_cert(&served, &[], &name, &[], UnixTime::now())
+    };
+    assert!(verify("localhost").is_ok());
+    assert!(verify("collector.observability.svc").is_ok());
+    assert!(verify("127.0.0.1").is_ok());
+    let wrong_name = verify("otel-gateway.example").unwrap_err();
+    assert!(
+        matches!(
+            wrong_name,
+            rustls::Error::InvalidCertificate(
+                rustls::CertificateError::NotValidForNameContext { .. }
+            ) | rustls::Error::InvalidCertificate(rustls::CertificateError::NotValidForName)
+        ),
+        "{wrong_name:?}"
+    );
+    // Another CA's bundle: the same certificate does not chain.
+    let other = folder("verify-other");
+    let theirs = written(&other);
+    let stranger = Reloading {
+        loaded: Mutex::new(Arc::new(
+            load(&theirs, read(&theirs).unwrap(), &provider, Vec::new).unwrap(),
+        )),
+        files: theirs,
+        provider,
+        broken_files: Throttle::every(REPORT_EVERY),
+        unverified: Throttle::every(REPORT_EVERY),
+    };
+    let name = ServerName::try_from("localhost".to_owned()).unwrap();
+    let unknown = stranger
+        .verify_server_cert(&served, &[], &name, &[], UnixTime::now())
+        .unwrap_err();
+    // (Both test CAs have the same name: the chain fails on its signature.)
+    assert!(
+        matches!(
+            unknown,
+            rustls::Error::InvalidCertificate(
+                rustls::CertificateError::UnknownIssuer | rustls::CertificateError::BadSignature
+            )
+        ),
+        "{unknown:?}"
+    );
+    let _ = (
+        std::fs::remove_dir_all(&dir),
+        std::fs::remove_dir_all(&other),
+    );
 }
