@@ -151,6 +151,8 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     // Every At RUNNING, then every pod ends at once.
     wait_phases(&ats, n, "RUNNING").await;
     let done_seen = tokio::spawn(watch_done(ats.clone(), n));
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(admin.clone(), &ns);
+    let told = tokio::spawn(watch_succeeded_events(events, n));
     let ended = concurrently(n, |i| {
         let pods = pods.clone();
         async move {
@@ -177,24 +179,12 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         .expect("every At DONE within two minutes")
         .unwrap();
     let all_done = done.saturating_duration_since(last_ended);
-    // Events follow the status writes they describe: when the last `Succeeded` one is out.
-    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(admin.clone(), &ns);
-    let told = loop {
-        let list = events.list(&Default::default()).await.unwrap();
-        let succeeded = list
-            .items
-            .iter()
-            .filter(|e| e.reason.as_deref() == Some("Succeeded"))
-            .count();
-        if succeeded >= n {
-            break Instant::now();
-        }
-        assert!(
-            last_ended.elapsed() < Duration::from_secs(300),
-            "{succeeded} of {n} events"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    // Events follow the status writes they describe: when the last `Succeeded` one is out
+    // (seen by a watch started before the pods ended, not by lists that would load the server).
+    let told = tokio::time::timeout(Duration::from_secs(300), told)
+        .await
+        .expect("every Succeeded event within five minutes")
+        .unwrap();
     let events_after = told.saturating_duration_since(done);
     let rss = crate::rss::rss_kib(&operator.child.id().to_string());
     let created = pods.list(&Default::default()).await.unwrap().items.len();
@@ -366,6 +356,25 @@ async fn watch_done(ats: Api<At>, n: usize) -> Instant {
             .is_some_and(|s| s.phase == cnat::api::Phase::Done)
         {
             done.insert(at.metadata.name.unwrap_or_default());
+        }
+    }
+    Instant::now()
+}
+
+/// When the `n`th `Succeeded` event was seen, here.
+async fn watch_succeeded_events(
+    events: Api<k8s_openapi::api::events::v1::Event>,
+    n: usize,
+) -> Instant {
+    let mut told = std::collections::HashSet::new();
+    let stream = watcher(events, watcher::Config::default()).applied_objects();
+    futures::pin_mut!(stream);
+    while told.len() < n {
+        let Some(event) = stream.try_next().await.unwrap() else {
+            break;
+        };
+        if event.reason.as_deref() == Some("Succeeded") {
+            told.insert(event.metadata.name.unwrap_or_default());
         }
     }
     Instant::now()

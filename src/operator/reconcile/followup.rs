@@ -22,7 +22,7 @@ use tracing::{debug, info_span, warn, Instrument, Span};
 pub const WRITERS: usize = 32;
 /// How long pod creates and status writes must have been idle before an event goes out.
 const QUIET: std::time::Duration = std::time::Duration::from_millis(20);
-/// Events published at once (each one API request).
+/// Events published at once (each one API request), in as many lanes.
 const TELLERS: usize = 8;
 /// Events waiting behind writes; past this they are dropped and counted
 /// (`cnat_events_dropped_total`): the At's status holds the same facts.
@@ -30,11 +30,20 @@ pub const MAX_TELLINGS: usize = 4096;
 
 /// Counts work in flight (or queued) of one priority; lower priorities wait until it is idle.
 #[derive(Clone)]
-pub struct Busy(Arc<watch::Sender<usize>>);
+pub struct Busy(Arc<Counted>);
+
+struct Counted {
+    count: watch::Sender<usize>,
+    /// When the count last went to zero.
+    idle_since: std::sync::Mutex<tokio::time::Instant>,
+}
 
 impl Default for Busy {
     fn default() -> Self {
-        Busy(Arc::new(watch::Sender::new(0)))
+        Busy(Arc::new(Counted {
+            count: watch::Sender::new(0),
+            idle_since: std::sync::Mutex::new(tokio::time::Instant::now()),
+        }))
     }
 }
 
@@ -43,27 +52,40 @@ pub struct Entered(Busy);
 
 impl Drop for Entered {
     fn drop(&mut self) {
-        self.0 .0.send_modify(|n| *n -= 1);
+        let counted = &self.0 .0;
+        counted.count.send_modify(|n| {
+            *n -= 1;
+            if *n == 0 {
+                *counted.idle_since.lock().unwrap_or_else(|e| e.into_inner()) =
+                    tokio::time::Instant::now();
+            }
+        });
     }
 }
 
 impl Busy {
     /// Counts one more unit until the returned guard is dropped.
     pub fn enter(&self) -> Entered {
-        self.0.send_modify(|n| *n += 1);
+        self.0.count.send_modify(|n| *n += 1);
         Entered(self.clone())
     }
 
     /// Returns once nothing is counted.
     pub async fn idle(&self) {
-        let mut count = self.0.subscribe();
+        let mut count = self.0.count.subscribe();
         // The sender lives as long as `self`, so waiting cannot fail.
         let _ = count.wait_for(|n| *n == 0).await;
     }
 
     /// Units counted now.
     pub fn in_flight(&self) -> usize {
-        *self.0.borrow()
+        *self.0.count.borrow()
+    }
+
+    /// Since when nothing is counted, or `None` while something is.
+    fn idle_since(&self) -> Option<tokio::time::Instant> {
+        let count = self.0.count.borrow();
+        (*count == 0).then(|| *self.0.idle_since.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
 
@@ -77,15 +99,23 @@ pub struct PodsFirst {
 }
 
 impl PodsFirst {
-    /// Returns once neither pod creates nor status writes have been in flight for `QUIET`.
+    /// Returns once neither pod creates nor status writes have been in flight for `QUIET`. Once
+    /// that holds, every waiter passes at once: a wave's events pay the quiet period once, not
+    /// once each.
     pub async fn quiet(&self) {
         loop {
             self.creating.idle().await;
             self.writing.idle().await;
-            tokio::time::sleep(QUIET).await;
-            if self.creating.in_flight() == 0 && self.writing.in_flight() == 0 {
+            let (Some(created), Some(written)) =
+                (self.creating.idle_since(), self.writing.idle_since())
+            else {
+                continue;
+            };
+            let quiet_from = created.max(written) + QUIET;
+            if tokio::time::Instant::now() >= quiet_from {
                 return;
             }
+            tokio::time::sleep_until(quiet_from).await;
         }
     }
 }
@@ -175,29 +205,52 @@ impl<T> Queue<T> {
     }
 }
 
-/// A queue that holds at most `MAX_TELLINGS`: senders drop what does not fit.
-pub(super) struct Bounded<T> {
-    pub sender: mpsc::Sender<T>,
-    pub receiver: std::sync::Mutex<Option<mpsc::Receiver<T>>>,
+/// `TELLERS` queues that hold at most `MAX_TELLINGS` together (senders drop what does not fit),
+/// each emptied in order: what is sent with one key always goes to the same lane, so the events
+/// of one At go out in the order they were queued, while other Ats' go at the same time.
+pub(super) struct Lanes<T> {
+    senders: Vec<mpsc::Sender<T>>,
+    receivers: std::sync::Mutex<Option<Vec<mpsc::Receiver<T>>>>,
 }
 
-impl<T> Default for Bounded<T> {
+impl<T> Default for Lanes<T> {
     fn default() -> Self {
-        let (sender, receiver) = mpsc::channel(MAX_TELLINGS);
-        Bounded {
-            sender,
-            receiver: std::sync::Mutex::new(Some(receiver)),
+        let (senders, receivers) = (0..TELLERS)
+            .map(|_| mpsc::channel(MAX_TELLINGS / TELLERS))
+            .unzip();
+        Lanes {
+            senders,
+            receivers: std::sync::Mutex::new(Some(receivers)),
         }
     }
 }
 
-impl<T> Bounded<T> {
-    /// The receiving end as a stream; `None` once taken.
-    pub(super) fn take(&self) -> Option<impl futures::Stream<Item = T> + use<T>> {
-        let receiver = take(&self.receiver)?;
-        Some(futures::stream::unfold(receiver, |mut rx| async {
-            rx.recv().await.map(|item| (item, rx))
-        }))
+impl<T> Lanes<T> {
+    /// Queues `item` in the lane of `key` without waiting.
+    pub(super) fn try_send(
+        &self,
+        key: &impl std::hash::Hash,
+        item: T,
+    ) -> Result<(), mpsc::error::TrySendError<T>> {
+        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+        let hash = BuildHasherDefault::<DefaultHasher>::default().hash_one(key);
+        // The modulo keeps it below TELLERS, so the cast cannot truncate.
+        self.senders[(hash % TELLERS as u64) as usize].try_send(item)
+    }
+
+    /// Each lane's receiving end as a stream; `None` once taken.
+    pub(super) fn take(&self) -> Option<Vec<impl futures::Stream<Item = T> + use<T>>> {
+        let receivers = take(&self.receivers)?;
+        Some(
+            receivers
+                .into_iter()
+                .map(|receiver| {
+                    futures::stream::unfold(receiver, |mut rx| async {
+                        rx.recv().await.map(|item| (item, rx))
+                    })
+                })
+                .collect(),
+        )
     }
 }
 
@@ -229,7 +282,7 @@ impl Context {
     /// dropped with the reconcile loop). Returns `None` if it was already taken.
     pub fn followup_writer(&self) -> Option<impl std::future::Future<Output = ()> + use<>> {
         let jobs = self.followups.take()?;
-        let events = self.tellings.take()?;
+        let lanes = self.tellings.take()?;
         let writes = jobs.for_each_concurrent(WRITERS, |job| async move {
             use opentelemetry::trace::TraceContextExt;
             use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -248,15 +301,17 @@ impl Context {
             job.ctx.write_followup(&job).instrument(span).await;
         });
         // Each only once pod creates and status writes have been quiet for a moment (a wave's
-        // events wait for the whole wave), then several at once.
-        let events = events.for_each_concurrent(TELLERS, |telling| async move {
-            telling.ctx.pods_first.quiet().await;
-            telling
-                .ctx
-                .events
-                .publish_now(telling.event, telling.regarding)
-                .await;
-        });
+        // events wait for the whole wave), several lanes at once, each At's in order.
+        let events = futures::future::join_all(lanes.into_iter().map(|lane| {
+            lane.for_each(|telling| async move {
+                telling.ctx.pods_first.quiet().await;
+                telling
+                    .ctx
+                    .events
+                    .publish_now(telling.event, telling.regarding)
+                    .await;
+            })
+        }));
         Some(async move {
             futures::future::join(writes, events).await;
         })
@@ -269,7 +324,11 @@ impl Context {
             event,
             regarding: at.object_ref(&()),
         };
-        match self.tellings.sender.try_send(telling) {
+        let key = (
+            at.metadata.namespace.as_deref(),
+            at.metadata.name.as_deref(),
+        );
+        match self.tellings.try_send(&key, telling) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => self.metrics.event_dropped(),
             Err(mpsc::error::TrySendError::Closed(_)) => {

@@ -121,7 +121,7 @@ pub struct Context {
     /// Status writes queued behind pod creates.
     followups: followup::Queue<followup::Followup>,
     /// Events queued behind pod creates and status writes.
-    tellings: followup::Bounded<followup::Telling>,
+    tellings: followup::Lanes<followup::Telling>,
     /// Ats to reconcile outside the runtime's own requeues (wakeups, failed follow-up writes,
     /// an API server that answers again).
     retriggers: followup::Queue<ObjectRef<At>>,
@@ -156,7 +156,7 @@ impl Context {
             failures: Mutex::default(),
             pods_first: PodsFirst::default(),
             followups: followup::Queue::default(),
-            tellings: followup::Bounded::default(),
+            tellings: followup::Lanes::default(),
             retriggers: followup::Queue::default(),
             unreachable: Reachability::default(),
             wakeups: Arc::default(),

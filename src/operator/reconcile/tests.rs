@@ -942,3 +942,62 @@ async fn a_422_from_the_cel_rule_s_internal_error_is_retried() {
     drop(retriggers);
     h.finish(2).await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_wave_s_events_pay_the_quiet_period_once() {
+    let pods_first = followup::PodsFirst::default();
+    let started = tokio::time::Instant::now();
+    let write = pods_first.writing.enter();
+    tokio::time::advance(Duration::from_millis(5)).await;
+    drop(write);
+    // The first waiter waits until writes have been idle for the quiet period (20 ms)...
+    pods_first.quiet().await;
+    assert_eq!(started.elapsed(), Duration::from_millis(25));
+    // ...and every later one passes at once, while nothing is written.
+    let later = tokio::time::Instant::now();
+    for _ in 0..100 {
+        pods_first.quiet().await;
+    }
+    assert_eq!(later.elapsed(), Duration::ZERO);
+    // A pod create starts the quiet period again.
+    drop(pods_first.creating.enter());
+    let after_create = tokio::time::Instant::now();
+    pods_first.quiet().await;
+    assert_eq!(after_create.elapsed(), Duration::from_millis(20));
+}
+
+#[tokio::test]
+async fn one_at_s_events_keep_their_order_while_others_go_alongside() {
+    let lanes = followup::Lanes::<u32>::default();
+    for i in 0..50 {
+        lanes.try_send(&(Some("default"), Some("a")), i).unwrap();
+        lanes
+            .try_send(&(Some("default"), Some("b")), 100 + i)
+            .unwrap();
+        lanes
+            .try_send(&(Some("other"), Some("a")), 200 + i)
+            .unwrap();
+    }
+    let streams = lanes.take().unwrap();
+    assert!(lanes.take().is_none(), "taken once");
+    drop(lanes);
+    let emptied =
+        futures::future::join_all(streams.into_iter().map(|s| s.collect::<Vec<_>>())).await;
+    for base in [0, 100, 200] {
+        let at: Vec<u32> = emptied
+            .iter()
+            .flatten()
+            .copied()
+            .filter(|i| (base..base + 50).contains(i))
+            .collect();
+        assert_eq!(
+            at,
+            (base..base + 50).collect::<Vec<_>>(),
+            "in order, all in one lane"
+        );
+        assert_eq!(
+            emptied.iter().filter(|lane| lane.contains(&base)).count(),
+            1
+        );
+    }
+}
