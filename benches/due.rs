@@ -28,6 +28,9 @@ mod apiserver;
 #[allow(dead_code)] // the benches use part of it
 #[path = "../tests/support/envtest.rs"]
 mod envtest;
+#[allow(dead_code)] // the benches use part of it
+#[path = "../tests/support/ports.rs"]
+mod ports;
 #[path = "support/real.rs"]
 mod real;
 #[path = "support/rss.rs"]

@@ -19,6 +19,9 @@ mod apiserver;
 mod envtest;
 #[path = "support/kube_admission_example.rs"]
 mod kube_admission_example;
+#[allow(dead_code)] // the benches use part of it
+#[path = "../tests/support/ports.rs"]
+mod ports;
 
 use apiserver::ApiServer;
 use std::net::TcpListener;

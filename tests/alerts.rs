@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use support::apiserver::ApiServer;
-use support::process::{cnat, free_port, get, kubeconfig};
+use support::ports::{bound, ANY_PORTS};
+use support::process::{cnat, get, kubeconfig};
 
 fn promtool() -> Command {
     let found = Command::new("promtool").arg("--version").output().is_ok();
@@ -125,15 +126,14 @@ fn a_real_scrape_of_the_binary_passes_promtool_check_metrics() {
     let server = ApiServer::new();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let config = kubeconfig(runtime.block_on(server.serve_http()), "alerts");
-    let admin = free_port();
-    let admin_flag = format!("--admin-addr={admin}");
     let mut child = cnat(
-        &["--webhooks=false", &admin_flag, "--identity=cnat-alerts"],
+        &["--webhooks=false", ANY_PORTS[0], "--identity=cnat-alerts"],
         &config,
     )
     .stdout(Stdio::null())
     .spawn()
     .unwrap();
+    let (admin, _) = bound(&mut child, false, String::new);
     let started = Instant::now();
     let scrape = loop {
         if let Some((200, body)) = get(admin, "/metrics") {

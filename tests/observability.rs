@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use support::apiserver::{ApiServer, Resource};
 use support::https::{client, post_with, Https};
 use support::otlp::{Collector, Pki, Received, ServerTls};
-use support::process::{cnat, dev_certs, free_port, get, holder, kubeconfig, probe, sigterm};
+use support::ports::{bound, ANY_PORTS};
+use support::process::{cnat, dev_certs, get, holder, kubeconfig, probe, sigterm};
 
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const PARENT_ID: &str = "00f067aa0ba902b7";
@@ -35,11 +36,10 @@ impl Operator {
     async fn start(name: &str, env: &[(&str, String)], log: &str) -> Operator {
         let server = ApiServer::new();
         let kubeconfig = kubeconfig(server.serve_http().await, name);
-        let (admin, webhook) = (free_port(), free_port());
         let (certs, [cert, key]) = dev_certs(name);
         let flags = [
-            format!("--admin-addr={admin}"),
-            format!("--webhook-addr={webhook}"),
+            ANY_PORTS[0].to_owned(),
+            ANY_PORTS[1].to_owned(),
             format!("--identity=cnat-{name}"),
             format!("--log={log}"),
             cert,
@@ -68,6 +68,7 @@ impl Operator {
                 lines.lock().unwrap().push(line);
             }
         });
+        let (admin, webhook) = bound(&mut child, true, || stdout.lock().unwrap().join("\n"));
         let operator = Operator {
             child: Killed(child),
             server,

@@ -9,20 +9,18 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 use support::apiserver::{ApiServer, Resource};
-use support::process::{cnat, dev_certs, free_port, holder, kubeconfig, probe, sigterm};
+use support::ports::{bound, ANY_PORTS};
+use support::process::{cnat, dev_certs, holder, kubeconfig, probe, sigterm};
 
 #[tokio::test]
 async fn a_replica_leads_reconciles_and_shuts_down_in_order() {
     let server = ApiServer::new();
     let config = kubeconfig(server.serve_http().await, "lifecycle");
-    let (admin, webhook) = (free_port(), free_port());
-    let admin_flag = format!("--admin-addr={admin}");
-    let webhook_flag = format!("--webhook-addr={webhook}");
     let (_, [cert, key]) = dev_certs("lifecycle");
     let mut child = cnat(
         &[
-            &admin_flag,
-            &webhook_flag,
+            ANY_PORTS[0],
+            ANY_PORTS[1],
             &cert,
             &key,
             "--identity=cnat-0",
@@ -39,6 +37,7 @@ async fn a_replica_leads_reconciles_and_shuts_down_in_order() {
     .stderr(Stdio::inherit())
     .spawn()
     .unwrap();
+    let (admin, webhook) = bound(&mut child, true, String::new);
 
     assert!(
         support::until(Duration::from_secs(5), || probe(admin, "/readyz")
@@ -110,13 +109,10 @@ async fn a_released_lease_is_taken_over_through_the_watch() {
     let server = ApiServer::new();
     let config = kubeconfig(server.serve_http().await, "handover");
     let spawn = |id: &str| {
-        let (admin, identity) = (
-            format!("--admin-addr={}", free_port()),
-            format!("--identity={id}"),
-        );
+        let identity = format!("--identity={id}");
         cnat(
             &[
-                &admin,
+                ANY_PORTS[0],
                 &identity,
                 "--webhooks=false",
                 "--shutdown-delay=100ms",
@@ -197,7 +193,7 @@ async fn a_missing_webhook_certificate_is_reported() {
     let server = ApiServer::new();
     let config = kubeconfig(server.serve_http().await, "nocert");
     let flags = [
-        format!("--admin-addr={}", free_port()),
+        ANY_PORTS[0].to_owned(),
         "--tls-cert=/nonexistent/tls.crt".to_owned(),
     ];
     let output = tokio::task::spawn_blocking(move || {

@@ -13,6 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use support::apiserver::{ApiServer, Resource};
 use support::https::{client, post_with};
+use support::ports::{bound, ANY_PORTS};
 use support::process::{cnat, dev_certs, free_port, kubeconfig};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -120,16 +121,16 @@ fn a_real_prometheus_answers_what_users_ask_and_every_dashboard_query_returns_da
     let dir = std::env::temp_dir().join(format!("cnat-prometheus-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (certs, [cert, key]) = dev_certs("prometheus");
-    let (admin, webhook) = (free_port(), free_port());
     let flags = [
-        format!("--admin-addr={admin}"),
-        format!("--webhook-addr={webhook}"),
+        ANY_PORTS[0].to_owned(),
+        ANY_PORTS[1].to_owned(),
         "--identity=cnat-0".into(),
         cert,
         key,
     ];
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let _operator = Killed(cnat(&flags, &config).stdout(Stdio::null()).spawn().unwrap());
+    let mut operator = Killed(cnat(&flags, &config).stdout(Stdio::null()).spawn().unwrap());
+    let (admin, webhook) = bound(&mut operator.0, true, String::new);
     let (_prometheus, prom) = prometheus(&dir, admin);
 
     // What Prometheus asks every user first: one leader.

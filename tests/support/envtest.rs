@@ -22,7 +22,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::PostParams;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client};
-use std::net::{SocketAddr, TcpListener};
+use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -724,22 +724,28 @@ impl ControlPlane {
         let mut command = Command::new(env!("CARGO_BIN_EXE_cnat"));
         command
             .arg("run")
-            // Port 0: the replica binds free ports itself (found in `/proc`); a port picked
-            // here and released could be taken by another process before the replica binds it.
-            .arg("--admin-addr=127.0.0.1:0")
-            .arg("--webhook-addr=127.0.0.1:0")
+            // Port 0: the replica binds free ports itself (see `ports`).
+            .args(super::ports::ANY_PORTS)
             .arg(format!("--tls-cert={}", files.cert.display()))
             .arg(format!("--tls-key={}", files.key.display()))
             .arg(format!("--identity={identity}"))
             .arg(format!("--lease-namespace={lease_namespace}"))
-            .args([
-                "--lease-duration=3s",
-                "--renew-deadline=2s",
-                "--retry-period=500ms",
-                "--shutdown-delay=200ms",
-                "--shutdown-timeout=5s",
-                "--log-format=json",
-            ])
+            // Defaults for tests, unless `extra` sets the same flag.
+            .args(
+                [
+                    "--lease-duration=3s",
+                    "--renew-deadline=2s",
+                    "--retry-period=500ms",
+                    "--shutdown-delay=200ms",
+                    "--shutdown-timeout=5s",
+                    "--log-format=json",
+                ]
+                .into_iter()
+                .filter(|default| {
+                    let flag = default.split('=').next().unwrap_or(default);
+                    !extra.iter().any(|e| e.split('=').next() == Some(flag))
+                }),
+            )
             .args(extra)
             .env("KUBECONFIG", kubeconfig)
             .env_remove("KUBERNETES_SERVICE_HOST")
@@ -748,7 +754,9 @@ impl ControlPlane {
         let mut child = spawn(command, &log);
         running(&self.dir, child.id());
         let webhooks = !extra.contains(&"--webhooks=false");
-        let (admin, webhook) = bound_addresses(&mut child, &log, webhooks);
+        let (admin, webhook) = super::ports::bound(&mut child, webhooks, || {
+            std::fs::read_to_string(&log).unwrap_or_default()
+        });
         Replica {
             identity: identity.to_owned(),
             child,
@@ -758,104 +766,6 @@ impl ControlPlane {
             certs,
         }
     }
-}
-
-/// The admin and webhook addresses of a starting replica bound to port 0, whatever its log
-/// level: the loopback ports its process listens on (from `/proc`), the admin one being the one
-/// that answers plain HTTP; the webhook one is `0.0.0.0:0` with `--webhooks=false`. Panics
-/// with its log when it exits or does not listen within a minute.
-fn bound_addresses(child: &mut Child, log: &Path, webhooks: bool) -> (SocketAddr, SocketAddr) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let wanted = if webhooks { 2 } else { 1 };
-    loop {
-        let ports = listening_ports(child.id());
-        if ports.len() >= wanted {
-            let addrs: Vec<SocketAddr> = ports
-                .iter()
-                .map(|port| SocketAddr::from(([127, 0, 0, 1], *port)))
-                .collect();
-            if let Some(admin) = addrs.iter().find(|a| answers_http(**a)) {
-                let webhook = addrs
-                    .iter()
-                    .find(|a| *a != admin)
-                    .copied()
-                    .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
-                return (*admin, webhook);
-            }
-        }
-        let text = || std::fs::read_to_string(log).unwrap_or_default();
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!(
-                "the replica exited before it listened ({status}):\n{}",
-                text()
-            );
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the replica did not listen within a minute:\n{}",
-            text()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Whether a plain HTTP/1.1 request to `addr` gets an HTTP answer (the admin port does, the
-/// TLS webhook port does not).
-fn answers_http(addr: SocketAddr) -> bool {
-    use std::io::{Read, Write};
-    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500))
-    else {
-        return false;
-    };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-    let asked =
-        stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: cnat\r\nConnection: close\r\n\r\n");
-    let mut start = [0u8; 5];
-    asked.is_ok() && stream.read_exact(&mut start).is_ok() && &start == b"HTTP/"
-}
-
-/// The TCP ports process `pid` listens on: its socket inodes (`/proc/PID/fd`) matched against
-/// the listening sockets of `/proc/net/tcp` and `/proc/net/tcp6`.
-fn listening_ports(pid: u32) -> Vec<u16> {
-    let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
-        .filter_map(|target| {
-            let target = target.to_string_lossy().into_owned();
-            Some(
-                target
-                    .strip_prefix("socket:[")?
-                    .strip_suffix(']')?
-                    .to_owned(),
-            )
-        })
-        .collect();
-    let mut ports = Vec::new();
-    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
-        let text = std::fs::read_to_string(table).unwrap_or_default();
-        for line in text.lines().skip(1) {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            // sl, local_address, rem_address, st, ..., inode (the tenth).
-            let (Some(local), Some(state), Some(inode)) =
-                (fields.get(1), fields.get(3), fields.get(9))
-            else {
-                continue;
-            };
-            const LISTEN: &str = "0A";
-            if *state != LISTEN || !inodes.contains(*inode) {
-                continue;
-            }
-            let port = local
-                .rsplit_once(':')
-                .and_then(|(_, port)| u16::from_str_radix(port, 16).ok());
-            ports.extend(port);
-        }
-    }
-    ports.sort_unstable();
-    ports.dedup();
-    ports
 }
 
 impl Replica {

@@ -6,6 +6,7 @@ pub mod apiserver;
 pub mod envtest;
 pub mod https;
 pub mod otlp;
+pub mod ports;
 pub mod process;
 
 use cnat::observability::metrics::Metrics;

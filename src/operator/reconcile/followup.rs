@@ -22,6 +22,8 @@ use tracing::{debug, info_span, warn, Instrument, Span};
 pub const WRITERS: usize = 32;
 /// How long pod creates and status writes must have been idle before an event goes out.
 const QUIET: std::time::Duration = std::time::Duration::from_millis(20);
+/// The longest an event waits for pod creates and status writes to be quiet.
+const MAX_DEFER: std::time::Duration = std::time::Duration::from_secs(2);
 /// Events published at once (each one API request), in as many lanes.
 const TELLERS: usize = 8;
 /// Events waiting behind writes; past this they are dropped and counted
@@ -177,6 +179,8 @@ pub struct Telling {
     ctx: Arc<Context>,
     event: Event,
     regarding: ObjectReference,
+    /// When it was queued: it waits for quiet at most `MAX_DEFER` from then.
+    queued: tokio::time::Instant,
 }
 
 /// A queue's sending and receiving ends, as `Context` holds them.
@@ -304,7 +308,12 @@ impl Context {
         // events wait for the whole wave), several lanes at once, each At's in order.
         let events = futures::future::join_all(lanes.into_iter().map(|lane| {
             lane.for_each(|telling| async move {
-                telling.ctx.pods_first.quiet().await;
+                // Under steady writes there may never be 20 ms of quiet: events wait for it at
+                // most `MAX_DEFER`, so they are late, never lost.
+                tokio::select! {
+                    () = telling.ctx.pods_first.quiet() => {}
+                    () = tokio::time::sleep_until(telling.queued + MAX_DEFER) => {}
+                }
                 telling
                     .ctx
                     .events
@@ -323,6 +332,7 @@ impl Context {
             ctx: self.clone(),
             event,
             regarding: at.object_ref(&()),
+            queued: tokio::time::Instant::now(),
         };
         let key = (
             at.metadata.namespace.as_deref(),
