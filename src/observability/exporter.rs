@@ -291,17 +291,14 @@ impl<E: SpanExporter> SpanExporter for Reported<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        |name| {
-            vars.iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, v)| v.to_string())
-        }
-    }
+    use crate::observability::test_env::env;
 
     #[test]
     fn https_endpoints_and_schemeless_grpc_ones_go_over_tls() {
+        let grpc_tls = |url: &str| Route::GrpcTls {
+            var: "OTEL_EXPORTER_OTLP_ENDPOINT",
+            url: url.into(),
+        };
         let grpc = ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc");
         let generic = |url| ("OTEL_EXPORTER_OTLP_ENDPOINT", url);
         assert_eq!(route(env(&[])), Route::Library);
@@ -325,18 +322,12 @@ mod tests {
         );
         assert_eq!(
             route(env(&[generic("https://c:4317"), grpc])),
-            Route::GrpcTls {
-                var: "OTEL_EXPORTER_OTLP_ENDPOINT",
-                url: "https://c:4317".into()
-            }
+            grpc_tls("https://c:4317")
         );
         // Schemeless gRPC: TLS unless INSECURE=true (the OTLP rule); the _TRACES_ one first.
         assert_eq!(
             route(env(&[generic("c:4317"), grpc])),
-            Route::GrpcTls {
-                var: "OTEL_EXPORTER_OTLP_ENDPOINT",
-                url: "https://c:4317".into()
-            }
+            grpc_tls("https://c:4317")
         );
         assert_eq!(
             route(env(&[
@@ -353,10 +344,7 @@ mod tests {
                 ("OTEL_EXPORTER_OTLP_INSECURE", "true"),
                 ("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "false")
             ])),
-            Route::GrpcTls {
-                var: "OTEL_EXPORTER_OTLP_ENDPOINT",
-                url: "https://c:4317".into()
-            }
+            grpc_tls("https://c:4317")
         );
         // The traces variables win over the generic ones.
         assert_eq!(
@@ -387,10 +375,7 @@ mod tests {
                 generic("https://c:4317"),
                 ("OTEL_EXPORTER_OTLP_PROTOCOL", "GRPC")
             ])),
-            Route::GrpcTls {
-                var: "OTEL_EXPORTER_OTLP_ENDPOINT",
-                url: "https://c:4317".into()
-            }
+            grpc_tls("https://c:4317")
         );
         assert_eq!(
             route(env(&[
@@ -405,10 +390,7 @@ mod tests {
                 grpc,
                 ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "bogus")
             ])),
-            Route::GrpcTls {
-                var: "OTEL_EXPORTER_OTLP_ENDPOINT",
-                url: "https://c:4317".into()
-            }
+            grpc_tls("https://c:4317")
         );
         // An empty traces INSECURE is set, and not "true": TLS, whatever the generic one says.
         assert_eq!(
@@ -418,18 +400,12 @@ mod tests {
                 ("OTEL_EXPORTER_OTLP_INSECURE", "true"),
                 ("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "")
             ])),
-            Route::GrpcTls {
-                var: "OTEL_EXPORTER_OTLP_ENDPOINT",
-                url: "https://c:4317".into()
-            }
+            grpc_tls("https://c:4317")
         );
         // IPv6 literals keep their brackets.
         assert_eq!(
             route(env(&[generic("https://[fd00::1]:4317"), grpc])),
-            Route::GrpcTls {
-                var: "OTEL_EXPORTER_OTLP_ENDPOINT",
-                url: "https://[fd00::1]:4317".into()
-            }
+            grpc_tls("https://[fd00::1]:4317")
         );
         assert_eq!(
             parse("OTEL_EXPORTER_OTLP_ENDPOINT", "https://[fd00::1]:4317")

@@ -11,3 +11,15 @@ pub mod exporter;
 pub mod metrics;
 pub mod telemetry;
 pub mod throttle;
+
+/// The environment as a test gives it: `vars`, nothing else.
+#[cfg(test)]
+pub(crate) mod test_env {
+    pub fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        |name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+}

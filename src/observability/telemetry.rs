@@ -214,6 +214,7 @@ fn ids(id: &span::Id) -> Option<(TraceId, SpanId)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::observability::test_env::env;
     use std::sync::{Arc, Mutex};
 
     /// Text log lines written while `log` runs, with ids from a tracer that exports nothing.
@@ -269,14 +270,6 @@ mod tests {
             "{}",
             lines[1]
         );
-    }
-
-    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        |name| {
-            vars.iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, v)| v.to_string())
-        }
     }
 
     #[test]

@@ -34,11 +34,16 @@ pub struct Collector {
 }
 
 impl Collector {
-    /// Receives OTLP/gRPC on a free local port.
-    pub async fn grpc() -> (Self, SocketAddr) {
-        let collector = Collector::default();
+    /// A new collector and a listener on a free local port.
+    async fn listening() -> (Self, tokio::net::TcpListener, SocketAddr) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        (Collector::default(), listener, addr)
+    }
+
+    /// Receives OTLP/gRPC on a free local port.
+    pub async fn grpc() -> (Self, SocketAddr) {
+        let (collector, listener, addr) = Collector::listening().await;
         let service = TraceServiceServer::new(collector.clone());
         tokio::spawn(
             tonic::transport::Server::builder()
@@ -50,21 +55,12 @@ impl Collector {
 
     /// Receives OTLP/HTTP with protobuf bodies on a free local port.
     pub async fn http() -> (Self, SocketAddr) {
-        let collector = Collector::default();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        let (collector, listener, addr) = Collector::listening().await;
         let receiver = collector.clone();
         tokio::spawn(async move {
             while let Ok((socket, _)) = listener.accept().await {
-                let receiver = receiver.clone();
-                let service = hyper::service::service_fn(move |request| {
-                    let receiver = receiver.clone();
-                    async move { Ok::<_, Infallible>(receiver.http_export(request).await) }
-                });
-                tokio::spawn(
-                    hyper::server::conn::http1::Builder::new()
-                        .serve_connection(hyper_util::rt::TokioIo::new(socket), service),
-                );
+                let io = hyper_util::rt::TokioIo::new(socket);
+                tokio::spawn(receiver.clone().serve_http1(io));
             }
         });
         (collector, addr)
@@ -72,9 +68,7 @@ impl Collector {
 
     /// Receives OTLP over TLS with `tls` on a free local port: gRPC (HTTP/2) or HTTP/1.1.
     pub async fn tls(grpc: bool, tls: ServerTls) -> (Self, SocketAddr) {
-        let collector = Collector::default();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        let (collector, listener, addr) = Collector::listening().await;
         let receiver = collector.clone();
         tokio::spawn(async move {
             while let Ok((socket, _)) = listener.accept().await {
@@ -98,13 +92,7 @@ impl Collector {
                         .serve_connection(io, service)
                         .await;
                     } else {
-                        let service = hyper::service::service_fn(move |request| {
-                            let receiver = receiver.clone();
-                            async move { Ok::<_, Infallible>(receiver.http_export(request).await) }
-                        });
-                        let _ = hyper::server::conn::http1::Builder::new()
-                            .serve_connection(io, service)
-                            .await;
+                        receiver.serve_http1(io).await;
                     }
                 });
                 tls.connections
@@ -114,6 +102,20 @@ impl Collector {
             }
         });
         (collector, addr)
+    }
+
+    /// Serves OTLP/HTTP on one HTTP/1.1 connection until it ends.
+    async fn serve_http1<I>(self, io: I)
+    where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    {
+        let service = hyper::service::service_fn(move |request| {
+            let receiver = self.clone();
+            async move { Ok::<_, Infallible>(receiver.http_export(request).await) }
+        });
+        let _ = hyper::server::conn::http1::Builder::new()
+            .serve_connection(io, service)
+            .await;
     }
 
     async fn http_export(

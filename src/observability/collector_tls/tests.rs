@@ -1,14 +1,7 @@
 use super::*;
+use crate::observability::test_env::env;
 use crate::serving::tls::generate;
 use std::path::Path;
-
-fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-    |name| {
-        vars.iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, v)| v.to_string())
-    }
-}
 
 fn file(var: &'static str, path: &Path) -> FileVar {
     FileVar {
