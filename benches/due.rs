@@ -20,6 +20,7 @@
 //!     cargo bench --bench due            # 100 and 1000 Ats, then the outages
 //!     cargo bench --bench due -- --real  # the same burst on a real kube-apiserver (KUBEBUILDER_ASSETS)
 //!     cargo bench --bench due -- --real 100000  # pending Ats and a rolling step on it
+//!     cargo bench --bench due -- --real --rolling 50000  # a rolling replacement of 3 replicas
 //!     cargo bench --bench due -- 5000    # any sizes (no outages)
 //!     cargo bench --bench due -- 100000  # 100,000 pending Ats
 
@@ -33,6 +34,8 @@ mod envtest;
 mod ports;
 #[path = "support/real.rs"]
 mod real;
+#[path = "support/rolling.rs"]
+mod rolling;
 #[path = "support/rss.rs"]
 mod rss;
 
@@ -59,6 +62,10 @@ async fn main() {
         .skip(1)
         .filter_map(|a| a.parse().ok())
         .collect();
+    if std::env::args().any(|a| a == "--rolling") {
+        rolling::run(sizes.first().copied().unwrap_or(50_000)).await;
+        return;
+    }
     if std::env::args().any(|a| a == "--real") {
         let sizes = if sizes.is_empty() {
             vec![100, 1000]

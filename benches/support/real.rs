@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 const CONNECTIONS: usize = 8;
 
 /// The control plane with the CRD installed, and the table's header printed.
-async fn start(header: &str) -> (&'static ControlPlane, Client) {
+pub async fn start(header: &str) -> (&'static ControlPlane, Client) {
     let Some(plane) = envtest::control_plane() else {
         panic!("--real needs a real control plane: run scripts/envtest and set KUBEBUILDER_ASSETS");
     };
@@ -62,7 +62,7 @@ fn bare_pod(name: &str) -> Pod {
     .unwrap()
 }
 
-fn at(name: &str, schedule: chrono::DateTime<chrono::Utc>) -> At {
+pub fn at(name: &str, schedule: chrono::DateTime<chrono::Utc>) -> At {
     serde_json::from_value(json!({
         "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
         "metadata": {"name": name},
@@ -600,7 +600,7 @@ async fn wait_ready(replica: &envtest::Replica, timeout: Duration) {
 }
 
 /// Until `n` Ats have a status.
-async fn watch_statuses(ats: Api<At>, n: usize) {
+pub async fn watch_statuses(ats: Api<At>, n: usize) {
     let mut with_status = std::collections::HashSet::new();
     let stream = watcher(ats, watcher::Config::default()).applied_objects();
     futures::pin_mut!(stream);

@@ -5,55 +5,16 @@
 
 use crate::lifecycle::{at, start_operator};
 use crate::support::envtest::{wait_at, ControlPlane, Replica};
-use base64::Engine;
 use cnat::api::{At, Phase};
-use k8s_openapi::api::admissionregistration::v1::{
-    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
-};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::PostParams;
 use kube::{Api, Client};
 use serde_json::{json, Value};
 use std::time::Duration;
 
-/// The shipped configuration in `webhooks/FILE`, served at `replica` by URL with the CA that
-/// signed its certificate, for Ats in `namespace` only.
-fn configuration(file: &str, replica: &Replica, namespace: &str) -> Value {
-    let path = format!("{}/webhooks/{file}", env!("CARGO_MANIFEST_DIR"));
-    let mut config: Value =
-        serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let ca = std::fs::read(replica.ca()).unwrap();
-    config["metadata"]["name"] = format!("cnat-{namespace}").into();
-    for hook in config["webhooks"].as_array_mut().unwrap() {
-        let path = hook["clientConfig"]["service"]["path"]
-            .as_str()
-            .unwrap()
-            .to_owned();
-        hook["clientConfig"] = json!({
-            "url": format!("https://127.0.0.1:{}{path}", replica.webhook.port()),
-            "caBundle": base64::engine::general_purpose::STANDARD.encode(&ca),
-        });
-        hook["namespaceSelector"] =
-            json!({"matchLabels": {"kubernetes.io/metadata.name": namespace}});
-    }
-    config
-}
-
 async fn register(client: &Client, replica: &Replica, namespace: &str) {
-    let params = PatchParams::apply("cnat-e2e").force();
-    let validating: ValidatingWebhookConfiguration =
-        serde_json::from_value(configuration("validating.yaml", replica, namespace)).unwrap();
-    let name = validating.metadata.name.clone().unwrap();
-    Api::<ValidatingWebhookConfiguration>::all(client.clone())
-        .patch(&name, &params, &Patch::Apply(&validating))
-        .await
-        .unwrap();
-    let mutating: MutatingWebhookConfiguration =
-        serde_json::from_value(configuration("mutating.yaml", replica, namespace)).unwrap();
-    Api::<MutatingWebhookConfiguration>::all(client.clone())
-        .patch(&name, &params, &Patch::Apply(&mutating))
-        .await
-        .unwrap();
+    crate::support::envtest::register_webhooks(client, replica.webhook, &replica.ca(), namespace)
+        .await;
 }
 
 /// A Role in `ns` granting `verbs` on `resources` (group, resource) to `user`.

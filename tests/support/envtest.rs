@@ -708,6 +708,18 @@ impl ControlPlane {
         self.start_replica(identity, lease_namespace, extra, &kubeconfig)
     }
 
+    /// `replica` serving the webhook certificate in folder `certs` (made there by the first
+    /// replica that uses it), as the pods of a Deployment share one Secret.
+    pub fn replica_sharing(
+        &self,
+        identity: &str,
+        lease_namespace: &str,
+        extra: &[&str],
+        certs: &Path,
+    ) -> Replica {
+        self.start(identity, lease_namespace, extra, &self.kubeconfig, Some(certs))
+    }
+
     fn start_replica(
         &self,
         identity: &str,
@@ -716,10 +728,29 @@ impl ControlPlane {
         kubeconfig: &Path,
     ) -> Replica {
         let certs = self.dir.join(format!("certs-{identity}"));
+        self.start(identity, lease_namespace, extra, kubeconfig, Some(&certs))
+    }
+
+    fn start(
+        &self,
+        identity: &str,
+        lease_namespace: &str,
+        extra: &[&str],
+        kubeconfig: &Path,
+        certs: Option<&Path>,
+    ) -> Replica {
+        let certs = certs.map_or_else(|| self.dir.join(format!("certs-{identity}")), Path::to_owned);
         std::fs::create_dir_all(&certs).expect("a certificate folder");
-        let files = cnat::serving::tls::generate("cnat-webhook", "cnat-system", 1)
-            .and_then(|certs_| certs_.write(&certs))
-            .expect("webhook certificates");
+        let files = if certs.join("tls.crt").exists() {
+            cnat::serving::tls::CertFiles {
+                cert: certs.join("tls.crt"),
+                key: certs.join("tls.key"),
+            }
+        } else {
+            cnat::serving::tls::generate("cnat-webhook", "cnat-system", 1)
+                .and_then(|certs_| certs_.write(&certs))
+                .expect("webhook certificates")
+        };
         let log = self.dir.join(format!("{identity}.log"));
         let mut command = Command::new(env!("CARGO_BIN_EXE_cnat"));
         command
@@ -803,6 +834,54 @@ impl Drop for Replica {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Registers the webhook configurations cnat ships (`webhooks/`), pointed by URL at
+/// `https://127.0.0.1:PORT` of `webhook` with the CA in file `ca`, for Ats in `namespace` only.
+pub async fn register_webhooks(
+    client: &Client,
+    webhook: std::net::SocketAddr,
+    ca: &Path,
+    namespace: &str,
+) {
+    use base64::Engine;
+    use k8s_openapi::api::admissionregistration::v1::{
+        MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+    };
+    let ca = std::fs::read(ca).expect("the webhook CA");
+    let configuration = |file: &str| {
+        let path = format!("{}/webhooks/{file}", env!("CARGO_MANIFEST_DIR"));
+        let mut config: serde_json::Value =
+            serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        config["metadata"]["name"] = format!("cnat-{namespace}").into();
+        for hook in config["webhooks"].as_array_mut().unwrap() {
+            let path = hook["clientConfig"]["service"]["path"]
+                .as_str()
+                .unwrap()
+                .to_owned();
+            hook["clientConfig"] = serde_json::json!({
+                "url": format!("https://127.0.0.1:{}{path}", webhook.port()),
+                "caBundle": base64::engine::general_purpose::STANDARD.encode(&ca),
+            });
+            hook["namespaceSelector"] =
+                serde_json::json!({"matchLabels": {"kubernetes.io/metadata.name": namespace}});
+        }
+        config
+    };
+    let params = kube::api::PatchParams::apply("cnat-e2e").force();
+    let validating: ValidatingWebhookConfiguration =
+        serde_json::from_value(configuration("validating.yaml")).unwrap();
+    let name = validating.metadata.name.clone().unwrap();
+    Api::<ValidatingWebhookConfiguration>::all(client.clone())
+        .patch(&name, &params, &kube::api::Patch::Apply(&validating))
+        .await
+        .unwrap();
+    let mutating: MutatingWebhookConfiguration =
+        serde_json::from_value(configuration("mutating.yaml")).unwrap();
+    Api::<MutatingWebhookConfiguration>::all(client.clone())
+        .patch(&name, &params, &kube::api::Patch::Apply(&mutating))
+        .await
+        .unwrap();
 }
 
 /// The holder of Lease `namespace/name`, if any.

@@ -1,0 +1,304 @@
+//! `cargo bench --bench due -- --real --rolling [N]` (default 50,000): a rolling replacement of
+//! three replicas on the real control plane, as a Deployment with `maxSurge: 1` and
+//! `maxUnavailable: 0` does it, while Ats keep coming.
+//!
+//! Three replicas (`cnat run` release binaries sharing one webhook certificate, as the pods of a
+//! Deployment share one Secret) serve the webhooks behind a stand-in for their Service: a TCP
+//! proxy that sends each new connection to a ready replica (by `/readyz`, polled every 500 ms,
+//! as a readiness probe and the endpoints controller would). N Ats are created (due in an hour)
+//! and their PENDING statuses written. Then 5 Ats per second are created through the webhooks,
+//! each due 2 s after its create; meanwhile each old replica in turn is replaced: a new one
+//! starts, and once it is ready the old one gets SIGTERM (it leaves the Service as its
+//! readiness fails, and keeps serving for its shutdown delay). The bench reports failed
+//! creates, pods per At, and how late each of those Ats got its pod (from a pod watch).
+
+use crate::envtest::{self, ControlPlane, Replica};
+use cnat::api::At;
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::PostParams;
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Api, Client};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Ats created per second during the replacement.
+const RATE: u64 = 5;
+/// How long after its create each of those Ats is due.
+const DUE_AFTER: Duration = Duration::from_secs(2);
+
+pub async fn run(n: usize) {
+    let (plane, admin) = crate::real::start("| Ats pending | replicas replaced in | Ats created meanwhile (5/s, due 2 s later) | failed creates | pods per At | pod after due (p50 / worst) | new replicas: ready after start (each) | new replicas' RSS |").await;
+    rolling(plane, &admin, n).await;
+}
+
+/// The Service's endpoints: each replica's admin and webhook address, and whether it is ready.
+#[derive(Clone, Default)]
+struct Service {
+    endpoints: Arc<Mutex<Vec<(SocketAddr, SocketAddr, bool)>>>,
+}
+
+impl Service {
+    /// Listens on a free loopback port and forwards each connection to a ready endpoint, round
+    /// robin; polls every endpoint's `/readyz` every 500 ms.
+    async fn start(&self) -> SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let service = self.clone();
+        tokio::spawn(async move {
+            let mut next = 0usize;
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let ready: Vec<SocketAddr> = service
+                    .endpoints
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|(_, _, ready)| *ready)
+                    .map(|(_, webhook, _)| *webhook)
+                    .collect();
+                if ready.is_empty() {
+                    continue; // dropped: no endpoint, as a Service without ready pods
+                }
+                next = next.wrapping_add(1);
+                let target = ready[next % ready.len()];
+                tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        });
+        let service = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let admins: Vec<SocketAddr> = service
+                    .endpoints
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .map(|(admin, _, _)| *admin)
+                    .collect();
+                for admin in admins {
+                    let ready = ready(admin).await;
+                    for endpoint in service.endpoints.lock().unwrap().iter_mut() {
+                        if endpoint.0 == admin {
+                            endpoint.2 = ready;
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        });
+        addr
+    }
+
+    fn add(&self, replica: &Replica) {
+        let endpoint = (replica.admin, replica.webhook, false);
+        self.endpoints.lock().unwrap().push(endpoint);
+    }
+
+    fn remove(&self, replica: &Replica) {
+        self.endpoints
+            .lock()
+            .unwrap()
+            .retain(|(admin, _, _)| *admin != replica.admin);
+    }
+
+    /// Until `replica` is an endpoint that the Service found ready.
+    async fn wait_ready(&self, replica: &Replica) {
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            let endpoints = self.endpoints.lock().unwrap().clone();
+            if endpoints.iter().any(|(a, _, r)| *a == replica.admin && *r) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{} never ready", replica.identity);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Whether `GET /readyz` on `admin` answers 200.
+async fn ready(admin: SocketAddr) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let asked = async {
+        let mut stream = tokio::net::TcpStream::connect(admin).await.ok()?;
+        stream
+            .write_all(b"GET /readyz HTTP/1.1\r\nHost: cnat\r\nConnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut head = [0u8; 12];
+        stream.read_exact(&mut head).await.ok()?;
+        Some(head.ends_with(b"200"))
+    };
+    tokio::time::timeout(Duration::from_secs(1), asked)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(false)
+}
+
+async fn rolling(plane: &'static ControlPlane, admin: &Client, n: usize) {
+    let ns = plane.namespace(&format!("rolling-{n}"), &[]).await;
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    let certs = plane.dir.join(format!("certs-rolling-{n}"));
+    let flags = [
+        format!("--namespace={ns}"),
+        "--log=warn".to_owned(),
+        // Longer than the Service takes to drop an endpoint that is no longer ready.
+        "--shutdown-delay=2s".to_owned(),
+        "--shutdown-timeout=10s".to_owned(),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let service = Service::default();
+    let mut old: Vec<Replica> = (0..3)
+        .map(|i| plane.replica_sharing(&format!("old-{i}"), &ns, &flags, &certs))
+        .collect();
+    for replica in &old {
+        service.add(replica);
+    }
+    let addr = service.start().await;
+    for replica in &old {
+        service.wait_ready(replica).await;
+    }
+    envtest::register_webhooks(admin, addr, &certs.join("ca.crt"), &ns).await;
+
+    // 1. N pending Ats, their PENDING statuses written.
+    let settled = tokio::spawn(crate::real::watch_statuses(ats.clone(), n));
+    let later = chrono::Utc::now() + chrono::Duration::hours(1);
+    futures::stream::iter(0..n)
+        .for_each_concurrent(16, |i| {
+            let ats = ats.clone();
+            async move {
+                let name = format!("pending-{i:06}");
+                for attempt in 1.. {
+                    match ats.create(&PostParams::default(), &crate::real::at(&name, later)).await {
+                        Ok(_) => return,
+                        Err(kube::Error::Api(s)) if s.code == 409 && attempt > 1 => return,
+                        Err(error) => assert!(attempt < 5, "{name}: {error}"),
+                    }
+                }
+            }
+        })
+        .await;
+    tokio::time::timeout(Duration::from_secs(900), settled)
+        .await
+        .expect("every PENDING status within 15 minutes")
+        .unwrap();
+
+    // 2. Ats keep coming, 5 a second, each due 2 s later; every pod's arrival is watched.
+    let seen: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let watching = tokio::spawn({
+        let (pods, seen) = (pods.clone(), seen.clone());
+        async move {
+            let stream = watcher(pods, watcher::Config::default()).applied_objects();
+            futures::pin_mut!(stream);
+            while let Ok(Some(pod)) = stream.try_next().await {
+                let name = pod.metadata.name.unwrap_or_default();
+                seen.lock().unwrap().entry(name).or_insert_with(Instant::now);
+            }
+        }
+    });
+    let stop = tokio_util::sync::CancellationToken::new();
+    let load = tokio::spawn({
+        let (ats, stop) = (ats.clone(), stop.clone());
+        async move {
+            let mut sent = Vec::new();
+            let mut tick = tokio::time::interval(Duration::from_millis(1000 / RATE));
+            for i in 0.. {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tick.tick() => {}
+                }
+                let name = format!("steady-{i:05}");
+                let due_instant = Instant::now() + DUE_AFTER;
+                let due = chrono::Utc::now() + chrono::Duration::from_std(DUE_AFTER).unwrap();
+                // Sent on its own: a slow answer does not hold back the next create.
+                let (ats, at) = (ats.clone(), crate::real::at(&name, due));
+                let answer = tokio::spawn(async move {
+                    ats.create(&PostParams::default(), &at).await.map(|_| ())
+                });
+                sent.push((name, due_instant, answer));
+            }
+            let mut created = Vec::new();
+            let mut failed = Vec::new();
+            for (name, due, answer) in sent {
+                match answer.await {
+                    Ok(Ok(())) => created.push((name, due)),
+                    Ok(Err(error)) => failed.push(format!("{name}: {error}")),
+                    Err(error) => failed.push(format!("{name}: {error}")),
+                }
+            }
+            (created, failed)
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(5)).await;
+
+    // 3. The rolling replacement: one new replica at a time, the old one stopped once it is ready.
+    let replacing = Instant::now();
+    let mut new: Vec<Replica> = Vec::new();
+    let mut ready_after = Vec::new();
+    for (i, retiring) in old.iter_mut().enumerate() {
+        let spawned = Instant::now();
+        let replica = plane.replica_sharing(&format!("new-{i}"), &ns, &flags, &certs);
+        service.add(&replica);
+        service.wait_ready(&replica).await;
+        ready_after.push(spawned.elapsed());
+        new.push(replica);
+        retiring.terminate();
+        let exited = Instant::now();
+        while retiring.child.try_wait().ok().flatten().is_none() {
+            assert!(exited.elapsed() < Duration::from_secs(30), "{} never exited", retiring.identity);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        service.remove(retiring);
+    }
+    let replaced = replacing.elapsed();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stop.cancel();
+    let (created, failed) = load.await.unwrap();
+
+    // 4. Every one of them ran, once, and how late.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let all_seen = || {
+        let seen = seen.lock().unwrap();
+        created.iter().all(|(name, _)| seen.contains_key(&format!("{name}-pod")))
+    };
+    while !all_seen() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    watching.abort();
+    let seen = seen.lock().unwrap().clone();
+    let mut late: Vec<Duration> = created
+        .iter()
+        .filter_map(|(name, due)| Some(seen.get(&format!("{name}-pod"))?.saturating_duration_since(*due)))
+        .collect();
+    late.sort();
+    let missing = created.len() - late.len();
+    let listed = pods.list(&Default::default()).await.unwrap().items;
+    let per_at = listed.len() as f64 / created.len().max(1) as f64;
+    let rss: Vec<String> = new
+        .iter()
+        .map(|r| format!("{:.0}", crate::rss::rss_kib(&r.child.id().to_string()) as f64 / 1024.0))
+        .collect();
+    let ready_after: Vec<String> = ready_after.iter().map(|d| format!("{d:.1?}")).collect();
+    println!(
+        "| {n} | {replaced:.1?} | {} ({missing} without a pod) | {} | {per_at:.2} ({} pods) | {:.0?} / {:.0?} | {} | {} MiB |",
+        created.len() + failed.len(),
+        failed.len(),
+        listed.len(),
+        late.get(late.len() / 2).copied().unwrap_or_default(),
+        late.last().copied().unwrap_or_default(),
+        ready_after.join(", "),
+        rss.join(", "),
+    );
+    for failure in failed.iter().take(5) {
+        println!("  failed: {failure}");
+    }
+    for replica in old.iter_mut().chain(new.iter_mut()) {
+        replica.kill();
+    }
+}
