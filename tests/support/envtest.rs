@@ -717,7 +717,13 @@ impl ControlPlane {
         extra: &[&str],
         certs: &Path,
     ) -> Replica {
-        self.start(identity, lease_namespace, extra, &self.kubeconfig, Some(certs))
+        self.start_replica_with(
+            identity,
+            lease_namespace,
+            extra,
+            &self.kubeconfig,
+            Some(certs),
+        )
     }
 
     fn start_replica(
@@ -727,31 +733,43 @@ impl ControlPlane {
         extra: &[&str],
         kubeconfig: &Path,
     ) -> Replica {
-        let certs = self.dir.join(format!("certs-{identity}"));
-        self.start(identity, lease_namespace, extra, kubeconfig, Some(&certs))
+        self.start_replica_with(identity, lease_namespace, extra, kubeconfig, None)
     }
 
-    fn start(
+    /// Starts a replica with the certificates in `shared` (made there, whole, if missing), or
+    /// with its own. Each start has its own log and certificate folder, also when tests on one
+    /// control plane use the same identity at once.
+    fn start_replica_with(
         &self,
         identity: &str,
         lease_namespace: &str,
         extra: &[&str],
         kubeconfig: &Path,
-        certs: Option<&Path>,
+        shared: Option<&Path>,
     ) -> Replica {
-        let certs = certs.map_or_else(|| self.dir.join(format!("certs-{identity}")), Path::to_owned);
-        std::fs::create_dir_all(&certs).expect("a certificate folder");
-        let files = if certs.join("tls.crt").exists() {
-            cnat::serving::tls::CertFiles {
-                cert: certs.join("tls.crt"),
-                key: certs.join("tls.key"),
-            }
-        } else {
+        static STARTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let start = STARTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let certs = shared.map_or_else(
+            || self.dir.join(format!("certs-{identity}-{start}")),
+            Path::to_owned,
+        );
+        if !certs.join("tls.key").exists() {
+            // Written aside, then renamed into place: a replica sharing the folder never sees
+            // half of it.
+            let aside = self.dir.join(format!("certs-{identity}-{start}.new"));
             cnat::serving::tls::generate("cnat-webhook", "cnat-system", 1)
-                .and_then(|certs_| certs_.write(&certs))
-                .expect("webhook certificates")
+                .and_then(|made| made.write(&aside))
+                .expect("webhook certificates");
+            if std::fs::rename(&aside, &certs).is_err() {
+                // Another start made it first: use theirs.
+                let _ = std::fs::remove_dir_all(&aside);
+            }
+        }
+        let files = cnat::serving::tls::CertFiles {
+            cert: certs.join("tls.crt"),
+            key: certs.join("tls.key"),
         };
-        let log = self.dir.join(format!("{identity}.log"));
+        let log = self.dir.join(format!("{identity}-{start}.log"));
         let mut command = Command::new(env!("CARGO_BIN_EXE_cnat"));
         command
             .arg("run")
