@@ -9,7 +9,7 @@
 //! and the previous contents kept. At start, a file that is missing, unreadable or not PEM stops
 //! the start with one line naming the variable, the file and the problem.
 
-use crate::observability::throttle::Throttle;
+use crate::observability::throttle::{Throttle, REPORT_EVERY};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::{ResolvesClientCert, WebPkiServerVerifier};
 use rustls::crypto::CryptoProvider;
@@ -21,9 +21,6 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use thiserror::Error;
 use tracing::{info, warn};
-
-/// How often a failing collector or broken file is reported at most.
-const REPORT_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The CA bundle variables, the most specific first.
 pub const CA_VARS: [&str; 2] = [

@@ -9,7 +9,7 @@
 //! does not fit its queue).
 
 use super::collector_tls::{self, TlsFileError, TlsFiles};
-use super::throttle::Throttle;
+use super::throttle::{Throttle, REPORT_EVERY};
 use opentelemetry_otlp::{WithExportConfig, WithHttpConfig, WithTonicConfig};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{SpanData, SpanExporter};
@@ -128,62 +128,51 @@ fn timeout(var: impl Fn(&str) -> Option<String>) -> Duration {
 pub fn build() -> Result<Reported<opentelemetry_otlp::SpanExporter>, Error> {
     let var = |name: &str| std::env::var(name).ok();
     let builder = opentelemetry_otlp::SpanExporter::builder();
+    let (name, url, grpc) = match route(var) {
+        Route::Library => {
+            return Ok(Reported {
+                exporter: builder.build()?,
+                tls: None,
+                complaints: Throttle::every(REPORT_EVERY),
+            })
+        }
+        Route::GrpcTls { var, url } => (var, url, true),
+        Route::HttpTls { var, url } => (var, url, false),
+    };
+    let config = collector_tls::client_config(TlsFiles::from_env(var)?)?;
+    let uri = parse(name, &url)?;
     let runtime = tokio::runtime::Handle::current();
-    let (exporter, tls) = match route(var) {
-        Route::Library => (builder.build()?, None),
-        Route::GrpcTls { var: name, url } => {
-            let config = collector_tls::client_config(TlsFiles::from_env(var)?)?;
-            let uri = parse(name, &url)?;
-            let connector = hyper_rustls::HttpsConnectorBuilder::new()
-                .with_tls_config((*config).clone())
-                .https_only()
-                .enable_http2()
-                .build();
-            let channel = tonic::transport::Endpoint::from(uri.clone())
-                .timeout(timeout(var))
-                .connect_with_connector_lazy(connector);
-            let exporter = builder.with_tonic().with_channel(channel).build()?;
-            (
-                exporter,
-                Some(Diagnosis {
-                    config: with_alpn(&config, b"h2"),
-                    uri,
-                    runtime,
-                }),
-            )
-        }
-        Route::HttpTls { var: name, url } => {
-            let config = collector_tls::client_config(TlsFiles::from_env(var)?)?;
-            let uri = parse(name, &url)?;
-            let connector = hyper_rustls::HttpsConnectorBuilder::new()
-                .with_tls_config((*config).clone())
-                .https_only()
-                .enable_http1()
-                .build();
-            let client = opentelemetry_http::hyper::HyperClient::new(connector, timeout(var), None);
-            let on_runtime = OnRuntime {
-                runtime: runtime.clone(),
-                client: Arc::new(client),
-            };
-            let exporter = builder
-                .with_http()
-                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
-                .with_http_client(on_runtime)
-                .build()?;
-            (
-                exporter,
-                Some(Diagnosis {
-                    config: with_alpn(&config, b"http/1.1"),
-                    uri,
-                    runtime,
-                }),
-            )
-        }
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config((*config).clone())
+        .https_only();
+    let (exporter, alpn): (_, &[u8]) = if grpc {
+        let channel = tonic::transport::Endpoint::from(uri.clone())
+            .timeout(timeout(var))
+            .connect_with_connector_lazy(connector.enable_http2().build());
+        let exporter = builder.with_tonic().with_channel(channel).build()?;
+        (exporter, b"h2")
+    } else {
+        let connector = connector.enable_http1().build();
+        let client = opentelemetry_http::hyper::HyperClient::new(connector, timeout(var), None);
+        let on_runtime = OnRuntime {
+            runtime: runtime.clone(),
+            client: Arc::new(client),
+        };
+        let exporter = builder
+            .with_http()
+            .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+            .with_http_client(on_runtime)
+            .build()?;
+        (exporter, b"http/1.1")
     };
     Ok(Reported {
         exporter,
-        tls,
-        complaints: Throttle::every(Duration::from_secs(60)),
+        tls: Some(Diagnosis {
+            config: with_alpn(&config, alpn),
+            uri,
+            runtime,
+        }),
+        complaints: Throttle::every(REPORT_EVERY),
     })
 }
 

@@ -4,6 +4,9 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// How often a failing collector or a broken file is reported at most.
+pub const REPORT_EVERY: Duration = Duration::from_secs(60);
+
 /// Allows one report per `every`; the clock is the caller's (`allow(now)`).
 #[derive(Debug)]
 pub struct Throttle {

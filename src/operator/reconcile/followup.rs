@@ -26,8 +26,9 @@ const QUIET: std::time::Duration = std::time::Duration::from_millis(20);
 const MAX_DEFER: std::time::Duration = std::time::Duration::from_secs(2);
 /// Events published at once (each one API request), in as many lanes.
 const TELLERS: usize = 8;
-/// Events waiting behind writes; past this they are dropped and counted
-/// (`cnat_events_dropped_total`): the At's status holds the same facts.
+/// Events waiting behind writes, in all lanes together (each holds its `TELLERS`th part); past
+/// a lane's part they are dropped and counted (`cnat_events_dropped_total`): the At's status
+/// holds the same facts.
 pub const MAX_TELLINGS: usize = 4096;
 
 /// Counts work in flight (or queued) of one priority; lower priorities wait until it is idle.
