@@ -6,6 +6,7 @@
 //!     cargo bench --bench cache            # 100,000 Ats
 //!     cargo bench --bench cache -- 20000
 
+#[allow(dead_code)] // the benches use part of it
 #[path = "support/rss.rs"]
 mod rss;
 

@@ -22,6 +22,9 @@ mod kube_admission_example;
 #[allow(dead_code)] // the benches use part of it
 #[path = "../tests/support/ports.rs"]
 mod ports;
+#[allow(dead_code)] // the benches use part of it
+#[path = "support/rss.rs"]
+mod rss;
 
 use apiserver::ApiServer;
 use std::net::TcpListener;
@@ -52,6 +55,8 @@ async fn main() {
     let server = ApiServer::new();
     let kubeconfig = dir.join("kubeconfig");
     std::fs::create_dir_all(&dir).unwrap();
+    // The control plane's processes, whose CPU time each round reports (none with the fake).
+    let mut plane_processes = Vec::new();
     if real {
         // The escalation guard's SubjectAccessReviews go to a real kube-apiserver.
         let plane = envtest::control_plane().expect(
@@ -59,6 +64,10 @@ async fn main() {
         );
         std::fs::copy(&plane.kubeconfig, &kubeconfig).unwrap();
         envtest::install_crd(&plane.admin().await, &cnat::api::crd_yaml()).await;
+        // A new CRD has the server rebuild its OpenAPI and discovery, seconds of both cores:
+        // let that pass, so the first round measures cnat's first requests, not that.
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        plane_processes = rss::processes_under(&plane.dir);
         println!("The escalation guard asks a real kube-apiserver v1.24 (envtest).");
     } else {
         std::fs::write(
@@ -121,8 +130,14 @@ async fn main() {
             "mutating-create.json",
         ),
     ];
-    println!("| round | webhook | requests/s | p50 | p99 | server CPU per review |");
-    println!("|---|---|---|---|---|---|");
+    println!("| round | webhook | requests/s | p50 | p99 | server CPU per review | wrk's CPU (of one core) | control plane's CPU (of one core) |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let plane_cpu = || -> f64 {
+        plane_processes
+            .iter()
+            .map(|(_, pid)| rss::cpu_seconds(*pid))
+            .sum()
+    };
     let mut ratios = Vec::new();
     for round in 1..=ROUNDS {
         let mut measured = Vec::new();
@@ -142,9 +157,12 @@ async fn main() {
             ];
             wrk.extend(extra.iter().map(String::as_str));
             wrk.push(&url);
-            let cpu_before = cpu_seconds(server.id());
+            let cpu_before = rss::cpu_seconds(server.id());
+            let (wrk_before, plane_before) = (children_cpu_seconds(), plane_cpu());
             let report = run(&wrk);
-            let cpu = cpu_seconds(server.id()) - cpu_before;
+            let wrk_cpu = children_cpu_seconds() - wrk_before;
+            let plane_cpu = plane_cpu() - plane_before;
+            let cpu = rss::cpu_seconds(server.id()) - cpu_before;
             assert!(!report.contains("Non-2xx"), "{label}: {report}");
             assert!(!report.contains("Socket errors"), "{label}: {report}");
             // "123456 requests in 10.10s, ...": the count comes before the words.
@@ -159,11 +177,13 @@ async fn main() {
                 cpu_us: cpu * 1e6 / requests,
             };
             println!(
-                "| {round} | {label} | {:.0} | {} | {} | {:.1} µs |",
+                "| {round} | {label} | {:.0} | {} | {} | {:.1} µs | {:.0}% | {:.0}% |",
                 figures.rate,
                 field(&report, "50%"),
                 field(&report, "99%"),
-                figures.cpu_us
+                figures.cpu_us,
+                wrk_cpu / wrk_seconds(&report) * 100.0,
+                plane_cpu / wrk_seconds(&report) * 100.0
             );
             measured.push(figures);
         }
@@ -205,13 +225,26 @@ struct Figures {
     cpu_us: f64,
 }
 
-/// User plus system CPU time a process has used, from `/proc/PID/stat` (clock ticks of 10 ms).
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    // Fields after the command name (which is in parentheses and may hold spaces).
-    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
-    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
-    ticks / 100.0
+/// How long wrk ran: "123456 requests in 10.10s, ...".
+fn wrk_seconds(report: &str) -> f64 {
+    report
+        .lines()
+        .find_map(|l| l.split(" requests in ").nth(1))
+        .and_then(|rest| rest.split(',').next()?.strip_suffix('s')?.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// CPU seconds (user and system) of this process's children that have ended: around a wrk run,
+/// what wrk used.
+fn children_cpu_seconds() -> f64 {
+    // SAFETY: getrusage only writes the struct it is given.
+    let usage = unsafe {
+        let mut usage = std::mem::zeroed::<libc::rusage>();
+        libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage);
+        usage
+    };
+    let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    seconds(usage.ru_utime) + seconds(usage.ru_stime)
 }
 
 fn free_port() -> u16 {

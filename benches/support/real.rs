@@ -512,11 +512,21 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
         .load(std::sync::atomic::Ordering::SeqCst)
         .max(old_settled);
 
-    // 2. A cold replica.
+    // 2. A cold replica, and what every process spent meanwhile (CPU seconds).
+    let mut busy: Vec<(String, u32)> = crate::rss::processes_under(&plane.dir);
+    busy.push(("old leader".into(), old.child.id()));
+    let before: Vec<f64> = busy.iter().map(|(_, pid)| crate::rss::cpu_seconds(*pid)).collect();
     let spawned = Instant::now();
     let mut new = plane.replica(&format!("new-{n}"), &ns, &flags);
     wait_ready(&new, Duration::from_secs(600)).await;
     let cached_after = spawned.elapsed();
+    let spent: Vec<String> = busy
+        .iter()
+        .zip(&before)
+        .map(|((name, pid), before)| format!("{name} {:.1} s", crate::rss::cpu_seconds(*pid) - before))
+        .chain([format!("new replica {:.1} s", crate::rss::cpu_seconds(new.child.id()))])
+        .collect();
+    eprintln!("CPU while the cold replica listed ({cached_after:.1?}): {}", spent.join(", "));
     let new_ready_rss = rss(&new);
     let logged = new
         .log_text()

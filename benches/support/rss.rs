@@ -9,3 +9,38 @@ pub fn rss_kib(pid: &str) -> u64 {
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .unwrap()
 }
+
+/// User plus system CPU seconds process `pid` has used, from `/proc/PID/stat` (0 once it is
+/// gone).
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    let ticks = |i: usize| fields[i].parse::<f64>().unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// The processes whose command line names `dir` (a control plane's folder: its etcd,
+/// kube-apiserver and kube-controller-manager), by their program's name.
+pub fn processes_under(dir: &std::path::Path) -> Vec<(String, u32)> {
+    let dir = dir.to_string_lossy();
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        if cmdline.contains(dir.as_ref()) {
+            let program = cmdline.split('\0').next().unwrap_or_default();
+            let name = program.rsplit('/').next().unwrap_or(program).to_owned();
+            found.push((name, pid));
+        }
+    }
+    found.sort();
+    found
+}

@@ -178,7 +178,9 @@ pub async fn serve(
     let acceptor = RustlsAcceptor::new(tls)
         .handshake_timeout(HANDSHAKE_TIMEOUT)
         .acceptor(guard::Capped::new(
-            axum_server::accept::DefaultAcceptor::new(),
+            // TCP_NODELAY: an answer goes out as the TLS layer writes it, not held back waiting
+            // for the ACK of the one before (Nagle), which shows as tail latency.
+            axum_server::accept::NoDelayAcceptor::new(),
             limits.max_connections,
         ));
     let mut server = axum_server::from_tcp(listener)?
