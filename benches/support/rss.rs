@@ -22,8 +22,8 @@ pub fn cpu_seconds(pid: u32) -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
-/// The processes whose command line names `dir` (a control plane's folder: its etcd,
-/// kube-apiserver and kube-controller-manager), by their program's name.
+/// The control plane whose folder is `dir`: its etcd, kube-apiserver and
+/// kube-controller-manager, by their program's name.
 pub fn processes_under(dir: &std::path::Path) -> Vec<(String, u32)> {
     let dir = dir.to_string_lossy();
     let mut found = Vec::new();
@@ -35,9 +35,10 @@ pub fn processes_under(dir: &std::path::Path) -> Vec<(String, u32)> {
             continue;
         };
         let cmdline = String::from_utf8_lossy(&cmdline);
-        if cmdline.contains(dir.as_ref()) {
-            let program = cmdline.split('\0').next().unwrap_or_default();
-            let name = program.rsplit('/').next().unwrap_or(program).to_owned();
+        let program = cmdline.split('\0').next().unwrap_or_default();
+        let name = program.rsplit('/').next().unwrap_or(program).to_owned();
+        // Replicas name the folder too (their kubeconfig): only the control plane's own.
+        if cmdline.contains(dir.as_ref()) && (name == "etcd" || name.starts_with("kube-")) {
             found.push((name, pid));
         }
     }

@@ -8,6 +8,7 @@
 //! - `pod`: the pod an At runs in: name, labels, spec and the summary `decide` reads; pure.
 //! - `policy`: operator-wide run policy (`cnat run --default-*`) for what an At leaves out.
 //! - `cache`: the Ats as every replica caches them, leader or not (compact `CachedAt`).
+//! - `spare`: gives back the table a per-At map grew to in a burst.
 
 pub mod cache;
 pub mod contain;
@@ -17,3 +18,4 @@ pub mod pod;
 pub mod policy;
 pub mod reachability;
 pub mod reconcile;
+pub mod spare;

@@ -12,6 +12,7 @@ use crate::operator::contain::{Panicked, Quarantine};
 use crate::operator::events::EventSink;
 use crate::operator::policy::RunPolicy;
 use crate::operator::reachability::{self, Reachability};
+use crate::operator::spare::shrink_if_sparse;
 use crate::{operator::pod, schedule};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
@@ -100,6 +101,15 @@ impl Error {
     }
 }
 
+/// Removes `at_key`'s entry from a per-At map, giving back the map's spare room once it is
+/// mostly empty (after a burst).
+fn forget<V>(map: &Mutex<HashMap<String, V>>, at_key: &str) {
+    let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
+    if map.remove(at_key).is_some() {
+        shrink_if_sparse(&mut map);
+    }
+}
+
 /// The wall clock, injected so tests control time.
 pub type Clock = Box<dyn Fn() -> DateTime<Utc> + Send + Sync>;
 
@@ -178,14 +188,8 @@ impl Context {
     /// Drops everything kept for a deleted At: its backoff, its last write, its wakeup.
     pub fn forget(&self, at: &ObjectRef<At>) {
         let at_key = at_ref_key(at);
-        self.failures
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&at_key);
-        self.superseded
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&at_key);
+        forget(&self.failures, &at_key);
+        forget(&self.superseded, &at_key);
         self.quarantine.remove(&at_key);
         self.wakeups.clear(at);
     }
@@ -458,8 +462,8 @@ impl Context {
             .get(&at_key)
             .filter(|(rv, _)| Some(rv) == at.resource_version().as_ref())
             .map(|(_, phase)| *phase);
-        if written.is_none() {
-            superseded.remove(&at_key);
+        if written.is_none() && superseded.remove(&at_key).is_some() {
+            shrink_if_sparse(&mut superseded);
         }
         written
     }
@@ -703,10 +707,7 @@ impl Context {
     /// Resets the backoff and returns when to look again, shortened by the time spent since
     /// `decided_at`.
     fn succeeded(&self, at: &At, decision: &Decision, decided_at: DateTime<Utc>) -> Action {
-        self.failures
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&key(at));
+        forget(&self.failures, &key(at));
         let span = Span::current();
         let after = decision.status.as_ref().map_or(at.phase(), |s| s.phase);
         span.record("phase.after", after.as_str());
@@ -760,10 +761,7 @@ impl Context {
     }
 
     fn forget_write(&self, at: &At) {
-        self.superseded
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&key(at));
+        forget(&self.superseded, &key(at));
     }
 
     fn remember_write(&self, at: &At, phase: Phase) {

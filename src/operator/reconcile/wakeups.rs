@@ -10,6 +10,7 @@
 use super::decide::{decide, Action, PodObservation};
 use crate::api::At;
 use crate::operator::policy::RunPolicy;
+use crate::operator::spare::shrink_if_sparse;
 use chrono::{DateTime, Utc};
 use kube::runtime::reflector::ObjectRef;
 use std::collections::{BTreeMap, HashMap};
@@ -102,6 +103,7 @@ impl Wakeups {
         let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(key) = index.by_at.remove(&Key::of(at)) {
             index.by_time.remove(&key);
+            shrink_if_sparse(&mut index.by_at);
         }
     }
 
@@ -119,6 +121,7 @@ impl Wakeups {
                 index.by_time.remove(&entry);
             }
         }
+        shrink_if_sparse(&mut index.by_at);
     }
 
     /// Entries now.
@@ -146,6 +149,7 @@ impl Wakeups {
             index.by_at.remove(&at);
             due.push(at.at());
         }
+        shrink_if_sparse(&mut index.by_at);
         let next = index.by_time.keys().next().map(|(when, _)| *when);
         (due, next)
     }
