@@ -169,24 +169,21 @@ impl AccessReviewer {
         }
     }
 
+    /// The verdict from a cached answer, without waiting: `None` when there is none (then
+    /// `check`). An answer past half its life is refreshed in the background.
+    pub fn cached(&self, user: &UserInfo, namespace: &str) -> Option<Result<(), String>> {
+        let key = Key::new(user, namespace);
+        let answer = self.fresh(&mut self.inner.lock(), key, user, namespace)?;
+        Some(self.verdict(user, namespace, answer))
+    }
+
     /// `Ok` when `user` may create pods in `namespace`, else the denial message.
     pub async fn check(&self, user: &UserInfo, namespace: &str) -> Result<(), String> {
         let key = Key::new(user, namespace);
-        let ttl = self.inner.settings.cache_ttl;
-        let now = Instant::now();
         let asking = {
             let mut reviews = self.inner.lock();
-            if let Some((asked, answer)) = reviews.answers.get(&key) {
-                let age = now.duration_since(*asked);
-                if age < ttl {
-                    let answer = answer.clone();
-                    if age >= ttl / 2 && !reviews.asking.contains_key(&key) {
-                        let refresh = Inner::ask(&self.inner, key.clone(), user, namespace);
-                        reviews.asking.insert(key, refresh.clone());
-                        tokio::spawn(refresh);
-                    }
-                    return self.verdict(user, namespace, answer);
-                }
+            if let Some(answer) = self.fresh(&mut reviews, key.clone(), user, namespace) {
+                return self.verdict(user, namespace, answer);
             }
             match reviews.asking.get(&key) {
                 Some(asking) => asking.clone(),
@@ -202,6 +199,30 @@ impl AccessReviewer {
         };
         let answer = asking.await;
         self.verdict(user, namespace, answer)
+    }
+
+    /// The cached answer for `key` if younger than the TTL; past half its life, a refresh is
+    /// started (one at a time).
+    fn fresh(
+        &self,
+        reviews: &mut Reviews,
+        key: Key,
+        user: &UserInfo,
+        namespace: &str,
+    ) -> Option<Reviewed> {
+        let ttl = self.inner.settings.cache_ttl;
+        let (asked, answer) = reviews.answers.get(&key)?;
+        let age = Instant::now().duration_since(*asked);
+        if age >= ttl {
+            return None;
+        }
+        let answer = answer.clone();
+        if age >= ttl / 2 && !reviews.asking.contains_key(&key) {
+            let refresh = Inner::ask(&self.inner, key.clone(), user, namespace);
+            reviews.asking.insert(key, refresh.clone());
+            tokio::spawn(refresh);
+        }
+        Some(answer)
     }
 
     fn verdict(&self, user: &UserInfo, namespace: &str, answer: Reviewed) -> Result<(), String> {
