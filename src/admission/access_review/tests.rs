@@ -271,3 +271,32 @@ async fn a_review_whose_requests_went_away_still_ends_and_never_answers_a_later_
     drop(reviewer);
     assert_eq!(task.await.unwrap().len(), 2);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_cached_answer_is_given_without_waiting_and_refreshed_and_none_past_its_life() {
+    let (client, task) = server(vec![
+        Some((201, fixture("subjectaccessreview-allowed.json"))),
+        // The RoleBinding was removed meanwhile.
+        Some((201, fixture("subjectaccessreview-denied.json"))),
+    ]);
+    let ttl = Settings::default().cache_ttl;
+    let reviewer = AccessReviewer::new(client, Settings::default());
+    assert_eq!(reviewer.cached(&alice(), "fx"), None, "nothing asked yet");
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    assert_eq!(reviewer.cached(&alice(), "fx"), Some(Ok(())));
+    assert_eq!(reviewer.cached(&alice(), "other"), None, "per namespace");
+    // Past half its life: still given, and a refresh is asked in the background.
+    tokio::time::advance(ttl / 2).await;
+    assert_eq!(reviewer.cached(&alice(), "fx"), Some(Ok(())));
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let refreshed = reviewer.cached(&alice(), "fx").expect("the refreshed answer");
+    assert!(
+        refreshed.unwrap_err().starts_with("alice may not create pods"),
+        "the refresh's answer replaces the first"
+    );
+    // Past the refreshed answer's life, nothing is given: `check` asks again.
+    tokio::time::advance(ttl).await;
+    assert_eq!(reviewer.cached(&alice(), "fx"), None);
+    drop(reviewer);
+    assert_eq!(task.await.unwrap().len(), 2, "one review and one refresh");
+}
