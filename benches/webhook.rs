@@ -132,7 +132,7 @@ async fn main() {
     ];
     println!("| round | webhook | requests/s | p50 | p99 | server CPU per review | wrk's CPU (of one core) | control plane's CPU (of one core) |");
     println!("|---|---|---|---|---|---|---|---|");
-    let plane_cpu = || -> f64 {
+    let plane_cpu_seconds = || -> f64 {
         plane_processes
             .iter()
             .map(|(_, pid)| rss::cpu_seconds(*pid))
@@ -158,10 +158,10 @@ async fn main() {
             wrk.extend(extra.iter().map(String::as_str));
             wrk.push(&url);
             let cpu_before = rss::cpu_seconds(server.id());
-            let (wrk_before, plane_before) = (children_cpu_seconds(), plane_cpu());
+            let (wrk_before, plane_before) = (children_cpu_seconds(), plane_cpu_seconds());
             let report = run(&wrk);
             let wrk_cpu = children_cpu_seconds() - wrk_before;
-            let plane_cpu = plane_cpu() - plane_before;
+            let plane_cpu = plane_cpu_seconds() - plane_before;
             let cpu = rss::cpu_seconds(server.id()) - cpu_before;
             assert!(!report.contains("Non-2xx"), "{label}: {report}");
             assert!(!report.contains("Socket errors"), "{label}: {report}");

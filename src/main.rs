@@ -23,9 +23,9 @@ use tokio::time::{sleep_until, timeout, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-/// mimalloc instead of the C library's allocator, in every build (glibc or the image's static
-/// musl): musl's allocator is slow for an allocation-heavy server, glibc's keeps freed memory in
-/// per-thread arenas; README "Memory" has the figures.
+/// mimalloc instead of the C library's allocator, so every build (glibc here, the image's static
+/// musl) allocates alike and the measured figures hold for the image; README "Memory" says what
+/// it changed.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -647,6 +647,7 @@ fn by_default_metrics_have_a_service_and_no_traces_are_exported() {
     assert_eq!(env["CNAT_ADMIN_ADDR"], "[::]:8080");
     assert_eq!(env["CNAT_WEBHOOK_ADDR"], "[::]:8443");
     assert_eq!(env["CNAT_LOG_FORMAT"], "json");
+    assert_eq!(env["MIMALLOC_PURGE_DELAY"], "0");
     assert_eq!(env["OTEL_SERVICE_NAME"], "cnat");
     assert_eq!(env["OTEL_TRACES_SAMPLER"], "parentbased_traceidratio");
     assert_eq!(env["OTEL_TRACES_SAMPLER_ARG"], "1");

@@ -515,7 +515,10 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
     // 2. A cold replica, and what every process spent meanwhile (CPU seconds).
     let mut busy: Vec<(String, u32)> = crate::rss::processes_under(&plane.dir);
     busy.push(("old leader".into(), old.child.id()));
-    let before: Vec<f64> = busy.iter().map(|(_, pid)| crate::rss::cpu_seconds(*pid)).collect();
+    let before: Vec<f64> = busy
+        .iter()
+        .map(|(_, pid)| crate::rss::cpu_seconds(*pid))
+        .collect();
     let spawned = Instant::now();
     let mut new = plane.replica(&format!("new-{n}"), &ns, &flags);
     wait_ready(&new, Duration::from_secs(600)).await;
@@ -523,10 +526,18 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
     let spent: Vec<String> = busy
         .iter()
         .zip(&before)
-        .map(|((name, pid), before)| format!("{name} {:.1} s", crate::rss::cpu_seconds(*pid) - before))
-        .chain([format!("new replica {:.1} s", crate::rss::cpu_seconds(new.child.id()))])
+        .map(|((name, pid), before)| {
+            format!("{name} {:.1} s", crate::rss::cpu_seconds(*pid) - before)
+        })
+        .chain([format!(
+            "new replica {:.1} s",
+            crate::rss::cpu_seconds(new.child.id())
+        )])
         .collect();
-    eprintln!("CPU while the cold replica listed ({cached_after:.1?}): {}", spent.join(", "));
+    eprintln!(
+        "CPU while the cold replica listed ({cached_after:.1?}): {}",
+        spent.join(", ")
+    );
     let new_ready_rss = rss(&new);
     let logged = new
         .log_text()

@@ -25,7 +25,8 @@ pub fn cpu_seconds(pid: u32) -> f64 {
 /// The control plane whose folder is `dir`: its etcd, kube-apiserver and
 /// kube-controller-manager, by their program's name.
 pub fn processes_under(dir: &std::path::Path) -> Vec<(String, u32)> {
-    let dir = dir.to_string_lossy();
+    // With the separator: a folder `...-1` must not match `...-10`.
+    let dir = format!("{}/", dir.display());
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
@@ -38,7 +39,7 @@ pub fn processes_under(dir: &std::path::Path) -> Vec<(String, u32)> {
         let program = cmdline.split('\0').next().unwrap_or_default();
         let name = program.rsplit('/').next().unwrap_or(program).to_owned();
         // Replicas name the folder too (their kubeconfig): only the control plane's own.
-        if cmdline.contains(dir.as_ref()) && (name == "etcd" || name.starts_with("kube-")) {
+        if cmdline.contains(&dir) && (name == "etcd" || name.starts_with("kube-")) {
             found.push((name, pid));
         }
     }

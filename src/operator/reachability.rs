@@ -55,7 +55,8 @@ impl<T: Eq + Hash> Reachability<T> {
 
     fn take(&self) -> Vec<T> {
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        waiting.drain().collect()
+        // Taken whole, not drained: after an outage the set would keep room for every At.
+        std::mem::take(&mut *waiting).into_iter().collect()
     }
 
     /// Runs forever: while anything waits, calls `ask` every `every`; once `ask` returns true

@@ -35,7 +35,10 @@ mod tests {
             "{} slots left for 10",
             map.capacity()
         );
-        assert!((99_990..100_000).all(|i| map.get(&i) == Some(&i)), "what is left is kept");
+        assert!(
+            (99_990..100_000).all(|i| map.get(&i) == Some(&i)),
+            "what is left is kept"
+        );
 
         let mut small: HashMap<u32, u32> = (0..SMALL as u32).map(|i| (i, i)).collect();
         small.retain(|&k, _| k < 2);

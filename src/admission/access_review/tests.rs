@@ -289,9 +289,13 @@ async fn a_cached_answer_is_given_without_waiting_and_refreshed_and_none_past_it
     tokio::time::advance(ttl / 2).await;
     assert_eq!(reviewer.cached(&alice(), "fx"), Some(Ok(())));
     tokio::time::sleep(Duration::from_millis(1)).await;
-    let refreshed = reviewer.cached(&alice(), "fx").expect("the refreshed answer");
+    let refreshed = reviewer
+        .cached(&alice(), "fx")
+        .expect("the refreshed answer");
     assert!(
-        refreshed.unwrap_err().starts_with("alice may not create pods"),
+        refreshed
+            .unwrap_err()
+            .starts_with("alice may not create pods"),
         "the refresh's answer replaces the first"
     );
     // Past the refreshed answer's life, nothing is given: `check` asks again.
