@@ -24,8 +24,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 /// mimalloc instead of the C library's allocator, so every build (glibc here, the image's static
-/// musl) allocates alike and the measured figures hold for the image; README "Memory" says what
-/// it changed.
+/// musl) allocates with the allocator the benches measure; README "Allocator" says what it
+/// changed.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

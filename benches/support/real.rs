@@ -23,6 +23,7 @@ use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client};
 use serde_json::json;
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 /// Connections the floors and the kubelet stand-in use, as the operator's own writers.
@@ -582,27 +583,32 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
     old.kill();
 }
 
+/// Whether `GET /readyz` on `admin` answers 200.
+pub async fn ready(admin: SocketAddr) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let asked = async {
+        let mut stream = tokio::net::TcpStream::connect(admin).await.ok()?;
+        stream
+            .write_all(b"GET /readyz HTTP/1.1\r\nHost: cnat\r\nConnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut head = [0u8; 12];
+        stream.read_exact(&mut head).await.ok()?;
+        Some(head.ends_with(b"200"))
+    };
+    tokio::time::timeout(Duration::from_secs(1), asked)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(false)
+}
+
 /// Until the replica's `/readyz` answers 200.
 async fn wait_ready(replica: &envtest::Replica, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     loop {
-        let ready = tokio::net::TcpStream::connect(replica.admin)
-            .await
-            .ok()
-            .map(|mut stream| async move {
-                use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                stream
-                    .write_all(b"GET /readyz HTTP/1.0\r\nHost: cnat\r\n\r\n")
-                    .await
-                    .ok()?;
-                let mut answer = String::new();
-                stream.read_to_string(&mut answer).await.ok()?;
-                Some(answer.starts_with("HTTP/1.0 200") || answer.starts_with("HTTP/1.1 200"))
-            });
-        if let Some(answer) = ready {
-            if answer.await == Some(true) {
-                return;
-            }
+        if ready(replica.admin).await {
+            return;
         }
         assert!(
             Instant::now() < deadline,

@@ -18,6 +18,7 @@
 //! forwarded and dropped connections.
 
 use crate::envtest::{self, ControlPlane, Replica};
+use crate::real::ready;
 use cnat::api::At;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -174,26 +175,6 @@ fn steady_at(name: &str, due: chrono::DateTime<chrono::Utc>) -> kube::api::Dynam
         "spec": {"schedule": due.to_rfc3339(), "command": "true"},
     }))
     .unwrap()
-}
-
-/// Whether `GET /readyz` on `admin` answers 200.
-async fn ready(admin: SocketAddr) -> bool {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let asked = async {
-        let mut stream = tokio::net::TcpStream::connect(admin).await.ok()?;
-        stream
-            .write_all(b"GET /readyz HTTP/1.1\r\nHost: cnat\r\nConnection: close\r\n\r\n")
-            .await
-            .ok()?;
-        let mut head = [0u8; 12];
-        stream.read_exact(&mut head).await.ok()?;
-        Some(head.ends_with(b"200"))
-    };
-    tokio::time::timeout(Duration::from_secs(1), asked)
-        .await
-        .ok()
-        .flatten()
-        .unwrap_or(false)
 }
 
 async fn rolling(plane: &'static ControlPlane, admin: &Client, n: usize) {

@@ -92,8 +92,10 @@ async fn admit(
             let checked = match reviewer.cached(&user, &namespace) {
                 Some(checked) => checked,
                 None => {
-                    let asked = reviewer.check(&user, &namespace).instrument(span.clone());
-                    asked.await
+                    reviewer
+                        .check(&user, &namespace)
+                        .instrument(span.clone())
+                        .await
                 }
             };
             if let Err(denial) = checked {

@@ -75,9 +75,9 @@ pub fn init(format: LogFormat, directives: &str, identity: &str) -> Result<Telem
     let (provider, exporting) = tracer_provider(identity)?;
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     // Spans go to OpenTelemetry whatever the log level: only cnat's own, which are few.
-    // Without busy/idle times (two clock reads per span entry and exit; an admission enters its
-    // span several times), thread and source-location attributes, which nobody reads; a span
-    // keeps its start, end and cnat's own attributes.
+    // Without busy/idle times (a clock read on every span entry and exit; an admission enters
+    // its span several times), thread and source-location attributes, which nobody reads; a
+    // span keeps its start, end and cnat's own attributes.
     let traces = tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("cnat"))
         .with_tracked_inactivity(false)
