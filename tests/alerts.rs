@@ -137,7 +137,8 @@ fn a_real_scrape_of_the_binary_passes_promtool_check_metrics() {
     let started = Instant::now();
     let scrape = loop {
         if let Some((200, body)) = get(admin, "/metrics") {
-            if body.contains("\ncnat_leader 1\n") {
+            // The leader's gauge is set before its reconcile loop starts counting Ats.
+            if body.contains("\ncnat_leader 1\n") && body.contains("\ncnat_ats{") {
                 break body;
             }
         }

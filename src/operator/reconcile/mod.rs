@@ -43,9 +43,8 @@ const MAX_STEPS: usize = 3;
 /// Attempts to release the pod of a deleted At before leaving it to the next relist or leader.
 const ORPHAN_ATTEMPTS: u32 = 6;
 
-/// The longest requeue handed to the runtime. kube-runtime clamps requeues its timer queue
-/// could not hold (tokio-util's DelayQueue panics past about 2.2 years, and an At may be due in
-/// 9999); an hourly look also keeps a far-off At's wait independent of that clamp, and is cheap.
+/// The longest wait a reconcile sets in the wake-up index (an At may be due in 9999, and an
+/// instant that far cannot be held by every timer); an hourly look at a far-off At is cheap.
 pub const MAX_REQUEUE: Duration = Duration::from_secs(3600);
 
 /// A failed reconcile; it is retried with backoff. Each names the At and what was being done.
@@ -704,19 +703,22 @@ impl Context {
         action
     }
 
-    /// Resets the backoff and returns when to look again, shortened by the time spent since
-    /// `decided_at`.
+    /// Resets the backoff and sets when to look again, shortened by the time spent since
+    /// `decided_at`, in the wake-up index: not as a requeue of the runtime, whose queue would
+    /// hold an entry per waiting At (about 400 bytes each, its tables never shrinking) beside
+    /// the index's (README "Where the old leader's extra memory was").
     fn succeeded(&self, at: &At, decision: &Decision, decided_at: DateTime<Utc>) -> Action {
         forget(&self.failures, &key(at));
         let span = Span::current();
         let after = decision.status.as_ref().map_or(at.phase(), |s| s.phase);
         span.record("phase.after", after.as_str());
         let spent = ((self.clock)() - decided_at).to_std().unwrap_or_default();
-        decision.requeue.map_or_else(Action::await_change, |left| {
+        if let Some(left) = decision.requeue {
             let left = left.saturating_sub(spent).min(MAX_REQUEUE);
             span.record("requeue.seconds", left.as_secs_f64());
-            Action::requeue(left)
-        })
+            self.retrigger_after(ObjectRef::new(&at.name_any()).within(&namespace(at)), left);
+        }
+        Action::await_change()
     }
 
     /// Status subresource only, guarded by the resourceVersion we decided on: never a blind write.

@@ -226,6 +226,15 @@ impl Harness {
         reconcile(Arc::new(at), self.ctx.clone()).await
     }
 
+    /// How long until the next reconcile of the example At, as the wake-up index holds it
+    /// (exact under paused time).
+    fn wakes_in(&self) -> Option<Duration> {
+        let at = example_at(None);
+        let at_ref = ObjectRef::new(&at.name_any()).within(&at.namespace().unwrap_or_default());
+        let when = self.ctx.wakeups().when(&at_ref)?;
+        Some(when.saturating_duration_since(tokio::time::Instant::now()))
+    }
+
     /// Stops the mock server and returns what was sent, checking it followed the script.
     async fn finish(self, expected: usize) -> Vec<Sent> {
         self.wakeups.abort();
@@ -337,7 +346,7 @@ async fn a_due_at_creates_its_pod_before_writing_running() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_existing_pod_of_this_at_is_adopted_not_created_twice() {
     let h = harness(vec![
         answer("POST", PODS, 409, fixture("status-409-already-exists.json")),
@@ -346,17 +355,15 @@ async fn an_existing_pod_of_this_at_is_adopted_not_created_twice() {
         answer("POST", EVENTS, 201, created_event()),
     ]);
     let action = h.reconcile(example_at(None)).await.unwrap();
-    assert_eq!(
-        action,
-        Action::requeue(RunPolicy::default().running_recheck)
-    );
+    assert_eq!(action, Action::await_change());
+    assert_eq!(h.wakes_in(), Some(RunPolicy::default().running_recheck));
     let sent = h.finish(4).await;
     let written = assert_status_patch(&sent[2], Phase::Running);
     assert_eq!(written.pod_name.as_deref(), Some("example-at-pod"));
     assert_event(&sent[3], "Normal", "PodCreated");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_foreign_pod_with_the_name_blocks_the_at_with_a_clear_condition() {
     let h = harness(vec![
         answer("POST", PODS, 409, fixture("status-409-already-exists.json")),
@@ -365,7 +372,8 @@ async fn a_foreign_pod_with_the_name_blocks_the_at_with_a_clear_condition() {
         answer("POST", EVENTS, 201, created_event()),
     ]);
     let action = h.reconcile(example_at(None)).await.unwrap();
-    assert_eq!(action, Action::requeue(decide::CONFLICT_RECHECK));
+    assert_eq!(action, Action::await_change());
+    assert_eq!(h.wakes_in(), Some(decide::CONFLICT_RECHECK));
     let sent = h.finish(4).await;
     let written = assert_status_patch(&sent[2], Phase::Pending);
     let conflict = written
@@ -494,7 +502,7 @@ async fn a_cached_pod_that_ran_ends_the_at_without_extra_reads() {
     assert_event(&sent[1], "Warning", "CommandFailed");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_running_pod_in_the_cache_needs_no_request_at_all() {
     let mut h = harness(vec![]);
     h.cache_pod(pod_fixture(Some(AT_UID), None));
@@ -502,8 +510,9 @@ async fn a_running_pod_in_the_cache_needs_no_request_at_all() {
         h.reconcile(example_at(Some(running_status())))
             .await
             .unwrap(),
-        Action::requeue(RunPolicy::default().running_recheck)
+        Action::await_change()
     );
+    assert_eq!(h.wakes_in(), Some(RunPolicy::default().running_recheck));
     h.finish(0).await;
 }
 
@@ -542,7 +551,7 @@ async fn a_stale_cached_at_is_not_acted_on_twice() {
     h.finish(3).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_future_at_is_written_pending_once_and_requeued_for_the_exact_remaining_time() {
     let mut future = example_at(None);
     future.spec.schedule = "2026-11-22T02:10:42.5Z".into();
@@ -551,7 +560,9 @@ async fn a_future_at_is_written_pending_once_and_requeued_for_the_exact_remainin
         answer("POST", EVENTS, 201, created_event()),
     ]);
     let action = h.reconcile(future.clone()).await.unwrap();
-    assert_eq!(action, Action::requeue(Duration::from_millis(42_500)));
+    // Its wake-up waits in the index, not in the runtime's queue.
+    assert_eq!(action, Action::await_change());
+    assert_eq!(h.wakes_in(), Some(Duration::from_millis(42_500)));
     let sent = h.finish(2).await;
     let written = assert_status_patch(&sent[0], Phase::Pending);
     assert_event(&sent[1], "Normal", "Scheduled");
@@ -560,10 +571,8 @@ async fn a_future_at_is_written_pending_once_and_requeued_for_the_exact_remainin
     let h = harness(vec![]);
     future.status = Some(written);
     future.metadata.resource_version = Some("101".into());
-    assert_eq!(
-        h.reconcile(future).await.unwrap(),
-        Action::requeue(Duration::from_millis(42_500))
-    );
+    assert_eq!(h.reconcile(future).await.unwrap(), Action::await_change());
+    assert_eq!(h.wakes_in(), Some(Duration::from_millis(42_500)));
     h.finish(0).await;
 }
 
@@ -659,7 +668,7 @@ async fn success_resets_the_backoff() {
     h.finish(3).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn the_requeue_is_shortened_by_the_time_the_reconcile_took() {
     use std::sync::atomic::{AtomicI64, Ordering};
     // Every look at the clock is 100 ms later than the one before.
@@ -678,7 +687,8 @@ async fn the_requeue_is_shortened_by_the_time_the_reconcile_took() {
         clock,
     );
     let action = h.reconcile(future).await.unwrap();
-    assert_eq!(action, Action::requeue(Duration::from_millis(42_400)));
+    assert_eq!(action, Action::await_change());
+    assert_eq!(h.wakes_in(), Some(Duration::from_millis(42_400)));
     h.finish(2).await;
 }
 
@@ -842,8 +852,9 @@ async fn an_at_due_while_its_pending_write_waits_gets_its_pod_without_waiting() 
     let others = h.ctx.pods_first.creating.enter();
     assert_eq!(
         h.reconcile(future.clone()).await.unwrap(),
-        Action::requeue(Duration::from_secs(10))
+        Action::await_change()
     );
+    assert_eq!(h.wakes_in(), Some(Duration::from_secs(10)));
     // The version decided on is not acted on again while it is not due...
     assert_eq!(
         h.reconcile(future.clone()).await.unwrap(),

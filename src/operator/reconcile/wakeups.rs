@@ -124,6 +124,12 @@ impl Wakeups {
         shrink_if_sparse(&mut index.by_at);
     }
 
+    /// When `at` is to be reconciled, if it waits in the index.
+    pub fn when(&self, at: &ObjectRef<At>) -> Option<Instant> {
+        let index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+        index.by_at.get(&Key::of(at)).map(|(when, _)| *when)
+    }
+
     /// Entries now.
     pub fn len(&self) -> usize {
         self.index
