@@ -43,8 +43,9 @@ const MAX_STEPS: usize = 3;
 /// Attempts to release the pod of a deleted At before leaving it to the next relist or leader.
 const ORPHAN_ATTEMPTS: u32 = 6;
 
-/// The longest wait a reconcile sets in the wake-up index (an At may be due in 9999, and an
-/// instant that far cannot be held by every timer); an hourly look at a far-off At is cheap.
+/// The longest wait a reconcile sets in the wake-up index (an At may be due in 9999). The
+/// watch event of the status it writes then sets the At's whole remaining time (`wake`), which
+/// tokio's timer clamps; nothing looks at a far-off At before it is due.
 pub const MAX_REQUEUE: Duration = Duration::from_secs(3600);
 
 /// A failed reconcile; it is retried with backoff. Each names the At and what was being done.
@@ -353,9 +354,11 @@ impl Context {
         }
     }
 
-    /// Reconciles `at` again after `delay`, through its wakeup (no task of its own).
+    /// Reconciles `at` again after `delay`, or earlier if its wakeup already says so (no task
+    /// of its own).
     fn retrigger_after(&self, at: ObjectRef<At>, delay: Duration) {
-        self.wakeups.set(at, tokio::time::Instant::now() + delay);
+        self.wakeups
+            .set_earlier(at, tokio::time::Instant::now() + delay);
     }
 }
 

@@ -98,6 +98,14 @@ impl Wakeups {
         self.changed.notify_one();
     }
 
+    /// `at` is reconciled at `when`, or earlier if it already waits for an earlier instant (a
+    /// failed write's retry must not put off the At's due time).
+    pub fn set_earlier(&self, at: ObjectRef<At>, when: Instant) {
+        if self.when(&at).is_none_or(|set| when < set) {
+            self.set(at, when);
+        }
+    }
+
     /// `at` needs no wakeup (it is being reconciled now, or was deleted).
     pub fn clear(&self, at: &ObjectRef<At>) {
         let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());

@@ -138,3 +138,22 @@ fn ats_of_one_name_in_two_namespaces_wake_apart_and_come_back_whole() {
     );
     assert_eq!(next, None);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_does_not_put_off_an_earlier_wakeup_but_can_bring_it_forward() {
+    let wakeups = Wakeups::default();
+    let at = ObjectRef::<At>::new("a").within("ns");
+    let start = Instant::now();
+    // Due in 10 s; a failed write's retry in 30 s keeps the 10 s.
+    wakeups.set(at.clone(), start + Duration::from_secs(10));
+    wakeups.set_earlier(at.clone(), start + Duration::from_secs(30));
+    assert_eq!(wakeups.when(&at), Some(start + Duration::from_secs(10)));
+    // A retry in 1 s comes first.
+    wakeups.set_earlier(at.clone(), start + Duration::from_secs(1));
+    assert_eq!(wakeups.when(&at), Some(start + Duration::from_secs(1)));
+    assert_eq!(wakeups.len(), 1);
+    // With no entry, it sets one.
+    let other = ObjectRef::<At>::new("b").within("ns");
+    wakeups.set_earlier(other.clone(), start + Duration::from_secs(5));
+    assert_eq!(wakeups.when(&other), Some(start + Duration::from_secs(5)));
+}
