@@ -44,8 +44,9 @@ const MAX_STEPS: usize = 3;
 const ORPHAN_ATTEMPTS: u32 = 6;
 
 /// The longest wait a reconcile sets in the wake-up index (an At may be due in 9999). The
-/// watch event of the status it writes then sets the At's whole remaining time (`wake`), which
-/// tokio's timer clamps; nothing looks at a far-off At before it is due.
+/// watch event of the status it writes then sets the At's whole remaining time (`wake`; an At
+/// due in 9999 stops no replica, tests/e2e `bad_input`); nothing looks at a far-off At before
+/// it is due.
 pub const MAX_REQUEUE: Duration = Duration::from_secs(3600);
 
 /// A failed reconcile; it is retried with backoff. Each names the At and what was being done.
@@ -719,7 +720,7 @@ impl Context {
         if let Some(left) = decision.requeue {
             let left = left.saturating_sub(spent).min(MAX_REQUEUE);
             span.record("requeue.seconds", left.as_secs_f64());
-            self.retrigger_after(ObjectRef::new(&at.name_any()).within(&namespace(at)), left);
+            self.retrigger_after(ObjectRef::from_obj(at), left);
         }
         Action::await_change()
     }

@@ -229,9 +229,10 @@ impl Harness {
     /// How long until the next reconcile of the example At, as the wake-up index holds it
     /// (exact under paused time).
     fn wakes_in(&self) -> Option<Duration> {
-        let at = example_at(None);
-        let at_ref = ObjectRef::new(&at.name_any()).within(&at.namespace().unwrap_or_default());
-        let when = self.ctx.wakeups().when(&at_ref)?;
+        let when = self
+            .ctx
+            .wakeups()
+            .when(&ObjectRef::from_obj(&example_at(None)))?;
         Some(when.saturating_duration_since(tokio::time::Instant::now()))
     }
 

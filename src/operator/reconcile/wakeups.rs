@@ -84,26 +84,33 @@ impl Key {
 impl Wakeups {
     /// `at` is reconciled at `when` (replacing an earlier entry for it).
     pub fn set(&self, at: ObjectRef<At>, when: Instant) {
-        let at = Key::of(&at);
-        let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
-        let id = index.next_id;
-        index.next_id += 1;
-        // Removed first: `insert` would keep the old key, a second copy of the same one.
-        if let Some(old) = index.by_at.remove(&at) {
-            index.by_time.remove(&old);
-        }
-        index.by_at.insert(at.clone(), (when, id));
-        index.by_time.insert((when, id), at);
-        drop(index);
-        self.changed.notify_one();
+        self.put(at, when, |_| true);
     }
 
     /// `at` is reconciled at `when`, or earlier if it already waits for an earlier instant (a
     /// failed write's retry must not put off the At's due time).
     pub fn set_earlier(&self, at: ObjectRef<At>, when: Instant) {
-        if self.when(&at).is_none_or(|set| when < set) {
-            self.set(at, when);
+        self.put(at, when, |set| when < set);
+    }
+
+    /// Sets `at`'s entry to `when` unless it has one that `replaces` says to keep.
+    fn put(&self, at: ObjectRef<At>, when: Instant, replaces: impl Fn(Instant) -> bool) {
+        let at = Key::of(&at);
+        let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&old) = index.by_at.get(&at) {
+            if !replaces(old.0) {
+                return;
+            }
+            // Removed first: `insert` would keep the old key, a second copy of the same one.
+            index.by_at.remove(&at);
+            index.by_time.remove(&old);
         }
+        let id = index.next_id;
+        index.next_id += 1;
+        index.by_at.insert(at.clone(), (when, id));
+        index.by_time.insert((when, id), at);
+        drop(index);
+        self.changed.notify_one();
     }
 
     /// `at` needs no wakeup (it is being reconciled now, or was deleted).
