@@ -18,6 +18,7 @@ pub mod observability;
 pub mod operator;
 pub mod schedule;
 pub mod serving;
+pub mod shard;
 pub mod smoke_test;
 
 use thiserror::Error;

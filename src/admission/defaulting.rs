@@ -8,7 +8,9 @@
 //! writes that leave it out, and on API servers that keep status on create.
 
 use crate::api::DEFAULT_IMAGE;
+use crate::shard;
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
 
 /// What is being written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +34,22 @@ pub fn patch(object: &Value, target: Target) -> json_patch::Patch {
         Target::Status => default_phase(&mut defaulted),
     }
     json_patch::diff(object, &defaulted)
+}
+
+/// The JSON patch that gives an At with these `labels` its list shard (`shard::LABEL`, chosen
+/// from `seed`) when it has none; an At that has one keeps it, whatever its value.
+pub fn shard_label(labels: Option<&BTreeMap<String, String>>, seed: &str) -> json_patch::Patch {
+    if labels.is_some_and(|labels| labels.contains_key(shard::LABEL)) {
+        return json_patch::Patch(Vec::new());
+    }
+    // No `labels` key when there are none: the patch then adds the whole map.
+    let before = match labels {
+        Some(labels) => json!({"metadata": {"labels": labels}}),
+        None => json!({"metadata": {}}),
+    };
+    let mut after = labels.cloned().unwrap_or_default();
+    after.insert(shard::LABEL.to_owned(), shard::assign(seed));
+    json_patch::diff(&before, &json!({"metadata": {"labels": after}}))
 }
 
 fn default_image(at: &mut Value) {
@@ -139,6 +157,37 @@ mod tests {
             let defaulted = applied(&object, &patch(&object, Target::Status));
             assert_eq!(defaulted["status"]["phase"], "PENDING", "{status}");
             assert_eq!(defaulted["spec"], object["spec"]);
+        }
+    }
+
+    #[test]
+    fn an_at_without_a_shard_label_gets_one_and_keeps_its_other_labels() {
+        let seed = "default/x";
+        for labels in [
+            None,
+            Some(BTreeMap::new()),
+            Some(BTreeMap::from([("app".to_owned(), "a".to_owned())])),
+        ] {
+            let mut object = json!({"metadata": {"name": "x"}, "spec": {}});
+            if let Some(labels) = &labels {
+                object["metadata"]["labels"] = json!(labels);
+            }
+            let patched = applied(&object, &shard_label(labels.as_ref(), seed));
+            let mut expected = labels.clone().unwrap_or_default();
+            expected.insert(shard::LABEL.to_owned(), shard::assign(seed));
+            assert_eq!(patched["metadata"]["labels"], json!(expected), "{labels:?}");
+            assert_eq!(patched["spec"], json!({}));
+        }
+    }
+
+    #[test]
+    fn a_shard_label_is_kept_whatever_its_value() {
+        for value in ["0", "3", "9", "", "not-a-shard"] {
+            let labels = BTreeMap::from([(shard::LABEL.to_owned(), value.to_owned())]);
+            assert!(
+                shard_label(Some(&labels), "default/x").0.is_empty(),
+                "{value}"
+            );
         }
     }
 

@@ -352,8 +352,8 @@ fn refuse_untyped<T: Resource>(
     }
 }
 
-/// The mutating webhook for an AdmissionReview body: defaults `spec.image` and the phase, as an
-/// idempotent JSON patch. It works on the raw object, to see which fields are absent.
+/// The mutating webhook for an AdmissionReview body: defaults `spec.image` and the phase, and
+/// labels the At with its list shard (`shard`), as an idempotent JSON patch. It works on the raw object, to see which fields are absent.
 pub fn mutating(body: &[u8]) -> Result<Verdict, String> {
     decode(body).map(|request| Verdict::on(&request, mutate(&request)))
 }
@@ -376,7 +376,19 @@ fn mutate(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
     };
     // Everything but apiVersion, kind and metadata, at the same paths as in the object: all the
     // defaults live there (spec and status).
-    let patch = defaulting::patch(&object.data, target);
+    let mut patch = defaulting::patch(&object.data, target);
+    if target != Target::Status {
+        // `namespace/name`, or the request's uid for a create with `generateName` (no name yet).
+        let seed = match object.metadata.name.as_deref().filter(|n| !n.is_empty()) {
+            Some(name) => format!(
+                "{}/{name}",
+                request.namespace.as_deref().unwrap_or_default()
+            ),
+            None => request.uid.clone(),
+        };
+        let labels = object.metadata.labels.as_ref();
+        patch.0.extend(defaulting::shard_label(labels, &seed).0);
+    }
     if patch.0.is_empty() {
         return response;
     }

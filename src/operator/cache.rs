@@ -11,6 +11,7 @@
 use crate::api::{At, AtSpec, AtStatus, Phase};
 use crate::operator::contain::Quarantine;
 use crate::schedule;
+use crate::shard;
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -38,6 +39,9 @@ pub struct CachedAt {
     /// `packed`.
     metadata: ObjectMeta,
     phase: Phase,
+    /// Which of the shard lists (`shard::selectors()`) its labels put it in: a watch that
+    /// follows several lists uses it to tell what they already held.
+    list: u8,
     /// The instant the schedule names; `None` when it does not parse.
     due: Option<DateTime<Utc>>,
     /// The rest of the trimmed At (`Rest`), as JSON compressed with LZ4, which takes out the
@@ -146,6 +150,7 @@ impl CachedAt {
 
     fn undecodable(meta: ObjectMeta, why: String) -> CachedAt {
         CachedAt {
+            list: list_of(&meta),
             metadata: ObjectMeta {
                 name: meta.name,
                 namespace: meta.namespace,
@@ -164,6 +169,17 @@ impl CachedAt {
     pub fn unreadable(&self) -> Option<&str> {
         self.unreadable.as_deref()
     }
+
+    /// Which of the shard lists (`shard::selectors()`) holds this At.
+    pub fn list(&self) -> usize {
+        usize::from(self.list)
+    }
+}
+
+/// Which of the shard lists selects an At with this metadata.
+fn list_of(meta: &ObjectMeta) -> u8 {
+    // At most `shard::SHARDS`, which is small.
+    u8::try_from(shard::list_of(meta.labels.as_ref())).unwrap_or(u8::MAX)
 }
 
 impl From<At> for CachedAt {
@@ -184,6 +200,7 @@ impl From<At> for CachedAt {
         };
         metadata.managed_fields = None;
         metadata.annotations = None;
+        let list = list_of(&metadata);
         let rest = Rest {
             metadata,
             spec,
@@ -196,6 +213,7 @@ impl From<At> for CachedAt {
             Vec::new()
         });
         CachedAt {
+            list,
             metadata: key,
             phase,
             due,
@@ -408,7 +426,7 @@ impl AtCache {
         let stopped = tokio_util::sync::CancellationToken::new();
         // Dropped when the task ends, by a panic too (unwinding drops it).
         let alive = stopped.clone().drop_guard();
-        let watch = follow::follow(client.clone(), namespace.map(str::to_owned))
+        let watch = follow::follow(client.clone(), namespace.map(str::to_owned), store.clone())
             .backoff(crate::operator::controller::WatchBackoff::new())
             .reflect(writer)
             .for_each(move |event| {

@@ -10,6 +10,13 @@
 //! it arrives, on a blocking thread, and each At is compacted into a `CachedAt` at once: the
 //! list costs what its Ats cost cached, not three copies of their JSON.
 //!
+//! - A list is several lists at once, one per shard of the Ats (`crate::shard`: the mutating
+//!   webhook labels each At with one of four shards; a fifth list has every At without one):
+//!   kube-apiserver encodes each response on one core, so on two cores the lists arrive sooner
+//!   together than one list of everything (README, "How the first list got fast"). Their Ats go
+//!   into the store as one list. Each list has its own resourceVersion; the watch starts from the
+//!   oldest, and until it passes the newest it skips what the lists already held (`Replay`), so
+//!   no At goes back in time or outlives its deletion.
 //! - The first list asks for `resourceVersion=0` (any version the API server has at hand: its
 //!   watch cache). Each later list, after a watch expired (410), asks for a version not older
 //!   than the last one seen, so the cache never goes back in time.
@@ -25,8 +32,9 @@ use super::CachedAt;
 use futures::{AsyncBufReadExt, Stream, StreamExt};
 use kube::api::{ListParams, VersionMatch, WatchEvent, WatchParams};
 use kube::core::Request;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher::{Error, Event};
-use kube::{Client, Resource};
+use kube::{Client, Resource, ResourceExt};
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use std::collections::VecDeque;
 use std::fmt;
@@ -55,28 +63,46 @@ type EventStream = Pin<Box<dyn Stream<Item = kube::Result<WatchEvent<CachedAt>>>
 enum State {
     /// To list, at any version (`None`: the first list) or not older than this one.
     List(Option<String>),
-    /// A list in progress: its decoded Ats, then its resourceVersion.
+    /// Lists in progress: their decoded Ats, then their resourceVersions.
     Listing(Listing),
-    /// To watch from this version.
-    Watch(String),
-    Watching(String, EventStream),
+    /// To watch from this version (and what the lists held, while the watch replays it).
+    Watch(String, Option<Replay>),
+    Watching(String, EventStream, Option<Replay>),
+}
+
+/// What the follower works with.
+struct Follower {
+    client: Client,
+    url: String,
+    /// The store the events go into, as far as they went: what a replaying watch compares with.
+    held: Store<CachedAt>,
+    /// List the shards at once (`false` after an API server gave a resourceVersion that is not
+    /// a number, which the replay needs to compare).
+    sharded: bool,
 }
 
 /// Follows the Ats (of `namespace`, or all) with `client`, as kube-runtime's `watcher` does
-/// (see the module docs for the difference).
+/// (see the module docs for the difference); `held` is the store its events go into.
 pub fn follow(
     client: Client,
     namespace: Option<String>,
+    held: Store<CachedAt>,
 ) -> impl Stream<Item = Result<Event<CachedAt>, Error>> + Send {
     let url = CachedAt::url_path(&(), namespace.as_deref());
+    let follower = Follower {
+        client,
+        url,
+        held,
+        sharded: true,
+    };
     futures::stream::unfold(
-        (State::List(None), client, url, VecDeque::new()),
-        |(mut state, client, url, mut ready)| async move {
+        (State::List(None), follower, VecDeque::new()),
+        |(mut state, mut follower, mut ready)| async move {
             loop {
                 if let Some(event) = ready.pop_front() {
-                    return Some((event, (state, client, url, ready)));
+                    return Some((event, (state, follower, ready)));
                 }
-                let (next, events) = step(state, &client, &url).await;
+                let (next, events) = step(state, &mut follower).await;
                 state = next;
                 ready.extend(events);
             }
@@ -87,29 +113,39 @@ pub fn follow(
 /// One step: the next state, and what it yields.
 async fn step(
     state: State,
-    client: &Client,
-    url: &str,
+    follower: &mut Follower,
 ) -> (State, Vec<Result<Event<CachedAt>, Error>>) {
+    let (client, url) = (&follower.client, follower.url.as_str());
     match state {
         State::List(version) => {
-            let params = match &version {
-                None => ListParams::default().match_any(),
-                Some(version) => ListParams {
-                    resource_version: Some(version.clone()),
-                    version_match: Some(VersionMatch::NotOlderThan),
-                    ..ListParams::default()
-                },
+            let selectors: Vec<Option<String>> = if follower.sharded {
+                crate::shard::selectors().into_iter().map(Some).collect()
+            } else {
+                vec![None]
             };
-            let request = Request::new(url).list(&params);
-            let answer = match request {
-                Ok(request) => timeout(IDLE, client.request_stream(request))
-                    .await
-                    .unwrap_or_else(|_| Err(silent())),
-                Err(error) => Err(kube::Error::BuildRequest(error)),
-            };
-            match answer {
-                Ok(body) => (
-                    State::Listing(Listing::start(body, version)),
+            let answers = futures::future::join_all(selectors.into_iter().map(|selector| {
+                let mut params = match &version {
+                    None => ListParams::default().match_any(),
+                    Some(version) => ListParams {
+                        resource_version: Some(version.clone()),
+                        version_match: Some(VersionMatch::NotOlderThan),
+                        ..ListParams::default()
+                    },
+                };
+                params.label_selector = selector;
+                async move {
+                    match Request::new(url).list(&params) {
+                        Ok(request) => timeout(IDLE, client.request_stream(request))
+                            .await
+                            .unwrap_or_else(|_| Err(silent())),
+                        Err(error) => Err(kube::Error::BuildRequest(error)),
+                    }
+                }
+            }))
+            .await;
+            match answers.into_iter().collect::<kube::Result<Vec<_>>>() {
+                Ok(bodies) => (
+                    State::Listing(Listing::start(bodies, version)),
                     vec![Ok(Event::Init)],
                 ),
                 Err(error) => (
@@ -123,33 +159,45 @@ async fn step(
                 let events = ats.into_iter().map(|at| Ok(Event::InitApply(at))).collect();
                 (State::Listing(listing), events)
             }
-            // Every At is in: the decoder's answer is the list's resourceVersion.
-            None => match listing.done.await {
-                Ok(Ok(Some(version))) => (State::Watch(version), vec![Ok(Event::InitDone)]),
-                Ok(Ok(None)) => (
-                    State::List(listing.asked),
-                    vec![Err(Error::NoResourceVersion)],
-                ),
-                Ok(Err(error)) => (
-                    State::List(listing.asked),
-                    vec![Err(Error::InitialListFailed(error))],
-                ),
-                Err(join) => (
-                    State::List(listing.asked),
-                    vec![Err(Error::InitialListFailed(kube::Error::Service(
-                        Box::new(join),
-                    )))],
-                ),
-            },
+            // Every At is in: the decoders' answers are the lists' resourceVersions.
+            None => {
+                let asked = listing.asked;
+                let mut versions = Vec::with_capacity(listing.done.len());
+                for done in futures::future::join_all(listing.done).await {
+                    let failed = match done {
+                        Ok(Ok(Some(version))) => {
+                            versions.push(version);
+                            continue;
+                        }
+                        Ok(Ok(None)) => Error::NoResourceVersion,
+                        Ok(Err(error)) => Error::InitialListFailed(error),
+                        Err(join) => Error::InitialListFailed(kube::Error::Service(Box::new(join))),
+                    };
+                    return (State::List(asked), vec![Err(failed)]);
+                }
+                match Replay::of(&versions) {
+                    Ok((from, replay)) => (State::Watch(from, replay), vec![Ok(Event::InitDone)]),
+                    Err(odd) => {
+                        follower.sharded = false;
+                        let why = format!("the API server's resourceVersion {odd:?} is not a number, which listing the At shards at once needs; listing them in one request from now on");
+                        (
+                            State::List(asked),
+                            vec![Err(Error::InitialListFailed(kube::Error::Service(
+                                why.into(),
+                            )))],
+                        )
+                    }
+                }
+            }
         },
-        State::Watch(version) => {
+        State::Watch(version, replay) => {
             // Bookmarks are on by default.
             let params = WatchParams::default().timeout(WATCH_TIMEOUT);
             let request = match Request::new(url).watch(&params, &version) {
                 Ok(request) => request,
                 Err(error) => {
                     return (
-                        State::Watch(version),
+                        State::Watch(version, replay),
                         vec![Err(Error::WatchStartFailed(kube::Error::BuildRequest(
                             error,
                         )))],
@@ -161,23 +209,29 @@ async fn step(
                 .await
                 .unwrap_or_else(|_| Err(silent()));
             match started {
-                Ok(events) => (State::Watching(version, Box::pin(events)), vec![]),
+                Ok(events) => (State::Watching(version, Box::pin(events), replay), vec![]),
                 Err(error) => (
-                    State::Watch(version),
+                    State::Watch(version, replay),
                     vec![Err(Error::WatchStartFailed(error))],
                 ),
             }
         }
-        State::Watching(version, mut events) => match timeout(WATCH_IDLE, events.next()).await {
-            Ok(Some(Ok(event))) => watched(version, events, event),
-            Ok(Some(Err(kube::Error::Api(status)))) if status.code == 410 => (
-                State::List(Some(version)),
-                vec![Err(Error::WatchError(status))],
-            ),
-            Ok(Some(Err(error))) => (State::Watch(version), vec![Err(Error::WatchFailed(error))]),
-            // Ended after its timeout, as asked, or silent past it: go on from the last version.
-            Ok(None) | Err(_) => (State::Watch(version), vec![]),
-        },
+        State::Watching(version, mut events, replay) => {
+            match timeout(WATCH_IDLE, events.next()).await {
+                Ok(Some(Ok(event))) => watched(version, events, replay, event, &follower.held),
+                Ok(Some(Err(kube::Error::Api(status)))) if status.code == 410 => (
+                    State::List(Some(version)),
+                    vec![Err(Error::WatchError(status))],
+                ),
+                Ok(Some(Err(error))) => (
+                    State::Watch(version, replay),
+                    vec![Err(Error::WatchFailed(error))],
+                ),
+                // Ended after its timeout, as asked, or silent past it: go on from the last
+                // version.
+                Ok(None) | Err(_) => (State::Watch(version, replay), vec![]),
+            }
+        }
     }
 }
 
@@ -185,7 +239,9 @@ async fn step(
 fn watched(
     version: String,
     events: EventStream,
+    replay: Option<Replay>,
     event: WatchEvent<CachedAt>,
+    held: &Store<CachedAt>,
 ) -> (State, Vec<Result<Event<CachedAt>, Error>>) {
     let at_version = |at: &CachedAt| {
         at.meta()
@@ -193,62 +249,198 @@ fn watched(
             .clone()
             .unwrap_or_else(|| version.clone())
     };
+    let seen = |at: &CachedAt, replay: Option<Replay>, delete: bool| {
+        let now = at_version(at);
+        let seen = Seen {
+            key: format!("{}/{}", at.namespace().unwrap_or_default(), at.name_any()),
+            list: at.list(),
+            version: &now,
+            delete,
+        };
+        let (replay, skip) = replayed(replay, &seen, || {
+            held.get(&ObjectRef::from_obj(at))
+                .and_then(|stored| number(stored.meta().resource_version.as_deref()?))
+        });
+        (now, replay, skip)
+    };
     match event {
-        WatchEvent::Added(at) | WatchEvent::Modified(at) => (
-            State::Watching(at_version(&at), events),
-            vec![Ok(Event::Apply(at))],
-        ),
-        WatchEvent::Deleted(at) => (
-            State::Watching(at_version(&at), events),
-            vec![Ok(Event::Delete(at))],
-        ),
-        WatchEvent::Bookmark(mark) => (
-            State::Watching(mark.metadata.resource_version, events),
-            vec![],
-        ),
+        WatchEvent::Added(at) | WatchEvent::Modified(at) => {
+            let (now, replay, skip) = seen(&at, replay, false);
+            let out = if skip {
+                vec![]
+            } else {
+                vec![Ok(Event::Apply(at))]
+            };
+            (State::Watching(now, events, replay), out)
+        }
+        WatchEvent::Deleted(at) => {
+            let (now, replay, skip) = seen(&at, replay, true);
+            let out = if skip {
+                vec![]
+            } else {
+                vec![Ok(Event::Delete(at))]
+            };
+            (State::Watching(now, events, replay), out)
+        }
+        WatchEvent::Bookmark(mark) => {
+            let now = mark.metadata.resource_version;
+            let replay = replay.filter(|replay| !replay.passed(&now));
+            (State::Watching(now, events, replay), vec![])
+        }
         WatchEvent::Error(status) if status.code == 410 => (
             State::List(Some(version)),
             vec![Err(Error::WatchError(status))],
         ),
-        WatchEvent::Error(status) => (State::Watch(version), vec![Err(Error::WatchError(status))]),
+        WatchEvent::Error(status) => (
+            State::Watch(version, replay),
+            vec![Err(Error::WatchError(status))],
+        ),
     }
 }
 
-/// A list being decoded: the Ats as they are decoded, then the list's resourceVersion.
+/// A watch event as the replay judges it.
+struct Seen<'a> {
+    /// The At's `namespace/name`.
+    key: String,
+    /// The list its labels put it in (`CachedAt::list`); for a deletion, its labels last.
+    list: usize,
+    version: &'a str,
+    delete: bool,
+}
+
+/// After watch event `seen`, the store holding its At at version `stored()` (or not at all):
+/// the replay still going, if any (it ends once the watch is past every list), and whether the
+/// store already holds what the event did, so it is skipped.
+fn replayed(
+    replay: Option<Replay>,
+    seen: &Seen,
+    stored: impl FnOnce() -> Option<u64>,
+) -> (Option<Replay>, bool) {
+    let mut replay = replay.filter(|replay| !replay.passed(seen.version));
+    let held = replay.as_mut().is_some_and(|replay| {
+        number(seen.version).is_some_and(|version| replay.holds(seen, version, stored()))
+    });
+    (replay, held)
+}
+
+/// A resourceVersion as the number it is on every API server backed by etcd.
+fn number(version: &str) -> Option<u64> {
+    version.parse().ok()
+}
+
+/// What the lists of one list held, while a watch from the oldest of them replays events they
+/// already hold. Pure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Replay {
+    /// Each list's resourceVersion, by list (`CachedAt::list`).
+    lists: Vec<u64>,
+    /// The newest of them: past it, every event is new.
+    newest: u64,
+    /// The Ats this replay deleted from the store.
+    deleted: std::collections::HashSet<String>,
+}
+
+impl Replay {
+    /// Where the watch starts after lists at these `versions` (one per list), and what it
+    /// replays that they held (`None` for one list: nothing). `Err`: a version that is not a
+    /// number, which the replay cannot compare.
+    fn of(versions: &[String]) -> Result<(String, Option<Replay>), String> {
+        if let [only] = versions {
+            return Ok((only.clone(), None));
+        }
+        let lists = versions
+            .iter()
+            .map(|version| number(version).ok_or_else(|| version.clone()))
+            .collect::<Result<Vec<u64>, String>>()?;
+        let (Some(&oldest), Some(&newest)) = (lists.iter().min(), lists.iter().max()) else {
+            return Err(String::new());
+        };
+        let replay = (oldest < newest).then(|| Replay {
+            lists,
+            newest,
+            deleted: Default::default(),
+        });
+        Ok((oldest.to_string(), replay))
+    }
+
+    /// Whether the watch, at `version`, is past every list: no list held it.
+    fn passed(&self, version: &str) -> bool {
+        number(version).is_none_or(|version| version > self.newest)
+    }
+
+    /// Whether the store already holds what `seen` (at `version`) did, the store holding its At
+    /// at version `stored` (`None`: not at all); notes the deletions it lets through.
+    ///
+    /// - The store holds the At: the event is news if it is newer than the stored copy (which
+    ///   came from a list, or from an event since).
+    /// - It does not, and no event of this replay deleted it: the event is news if it is newer
+    ///   than the At's own list. If not, that list saw the At after the event and did not hold
+    ///   it: it was deleted or moved to another list by then, and a later event says so.
+    /// - This replay deleted it: its own list's copy may have been lost (an older copy from
+    ///   another list, which the At had been in, went into the store after it, and that copy
+    ///   was then deleted), so every later event is news.
+    fn holds(&mut self, seen: &Seen, version: u64, stored: Option<u64>) -> bool {
+        let held = match stored {
+            Some(stored) => version <= stored,
+            None => {
+                !self.deleted.contains(&seen.key)
+                    && self
+                        .lists
+                        .get(seen.list)
+                        .is_some_and(|&listed| version <= listed)
+            }
+        };
+        if seen.delete && !held && stored.is_some() {
+            self.deleted.insert(seen.key.clone());
+        }
+        held
+    }
+}
+
+/// Lists being decoded: the Ats as they are decoded (from any of them), then each list's
+/// resourceVersion.
 struct Listing {
-    /// The version the list asked for, to ask again if it fails.
+    /// The version the lists asked for, to ask again if one fails.
     asked: Option<String>,
     ats: mpsc::Receiver<Vec<CachedAt>>,
-    done: AbortOnDropHandle<kube::Result<Option<String>>>,
+    done: Vec<AbortOnDropHandle<kube::Result<Option<String>>>>,
 }
 
 impl Listing {
-    /// Reads `body` here and decodes it on a blocking thread, At by At.
+    /// Reads each of `bodies` here and decodes it on a blocking thread, At by At.
     fn start(
-        body: impl futures::AsyncBufRead + Send + Unpin + 'static,
+        bodies: Vec<impl futures::AsyncBufRead + Send + Unpin + 'static>,
         asked: Option<String>,
     ) -> Listing {
-        let (chunks_in, chunks) = mpsc::channel::<Vec<u8>>(CHUNKS);
         let (ats_out, ats) = mpsc::channel(BATCHES);
-        // Dropped with the list (its stream was dropped): reading stops, which ends the decoder.
-        let reading = AbortOnDropHandle::new(tokio::spawn(read_chunks(body, chunks_in)));
-        let decoding = tokio::task::spawn_blocking(move || {
-            let reader = std::io::BufReader::with_capacity(1 << 16, Chunks::new(chunks));
-            let mut json = serde_json::Deserializer::from_reader(reader);
-            let decoded = ListSeed { ats: &ats_out }.deserialize(&mut json);
-            decoded.and_then(|version| json.end().map(|()| version))
-        });
-        let done = AbortOnDropHandle::new(tokio::spawn(async move {
-            let decoded = decoding.await;
-            // The body's own error (a dropped connection) says more than the decoder's EOF.
-            let read = reading.await;
-            match (decoded, read) {
-                (Ok(Ok(version)), _) => Ok(version),
-                (_, Ok(Err(error))) => Err(kube::Error::ReadEvents(error)),
-                (Ok(Err(error)), _) => Err(kube::Error::SerdeError(error)),
-                (Err(join), _) => Err(kube::Error::Service(Box::new(join))),
-            }
-        }));
+        let done = bodies
+            .into_iter()
+            .map(|body| {
+                let (chunks_in, chunks) = mpsc::channel::<Vec<u8>>(CHUNKS);
+                let ats_out = ats_out.clone();
+                // Dropped with the list (its stream was dropped): reading stops, which ends the
+                // decoder.
+                let reading = AbortOnDropHandle::new(tokio::spawn(read_chunks(body, chunks_in)));
+                let decoding = tokio::task::spawn_blocking(move || {
+                    let reader = std::io::BufReader::with_capacity(1 << 16, Chunks::new(chunks));
+                    let mut json = serde_json::Deserializer::from_reader(reader);
+                    let decoded = ListSeed { ats: &ats_out }.deserialize(&mut json);
+                    decoded.and_then(|version| json.end().map(|()| version))
+                });
+                AbortOnDropHandle::new(tokio::spawn(async move {
+                    let decoded = decoding.await;
+                    // The body's own error (a dropped connection) says more than the decoder's
+                    // EOF.
+                    let read = reading.await;
+                    match (decoded, read) {
+                        (Ok(Ok(version)), _) => Ok(version),
+                        (_, Ok(Err(error))) => Err(kube::Error::ReadEvents(error)),
+                        (Ok(Err(error)), _) => Err(kube::Error::SerdeError(error)),
+                        (Err(join), _) => Err(kube::Error::Service(Box::new(join))),
+                    }
+                }))
+            })
+            .collect();
         Listing { asked, ats, done }
     }
 }

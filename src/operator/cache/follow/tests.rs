@@ -1,4 +1,5 @@
 use super::*;
+use kube::ResourceExt;
 use serde_json::json;
 
 fn at(name: &str) -> serde_json::Value {
@@ -38,7 +39,7 @@ async fn decode(body: &[u8], piece: usize) -> (Vec<String>, kube::Result<Option<
         at: 0,
         piece,
     });
-    let mut listing = Listing::start(reader, None);
+    let mut listing = Listing::start(vec![reader], None);
     let mut names = Vec::new();
     while let Some(batch) = listing.ats.recv().await {
         assert!(!batch.is_empty() && batch.len() <= BATCH);
@@ -50,7 +51,9 @@ async fn decode(body: &[u8], piece: usize) -> (Vec<String>, kube::Result<Option<
             });
         }
     }
-    (names, listing.done.await.unwrap())
+    let done = listing.done.pop().unwrap();
+    assert!(listing.done.is_empty());
+    (names, done.await.unwrap())
 }
 
 #[tokio::test]
@@ -119,4 +122,211 @@ async fn a_list_without_a_resource_version_says_so() {
     let (names, version) = decode(&body, 10).await;
     assert_eq!(names, ["a"]);
     assert_eq!(version.unwrap(), None);
+}
+
+#[tokio::test]
+async fn several_lists_at_once_give_every_at_of_each_and_each_lists_version() {
+    let list = |names: &[&str], version: &str| {
+        let items: Vec<_> = names.iter().map(|name| at(name)).collect();
+        let body =
+            serde_json::to_vec(&json!({"items": items, "metadata": {"resourceVersion": version}}))
+                .unwrap();
+        futures::io::BufReader::new(Pieces {
+            body,
+            at: 0,
+            piece: 100,
+        })
+    };
+    let many: Vec<String> = (0..1000).map(|i| format!("m-{i:04}")).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    let mut listing = Listing::start(
+        vec![list(&["a", "b"], "20"), list(&many, "21"), list(&[], "19")],
+        None,
+    );
+    let mut names = Vec::new();
+    while let Some(batch) = listing.ats.recv().await {
+        names.extend(batch.into_iter().map(|at| at.name_any()));
+    }
+    names.sort();
+    let mut expected: Vec<&str> = many.clone();
+    expected.extend(["a", "b"]);
+    expected.sort();
+    assert_eq!(names, expected);
+    let mut versions = Vec::new();
+    for done in listing.done {
+        versions.push(done.await.unwrap().unwrap());
+    }
+    assert_eq!(
+        versions,
+        [Some("20".into()), Some("21".into()), Some("19".into())]
+    );
+}
+
+#[test]
+fn the_watch_starts_from_the_oldest_list_and_replays_until_the_newest() {
+    let v = |versions: &[&str]| versions.iter().map(|v| v.to_string()).collect::<Vec<_>>();
+    assert_eq!(Replay::of(&v(&["7"])), Ok(("7".into(), None)));
+    // One list needs no numbers.
+    assert_eq!(Replay::of(&v(&["abc"])), Ok(("abc".into(), None)));
+    assert_eq!(Replay::of(&v(&["9", "9", "9"])), Ok(("9".into(), None)));
+    let replay = Replay {
+        lists: vec![12, 10, 15],
+        newest: 15,
+        deleted: Default::default(),
+    };
+    assert_eq!(
+        Replay::of(&v(&["12", "10", "15"])),
+        Ok(("10".into(), Some(replay.clone())))
+    );
+    assert_eq!(Replay::of(&v(&["12", "x1"])), Err("x1".into()));
+    let seen = |list: usize, version: &'static str, delete: bool| Seen {
+        key: "default/a".into(),
+        list,
+        version,
+        delete,
+    };
+    let held = |list, version, stored| {
+        let mut replay = replay.clone();
+        replay.holds(&seen(list, "", false), version, stored)
+    };
+    // Held: a stored copy at or after the event; else the At's own list at or after it.
+    assert!(held(0, 11, Some(11)));
+    assert!(held(0, 11, Some(14)));
+    assert!(!held(0, 13, Some(12)));
+    assert!(held(0, 12, None));
+    assert!(!held(0, 13, None));
+    assert!(!held(1, 11, None));
+    assert!(held(2, 14, None));
+    // A list that is not there (more lists than this build knows) holds nothing.
+    assert!(!held(7, 11, None));
+    // Once this replay deleted the At, its list's copy may be lost: later events are news.
+    let mut deleting = replay.clone();
+    assert!(!deleting.holds(&seen(1, "", true), 11, Some(9)));
+    assert!(!deleting.holds(&seen(0, "", false), 12, None));
+    // A skipped deletion, or one of an At not stored, deletes nothing.
+    let mut skipping = replay.clone();
+    assert!(skipping.holds(&seen(0, "", true), 11, Some(12)));
+    assert!(!skipping.holds(&seen(1, "", true), 11, None));
+    assert!(skipping.holds(&seen(0, "", false), 12, None));
+    // Past the newest list, or at a version that is not a number, the replay is over.
+    for (version, going) in [("14", true), ("15", true), ("16", false), ("x", false)] {
+        let (left, _) = replayed(Some(replay.clone()), &seen(0, version, false), || None);
+        assert_eq!(left.is_some(), going, "{version}");
+    }
+    let (left, held) = replayed(None, &seen(0, "11", false), || {
+        panic!("no replay, no lookup")
+    });
+    assert_eq!((left, held), (None, false));
+}
+
+/// One object's write in a generated history: which object, what happens to it, and the list
+/// its labels put it in afterwards.
+#[derive(Debug, Clone)]
+struct Write {
+    key: u8,
+    delete: bool,
+    list: usize,
+}
+
+/// What exists after the first `upto` writes (write `i` is at version `i + 1`, as etcd numbers
+/// its revisions): each object's version and list.
+fn state(history: &[Write], upto: usize) -> std::collections::BTreeMap<u8, (u64, usize)> {
+    let mut state = std::collections::BTreeMap::new();
+    for (i, write) in history.iter().take(upto).enumerate() {
+        if write.delete {
+            state.remove(&write.key);
+        } else {
+            state.insert(write.key, (i as u64 + 1, write.list));
+        }
+    }
+    state
+}
+
+proptest::proptest! {
+    /// Lists of each shard taken at any versions, their Ats stored in any order (the later
+    /// copy of an At in two lists winning, as in the reflector's buffer), then a watch from the
+    /// oldest list with `replayed` deciding what to skip: once the watch is past the newest
+    /// list, the store is exactly what exists; and no At ever goes back to an older version.
+    #[test]
+    fn sharded_lists_and_a_replaying_watch_give_exactly_what_exists(
+        writes in proptest::collection::vec((0u8..4, 0u8..4, 0usize..3), 1..40),
+        at in proptest::collection::vec(0usize..41, 3),
+        order in proptest::collection::vec(0usize..1000, 16),
+    ) {
+        // Delete only what exists; a write to a missing object creates it.
+        let mut exists = std::collections::BTreeSet::new();
+        let history: Vec<Write> = writes
+            .into_iter()
+            .map(|(key, what, list)| {
+                let delete = what == 0 && exists.contains(&key);
+                if delete {
+                    exists.remove(&key);
+                } else {
+                    exists.insert(key);
+                }
+                Write { key, delete, list }
+            })
+            .collect();
+        let n = history.len();
+        let listed: Vec<usize> = at.iter().map(|t| t % (n + 1)).collect();
+        // Each list: what existed in its shard at its version.
+        let mut items: Vec<(u8, u64, usize)> = listed
+            .iter()
+            .enumerate()
+            .flat_map(|(list, &t)| {
+                state(&history, t)
+                    .into_iter()
+                    .filter(move |(_, (_, l))| *l == list)
+                    .map(|(key, (version, l))| (key, version, l))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        // In any order: a generated permutation.
+        for (i, pick) in order.iter().enumerate().take(items.len()) {
+            let j = i + pick % (items.len() - i);
+            items.swap(i, j);
+        }
+        let mut store: std::collections::BTreeMap<u8, (u64, usize)> =
+            items.into_iter().map(|(key, version, list)| (key, (version, list))).collect();
+        let versions: Vec<String> = listed.iter().map(|t| t.to_string()).collect();
+        let (from, mut replay) = Replay::of(&versions).unwrap();
+        let from: usize = from.parse().unwrap();
+        let newest = *listed.iter().max().unwrap();
+        if from >= newest {
+            proptest::prop_assert_eq!(&store, &state(&history, newest));
+        }
+        for (i, write) in history.iter().enumerate().skip(from) {
+            let version = i as u64 + 1;
+            // A deletion's object has the labels it had last.
+            let list = if write.delete {
+                history[..i].iter().rev().find(|w| w.key == write.key).unwrap().list
+            } else {
+                write.list
+            };
+            let stored = store.get(&write.key).map(|(v, _)| *v);
+            let version_text = version.to_string();
+            let seen = Seen {
+                key: write.key.to_string(),
+                list,
+                version: &version_text,
+                delete: write.delete,
+            };
+            let (left, held) = replayed(replay, &seen, || stored);
+            replay = left;
+            if !held {
+                if write.delete {
+                    store.remove(&write.key);
+                } else {
+                    if let Some(before) = stored {
+                        proptest::prop_assert!(before < version, "back in time");
+                    }
+                    store.insert(write.key, (version, write.list));
+                }
+            }
+            if i + 1 >= newest {
+                proptest::prop_assert_eq!(&store, &state(&history, i + 1), "after version {}", version);
+                proptest::prop_assert_eq!(replay.is_none(), version > newest as u64);
+            }
+        }
+    }
 }
