@@ -798,27 +798,61 @@ async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
 #[tokio::test]
 async fn the_at_cache_lists_once_follows_every_change_and_relists_no_older_after_a_410() {
     let server = ApiServer::new();
-    for i in 0..3 {
-        server.create(
-            Resource::Ats,
-            at_json(&format!("at-{i}"), "2999-01-01T00:00:00Z", "true"),
-        );
+    // In a shard, in another, in none (created without the webhook), and in one this build
+    // does not know.
+    let names = ["at-0", "at-1", "at-2", "at-odd"];
+    for (name, shard) in names
+        .into_iter()
+        .zip([Some("0"), Some("2"), None, Some("9")])
+    {
+        let mut at = at_json(name, "2999-01-01T00:00:00Z", "true");
+        if let Some(shard) = shard {
+            at["metadata"]["labels"] = json!({cnat::shard::LABEL: shard});
+        }
+        server.create(Resource::Ats, at);
     }
     let cache = cnat::operator::cache::AtCache::start(&server.client(), None);
     tokio::time::timeout(WAIT, cache.listed())
         .await
         .expect("never listed");
     assert_eq!(cache.readiness(), Ok(()));
-    assert_eq!(cache.store().state().len(), 3);
-    // One request, from the API server's watch cache: any version, no pages.
+    let mut cached: Vec<String> = cache
+        .store()
+        .state()
+        .iter()
+        .map(|at| kube::ResourceExt::name_any(at.as_ref()))
+        .collect();
+    cached.sort();
+    assert_eq!(cached, names);
+    // One request per shard and one for every other At, at once, from the API server's watch
+    // cache: any version, no pages.
     let lists: Vec<String> = server
         .queries("GET ats")
         .into_iter()
         .filter(|q| !q.contains("watch=true"))
         .collect();
-    assert_eq!(lists.len(), 1, "{lists:?}");
-    assert!(lists[0].contains("resourceVersion=0"), "{}", lists[0]);
-    assert!(!lists[0].contains("limit="), "{}", lists[0]);
+    assert_eq!(lists.len(), cnat::shard::SHARDS + 1, "{lists:?}");
+    let selectors: std::collections::BTreeSet<String> = lists
+        .iter()
+        .map(|query| {
+            assert!(query.contains("resourceVersion=0"), "{query}");
+            assert!(!query.contains("limit="), "{query}");
+            let selector = query
+                .split('&')
+                .find_map(|p| p.strip_prefix("labelSelector="))
+                .unwrap_or_else(|| panic!("no selector: {query}"));
+            form_urlencoded::parse(format!("s={selector}").as_bytes())
+                .next()
+                .unwrap()
+                .1
+                .into_owned()
+        })
+        .collect();
+    assert_eq!(
+        selectors,
+        cnat::shard::selectors().into_iter().collect(),
+        "{lists:?}"
+    );
     let command = |name: &str| {
         let key = kube::runtime::reflector::ObjectRef::new(name).within("default");
         cache
@@ -852,14 +886,15 @@ async fn the_at_cache_lists_once_follows_every_change_and_relists_no_older_after
         .into_iter()
         .filter(|q| !q.contains("watch=true"))
         .collect();
-    assert_eq!(lists.len(), 2, "{lists:?}");
-    assert!(
-        lists[1].contains("resourceVersionMatch=NotOlderThan")
-            && !lists[1].contains("resourceVersion=0&"),
-        "{}",
-        lists[1]
-    );
-    assert_eq!(cache.store().state().len(), 3);
+    assert_eq!(lists.len(), 2 * (cnat::shard::SHARDS + 1), "{lists:?}");
+    for relist in &lists[cnat::shard::SHARDS + 1..] {
+        assert!(
+            relist.contains("resourceVersionMatch=NotOlderThan")
+                && !relist.contains("resourceVersion=0&"),
+            "{relist}"
+        );
+    }
+    assert_eq!(cache.store().state().len(), 4);
     assert_eq!(cache.readiness(), Ok(()));
     // And it watches on from there: no relist loop.
     server.create(
@@ -872,7 +907,7 @@ async fn the_at_cache_lists_once_follows_every_change_and_relists_no_older_after
         .into_iter()
         .filter(|q| !q.contains("watch=true"))
         .count();
-    assert_eq!(relists, 2);
+    assert_eq!(relists, 2 * (cnat::shard::SHARDS + 1));
 }
 
 #[tokio::test(start_paused = true)]

@@ -22,6 +22,8 @@ mod cel;
 mod chart;
 #[path = "e2e/lifecycle.rs"]
 mod lifecycle;
+#[path = "e2e/list_shards.rs"]
+mod list_shards;
 #[path = "e2e/mass_deletion.rs"]
 mod mass_deletion;
 #[path = "e2e/rbac.rs"]

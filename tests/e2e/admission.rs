@@ -12,7 +12,7 @@ use kube::{Api, Client};
 use serde_json::{json, Value};
 use std::time::Duration;
 
-async fn register(client: &Client, replica: &Replica, namespace: &str) {
+pub(crate) async fn register(client: &Client, replica: &Replica, namespace: &str) {
     crate::support::envtest::register_webhooks(client, replica.webhook, &replica.ca(), namespace)
         .await;
 }
@@ -55,7 +55,7 @@ async fn create(ats: &Api<At>, at: &At) -> Result<At, kube::Error> {
     }
 }
 
-async fn ready(plane: &ControlPlane, replica: &Replica) {
+pub(crate) async fn ready(plane: &ControlPlane, replica: &Replica) {
     let _ = plane;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while crate::support::process::probe(replica.admin, "/readyz") != Some(200) {

@@ -972,7 +972,7 @@ impl Route {
     }
 }
 
-/// Equality-based label selectors (`a=b,c=d`), as cnat uses them, and the field selector
+/// Label selectors as cnat uses them (`a=b,c=d`, `a`, `a notin (x,y)`), and the field selector
 /// `metadata.name=<name>` (a Lease watch).
 fn selects(query: &BTreeMap<String, String>, object: &Value) -> bool {
     if let Some(fields) = query.get("fieldSelector") {
@@ -991,13 +991,37 @@ fn selects(query: &BTreeMap<String, String>, object: &Value) -> bool {
     let Some(selector) = query.get("labelSelector") else {
         return true;
     };
-    selector
-        .split(',')
-        .filter(|s| !s.is_empty())
-        .all(|term| match term.split_once('=') {
-            Some((k, v)) => object["metadata"]["labels"][k] == v,
-            None => !object["metadata"]["labels"][term].is_null(),
-        })
+    label_terms(selector).into_iter().all(|term| {
+        let labels = &object["metadata"]["labels"];
+        if let Some((key, values)) = term.split_once(" notin ") {
+            let values = values.trim_matches(|c| c == '(' || c == ')');
+            return labels[key]
+                .as_str()
+                .is_none_or(|value| !values.split(',').any(|v| v == value));
+        }
+        match term.split_once('=') {
+            Some((k, v)) => labels[k] == v,
+            None => !labels[term].is_null(),
+        }
+    })
+}
+
+/// A label selector's terms: split at the commas outside parentheses (`a=b,c notin (1,2)`).
+fn label_terms(selector: &str) -> Vec<&str> {
+    let (mut terms, mut depth, mut start) = (Vec::new(), 0, 0);
+    for (i, c) in selector.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                terms.push(&selector[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    terms.push(&selector[start..]);
+    terms.into_iter().filter(|t| !t.is_empty()).collect()
 }
 
 fn now_rfc3339() -> String {
