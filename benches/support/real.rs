@@ -20,7 +20,7 @@ use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::{watcher, WatchStreamExt};
-use kube::{Api, Client};
+use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -436,7 +436,9 @@ async fn wait_phases(ats: &Api<At>, n: usize, phase: &str) {
 /// Ats already pending: the 100,000-At scenarios of a rolling upgrade, on the real server.
 ///
 /// 1. A replica (the leader) starts, then `n` Ats are created over 16 connections, due in an
-///    hour; the leader writes each one's PENDING status. Its resident memory: at most while they
+///    hour, through the webhook configurations cnat ships (served by that replica; the
+///    mutating webhook labels each At with its list shard); the leader writes each one's
+///    PENDING status. Its resident memory: at most while they
 ///    are created, and once every status is written.
 /// 2. A second replica starts cold: how long until its `/readyz` says ready (every At cached),
 ///    as its log says too, and its memory then.
@@ -458,6 +460,24 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let mut old = plane.replica(&format!("old-{n}"), &ns, &flags);
     wait_ready(&old, Duration::from_secs(60)).await;
+    // Created through the webhooks cnat ships, served by the leader, as with the chart: the
+    // mutating webhook labels each At with its list shard.
+    envtest::register_webhooks(admin, old.webhook, &old.ca(), &ns).await;
+    let labelled = |at: &At| at.labels().contains_key(cnat::shard::LABEL);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !labelled(
+        &ats.create(
+            &PostParams::default(),
+            &at("probe", chrono::Utc::now() + chrono::Duration::hours(1)),
+        )
+        .await
+        .unwrap(),
+    ) {
+        ats.delete("probe", &Default::default()).await.unwrap();
+        assert!(Instant::now() < deadline, "the webhooks never applied");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    ats.delete("probe", &Default::default()).await.unwrap();
 
     // 1. Created while the leader watches; it writes every PENDING status.
     let settled = tokio::spawn(watch_statuses(ats.clone(), n));

@@ -353,7 +353,8 @@ fn refuse_untyped<T: Resource>(
 }
 
 /// The mutating webhook for an AdmissionReview body: defaults `spec.image` and the phase, and
-/// labels the At with its list shard (`shard`), as an idempotent JSON patch. It works on the raw object, to see which fields are absent.
+/// labels the At with its list shard (`shard`), as an idempotent JSON patch. It works on the
+/// raw object, to see which fields are absent.
 pub fn mutating(body: &[u8]) -> Result<Verdict, String> {
     decode(body).map(|request| Verdict::on(&request, mutate(&request)))
 }

@@ -68,7 +68,7 @@ async fn the_shard_lists_select_every_at_once_and_the_cache_lists_them_all_at_on
     odd.metadata.labels = Some([(LABEL.to_owned(), "7".to_owned())].into());
     let odd = ats.create(&post, &odd).await.unwrap();
     assert_eq!(odd.labels().get(LABEL).map(String::as_str), Some("7"));
-    // An update that drops the label gets it back (server-side apply of a manifest without it).
+    // An update that drops the label gets it back.
     let reapplied = ats
         .patch(
             "at-00",

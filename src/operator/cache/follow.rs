@@ -1,22 +1,25 @@
-//! How the At cache follows the Ats: one list, decoded as it streams in, then a watch from the
-//! list's resourceVersion; the same `watcher::Event`s kube-runtime's watcher gives, so the
-//! runtime's reflector store and backoff take them unchanged.
+//! How the At cache follows the Ats: lists, decoded as they stream in, then a watch; the same
+//! `watcher::Event`s kube-runtime's watcher gives, so the runtime's reflector store and backoff
+//! take them unchanged.
 //!
 //! Why not kube-runtime's watcher: measured on kube-apiserver v1.24 with 100,000 Ats (see the
 //! README, "Performance"), its list in pages of 500 is served from etcd and takes about 38 s; a
 //! list at `resourceVersion=0` is served from the API server's watch cache in about 7 s, but
 //! v1.24 then ignores `limit` and answers with one body of about 136 MB, which kube-client
-//! collects and copies (twice) before decoding it. Here that body is decoded item by item while
-//! it arrives, on a blocking thread, and each At is compacted into a `CachedAt` at once: the
-//! list costs what its Ats cost cached, not three copies of their JSON.
+//! collects and copies (twice) before decoding it. Here each body is decoded item by item while
+//! it arrives, on a blocking thread of its own, and each At is compacted into a `CachedAt` at
+//! once: the list costs what its Ats cost cached, not three copies of their JSON.
 //!
-//! - A list is several lists at once, one per shard of the Ats (`crate::shard`: the mutating
-//!   webhook labels each At with one of four shards; a fifth list has every At without one):
+//! - A list is five lists at once, one per shard of the Ats (`crate::shard`: the mutating
+//!   webhook labels each At with one of four shards; the fifth list has every other At):
 //!   kube-apiserver encodes each response on one core, so on two cores the lists arrive sooner
 //!   together than one list of everything (README, "How the first list got fast"). Their Ats go
-//!   into the store as one list. Each list has its own resourceVersion; the watch starts from the
-//!   oldest, and until it passes the newest it skips what the lists already held (`Replay`), so
-//!   no At goes back in time or outlives its deletion.
+//!   into the store as one list; a list that fails fails them all. Each list has its own
+//!   resourceVersion; the watch starts from the oldest, and until it passes the newest it skips
+//!   what the lists already held (`Replay`), so once it is past, the store is exactly what the
+//!   API server holds. Until then an At whose shard label changed while the lists ran may be in
+//!   the store as the older list saw it (both lists had it, and the reflector keeps the copy
+//!   that came last); the watch's next events, which replay that change, put it right.
 //! - The first list asks for `resourceVersion=0` (any version the API server has at hand: its
 //!   watch cache). Each later list, after a watch expired (410), asks for a version not older
 //!   than the last one seen, so the cache never goes back in time.
@@ -154,42 +157,58 @@ async fn step(
                 ),
             }
         }
-        State::Listing(mut listing) => match listing.ats.recv().await {
-            Some(ats) => {
-                let events = ats.into_iter().map(|at| Ok(Event::InitApply(at))).collect();
-                (State::Listing(listing), events)
-            }
-            // Every At is in: the decoders' answers are the lists' resourceVersions.
-            None => {
-                let asked = listing.asked;
-                let mut versions = Vec::with_capacity(listing.done.len());
-                for done in futures::future::join_all(listing.done).await {
-                    let failed = match done {
-                        Ok(Ok(Some(version))) => {
-                            versions.push(version);
-                            continue;
-                        }
-                        Ok(Ok(None)) => Error::NoResourceVersion,
-                        Ok(Err(error)) => Error::InitialListFailed(error),
-                        Err(join) => Error::InitialListFailed(kube::Error::Service(Box::new(join))),
-                    };
-                    return (State::List(asked), vec![Err(failed)]);
-                }
-                match Replay::of(&versions) {
-                    Ok((from, replay)) => (State::Watch(from, replay), vec![Ok(Event::InitDone)]),
-                    Err(odd) => {
-                        follower.sharded = false;
-                        let why = format!("the API server's resourceVersion {odd:?} is not a number, which listing the At shards at once needs; listing them in one request from now on");
-                        (
-                            State::List(asked),
-                            vec![Err(Error::InitialListFailed(kube::Error::Service(
-                                why.into(),
-                            )))],
-                        )
+        State::Listing(mut listing) => {
+            // An Ats batch, or a list's end. A list that failed fails them all at once: the
+            // others are dropped (their requests and decoders stop) and all are asked again.
+            let ended = if listing.drained {
+                listing.ended.recv().await
+            } else {
+                tokio::select! {
+                    ended = listing.ended.recv() => ended,
+                    batch = listing.ats.recv() => {
+                        let Some(ats) = batch else {
+                            listing.drained = true;
+                            return (State::Listing(listing), vec![]);
+                        };
+                        let events = ats.into_iter().map(|at| Ok(Event::InitApply(at))).collect();
+                        return (State::Listing(listing), events);
                     }
                 }
+            };
+            let failed = match ended {
+                Some((list, Ok(Some(version)))) => {
+                    listing.versions[list] = Some(version);
+                    None
+                }
+                Some((_, Ok(None))) => Some(Error::NoResourceVersion),
+                Some((_, Err(error))) => Some(Error::InitialListFailed(error)),
+                // Every list's task sends its end before it ends.
+                None => Some(Error::InitialListFailed(kube::Error::Service(
+                    "a list ended without an answer".into(),
+                ))),
+            };
+            if let Some(failed) = failed {
+                return (State::List(listing.asked), vec![Err(failed)]);
             }
-        },
+            // Every At is in once every decoder is done and every list said its version.
+            let versions: Option<Vec<String>> = listing.versions.iter().cloned().collect();
+            let (Some(versions), true) = (versions, listing.drained) else {
+                return (State::Listing(listing), vec![]);
+            };
+            match Replay::of(&versions) {
+                Ok((from, replay)) => (State::Watch(from, replay), vec![Ok(Event::InitDone)]),
+                Err(odd) => {
+                    follower.sharded = false;
+                    let why = format!("the API server's resourceVersion {odd:?} is not a number, which listing the At shards at once needs; listing them in one request from now on");
+                    (
+                        State::List(listing.asked),
+                        vec![Err(Error::InitialListFailed(kube::Error::Service(
+                            why.into(),
+                        )))],
+                    )
+                }
+            }
+        }
         State::Watch(version, replay) => {
             // Bookmarks are on by default.
             let params = WatchParams::default().timeout(WATCH_TIMEOUT);
@@ -220,7 +239,7 @@ async fn step(
             match timeout(WATCH_IDLE, events.next()).await {
                 Ok(Some(Ok(event))) => watched(version, events, replay, event, &follower.held),
                 Ok(Some(Err(kube::Error::Api(status)))) if status.code == 410 => (
-                    State::List(Some(version)),
+                    State::List(Some(relist_from(version, replay))),
                     vec![Err(Error::WatchError(status))],
                 ),
                 Ok(Some(Err(error))) => (
@@ -288,7 +307,7 @@ fn watched(
             (State::Watching(now, events, replay), vec![])
         }
         WatchEvent::Error(status) if status.code == 410 => (
-            State::List(Some(version)),
+            State::List(Some(relist_from(version, replay))),
             vec![Err(Error::WatchError(status))],
         ),
         WatchEvent::Error(status) => (
@@ -323,12 +342,23 @@ fn replayed(
     (replay, held)
 }
 
+/// The version a list after a watch at `version` expired asks for at least: the newest the
+/// store holds, which is that of the newest list while the watch still replays the lists.
+fn relist_from(version: String, replay: Option<Replay>) -> String {
+    match replay {
+        Some(replay) if number(&version).is_some_and(|v| v < replay.newest) => {
+            replay.newest.to_string()
+        }
+        _ => version,
+    }
+}
+
 /// A resourceVersion as the number it is on every API server backed by etcd.
 fn number(version: &str) -> Option<u64> {
     version.parse().ok()
 }
 
-/// What the lists of one list held, while a watch from the oldest of them replays events they
+/// What the shard lists held, while a watch from the oldest of them replays events they
 /// already hold. Pure.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Replay {
@@ -397,13 +427,20 @@ impl Replay {
     }
 }
 
-/// Lists being decoded: the Ats as they are decoded (from any of them), then each list's
-/// resourceVersion.
+/// Lists being decoded: the Ats as they are decoded (from any of them), and each list's end
+/// (its resourceVersion, or why it failed) as it comes.
 struct Listing {
     /// The version the lists asked for, to ask again if one fails.
     asked: Option<String>,
     ats: mpsc::Receiver<Vec<CachedAt>>,
-    done: Vec<AbortOnDropHandle<kube::Result<Option<String>>>>,
+    /// Every decoder is done: `ats` is closed.
+    drained: bool,
+    ended: mpsc::Receiver<(usize, kube::Result<Option<String>>)>,
+    /// Each list's resourceVersion, once it said it.
+    versions: Vec<Option<String>>,
+    /// Dropped with the lists (their stream was dropped, or one failed): reading stops, which
+    /// ends the decoders.
+    _lists: Vec<AbortOnDropHandle<()>>,
 }
 
 impl Listing {
@@ -413,13 +450,14 @@ impl Listing {
         asked: Option<String>,
     ) -> Listing {
         let (ats_out, ats) = mpsc::channel(BATCHES);
-        let done = bodies
+        let (ends, ended) = mpsc::channel(bodies.len().max(1));
+        let versions = vec![None; bodies.len()];
+        let lists = bodies
             .into_iter()
-            .map(|body| {
+            .enumerate()
+            .map(|(list, body)| {
                 let (chunks_in, chunks) = mpsc::channel::<Vec<u8>>(CHUNKS);
-                let ats_out = ats_out.clone();
-                // Dropped with the list (its stream was dropped): reading stops, which ends the
-                // decoder.
+                let (ats_out, ends) = (ats_out.clone(), ends.clone());
                 let reading = AbortOnDropHandle::new(tokio::spawn(read_chunks(body, chunks_in)));
                 let decoding = tokio::task::spawn_blocking(move || {
                     let reader = std::io::BufReader::with_capacity(1 << 16, Chunks::new(chunks));
@@ -432,16 +470,25 @@ impl Listing {
                     // The body's own error (a dropped connection) says more than the decoder's
                     // EOF.
                     let read = reading.await;
-                    match (decoded, read) {
+                    let end = match (decoded, read) {
                         (Ok(Ok(version)), _) => Ok(version),
                         (_, Ok(Err(error))) => Err(kube::Error::ReadEvents(error)),
                         (Ok(Err(error)), _) => Err(kube::Error::SerdeError(error)),
                         (Err(join), _) => Err(kube::Error::Service(Box::new(join))),
-                    }
+                    };
+                    // Room for every list's end: this never waits.
+                    drop(ends.send((list, end)).await);
                 }))
             })
             .collect();
-        Listing { asked, ats, done }
+        Listing {
+            asked,
+            ats,
+            drained: false,
+            ended,
+            versions,
+            _lists: lists,
+        }
     }
 }
 

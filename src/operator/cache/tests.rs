@@ -107,6 +107,41 @@ fn reads_back_the_at_it_cached_without_what_the_operator_never_reads() {
 }
 
 #[test]
+fn reads_back_the_shard_label_it_kept_as_the_list_whatever_the_other_labels() {
+    let other = ("team".to_owned(), "a".to_owned());
+    for (shard, others) in [
+        ("0", false),
+        ("3", true),
+        ("7", false),
+        ("", true),
+        ("x", false),
+    ] {
+        let mut at = full_at();
+        let mut labels = BTreeMap::from([(crate::shard::LABEL.to_owned(), shard.to_owned())]);
+        if others {
+            labels.insert(other.0.clone(), other.1.clone());
+        }
+        at.metadata.labels = Some(labels.clone());
+        let cached = CachedAt::from(at);
+        assert_eq!(
+            cached.at().unwrap().metadata.labels,
+            Some(labels),
+            "{shard}"
+        );
+        assert_eq!(
+            cached.list(),
+            crate::shard::list_of(cached.at().unwrap().metadata.labels.as_ref())
+        );
+    }
+    // No labels at all stays no labels.
+    let mut at = full_at();
+    at.metadata.labels = None;
+    let cached = CachedAt::from(at);
+    assert_eq!(cached.at().unwrap().metadata.labels, None);
+    assert_eq!(cached.list(), crate::shard::SHARDS);
+}
+
+#[test]
 fn decodes_the_api_servers_json_as_an_at_and_trims_it() {
     let cached: CachedAt = serde_json::from_value(captured()).unwrap();
     let at = cached.at().unwrap();

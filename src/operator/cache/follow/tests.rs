@@ -51,9 +51,9 @@ async fn decode(body: &[u8], piece: usize) -> (Vec<String>, kube::Result<Option<
             });
         }
     }
-    let done = listing.done.pop().unwrap();
-    assert!(listing.done.is_empty());
-    (names, done.await.unwrap())
+    let (list, end) = listing.ended.recv().await.unwrap();
+    assert_eq!(list, 0);
+    (names, end)
 }
 
 #[tokio::test]
@@ -152,9 +152,10 @@ async fn several_lists_at_once_give_every_at_of_each_and_each_lists_version() {
     expected.extend(["a", "b"]);
     expected.sort();
     assert_eq!(names, expected);
-    let mut versions = Vec::new();
-    for done in listing.done {
-        versions.push(done.await.unwrap().unwrap());
+    let mut versions = vec![None; 3];
+    for _ in 0..3 {
+        let (list, end) = listing.ended.recv().await.unwrap();
+        versions[list] = end.unwrap();
     }
     assert_eq!(
         versions,
