@@ -157,45 +157,14 @@ async fn step(
                 ),
             }
         }
-        State::Listing(mut listing) => {
-            // An Ats batch, or a list's end. A list that failed fails them all at once: the
-            // others are dropped (their requests and decoders stop) and all are asked again.
-            let ended = if listing.drained {
-                listing.ended.recv().await
-            } else {
-                tokio::select! {
-                    ended = listing.ended.recv() => ended,
-                    batch = listing.ats.recv() => {
-                        let Some(ats) = batch else {
-                            listing.drained = true;
-                            return (State::Listing(listing), vec![]);
-                        };
-                        let events = ats.into_iter().map(|at| Ok(Event::InitApply(at))).collect();
-                        return (State::Listing(listing), events);
-                    }
-                }
-            };
-            let failed = match ended {
-                Some((list, Ok(Some(version)))) => {
-                    listing.versions[list] = Some(version);
-                    None
-                }
-                Some((_, Ok(None))) => Some(Error::NoResourceVersion),
-                Some((_, Err(error))) => Some(Error::InitialListFailed(error)),
-                // Every list's task sends its end before it ends.
-                None => Some(Error::InitialListFailed(kube::Error::Service(
-                    "a list ended without an answer".into(),
-                ))),
-            };
-            if let Some(failed) = failed {
-                return (State::List(listing.asked), vec![Err(failed)]);
+        State::Listing(mut listing) => match listing.next().await {
+            Listed::Ats(ats) => {
+                let events = ats.into_iter().map(|at| Ok(Event::InitApply(at))).collect();
+                (State::Listing(listing), events)
             }
-            // Every At is in once every decoder is done and every list said its version.
-            let versions: Option<Vec<String>> = listing.versions.iter().cloned().collect();
-            let (Some(versions), true) = (versions, listing.drained) else {
-                return (State::Listing(listing), vec![]);
-            };
-            match Replay::of(&versions) {
+            Listed::Ended => (State::Listing(listing), vec![]),
+            Listed::Failed(error) => (State::List(listing.asked), vec![Err(error)]),
+            Listed::Done(versions) => match Replay::of(&versions) {
                 Ok((from, replay)) => (State::Watch(from, replay), vec![Ok(Event::InitDone)]),
                 Err(odd) => {
                     follower.sharded = false;
@@ -207,8 +176,8 @@ async fn step(
                         )))],
                     )
                 }
-            }
-        }
+            },
+        },
         State::Watch(version, replay) => {
             // Bookmarks are on by default.
             let params = WatchParams::default().timeout(WATCH_TIMEOUT);
@@ -443,7 +412,53 @@ struct Listing {
     _lists: Vec<AbortOnDropHandle<()>>,
 }
 
+/// What lists in progress gave next.
+enum Listed {
+    /// Decoded Ats.
+    Ats(Vec<CachedAt>),
+    /// A list or a decoder ended; more is to come.
+    Ended,
+    /// A list failed: all are dropped (their requests and decoders stop).
+    Failed(Error),
+    /// Every At of every list is out: each list's resourceVersion.
+    Done(Vec<String>),
+}
+
 impl Listing {
+    /// The next Ats batch or list end, whichever comes first.
+    async fn next(&mut self) -> Listed {
+        let said = self.versions.iter().all(Option::is_some);
+        if said && self.drained {
+            return Listed::Done(self.versions.iter().flatten().cloned().collect());
+        }
+        // Each branch only while it has more to give: `ended` closes once every list said its
+        // end, `ats` once every decoder is done, in either order.
+        let ended = tokio::select! {
+            ended = self.ended.recv(), if !said => ended,
+            batch = self.ats.recv(), if !self.drained => {
+                return match batch {
+                    Some(ats) => Listed::Ats(ats),
+                    None => {
+                        self.drained = true;
+                        Listed::Ended
+                    }
+                };
+            }
+        };
+        match ended {
+            Some((list, Ok(Some(version)))) => {
+                self.versions[list] = Some(version);
+                Listed::Ended
+            }
+            Some((_, Ok(None))) => Listed::Failed(Error::NoResourceVersion),
+            Some((_, Err(error))) => Listed::Failed(Error::InitialListFailed(error)),
+            // Every list's task sends its end before it ends.
+            None => Listed::Failed(Error::InitialListFailed(kube::Error::Service(
+                "a list ended without an answer".into(),
+            ))),
+        }
+    }
+
     /// Reads each of `bodies` here and decodes it on a blocking thread, At by At.
     fn start(
         bodies: Vec<impl futures::AsyncBufRead + Send + Unpin + 'static>,

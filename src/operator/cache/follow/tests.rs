@@ -163,6 +163,74 @@ async fn several_lists_at_once_give_every_at_of_each_and_each_lists_version() {
     );
 }
 
+#[tokio::test]
+async fn lists_end_whole_whichever_comes_first_their_ends_or_their_last_ats() {
+    let list = |names: Vec<String>, version: &str| {
+        let items: Vec<_> = names.iter().map(|name| at(name)).collect();
+        let body =
+            serde_json::to_vec(&json!({"items": items, "metadata": {"resourceVersion": version}}))
+                .unwrap();
+        futures::io::BufReader::new(Pieces {
+            body,
+            at: 0,
+            piece: 1000,
+        })
+    };
+    for round in 0..40 {
+        let names = |prefix: &str| {
+            (0..300)
+                .map(|i| format!("{prefix}-{i}"))
+                .collect::<Vec<_>>()
+        };
+        let mut listing = Listing::start(vec![list(names("a"), "5"), list(names("b"), "6")], None);
+        if round % 2 == 0 {
+            // Both lists have ended (their Ats wait in the channel) before anything is read.
+            while listing.ended.len() < 2 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        let mut ats = 0;
+        let versions = loop {
+            match listing.next().await {
+                Listed::Ats(batch) => ats += batch.len(),
+                Listed::Ended => {}
+                Listed::Failed(error) => panic!("round {round}: {error}"),
+                Listed::Done(versions) => break versions,
+            }
+        };
+        assert_eq!(ats, 600, "round {round}");
+        assert_eq!(versions, ["5", "6"]);
+    }
+}
+
+#[tokio::test]
+async fn a_list_that_fails_fails_them_all_before_the_others_end() {
+    let good = futures::io::BufReader::new(Pieces {
+        body: serde_json::to_vec(
+            &json!({"items": [at("a")], "metadata": {"resourceVersion": "5"}}),
+        )
+        .unwrap(),
+        at: 0,
+        piece: 1000,
+    });
+    let bad = futures::io::BufReader::new(Pieces {
+        body: b"{\"items\": 3}".to_vec(),
+        at: 0,
+        piece: 1000,
+    });
+    let mut listing = Listing::start(vec![good, bad], None);
+    loop {
+        match listing.next().await {
+            Listed::Failed(error) => {
+                assert!(error.to_string().contains("list"), "{error}");
+                break;
+            }
+            Listed::Done(versions) => panic!("done despite a failed list: {versions:?}"),
+            Listed::Ats(_) | Listed::Ended => {}
+        }
+    }
+}
+
 #[test]
 fn the_watch_starts_from_the_oldest_list_and_replays_until_the_newest() {
     let v = |versions: &[&str]| versions.iter().map(|v| v.to_string()).collect::<Vec<_>>();
