@@ -124,19 +124,22 @@ async fn a_list_without_a_resource_version_says_so() {
     assert_eq!(version.unwrap(), None);
 }
 
+/// A list body of Ats named `names` at `version`, arriving `piece` bytes at a time.
+fn listed(
+    names: &[impl AsRef<str>],
+    version: &str,
+    piece: usize,
+) -> futures::io::BufReader<Pieces> {
+    let items: Vec<_> = names.iter().map(|name| at(name.as_ref())).collect();
+    let body =
+        serde_json::to_vec(&json!({"items": items, "metadata": {"resourceVersion": version}}))
+            .unwrap();
+    futures::io::BufReader::new(Pieces { body, at: 0, piece })
+}
+
 #[tokio::test]
 async fn several_lists_at_once_give_every_at_of_each_and_each_lists_version() {
-    let list = |names: &[&str], version: &str| {
-        let items: Vec<_> = names.iter().map(|name| at(name)).collect();
-        let body =
-            serde_json::to_vec(&json!({"items": items, "metadata": {"resourceVersion": version}}))
-                .unwrap();
-        futures::io::BufReader::new(Pieces {
-            body,
-            at: 0,
-            piece: 100,
-        })
-    };
+    let list = |names: &[&str], version: &str| listed(names, version, 100);
     let many: Vec<String> = (0..1000).map(|i| format!("m-{i:04}")).collect();
     let many: Vec<&str> = many.iter().map(String::as_str).collect();
     let mut listing = Listing::start(
@@ -165,17 +168,7 @@ async fn several_lists_at_once_give_every_at_of_each_and_each_lists_version() {
 
 #[tokio::test]
 async fn lists_end_whole_whichever_comes_first_their_ends_or_their_last_ats() {
-    let list = |names: Vec<String>, version: &str| {
-        let items: Vec<_> = names.iter().map(|name| at(name)).collect();
-        let body =
-            serde_json::to_vec(&json!({"items": items, "metadata": {"resourceVersion": version}}))
-                .unwrap();
-        futures::io::BufReader::new(Pieces {
-            body,
-            at: 0,
-            piece: 1000,
-        })
-    };
+    let list = |names: Vec<String>, version: &str| listed(&names, version, 1000);
     for round in 0..40 {
         let names = |prefix: &str| {
             (0..300)
@@ -205,14 +198,7 @@ async fn lists_end_whole_whichever_comes_first_their_ends_or_their_last_ats() {
 
 #[tokio::test]
 async fn a_list_that_fails_fails_them_all_before_the_others_end() {
-    let good = futures::io::BufReader::new(Pieces {
-        body: serde_json::to_vec(
-            &json!({"items": [at("a")], "metadata": {"resourceVersion": "5"}}),
-        )
-        .unwrap(),
-        at: 0,
-        piece: 1000,
-    });
+    let good = listed(&["a"], "5", 1000);
     let bad = futures::io::BufReader::new(Pieces {
         body: b"{\"items\": 3}".to_vec(),
         at: 0,
