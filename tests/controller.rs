@@ -1,4 +1,4 @@
-//! The real controller (watches, owned-pod mapping, requeue at the due time) against a stateful
+//! The real controller (watches, owned-pod mapping, a wake-up at the due time) against a stateful
 //! fake API server: Ats go PENDING -> RUNNING -> DONE, and no command ever runs twice.
 
 mod support;

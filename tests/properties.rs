@@ -295,7 +295,7 @@ fn pod_strategy() -> impl Strategy<Value = cnat::operator::reconcile::decide::Po
 proptest! {
     /// The whole decision path (not only the parser): any spec, any status, any pod, any time,
     /// the ends of every range included: deciding, waking, building the pod and caching the At
-    /// never panic, and every requeue is a time the runtime can hold once capped.
+    /// never panic, and the cached At reads back with the same spec and status.
     #[test]
     fn the_whole_decision_path_never_panics(
         at in at_strategy(),

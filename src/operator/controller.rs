@@ -1,7 +1,8 @@
 //! Wires the reconciler to the cluster: the Ats every replica caches (`cache::AtCache`), a
-//! watch of only the pods cnat created (by label), and kube-runtime's `Controller` for queueing,
-//! requeues and concurrency. The pods, usually far fewer than the Ats, are watched by the leader
-//! only.
+//! watch of only the pods cnat created (by label), and kube-runtime's `Controller` for queueing
+//! and concurrency; each At's next look waits in the wake-up index (`reconcile::wakeups`), not
+//! in the runtime's requeue queue. The pods, usually far fewer than the Ats, are watched by the
+//! leader only.
 
 use crate::api::{At, Phase};
 use crate::observability::metrics::Metrics;

@@ -306,6 +306,8 @@ async fn a_due_at_creates_its_pod_before_writing_running() {
     ]);
     let action = h.reconcile(example_at(None)).await.unwrap();
     assert_eq!(action, Action::await_change());
+    // No later look: the pod's own watch event brings the next reconcile.
+    assert_eq!(h.wakes_in(), None);
     let metrics = h.metrics.clone();
     let sent = h.finish(3).await;
 
@@ -405,6 +407,8 @@ async fn a_pod_the_api_server_rejects_is_reported_in_status() {
         h.reconcile(example_at(None)).await.unwrap(),
         Action::await_change()
     );
+    // No later look: the same pod would be rejected again until the At changes.
+    assert_eq!(h.wakes_in(), None);
     let sent = h.finish(3).await;
     let written = assert_status_patch(&sent[1], Phase::Pending);
     let message = written.message.unwrap();
@@ -469,6 +473,8 @@ async fn a_running_at_whose_pod_is_gone_is_confirmed_with_the_api_server_then_fa
         .await
         .unwrap();
     assert_eq!(action, Action::await_change());
+    // DONE: nothing more to look at.
+    assert_eq!(h.wakes_in(), None);
     let sent = h.finish(3).await;
     let written = assert_status_patch(&sent[1], Phase::Done);
     assert_eq!(written.outcome, Some(crate::api::Outcome::Failed));
@@ -532,6 +538,8 @@ async fn a_status_conflict_waits_for_the_newer_version_without_an_event() {
         h.reconcile(example_at(None)).await.unwrap(),
         Action::await_change()
     );
+    // No later look: the newer version's watch event brings the next reconcile.
+    assert_eq!(h.wakes_in(), None);
     h.finish(2).await;
 }
 
@@ -631,6 +639,7 @@ async fn a_failed_event_does_not_fail_the_reconcile() {
         h.reconcile(example_at(None)).await.unwrap(),
         Action::await_change()
     );
+    assert_eq!(h.wakes_in(), None);
     h.finish(3).await;
 }
 
