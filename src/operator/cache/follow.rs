@@ -22,7 +22,10 @@
 //!   that came last); the watch's next events, which replay that change, put it right.
 //! - The first list asks for `resourceVersion=0` (any version the API server has at hand: its
 //!   watch cache). Each later list, after a watch expired (410), asks for a version not older
-//!   than the last one seen, so the cache never goes back in time.
+//!   than the newest the store holds (the last one the watch saw, or the newest list's while the
+//!   watch still replays), so the cache never goes back in time.
+//! - An API server whose resourceVersions are not numbers (which the replay compares) gets one
+//!   list of every At from then on.
 //! - A watch ends normally after its timeout; it is started again from the last version seen
 //!   (bookmarks keep that fresh). A watch silent for longer than its timeout, a list body
 //!   silent for `IDLE`, or an answer that does not start within `IDLE`, is taken for a dead

@@ -198,23 +198,28 @@ async fn lists_end_whole_whichever_comes_first_their_ends_or_their_last_ats() {
 
 #[tokio::test]
 async fn a_list_that_fails_fails_them_all_before_the_others_end() {
-    let good = listed(&["a"], "5", 1000);
+    // A long list arriving a few bytes at a time, beside one that is not a list.
+    let names: Vec<String> = (0..2000).map(|i| format!("slow-{i:04}")).collect();
+    let slow = listed(&names, "5", 7);
     let bad = futures::io::BufReader::new(Pieces {
         body: b"{\"items\": 3}".to_vec(),
         at: 0,
         piece: 1000,
     });
-    let mut listing = Listing::start(vec![good, bad], None);
-    loop {
-        match listing.next().await {
-            Listed::Failed(error) => {
-                assert!(error.to_string().contains("list"), "{error}");
-                break;
+    let mut listing = Listing::start(vec![slow, bad], None);
+    let failed = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            if let Listed::Failed(error) = listing.next().await {
+                return error;
             }
-            Listed::Done(versions) => panic!("done despite a failed list: {versions:?}"),
-            Listed::Ats(_) | Listed::Ended => {}
         }
-    }
+    })
+    .await
+    .expect("the failure came");
+    assert!(matches!(failed, Error::InitialListFailed(_)), "{failed}");
+    // The slow list had not ended: its version was never said and its Ats were still coming.
+    assert_eq!(listing.versions[0], None);
+    assert!(!listing.drained);
 }
 
 #[test]
