@@ -234,59 +234,50 @@ fn watched(
     event: WatchEvent<CachedAt>,
     held: &Store<CachedAt>,
 ) -> (State, Vec<Result<Event<CachedAt>, Error>>) {
-    let at_version = |at: &CachedAt| {
-        at.meta()
-            .resource_version
-            .clone()
-            .unwrap_or_else(|| version.clone())
-    };
-    let seen = |at: &CachedAt, replay: Option<Replay>, delete: bool| {
-        let now = at_version(at);
-        let seen = Seen {
-            key: format!("{}/{}", at.namespace().unwrap_or_default(), at.name_any()),
-            list: at.list(),
-            version: &now,
-            delete,
-        };
-        let (replay, skip) = replayed(replay, &seen, || {
-            held.get(&ObjectRef::from_obj(at))
-                .and_then(|stored| number(stored.meta().resource_version.as_deref()?))
-        });
-        (now, replay, skip)
-    };
-    match event {
-        WatchEvent::Added(at) | WatchEvent::Modified(at) => {
-            let (now, replay, skip) = seen(&at, replay, false);
-            let out = if skip {
-                vec![]
-            } else {
-                vec![Ok(Event::Apply(at))]
-            };
-            (State::Watching(now, events, replay), out)
-        }
-        WatchEvent::Deleted(at) => {
-            let (now, replay, skip) = seen(&at, replay, true);
-            let out = if skip {
-                vec![]
-            } else {
-                vec![Ok(Event::Delete(at))]
-            };
-            (State::Watching(now, events, replay), out)
-        }
+    let (at, delete) = match event {
+        WatchEvent::Added(at) | WatchEvent::Modified(at) => (at, false),
+        WatchEvent::Deleted(at) => (at, true),
         WatchEvent::Bookmark(mark) => {
             let now = mark.metadata.resource_version;
             let replay = replay.filter(|replay| !replay.passed(&now));
-            (State::Watching(now, events, replay), vec![])
+            return (State::Watching(now, events, replay), vec![]);
         }
-        WatchEvent::Error(status) if status.code == 410 => (
-            State::List(Some(relist_from(version, replay))),
-            vec![Err(Error::WatchError(status))],
-        ),
-        WatchEvent::Error(status) => (
-            State::Watch(version, replay),
-            vec![Err(Error::WatchError(status))],
-        ),
-    }
+        WatchEvent::Error(status) if status.code == 410 => {
+            return (
+                State::List(Some(relist_from(version, replay))),
+                vec![Err(Error::WatchError(status))],
+            )
+        }
+        WatchEvent::Error(status) => {
+            return (
+                State::Watch(version, replay),
+                vec![Err(Error::WatchError(status))],
+            )
+        }
+    };
+    let now = at.meta().resource_version.clone().unwrap_or(version);
+    // Judged only while a replay goes on: no key is built for the watch's events after it.
+    let (replay, skip) = match replay {
+        None => (None, false),
+        Some(replay) => {
+            let seen = Seen {
+                key: format!("{}/{}", at.namespace().unwrap_or_default(), at.name_any()),
+                list: at.list(),
+                version: &now,
+                delete,
+            };
+            replayed(Some(replay), &seen, || {
+                held.get(&ObjectRef::from_obj(&at))
+                    .and_then(|stored| number(stored.meta().resource_version.as_deref()?))
+            })
+        }
+    };
+    let out = match (skip, delete) {
+        (true, _) => vec![],
+        (false, false) => vec![Ok(Event::Apply(at))],
+        (false, true) => vec![Ok(Event::Delete(at))],
+    };
+    (State::Watching(now, events, replay), out)
 }
 
 /// A watch event as the replay judges it.
