@@ -32,6 +32,8 @@ mod envtest;
 #[allow(dead_code)] // the benches use part of it
 #[path = "../tests/support/ports.rs"]
 mod ports;
+#[path = "support/readyz.rs"]
+mod readyz;
 #[path = "support/real.rs"]
 mod real;
 #[path = "support/rolling.rs"]

@@ -15,6 +15,7 @@
 //! - the operator's resident memory at the end.
 
 use crate::envtest::{self, ControlPlane};
+use crate::readyz::ready;
 use cnat::api::At;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
@@ -601,26 +602,6 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
     );
     new.kill();
     old.kill();
-}
-
-/// Whether `GET /readyz` on `admin` answers 200.
-pub async fn ready(admin: SocketAddr) -> bool {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let asked = async {
-        let mut stream = tokio::net::TcpStream::connect(admin).await.ok()?;
-        stream
-            .write_all(b"GET /readyz HTTP/1.1\r\nHost: cnat\r\nConnection: close\r\n\r\n")
-            .await
-            .ok()?;
-        let mut head = [0u8; 12];
-        stream.read_exact(&mut head).await.ok()?;
-        Some(head.ends_with(b"200"))
-    };
-    tokio::time::timeout(Duration::from_secs(1), asked)
-        .await
-        .ok()
-        .flatten()
-        .unwrap_or(false)
 }
 
 /// Until the replica's `/readyz` answers 200.

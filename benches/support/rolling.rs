@@ -18,7 +18,7 @@
 //! forwarded and dropped connections.
 
 use crate::envtest::{self, ControlPlane, Replica};
-use crate::real::ready;
+use crate::readyz::ready;
 use cnat::api::At;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
