@@ -8,6 +8,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+pub mod v1;
+
 /// API group of the At resource.
 pub const GROUP: &str = "cnat.programming-kubernetes.info";
 /// Image that runs the command when `spec.image` is not set.
@@ -109,7 +111,7 @@ impl Default for AtSpec {
     }
 }
 
-fn default_image() -> String {
+pub(crate) fn default_image() -> String {
     DEFAULT_IMAGE.to_owned()
 }
 

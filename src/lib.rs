@@ -11,6 +11,7 @@
 pub mod admission;
 pub mod api;
 pub mod cli;
+pub mod conversion;
 pub mod kubectl_at;
 pub mod leader;
 pub mod limits;

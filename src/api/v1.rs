@@ -1,0 +1,195 @@
+//! `cnat.programming-kubernetes.info/v1`: the At as the API we keep (the design and its reasons
+//! are in the README, "API v1"). The same meaning as `v1alpha1`, field for field, arranged as
+//! the Kubernetes API conventions and the Job API arrange it: the pod's settings grouped in
+//! `spec.template`, enum values in CamelCase. `crate::conversion` converts between the two.
+
+use super::{Condition, Outcome};
+use chrono::{DateTime, Utc};
+use k8s_openapi::api::core::v1::{EnvVar, LocalObjectReference, ResourceRequirements, Toleration};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Run a shell command once, at a given time, in a pod.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "cnat.programming-kubernetes.info",
+    version = "v1",
+    kind = "At",
+    plural = "ats",
+    singular = "at",
+    namespaced,
+    status = "AtStatus",
+    doc = "At runs a shell command once, at a given time, in a pod.",
+    printcolumn = r#"{"name":"Schedule","type":"string","jsonPath":".spec.schedule"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Outcome","type":"string","jsonPath":".status.outcome"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.reason"}"#,
+    printcolumn = r#"{"name":"Exit Code","type":"integer","jsonPath":".status.exitCode","priority":1}"#,
+    printcolumn = r#"{"name":"Pod","type":"string","jsonPath":".status.podName","priority":1}"#,
+    printcolumn = r#"{"name":"Message","type":"string","jsonPath":".status.message","priority":1}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct AtSpec {
+    /// When to run the command: an RFC 3339 time with `Z` or an explicit UTC offset, for example
+    /// `2019-04-12T10:12:00Z` or `2019-04-12T12:12:00+02:00`; or, with `timeZone`, a wall-clock
+    /// time without offset, e.g. `2019-04-12T12:12:00`. A time in the past runs at once (unless
+    /// `startingDeadlineSeconds` has passed).
+    pub schedule: String,
+    /// IANA time zone (e.g. `Europe/Berlin`) in which a `schedule` without offset is read, as in
+    /// a CronJob. A wall-clock time that does not exist there (skipped by a daylight-saving
+    /// change) or exists twice is refused with both instants it could mean.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_zone: Option<String>,
+    /// Shell command to run, passed to `/bin/sh -c`, so quoting, pipes and `&&` work as in a
+    /// shell. It runs once; its exit code decides the outcome.
+    pub command: String,
+    /// If the command cannot start within this many seconds after its schedule (operator down,
+    /// quota, policy), it never runs: the At ends `Done` with outcome `Missed`. Without it, an At
+    /// runs however late. As in a CronJob.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 2147483647))]
+    pub starting_deadline_seconds: Option<i64>,
+    /// The command's time limit in seconds, counted from the pod's start; a command that runs
+    /// longer is stopped and the At ends `Done`, outcome `Failed`, reason `DeadlineExceeded`.
+    /// As in a Job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 2147483647))]
+    pub active_deadline_seconds: Option<i64>,
+    /// Delete the At (and its pod) this many seconds after it is `Done`, as for a Job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 2147483647))]
+    pub ttl_seconds_after_finished: Option<i32>,
+    /// The pod that runs the command: its image, resources, environment and placement.
+    #[serde(default)]
+    #[schemars(extend("default" = {}))]
+    pub template: AtPodTemplate,
+}
+
+/// The settings of the pod that runs the command, with the names and types of a pod's and a
+/// container's own fields. The pod always runs one container, `command`, as `/bin/sh -c` under
+/// the `restricted` Pod Security profile; nothing here reaches its security context, volumes,
+/// host namespaces or ports.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AtPodTemplate {
+    /// Labels and annotations added to the pod (cnat's own labels win over these).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<PodMetadata>,
+    /// Container image that runs the command; it must provide `/bin/sh`. Defaults to `busybox`.
+    #[serde(default = "super::default_image")]
+    pub image: String,
+    /// CPU and memory requests and limits of the command's container. Needed in namespaces whose
+    /// ResourceQuota limits `requests.*` or `limits.*` (unless the operator sets defaults).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Environment variables of the command: `value`, or `valueFrom` a Secret, ConfigMap or
+    /// field of the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<Vec<EnvVar>>,
+    /// Service account the pod runs as. Its API token is mounted only when this is set; by
+    /// default the pod has no token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_account_name: Option<String>,
+    /// Node labels the pod's node must have.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<BTreeMap<String, String>>,
+    /// Taints the pod tolerates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tolerations: Option<Vec<Toleration>>,
+    /// Secrets (in the At's namespace) holding credentials to pull `image`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_secrets: Option<Vec<LocalObjectReference>>,
+}
+
+impl Default for AtPodTemplate {
+    fn default() -> Self {
+        AtPodTemplate {
+            metadata: None,
+            image: super::default_image(),
+            resources: None,
+            env: None,
+            service_account_name: None,
+            node_selector: None,
+            tolerations: None,
+            image_pull_secrets: None,
+        }
+    }
+}
+
+/// Labels and annotations for the pod, e.g. to opt it out of a service mesh's sidecar or to
+/// label it for cost allocation.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+pub struct PodMetadata {
+    /// Labels of the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<BTreeMap<String, String>>,
+    /// Annotations of the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub annotations: Option<BTreeMap<String, String>>,
+}
+
+/// What happened to this At so far, written only by the operator. Defaults to `Pending`: the
+/// apiserver drops status sent on create, and this schema default shows on every read.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend(
+    "default" = {"phase": "Pending"},
+    "x-kubernetes-validations" = [{
+        "rule": "!has(oldSelf.phase) || self.phase == oldSelf.phase || oldSelf.phase == 'Pending' || (oldSelf.phase == 'Running' && self.phase == 'Done')",
+        "message": "status.phase cannot go back (Pending -> Running -> Done): an At runs at most once; create a new At to run the command again"
+    }]
+))]
+pub struct AtStatus {
+    /// `Pending` until the schedule is due, `Running` while the pod runs, `Done` once it ended.
+    #[serde(default)]
+    pub phase: Phase,
+    /// Name of the pod that runs (or ran) the command.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    /// The instant `schedule` names (read in `timeZone` when it has no offset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduled_time: Option<DateTime<Utc>>,
+    /// When the operator created the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<DateTime<Utc>>,
+    /// When the command finished, or when the operator found that it never will.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_time: Option<DateTime<Utc>>,
+    /// `Succeeded` when the command exited 0, `Failed` when it did not, or ran out of time or its
+    /// pod was lost, `Missed` when it could not start before `startingDeadlineSeconds`; set once
+    /// `Done`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<Outcome>,
+    /// Exit code of the command, when it ran to the end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = -2147483648, max = 2147483647))]
+    pub exit_code: Option<i32>,
+    /// Machine-readable reason of the last change, e.g. `Scheduled`, `PodForbidden`, `Succeeded`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Human-readable account of the current state, including what to fix when something is wrong.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// Standard conditions: `Scheduled`, `PodCreated`, and `Complete` or `Failed` once `Done`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// The `metadata.generation` of the spec this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// Lifecycle phase of an At, in CamelCase as the API conventions spell enum values.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum Phase {
+    /// Waiting for the schedule (or for a problem in the spec to be fixed).
+    #[default]
+    Pending,
+    /// The pod has been created and the command has not finished.
+    Running,
+    /// Finished; the At never runs again.
+    Done,
+}

@@ -1,0 +1,399 @@
+use super::*;
+use crate::api::{self, v1};
+use proptest::prelude::*;
+use serde_json::json;
+
+/// Any JSON value, a few levels deep: what a field may hold as far as the conversion cares.
+fn any_json() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(|n| json!(n)),
+        "[a-z0-9 ./:-]{0,12}".prop_map(Value::String),
+    ];
+    leaf.prop_recursive(3, 16, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+            prop::collection::btree_map("[a-zA-Z]{1,8}", inner, 0..4)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+/// A map of strings, as labels and annotations are; never empty (the API server drops an empty
+/// one, so no stored object has it).
+fn strings() -> impl Strategy<Value = BTreeMapValue> {
+    prop::collection::btree_map("[a-z0-9./-]{1,20}", "[a-zA-Z0-9 {}\":,.-]{0,16}", 1..4).prop_map(
+        |m| {
+            BTreeMapValue(Value::Object(
+                m.into_iter().map(|(k, v)| (k, json!(v))).collect(),
+            ))
+        },
+    )
+}
+
+#[derive(Debug, Clone)]
+struct BTreeMapValue(Value);
+
+/// Metadata as stored: names, versions, labels, and annotations that may look like the one
+/// the conversion writes (valid, re-spaced, not JSON at all) when `carry` says so.
+fn metadata(carry: bool) -> impl Strategy<Value = Map<String, Value>> {
+    let annotation = prop_oneof![
+        Just(None),
+        Just(Some(r#"{"labels":{"a":"b"}}"#.to_owned())),
+        Just(Some(r#"{ "labels": {"a": "b"} }"#.to_owned())),
+        Just(Some("not json".to_owned())),
+        Just(Some("null".to_owned())),
+        any_json().prop_map(|v| Some(v.to_string())),
+    ];
+    (
+        "[a-z][a-z0-9-]{0,20}",
+        "[a-z][a-z0-9-]{0,10}",
+        prop::option::of(strings()),
+        prop::option::of(strings()),
+        annotation,
+        any::<u32>(),
+        any::<u16>(),
+    )
+        .prop_map(
+            move |(name, namespace, labels, annotations, carried, rv, generation)| {
+                let mut meta = Map::new();
+                meta.insert("name".into(), json!(name));
+                meta.insert("namespace".into(), json!(namespace));
+                meta.insert("resourceVersion".into(), json!(rv.to_string()));
+                meta.insert("generation".into(), json!(generation));
+                if let Some(labels) = labels {
+                    meta.insert("labels".into(), labels.0);
+                }
+                let mut annotations = annotations.map(|a| a.0);
+                if let (true, Some(text)) = (carry, carried) {
+                    let map = annotations.get_or_insert_with(|| json!({}));
+                    map[POD_METADATA_ANNOTATION] = json!(text);
+                }
+                if let Some(annotations) = annotations {
+                    meta.insert("annotations".into(), annotations);
+                }
+                meta
+            },
+        )
+}
+
+/// The pod fields, each absent or holding anything.
+fn pod_fields() -> impl Strategy<Value = Map<String, Value>> {
+    prop::collection::vec(prop::option::of(any_json()), POD_FIELDS.len()).prop_map(|values| {
+        POD_FIELDS
+            .iter()
+            .zip(values)
+            .filter_map(|(field, value)| Some((field.to_string(), value?)))
+            .collect()
+    })
+}
+
+/// The fields both versions hold in `spec` itself.
+fn common_spec() -> impl Strategy<Value = Map<String, Value>> {
+    (
+        "[0-9T:+ -]{0,25}",
+        ".{0,30}",
+        prop::option::of(prop_oneof![Just(json!("Europe/Berlin")), Just(Value::Null)]),
+        prop::option::of(any::<i64>()),
+        prop::option::of(any::<i64>()),
+        prop::option::of(any::<i32>()),
+    )
+        .prop_map(|(schedule, command, zone, starting, active, ttl)| {
+            let mut spec = Map::new();
+            spec.insert("schedule".into(), json!(schedule));
+            spec.insert("command".into(), json!(command));
+            let optional = [
+                ("timeZone", zone),
+                ("startingDeadlineSeconds", starting.map(|n| json!(n))),
+                ("activeDeadlineSeconds", active.map(|n| json!(n))),
+                ("ttlSecondsAfterFinished", ttl.map(|n| json!(n))),
+            ];
+            for (field, value) in optional {
+                if let Some(value) = value {
+                    spec.insert(field.into(), value);
+                }
+            }
+            spec
+        })
+}
+
+/// A status as either version spells it (`phases` picks the spelling), or none.
+fn status(phases: [&'static str; 3]) -> impl Strategy<Value = Option<Value>> {
+    prop::option::of(
+        (
+            prop::sample::select(phases.to_vec()),
+            prop::option::of("[a-z0-9-]{1,20}"),
+            prop::option::of(prop::sample::select(vec!["Succeeded", "Failed", "Missed"])),
+            prop::option::of(any::<i32>()),
+            prop::option::of(any_json()),
+        )
+            .prop_map(|(phase, pod, outcome, exit, conditions)| {
+                let mut status = json!({"phase": phase, "scheduledTime": "2026-11-24T10:00:00Z"});
+                if let Some(pod) = pod {
+                    status["podName"] = json!(pod);
+                }
+                if let Some(outcome) = outcome {
+                    status["outcome"] = json!(outcome);
+                }
+                if let Some(exit) = exit {
+                    status["exitCode"] = json!(exit);
+                }
+                if let Some(conditions) = conditions {
+                    status["conditions"] = conditions;
+                }
+                status
+            }),
+    )
+}
+
+fn object(
+    version: &str,
+    metadata: Map<String, Value>,
+    spec: Map<String, Value>,
+    status: Option<Value>,
+) -> Value {
+    let mut object =
+        json!({"apiVersion": version, "kind": "At", "metadata": metadata, "spec": spec});
+    if let Some(status) = status {
+        object["status"] = status;
+    }
+    object
+}
+
+/// A v1alpha1 At as stored: the pod fields in `spec`, phases in capitals; its annotations may
+/// include one that looks like the carried pod metadata.
+fn v1alpha1_at() -> impl Strategy<Value = Value> {
+    (
+        metadata(true),
+        common_spec(),
+        pod_fields(),
+        status(["PENDING", "RUNNING", "DONE"]),
+    )
+        .prop_map(|(meta, mut spec, pod, status)| {
+            spec.extend(pod);
+            object(V1ALPHA1, meta, spec, status)
+        })
+}
+
+/// A v1 At as stored: `spec.template` always there (its schema default), maybe with pod
+/// metadata; the carried annotation never (admission refuses it on v1 objects).
+fn v1_at() -> impl Strategy<Value = Value> {
+    (
+        metadata(false),
+        common_spec(),
+        pod_fields(),
+        prop::option::of(any_json()),
+        status(["Pending", "Running", "Done"]),
+    )
+        .prop_map(|(meta, mut spec, mut template, pod_metadata, status)| {
+            if let Some(pod_metadata) = pod_metadata {
+                template.insert("metadata".into(), pod_metadata);
+            }
+            spec.insert("template".into(), Value::Object(template));
+            object(V1, meta, spec, status)
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn v1alpha1_to_v1_and_back_is_identity(at in v1alpha1_at()) {
+        let v1 = convert(0, at.clone(), V1).unwrap();
+        prop_assert_eq!(&v1["apiVersion"], &json!(V1));
+        for field in POD_FIELDS {
+            prop_assert!(v1["spec"].get(field).is_none(), "{} left in spec", field);
+        }
+        prop_assert_eq!(convert(0, v1, V1ALPHA1).unwrap(), at);
+    }
+
+    #[test]
+    fn v1_to_v1alpha1_and_back_is_identity(at in v1_at()) {
+        let old = convert(0, at.clone(), V1ALPHA1).unwrap();
+        prop_assert_eq!(&old["apiVersion"], &json!(V1ALPHA1));
+        prop_assert!(old["spec"].get("template").is_none());
+        prop_assert_eq!(convert(0, old, V1).unwrap(), at);
+    }
+
+    #[test]
+    fn converting_to_the_same_version_changes_nothing(at in prop_oneof![v1alpha1_at(), v1_at()]) {
+        let version = at["apiVersion"].as_str().unwrap().to_owned();
+        prop_assert_eq!(convert(3, at.clone(), &version).unwrap(), at);
+    }
+
+    #[test]
+    fn any_review_body_gets_an_answer(body in prop::collection::vec(any::<u8>(), 0..256)) {
+        let answer = review(&body);
+        prop_assert!(answer.response.is_some());
+    }
+}
+
+/// Typed objects, as the operator writes them, convert into objects the other version's types
+/// read back with the same meaning.
+#[test]
+fn typed_objects_keep_their_meaning() {
+    let old: api::At = serde_json::from_value(json!({
+        "apiVersion": V1ALPHA1, "kind": "At",
+        "metadata": {"name": "backup", "namespace": "team-a"},
+        "spec": {
+            "schedule": "2026-11-23T02:00:00", "timeZone": "Europe/Berlin",
+            "command": "./backup.sh", "image": "registry.example.com/backup:1.4",
+            "startingDeadlineSeconds": 300, "activeDeadlineSeconds": 3600,
+            "ttlSecondsAfterFinished": 86400,
+            "resources": {"limits": {"memory": "64Mi"}},
+            "env": [{"name": "TARGET", "value": "s3://bucket"}],
+            "serviceAccountName": "backup", "nodeSelector": {"disk": "ssd"},
+            "tolerations": [{"key": "batch", "operator": "Exists"}],
+            "imagePullSecrets": [{"name": "registry"}]
+        },
+        "status": {"phase": "RUNNING", "podName": "backup-7f3a", "reason": "PodCreated"}
+    }))
+    .unwrap();
+    let new: v1::At =
+        serde_json::from_value(convert(0, serde_json::to_value(&old).unwrap(), V1).unwrap())
+            .unwrap();
+    assert_eq!(new.spec.schedule, old.spec.schedule);
+    assert_eq!(new.spec.time_zone, old.spec.time_zone);
+    assert_eq!(new.spec.command, old.spec.command);
+    assert_eq!(new.spec.starting_deadline_seconds, Some(300));
+    assert_eq!(new.spec.active_deadline_seconds, Some(3600));
+    assert_eq!(new.spec.ttl_seconds_after_finished, Some(86400));
+    let template = &new.spec.template;
+    assert_eq!(template.image, old.spec.image);
+    assert_eq!(template.resources, old.spec.resources);
+    assert_eq!(template.env, old.spec.env);
+    assert_eq!(template.service_account_name, old.spec.service_account_name);
+    assert_eq!(template.node_selector, old.spec.node_selector);
+    assert_eq!(template.tolerations, old.spec.tolerations);
+    assert_eq!(template.image_pull_secrets, old.spec.image_pull_secrets);
+    assert_eq!(template.metadata, None);
+    let status = new.status.clone().unwrap();
+    assert_eq!(status.phase, v1::Phase::Running);
+    assert_eq!(status.pod_name.as_deref(), Some("backup-7f3a"));
+
+    // Pod metadata, which v1alpha1 cannot hold, comes back from the annotation.
+    let mut labelled = new.clone();
+    labelled.spec.template.metadata = Some(v1::PodMetadata {
+        labels: Some([("team".to_owned(), "a".to_owned())].into()),
+        annotations: Some([("sidecar.istio.io/inject".to_owned(), "false".to_owned())].into()),
+    });
+    let down = convert(0, serde_json::to_value(&labelled).unwrap(), V1ALPHA1).unwrap();
+    let old_again: api::At = serde_json::from_value(down.clone()).unwrap();
+    assert_eq!(old_again.spec, old.spec);
+    assert_eq!(
+        down["metadata"]["annotations"][POD_METADATA_ANNOTATION],
+        json!(r#"{"annotations":{"sidecar.istio.io/inject":"false"},"labels":{"team":"a"}}"#)
+    );
+    let up: v1::At = serde_json::from_value(convert(0, down, V1).unwrap()).unwrap();
+    assert_eq!(
+        (up.metadata, up.spec, up.status),
+        (labelled.metadata, labelled.spec, labelled.status)
+    );
+}
+
+#[test]
+fn a_missing_spec_or_status_is_not_an_error() {
+    let bare = json!({"apiVersion": V1ALPHA1, "kind": "At", "metadata": {"name": "x"}});
+    let mut expected = bare.clone();
+    expected["apiVersion"] = json!(V1);
+    assert_eq!(convert(0, bare, V1).unwrap(), expected);
+}
+
+#[test]
+fn unknown_versions_and_non_objects_are_refused_by_name() {
+    let at = json!({"apiVersion": "cnat.programming-kubernetes.info/v2", "kind": "At",
+        "metadata": {"name": "x", "namespace": "ns"}});
+    assert_eq!(
+        convert(4, at.clone(), V1).unwrap_err().to_string(),
+        "object 4 (ns/x) has apiVersion \"cnat.programming-kubernetes.info/v2\": cnat converts At objects between cnat.programming-kubernetes.info/v1alpha1 and cnat.programming-kubernetes.info/v1"
+    );
+    assert!(convert(0, at, "apps/v1")
+        .unwrap_err()
+        .to_string()
+        .starts_with("cnat cannot convert to \"apps/v1\""));
+    assert_eq!(
+        convert(2, json!([1]), V1).unwrap_err(),
+        ConversionError::NotAnObject {
+            index: 2,
+            found: "an array"
+        }
+    );
+}
+
+fn answer(body: &Value) -> kube::core::conversion::ConversionResponse {
+    review(&serde_json::to_vec(body).unwrap()).response.unwrap()
+}
+
+#[test]
+fn a_review_converts_every_object_and_echoes_the_uid() {
+    let response = answer(&json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
+        "request": {
+            "uid": "0a9f-uid", "desiredAPIVersion": V1,
+            "objects": [
+                {"apiVersion": V1ALPHA1, "kind": "At", "metadata": {"name": "a"},
+                 "spec": {"schedule": "s", "command": "c", "image": "busybox"},
+                 "status": {"phase": "DONE", "outcome": "Succeeded"}},
+                {"apiVersion": V1, "kind": "At", "metadata": {"name": "b"},
+                 "spec": {"schedule": "s", "command": "c", "template": {"image": "alpine"}}}
+            ]
+        }
+    }));
+    assert_eq!(response.uid, "0a9f-uid");
+    assert_eq!(
+        response.result.status,
+        Some(kube::core::response::StatusSummary::Success)
+    );
+    assert_eq!(
+        response.converted_objects,
+        vec![
+            json!({"apiVersion": V1, "kind": "At", "metadata": {"name": "a"},
+                "spec": {"schedule": "s", "command": "c", "template": {"image": "busybox"}},
+                "status": {"phase": "Done", "outcome": "Succeeded"}}),
+            json!({"apiVersion": V1, "kind": "At", "metadata": {"name": "b"},
+                "spec": {"schedule": "s", "command": "c", "template": {"image": "alpine"}}}),
+        ]
+    );
+}
+
+#[test]
+fn a_bad_review_gets_a_failure_with_a_message() {
+    let unknown = answer(&json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
+        "request": {"uid": "u1", "desiredAPIVersion": "cnat.programming-kubernetes.info/v9",
+            "objects": [{"apiVersion": V1, "kind": "At"}]}
+    }));
+    assert_eq!(unknown.uid, "u1");
+    assert_eq!(
+        unknown.result.status,
+        Some(kube::core::response::StatusSummary::Failure)
+    );
+    assert!(
+        unknown.result.message.contains("v9"),
+        "{}",
+        unknown.result.message
+    );
+    assert!(unknown.converted_objects.is_empty());
+
+    let no_request =
+        answer(&json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview"}));
+    assert_eq!(
+        no_request.result.status,
+        Some(kube::core::response::StatusSummary::Failure)
+    );
+    assert_eq!(
+        no_request.result.message,
+        "the ConversionReview has no request"
+    );
+
+    let garbage = review(b"{\"request\": 12").response.unwrap();
+    assert_eq!(
+        garbage.result.status,
+        Some(kube::core::response::StatusSummary::Failure)
+    );
+    assert!(garbage
+        .result
+        .message
+        .starts_with("the body is not a ConversionReview"));
+}
