@@ -634,3 +634,68 @@ async fn connections_beyond_the_cap_are_closed_while_admissions_go_on() {
     }
     server.handle.shutdown();
 }
+
+#[tokio::test]
+async fn the_conversion_webhook_converts_and_answers_what_it_cannot_with_a_failure() {
+    let server = server("convert").await;
+    let client = trusting(&server);
+    let convert = |body: Vec<u8>| {
+        let client = client.clone();
+        async move {
+            let (status, answer) = post(&client, server.addr, "/convert?timeout=30s", body)
+                .await
+                .unwrap();
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+            let answer: Value = serde_json::from_slice(&answer).unwrap();
+            assert_eq!(answer["apiVersion"], "apiextensions.k8s.io/v1");
+            assert_eq!(answer["kind"], "ConversionReview");
+            answer["response"].clone()
+        }
+    };
+    let request = |desired: &str| {
+        serde_json::to_vec(&json!({
+            "apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
+            "request": {"uid": "f00d", "desiredAPIVersion": desired, "objects": [{
+                "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+                "metadata": {"name": "backup", "namespace": "team-a"},
+                "spec": {"schedule": "2026-11-24T10:00:00Z", "command": "true",
+                    "image": "busybox", "serviceAccountName": "backup"},
+                "status": {"phase": "PENDING"}
+            }]}
+        }))
+        .unwrap()
+    };
+
+    let converted = convert(request("cnat.programming-kubernetes.info/v1")).await;
+    assert_eq!(converted["uid"], "f00d");
+    assert_eq!(converted["result"]["status"], "Success");
+    assert_eq!(
+        converted["convertedObjects"],
+        json!([{
+            "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
+            "metadata": {"name": "backup", "namespace": "team-a"},
+            "spec": {"schedule": "2026-11-24T10:00:00Z", "command": "true",
+                "template": {"image": "busybox", "serviceAccountName": "backup"}},
+            "status": {"phase": "Pending"}
+        }])
+    );
+
+    let unknown = convert(request("cnat.programming-kubernetes.info/v2")).await;
+    assert_eq!(unknown["uid"], "f00d");
+    assert_eq!(unknown["result"]["status"], "Failure");
+    assert_eq!(
+        unknown["result"]["message"],
+        "cnat cannot convert to \"cnat.programming-kubernetes.info/v2\": it converts At objects between cnat.programming-kubernetes.info/v1alpha1 and cnat.programming-kubernetes.info/v1"
+    );
+
+    let garbage = convert(b"{\"request\":".to_vec()).await;
+    assert_eq!(garbage["result"]["status"], "Failure");
+    assert!(garbage["result"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("the body is not a ConversionReview"));
+
+    // And the server goes on converting.
+    let again = convert(request("cnat.programming-kubernetes.info/v1")).await;
+    assert_eq!(again["result"]["status"], "Success");
+}

@@ -33,6 +33,8 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 pub const VALIDATING_PATH: &str = "/validating";
 /// Path of the mutating webhook.
 pub const MUTATING_PATH: &str = "/mutating";
+/// Path of the conversion webhook (ConversionReviews of At objects, `crate::conversion`).
+pub const CONVERT_PATH: &str = "/convert";
 /// An AdmissionReview holds the object and the old object, each up to etcd's 1.5 MiB.
 pub const MAX_BODY: usize = 4 << 20;
 /// A client that has not finished its TLS handshake by then is dropped (no slowloris).
@@ -62,6 +64,12 @@ pub fn router(shared: Shared) -> Router {
     Router::new()
         .route(VALIDATING_PATH, route("validating", validating))
         .route(MUTATING_PATH, route("mutating", mutating))
+        .route(
+            CONVERT_PATH,
+            post(
+                |State(shared): State<Shared>, body: Bytes| async move { convert(&shared, &body) },
+            ),
+        )
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(shared)
 }
@@ -126,6 +134,25 @@ async fn admit(
         took,
     );
     span.in_scope(|| respond(verdict.map(|v| v.response)))
+}
+
+/// Answers a ConversionReview inside a `conversion` span, and counts it. Always 200 with a
+/// ConversionReview: a request cnat cannot convert gets a `Failure` result saying why.
+fn convert(shared: &Shared, body: &[u8]) -> Response {
+    let span = info_span!("conversion", "otel.kind" = "server");
+    let review = span.in_scope(|| crate::conversion::review(body));
+    let result = review.response.as_ref().map(|r| &r.result);
+    let ok = result.is_some_and(|r| r.is_success());
+    if let Some(result) = result.filter(|_| !ok) {
+        span.set_status(Status::error(result.message.clone()));
+        debug!(parent: &span, reason = %result.message, "conversion refused");
+    }
+    shared.metrics.converted(ok);
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        serde_json::to_vec(&review).unwrap_or_default(),
+    )
+        .into_response()
 }
 
 fn describe(span: &tracing::Span, verdict: &Verdict) {

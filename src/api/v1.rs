@@ -193,3 +193,55 @@ pub enum Phase {
     /// Finished; the At never runs again.
     Done,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::CustomResourceExt;
+
+    /// The schema of `v1`, as the CRD will carry it.
+    fn schema() -> serde_json::Value {
+        let crd = serde_json::to_value(At::crd()).unwrap();
+        assert_eq!(crd["spec"]["versions"][0]["name"], "v1");
+        crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone()
+    }
+
+    #[test]
+    fn the_template_and_its_image_are_defaulted_by_the_schema() {
+        let spec = &schema()["properties"]["spec"];
+        assert_eq!(
+            spec["properties"]["template"]["default"],
+            serde_json::json!({})
+        );
+        let template = &spec["properties"]["template"]["properties"];
+        assert_eq!(template["image"]["default"], "busybox");
+        let required: Vec<&str> = spec["required"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|v| v.as_str())
+            .collect();
+        assert_eq!(required, ["command", "schedule"]);
+        for field in crate::conversion::POD_FIELDS {
+            assert!(template.get(field).is_some(), "spec.template.{field}");
+            assert!(spec["properties"].get(field).is_none(), "spec.{field}");
+        }
+    }
+
+    #[test]
+    fn the_phase_is_camel_case_and_cannot_go_back() {
+        let status = &schema()["properties"]["status"];
+        assert_eq!(status["default"], serde_json::json!({"phase": "Pending"}));
+        assert_eq!(
+            status["properties"]["phase"]["enum"],
+            serde_json::json!(["Pending", "Running", "Done"])
+        );
+        let rule = status["x-kubernetes-validations"][0]["rule"]
+            .as_str()
+            .unwrap();
+        assert!(
+            rule.contains("'Pending'") && !rule.contains("PENDING"),
+            "{rule}"
+        );
+    }
+}

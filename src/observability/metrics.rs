@@ -91,6 +91,12 @@ struct RefusalLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ConversionLabels {
+    /// `success`, or `failure` when the review was answered with a Failure.
+    result: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct WebhookLabels {
     webhook: &'static str,
 }
@@ -103,6 +109,7 @@ pub struct Metrics {
     reconcile_duration: Histogram,
     admissions: Family<AdmissionLabels, Counter>,
     admission_duration: Family<WebhookLabels, Histogram, fn() -> Histogram>,
+    conversions: Family<ConversionLabels, Counter>,
     lateness: Histogram,
     pods_refused: Family<RefusalLabels, Counter>,
     panics: Family<PanicLabels, Counter>,
@@ -125,6 +132,10 @@ impl Metrics {
         let admissions = Family::default();
         let admission_duration: Family<_, _, fn() -> Histogram> =
             Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.0001, 2.0, 14)));
+        let conversions: Family<ConversionLabels, Counter> = Family::default();
+        for result in ["success", "failure"] {
+            drop(conversions.get_or_create(&ConversionLabels { result }));
+        }
         let lateness = Histogram::new(LATENESS_BUCKETS);
         let pods_refused: Family<RefusalLabels, Counter> = Family::default();
         // Every reason at 0 from the start, so the first refusal is an increase.
@@ -159,6 +170,11 @@ impl Metrics {
             admission_duration.clone(),
         );
         registry.register(
+            "cnat_conversion_reviews",
+            "ConversionReviews answered (At objects between v1alpha1 and v1), by result",
+            conversions.clone(),
+        );
+        registry.register(
             "cnat_run_lateness_seconds",
             "How long after its schedule an At's pod was created",
             lateness.clone(),
@@ -191,6 +207,7 @@ impl Metrics {
             reconcile_duration,
             admissions,
             admission_duration,
+            conversions,
             lateness,
             pods_refused,
             panics,
@@ -232,6 +249,14 @@ impl Metrics {
         self.admission_duration
             .get_or_create(&webhook)
             .observe(took.as_secs_f64());
+    }
+
+    /// A ConversionReview was answered: every object converted (`ok`) or a Failure.
+    pub fn converted(&self, ok: bool) {
+        let result = if ok { "success" } else { "failure" };
+        self.conversions
+            .get_or_create(&ConversionLabels { result })
+            .inc();
     }
 
     /// A pod was created `late` after its At's schedule (zero when early, which cannot happen).
