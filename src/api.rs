@@ -8,8 +8,6 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-pub mod v1;
-
 /// API group of the At resource.
 pub const GROUP: &str = "cnat.programming-kubernetes.info";
 /// Image that runs the command when `spec.image` is not set.
@@ -111,7 +109,7 @@ impl Default for AtSpec {
     }
 }
 
-pub(crate) fn default_image() -> String {
+fn default_image() -> String {
     DEFAULT_IMAGE.to_owned()
 }
 
