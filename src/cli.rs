@@ -34,6 +34,23 @@ pub enum Command {
     Certs(CertsArgs),
     /// Create an At due now and wait until it is DONE (what `helm test` runs).
     SmokeTest(SmokeTestArgs),
+    /// Rewrite every At in the CRD's storage version, then set status.storedVersions to it alone
+    /// (for an admin, after an upgrade that changed the storage version; safe to run again).
+    MigrateStorage(MigrateStorageArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct MigrateStorageArgs {
+    /// Have the API server check every write (admission included) without writing anything,
+    /// and leave status.storedVersions as it is.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Ats per list page.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=10000))]
+    pub page_size: u32,
+    /// Writes in flight at once.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub concurrency: u16,
 }
 
 #[derive(Debug, Args)]

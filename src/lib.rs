@@ -21,6 +21,7 @@ pub mod schedule;
 pub mod serving;
 pub mod shard;
 pub mod smoke_test;
+pub mod storage_migration;
 
 use thiserror::Error;
 

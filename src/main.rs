@@ -4,7 +4,7 @@
 use axum_server::tls_rustls::RustlsConfig;
 use clap::Parser;
 use cnat::admission::access_review::AccessReviewer;
-use cnat::cli::{CertsArgs, CheckArgs, Cli, Command, RunArgs, SmokeTestArgs};
+use cnat::cli::{CertsArgs, CheckArgs, Cli, Command, MigrateStorageArgs, RunArgs, SmokeTestArgs};
 use cnat::leader::{self, Leadership};
 use cnat::observability::metrics::Metrics;
 use cnat::operator::events::EventSink;
@@ -42,6 +42,7 @@ async fn main() -> ExitCode {
         Command::Check(args) => check(args),
         Command::Certs(args) => certs(args),
         Command::SmokeTest(args) => smoke_test(args).await,
+        Command::MigrateStorage(args) => migrate_storage(args).await,
         Command::Run(args) => match run(*args).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
@@ -94,6 +95,40 @@ async fn smoke_test(args: SmokeTestArgs) -> ExitCode {
         }
         Err(error) => {
             eprintln!("cnat smoke-test: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `cnat migrate-storage`: progress per page on stderr, the result on stdout.
+async fn migrate_storage(args: MigrateStorageArgs) -> ExitCode {
+    use cnat::storage_migration::{migrate, Options};
+    let client = match cnat::client().await {
+        Ok(client) => client,
+        Err(error) => {
+            eprintln!("cnat migrate-storage: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let options = Options {
+        dry_run: args.dry_run,
+        page_size: args.page_size,
+        concurrency: args.concurrency.into(),
+        ..Options::default()
+    };
+    let progress = |report: &cnat::storage_migration::Report| {
+        eprintln!(
+            "cnat migrate-storage: {} read, {} rewritten, {} already stored as {}, {} gone",
+            report.read, report.rewritten, report.unchanged, report.storage_version, report.gone
+        )
+    };
+    match migrate(client, &options, progress).await {
+        Ok(report) => {
+            println!("{report}");
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("cnat migrate-storage: {error}");
             ExitCode::FAILURE
         }
     }

@@ -28,3 +28,5 @@ mod list_shards;
 mod mass_deletion;
 #[path = "e2e/rbac.rs"]
 mod rbac;
+#[path = "e2e/storage_migration.rs"]
+mod storage_migration;

@@ -1,0 +1,365 @@
+//! `cnat migrate-storage`: rewrites every At so that etcd holds it in the CRD's storage version,
+//! then sets the CRD's `status.storedVersions` to that version alone, after which an older
+//! version can stop being served. What kube-storage-version-migrator does, for one resource.
+//!
+//! Each At is read (paged) in the storage version and written back unchanged with its
+//! resourceVersion as precondition: the API server encodes it anew in the storage version, and
+//! skips the write when the stored bytes would not change (already migrated), so running it
+//! again, after an interruption or twice, costs a read and a no-op per At. Safe while the
+//! operator runs: a write that conflicts with another (409) reads the At again and retries; an
+//! At deleted meanwhile is skipped; Ats created or changed meanwhile are written in the storage
+//! version by whoever writes them. Each write passes the admission webhooks as an UPDATE (the
+//! mutating webhook adds a missing list-shard label then).
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::core::TypeMeta;
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use thiserror::Error;
+
+/// The At CRD.
+pub const CRD_NAME: &str = "ats.cnat.programming-kubernetes.info";
+/// Field manager of the writes.
+const MANAGER: &str = "cnat-migrate-storage";
+/// Writes of one object that may conflict in a row before giving up on it.
+const MAX_CONFLICTS: usize = 10;
+/// Times the paged list may expire (410) and start again before giving up.
+const MAX_RESTARTS: usize = 5;
+
+/// What to migrate and how.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The CustomResourceDefinition whose objects are rewritten (`CRD_NAME` for cnat).
+    pub crd: String,
+    /// Check every write with the API server (dry run: admission included) without writing, and
+    /// leave `storedVersions` as it is.
+    pub dry_run: bool,
+    /// Objects per list page.
+    pub page_size: u32,
+    /// Writes in flight at once.
+    pub concurrency: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            crd: CRD_NAME.to_owned(),
+            dry_run: false,
+            page_size: 500,
+            concurrency: 8,
+        }
+    }
+}
+
+/// What a migration did (or, in a dry run, checked).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Report {
+    pub crd: String,
+    /// The version every object is stored in now.
+    pub storage_version: String,
+    /// `status.storedVersions` before, and after.
+    pub stored_before: Vec<String>,
+    pub stored_after: Vec<String>,
+    /// Objects read.
+    pub read: usize,
+    /// Objects the API server wrote again (their resourceVersion changed).
+    pub rewritten: usize,
+    /// Objects already stored as `storage_version` (the write was a no-op), or, in a dry run,
+    /// every object the API server accepted.
+    pub unchanged: usize,
+    /// Objects deleted before they could be written.
+    pub gone: usize,
+    /// Writes that conflicted with another and were retried.
+    pub conflicts: usize,
+    /// Times the paged list expired and started again.
+    pub restarts: usize,
+    pub dry_run: bool,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Report {
+            crd,
+            storage_version,
+            stored_before,
+            stored_after,
+            read,
+            rewritten,
+            unchanged,
+            gone,
+            conflicts,
+            restarts,
+            dry_run,
+        } = self;
+        if *dry_run {
+            write!(
+                f,
+                "dry run: {read} object(s) of {crd} read as {storage_version}, every write accepted by the API server, nothing written; storedVersions stays {stored_before:?} (would become {stored_after:?})"
+            )?;
+        } else {
+            write!(
+                f,
+                "{crd}: {read} object(s) read as {storage_version}: {rewritten} rewritten, {unchanged} already stored as {storage_version}, {gone} deleted meanwhile; storedVersions {stored_before:?} -> {stored_after:?}"
+            )?;
+        }
+        if conflicts + restarts > 0 {
+            write!(
+                f,
+                " ({conflicts} conflicting write(s) retried, list restarted {restarts} time(s))"
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Why the migration stopped; each says what to do. Running it again is always safe.
+#[derive(Debug, Error)]
+pub enum MigrateError {
+    #[error("reading CustomResourceDefinition {crd}: {source}. Is the CRD installed (cnat crd | kubectl apply -f -), and may you get customresourcedefinitions?")]
+    Crd { crd: String, source: kube::Error },
+    #[error("CustomResourceDefinition {0} has no version with storage: true; apply the CRD from `cnat crd`")]
+    NoStorageVersion(String),
+    #[error("listing {crd} objects as {version}: {source}")]
+    List {
+        crd: String,
+        version: String,
+        source: kube::Error,
+    },
+    #[error("the list of {crd} objects expired {MAX_RESTARTS} times (410 Gone) before it was read to the end; try a smaller --page-size")]
+    Expired { crd: String },
+    #[error("rewriting {object}: {source}. Run cnat migrate-storage again once that is fixed: what was rewritten stays rewritten")]
+    Write { object: String, source: kube::Error },
+    #[error("rewriting {object}: {MAX_CONFLICTS} writes in a row conflicted with other writers; run cnat migrate-storage again")]
+    Conflicts { object: String },
+    #[error("setting status.storedVersions of {crd} to [{version}]: {source}. Every object is stored as {version} now: running cnat migrate-storage again finishes this")]
+    StoredVersions {
+        crd: String,
+        version: String,
+        source: kube::Error,
+    },
+}
+
+/// The version objects of `crd` are stored in (the one with `storage: true`).
+pub fn storage_version(crd: &CustomResourceDefinition) -> Option<&str> {
+    crd.spec
+        .versions
+        .iter()
+        .find(|v| v.storage)
+        .map(|v| v.name.as_str())
+}
+
+/// Migrates every object of `options.crd` to its storage version, calling `progress` after each
+/// page with the counts so far.
+pub async fn migrate(
+    client: Client,
+    options: &Options,
+    mut progress: impl FnMut(&Report),
+) -> Result<Report, MigrateError> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = crds
+        .get(&options.crd)
+        .await
+        .map_err(|source| MigrateError::Crd {
+            crd: options.crd.clone(),
+            source,
+        })?;
+    let version = storage_version(&crd)
+        .ok_or_else(|| MigrateError::NoStorageVersion(options.crd.clone()))?
+        .to_owned();
+    let mut report = Report {
+        crd: options.crd.clone(),
+        storage_version: version.clone(),
+        stored_before: crd
+            .status
+            .as_ref()
+            .and_then(|s| s.stored_versions.clone())
+            .unwrap_or_default(),
+        stored_after: vec![version.clone()],
+        dry_run: options.dry_run,
+        ..Report::default()
+    };
+    let resource = ApiResource {
+        group: crd.spec.group.clone(),
+        version: version.clone(),
+        api_version: format!("{}/{version}", crd.spec.group),
+        kind: crd.spec.names.kind.clone(),
+        plural: crd.spec.names.plural.clone(),
+    };
+    let all: Api<DynamicObject> = Api::all_with(client.clone(), &resource);
+    let params = PostParams {
+        dry_run: options.dry_run,
+        field_manager: Some(MANAGER.to_owned()),
+    };
+    let mut token: Option<String> = None;
+    loop {
+        let mut list = ListParams::default().limit(options.page_size);
+        if let Some(token) = &token {
+            list = list.continue_token(token);
+        }
+        let page = match all.list(&list).await {
+            Ok(page) => page,
+            Err(kube::Error::Api(e)) if e.code == 410 && report.restarts < MAX_RESTARTS => {
+                // The continue token expired: from the start (what is done is a no-op now).
+                report.restarts += 1;
+                token = None;
+                continue;
+            }
+            Err(kube::Error::Api(e)) if e.code == 410 => {
+                return Err(MigrateError::Expired {
+                    crd: options.crd.clone(),
+                })
+            }
+            Err(source) => {
+                return Err(MigrateError::List {
+                    crd: options.crd.clone(),
+                    version,
+                    source,
+                })
+            }
+        };
+        report.read += page.items.len();
+        let outcomes: Vec<(Written, usize)> = futures::stream::iter(page.items)
+            .map(|object| rewrite(&client, &resource, object, &params))
+            .buffer_unordered(options.concurrency.max(1))
+            .try_collect()
+            .await?;
+        for (written, conflicts) in outcomes {
+            report.conflicts += conflicts;
+            match written {
+                Written::Rewritten => report.rewritten += 1,
+                Written::Unchanged => report.unchanged += 1,
+                Written::Gone => report.gone += 1,
+            }
+        }
+        progress(&report);
+        token = page.metadata.continue_.filter(|t| !t.is_empty());
+        if token.is_none() {
+            break;
+        }
+    }
+    if !options.dry_run {
+        crds.patch_status(
+            &options.crd,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"storedVersions": [version]}})),
+        )
+        .await
+        .map_err(|source| MigrateError::StoredVersions {
+            crd: options.crd.clone(),
+            version: version.clone(),
+            source,
+        })?;
+    }
+    Ok(report)
+}
+
+/// What one write did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Written {
+    Rewritten,
+    Unchanged,
+    Gone,
+}
+
+/// Writes `object` back unchanged, reading it again after each conflict; with the number of
+/// conflicts.
+async fn rewrite(
+    client: &Client,
+    resource: &ApiResource,
+    mut object: DynamicObject,
+    params: &PostParams,
+) -> Result<(Written, usize), MigrateError> {
+    let name = object.name_any();
+    let api: Api<DynamicObject> = match object.namespace() {
+        Some(namespace) => Api::namespaced_with(client.clone(), &namespace, resource),
+        None => Api::all_with(client.clone(), resource),
+    };
+    let label = match object.namespace() {
+        Some(namespace) => format!("{} {namespace}/{name}", resource.kind),
+        None => format!("{} {name}", resource.kind),
+    };
+    for conflicts in 0..MAX_CONFLICTS {
+        // A list's items may come without apiVersion and kind; a write needs them.
+        object.types = Some(TypeMeta {
+            api_version: resource.api_version.clone(),
+            kind: resource.kind.clone(),
+        });
+        let before = object.resource_version();
+        match api.replace(&name, params, &object).await {
+            // A dry run writes nothing, whatever the answer says.
+            Ok(_) if params.dry_run => return Ok((Written::Unchanged, conflicts)),
+            Ok(written) if written.resource_version() == before => {
+                return Ok((Written::Unchanged, conflicts))
+            }
+            Ok(_) => return Ok((Written::Rewritten, conflicts)),
+            Err(kube::Error::Api(e)) if e.code == 404 => return Ok((Written::Gone, conflicts)),
+            Err(kube::Error::Api(e)) if e.code == 409 => match api.get_opt(&name).await {
+                Ok(Some(fresh)) => object = fresh,
+                Ok(None) => return Ok((Written::Gone, conflicts + 1)),
+                Err(source) => {
+                    return Err(MigrateError::Write {
+                        object: label,
+                        source,
+                    })
+                }
+            },
+            Err(source) => {
+                return Err(MigrateError::Write {
+                    object: label,
+                    source,
+                })
+            }
+        }
+    }
+    Err(MigrateError::Conflicts { object: label })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_storage_version_is_the_one_marked_storage() {
+        let crd: CustomResourceDefinition = serde_json::from_value(json!({
+            "metadata": {"name": "ats.cnat.programming-kubernetes.info"},
+            "spec": {"group": "cnat.programming-kubernetes.info", "scope": "Namespaced",
+                "names": {"kind": "At", "plural": "ats"},
+                "versions": [
+                    {"name": "v1alpha1", "served": true, "storage": false},
+                    {"name": "v1", "served": true, "storage": true}
+                ]}
+        }))
+        .unwrap();
+        assert_eq!(storage_version(&crd), Some("v1"));
+        let mut none = crd;
+        none.spec.versions[1].storage = false;
+        assert_eq!(storage_version(&none), None);
+    }
+
+    #[test]
+    fn reports_say_what_was_done_and_what_a_dry_run_would_do() {
+        let mut report = Report {
+            crd: CRD_NAME.into(),
+            storage_version: "v1".into(),
+            stored_before: vec!["v1alpha1".into(), "v1".into()],
+            stored_after: vec!["v1".into()],
+            read: 1200,
+            rewritten: 1190,
+            unchanged: 9,
+            gone: 1,
+            conflicts: 2,
+            restarts: 0,
+            dry_run: false,
+        };
+        assert_eq!(
+            report.to_string(),
+            "ats.cnat.programming-kubernetes.info: 1200 object(s) read as v1: 1190 rewritten, 9 already stored as v1, 1 deleted meanwhile; storedVersions [\"v1alpha1\", \"v1\"] -> [\"v1\"] (2 conflicting write(s) retried, list restarted 0 time(s))"
+        );
+        report.dry_run = true;
+        assert!(report.to_string().starts_with(
+            "dry run: 1200 object(s) of ats.cnat.programming-kubernetes.info read as v1, every write accepted"
+        ));
+    }
+}

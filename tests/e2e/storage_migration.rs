@@ -1,0 +1,141 @@
+//! `cnat migrate-storage` on a real API server, for a CRD of its own (so that changing its
+//! storage version disturbs no other test): objects stored in the old version are written again
+//! in the new one, page by page; a dry run writes nothing; `status.storedVersions` ends as the
+//! new version alone; a second run finds nothing to rewrite.
+
+use cnat::storage_migration::{migrate, Options, Report};
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{ApiResource, DynamicObject, ListParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use std::collections::BTreeMap;
+
+const CRD: &str = "widgets.migrate.e2e.example";
+const OBJECTS: usize = 1203; // three pages of 500
+
+/// The test CRD with `versions` (name, storage), every version with the same open schema.
+fn crd(versions: &[(&str, bool)]) -> String {
+    let versions: Vec<_> = versions
+        .iter()
+        .map(|(name, storage)| {
+            json!({"name": name, "served": true, "storage": storage, "schema": {"openAPIV3Schema": {
+                "type": "object",
+                "properties": {"spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}
+            }}})
+        })
+        .collect();
+    json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD},
+        "spec": {"group": "migrate.e2e.example", "scope": "Namespaced",
+            "names": {"kind": "Widget", "plural": "widgets", "singular": "widget"},
+            "versions": versions}
+    })
+    .to_string()
+}
+
+fn resource(version: &str) -> ApiResource {
+    ApiResource {
+        group: "migrate.e2e.example".into(),
+        version: version.into(),
+        api_version: format!("migrate.e2e.example/{version}"),
+        kind: "Widget".into(),
+        plural: "widgets".into(),
+    }
+}
+
+fn widgets(client: &Client, ns: &str, version: &str) -> Api<DynamicObject> {
+    Api::namespaced_with(client.clone(), ns, &resource(version))
+}
+
+/// Every object's resourceVersion, by name.
+async fn versions(api: &Api<DynamicObject>) -> BTreeMap<String, String> {
+    let list = api.list(&ListParams::default()).await.unwrap();
+    list.items
+        .iter()
+        .map(|o| (o.name_any(), o.resource_version().unwrap()))
+        .collect()
+}
+
+async fn stored_versions(client: &Client) -> Vec<String> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = crds.get(CRD).await.unwrap();
+    crd.status.unwrap().stored_versions.unwrap()
+}
+
+async fn run(client: &Client, dry_run: bool) -> (Report, usize) {
+    let options = Options {
+        crd: CRD.into(),
+        dry_run,
+        ..Options::default()
+    };
+    let mut pages = 0;
+    let report = migrate(client.clone(), &options, |_| pages += 1)
+        .await
+        .unwrap();
+    (report, pages)
+}
+
+#[tokio::test]
+async fn every_object_is_rewritten_in_the_storage_version_once_and_stored_versions_follow() {
+    let plane = crate::real_control_plane!();
+    let admin = plane.admin().await;
+    crate::support::envtest::install_crd(&admin, &crd(&[("v1alpha1", true)])).await;
+    let ns = plane.namespace("migrate-storage", &[]).await;
+    let old = widgets(&admin, &ns, "v1alpha1");
+    futures::stream::iter(0..OBJECTS)
+        .map(|i| {
+            let old = old.clone();
+            async move {
+                let mut widget = DynamicObject::new(&format!("w-{i:04}"), &resource("v1alpha1"));
+                widget.data = json!({"spec": {"size": i}});
+                old.create(&PostParams::default(), &widget).await
+            }
+        })
+        .buffer_unordered(8)
+        .try_collect::<Vec<_>>()
+        .await
+        .unwrap();
+    let before = versions(&old).await;
+    assert_eq!(before.len(), OBJECTS);
+
+    // A new storage version: what is stored stays as it was until written again.
+    crate::support::envtest::install_crd(&admin, &crd(&[("v1alpha1", false), ("v1", true)])).await;
+    assert_eq!(stored_versions(&admin).await, ["v1alpha1", "v1"]);
+
+    let (dry, pages) = run(&admin, true).await;
+    assert_eq!(
+        (dry.read, dry.rewritten, dry.unchanged, dry.gone),
+        (OBJECTS, 0, OBJECTS, 0)
+    );
+    assert_eq!(pages, 3);
+    assert_eq!(versions(&old).await, before, "a dry run writes nothing");
+    assert_eq!(stored_versions(&admin).await, ["v1alpha1", "v1"]);
+
+    let (done, _) = run(&admin, false).await;
+    assert_eq!(done.storage_version, "v1");
+    assert_eq!(done.stored_before, ["v1alpha1", "v1"]);
+    assert_eq!(
+        (done.read, done.rewritten, done.unchanged, done.gone),
+        (OBJECTS, OBJECTS, 0, 0)
+    );
+    assert_eq!(stored_versions(&admin).await, ["v1"]);
+    let after = versions(&old).await;
+    assert!(
+        before
+            .iter()
+            .all(|(name, rv)| after.get(name).is_some_and(|new| new != rv)),
+        "every object written again"
+    );
+    let spec = widgets(&admin, &ns, "v1").get("w-0042").await.unwrap().data["spec"].clone();
+    assert_eq!(spec, json!({"size": 42}), "written unchanged");
+
+    // Again: everything is stored as v1 already, so every write is a no-op.
+    let (again, _) = run(&admin, false).await;
+    assert_eq!(
+        (again.read, again.rewritten, again.unchanged),
+        (OBJECTS, 0, OBJECTS)
+    );
+    assert_eq!(versions(&old).await, after);
+}
