@@ -257,15 +257,15 @@ pub async fn migrate(
 
 /// What one write did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Written {
+pub enum Written {
     Rewritten,
     Unchanged,
     Gone,
 }
 
-/// Writes `object` back unchanged, reading it again after each conflict; with the number of
-/// conflicts.
-async fn rewrite(
+/// Writes `object` (of `resource`) back unchanged, reading it again after each conflict, so a
+/// stale copy never overwrites a newer one; with the number of conflicts.
+pub async fn rewrite(
     client: &Client,
     resource: &ApiResource,
     mut object: DynamicObject,

@@ -3,19 +3,25 @@
 //! in the new one, page by page; a dry run writes nothing; `status.storedVersions` ends as the
 //! new version alone; a second run finds nothing to rewrite.
 
-use cnat::storage_migration::{migrate, Options, Report};
+use cnat::storage_migration::{migrate, rewrite, Options, Report, Written};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{ApiResource, DynamicObject, ListParams, PostParams};
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
+};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use std::collections::BTreeMap;
 
+/// The group of the first test's CRD; the second has one of its own, as the tests run at once
+/// and a storage version in `storedVersions` cannot be taken away again.
+const GROUP: &str = "migrate.e2e.example";
 const CRD: &str = "widgets.migrate.e2e.example";
+const OTHER_GROUP: &str = "conflict.e2e.example";
 const OBJECTS: usize = 1203; // three pages of 500
 
-/// The test CRD with `versions` (name, storage), every version with the same open schema.
-fn crd(versions: &[(&str, bool)]) -> String {
+/// The test CRD of `group` with `versions` (name, storage), each with the same open schema.
+fn crd(group: &str, versions: &[(&str, bool)]) -> String {
     let versions: Vec<_> = versions
         .iter()
         .map(|(name, storage)| {
@@ -27,26 +33,26 @@ fn crd(versions: &[(&str, bool)]) -> String {
         .collect();
     json!({
         "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-        "metadata": {"name": CRD},
-        "spec": {"group": "migrate.e2e.example", "scope": "Namespaced",
+        "metadata": {"name": format!("widgets.{group}")},
+        "spec": {"group": group, "scope": "Namespaced",
             "names": {"kind": "Widget", "plural": "widgets", "singular": "widget"},
             "versions": versions}
     })
     .to_string()
 }
 
-fn resource(version: &str) -> ApiResource {
+fn resource(group: &str, version: &str) -> ApiResource {
     ApiResource {
-        group: "migrate.e2e.example".into(),
+        group: group.into(),
         version: version.into(),
-        api_version: format!("migrate.e2e.example/{version}"),
+        api_version: format!("{group}/{version}"),
         kind: "Widget".into(),
         plural: "widgets".into(),
     }
 }
 
 fn widgets(client: &Client, ns: &str, version: &str) -> Api<DynamicObject> {
-    Api::namespaced_with(client.clone(), ns, &resource(version))
+    Api::namespaced_with(client.clone(), ns, &resource(GROUP, version))
 }
 
 /// Every object's resourceVersion, by name.
@@ -81,14 +87,15 @@ async fn run(client: &Client, dry_run: bool) -> (Report, usize) {
 async fn every_object_is_rewritten_in_the_storage_version_once_and_stored_versions_follow() {
     let plane = crate::real_control_plane!();
     let admin = plane.admin().await;
-    crate::support::envtest::install_crd(&admin, &crd(&[("v1alpha1", true)])).await;
+    crate::support::envtest::install_crd(&admin, &crd(GROUP, &[("v1alpha1", true)])).await;
     let ns = plane.namespace("migrate-storage", &[]).await;
     let old = widgets(&admin, &ns, "v1alpha1");
     futures::stream::iter(0..OBJECTS)
         .map(|i| {
             let old = old.clone();
             async move {
-                let mut widget = DynamicObject::new(&format!("w-{i:04}"), &resource("v1alpha1"));
+                let mut widget =
+                    DynamicObject::new(&format!("w-{i:04}"), &resource(GROUP, "v1alpha1"));
                 widget.data = json!({"spec": {"size": i}});
                 old.create(&PostParams::default(), &widget).await
             }
@@ -101,7 +108,8 @@ async fn every_object_is_rewritten_in_the_storage_version_once_and_stored_versio
     assert_eq!(before.len(), OBJECTS);
 
     // A new storage version: what is stored stays as it was until written again.
-    crate::support::envtest::install_crd(&admin, &crd(&[("v1alpha1", false), ("v1", true)])).await;
+    crate::support::envtest::install_crd(&admin, &crd(GROUP, &[("v1alpha1", false), ("v1", true)]))
+        .await;
     assert_eq!(stored_versions(&admin).await, ["v1alpha1", "v1"]);
 
     let (dry, pages) = run(&admin, true).await;
@@ -138,4 +146,47 @@ async fn every_object_is_rewritten_in_the_storage_version_once_and_stored_versio
         (OBJECTS, 0, OBJECTS)
     );
     assert_eq!(versions(&old).await, after);
+}
+
+#[tokio::test]
+async fn a_stale_copy_is_read_again_and_never_overwrites_a_newer_one() {
+    let plane = crate::real_control_plane!();
+    let admin = plane.admin().await;
+    crate::support::envtest::install_crd(&admin, &crd(OTHER_GROUP, &[("v1alpha1", true)])).await;
+    let ns = plane.namespace("migrate-conflict", &[]).await;
+    let widget = resource(OTHER_GROUP, "v1alpha1");
+    let api: Api<DynamicObject> = Api::namespaced_with(admin.clone(), &ns, &widget);
+    let post = PostParams::default();
+    for name in ["changed", "deleted"] {
+        let mut object = DynamicObject::new(name, &widget);
+        object.data = json!({"spec": {"size": 1}});
+        api.create(&post, &object).await.unwrap();
+    }
+    let stale = api.get("changed").await.unwrap();
+    let newer = api
+        .patch(
+            "changed",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"size": 2}})),
+        )
+        .await
+        .unwrap();
+    let written = rewrite(&admin, &widget, stale, &post).await.unwrap();
+    // The stale write conflicted (409), the At was read again, and that copy written: a no-op,
+    // since it is stored in this version already.
+    assert_eq!(written, (Written::Unchanged, 1));
+    let now = api.get("changed").await.unwrap();
+    assert_eq!(
+        now.data["spec"],
+        json!({"size": 2}),
+        "the newer content stays"
+    );
+    assert_eq!(now.resource_version(), newer.resource_version());
+
+    let gone = api.get("deleted").await.unwrap();
+    api.delete("deleted", &DeleteParams::default())
+        .await
+        .unwrap();
+    let written = rewrite(&admin, &widget, gone, &post).await.unwrap();
+    assert_eq!(written.0, Written::Gone);
 }
