@@ -4,13 +4,13 @@
 //! it, in the same run and with the same certificate, load and body, a faithful equivalent of
 //! kube-rs's admission example (warp over rustls, `benches/support/kube_admission_example.rs`)
 //! runs as its own process; the rounds alternate between the two, and the bench reports cnat's
-//! mutating webhook against it as ratios (p99 latency, throughput). Needs `wrk` (Debian package
-//! `wrk`).
-//!
+//! webhooks against it as ratios (p99 latency, throughput). A fourth target, cnat's conversion
+//! webhook, gets ConversionReviews of 100 Ats (v1alpha1 to v1); the example has no counterpart,
+//! so its figures stand alone. Needs `wrk` (Debian package `wrk`).
 //!
 //! On a machine with two or more CPUs both servers run on CPU 0, wrk and the control plane (with
 //! `--real`) on CPU 1 (`taskset`), so that their work does not land on the servers' core at
-//! random; the order of the three targets rotates from round to round. The first round starts
+//! random; the order of the targets rotates from round to round. The first round starts
 //! once cnat's `/readyz` answers 200, as a Service routes to a pod only once it is ready.
 //!
 //!     cargo bench --bench webhook                  # 11 rounds, then the medians
@@ -43,6 +43,9 @@ use std::time::{Duration, Instant};
 /// Set in the environment of this binary's second process: it serves the kube-rs example there.
 const EXAMPLE_ADDR: &str = "CNAT_BENCH_KUBE_EXAMPLE_ADDR";
 const ROUNDS: usize = 11;
+/// The conversion target's body: a ConversionReview of this many Ats, v1alpha1 to v1.
+const CONVERSION: &str = "conversion";
+const CONVERTED_PER_REVIEW: usize = 100;
 /// The CPU the two servers share and the one wrk runs on, when there are two or more.
 const SERVER_CPU: &str = "0";
 const WRK_CPU: &str = "1";
@@ -170,6 +173,13 @@ async fn main() {
             "mutate",
             "mutating-create.json",
         ),
+        (
+            "cnat conversion (100 Ats)",
+            &operator,
+            port,
+            "convert",
+            CONVERSION,
+        ),
     ];
     if pinned {
         println!("Both servers on CPU {SERVER_CPU}, wrk and the control plane on CPU {WRK_CPU}.");
@@ -183,13 +193,14 @@ async fn main() {
             .sum()
     };
     let mut ratios = Vec::new();
+    let mut conversions = Vec::new();
     for round in 1..=ROUNDS {
-        let mut measured: [Option<Figures>; 3] = [None, None, None];
+        let mut measured: [Option<Figures>; 4] = [None, None, None, None];
         // Rotate the order, so that no target always runs first (or right after another).
         for i in (0..targets.len()).map(|k| (k + round - 1) % targets.len()) {
             let (label, server, port, path, fixture) = targets[i];
             let script = dir.join(format!("{path}.lua"));
-            std::fs::write(&script, lua(fixture)).unwrap();
+            std::fs::write(&script, lua(&body(fixture))).unwrap();
             // By name: wrk sends the host as SNI, and the example's rustls 0.22 refuses an IP there.
             let url = format!("https://localhost:{port}/{path}?timeout=10s");
             let mut wrk = on_cpu(WRK_CPU);
@@ -234,10 +245,11 @@ async fn main() {
             );
             measured[i] = Some(figures);
         }
-        let [Some(validating), Some(mutating), Some(kube)] = measured else {
+        let [Some(validating), Some(mutating), Some(kube), Some(conversion)] = measured else {
             unreachable!("every target runs once a round")
         };
         ratios.push([validating.ratio_to(&kube), mutating.ratio_to(&kube)]);
+        conversions.push(conversion);
     }
     println!();
     println!("| round | validating / example: requests/s | p99 | CPU per review | mutating / example: requests/s | p99 | CPU per review |");
@@ -281,6 +293,19 @@ async fn main() {
             if met { "met" } else { "NOT met" }
         );
     }
+    // Conversion has no counterpart in the example: its own figures, medians over the rounds.
+    let median_of = |f: fn(&Figures) -> f64| {
+        let mut values: Vec<f64> = conversions.iter().map(f).collect();
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    let rate = median_of(|f| f.rate);
+    println!(
+        "cnat conversion, ConversionReviews of {CONVERTED_PER_REVIEW} Ats (v1alpha1 to v1), medians: {rate:.0} reviews/s ({:.0} Ats/s), p99 {:.2} ms, CPU {:.2} µs per At",
+        rate * CONVERTED_PER_REVIEW as f64,
+        median_of(|f| f.p99_ms),
+        median_of(|f| f.cpu_us) / CONVERTED_PER_REVIEW as f64
+    );
     for child in [&mut operator, &mut example] {
         child.kill().unwrap();
         let _ = child.wait();
@@ -369,15 +394,39 @@ fn millis(latency: &str) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-/// A wrk script that posts the captured AdmissionReview.
-fn lua(fixture: &str) -> String {
-    let path = format!(
-        "{}/tests/fixtures/admission-review-k8s-1.24/{fixture}",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    let capture: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let body = serde_json::to_string(&capture["review"]).unwrap();
+/// The body a target posts: the captured AdmissionReview `fixture`, or for `CONVERSION` a
+/// ConversionReview of `CONVERTED_PER_REVIEW` copies of the captured At, each with a status.
+fn body(fixture: &str) -> String {
+    let capture = |name: &str| -> serde_json::Value {
+        let path = format!(
+            "{}/tests/fixtures/admission-review-k8s-1.24/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    };
+    if fixture != CONVERSION {
+        return serde_json::to_string(&capture(fixture)["review"]).unwrap();
+    }
+    let at = capture("validating-create.json")["review"]["request"]["object"].clone();
+    let objects: Vec<serde_json::Value> = (0..CONVERTED_PER_REVIEW)
+        .map(|i| {
+            let mut at = at.clone();
+            at["metadata"]["name"] = format!("at-{i:03}").into();
+            at["spec"]["image"] = "busybox".into();
+            at["status"] = serde_json::json!({"phase": "PENDING"});
+            at
+        })
+        .collect();
+    serde_json::json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
+        "request": {"uid": "bench", "desiredAPIVersion": "cnat.programming-kubernetes.info/v1",
+            "objects": objects}
+    })
+    .to_string()
+}
+
+/// A wrk script that posts `body`.
+fn lua(body: &str) -> String {
     format!("wrk.method = \"POST\"\nwrk.headers[\"Content-Type\"] = \"application/json\"\nwrk.body = [==[{body}]==]\n")
 }
 
