@@ -181,6 +181,27 @@ async fn main() {
             CONVERSION,
         ),
     ];
+    // A conversion that fails is answered 200 as well: check once that these convert.
+    let request = dir.join("conversion.json");
+    std::fs::write(&request, body(CONVERSION)).unwrap();
+    let answer: serde_json::Value = serde_json::from_str(&run(&[
+        "curl",
+        "-sk",
+        "--data-binary",
+        &format!("@{}", request.display()),
+        &format!("https://localhost:{port}/convert"),
+    ]))
+    .unwrap();
+    assert_eq!(
+        answer["response"]["result"]["status"], "Success",
+        "{answer}"
+    );
+    assert_eq!(
+        answer["response"]["convertedObjects"]
+            .as_array()
+            .map(Vec::len),
+        Some(CONVERTED_PER_REVIEW)
+    );
     if pinned {
         println!("Both servers on CPU {SERVER_CPU}, wrk and the control plane on CPU {WRK_CPU}.");
     }

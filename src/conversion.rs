@@ -4,13 +4,15 @@
 //! The two versions say the same things in different places: `v1` groups the pod's settings
 //! in `spec.template` and spells the phase in CamelCase. The one thing `v1alpha1` cannot say,
 //! `spec.template.metadata` (the pod's labels and annotations), travels in the annotation
-//! [`POD_METADATA_ANNOTATION`] as JSON, as Kubernetes' own conversions keep fields an older
-//! version lacks. So both round trips, `v1alpha1 -> v1 -> v1alpha1` and `v1 -> v1alpha1 -> v1`,
-//! give back the object they started from (property tests in `conversion/tests.rs`).
+//! [`CARRIED_ANNOTATION`] as JSON, as Kubernetes' own conversions keep fields an older version
+//! lacks; a `v1` object that has that annotation itself gets its value carried in the same
+//! envelope. So both round trips, `v1alpha1 -> v1 -> v1alpha1` and `v1 -> v1alpha1 -> v1`, give
+//! back the object they started from (property tests in `conversion/tests.rs`).
 //!
 //! The conversion works on the JSON as stored, not on typed structs: it moves what is there,
-//! `null`s and fields it does not know included, fills in no defaults (the API server applies
-//! the target version's defaults after conversion), and never fails on a partial object.
+//! `null`s and fields it does not know included, fills in no defaults (the API server applies a
+//! version's defaults when it decodes an object: a request's in its own version, a stored one's
+//! in the storage version), and never fails on a partial object.
 
 use kube::core::conversion::{ConversionRequest, ConversionResponse, ConversionReview};
 use kube::core::Status;
@@ -21,9 +23,9 @@ use thiserror::Error;
 pub const V1ALPHA1: &str = "cnat.programming-kubernetes.info/v1alpha1";
 /// `apiVersion` of the version kept and stored.
 pub const V1: &str = "cnat.programming-kubernetes.info/v1";
-/// On a `v1alpha1` object: the `v1` object's `spec.template.metadata`, as JSON.
-pub const POD_METADATA_ANNOTATION: &str =
-    "cnat.programming-kubernetes.info/v1-spec.template.metadata";
+/// On a `v1alpha1` object: what its `v1` form holds that `v1alpha1` cannot (`spec.template.metadata`,
+/// and this annotation's own value on the `v1` object if it had one), as JSON.
+pub const CARRIED_ANNOTATION: &str = "cnat.programming-kubernetes.info/v1-fields";
 /// The `v1alpha1` spec fields that `v1` holds in `spec.template`, with the same names.
 pub const POD_FIELDS: [&str; 7] = [
     "image",
@@ -89,65 +91,122 @@ pub fn convert(index: usize, object: Value, desired: &str) -> Result<Value, Conv
 
 /// `v1alpha1` to `v1`, in place.
 fn up(object: &mut Map<String, Value>) {
-    if let Some(Value::Object(spec)) = object.get_mut("spec") {
-        let mut template = Map::new();
-        for field in POD_FIELDS {
-            if let Some(value) = spec.remove(field) {
-                template.insert(field.to_owned(), value);
-            }
+    let Some(Value::Object(spec)) = object.get_mut("spec") else {
+        // No spec (the schema requires one): nothing to move, and the annotation stays.
+        return phase(object, true);
+    };
+    let mut template = Map::new();
+    for field in POD_FIELDS {
+        if let Some(value) = spec.remove(field) {
+            template.insert(field.to_owned(), value);
         }
-        spec.insert("template".into(), Value::Object(template));
     }
-    // The pod's metadata, when this object was v1 before: only an annotation that this code
-    // wrote (what it would write again, byte for byte) is taken, so that any other value stays
-    // where it is and the round trip gives it back unchanged.
-    let carried = annotations(object)
-        .and_then(|a| a.get(POD_METADATA_ANNOTATION))
+    // What this object held as v1 and v1alpha1 cannot: only an envelope as `down` writes it is
+    // opened, so any other value stays where it is and comes back unchanged.
+    let envelope = annotations(object)
+        .and_then(|a| a.get(CARRIED_ANNOTATION))
         .and_then(Value::as_str)
-        .and_then(|text| {
-            let value: Value = serde_json::from_str(text).ok()?;
-            (serde_json::to_string(&value).ok()? == text).then_some(value)
-        });
-    if let Some(metadata) = carried {
-        remove_annotation(object);
-        if let Some(Value::Object(spec)) = object.get_mut("spec") {
-            if let Some(Value::Object(template)) = spec.get_mut("template") {
-                template.insert("metadata".into(), metadata);
-            }
+        .and_then(envelope);
+    if let Some(Envelope {
+        pod_metadata,
+        annotation,
+    }) = envelope
+    {
+        if let Some(pod_metadata) = pod_metadata {
+            template.insert("metadata".into(), pod_metadata);
         }
+        set_annotation(object, annotation);
+    }
+    if let Some(Value::Object(spec)) = object.get_mut("spec") {
+        spec.insert("template".into(), Value::Object(template));
     }
     phase(object, true);
 }
 
 /// `v1` to `v1alpha1`, in place.
 fn down(object: &mut Map<String, Value>) {
-    let mut carried = None;
+    let mut pod_metadata = None;
     if let Some(Value::Object(spec)) = object.get_mut("spec") {
         // (A template that is not an object, which the schema does not let through, is dropped.)
         if let Some(Value::Object(mut template)) = spec.remove("template") {
-            carried = template.remove("metadata");
+            pod_metadata = template.remove("metadata");
             // Every other field of the template is a pod field: v1alpha1 has them in `spec`.
             spec.extend(template);
         }
     }
-    if let Some(metadata) = carried {
-        let text = serde_json::to_string(&metadata).unwrap_or_default();
-        let meta = object
-            .entry("metadata")
-            .or_insert_with(|| Value::Object(Map::new()));
-        if let Value::Object(meta) = meta {
-            let annotations = meta
-                .entry("annotations")
-                .or_insert_with(|| Value::Object(Map::new()));
-            if !annotations.is_object() {
-                *annotations = Value::Object(Map::new());
-            }
-            if let Value::Object(annotations) = annotations {
-                annotations.insert(POD_METADATA_ANNOTATION.into(), Value::String(text));
-            }
+    let annotation = annotations(object)
+        .and_then(|a| a.get(CARRIED_ANNOTATION))
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    // An annotation of this name that `up` would not open stays as it is; one it would open
+    // (a v1 object carrying what looks like an envelope) goes into the envelope itself.
+    let wrap = pod_metadata.is_some() || annotation.as_deref().and_then(envelope).is_some();
+    if wrap {
+        let mut carried = Map::new();
+        if let Some(pod_metadata) = pod_metadata {
+            carried.insert(POD_METADATA.into(), pod_metadata);
         }
+        if let Some(annotation) = annotation {
+            carried.insert(ANNOTATION.into(), Value::String(annotation));
+        }
+        let text = serde_json::to_string(&Value::Object(carried)).unwrap_or_default();
+        set_annotation(object, Some(text));
     }
     phase(object, false);
+}
+
+/// Keys of the envelope in [`CARRIED_ANNOTATION`].
+const POD_METADATA: &str = "podMetadata";
+const ANNOTATION: &str = "annotation";
+
+/// What a `v1alpha1` object carries for `v1`: the pod's metadata, and the value the annotation
+/// itself had on the `v1` object (when it had one that would otherwise be taken for this).
+#[derive(Debug, PartialEq)]
+struct Envelope {
+    pod_metadata: Option<Value>,
+    annotation: Option<String>,
+}
+
+/// `text` as an envelope, if it is exactly what `down` writes: canonical JSON (serde_json's
+/// own output, byte for byte) of an object with `podMetadata` (null, or labels and annotations
+/// that are maps of strings, as the v1 schema allows) and/or `annotation` (a string that is an
+/// envelope itself when there is no `podMetadata`: `down` only wraps such a value).
+fn envelope(text: &str) -> Option<Envelope> {
+    let value: Value = serde_json::from_str(text).ok()?;
+    if serde_json::to_string(&value).ok()? != text {
+        return None;
+    }
+    let Value::Object(mut fields) = value else {
+        return None;
+    };
+    let pod_metadata = fields.remove(POD_METADATA);
+    let annotation = match fields.remove(ANNOTATION) {
+        None => None,
+        Some(Value::String(annotation)) => Some(annotation),
+        Some(_) => return None,
+    };
+    let shaped = pod_metadata.as_ref().is_none_or(pod_metadata_shape);
+    let needed = pod_metadata.is_some() || annotation.as_deref().and_then(envelope).is_some();
+    (fields.is_empty() && shaped && needed).then_some(Envelope {
+        pod_metadata,
+        annotation,
+    })
+}
+
+/// Whether `value` is what v1's `spec.template.metadata` can hold.
+fn pod_metadata_shape(value: &Value) -> bool {
+    let strings = |v: &Value| match v {
+        Value::Null => true,
+        Value::Object(map) => map.values().all(Value::is_string),
+        _ => false,
+    };
+    match value {
+        Value::Null => true,
+        Value::Object(map) => map
+            .iter()
+            .all(|(k, v)| (k == "labels" || k == "annotations") && strings(v)),
+        _ => false,
+    }
 }
 
 /// Respells `status.phase` by `PHASES`, to v1's spelling when `to_v1`, else to v1alpha1's; a
@@ -172,17 +231,35 @@ fn annotations(object: &Map<String, Value>) -> Option<&Map<String, Value>> {
     object.get("metadata")?.get("annotations")?.as_object()
 }
 
-/// Removes the carried annotation, and the annotations map when it held nothing else.
-fn remove_annotation(object: &mut Map<String, Value>) {
-    let Some(Value::Object(meta)) = object.get_mut("metadata") else {
+/// Sets the carried annotation to `value`, or removes it (and the annotations map when it then
+/// holds nothing, as the API server never stores an empty one).
+fn set_annotation(object: &mut Map<String, Value>, value: Option<String>) {
+    let meta = object
+        .entry("metadata")
+        .or_insert_with(|| Value::Object(Map::new()));
+    let Value::Object(meta) = meta else {
         return;
     };
-    let Some(Value::Object(annotations)) = meta.get_mut("annotations") else {
-        return;
-    };
-    annotations.remove(POD_METADATA_ANNOTATION);
-    if annotations.is_empty() {
-        meta.remove("annotations");
+    match value {
+        Some(value) => {
+            let annotations = meta
+                .entry("annotations")
+                .or_insert_with(|| Value::Object(Map::new()));
+            if !annotations.is_object() {
+                *annotations = Value::Object(Map::new());
+            }
+            if let Value::Object(annotations) = annotations {
+                annotations.insert(CARRIED_ANNOTATION.into(), Value::String(value));
+            }
+        }
+        None => {
+            if let Some(Value::Object(annotations)) = meta.get_mut("annotations") {
+                annotations.remove(CARRIED_ANNOTATION);
+                if annotations.is_empty() {
+                    meta.remove("annotations");
+                }
+            }
+        }
     }
 }
 

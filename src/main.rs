@@ -117,10 +117,21 @@ async fn migrate_storage(args: MigrateStorageArgs) -> ExitCode {
         ..Options::default()
     };
     let progress = |report: &cnat::storage_migration::Report| {
-        eprintln!(
-            "cnat migrate-storage: {} read, {} rewritten, {} already stored as {}, {} gone",
-            report.read, report.rewritten, report.unchanged, report.storage_version, report.gone
-        )
+        if report.dry_run {
+            eprintln!(
+                "cnat migrate-storage (dry run): {} read, every write accepted, {} gone",
+                report.read, report.gone
+            )
+        } else {
+            eprintln!(
+                "cnat migrate-storage: {} read, {} rewritten, {} already stored as {}, {} gone",
+                report.read,
+                report.rewritten,
+                report.unchanged,
+                report.storage_version,
+                report.gone
+            )
+        }
     };
     match migrate(client, &options, progress).await {
         Ok(report) => {

@@ -73,7 +73,8 @@ pub struct Report {
     pub gone: usize,
     /// Writes that conflicted with another and were retried.
     pub conflicts: usize,
-    /// Times the paged list expired and started again.
+    /// Times the paged list expired and started again (what was done before is not counted or
+    /// written again).
     pub restarts: usize,
     pub dry_run: bool,
 }
@@ -121,14 +122,20 @@ pub enum MigrateError {
     Crd { crd: String, source: kube::Error },
     #[error("CustomResourceDefinition {0} has no version with storage: true; apply the CRD from `cnat crd`")]
     NoStorageVersion(String),
-    #[error("listing {crd} objects as {version}: {source}")]
+    #[error("listing {crd} objects as {version}: {source}. If reading them needs a conversion webhook, is a cnat replica of this release running (it serves /convert)?")]
     List {
         crd: String,
         version: String,
         source: kube::Error,
     },
-    #[error("the list of {crd} objects expired {MAX_RESTARTS} times (410 Gone) before it was read to the end; try a smaller --page-size")]
+    #[error("the list of {crd} objects expired {MAX_RESTARTS} times (410 Gone) before it was read to the end; run cnat migrate-storage again (it skips nothing it has not checked, and what is done is a no-op), with a higher --concurrency")]
     Expired { crd: String },
+    #[error("the storage version of {crd} changed from {was} to {now} while the objects were rewritten; run cnat migrate-storage again")]
+    StorageChanged {
+        crd: String,
+        was: String,
+        now: String,
+    },
     #[error("rewriting {object}: {source}. Run cnat migrate-storage again once that is fixed: what was rewritten stays rewritten")]
     Write { object: String, source: kube::Error },
     #[error("rewriting {object}: {MAX_CONFLICTS} writes in a row conflicted with other writers; run cnat migrate-storage again")]
@@ -193,6 +200,8 @@ pub async fn migrate(
         field_manager: Some(MANAGER.to_owned()),
     };
     let mut token: Option<String> = None;
+    // Objects written (or checked) so far, by uid: after the list restarts they are skipped.
+    let mut done = std::collections::HashSet::new();
     loop {
         let mut list = ListParams::default().limit(options.page_size);
         if let Some(token) = &token {
@@ -201,7 +210,7 @@ pub async fn migrate(
         let page = match all.list(&list).await {
             Ok(page) => page,
             Err(kube::Error::Api(e)) if e.code == 410 && report.restarts < MAX_RESTARTS => {
-                // The continue token expired: from the start (what is done is a no-op now).
+                // The continue token expired: from the start, skipping what is done.
                 report.restarts += 1;
                 token = None;
                 continue;
@@ -219,8 +228,14 @@ pub async fn migrate(
                 })
             }
         };
-        report.read += page.items.len();
-        let outcomes: Vec<(Written, usize)> = futures::stream::iter(page.items)
+        let fresh: Vec<DynamicObject> = page
+            .items
+            .into_iter()
+            .filter(|o| o.uid().is_none_or(|uid| !done.contains(&uid)))
+            .collect();
+        report.read += fresh.len();
+        done.extend(fresh.iter().filter_map(|o| o.uid()));
+        let outcomes: Vec<(Written, usize)> = futures::stream::iter(fresh)
             .map(|object| rewrite(&client, &resource, object, &params))
             .buffer_unordered(options.concurrency.max(1))
             .try_collect()
@@ -239,19 +254,37 @@ pub async fn migrate(
             break;
         }
     }
-    if !options.dry_run {
-        crds.patch_status(
-            &options.crd,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"status": {"storedVersions": [version]}})),
-        )
-        .await
-        .map_err(|source| MigrateError::StoredVersions {
-            crd: options.crd.clone(),
-            version: version.clone(),
-            source,
-        })?;
+    // Only if the storage version is still the one every object was written in, and the CRD
+    // has not changed since it was read (the resourceVersion makes the patch a precondition).
+    // A dry run sends the patch as a dry run: a missing right shows now, not after the writes.
+    let stored_versions = |source| MigrateError::StoredVersions {
+        crd: options.crd.clone(),
+        version: version.clone(),
+        source,
+    };
+    let now = crds.get(&options.crd).await.map_err(stored_versions)?;
+    match storage_version(&now) {
+        Some(v) if v == version => {}
+        other => {
+            return Err(MigrateError::StorageChanged {
+                crd: options.crd.clone(),
+                was: version.clone(),
+                now: other.unwrap_or("none").to_owned(),
+            })
+        }
     }
+    let patch = json!({
+        "metadata": {"resourceVersion": now.resource_version()},
+        "status": {"storedVersions": [version]}
+    });
+    let params = if options.dry_run {
+        PatchParams::default().dry_run()
+    } else {
+        PatchParams::default()
+    };
+    crds.patch_status(&options.crd, &params, &Patch::Merge(patch))
+        .await
+        .map_err(stored_versions)?;
     Ok(report)
 }
 

@@ -698,4 +698,18 @@ async fn the_conversion_webhook_converts_and_answers_what_it_cannot_with_a_failu
     // And the server goes on converting.
     let again = convert(request("cnat.programming-kubernetes.info/v1")).await;
     assert_eq!(again["result"]["status"], "Success");
+
+    // The API server sends an unpaged list's objects in one review: far beyond an
+    // AdmissionReview's 4 MiB.
+    let at = json!({"apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+        "metadata": {"name": "x", "namespace": "team-a", "annotations": {"note": "n".repeat(1000)}},
+        "spec": {"schedule": "2026-11-24T10:00:00Z", "command": "true", "image": "busybox"}});
+    let many = json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
+        "request": {"uid": "big", "desiredAPIVersion": "cnat.programming-kubernetes.info/v1",
+            "objects": vec![at; 6000]}});
+    let body = serde_json::to_vec(&many).unwrap();
+    assert!(body.len() > webhook::MAX_BODY, "{} bytes", body.len());
+    let big = convert(body).await;
+    assert_eq!(big["result"]["status"], "Success", "{}", big["result"]);
+    assert_eq!(big["convertedObjects"].as_array().unwrap().len(), 6000);
 }

@@ -37,6 +37,9 @@ pub const MUTATING_PATH: &str = "/mutating";
 pub const CONVERT_PATH: &str = "/convert";
 /// An AdmissionReview holds the object and the old object, each up to etcd's 1.5 MiB.
 pub const MAX_BODY: usize = 4 << 20;
+/// A ConversionReview holds every object of a list the API server converts (an unpaged list of
+/// Ats stored in another version: thousands), so it gets far more room than an AdmissionReview.
+pub const MAX_CONVERSION_BODY: usize = 128 << 20;
 /// A client that has not finished its TLS handshake by then is dropped (no slowloris).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A client that has not sent its request headers by then is dropped.
@@ -64,13 +67,14 @@ pub fn router(shared: Shared) -> Router {
     Router::new()
         .route(VALIDATING_PATH, route("validating", validating))
         .route(MUTATING_PATH, route("mutating", mutating))
+        .layer(DefaultBodyLimit::max(MAX_BODY))
         .route(
             CONVERT_PATH,
             post(
                 |State(shared): State<Shared>, body: Bytes| async move { convert(&shared, &body) },
-            ),
+            )
+            .layer(DefaultBodyLimit::max(MAX_CONVERSION_BODY)),
         )
-        .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(shared)
 }
 

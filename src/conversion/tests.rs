@@ -34,17 +34,62 @@ fn strings() -> impl Strategy<Value = BTreeMapValue> {
 #[derive(Debug, Clone)]
 struct BTreeMapValue(Value);
 
-/// Metadata as stored: names, versions, labels, and annotations that may look like the one
-/// the conversion writes (valid, re-spaced, not JSON at all) when `carry` says so.
-fn metadata(carry: bool) -> impl Strategy<Value = Map<String, Value>> {
-    let annotation = prop_oneof![
-        Just(None),
-        Just(Some(r#"{"labels":{"a":"b"}}"#.to_owned())),
-        Just(Some(r#"{ "labels": {"a": "b"} }"#.to_owned())),
-        Just(Some("not json".to_owned())),
-        Just(Some("null".to_owned())),
-        any_json().prop_map(|v| Some(v.to_string())),
-    ];
+/// What v1's `spec.template.metadata` can hold: null, or labels and annotations (each absent,
+/// null or a map of strings).
+fn pod_metadata() -> impl Strategy<Value = Value> {
+    fn map() -> impl Strategy<Value = Option<Value>> {
+        prop_oneof![
+            Just(None),
+            Just(Some(Value::Null)),
+            strings().prop_map(|m| Some(m.0)),
+        ]
+    }
+    prop_oneof![
+        Just(Value::Null),
+        (map(), map()).prop_map(|(labels, annotations)| {
+            let mut map = Map::new();
+            if let Some(labels) = labels {
+                map.insert("labels".into(), labels);
+            }
+            if let Some(annotations) = annotations {
+                map.insert("annotations".into(), annotations);
+            }
+            Value::Object(map)
+        }),
+    ]
+}
+
+/// A value for the carried annotation: envelopes as the conversion writes them (pod metadata,
+/// a carried value, both, nested), and values it must leave alone (re-spaced, not JSON, JSON of
+/// another shape, an envelope that carries nothing an envelope needs).
+fn carried_annotation() -> impl Strategy<Value = String> {
+    fn written() -> impl Strategy<Value = String> {
+        (pod_metadata(), prop::option::of(".{0,12}")).prop_map(|(pm, ann)| {
+            let mut fields = json!({"podMetadata": pm});
+            if let Some(ann) = ann {
+                fields["annotation"] = json!(ann);
+            }
+            fields.to_string()
+        })
+    }
+    prop_oneof![
+        written(),
+        written().prop_map(|inner| json!({"annotation": inner}).to_string()),
+        Just(r#"{ "podMetadata": {"labels": {"a": "b"}} }"#.to_owned()),
+        Just(r#"{"annotation":"x"}"#.to_owned()),
+        Just(r#"{"podMetadata":{"foo":1}}"#.to_owned()),
+        Just(r#"{"podMetadata":{"labels":{"a":1}}}"#.to_owned()),
+        Just("{}".to_owned()),
+        Just("not json".to_owned()),
+        Just("null".to_owned()),
+        any_json().prop_map(|v| v.to_string()),
+    ]
+}
+
+/// Metadata as stored: names, versions, labels, and annotations, maybe with one of the carried
+/// annotation's name.
+fn metadata() -> impl Strategy<Value = Map<String, Value>> {
+    let annotation = prop::option::of(carried_annotation());
     (
         "[a-z][a-z0-9-]{0,20}",
         "[a-z][a-z0-9-]{0,10}",
@@ -55,7 +100,7 @@ fn metadata(carry: bool) -> impl Strategy<Value = Map<String, Value>> {
         any::<u16>(),
     )
         .prop_map(
-            move |(name, namespace, labels, annotations, carried, rv, generation)| {
+            |(name, namespace, labels, annotations, carried, rv, generation)| {
                 let mut meta = Map::new();
                 meta.insert("name".into(), json!(name));
                 meta.insert("namespace".into(), json!(namespace));
@@ -65,9 +110,9 @@ fn metadata(carry: bool) -> impl Strategy<Value = Map<String, Value>> {
                     meta.insert("labels".into(), labels.0);
                 }
                 let mut annotations = annotations.map(|a| a.0);
-                if let (true, Some(text)) = (carry, carried) {
+                if let Some(text) = carried {
                     let map = annotations.get_or_insert_with(|| json!({}));
-                    map[POD_METADATA_ANNOTATION] = json!(text);
+                    map[CARRIED_ANNOTATION] = json!(text);
                 }
                 if let Some(annotations) = annotations {
                     meta.insert("annotations".into(), annotations);
@@ -161,10 +206,10 @@ fn object(
 }
 
 /// A v1alpha1 At as stored: the pod fields in `spec`, phases in capitals; its annotations may
-/// include one that looks like the carried pod metadata.
+/// include one of the carried annotation's name.
 fn v1alpha1_at() -> impl Strategy<Value = Value> {
     (
-        metadata(true),
+        metadata(),
         common_spec(),
         pod_fields(),
         status(["PENDING", "RUNNING", "DONE"]),
@@ -176,13 +221,13 @@ fn v1alpha1_at() -> impl Strategy<Value = Value> {
 }
 
 /// A v1 At as stored: `spec.template` always there (its schema default), maybe with pod
-/// metadata; the carried annotation never (admission refuses it on v1 objects).
+/// metadata, maybe with an annotation of the carried one's name (nothing stops a user).
 fn v1_at() -> impl Strategy<Value = Value> {
     (
-        metadata(false),
+        metadata(),
         common_spec(),
         pod_fields(),
-        prop::option::of(any_json()),
+        prop::option::of(pod_metadata()),
         status(["Pending", "Running", "Done"]),
     )
         .prop_map(|(meta, mut spec, mut template, pod_metadata, status)| {
@@ -251,7 +296,7 @@ fn pod_metadata_travels_in_an_annotation_and_other_annotations_stay() {
             "apiVersion": V1ALPHA1, "kind": "At",
             "metadata": {"name": "backup", "namespace": "team-a", "annotations": {
                 "owner": "ops",
-                POD_METADATA_ANNOTATION: r#"{"annotations":{"sidecar.istio.io/inject":"false"},"labels":{"team":"a"}}"#
+                CARRIED_ANNOTATION: r#"{"podMetadata":{"annotations":{"sidecar.istio.io/inject":"false"},"labels":{"team":"a"}}}"#
             }},
             "spec": {"schedule": "2026-11-23T02:00:00", "timeZone": "Europe/Berlin",
                 "command": "./backup.sh", "startingDeadlineSeconds": 300,
@@ -265,13 +310,30 @@ fn pod_metadata_travels_in_an_annotation_and_other_annotations_stay() {
 
     // An annotation cnat did not write (re-spaced by hand) stays an annotation.
     let mut edited = old;
-    edited["metadata"]["annotations"][POD_METADATA_ANNOTATION] = json!(r#"{ "labels": {} }"#);
+    let by_hand = r#"{ "podMetadata": {"labels": {}} }"#;
+    edited["metadata"]["annotations"][CARRIED_ANNOTATION] = json!(by_hand);
     let up = convert(0, edited, V1).unwrap();
     assert_eq!(
-        up["metadata"]["annotations"][POD_METADATA_ANNOTATION],
-        json!(r#"{ "labels": {} }"#)
+        up["metadata"]["annotations"][CARRIED_ANNOTATION],
+        json!(by_hand)
     );
     assert!(up["spec"]["template"].get("metadata").is_none());
+
+    // A v1 object that has an annotation of that name itself, which would be taken for an
+    // envelope, keeps it: the envelope carries it too.
+    let mut odd = v1.clone();
+    let lookalike = r#"{"podMetadata":{"labels":{"x":"y"}}}"#;
+    odd["metadata"]["annotations"][CARRIED_ANNOTATION] = json!(lookalike);
+    odd["spec"]["template"]
+        .as_object_mut()
+        .unwrap()
+        .remove("metadata");
+    let old = convert(0, odd.clone(), V1ALPHA1).unwrap();
+    assert_eq!(
+        old["metadata"]["annotations"][CARRIED_ANNOTATION],
+        json!(serde_json::to_string(&json!({"annotation": lookalike})).unwrap())
+    );
+    assert_eq!(convert(0, old, V1).unwrap(), odd);
 }
 
 #[test]
