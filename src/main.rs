@@ -235,6 +235,8 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
 
     let webhooks = match args.webhooks {
         true => {
+            // Off the runtime's threads, before the server listens.
+            let _ = tokio::task::spawn_blocking(cnat::admission::validation::warm_up).await;
             let reviewer = args
                 .access_review()
                 .map(|settings| Arc::new(AccessReviewer::new(client.clone(), settings)));

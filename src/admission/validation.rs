@@ -103,6 +103,13 @@ fn name_problem(at: &At) -> Option<String> {
         })
 }
 
+/// Builds what the rules build on first use (the image reference grammar, a regex that takes
+/// tens of milliseconds to compile), so that the first admission does not wait for it: with 16
+/// connections, that wait held every request of the first round.
+pub fn warm_up() {
+    let _ = image_problem(crate::api::DEFAULT_IMAGE);
+}
+
 fn image_problem(image: &str) -> Option<String> {
     let fix = "expected e.g. busybox, busybox:1.36 or registry.example.com/team/tools@sha256:<64 hex digits>";
     if image.trim().is_empty() {
