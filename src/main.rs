@@ -236,7 +236,11 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
     let webhooks = match args.webhooks {
         true => {
             // Off the runtime's threads, before the server listens.
-            let _ = tokio::task::spawn_blocking(cnat::admission::validation::warm_up).await;
+            if let Err(error) =
+                tokio::task::spawn_blocking(cnat::admission::validation::warm_up).await
+            {
+                warn!(%error, "warming up the admission rules failed; the first admission builds them");
+            }
             let reviewer = args
                 .access_review()
                 .map(|settings| Arc::new(AccessReviewer::new(client.clone(), settings)));
