@@ -103,10 +103,7 @@ fn up(object: &mut Map<String, Value>) {
     }
     // What this object held as v1 and v1alpha1 cannot: only an envelope as `down` writes it is
     // opened, so any other value stays where it is and comes back unchanged.
-    let envelope = annotations(object)
-        .and_then(|a| a.get(CARRIED_ANNOTATION))
-        .and_then(Value::as_str)
-        .and_then(envelope);
+    let envelope = carried(object).and_then(envelope);
     if let Some(Envelope {
         pod_metadata,
         annotation,
@@ -134,10 +131,7 @@ fn down(object: &mut Map<String, Value>) {
             spec.extend(template);
         }
     }
-    let annotation = annotations(object)
-        .and_then(|a| a.get(CARRIED_ANNOTATION))
-        .and_then(Value::as_str)
-        .map(str::to_owned);
+    let annotation = carried(object).map(str::to_owned);
     // An annotation of this name that `up` would not open stays as it is; one it would open
     // (a v1 object carrying what looks like an envelope) goes into the envelope itself.
     let wrap = pod_metadata.is_some() || annotation.as_deref().and_then(envelope).is_some();
@@ -227,8 +221,13 @@ fn phase(object: &mut Map<String, Value>, to_v1: bool) {
     }
 }
 
-fn annotations(object: &Map<String, Value>) -> Option<&Map<String, Value>> {
-    object.get("metadata")?.get("annotations")?.as_object()
+/// The value of the carried annotation on `object`, if it has one.
+fn carried(object: &Map<String, Value>) -> Option<&str> {
+    object
+        .get("metadata")?
+        .get("annotations")?
+        .get(CARRIED_ANNOTATION)?
+        .as_str()
 }
 
 /// Sets the carried annotation to `value`, or removes it (and the annotations map when it then

@@ -14,7 +14,7 @@
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
-use kube::core::TypeMeta;
+use kube::core::{GroupVersionKind, TypeMeta};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use thiserror::Error;
@@ -59,9 +59,8 @@ pub struct Report {
     pub crd: String,
     /// The version every object is stored in now.
     pub storage_version: String,
-    /// `status.storedVersions` before, and after.
+    /// `status.storedVersions` before (after: `storage_version` alone).
     pub stored_before: Vec<String>,
-    pub stored_after: Vec<String>,
     /// Objects read.
     pub read: usize,
     /// Objects the API server wrote again (their resourceVersion changed).
@@ -85,7 +84,6 @@ impl std::fmt::Display for Report {
             crd,
             storage_version,
             stored_before,
-            stored_after,
             read,
             rewritten,
             unchanged,
@@ -97,12 +95,12 @@ impl std::fmt::Display for Report {
         if *dry_run {
             write!(
                 f,
-                "dry run: {read} object(s) of {crd} read as {storage_version}, every write accepted by the API server, nothing written; storedVersions stays {stored_before:?} (would become {stored_after:?})"
+                "dry run: {read} object(s) of {crd} read as {storage_version}, every write accepted by the API server, nothing written; storedVersions stays {stored_before:?} (would become [{storage_version:?}])"
             )?;
         } else {
             write!(
                 f,
-                "{crd}: {read} object(s) read as {storage_version}: {rewritten} rewritten, {unchanged} already stored as {storage_version}, {gone} deleted meanwhile; storedVersions {stored_before:?} -> {stored_after:?}"
+                "{crd}: {read} object(s) read as {storage_version}: {rewritten} rewritten, {unchanged} already stored as {storage_version}, {gone} deleted meanwhile; storedVersions {stored_before:?} -> [{storage_version:?}]"
             )?;
         }
         if conflicts + restarts > 0 {
@@ -183,17 +181,13 @@ pub async fn migrate(
             .as_ref()
             .and_then(|s| s.stored_versions.clone())
             .unwrap_or_default(),
-        stored_after: vec![version.clone()],
         dry_run: options.dry_run,
         ..Report::default()
     };
-    let resource = ApiResource {
-        group: crd.spec.group.clone(),
-        version: version.clone(),
-        api_version: format!("{}/{version}", crd.spec.group),
-        kind: crd.spec.names.kind.clone(),
-        plural: crd.spec.names.plural.clone(),
-    };
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk(&crd.spec.group, &version, &crd.spec.names.kind),
+        &crd.spec.names.plural,
+    );
     let all: Api<DynamicObject> = Api::all_with(client.clone(), &resource);
     let params = PostParams {
         dry_run: options.dry_run,
@@ -305,13 +299,15 @@ pub async fn rewrite(
     params: &PostParams,
 ) -> Result<(Written, usize), MigrateError> {
     let name = object.name_any();
-    let api: Api<DynamicObject> = match object.namespace() {
-        Some(namespace) => Api::namespaced_with(client.clone(), &namespace, resource),
-        None => Api::all_with(client.clone(), resource),
-    };
-    let label = match object.namespace() {
-        Some(namespace) => format!("{} {namespace}/{name}", resource.kind),
-        None => format!("{} {name}", resource.kind),
+    let (api, label): (Api<DynamicObject>, _) = match object.namespace() {
+        Some(namespace) => (
+            Api::namespaced_with(client.clone(), &namespace, resource),
+            format!("{} {namespace}/{name}", resource.kind),
+        ),
+        None => (
+            Api::all_with(client.clone(), resource),
+            format!("{} {name}", resource.kind),
+        ),
     };
     for conflicts in 0..MAX_CONFLICTS {
         // A list's items may come without apiVersion and kind; a write needs them.
@@ -377,7 +373,6 @@ mod tests {
             crd: CRD_NAME.into(),
             storage_version: "v1".into(),
             stored_before: vec!["v1alpha1".into(), "v1".into()],
-            stored_after: vec!["v1".into()],
             read: 1200,
             rewritten: 1190,
             unchanged: 9,

@@ -7,7 +7,8 @@ use cnat::storage_migration::{migrate, rewrite, Options, Report, Written};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{
-    ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
+    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
+    PostParams,
 };
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
@@ -42,13 +43,7 @@ fn crd(group: &str, versions: &[(&str, bool)]) -> String {
 }
 
 fn resource(group: &str, version: &str) -> ApiResource {
-    ApiResource {
-        group: group.into(),
-        version: version.into(),
-        api_version: format!("{group}/{version}"),
-        kind: "Widget".into(),
-        plural: "widgets".into(),
-    }
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, "Widget"), "widgets")
 }
 
 fn widgets(client: &Client, ns: &str, version: &str) -> Api<DynamicObject> {
