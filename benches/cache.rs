@@ -107,7 +107,7 @@ fn read_all(ats: &[std::sync::Arc<CachedAt>]) -> u64 {
 /// An At as the API server returns it after a leader wrote its PENDING status.
 fn pending_at(i: usize, now: chrono::DateTime<chrono::Utc>) -> Value {
     let mut at = json!({
-        "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+        "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
         "metadata": {"name": format!("at-{i:06}"), "namespace": "default", "generation": 1,
             "uid": format!("0b6b1f4e-2a55-4c2e-9b1a-{i:012}"),
             "resourceVersion": (1_000_000 + i).to_string(),

@@ -32,14 +32,14 @@ mod envtest;
 #[allow(dead_code)] // the benches use part of it
 #[path = "../tests/support/ports.rs"]
 mod ports;
-#[path = "support/readyz.rs"]
-mod readyz;
 #[path = "support/real.rs"]
 mod real;
 #[path = "support/rolling.rs"]
 mod rolling;
 #[path = "support/rss.rs"]
 mod rss;
+#[path = "../tests/support/service.rs"]
+mod service;
 
 use apiserver::{ApiServer, Resource};
 use futures::StreamExt;

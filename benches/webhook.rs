@@ -1,6 +1,6 @@
 //! Admission throughput and latency of the real `cnat run` binary over TLS with keep-alive:
-//! `wrk -t1 -c16 -d10s --latency` posting a captured AdmissionReview to the validating and the
-//! mutating webhook, with logging (JSON, info), metrics and trace ids on as in production. Beside
+//! `wrk -t1 -c16 -d10s --latency` posting a captured AdmissionReview (as the API server sends
+//! it for a `v1` write) to the validating and the mutating webhook, with logging (JSON, info), metrics and trace ids on as in production. Beside
 //! it, in the same run and with the same certificate, load and body, a faithful equivalent of
 //! kube-rs's admission example (warp over rustls, `benches/support/kube_admission_example.rs`)
 //! runs as its own process; the rounds alternate between the two, and the bench reports cnat's
@@ -29,11 +29,12 @@ mod kube_admission_example;
 #[allow(dead_code)] // the benches use part of it
 #[path = "../tests/support/ports.rs"]
 mod ports;
-#[path = "support/readyz.rs"]
-mod readyz;
 #[allow(dead_code)] // the benches use part of it
 #[path = "support/rss.rs"]
 mod rss;
+#[allow(dead_code)] // only its readiness probe
+#[path = "../tests/support/service.rs"]
+mod service;
 
 use apiserver::ApiServer;
 use std::net::TcpListener;
@@ -137,7 +138,7 @@ async fn main() {
     // `/readyz` says so (its At cache listed and watching), as the API server's first call would.
     let admin = admin.parse().unwrap();
     let started = Instant::now();
-    while !readyz::ready(admin).await {
+    while !service::ready(admin).await {
         assert!(
             started.elapsed() < Duration::from_secs(60),
             "cnat was not ready within 60 s"
@@ -415,8 +416,10 @@ fn millis(latency: &str) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-/// The body a target posts: the captured AdmissionReview `fixture`, or for `CONVERSION` a
-/// ConversionReview of `CONVERTED_PER_REVIEW` copies of the captured At, each with a status.
+/// The body a target posts: the captured AdmissionReview `fixture` as the API server sends it
+/// for a `v1` write (the capture is of `v1alpha1`: its kind, resource and objects converted),
+/// or for `CONVERSION` a ConversionReview of `CONVERTED_PER_REVIEW` copies of the captured At,
+/// each with a status.
 fn body(fixture: &str) -> String {
     let capture = |name: &str| -> serde_json::Value {
         let path = format!(
@@ -426,7 +429,21 @@ fn body(fixture: &str) -> String {
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
     };
     if fixture != CONVERSION {
-        return serde_json::to_string(&capture(fixture)["review"]).unwrap();
+        let mut review = capture(fixture)["review"].clone();
+        let request = &mut review["request"];
+        for field in ["kind", "resource", "requestKind", "requestResource"] {
+            if request[field].is_object() {
+                request[field]["version"] = "v1".into();
+            }
+        }
+        for field in ["object", "oldObject"] {
+            if request[field].is_object() {
+                request[field] =
+                    cnat::conversion::convert(0, request[field].take(), cnat::conversion::V1)
+                        .unwrap();
+            }
+        }
+        return serde_json::to_string(&review).unwrap();
     }
     let at = capture("validating-create.json")["review"]["request"]["object"].clone();
     let objects: Vec<serde_json::Value> = (0..CONVERTED_PER_REVIEW)

@@ -3,6 +3,10 @@
 
 use chrono::{DateTime, Utc};
 use k8s_openapi::api::core::v1::{EnvVar, LocalObjectReference, ResourceRequirements, Toleration};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+    CustomResourceConversion, CustomResourceDefinition, CustomResourceDefinitionVersion,
+    ServiceReference, WebhookClientConfig, WebhookConversion,
+};
 use kube::{CustomResource, CustomResourceExt};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -14,10 +18,10 @@ pub const GROUP: &str = "cnat.programming-kubernetes.info";
 pub const DEFAULT_IMAGE: &str = "busybox";
 
 /// Run a shell command once, at a given time, in a pod.
-#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[kube(
     group = "cnat.programming-kubernetes.info",
-    version = "v1alpha1",
+    version = "v1",
     kind = "At",
     plural = "ats",
     singular = "at",
@@ -40,32 +44,49 @@ pub struct AtSpec {
     /// time without offset, e.g. `2019-04-12T12:12:00`. A time in the past runs at once (unless
     /// `startingDeadlineSeconds` has passed).
     pub schedule: String,
-    /// Shell command to run, passed to `/bin/sh -c`, so quoting, pipes and `&&` work as in a
-    /// shell. It runs once; its exit code decides the outcome.
-    pub command: String,
-    /// Container image that runs the command; it must provide `/bin/sh`. Defaults to `busybox`.
-    #[serde(default = "default_image")]
-    pub image: String,
     /// IANA time zone (e.g. `Europe/Berlin`) in which a `schedule` without offset is read, as in
     /// a CronJob. A wall-clock time that does not exist there (skipped by a daylight-saving
     /// change) or exists twice is refused with both instants it could mean.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub time_zone: Option<String>,
+    /// Shell command to run, passed to `/bin/sh -c`, so quoting, pipes and `&&` work as in a
+    /// shell. It runs once; its exit code decides the outcome.
+    pub command: String,
     /// If the command cannot start within this many seconds after its schedule (operator down,
-    /// quota, policy), it never runs: the At ends `DONE` with outcome `Missed`. Without it, an At
+    /// quota, policy), it never runs: the At ends `Done` with outcome `Missed`. Without it, an At
     /// runs however late. As in a CronJob.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 2147483647))]
     pub starting_deadline_seconds: Option<i64>,
     /// The command's time limit in seconds, counted from the pod's start; a command that runs
-    /// longer is stopped and the At ends `DONE`, outcome `Failed`, reason `DeadlineExceeded`.
+    /// longer is stopped and the At ends `Done`, outcome `Failed`, reason `DeadlineExceeded`.
+    /// As in a Job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 2147483647))]
     pub active_deadline_seconds: Option<i64>,
-    /// Delete the At (and its pod) this many seconds after it is `DONE`, as for a Job.
+    /// Delete the At (and its pod) this many seconds after it is `Done`, as for a Job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 2147483647))]
     pub ttl_seconds_after_finished: Option<i32>,
+    /// The pod that runs the command: its image, resources, environment and placement.
+    #[serde(default)]
+    #[schemars(extend("default" = {}))]
+    pub template: AtPodTemplate,
+}
+
+/// The settings of the pod that runs the command, with the names and types of a pod's and a
+/// container's own fields. The pod always runs one container, `command`, as `/bin/sh -c` under
+/// the `restricted` Pod Security profile; nothing here reaches its security context, volumes,
+/// host namespaces or ports.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AtPodTemplate {
+    /// Labels and annotations added to the pod (cnat's own labels win over these).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<PodMetadata>,
+    /// Container image that runs the command; it must provide `/bin/sh`. Defaults to `busybox`.
+    #[serde(default = "default_image")]
+    pub image: String,
     /// CPU and memory requests and limits of the command's container. Needed in namespaces whose
     /// ResourceQuota limits `requests.*` or `limits.*` (unless the operator sets defaults).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -89,16 +110,15 @@ pub struct AtSpec {
     pub image_pull_secrets: Option<Vec<LocalObjectReference>>,
 }
 
-impl Default for AtSpec {
+fn default_image() -> String {
+    DEFAULT_IMAGE.to_owned()
+}
+
+impl Default for AtPodTemplate {
     fn default() -> Self {
-        AtSpec {
-            schedule: String::new(),
-            command: String::new(),
+        AtPodTemplate {
+            metadata: None,
             image: default_image(),
-            time_zone: None,
-            starting_deadline_seconds: None,
-            active_deadline_seconds: None,
-            ttl_seconds_after_finished: None,
             resources: None,
             env: None,
             service_account_name: None,
@@ -109,23 +129,31 @@ impl Default for AtSpec {
     }
 }
 
-fn default_image() -> String {
-    DEFAULT_IMAGE.to_owned()
+/// Labels and annotations for the pod, e.g. to opt it out of a service mesh's sidecar or to
+/// label it for cost allocation.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+pub struct PodMetadata {
+    /// Labels of the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<BTreeMap<String, String>>,
+    /// Annotations of the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub annotations: Option<BTreeMap<String, String>>,
 }
 
-/// What happened to this At so far, written only by the operator. Defaults to `PENDING`: the
+/// What happened to this At so far, written only by the operator. Defaults to `Pending`: the
 /// apiserver drops status sent on create, and this schema default shows on every read.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend(
-    "default" = {"phase": "PENDING"},
+    "default" = {"phase": "Pending"},
     "x-kubernetes-validations" = [{
-        "rule": "!has(oldSelf.phase) || self.phase == oldSelf.phase || oldSelf.phase == 'PENDING' || (oldSelf.phase == 'RUNNING' && self.phase == 'DONE')",
-        "message": "status.phase cannot go back (PENDING -> RUNNING -> DONE): an At runs at most once; create a new At to run the command again"
+        "rule": "!has(oldSelf.phase) || self.phase == oldSelf.phase || oldSelf.phase == 'Pending' || (oldSelf.phase == 'Running' && self.phase == 'Done')",
+        "message": "status.phase cannot go back (Pending -> Running -> Done): an At runs at most once; create a new At to run the command again"
     }]
 ))]
 pub struct AtStatus {
-    /// `PENDING` until the schedule is due, `RUNNING` while the pod runs, `DONE` once it ended.
+    /// `Pending` until the schedule is due, `Running` while the pod runs, `Done` once it ended.
     #[serde(default)]
     pub phase: Phase,
     /// Name of the pod that runs (or ran) the command.
@@ -142,7 +170,7 @@ pub struct AtStatus {
     pub completion_time: Option<DateTime<Utc>>,
     /// `Succeeded` when the command exited 0, `Failed` when it did not, or ran out of time or its
     /// pod was lost, `Missed` when it could not start before `startingDeadlineSeconds`; set once
-    /// `DONE`.
+    /// `Done`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome: Option<Outcome>,
     /// Exit code of the command, when it ran to the end.
@@ -155,7 +183,7 @@ pub struct AtStatus {
     /// Human-readable account of the current state, including what to fix when something is wrong.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
-    /// Standard conditions: `Scheduled`, `PodCreated`, and `Complete` or `Failed` once `DONE`.
+    /// Standard conditions: `Scheduled`, `PodCreated`, and `Complete` or `Failed` once `Done`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
@@ -164,9 +192,8 @@ pub struct AtStatus {
     pub observed_generation: Option<i64>,
 }
 
-/// Lifecycle phase of an At; the spelling is the book's.
+/// Lifecycle phase of an At, in CamelCase as the API conventions spell enum values.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
-#[serde(rename_all = "UPPERCASE")]
 pub enum Phase {
     /// Waiting for the schedule (or for a problem in the spec to be fixed).
     #[default]
@@ -178,15 +205,27 @@ pub enum Phase {
 }
 
 impl At {
-    /// The phase, `PENDING` while no status was written (the schema default).
+    /// The phase, `Pending` while no status was written (the schema default).
     pub fn phase(&self) -> Phase {
         self.status.as_ref().map(|s| s.phase).unwrap_or_default()
     }
 }
 
 impl Phase {
-    /// The API spelling: `PENDING`, `RUNNING` or `DONE`.
+    /// The API spelling: `Pending`, `Running` or `Done`.
     pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Pending => "Pending",
+            Phase::Running => "Running",
+            Phase::Done => "Done",
+        }
+    }
+}
+
+impl Phase {
+    /// The `phase` label of `cnat_ats`: `PENDING`, `RUNNING` or `DONE`, as since v1alpha1, so
+    /// that dashboards and alerts keep working across the API change.
+    pub fn metric_label(self) -> &'static str {
         match self {
             Phase::Pending => "PENDING",
             Phase::Running => "RUNNING",
@@ -233,8 +272,101 @@ pub struct Condition {
     pub observed_generation: Option<i64>,
 }
 
-/// The CRD manifest as YAML, exactly as committed in `crds/`.
-pub fn crd_yaml() -> String {
-    let yaml = serde_saphyr::to_string(&At::crd()).expect("the CRD type always serializes");
+/// The `v1alpha1` version as it was served before `v1`: frozen (a deprecated version must not
+/// change), served, not stored, with a warning naming `v1`.
+const V1ALPHA1_VERSION: &str = include_str!("api/v1alpha1.yaml");
+
+/// Where the API server sends `ConversionReview`s: cnat's webhook Service, as `webhooks/` and
+/// the chart's defaults name it (namespace `cnat-system`, Service `cnat-webhook`, port 443).
+pub fn conversion_service(namespace: &str, name: &str) -> WebhookClientConfig {
+    WebhookClientConfig {
+        service: Some(ServiceReference {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            path: Some("/convert".to_owned()),
+            port: Some(443),
+        }),
+        ..WebhookClientConfig::default()
+    }
+}
+
+/// The CRD: `v1` from the types above (stored), `v1alpha1` frozen, conversion between them by
+/// cnat's webhook at `client` (its `caBundle` included when set).
+pub fn crd_with(client: WebhookClientConfig) -> CustomResourceDefinition {
+    let mut crd = At::crd();
+    let old: Vec<CustomResourceDefinitionVersion> =
+        serde_saphyr::from_str(V1ALPHA1_VERSION).expect("the frozen v1alpha1 version parses");
+    crd.spec.versions.extend(old);
+    crd.spec.conversion = Some(CustomResourceConversion {
+        strategy: "Webhook".to_owned(),
+        webhook: Some(WebhookConversion {
+            client_config: Some(client),
+            conversion_review_versions: vec!["v1".to_owned()],
+        }),
+    });
+    crd
+}
+
+/// `crd` as YAML, the way `cnat crd` prints it.
+pub fn crd_to_yaml(crd: &CustomResourceDefinition) -> String {
+    let yaml = serde_saphyr::to_string(crd).expect("the CRD type always serializes");
     format!("# Generated by `cnat crd`; do not edit.\n---\n{yaml}")
+}
+
+/// The CRD manifest as YAML, exactly as committed in `crds/`: conversion by the Service
+/// `cnat-system/cnat-webhook`, no `caBundle` (`cnat crd --ca-bundle` adds one).
+pub fn crd_yaml() -> String {
+    crd_to_yaml(&crd_with(conversion_service("cnat-system", "cnat-webhook")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::CustomResourceExt;
+
+    /// The schema of `v1`, as the CRD will carry it.
+    fn schema() -> serde_json::Value {
+        let crd = serde_json::to_value(At::crd()).unwrap();
+        assert_eq!(crd["spec"]["versions"][0]["name"], "v1");
+        crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone()
+    }
+
+    #[test]
+    fn the_template_and_its_image_are_defaulted_by_the_schema() {
+        let spec = &schema()["properties"]["spec"];
+        assert_eq!(
+            spec["properties"]["template"]["default"],
+            serde_json::json!({})
+        );
+        let template = &spec["properties"]["template"]["properties"];
+        assert_eq!(template["image"]["default"], "busybox");
+        let required: Vec<&str> = spec["required"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|v| v.as_str())
+            .collect();
+        assert_eq!(required, ["command", "schedule"]);
+        for field in crate::conversion::POD_FIELDS {
+            assert!(template.get(field).is_some(), "spec.template.{field}");
+            assert!(spec["properties"].get(field).is_none(), "spec.{field}");
+        }
+    }
+
+    #[test]
+    fn the_phase_is_camel_case_and_cannot_go_back() {
+        let status = &schema()["properties"]["status"];
+        assert_eq!(status["default"], serde_json::json!({"phase": "Pending"}));
+        assert_eq!(
+            status["properties"]["phase"]["enum"],
+            serde_json::json!(["Pending", "Running", "Done"])
+        );
+        let rule = status["x-kubernetes-validations"][0]["rule"]
+            .as_str()
+            .unwrap();
+        assert!(
+            rule.contains("'Pending'") && !rule.contains("PENDING"),
+            "{rule}"
+        );
+    }
 }

@@ -27,16 +27,41 @@ pub enum Command {
     /// Run the operator against the cluster of the in-cluster config, else KUBECONFIG or ~/.kube/config.
     Run(Box<RunArgs>),
     /// Print the At CustomResourceDefinition as YAML (pipe to `kubectl apply -f -`).
-    Crd,
+    Crd(CrdArgs),
     /// Check At manifests with the validating webhook's rules; exits 1 if any is invalid.
     Check(CheckArgs),
     /// Write a development CA and webhook serving certificate (ca.crt, tls.crt, tls.key).
     Certs(CertsArgs),
-    /// Create an At due now and wait until it is DONE (what `helm test` runs).
+    /// Create an At due now and wait until it is Done (what `helm test` runs).
     SmokeTest(SmokeTestArgs),
     /// Rewrite every At in the CRD's storage version, then set status.storedVersions to it alone
     /// (for an admin, after an upgrade that changed the storage version; safe to run again).
     MigrateStorage(MigrateStorageArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct CrdArgs {
+    /// The webhook Service the API server sends ConversionReviews to, as NAMESPACE/NAME
+    /// (port 443, path /convert).
+    #[arg(long, default_value = "cnat-system/cnat-webhook", value_parser = service_ref)]
+    pub conversion_service: (String, String),
+    /// PEM file of the CA that signed the webhook's serving certificate (e.g. certs/dev/ca.crt
+    /// from `cnat certs`), written into the CRD as the conversion webhook's caBundle.
+    #[arg(long)]
+    pub ca_bundle: Option<PathBuf>,
+}
+
+fn service_ref(value: &str) -> Result<(String, String), String> {
+    match value.split_once('/') {
+        Some((namespace, name))
+            if !namespace.is_empty() && !name.is_empty() && !name.contains('/') =>
+        {
+            Ok((namespace.to_owned(), name.to_owned()))
+        }
+        _ => Err(format!(
+            "{value:?} is not NAMESPACE/NAME; for example cnat-system/cnat-webhook"
+        )),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -58,7 +83,7 @@ pub struct SmokeTestArgs {
     /// Namespace to create the At in [default: $POD_NAMESPACE, else the context's namespace].
     #[arg(long, env = "CNAT_SMOKE_NAMESPACE")]
     pub namespace: Option<String>,
-    /// How long to wait for DONE (image pulls included).
+    /// How long to wait for Done (image pulls included).
     #[arg(long, default_value = "180s", value_parser = duration)]
     pub timeout: Duration,
 }
@@ -115,11 +140,11 @@ pub struct RunArgs {
     #[arg(long, env = "CNAT_DEFAULT_STARTING_DEADLINE_SECONDS", value_parser = clap::value_parser!(i64).range(0..=limits::MAX_SECONDS))]
     pub default_starting_deadline_seconds: Option<i64>,
 
-    /// `ttlSecondsAfterFinished` for Ats that do not set it (without it DONE Ats stay).
+    /// `ttlSecondsAfterFinished` for Ats that do not set it (without it Done Ats stay).
     #[arg(long, env = "CNAT_DEFAULT_TTL_SECONDS_AFTER_FINISHED", value_parser = clap::value_parser!(i32).range(0..))]
     pub default_ttl_seconds_after_finished: Option<i32>,
 
-    /// How often a RUNNING At checks its pod without being told (the pod watch can miss a
+    /// How often a Running At checks its pod without being told (the pod watch can miss a
     /// deletion while it re-lists).
     #[arg(long, env = "CNAT_RUNNING_RECHECK", default_value = "60s", value_parser = duration)]
     pub running_recheck: Duration,

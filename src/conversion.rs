@@ -58,6 +58,25 @@ pub enum ConversionError {
     NotAnObject { index: usize, found: &'static str },
 }
 
+/// `message` (about a `v1` object, as cnat's rules word it) as a `v1alpha1` writer reads it:
+/// the pod settings are in `spec` itself, the pod metadata in the carried annotation, and the
+/// phases are spelled `PENDING`, `RUNNING`, `DONE`.
+pub fn in_v1alpha1_terms(message: &str) -> String {
+    let mut message = message
+        .replace(
+            "spec.template.metadata",
+            &format!("metadata.annotations[{CARRIED_ANNOTATION}].podMetadata"),
+        )
+        .replace("spec.template.", "spec.");
+    // Only where the rules name a phase ("once the At is Running", "from Done to Pending").
+    for (older, newer) in PHASES {
+        for before in ["is ", "from ", "to ", "once "] {
+            message = message.replace(&format!("{before}{newer}"), &format!("{before}{older}"));
+        }
+    }
+    message
+}
+
 /// `object` (the `index`th of a request) as `desired` (`V1ALPHA1` or `V1`).
 pub fn convert(index: usize, object: Value, desired: &str) -> Result<Value, ConversionError> {
     if desired != V1 && desired != V1ALPHA1 {
@@ -89,8 +108,8 @@ pub fn convert(index: usize, object: Value, desired: &str) -> Result<Value, Conv
     Ok(Value::Object(object))
 }
 
-/// `v1alpha1` to `v1`, in place.
-fn up(object: &mut Map<String, Value>) {
+/// `v1alpha1` to `v1`, in place (`apiVersion` untouched).
+pub(crate) fn up(object: &mut Map<String, Value>) {
     let Some(Value::Object(spec)) = object.get_mut("spec") else {
         // No spec (the schema requires one): nothing to move, and the annotation stays.
         return phase(object, true);
@@ -120,8 +139,8 @@ fn up(object: &mut Map<String, Value>) {
     phase(object, true);
 }
 
-/// `v1` to `v1alpha1`, in place.
-fn down(object: &mut Map<String, Value>) {
+/// `v1` to `v1alpha1`, in place (`apiVersion` untouched).
+pub(crate) fn down(object: &mut Map<String, Value>) {
     let mut pod_metadata = None;
     if let Some(Value::Object(spec)) = object.get_mut("spec") {
         // (A template that is not an object, which the schema does not let through, is dropped.)

@@ -39,7 +39,7 @@ fn bounds(spec: &AtSpec) -> [Bound; 3] {
             field: "spec.ttlSecondsAfterFinished",
             value: spec.ttl_seconds_after_finished.map(i64::from),
             min: 0,
-            meaning: "seconds to keep the At once DONE",
+            meaning: "seconds to keep the At once Done",
         },
     ]
 }
@@ -91,7 +91,7 @@ mod tests {
             [
                 "spec.startingDeadlineSeconds: 10000000000000 is out of range: it must be between 0 and 2147483647 (seconds after the schedule during which the command may still start); remove it for no limit",
                 "spec.activeDeadlineSeconds: 0 is out of range: it must be between 1 and 2147483647 (the command's time limit in seconds); remove it for no limit",
-                "spec.ttlSecondsAfterFinished: -1 is out of range: it must be between 0 and 2147483647 (seconds to keep the At once DONE); remove it for no limit",
+                "spec.ttlSecondsAfterFinished: -1 is out of range: it must be between 0 and 2147483647 (seconds to keep the At once Done); remove it for no limit",
             ]
         );
         let extremes = spec(Some(i64::MIN), Some(i64::MAX), Some(i32::MIN));

@@ -4,7 +4,9 @@
 use axum_server::tls_rustls::RustlsConfig;
 use clap::Parser;
 use cnat::admission::access_review::AccessReviewer;
-use cnat::cli::{CertsArgs, CheckArgs, Cli, Command, MigrateStorageArgs, RunArgs, SmokeTestArgs};
+use cnat::cli::{
+    CertsArgs, CheckArgs, Cli, Command, CrdArgs, MigrateStorageArgs, RunArgs, SmokeTestArgs,
+};
 use cnat::leader::{self, Leadership};
 use cnat::observability::metrics::Metrics;
 use cnat::operator::events::EventSink;
@@ -35,10 +37,7 @@ const TRACE_FLUSH_TIMEOUT: Duration = Duration::from_secs(3);
 #[tokio::main]
 async fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Crd => {
-            print!("{}", api::crd_yaml());
-            ExitCode::SUCCESS
-        }
+        Command::Crd(args) => crd(args),
         Command::Check(args) => check(args),
         Command::Certs(args) => certs(args),
         Command::SmokeTest(args) => smoke_test(args).await,
@@ -51,6 +50,39 @@ async fn main() -> ExitCode {
             }
         },
     }
+}
+
+/// `cnat crd`: the CRD on stdout, conversion by the given Service (and CA).
+fn crd(args: CrdArgs) -> ExitCode {
+    let (namespace, name) = &args.conversion_service;
+    let mut client = api::conversion_service(namespace, name);
+    if let Some(path) = &args.ca_bundle {
+        match std::fs::read(path) {
+            Ok(pem) if is_pem_certificates(&pem) => {
+                client.ca_bundle = Some(k8s_openapi::ByteString(pem));
+            }
+            Ok(_) => {
+                eprintln!(
+                    "cnat crd: --ca-bundle {}: no PEM certificate in it; give the CA's PEM file (ca.crt from `cnat certs`)",
+                    path.display()
+                );
+                return ExitCode::FAILURE;
+            }
+            Err(error) => {
+                eprintln!("cnat crd: --ca-bundle {}: {error}", path.display());
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    print!("{}", api::crd_to_yaml(&api::crd_with(client)));
+    ExitCode::SUCCESS
+}
+
+/// Whether `pem` holds one or more certificates and nothing unreadable.
+fn is_pem_certificates(pem: &[u8]) -> bool {
+    use rustls::pki_types::{pem::PemObject, CertificateDer};
+    let certificates: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(pem).collect();
+    certificates.is_ok_and(|c| !c.is_empty())
 }
 
 /// `cnat check`: problems on stdout, a summary on stderr, exit 1 if any At is invalid.
@@ -233,6 +265,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
             .into_future(),
     );
 
+    let draining = cnat::serving::drain::Draining::default();
     let webhooks = match args.webhooks {
         true => {
             // Off the runtime's threads, before the server listens.
@@ -247,6 +280,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
             let shared = webhook::Shared {
                 metrics: metrics.clone(),
                 reviewer,
+                draining: draining.clone(),
             };
             Some(start_webhooks(&args, shared, close_servers.clone()).await?)
         }
@@ -304,6 +338,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
     };
     let signalled = Instant::now();
     health.set_not_ready();
+    draining.start();
     let graceful = async {
         // 1. stop reconciling and release the Lease, so another replica takes over at once;
         let _ = election.await;

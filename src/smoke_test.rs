@@ -1,5 +1,5 @@
 //! `cnat smoke-test`: the check `helm test` runs in the cluster. It creates an At due now, waits
-//! until it is DONE, deletes it, and succeeds only if the command succeeded.
+//! until it is Done, deletes it, and succeeds only if the command succeeded.
 
 use crate::api::{At, AtSpec, Outcome, Phase};
 use kube::api::{DeleteParams, PostParams};
@@ -29,7 +29,7 @@ pub enum SmokeError {
         tried: Duration,
         source: kube::Error,
     },
-    #[error("At {0} was not DONE within {1:?}: is a cnat replica leading (kubectl get lease), and can its pod start?")]
+    #[error("At {0} was not Done within {1:?}: is a cnat replica leading (kubectl get lease), and can its pod start?")]
     Timeout(String, Duration),
     #[error("At {at} ended {outcome:?}: {message}")]
     Failed {
@@ -46,7 +46,6 @@ pub async fn run(client: Client, namespace: &str, timeout: Duration) -> Result<S
     let spec = AtSpec {
         schedule: chrono::Utc::now().to_rfc3339(),
         command: "echo cnat smoke test".into(),
-        image: crate::api::DEFAULT_IMAGE.into(),
         ..AtSpec::default()
     };
     let started = Instant::now();

@@ -10,6 +10,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{PodTemplateSpec, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule, Role};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use rustls::client::danger::ServerCertVerifier;
 use rustls::pki_types::{pem::PemObject, CertificateDer, ServerName, UnixTime};
 use serde::de::DeserializeOwned;
@@ -125,10 +126,10 @@ fn the_chart_lints_strictly() {
 
 #[test]
 fn the_chart_crd_is_the_generated_crd() {
-    let chart = std::fs::read_to_string(format!("{CHART}/crds/at.yaml")).unwrap();
+    let chart = std::fs::read_to_string(format!("{CHART}/files/at.yaml")).unwrap();
     assert!(
         chart == cnat::api::crd_yaml(),
-        "charts/cnat/crds/at.yaml is out of date: cp crds/at.yaml charts/cnat/crds/"
+        "charts/cnat/files/at.yaml is out of date: cp crds/at.yaml charts/cnat/files/"
     );
 }
 
@@ -359,6 +360,28 @@ fn the_webhooks_trust_the_certificate_the_pods_serve() {
     );
     assert_eq!(v.admission_review_versions, ["v1"]);
     assert_eq!(m.reinvocation_policy.as_deref(), Some("IfNeeded"));
+    // The CRD's conversion webhook: the same Service and CA, path /convert.
+    let crd: CustomResourceDefinition = rendered.one("CustomResourceDefinition");
+    let conversion = crd.spec.conversion.unwrap();
+    assert_eq!(conversion.strategy, "Webhook");
+    let conversion = conversion.webhook.unwrap();
+    assert_eq!(conversion.conversion_review_versions, ["v1"]);
+    let client = conversion.client_config.unwrap();
+    let svc = client.service.unwrap();
+    assert_eq!(
+        (
+            svc.name.as_str(),
+            svc.namespace.as_str(),
+            svc.path.as_deref(),
+            svc.port
+        ),
+        ("cnat-webhook", "cnat-system", Some("/convert"), Some(443))
+    );
+    assert_eq!(client.ca_bundle.unwrap().0, data["ca.crt"].0);
+    // Both versions are reviewed, each in its own version (Equivalent covers the other's writes).
+    for hook in [v.rules.clone().unwrap(), m.rules.clone().unwrap()] {
+        assert_eq!(hook[0].api_versions.as_deref().unwrap(), ["v1", "v1alpha1"]);
+    }
     let resources = v.rules.clone().unwrap()[0].resources.clone().unwrap();
     // Not ats/status: the operator's status writes never depend on the webhook.
     assert_eq!(resources, ["ats"]);
@@ -432,6 +455,13 @@ fn cert_manager_issues_and_injects_the_certificate() {
         .client_config
         .ca_bundle
         .is_none());
+    let crd: CustomResourceDefinition = rendered.one("CustomResourceDefinition");
+    assert_eq!(
+        crd.metadata.annotations.unwrap()["cert-manager.io/inject-ca-from"],
+        "cnat-system/cnat-webhook"
+    );
+    let conversion = crd.spec.conversion.unwrap().webhook.unwrap();
+    assert!(conversion.client_config.unwrap().ca_bundle.is_none());
 
     let own_issuer = Rendered::new(&[
         "certManager.enabled=true",
@@ -465,6 +495,9 @@ fn a_user_provided_secret_is_mounted_with_its_ca() {
         .clone()
         .unwrap();
     assert_eq!(ca.0, b"-----BEGIN CERTIFICATE-----\n");
+    let crd: CustomResourceDefinition = rendered.one("CustomResourceDefinition");
+    let conversion = crd.spec.conversion.unwrap().webhook.unwrap();
+    assert_eq!(conversion.client_config.unwrap().ca_bundle, Some(ca));
 
     let missing = render(&["webhook.certs.existingSecret=my-tls"]).unwrap_err();
     assert!(
@@ -565,6 +598,7 @@ fn the_default_install_renders_exactly_these_objects() {
     let expected = [
         "ClusterRole",
         "ClusterRoleBinding",
+        "CustomResourceDefinition",
         "Deployment",
         "MutatingWebhookConfiguration",
         "NetworkPolicy",
@@ -582,6 +616,31 @@ fn the_default_install_renders_exactly_these_objects() {
         "ValidatingWebhookConfiguration",
     ];
     assert_eq!(Rendered::new(&[]).kinds(), expected);
+}
+
+/// The CRD comes with the release unless told not to, and survives its uninstall.
+#[test]
+fn the_crd_is_installed_kept_on_uninstall_and_can_be_left_out() {
+    let crd: CustomResourceDefinition = Rendered::new(&[]).one("CustomResourceDefinition");
+    let annotations = crd.metadata.annotations.unwrap();
+    assert_eq!(annotations["helm.sh/resource-policy"], "keep");
+    let versions: Vec<(&str, bool, bool)> = crd
+        .spec
+        .versions
+        .iter()
+        .map(|v| (v.name.as_str(), v.served, v.storage))
+        .collect();
+    assert_eq!(versions, [("v1", true, true), ("v1alpha1", true, false)]);
+    assert!(Rendered::new(&["crd.install=false"])
+        .all::<Value>("CustomResourceDefinition")
+        .is_empty());
+    // `helm upgrade --reuse-values` from 0.1.0 brings values without a `crd` key at all.
+    assert_eq!(
+        Rendered::new(&["crd=null"])
+            .all::<Value>("CustomResourceDefinition")
+            .len(),
+        1
+    );
 }
 
 /// The operator container's environment, name to value (values only, not references).
@@ -973,7 +1032,10 @@ fn only_cert_manager_and_existing_secret_render_the_same_twice() {
             .into_iter()
             .filter(|d| {
                 let kind = d["kind"].as_str().unwrap_or_default();
-                kind.ends_with("WebhookConfiguration") || kind == "Secret" || kind == "Certificate"
+                kind.ends_with("WebhookConfiguration")
+                    || kind == "Secret"
+                    || kind == "Certificate"
+                    || kind == "CustomResourceDefinition"
             })
             .collect()
     };

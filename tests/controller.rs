@@ -507,7 +507,7 @@ async fn the_smoke_test_fails_on_a_failed_run_or_no_operator() {
     assert!(
         error
             .to_string()
-            .contains("was not DONE within 600ms: is a cnat replica leading"),
+            .contains("was not Done within 600ms: is a cnat replica leading"),
         "{error}"
     );
 }
@@ -908,6 +908,46 @@ async fn the_at_cache_lists_once_follows_every_change_and_relists_no_older_after
         .filter(|q| !q.contains("watch=true"))
         .count();
     assert_eq!(relists, 2 * (cnat::shard::SHARDS + 1));
+}
+
+/// The message of a real kube-apiserver v1.24 for a list it could not convert because no
+/// conversion webhook answered (captured by the upgrade test, tests/e2e/upgrade.rs).
+const CONVERSION_FAILED: &str = "conversion webhook for cnat.programming-kubernetes.info/v1alpha1, Kind=At failed: Post \"https://127.0.0.1:46531/convert?timeout=30s\": EOF";
+
+#[tokio::test(start_paused = true)]
+async fn a_cache_whose_list_waits_for_the_conversion_webhook_says_ready_but_is_no_candidate() {
+    let server = ApiServer::new();
+    server.create(
+        Resource::Ats,
+        at_json("at-0", "2999-01-01T00:00:00Z", "true"),
+    );
+    server.fail_lists(Resource::Ats, Some(CONVERSION_FAILED));
+    let client = server.client();
+    let cache = cnat::operator::cache::AtCache::start(&client, None);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Ready: the webhook Service routes only to ready replicas, and the list needs this one's
+    // /convert (all replicas started at once). Not a candidate for the Lease: nothing listed.
+    assert_eq!(cache.readiness(), Ok(()));
+    let listed = cache.listed();
+    tokio::pin!(listed);
+    assert!(futures::poll!(&mut listed).is_pending());
+    // Any other failure keeps it unready: a conversion webhook that answered but cannot be
+    // trusted (readiness would not help; the old leader should stay), or another error.
+    for (other, named) in [
+        ("conversion webhook for cnat.programming-kubernetes.info/v1alpha1, Kind=At failed: Post \"https://cnat-webhook.cnat-system.svc:443/convert?timeout=30s\": x509: certificate signed by unknown authority", "x509: certificate signed by unknown authority"),
+        ("etcdserver: request timed out", "etcdserver: request timed out"),
+    ] {
+        server.fail_lists(Resource::Ats, Some(other));
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let why = cache.readiness().unwrap_err();
+        assert!(why.contains(named), "{why}");
+    }
+    server.fail_lists(Resource::Ats, None);
+    tokio::time::timeout(Duration::from_secs(65), listed)
+        .await
+        .expect("never listed once the server could convert");
+    assert_eq!(cache.readiness(), Ok(()));
+    assert_eq!(cache.store().state().len(), 1);
 }
 
 #[tokio::test(start_paused = true)]

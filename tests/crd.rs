@@ -11,8 +11,15 @@ fn crd() -> CustomResourceDefinition {
     serde_saphyr::from_str(COMMITTED.split_once("---\n").unwrap().1).unwrap()
 }
 
-fn schema() -> JSONSchemaProps {
-    let version = &crd().spec.versions[0];
+/// The schema of `version` (`v1` unless said otherwise).
+fn schema_of(version: &str) -> JSONSchemaProps {
+    let crd = crd();
+    let version = crd
+        .spec
+        .versions
+        .iter()
+        .find(|v| v.name == version)
+        .unwrap();
     *version
         .schema
         .clone()
@@ -20,6 +27,10 @@ fn schema() -> JSONSchemaProps {
         .open_api_v3_schema
         .map(Box::new)
         .unwrap()
+}
+
+fn schema() -> JSONSchemaProps {
+    schema_of("v1")
 }
 
 fn property(schema: &JSONSchemaProps, path: &[&str]) -> JSONSchemaProps {
@@ -48,11 +59,26 @@ fn crd_names_scope_and_status_subresource() {
     assert_eq!(crd.spec.names.kind, "At");
     assert_eq!(crd.spec.names.plural, "ats");
     assert_eq!(crd.spec.names.singular.as_deref(), Some("at"));
-    let [version] = crd.spec.versions.as_slice() else {
-        panic!("one version")
+    let [v1, v1alpha1] = crd.spec.versions.as_slice() else {
+        panic!("two versions: {:?}", crd.spec.versions)
     };
-    assert_eq!(version.name, "v1alpha1");
-    assert!(version.served && version.storage);
+    assert_eq!(v1.name, "v1");
+    assert!(v1.served && v1.storage);
+    assert_eq!(v1alpha1.name, "v1alpha1");
+    assert!(v1alpha1.served && !v1alpha1.storage && v1alpha1.deprecated == Some(true));
+    assert!(v1alpha1
+        .deprecation_warning
+        .as_deref()
+        .is_some_and(|w| w.contains("cnat.programming-kubernetes.info/v1")));
+    for version in [v1, v1alpha1] {
+        same_columns_and_status(version);
+    }
+}
+
+/// Both versions show the same columns, from the same paths, and have the status subresource.
+fn same_columns_and_status(
+    version: &k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinitionVersion,
+) {
     assert!(version.subresources.as_ref().unwrap().status.is_some());
     let columns: Vec<_> = version
         .additional_printer_columns
@@ -110,14 +136,19 @@ fn every_field_is_documented_and_typed() {
 fn spec_requires_schedule_and_command_and_defaults_the_image() {
     let spec = property(&schema(), &["spec"]);
     assert_eq!(spec.required.clone().unwrap(), ["command", "schedule"]);
-    let image = property(&spec, &["image"]);
+    let image = property(&spec, &["template", "image"]);
     assert_eq!(image.default.unwrap().0, serde_json::json!("busybox"));
+    let old = property(&schema_of("v1alpha1"), &["spec", "image"]);
+    assert_eq!(old.default.unwrap().0, serde_json::json!("busybox"));
 }
 
 #[test]
-fn phases_are_spelled_as_in_the_book() {
+fn phases_are_camel_case_in_v1_and_as_in_the_book_in_v1alpha1() {
     let phase = property(&schema(), &["status", "phase"]);
     let allowed: Vec<_> = phase.enum_.unwrap().into_iter().map(|v| v.0).collect();
+    assert_eq!(allowed, ["Pending", "Running", "Done"]);
+    let old = property(&schema_of("v1alpha1"), &["status", "phase"]);
+    let allowed: Vec<_> = old.enum_.unwrap().into_iter().map(|v| v.0).collect();
     assert_eq!(allowed, ["PENDING", "RUNNING", "DONE"]);
     for p in [Phase::Pending, Phase::Running, Phase::Done] {
         assert_eq!(serde_json::to_value(p).unwrap(), p.as_str());
@@ -148,11 +179,11 @@ fn the_crd_refuses_a_phase_going_back() {
             .unwrap();
         program.execute(&context).unwrap() == cel_interpreter::Value::Bool(true)
     };
-    let phases = ["PENDING", "RUNNING", "DONE"];
+    let phases = ["Pending", "Running", "Done"];
     for (i, old) in phases.iter().enumerate() {
         for (j, new) in phases.iter().enumerate() {
             assert_eq!(allowed(Some(old), new), j >= i, "{old} -> {new}");
         }
     }
-    assert!(allowed(None, "DONE"), "no phase before: anything goes");
+    assert!(allowed(None, "Done"), "no phase before: anything goes");
 }

@@ -30,3 +30,5 @@ mod mass_deletion;
 mod rbac;
 #[path = "e2e/storage_migration.rs"]
 mod storage_migration;
+#[path = "e2e/upgrade.rs"]
+mod upgrade;

@@ -158,7 +158,7 @@ async fn reads_the_command_from_standard_input_and_names_the_at_after_it() {
     );
     let at = c.at(&names[0]).unwrap();
     assert_eq!(
-        (at.spec.command.as_str(), at.spec.image.as_str()),
+        (at.spec.command.as_str(), at.spec.template.image.as_str()),
         ("./backup.sh --full", "alpine")
     );
     assert!(
@@ -187,7 +187,7 @@ async fn bad_input_is_refused_before_anything_is_sent() {
         .run(&["18:00", "--image", "Not An Image", "--", "true"])
         .await;
     assert!(
-        invalid.stderr.contains("is invalid: spec.image"),
+        invalid.stderr.contains("is invalid: spec.template.image"),
         "{}",
         invalid.stderr
     );
@@ -253,14 +253,14 @@ async fn lists_prints_and_removes_like_atq_at_c_and_atrm() {
     ] {
         c.server.create(
             Resource::Ats,
-            json!({"apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+            json!({"apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
                    "metadata": {"name": name, "namespace": NS},
                    "spec": {"schedule": schedule, "command": command, "image": "busybox"}}),
         );
     }
     c.status(
         "earlier",
-        json!({"phase": "DONE", "outcome": "Failed", "exitCode": 3}),
+        json!({"phase": "Done", "outcome": "Failed", "exitCode": 3}),
     )
     .await;
 
@@ -279,7 +279,7 @@ async fn lists_prints_and_removes_like_atq_at_c_and_atrm() {
         lines[1]
             .split_whitespace()
             .collect::<Vec<_>>()
-            .ends_with(&["ago", "DONE", "Failed", "3"]),
+            .ends_with(&["ago", "Done", "Failed", "3"]),
         "{}",
         run.stdout
     );
@@ -288,7 +288,7 @@ async fn lists_prints_and_removes_like_atq_at_c_and_atrm() {
         "{}",
         run.stdout
     );
-    assert!(lines[2].ends_with("PENDING"), "{}", run.stdout);
+    assert!(lines[2].ends_with("Pending"), "{}", run.stdout);
     let names = c.run(&["-l", "-o", "name"]).await;
     assert_eq!(
         names.stdout,
@@ -339,7 +339,7 @@ async fn operate(c: &Cluster, log: Option<&str>, done: Value) -> String {
             Resource::Pods,
             json!({"metadata": {"name": pod, "namespace": NS}}),
         );
-        c.status(&name, json!({"phase": "RUNNING", "podName": pod}))
+        c.status(&name, json!({"phase": "Running", "podName": pod}))
             .await;
         c.server.set_pod_log(NS, &pod, log);
     }
@@ -357,7 +357,7 @@ async fn wait_streams_the_output_and_exits_with_the_commands_exit_code() {
     operate(
         &c,
         Some("working\n"),
-        json!({"phase": "DONE", "outcome": "Failed", "exitCode": 3, "reason": "Error"}),
+        json!({"phase": "Done", "outcome": "Failed", "exitCode": 3, "reason": "Error"}),
     )
     .await;
     let run = finished(child).await;
@@ -372,7 +372,7 @@ async fn wait_streams_the_output_and_exits_with_the_commands_exit_code() {
     operate(
         &c,
         Some("fine\n"),
-        json!({"phase": "DONE", "outcome": "Succeeded", "exitCode": 0}),
+        json!({"phase": "Done", "outcome": "Succeeded", "exitCode": 0}),
     )
     .await;
     let run = finished(child).await;
@@ -391,7 +391,7 @@ async fn wait_says_why_when_the_command_never_ran() {
     let name = operate(
         &c,
         None,
-        json!({"phase": "DONE", "outcome": "Missed", "reason": "Missed", "message": "startingDeadlineSeconds (60) passed"}),
+        json!({"phase": "Done", "outcome": "Missed", "reason": "Missed", "message": "startingDeadlineSeconds (60) passed"}),
     )
     .await;
     let run = finished(child).await;

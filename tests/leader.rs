@@ -565,7 +565,7 @@ async fn two_replicas_that_both_believe_they_lead_still_run_each_at_once() {
     };
     let running = server
         .wait_for(Duration::from_secs(10), |s| {
-            names.iter().all(|n| phase(s, n) == Some(json!("RUNNING")))
+            names.iter().all(|n| phase(s, n) == Some(json!("Running")))
         })
         .await;
     assert!(running);
@@ -574,7 +574,7 @@ async fn two_replicas_that_both_believe_they_lead_still_run_each_at_once() {
     }
     let done = server
         .wait_for(Duration::from_secs(10), |s| {
-            names.iter().all(|n| phase(s, n) == Some(json!("DONE")))
+            names.iter().all(|n| phase(s, n) == Some(json!("Done")))
         })
         .await;
     assert!(done);
@@ -1014,7 +1014,7 @@ async fn a_leader_whose_watch_must_relist_keeps_leading_on_the_store_it_has() {
     assert!(
         support::until(Duration::from_secs(2), || server
             .get(Resource::Ats, "default", "due")
-            .is_some_and(|at| at["status"]["phase"] == "RUNNING"))
+            .is_some_and(|at| at["status"]["phase"] == "Running"))
         .await
     );
     // The At watch expires and its list takes 30 s.
@@ -1027,7 +1027,7 @@ async fn a_leader_whose_watch_must_relist_keeps_leading_on_the_store_it_has() {
     assert!(
         support::until(Duration::from_secs(5), || server
             .get(Resource::Ats, "default", "due")
-            .is_some_and(|at| at["status"]["phase"] == "DONE"))
+            .is_some_and(|at| at["status"]["phase"] == "Done"))
         .await,
         "the leader stopped reconciling while its watch relisted"
     );

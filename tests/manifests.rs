@@ -33,7 +33,7 @@ fn assert_safe(hook: impl serde::Serialize, path: &str) {
         hook["rules"],
         serde_json::json!([{
             "apiGroups": ["cnat.programming-kubernetes.info"],
-            "apiVersions": ["v1alpha1"],
+            "apiVersions": ["v1", "v1alpha1"],
             "operations": ["CREATE", "UPDATE"],
             "resources": ["ats"],
             "scope": "Namespaced",

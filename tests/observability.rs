@@ -248,8 +248,8 @@ async fn spans_reach_the_collector(
     let attributes = &reconcile.attributes;
     assert_eq!(attributes["at.namespace"], "default");
     assert_eq!(attributes["at.name"], "now");
-    assert_eq!(attributes["phase.before"], "PENDING");
-    assert_eq!(attributes["phase.after"], "RUNNING");
+    assert_eq!(attributes["phase.before"], "Pending");
+    assert_eq!(attributes["phase.after"], "Running");
     assert!(!attributes.contains_key("error"), "{attributes:?}");
 
     for span in [admission, reconcile] {
@@ -269,7 +269,7 @@ async fn spans_reach_the_collector(
         .find(|s| s.name == "status-write" && s.parent_span_id == reconcile.span_id)
         .unwrap_or_else(|| panic!("no status-write under the reconcile in {spans:#?}"));
     assert_eq!(write.trace_id, reconcile.trace_id);
-    assert_eq!(write.attributes["phase"], "RUNNING");
+    assert_eq!(write.attributes["phase"], "Running");
     assert!(!write.attributes.contains_key("error"), "{write:?}");
     let created = log_line(&logs, "runs the command");
     assert_eq!(created["trace_id"], reconcile.trace_id.as_str());

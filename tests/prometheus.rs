@@ -147,7 +147,7 @@ fn a_real_prometheus_answers_what_users_ask_and_every_dashboard_query_returns_da
     let due = (chrono::Utc::now() - chrono::Duration::seconds(60)).to_rfc3339();
     server.create(
         Resource::Ats,
-        json!({"apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+        json!({"apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
                "metadata": {"name": "late", "namespace": "team-a"},
                "spec": {"schedule": due, "command": "true", "image": "busybox"}}),
     );

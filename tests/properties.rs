@@ -119,13 +119,13 @@ proptest! {
 
     #[test]
     fn defaulting_is_idempotent(spec in json_value(), status in json_value(), create in any::<bool>()) {
-        let object = json!({"apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+        let object = json!({"apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
                             "metadata": {"name": "x"}, "spec": spec, "status": status});
         for target in [Target::Object { create }, Target::Status] {
-            let patch = defaulting::patch(&object, target);
+            let patch = defaulting::patch(&object, target, "v1");
             let mut defaulted = object.clone();
             json_patch::patch(&mut defaulted, &patch).unwrap();
-            prop_assert!(defaulting::patch(&defaulted, target).0.is_empty());
+            prop_assert!(defaulting::patch(&defaulted, target, "v1").0.is_empty());
         }
     }
 }

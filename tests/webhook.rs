@@ -9,6 +9,7 @@ use base64::Engine;
 use cnat::admission::access_review::{self, AccessReviewer};
 use cnat::admission::webhook;
 use cnat::observability::metrics::Metrics;
+use cnat::serving::drain::Draining;
 use cnat::serving::guard::Limits;
 use cnat::serving::tls::{self, CertFiles};
 use serde_json::{json, Value};
@@ -24,6 +25,7 @@ struct Server {
     dir: PathBuf,
     files: CertFiles,
     config: RustlsConfig,
+    draining: Draining,
 }
 
 async fn server(name: &str) -> Server {
@@ -49,6 +51,7 @@ async fn server_limited(
         .unwrap();
     let config = RustlsConfig::from_config(tls::server_config(&files).unwrap());
     let handle = axum_server::Handle::new();
+    let draining = Draining::default();
     tokio::spawn(webhook::serve(
         cnat::serving::listen::bind("127.0.0.1:0".parse().unwrap()).unwrap(),
         config.clone(),
@@ -56,6 +59,7 @@ async fn server_limited(
         webhook::Shared {
             metrics: Arc::new(Metrics::new(Default::default())),
             reviewer,
+            draining: draining.clone(),
         },
         limits,
     ));
@@ -66,6 +70,7 @@ async fn server_limited(
         dir,
         files,
         config,
+        draining,
     }
 }
 
@@ -260,6 +265,7 @@ async fn a_started_at_cannot_change_and_its_phase_cannot_go_back() {
     assert_eq!(response["allowed"], false);
     let message = response["status"]["message"].as_str().unwrap();
     assert!(
+        // The captured review is a v1alpha1 one: its writer reads v1alpha1's phase names.
         message.contains("spec: cannot change once the At is RUNNING"),
         "{message}"
     );
@@ -336,6 +342,38 @@ async fn bad_bodies_get_clear_answers_and_the_server_keeps_serving() {
     assert_eq!(
         review(&client, server.addr, &path, &request).await["allowed"],
         true
+    );
+}
+
+/// From SIGTERM on, each answer closes its connection, so kube-apiserver retires its keep-alive
+/// connections to a replica before the replica stops (a POST on a connection closed under it
+/// is not resent).
+#[tokio::test]
+async fn a_draining_replica_closes_each_connection_after_its_answer() {
+    use http_body_util::{BodyExt, Full};
+    let server = server("draining").await;
+    let client = trusting(&server);
+    let connection_header = || async {
+        let request = http::Request::post(format!(
+            "https://localhost:{}/validating",
+            server.addr.port()
+        ))
+        .header("content-type", "application/json")
+        .body(Full::new(bytes::Bytes::from_static(b"{}")))
+        .unwrap();
+        let response = client.request(request).await.unwrap();
+        let header = response.headers().get("connection").cloned();
+        let _ = response.into_body().collect().await.unwrap();
+        header
+    };
+    assert_eq!(connection_header().await, None, "kept alive while serving");
+    server.draining.start();
+    assert_eq!(
+        connection_header()
+            .await
+            .as_ref()
+            .and_then(|h| h.to_str().ok()),
+        Some("close")
     );
 }
 

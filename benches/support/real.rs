@@ -15,7 +15,7 @@
 //! - the operator's resident memory at the end.
 
 use crate::envtest::{self, ControlPlane};
-use crate::readyz::ready;
+use crate::service::ready;
 use cnat::api::At;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
@@ -65,7 +65,7 @@ fn bare_pod(name: &str) -> Pod {
 
 pub fn at(name: &str, schedule: chrono::DateTime<chrono::Utc>) -> At {
     serde_json::from_value(json!({
-        "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+        "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
         "metadata": {"name": name},
         "spec": {"schedule": schedule.to_rfc3339(), "command": "true", "image": "busybox"},
     }))
@@ -280,7 +280,7 @@ async fn status_patch_floor(
         let (api, refused) = (api.clone(), &refused);
         async move {
             let status =
-                json!({"status": {"phase": "DONE", "outcome": "Succeeded", "exitCode": 0}});
+                json!({"status": {"phase": "Done", "outcome": "Succeeded", "exitCode": 0}});
             loop {
                 let patched = api
                     .patch_status(

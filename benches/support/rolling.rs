@@ -18,7 +18,7 @@
 //! forwarded and dropped connections.
 
 use crate::envtest::{self, ControlPlane, Replica};
-use crate::readyz::ready;
+use crate::service::Service;
 use cnat::api::At;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -26,7 +26,6 @@ use kube::api::PostParams;
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client};
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -38,115 +37,6 @@ const DUE_AFTER: Duration = Duration::from_secs(2);
 pub async fn run(n: usize) {
     let (plane, admin) = crate::real::start("| Ats pending | replicas replaced in | Ats created by the load (5/s, due 2 s later) | failed creates | pods | pod after due (earliest / p50 / worst) | Lease handovers | new replicas: ready after start (each) | new replicas' RSS |").await;
     rolling(plane, &admin, n).await;
-}
-
-/// The Service's endpoints: each replica's admin and webhook address, and whether it is ready.
-#[derive(Clone, Default)]
-struct Service {
-    endpoints: Arc<Mutex<Vec<(SocketAddr, SocketAddr, bool)>>>,
-    /// Connections forwarded, per webhook address.
-    forwarded: Arc<Mutex<HashMap<SocketAddr, usize>>>,
-    /// Connections dropped: no ready endpoint, or the endpoint refused.
-    dropped: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl Service {
-    /// Listens on a free loopback port and forwards each connection to a ready endpoint, round
-    /// robin; polls every endpoint's `/readyz` every 500 ms.
-    async fn start(&self) -> SocketAddr {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let service = self.clone();
-        tokio::spawn(async move {
-            let mut next = 0usize;
-            loop {
-                let Ok((mut inbound, _)) = listener.accept().await else {
-                    continue;
-                };
-                let ready: Vec<SocketAddr> = service
-                    .endpoints
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .filter(|(_, _, ready)| *ready)
-                    .map(|(_, webhook, _)| *webhook)
-                    .collect();
-                if ready.is_empty() {
-                    // As a Service without ready endpoints: the connection is refused.
-                    service
-                        .dropped
-                        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    continue;
-                }
-                next = next.wrapping_add(1);
-                let target = ready[next % ready.len()];
-                *service.forwarded.lock().unwrap().entry(target).or_default() += 1;
-                let dropped = service.dropped.clone();
-                tokio::spawn(async move {
-                    match tokio::net::TcpStream::connect(target).await {
-                        Ok(mut outbound) => {
-                            let _ =
-                                tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                        }
-                        Err(_) => {
-                            dropped.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        }
-                    }
-                });
-            }
-        });
-        let service = self.clone();
-        tokio::spawn(async move {
-            loop {
-                let admins: Vec<SocketAddr> = service
-                    .endpoints
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .map(|(admin, _, _)| *admin)
-                    .collect();
-                for admin in admins {
-                    let ready = ready(admin).await;
-                    for endpoint in service.endpoints.lock().unwrap().iter_mut() {
-                        if endpoint.0 == admin {
-                            endpoint.2 = ready;
-                        }
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-        });
-        addr
-    }
-
-    fn add(&self, replica: &Replica) {
-        let endpoint = (replica.admin, replica.webhook, false);
-        self.endpoints.lock().unwrap().push(endpoint);
-    }
-
-    fn remove(&self, replica: &Replica) {
-        self.endpoints
-            .lock()
-            .unwrap()
-            .retain(|(admin, _, _)| *admin != replica.admin);
-    }
-
-    /// Until `replica` is an endpoint that the Service found ready.
-    async fn wait_ready(&self, replica: &Replica) {
-        let deadline = Instant::now() + Duration::from_secs(600);
-        loop {
-            let endpoints = self.endpoints.lock().unwrap().clone();
-            if endpoints.iter().any(|(a, _, r)| *a == replica.admin && *r) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{} never ready",
-                replica.identity
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
 }
 
 /// The Lease's holder (or none), from when.
@@ -170,7 +60,7 @@ fn dynamic_ats(admin: &Client, ns: &str) -> Api<kube::api::DynamicObject> {
 /// An At due at `due` without an image (the mutating webhook defaults it).
 fn steady_at(name: &str, due: chrono::DateTime<chrono::Utc>) -> kube::api::DynamicObject {
     serde_json::from_value(serde_json::json!({
-        "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+        "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
         "metadata": {"name": name},
         "spec": {"schedule": due.to_rfc3339(), "command": "true"},
     }))

@@ -4,6 +4,7 @@
 
 use crate::admission::validation;
 use crate::api::{At, GROUP};
+use crate::conversion;
 use serde_json::Value;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -106,13 +107,28 @@ fn check_document(source: &str, document: Value, report: &mut Report) {
         .as_str()
         .unwrap_or("<no name>")
         .to_owned();
+    // A v1alpha1 At is checked as the API server will store it: as v1, by the same rules.
+    let older = document["apiVersion"] == conversion::V1ALPHA1;
+    let document = match conversion::convert(0, document, conversion::V1) {
+        Ok(v1) => v1,
+        Err(e) => {
+            report
+                .problems
+                .push(format!("{source}: At {name} is not a valid At: {e}"));
+            return;
+        }
+    };
     match serde_json::from_value::<At>(document) {
         Ok(at) => {
             let problems = validation::spec_problems(&at, None);
             if !problems.is_empty() {
-                report
-                    .problems
-                    .push(format!("{source}: {}", validation::summary(&at, &problems)));
+                let summary = validation::summary(&at, &problems);
+                let summary = if older {
+                    conversion::in_v1alpha1_terms(&summary)
+                } else {
+                    summary
+                };
+                report.problems.push(format!("{source}: {summary}"));
             }
         }
         Err(e) => report
@@ -158,6 +174,35 @@ mod tests {
             [
                 r#"t.yaml: At bad is invalid: spec.schedule: "tomorrow noon" is not an RFC 3339 time (expected e.g. 2019-04-12T10:12:00Z)"#
             ]
+        );
+    }
+
+    #[test]
+    fn both_versions_have_their_pod_settings_checked_in_their_own_terms() {
+        let older = BOOK.replace("command:", "image: \"UPPER:case\"\n  command:");
+        let report = check(&older);
+        assert_eq!(report.checked, 1);
+        assert!(
+            report.problems[0].contains("spec.image: \"UPPER:case\""),
+            "{:?}",
+            report.problems
+        );
+        let v1 = BOOK
+            .replace("v1alpha1", "v1")
+            .replace("command:", "template: {image: \"UPPER:case\"}\n  command:");
+        let report = check(&v1);
+        assert_eq!(report.checked, 1);
+        assert!(
+            report.problems[0].contains("spec.template.image: \"UPPER:case\""),
+            "{:?}",
+            report.problems
+        );
+        assert!(check(&BOOK.replace("v1alpha1", "v1")).ok());
+        let unknown = check(&BOOK.replace("v1alpha1", "v2"));
+        assert!(
+            unknown.problems[0].contains("apiVersion \"cnat.programming-kubernetes.info/v2\""),
+            "{:?}",
+            unknown.problems
         );
     }
 

@@ -8,7 +8,7 @@
 //! writes that leave it out, and on API servers that keep status on create.
 
 use crate::api::DEFAULT_IMAGE;
-use crate::shard;
+use crate::{conversion, shard};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 
@@ -21,9 +21,15 @@ pub enum Target {
     Status,
 }
 
-/// The JSON patch that applies cnat's defaults to `object` (an At as JSON).
-pub fn patch(object: &Value, target: Target) -> json_patch::Patch {
+/// The JSON patch that applies cnat's defaults to `object` (an At as JSON, in `version`:
+/// `v1alpha1` or `v1`). The defaults are v1's; an object of the older version is converted to
+/// v1, defaulted, and converted back (losslessly), so the patch is in the request's own terms.
+pub fn patch(object: &Value, target: Target, version: &str) -> json_patch::Patch {
+    let older = version == "v1alpha1";
     let mut defaulted = object.clone();
+    if let Some(map) = defaulted.as_object_mut().filter(|_| older) {
+        conversion::up(map);
+    }
     match target {
         Target::Object { create } => {
             default_image(&mut defaulted);
@@ -32,6 +38,9 @@ pub fn patch(object: &Value, target: Target) -> json_patch::Patch {
             }
         }
         Target::Status => default_phase(&mut defaulted),
+    }
+    if let Some(map) = defaulted.as_object_mut().filter(|_| older) {
+        conversion::down(map);
     }
     json_patch::diff(object, &defaulted)
 }
@@ -56,6 +65,10 @@ fn default_image(at: &mut Value) {
     let Some(spec) = at.get_mut("spec").and_then(Value::as_object_mut) else {
         return;
     };
+    let template = spec.entry("template").or_insert_with(|| json!({}));
+    let Some(spec) = template.as_object_mut() else {
+        return;
+    };
     let blank = spec
         .get("image")
         .is_none_or(|image| image.as_str().is_some_and(|s| s.trim().is_empty()) || image.is_null());
@@ -73,7 +86,7 @@ fn default_phase(at: &mut Value) {
         *status = json!({});
     }
     if let Some(status) = status.as_object_mut() {
-        status.entry("phase").or_insert_with(|| json!("PENDING"));
+        status.entry("phase").or_insert_with(|| json!("Pending"));
     }
 }
 
@@ -102,7 +115,7 @@ mod tests {
             json!({"schedule": "2019-04-12T10:12:00Z", "command": "echo YAY"}),
             None,
         );
-        let patch = patch(&object, Target::Object { create: true });
+        let patch = patch(&object, Target::Object { create: true }, "v1alpha1");
         let defaulted = applied(&object, &patch);
         assert_eq!(defaulted["spec"]["image"], "busybox");
         assert_eq!(defaulted["status"], json!({"phase": "PENDING"}));
@@ -116,9 +129,11 @@ mod tests {
             ])
         );
         // Reinvoked on its own output, the webhook changes nothing.
-        assert!(super::patch(&defaulted, Target::Object { create: true })
-            .0
-            .is_empty());
+        assert!(
+            super::patch(&defaulted, Target::Object { create: true }, "v1alpha1")
+                .0
+                .is_empty()
+        );
     }
 
     #[test]
@@ -127,8 +142,10 @@ mod tests {
             json!({"schedule": "s", "command": "c", "image": "alpine:3"}),
             Some(json!({"phase": "DONE"})),
         );
-        assert!(patch(&object, Target::Object { create: true }).0.is_empty());
-        assert!(patch(&object, Target::Status).0.is_empty());
+        assert!(patch(&object, Target::Object { create: true }, "v1alpha1")
+            .0
+            .is_empty());
+        assert!(patch(&object, Target::Status, "v1alpha1").0.is_empty());
     }
 
     #[test]
@@ -138,7 +155,10 @@ mod tests {
                 json!({"schedule": "s", "command": "c", "image": image}),
                 None,
             );
-            let defaulted = applied(&object, &patch(&object, Target::Object { create: false }));
+            let defaulted = applied(
+                &object,
+                &patch(&object, Target::Object { create: false }, "v1alpha1"),
+            );
             assert_eq!(defaulted["spec"]["image"], "busybox", "{image}");
             assert!(
                 defaulted.get("status").is_none(),
@@ -154,7 +174,7 @@ mod tests {
                 json!({"schedule": "s", "command": "c", "image": "busybox"}),
                 Some(status.clone()),
             );
-            let defaulted = applied(&object, &patch(&object, Target::Status));
+            let defaulted = applied(&object, &patch(&object, Target::Status, "v1alpha1"));
             assert_eq!(defaulted["status"]["phase"], "PENDING", "{status}");
             assert_eq!(defaulted["spec"], object["spec"]);
         }
@@ -199,8 +219,8 @@ mod tests {
             json!({"spec": 3}),
             json!({"status": "x"}),
         ] {
-            let _ = patch(&object, Target::Object { create: true });
-            let _ = patch(&object, Target::Status);
+            let _ = patch(&object, Target::Object { create: true }, "v1alpha1");
+            let _ = patch(&object, Target::Status, "v1alpha1");
         }
     }
 }

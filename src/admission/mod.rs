@@ -4,11 +4,42 @@
 //! - `webhook`: the webhooks' HTTP side: AdmissionReview in and out, over TLS.
 //! - `validation`: the rules an At must follow, shared with `cnat check`; pure.
 //! - `defaulting`: the mutating webhook's defaults as RFC 6902 JSON patches; pure.
+//! - `review`: an AdmissionReview's envelope, decoded straight into its request.
+//! - `mutating_review`: the part of an AdmissionReview the mutating webhook reads.
 //! - `access_review`: the escalation guard: an At's author must be allowed to create its pod.
 //! - `check`: `cnat check`: the validating webhook's rules, offline, over manifest files.
 
 pub mod access_review;
 pub mod check;
 pub mod defaulting;
+pub mod mutating_review;
+pub mod review;
 pub mod validation;
 pub mod webhook;
+
+/// The AdmissionReviews captured from kube-apiserver v1.24 (`tests/fixtures`), for unit tests.
+#[cfg(test)]
+pub(crate) const CAPTURED_REVIEWS: [&str; 10] = [
+    "mutating-create.json",
+    "mutating-create-dryrun.json",
+    "mutating-delete.json",
+    "mutating-update.json",
+    "mutating-update-status.json",
+    "validating-create.json",
+    "validating-create-dryrun.json",
+    "validating-delete.json",
+    "validating-update.json",
+    "validating-update-status.json",
+];
+
+/// One of `CAPTURED_REVIEWS`' reviews.
+#[cfg(test)]
+pub(crate) fn captured_review(name: &str) -> serde_json::Value {
+    let path = format!(
+        "{}/tests/fixtures/admission-review-k8s-1.24/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let capture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    capture["review"].clone()
+}

@@ -6,9 +6,12 @@
 
 use crate::admission::access_review::AccessReviewer;
 use crate::admission::defaulting::{self, Target};
+use crate::admission::mutating_review;
+use crate::admission::review::Envelope;
 use crate::admission::validation;
 use crate::api::{At, GROUP};
 use crate::observability::metrics::{AdmissionLabels, Metrics};
+use crate::serving::drain::{self, Draining};
 use crate::serving::guard;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
@@ -19,8 +22,8 @@ use axum::Router;
 use axum_server::tls_rustls::{RustlsAcceptor, RustlsConfig};
 use axum_server::Handle;
 use base64::Engine;
-use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
-use kube::core::{DynamicObject, Resource};
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
+use kube::core::{DynamicObject, GroupVersionKind, Resource};
 use opentelemetry::trace::Status;
 use opentelemetry_http::HeaderExtractor;
 use std::net::SocketAddr;
@@ -48,11 +51,13 @@ pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// A webhook's pure entry point: AdmissionReview body in, verdict out.
 type Review = fn(&[u8]) -> Result<Verdict, String>;
 
-/// What every request shares: the metrics, and the escalation guard (`None`: turned off).
+/// What every request shares: the metrics, the escalation guard (`None`: turned off), and
+/// whether the replica is draining (shutting down).
 #[derive(Clone)]
 pub struct Shared {
     pub metrics: Arc<Metrics>,
     pub reviewer: Option<Arc<AccessReviewer>>,
+    pub draining: Draining,
 }
 
 /// The webhook routes.
@@ -189,17 +194,27 @@ pub struct Verdict {
 
 impl Verdict {
     fn on<T: Resource>(request: &AdmissionRequest<T>, response: AdmissionResponse) -> Self {
-        let kind = &request.kind;
+        let (namespace, name) = (request.namespace.clone(), request.name.clone());
+        Verdict::about(&request.kind, &request.operation, namespace, name, response)
+    }
+
+    fn about(
+        kind: &GroupVersionKind,
+        operation: &Operation,
+        namespace: Option<String>,
+        name: String,
+        response: AdmissionResponse,
+    ) -> Self {
         Verdict {
-            operation: match request.operation {
+            operation: match operation {
                 Operation::Create => "CREATE",
                 Operation::Update => "UPDATE",
                 Operation::Delete => "DELETE",
                 Operation::Connect => "CONNECT",
             },
             kind: format!("{}/{}/{}", kind.group, kind.version, kind.kind),
-            namespace: request.namespace.clone(),
-            name: request.name.clone(),
+            namespace,
+            name,
             response,
             access: None,
         }
@@ -232,10 +247,16 @@ pub async fn serve(
         .http1()
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(HEADER_TIMEOUT);
-    let app = router(shared).layer(axum::middleware::from_fn_with_state(
-        guard::RequestGuard::new(limits),
-        guard::guard,
-    ));
+    let draining = shared.draining.clone();
+    let app = router(shared)
+        .layer(axum::middleware::from_fn_with_state(
+            guard::RequestGuard::new(limits),
+            guard::guard,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            draining,
+            drain::close_connections,
+        ));
     server.serve(app.into_make_service()).await
 }
 
@@ -289,23 +310,30 @@ fn encode(mut response: AdmissionResponse) -> Vec<u8> {
 
 /// The request inside an `admission.k8s.io/v1` AdmissionReview.
 fn decode(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, String> {
-    let review: AdmissionReview<DynamicObject> = serde_json::from_slice(body)
-        .map_err(|e| format!("the body is not an admission.k8s.io/v1 AdmissionReview: {e}"))?;
-    review
-        .try_into()
-        .map_err(|_| "the AdmissionReview has no request".to_owned())
+    Envelope::from_slice(body)?.admission_request()
 }
 
 /// The validating webhook for an AdmissionReview body: denies an invalid At, a spec change
 /// after it started, and a status phase that goes back. Bodies that hold an At decode straight
 /// into one (the fast path); anything else is decoded generically to say why it is refused.
 pub fn validating(body: &[u8]) -> Result<Verdict, String> {
-    let typed = serde_json::from_slice::<AdmissionReview<At>>(body)
+    let typed = Envelope::<AdmissionRequest<At>>::from_slice(body)
+        .and_then(Envelope::admission_request)
         .ok()
-        .and_then(|r| r.try_into().ok());
+        .filter(|r| r.kind.version != "v1alpha1");
+    let (typed, older) = match typed {
+        Some(request) => (Some(request), false),
+        None => (upgraded(body), true),
+    };
     match typed {
-        Some(request) if concerns_ats(&request) => {
-            let mut verdict = Verdict::on(&request, validate(&request));
+        Some(request) if concerns_ats(&request.kind) => {
+            let mut response = validate(&request);
+            if older {
+                // The rules name v1's fields; a v1alpha1 writer has them in `spec` itself.
+                response.result.message =
+                    crate::conversion::in_v1alpha1_terms(&response.result.message);
+            }
+            let mut verdict = Verdict::on(&request, response);
             verdict.access = runs_pod_for(&request);
             Ok(verdict)
         }
@@ -313,12 +341,31 @@ pub fn validating(body: &[u8]) -> Result<Verdict, String> {
     }
 }
 
+/// A v1alpha1 AdmissionReview's request with its objects converted to v1 (`None` for anything
+/// else, or what does not convert).
+fn upgraded(body: &[u8]) -> Option<AdmissionRequest<At>> {
+    let mut review: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let request = review.get_mut("request")?;
+    if request.get("kind")?.get("version")?.as_str()? != "v1alpha1" {
+        return None;
+    }
+    for field in ["object", "oldObject"] {
+        if let Some(object) = request.get_mut(field).filter(|o| o.is_object()) {
+            *object = crate::conversion::convert(0, object.take(), crate::conversion::V1).ok()?;
+        }
+    }
+    serde_json::from_value::<Envelope<AdmissionRequest<At>>>(review)
+        .ok()?
+        .admission_request()
+        .ok()
+}
+
 /// Whose permission to create pods, where, an At write needs: a create, or an update that
 /// changes the spec (the pod it will run); not a status write, a delete or a label edit.
 fn runs_pod_for(
     request: &AdmissionRequest<At>,
 ) -> Option<(k8s_openapi::api::authentication::v1::UserInfo, String)> {
-    if is_status(request) {
+    if is_status(request.sub_resource.as_deref()) {
         return None;
     }
     let at = request.object.as_ref()?;
@@ -336,11 +383,11 @@ fn runs_pod_for(
 
 fn validate(request: &AdmissionRequest<At>) -> AdmissionResponse {
     let response = AdmissionResponse::from(request);
-    let (true, Some(at)) = (writes(request), request.object.as_ref()) else {
+    let (true, Some(at)) = (writes(&request.operation), request.object.as_ref()) else {
         return refuse_untyped(request, response);
     };
     let old = request.old_object.as_ref();
-    let problems = match (is_status(request), old) {
+    let problems = match (is_status(request.sub_resource.as_deref()), old) {
         (true, Some(old)) => validation::status_problems(at, old),
         (true, None) => Vec::new(),
         (false, old) => validation::spec_problems(at, old),
@@ -355,16 +402,34 @@ fn validate(request: &AdmissionRequest<At>) -> AdmissionResponse {
 /// A review the fast path could not take: not an At, or an At that does not decode as one.
 fn refuse(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
     let response = AdmissionResponse::from(request);
-    if !concerns_ats(request) {
+    if !concerns_ats(&request.kind) {
         let kind = &request.kind;
         return response.deny(format!(
-            "cnat reviews only {GROUP}/v1alpha1 At objects, not {}/{} {}; check the webhook's rules",
+            "cnat reviews only {GROUP} At objects (v1, v1alpha1), not {}/{} {}; check the webhook's rules",
             kind.group, kind.version, kind.kind
         ));
     }
-    match request.object.as_ref().filter(|_| writes(request)) {
+    match request
+        .object
+        .as_ref()
+        .filter(|_| writes(&request.operation))
+    {
+        // The fast path could not take it (e.g. an update of an At whose stored copy cnat cannot
+        // read): the new object is checked on its own, whole, never allowed unreviewed.
         Some(object) => match as_at(object) {
-            Ok(_) => response,
+            Ok(at) => {
+                let problems = validation::spec_problems(&at, None);
+                if problems.is_empty() {
+                    return response;
+                }
+                let summary = validation::summary(&at, &problems);
+                match object.types.as_ref() {
+                    Some(t) if t.api_version == crate::conversion::V1ALPHA1 => {
+                        response.deny(crate::conversion::in_v1alpha1_terms(&summary))
+                    }
+                    _ => response.deny(summary),
+                }
+            }
             Err(why) => response.deny(why),
         },
         None => refuse_untyped(request, response),
@@ -376,39 +441,45 @@ fn refuse_untyped<T: Resource>(
     request: &AdmissionRequest<T>,
     response: AdmissionResponse,
 ) -> AdmissionResponse {
-    if writes(request) {
+    if writes(&request.operation) {
         response.deny("the AdmissionReview has no object to review")
     } else {
         response
     }
 }
 
-/// The mutating webhook for an AdmissionReview body: defaults `spec.image` and the phase, and
+/// The mutating webhook for an AdmissionReview body: defaults `spec.template.image` and the phase, and
 /// labels the At with its list shard (`shard`), as an idempotent JSON patch. It works on the
 /// raw object, to see which fields are absent.
 pub fn mutating(body: &[u8]) -> Result<Verdict, String> {
-    decode(body).map(|request| Verdict::on(&request, mutate(&request)))
+    let mut request = mutating_review::decode(body)?;
+    let response = mutate(&mut request);
+    let (namespace, name) = (request.namespace, request.name);
+    Ok(Verdict::about(
+        &request.kind,
+        &request.operation,
+        namespace,
+        name,
+        response,
+    ))
 }
 
-fn mutate(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
-    let response = AdmissionResponse::from(request);
-    let Some(object) = request
-        .object
-        .as_ref()
-        .filter(|_| concerns_ats(request) && writes(request))
-    else {
+fn mutate(request: &mut mutating_review::Request) -> AdmissionResponse {
+    let response = allowed(&request.uid);
+    let reviewed = concerns_ats(&request.kind) && writes(&request.operation);
+    let Some(object) = request.object.as_mut().filter(|_| reviewed) else {
         return response;
     };
-    let target = if is_status(request) {
+    let target = if is_status(request.sub_resource.as_deref()) {
         Target::Status
     } else {
         Target::Object {
             create: request.operation == Operation::Create,
         }
     };
-    // Everything but apiVersion, kind and metadata, at the same paths as in the object: all the
-    // defaults live there (spec and status).
-    let mut patch = defaulting::patch(&object.data, target);
+    // The object's spec and status, at the same paths as in the object: all the defaults live
+    // there.
+    let mut patch = defaulting::patch(&object.take_data(), target, &request.kind.version);
     if target != Target::Status {
         // `namespace/name`, or the request's uid for a create with `generateName` (no name yet).
         let seed = match object.metadata.name.as_deref().filter(|n| !n.is_empty()) {
@@ -430,19 +501,32 @@ fn mutate(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
     }
 }
 
-fn concerns_ats<T: Resource>(request: &AdmissionRequest<T>) -> bool {
-    request.kind.group == GROUP && request.kind.kind == "At"
+/// An allowing answer to the request `uid` (kube's `AdmissionResponse::from` needs the whole
+/// request, and the type cannot be built field by field outside kube).
+fn allowed(uid: &str) -> AdmissionResponse {
+    let mut response = AdmissionResponse::invalid("");
+    response.uid = uid.to_owned();
+    response.allowed = true;
+    response.result = Default::default();
+    response
 }
 
-fn writes<T: Resource>(request: &AdmissionRequest<T>) -> bool {
-    matches!(request.operation, Operation::Create | Operation::Update)
+fn concerns_ats(kind: &GroupVersionKind) -> bool {
+    kind.group == GROUP && kind.kind == "At"
 }
 
-fn is_status<T: Resource>(request: &AdmissionRequest<T>) -> bool {
-    request.sub_resource.as_deref() == Some("status")
+fn writes(operation: &Operation) -> bool {
+    matches!(operation, Operation::Create | Operation::Update)
 }
 
+fn is_status(sub_resource: Option<&str>) -> bool {
+    sub_resource == Some("status")
+}
+
+/// `object` as a v1 At (converted first when it is a v1alpha1 one).
 fn as_at(object: &DynamicObject) -> Result<At, String> {
     let value = serde_json::to_value(object).map_err(|e| e.to_string())?;
+    let value = crate::conversion::convert(0, value, crate::conversion::V1)
+        .map_err(|e| format!("the object is not a valid At: {e}"))?;
     serde_json::from_value(value).map_err(|e| format!("the object is not a valid At: {e}"))
 }

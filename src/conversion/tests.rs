@@ -441,3 +441,36 @@ fn a_bad_review_gets_a_failure_with_a_message() {
         .message
         .starts_with("the body is not a ConversionReview"));
 }
+
+#[test]
+fn messages_to_v1alpha1_writers_name_their_own_fields_and_phases() {
+    assert_eq!(
+        in_v1alpha1_terms(r#"spec.template.image: "Busybox" is not a valid image reference"#),
+        r#"spec.image: "Busybox" is not a valid image reference"#
+    );
+    assert_eq!(
+        in_v1alpha1_terms(r#"spec.template.metadata.labels.team: "a b" is not a label value"#),
+        format!(
+            r#"metadata.annotations[{CARRIED_ANNOTATION}].podMetadata.labels.team: "a b" is not a label value"#
+        )
+    );
+    assert_eq!(
+        in_v1alpha1_terms("spec: cannot change once the At is Running: its command already ran"),
+        "spec: cannot change once the At is RUNNING: its command already ran"
+    );
+    assert_eq!(
+        in_v1alpha1_terms(
+            "status.phase: cannot go back from Done to Pending: an At runs at most once"
+        ),
+        "status.phase: cannot go back from DONE to PENDING: an At runs at most once"
+    );
+    assert_eq!(
+        in_v1alpha1_terms("status.phase: cannot be removed once Done; an At runs at most once"),
+        "status.phase: cannot be removed once DONE; an At runs at most once"
+    );
+    // A user's value that happens to be a phase word, not after those words, stays.
+    assert_eq!(
+        in_v1alpha1_terms(r#"spec.command: "Done" runs nothing"#),
+        r#"spec.command: "Done" runs nothing"#
+    );
+}

@@ -81,7 +81,7 @@ pub struct Args {
     #[arg(short = 'A', long)]
     pub all_namespaces: bool,
 
-    /// Wait until the At is DONE, streaming its pod's output, and exit with the command's exit
+    /// Wait until the At is Done, streaming its pod's output, and exit with the command's exit
     /// code.
     #[arg(long)]
     pub wait: bool,
@@ -275,43 +275,46 @@ pub fn build(
         AtSpec {
             schedule: due.strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
             command,
-            image: args
-                .image
-                .clone()
-                .unwrap_or_else(|| crate::api::DEFAULT_IMAGE.into()),
             starting_deadline_seconds: args.starting_deadline.map(|d| d.as_secs()),
             active_deadline_seconds: args.active_deadline.map(|d| d.as_secs()),
             ttl_seconds_after_finished: args
                 .ttl_after_finished
                 .map(|d| i32::try_from(d.as_secs()).unwrap_or(i32::MAX)),
-            resources: resources(args)?,
-            env: non_empty(
-                args.env
-                    .iter()
-                    .map(|pair| {
-                        let (name, value) = key_value("--env", pair)?;
-                        Ok(EnvVar {
-                            name,
-                            value: Some(value),
-                            value_from: None,
+            template: crate::api::AtPodTemplate {
+                metadata: None,
+                image: args
+                    .image
+                    .clone()
+                    .unwrap_or_else(|| crate::api::DEFAULT_IMAGE.into()),
+                resources: resources(args)?,
+                env: non_empty(
+                    args.env
+                        .iter()
+                        .map(|pair| {
+                            let (name, value) = key_value("--env", pair)?;
+                            Ok(EnvVar {
+                                name,
+                                value: Some(value),
+                                value_from: None,
+                            })
                         })
-                    })
-                    .collect::<Result<_, Error>>()?,
-            ),
-            service_account_name: args.service_account.clone(),
-            node_selector: non_empty_map(
-                args.node_selector
-                    .iter()
-                    .map(|pair| key_value("--node-selector", pair))
-                    .collect::<Result<_, _>>()?,
-            ),
-            tolerations: non_empty(args.toleration.iter().map(|t| toleration(t)).collect()),
-            image_pull_secrets: non_empty(
-                args.image_pull_secret
-                    .iter()
-                    .map(|name| LocalObjectReference { name: name.clone() })
-                    .collect(),
-            ),
+                        .collect::<Result<_, Error>>()?,
+                ),
+                service_account_name: args.service_account.clone(),
+                node_selector: non_empty_map(
+                    args.node_selector
+                        .iter()
+                        .map(|pair| key_value("--node-selector", pair))
+                        .collect::<Result<_, _>>()?,
+                ),
+                tolerations: non_empty(args.toleration.iter().map(|t| toleration(t)).collect()),
+                image_pull_secrets: non_empty(
+                    args.image_pull_secret
+                        .iter()
+                        .map(|name| LocalObjectReference { name: name.clone() })
+                        .collect(),
+                ),
+            },
             time_zone: None,
         },
     );

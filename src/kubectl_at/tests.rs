@@ -125,25 +125,28 @@ fn the_at_carries_the_pod_settings_and_a_generated_name() {
     assert_eq!(
         serde_json::to_value(&at).unwrap(),
         serde_json::json!({
-            "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+            "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
             "metadata": {"name": "backup-sh-x7k2q", "namespace": "team-a",
                          "labels": {"app.kubernetes.io/created-by": "kubectl-at"}},
             "spec": {
                 "schedule": "2026-11-22T17:00:00Z", "command": "./backup.sh --full",
-                "image": "alpine:3.20", "startingDeadlineSeconds": 300,
+                "startingDeadlineSeconds": 300,
                 "activeDeadlineSeconds": 3600, "ttlSecondsAfterFinished": 3600,
-                "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
-                "env": [{"name": "MODE", "value": "full"}],
-                "serviceAccountName": "backup",
-                "nodeSelector": {"disk": "ssd"},
-                "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "batch", "effect": "NoSchedule"}],
-                "imagePullSecrets": [{"name": "regcred"}]
+                "template": {
+                    "image": "alpine:3.20",
+                    "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
+                    "env": [{"name": "MODE", "value": "full"}],
+                    "serviceAccountName": "backup",
+                    "nodeSelector": {"disk": "ssd"},
+                    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "batch", "effect": "NoSchedule"}],
+                    "imagePullSecrets": [{"name": "regcred"}]
+                }
             }
         })
     );
     let yaml = render(&at, Output::Yaml).unwrap();
     assert!(
-        yaml.starts_with("apiVersion: cnat.programming-kubernetes.info/v1alpha1\n"),
+        yaml.starts_with("apiVersion: cnat.programming-kubernetes.info/v1\n"),
         "{yaml}"
     );
     assert!(!yaml.contains("status"), "{yaml}");
@@ -174,7 +177,7 @@ fn the_webhooks_rules_apply_before_anything_is_sent() {
         refused.starts_with("At team-a/Bad_Name has 2 problems:\n- metadata.name"),
         "{refused}"
     );
-    assert!(refused.contains("spec.image"), "{refused}");
+    assert!(refused.contains("spec.template.image"), "{refused}");
     let a = args(&["18:00", "--requests", "cpu", "--", "true"]);
     let refused = build(&a, "team-a", "true".into(), due(&a, &clock()).unwrap(), "x")
         .unwrap_err()
@@ -184,7 +187,10 @@ fn the_webhooks_rules_apply_before_anything_is_sent() {
     let refused = build(&a, "team-a", "true".into(), due(&a, &clock()).unwrap(), "x")
         .unwrap_err()
         .to_string();
-    assert!(refused.contains("spec.resources.requests.cpu"), "{refused}");
+    assert!(
+        refused.contains("spec.template.resources.requests.cpu"),
+        "{refused}"
+    );
 }
 
 #[test]

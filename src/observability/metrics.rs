@@ -181,7 +181,7 @@ impl Metrics {
         );
         registry.register(
             "cnat_pods_refused",
-            "Pod creates the API server refused, by reason: a quota (quota_needs_resources, quota_exceeded), pod_security, another policy, or invalid; the At stays PENDING and is retried (invalid: until its spec changes)",
+            "Pod creates the API server refused, by reason: a quota (quota_needs_resources, quota_exceeded), pod_security, another policy, or invalid; the At stays Pending and is retried (invalid: until its spec changes)",
             pods_refused.clone(),
         );
         registry.register(
@@ -336,14 +336,15 @@ impl Collector for AtCount {
         )?;
         for phase in [Phase::Pending, Phase::Running, Phase::Done] {
             let labels = PhaseLabels {
-                phase: phase.as_str(),
+                // v1alpha1's spelling, kept: dashboards and alerts select on it.
+                phase: phase.metric_label(),
             };
             let count = ats.iter().filter(|at| at.phase() == phase).count();
             ConstGauge::new(count as i64).encode(family.encode_family(&labels)?)?;
         }
         let mut family = encoder.encode_descriptor(
             "cnat_ats_overdue",
-            "PENDING Ats more than 30 s past their schedule, by the Ats' namespace (only the leader reports this; a namespace appears only while it has some): they should be running",
+            "Pending Ats more than 30 s past their schedule, by the Ats' namespace (only the leader reports this; a namespace appears only while it has some): they should be running",
             None,
             prometheus_client::metrics::MetricType::Gauge,
         )?;

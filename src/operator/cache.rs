@@ -428,6 +428,23 @@ struct Listing {
     failed: std::sync::Mutex<Option<String>>,
 }
 
+/// Whether a list failed because no conversion webhook answered the API server at all (its
+/// message: "conversion webhook for GROUP/VERSION, Kind=At failed: Post ...: EOF", or a refused
+/// or reset connection, or a Service without endpoints). Not for a webhook that answered
+/// wrongly or could not be trusted (x509, a `Failure` result): readiness would not help there,
+/// and an unready replica keeps a rolling update from stopping the old leader.
+fn needs_conversion_webhook(error: &str) -> bool {
+    error.contains("conversion webhook for")
+        && [
+            ": EOF",
+            "connection refused",
+            "connection reset by peer",
+            "no endpoints available",
+        ]
+        .iter()
+        .any(|unanswered| error.contains(unanswered))
+}
+
 impl AtCache {
     /// Starts watching Ats (in `namespace`, or all) on the current runtime, until dropped.
     pub fn start(client: &Client, namespace: Option<&str>) -> Self {
@@ -529,6 +546,13 @@ impl AtCache {
             .failed
             .lock()
             .unwrap_or_else(|e| e.into_inner());
+        if failed.as_deref().is_some_and(needs_conversion_webhook) {
+            // The list waits for the conversion webhook, which the webhook Service sends only
+            // to ready replicas: when all replicas start at once while Ats are still stored as
+            // v1alpha1, none would ever be ready. So ready (webhooks serve), but no candidate
+            // for the Lease until the list completes (`listed`).
+            return Ok(());
+        }
         let last = failed
             .as_deref()
             .map(|error| format!(" (the last attempt failed: {error})"))

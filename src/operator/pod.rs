@@ -10,7 +10,6 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kube::{Resource, ResourceExt};
-use std::collections::BTreeMap;
 use thiserror::Error;
 
 /// Label that marks pods created by cnat; the operator watches and caches only these.
@@ -90,7 +89,11 @@ pub(crate) fn is_dns_subdomain(name: &str) -> bool {
 pub fn build(at: &At, policy: &RunPolicy) -> Pod {
     let spec = &at.spec;
     let at_name = at.name_any();
-    let labels = BTreeMap::from([
+    // The At's pod labels, then cnat's own (which win: the pod watch and `kubectl get pods -l`
+    // rely on them), and the At's pod annotations.
+    let metadata = spec.template.metadata.clone().unwrap_or_default();
+    let mut labels = metadata.labels.unwrap_or_default();
+    labels.extend([
         (MANAGED_BY_LABEL.to_owned(), MANAGED_BY.to_owned()),
         (AT_LABEL.to_owned(), at_name.clone()),
     ]);
@@ -99,6 +102,7 @@ pub fn build(at: &At, policy: &RunPolicy) -> Pod {
             name: Some(name_for(&at_name)),
             namespace: at.namespace(),
             labels: Some(labels),
+            annotations: metadata.annotations.filter(|a| !a.is_empty()),
             owner_references: at.controller_owner_ref(&()).map(|owner| vec![owner]),
             finalizers: Some(vec![FINALIZER.to_owned()]),
             ..ObjectMeta::default()
@@ -106,14 +110,14 @@ pub fn build(at: &At, policy: &RunPolicy) -> Pod {
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             // A token only for a service account the At names.
-            automount_service_account_token: Some(spec.service_account_name.is_some()),
-            service_account_name: spec.service_account_name.clone(),
+            automount_service_account_token: Some(spec.template.service_account_name.is_some()),
+            service_account_name: spec.template.service_account_name.clone(),
             active_deadline_seconds: spec
                 .active_deadline_seconds
                 .or(policy.active_deadline_seconds),
-            node_selector: spec.node_selector.clone(),
-            tolerations: spec.tolerations.clone(),
-            image_pull_secrets: spec.image_pull_secrets.clone(),
+            node_selector: spec.template.node_selector.clone(),
+            tolerations: spec.template.tolerations.clone(),
+            image_pull_secrets: spec.template.image_pull_secrets.clone(),
             security_context: Some(PodSecurityContext {
                 run_as_non_root: Some(true),
                 run_as_user: Some(RUN_AS_USER),
@@ -126,10 +130,10 @@ pub fn build(at: &At, policy: &RunPolicy) -> Pod {
             }),
             containers: vec![Container {
                 name: CONTAINER.into(),
-                image: Some(at.spec.image.clone()),
+                image: Some(at.spec.template.image.clone()),
                 command: Some(vec!["/bin/sh".into(), "-c".into(), at.spec.command.clone()]),
-                env: spec.env.clone(),
-                resources: policy.resources(spec.resources.as_ref()),
+                env: spec.template.env.clone(),
+                resources: policy.resources(spec.template.resources.as_ref()),
                 // The log tail becomes the termination message, so a failure explains itself.
                 termination_message_policy: Some("FallbackToLogsOnError".into()),
                 security_context: Some(SecurityContext {
@@ -309,7 +313,10 @@ mod tests {
             AtSpec {
                 schedule: "2019-04-12T10:12:00Z".into(),
                 command: "echo 'a b' | tr a-z A-Z && exit 3".into(),
-                image: "busybox:1.36".into(),
+                template: crate::api::AtPodTemplate {
+                    image: "busybox:1.36".into(),
+                    ..Default::default()
+                },
                 ..AtSpec::default()
             },
         );
@@ -331,10 +338,7 @@ mod tests {
             (owner.kind.as_str(), owner.name.as_str()),
             ("At", "example-at")
         );
-        assert_eq!(
-            owner.api_version,
-            "cnat.programming-kubernetes.info/v1alpha1"
-        );
+        assert_eq!(owner.api_version, "cnat.programming-kubernetes.info/v1");
         assert_eq!(owner.controller, Some(true));
         assert!(is_controlled_by(&pod, "uid-1"));
         assert!(!is_controlled_by(&pod, "uid-2"));
@@ -365,15 +369,22 @@ mod tests {
     fn the_ats_pod_settings_are_carried_into_the_pod_still_restricted() {
         let mut with = at("example-at");
         with.spec = serde_json::from_value(serde_json::json!({
-            "schedule": "2019-04-12T10:12:00Z", "command": "backup", "image": "tools:1",
+            "schedule": "2019-04-12T10:12:00Z", "command": "backup",
             "activeDeadlineSeconds": 600,
-            "resources": {"limits": {"memory": "1Gi"}},
-            "env": [{"name": "TARGET", "value": "s3://b"},
-                    {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}}],
-            "serviceAccountName": "backup-runner",
-            "nodeSelector": {"kubernetes.io/arch": "arm64"},
-            "tolerations": [{"key": "batch", "operator": "Exists", "effect": "NoSchedule"}],
-            "imagePullSecrets": [{"name": "registry"}],
+            "template": {
+                "image": "tools:1",
+                "resources": {"limits": {"memory": "1Gi"}},
+                "env": [{"name": "TARGET", "value": "s3://b"},
+                        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}}],
+                "serviceAccountName": "backup-runner",
+                "nodeSelector": {"kubernetes.io/arch": "arm64"},
+                "tolerations": [{"key": "batch", "operator": "Exists", "effect": "NoSchedule"}],
+                "imagePullSecrets": [{"name": "registry"}],
+                "metadata": {
+                    "labels": {"team": "storage", "app.kubernetes.io/managed-by": "someone-else"},
+                    "annotations": {"sidecar.istio.io/inject": "false"},
+                },
+            },
         }))
         .unwrap();
         let policy = RunPolicy {
@@ -384,6 +395,16 @@ mod tests {
         };
         let pod = build(&with, &policy);
         let json = serde_json::to_value(&pod).unwrap();
+        // The At's pod labels and annotations, cnat's own labels winning.
+        assert_eq!(
+            json["metadata"]["labels"],
+            serde_json::json!({"team": "storage", "app.kubernetes.io/managed-by": "cnat",
+                               "cnat.programming-kubernetes.info/at": "example-at"})
+        );
+        assert_eq!(
+            json["metadata"]["annotations"],
+            serde_json::json!({"sidecar.istio.io/inject": "false"})
+        );
         let spec = &json["spec"];
         assert_eq!(spec["serviceAccountName"], "backup-runner");
         assert_eq!(

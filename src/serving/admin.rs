@@ -1,8 +1,9 @@
 //! The plain-HTTP admin endpoints every replica serves: `/healthz` (liveness), `/readyz`
 //! (readiness) and `/metrics` (Prometheus). Readiness never depends on leadership, or a rolling upgrade would deadlock
 //! waiting for a new pod that cannot become leader while the old one holds the Lease. It does
-//! depend on what `require` adds: `cnat run` requires a complete At cache, so a rolling update
-//! keeps the old pods (and their leader) until the new one could lead at once.
+//! depend on what `require` adds: `cnat run` requires a complete At cache (or a list that waits
+//! for the conversion webhook, see `AtCache::readiness`), so a rolling update keeps the old pods
+//! (and their leader) until the new one could lead at once.
 
 use crate::leader::Leadership;
 use crate::observability::metrics::{self, Metrics};

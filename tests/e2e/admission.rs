@@ -123,14 +123,14 @@ async fn admission_denies_defaults_guards_and_never_blocks_status_writes() {
         &kube::discovery::ApiResource::erase::<At>(&()),
     );
     let bare: kube::core::DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+        "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
         "metadata": {"name": "bare"},
         "spec": {"schedule": soon.to_rfc3339(), "command": "true"},
     }))
     .unwrap();
     let created = raw.create(&PostParams::default(), &bare).await.unwrap();
-    assert_eq!(created.data["spec"]["image"], "busybox");
-    assert_eq!(created.data["status"]["phase"], "PENDING");
+    assert_eq!(created.data["spec"]["template"]["image"], "busybox");
+    assert_eq!(created.data["status"]["phase"], "Pending");
     // The CRD defaults these too: the replica's metrics show the mutating webhook answered.
     let (_, metrics) = crate::support::process::get(replica.admin, "/metrics").unwrap();
     assert!(
@@ -192,7 +192,7 @@ async fn admission_denies_defaults_guards_and_never_blocks_status_writes() {
         running.status.unwrap().pod_name.as_deref(),
         Some("while-down-pod")
     );
-    // The By-bob At got its PENDING status written too.
+    // The By-bob At got its Pending status written too.
     let scheduled = wait_at(&ats, "by-bob", Duration::from_secs(30), |at| {
         at.status
             .as_ref()

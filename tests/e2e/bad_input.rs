@@ -82,7 +82,7 @@ async fn no_at_stops_a_replica_and_each_extreme_at_shows_a_phase_or_a_reason() {
     let create = |name: &str, spec: Value| {
         let raw = raw.clone();
         let object: kube::core::DynamicObject = serde_json::from_value(json!({
-            "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+            "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
             "metadata": {"name": name}, "spec": spec,
         }))
         .unwrap();
@@ -106,7 +106,7 @@ async fn no_at_stops_a_replica_and_each_extreme_at_shows_a_phase_or_a_reason() {
     )
     .await
     .unwrap();
-    let beyond = json!({"status": {"phase": "DONE", "exitCode": 3_000_000_000_i64}});
+    let beyond = json!({"status": {"phase": "Done", "exitCode": 3_000_000_000_i64}});
     raw.patch_status(
         "exit-code-beyond-int32",
         &kube::api::PatchParams::default(),

@@ -25,18 +25,18 @@ async fn on_1_24_with_the_cel_gate_on_the_transition_rule_is_enforced() {
     .unwrap();
     let status = |phase: &str| json!({"status": {"phase": phase}});
     let params = PatchParams::default();
-    ats.patch_status("once", &params, &Patch::Merge(&status("DONE")))
+    ats.patch_status("once", &params, &Patch::Merge(&status("Done")))
         .await
-        .expect("PENDING -> DONE is allowed");
+        .expect("Pending -> Done is allowed");
     let back = ats
-        .patch_status("once", &params, &Patch::Merge(&status("PENDING")))
+        .patch_status("once", &params, &Patch::Merge(&status("Pending")))
         .await;
     // The control plane here runs with the gate on (as `../shared/envtest` recommends): the rule
     // holds. A 1.24 server with the gate off (the default) accepts the write instead; the
     // validating webhook's status rule does not cover it either (ats/status is not in its rules,
     // so the operator never depends on the webhook), which leaves the operator's own
     // resourceVersion-guarded writes as the guarantee there.
-    let refused = back.expect_err("DONE -> PENDING is refused by the transition rule");
+    let refused = back.expect_err("Done -> Pending is refused by the transition rule");
     assert!(
         refused.to_string().contains("status.phase cannot go back"),
         "{refused}"

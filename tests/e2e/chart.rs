@@ -44,6 +44,19 @@ fn helm(kubeconfig: &std::path::Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
+fn kubectl(kubeconfig: &std::path::Path, args: &[&str]) {
+    let output = Command::new("kubectl")
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "kubectl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 /// Names of the objects of `kind` (cluster-scoped) labelled as this release's.
 async fn released(
     client: &kube::Client,
@@ -102,6 +115,21 @@ async fn the_chart_installs_upgrades_rolls_back_and_uninstalls_on_a_real_server(
     .await
     .unwrap();
 
+    // A CRD applied by hand (as charts before v1 required) is adopted as the chart README says.
+    let crd = "crd/ats.cnat.programming-kubernetes.info";
+    kubectl(
+        kubeconfig,
+        &[
+            "annotate",
+            crd,
+            "meta.helm.sh/release-name=cnat",
+            "meta.helm.sh/release-namespace=cnat-system",
+        ],
+    );
+    kubectl(
+        kubeconfig,
+        &["label", crd, "app.kubernetes.io/managed-by=Helm"],
+    );
     helm(
         kubeconfig,
         &[
@@ -211,7 +239,7 @@ async fn the_chart_installs_upgrades_rolls_back_and_uninstalls_on_a_real_server(
         .filter(|n| n.starts_with("cnat"))
         .collect();
     assert_eq!(kept.len(), 1, "{kept:?}");
-    // The CRD stays, with every At in it.
+    // The CRD stays (helm.sh/resource-policy: keep), with every At in it.
     let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
         Api::all(admin.clone());
     assert!(crds

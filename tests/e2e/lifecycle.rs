@@ -22,7 +22,6 @@ pub fn at(name: &str, schedule: chrono::DateTime<chrono::Utc>, command: &str) ->
         AtSpec {
             schedule: schedule.to_rfc3339(),
             command: command.into(),
-            image: "busybox".into(),
             ..AtSpec::default()
         },
     )
@@ -224,7 +223,7 @@ async fn a_quota_refusal_shows_on_the_at_and_it_runs_once_the_quota_allows() {
     let first_command = if target.kubelet { "sleep 20" } else { "true" };
     let sized = |name: &str, command: &str| {
         let mut sized = at(name, now, command);
-        sized.spec.resources = Some(
+        sized.spec.template.resources = Some(
             serde_json::from_value(
                 serde_json::json!({"limits": {"cpu": "100m", "memory": "64Mi"}}),
             )
@@ -250,7 +249,7 @@ async fn a_quota_refusal_shows_on_the_at_and_it_runs_once_the_quota_allows() {
         message.contains("failed quota: compute: must specify limits.cpu"),
         "{message}"
     );
-    assert!(message.contains("set spec.resources"), "{message}");
+    assert!(message.contains("set spec.template.resources"), "{message}");
 
     // One pod at a time: the second waits (quota exceeded) while the first runs...
     ats.create(&PostParams::default(), &sized("first", first_command))

@@ -37,7 +37,7 @@ pub enum Resource {
 impl Resource {
     fn api_version(self) -> &'static str {
         match self {
-            Resource::Ats => "cnat.programming-kubernetes.info/v1alpha1",
+            Resource::Ats => "cnat.programming-kubernetes.info/v1",
             Resource::Pods => "v1",
             Resource::Events => "events.k8s.io/v1",
             Resource::Leases => "coordination.k8s.io/v1",
@@ -104,6 +104,8 @@ struct State {
     list_latency: Duration,
     /// Creations of these resources are refused with this captured Status (e.g. a 403 quota).
     refusals: BTreeMap<Resource, Value>,
+    /// Lists (not watches) of these resources fail: 500 with this message.
+    failing_lists: BTreeMap<Resource, String>,
     /// (user, namespace) pairs a SubjectAccessReview says may not create pods.
     no_pods: std::collections::BTreeSet<(String, String)>,
     /// Watches of a resource that resume from a resourceVersion below this get 410 Expired.
@@ -198,6 +200,16 @@ impl ApiServer {
         match fixture_file {
             Some(file) => state.refusals.insert(resource, fixture(file)),
             None => state.refusals.remove(&resource),
+        };
+    }
+
+    /// Lists of `resource` (not watches, not reads by name) fail with 500 and `message`, as a
+    /// real server's list fails when it cannot convert (`None`: they work again).
+    pub fn fail_lists(&self, resource: Resource, message: Option<&str>) {
+        let mut state = self.lock();
+        match message {
+            Some(message) => state.failing_lists.insert(resource, message.to_owned()),
+            None => state.failing_lists.remove(&resource),
         };
     }
 
@@ -593,6 +605,10 @@ impl ApiServer {
         match (&parts.method, &route.name) {
             (&Method::GET, None) if query.get("watch").is_some_and(|w| w == "true" || w == "1") => {
                 self.watch(&route, &query)
+            }
+            (&Method::GET, None) if self.lock().failing_lists.contains_key(&route.resource) => {
+                let message = self.lock().failing_lists[&route.resource].clone();
+                status(StatusCode::INTERNAL_SERVER_ERROR, "", &message, None)
             }
             (&Method::GET, None) => self.list_response(&route, &query),
             (&Method::GET, Some(name))

@@ -726,6 +726,26 @@ impl ControlPlane {
         )
     }
 
+    /// `replica_sharing`, running `binary` (another build of cnat, e.g. an earlier release)
+    /// instead of this one.
+    pub fn replica_of(
+        &self,
+        binary: &Path,
+        identity: &str,
+        lease_namespace: &str,
+        extra: &[&str],
+        certs: &Path,
+    ) -> Replica {
+        self.start_binary(
+            binary,
+            identity,
+            lease_namespace,
+            extra,
+            &self.kubeconfig,
+            Some(certs),
+        )
+    }
+
     fn start_replica(
         &self,
         identity: &str,
@@ -736,11 +756,24 @@ impl ControlPlane {
         self.start_replica_with(identity, lease_namespace, extra, kubeconfig, None)
     }
 
-    /// Starts a replica with the certificates in `shared` (made there, whole, if missing), or
-    /// with its own. Each start has its own log and certificate folder, also when tests on one
-    /// control plane use the same identity at once.
     fn start_replica_with(
         &self,
+        identity: &str,
+        lease_namespace: &str,
+        extra: &[&str],
+        kubeconfig: &Path,
+        shared: Option<&Path>,
+    ) -> Replica {
+        let binary = Path::new(env!("CARGO_BIN_EXE_cnat"));
+        self.start_binary(binary, identity, lease_namespace, extra, kubeconfig, shared)
+    }
+
+    /// Starts `binary` as a replica with the certificates in `shared` (made there, whole, if
+    /// missing), or with its own. Each start has its own log and certificate folder, also when
+    /// tests on one control plane use the same identity at once.
+    fn start_binary(
+        &self,
+        binary: &Path,
         identity: &str,
         lease_namespace: &str,
         extra: &[&str],
@@ -770,7 +803,7 @@ impl ControlPlane {
             key: certs.join("tls.key"),
         };
         let log = self.dir.join(format!("{identity}-{start}.log"));
-        let mut command = Command::new(env!("CARGO_BIN_EXE_cnat"));
+        let mut command = Command::new(binary);
         command
             .arg("run")
             // Port 0: the replica binds free ports itself (see `ports`).

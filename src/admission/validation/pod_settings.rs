@@ -22,8 +22,8 @@ pub fn problems(new: &AtSpec, was: Option<&AtSpec>) -> Vec<String> {
         }
         _ => changed(&|w| w.ttl_seconds_after_finished == new.ttl_seconds_after_finished),
     }));
-    if changed(&|w| w.resources == new.resources) {
-        if let Some(resources) = &new.resources {
+    if changed(&|w| w.template.resources == new.template.resources) {
+        if let Some(resources) = &new.template.resources {
             for (kind, map) in [
                 ("requests", &resources.requests),
                 ("limits", &resources.limits),
@@ -31,37 +31,49 @@ pub fn problems(new: &AtSpec, was: Option<&AtSpec>) -> Vec<String> {
                 problems.extend(quantity_problems(kind, map.as_ref()));
             }
             if resources.claims.as_ref().is_some_and(|c| !c.is_empty()) {
-                problems.push("spec.resources.claims: not supported (cnat's pods have no resource claims); remove it".into());
+                problems.push("spec.template.resources.claims: not supported (cnat's pods have no resource claims); remove it".into());
             }
         }
     }
-    if changed(&|w| w.env == new.env) {
-        for (i, var) in new.env.iter().flatten().enumerate() {
+    if changed(&|w| w.template.env == new.template.env) {
+        for (i, var) in new.template.env.iter().flatten().enumerate() {
             problems.extend(env_problem(i, var));
         }
     }
-    if changed(&|w| w.service_account_name == new.service_account_name) {
-        if let Some(sa) = &new.service_account_name {
+    if changed(&|w| w.template.service_account_name == new.template.service_account_name) {
+        if let Some(sa) = &new.template.service_account_name {
             if !is_dns_subdomain(sa) {
                 problems.push(format!(
-                    "spec.serviceAccountName: {sa:?} is not a valid service account name (lowercase letters, digits, '-' and '.'); name an existing ServiceAccount in the At's namespace, or remove the field to run without an API token"
+                    "spec.template.serviceAccountName: {sa:?} is not a valid service account name (lowercase letters, digits, '-' and '.'); name an existing ServiceAccount in the At's namespace, or remove the field to run without an API token"
                 ));
             }
         }
     }
-    if changed(&|w| w.node_selector == new.node_selector) {
-        problems.extend(selector_problems(new.node_selector.as_ref()));
+    if changed(&|w| w.template.node_selector == new.template.node_selector) {
+        problems.extend(label_problems(
+            "spec.template.nodeSelector",
+            new.template.node_selector.as_ref(),
+        ));
     }
-    if changed(&|w| w.tolerations == new.tolerations) {
-        for (i, toleration) in new.tolerations.iter().flatten().enumerate() {
+    if changed(&|w| w.template.metadata == new.template.metadata) {
+        if let Some(metadata) = &new.template.metadata {
+            problems.extend(label_problems(
+                "spec.template.metadata.labels",
+                metadata.labels.as_ref(),
+            ));
+            problems.extend(annotation_problems(metadata.annotations.as_ref()));
+        }
+    }
+    if changed(&|w| w.template.tolerations == new.template.tolerations) {
+        for (i, toleration) in new.template.tolerations.iter().flatten().enumerate() {
             problems.extend(toleration_problem(i, toleration));
         }
     }
-    if changed(&|w| w.image_pull_secrets == new.image_pull_secrets) {
-        for (i, secret) in new.image_pull_secrets.iter().flatten().enumerate() {
+    if changed(&|w| w.template.image_pull_secrets == new.template.image_pull_secrets) {
+        for (i, secret) in new.template.image_pull_secrets.iter().flatten().enumerate() {
             if !is_dns_subdomain(&secret.name) {
                 problems.push(format!(
-                    "spec.imagePullSecrets[{i}].name: {:?} is not a valid Secret name; name a Secret of type kubernetes.io/dockerconfigjson in the At's namespace",
+                    "spec.template.imagePullSecrets[{i}].name: {:?} is not a valid Secret name; name a Secret of type kubernetes.io/dockerconfigjson in the At's namespace",
                     secret.name
                 ));
             }
@@ -79,7 +91,7 @@ fn quantity_problems(
         .filter(|(_, q)| !is_quantity(&q.0))
         .map(|(name, q)| {
             format!(
-                "spec.resources.{kind}.{name}: {:?} is not a quantity (expected e.g. cpu: 100m, memory: 64Mi)",
+                "spec.template.resources.{kind}.{name}: {:?} is not a quantity (expected e.g. cpu: 100m, memory: 64Mi)",
                 q.0
             )
         })
@@ -87,7 +99,7 @@ fn quantity_problems(
 }
 
 fn env_problem(i: usize, var: &EnvVar) -> Option<String> {
-    let field = format!("spec.env[{i}]");
+    let field = format!("spec.template.env[{i}]");
     if var.name.is_empty() || var.name.contains('=') {
         return Some(format!(
             "{field}.name: {:?} is not a variable name (non-empty, without '='), e.g. GREETING",
@@ -138,24 +150,51 @@ fn is_label_key(key: &str) -> bool {
     !name.is_empty() && is_label_part(name) && prefix.is_none_or(is_dns_subdomain)
 }
 
-fn selector_problems(selector: Option<&BTreeMap<String, String>>) -> Vec<String> {
+/// Problems with the labels (or label selector) at `field`.
+fn label_problems(field: &str, labels: Option<&BTreeMap<String, String>>) -> Vec<String> {
     let mut problems = Vec::new();
-    for (key, value) in selector.into_iter().flatten() {
+    for (key, value) in labels.into_iter().flatten() {
         if !is_label_key(key) {
             problems.push(format!(
-                "spec.nodeSelector: {key:?} is not a label key (e.g. kubernetes.io/arch or disktype)"
+                "{field}: {key:?} is not a label key (e.g. kubernetes.io/arch or disktype)"
             ));
         } else if !is_label_part(value) {
             problems.push(format!(
-                "spec.nodeSelector.{key}: {value:?} is not a label value (at most 63 letters, digits, '-', '_' or '.', alphanumeric at both ends)"
+                "{field}.{key}: {value:?} is not a label value (at most 63 letters, digits, '-', '_' or '.', alphanumeric at both ends)"
             ));
         }
     }
     problems
 }
 
+/// The API server's limit on all of an object's annotations together (keys and values).
+const ANNOTATIONS_MAX_BYTES: usize = 256 * 1024;
+
+fn annotation_problems(annotations: Option<&BTreeMap<String, String>>) -> Vec<String> {
+    let field = "spec.template.metadata.annotations";
+    let mut problems: Vec<String> = annotations
+        .into_iter()
+        .flatten()
+        .filter(|(key, _)| !is_label_key(key))
+        .map(|(key, _)| {
+            format!("{field}: {key:?} is not an annotation key (e.g. example.com/owner or note)")
+        })
+        .collect();
+    let size: usize = annotations
+        .into_iter()
+        .flatten()
+        .map(|(k, v)| k.len() + v.len())
+        .sum();
+    if size > ANNOTATIONS_MAX_BYTES {
+        problems.push(format!(
+            "{field}: {size} bytes in all, but a pod's annotations may have at most {ANNOTATIONS_MAX_BYTES}; shorten them"
+        ));
+    }
+    problems
+}
+
 fn toleration_problem(i: usize, t: &Toleration) -> Option<String> {
-    let field = format!("spec.tolerations[{i}]");
+    let field = format!("spec.template.tolerations[{i}]");
     let operator = t.operator.as_deref().unwrap_or("Equal");
     let effect = t.effect.as_deref().unwrap_or("");
     let key = t.key.as_deref().unwrap_or("");
@@ -198,10 +237,13 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// A spec with `extra` written flat, as v1alpha1 has it (shorter to read), converted to v1.
     fn spec(extra: serde_json::Value) -> AtSpec {
+        use crate::conversion::{convert, V1, V1ALPHA1};
         let mut base = json!({"schedule": "2019-04-12T10:12:00Z", "command": "true"});
         json_patch::merge(&mut base, &extra);
-        serde_json::from_value(base).unwrap()
+        let v1 = convert(0, json!({"apiVersion": V1ALPHA1, "spec": base}), V1).unwrap();
+        serde_json::from_value(v1["spec"].clone()).unwrap()
     }
 
     #[test]
@@ -219,6 +261,47 @@ mod tests {
             "imagePullSecrets": [{"name": "registry-creds"}],
         }));
         assert_eq!(problems(&good, None), Vec::<String>::new());
+    }
+
+    #[test]
+    fn pod_labels_and_annotations_must_be_what_a_pod_takes() {
+        let with = |metadata: serde_json::Value| -> AtSpec {
+            serde_json::from_value(
+                json!({"schedule": "2019-04-12T10:12:00Z", "command": "true",
+                                          "template": {"metadata": metadata}}),
+            )
+            .unwrap()
+        };
+        let good = with(json!({"labels": {"team": "a", "example.com/cost": "x-1"},
+                               "annotations": {"sidecar.istio.io/inject": "false", "note": "any text: ok"}}));
+        assert_eq!(problems(&good, None), Vec::<String>::new());
+        for (metadata, expected) in [
+            (
+                json!({"labels": {"bad key!": "x"}}),
+                r#"spec.template.metadata.labels: "bad key!" is not a label key"#,
+            ),
+            (
+                json!({"labels": {"team": "a b"}}),
+                r#"spec.template.metadata.labels.team: "a b" is not a label value"#,
+            ),
+            (
+                json!({"annotations": {"/x": "y"}}),
+                r#"spec.template.metadata.annotations: "/x" is not an annotation key"#,
+            ),
+            (
+                json!({"annotations": {"big": "x".repeat(300 * 1024)}}),
+                "spec.template.metadata.annotations: 307203 bytes in all, but a pod's annotations may have at most 262144",
+            ),
+        ] {
+            let found = problems(&with(metadata.clone()), None);
+            assert!(
+                found.len() == 1 && found[0].starts_with(expected),
+                "{metadata}: {found:?}"
+            );
+        }
+        // Unchanged on an update: not checked again.
+        let bad = with(json!({"labels": {"team": "a b"}}));
+        assert_eq!(problems(&bad, Some(&bad)), Vec::<String>::new());
     }
 
     #[test]
@@ -246,27 +329,27 @@ mod tests {
             ),
             (
                 json!({"resources": {"limits": {"memory": "1GB"}}}),
-                r#"spec.resources.limits.memory: "1GB" is not a quantity"#,
+                r#"spec.template.resources.limits.memory: "1GB" is not a quantity"#,
             ),
             (
                 json!({"resources": {"requests": {"cpu": "lots"}}}),
-                r#"spec.resources.requests.cpu: "lots" is not a quantity"#,
+                r#"spec.template.resources.requests.cpu: "lots" is not a quantity"#,
             ),
             (
                 json!({"resources": {"claims": [{"name": "gpu"}]}}),
-                "spec.resources.claims: not supported",
+                "spec.template.resources.claims: not supported",
             ),
             (
                 json!({"env": [{"name": ""}]}),
-                r#"spec.env[0].name: "" is not a variable name"#,
+                r#"spec.template.env[0].name: "" is not a variable name"#,
             ),
             (
                 json!({"env": [{"name": "A=B"}]}),
-                r#"spec.env[0].name: "A=B""#,
+                r#"spec.template.env[0].name: "A=B""#,
             ),
             (
                 json!({"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]}),
-                "spec.env[0] (A): has both value and valueFrom",
+                "spec.template.env[0] (A): has both value and valueFrom",
             ),
             (
                 json!({"env": [{"name": "A", "valueFrom": {}}]}),
@@ -274,23 +357,23 @@ mod tests {
             ),
             (
                 json!({"serviceAccountName": "Backup_Runner"}),
-                r#"spec.serviceAccountName: "Backup_Runner" is not a valid service account name"#,
+                r#"spec.template.serviceAccountName: "Backup_Runner" is not a valid service account name"#,
             ),
             (
                 json!({"nodeSelector": {"bad key!": "x"}}),
-                r#"spec.nodeSelector: "bad key!" is not a label key"#,
+                r#"spec.template.nodeSelector: "bad key!" is not a label key"#,
             ),
             (
                 json!({"nodeSelector": {"disktype": "-ssd"}}),
-                r#"spec.nodeSelector.disktype: "-ssd" is not a label value"#,
+                r#"spec.template.nodeSelector.disktype: "-ssd" is not a label value"#,
             ),
             (
                 json!({"tolerations": [{"key": "k", "operator": "In"}]}),
-                r#"spec.tolerations[0].operator: "In" must be Equal or Exists"#,
+                r#"spec.template.tolerations[0].operator: "In" must be Equal or Exists"#,
             ),
             (
                 json!({"tolerations": [{"key": "k", "effect": "Never"}]}),
-                r#"spec.tolerations[0].effect: "Never""#,
+                r#"spec.template.tolerations[0].effect: "Never""#,
             ),
             (
                 json!({"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}),
@@ -306,7 +389,7 @@ mod tests {
             ),
             (
                 json!({"imagePullSecrets": [{"name": ""}]}),
-                r#"spec.imagePullSecrets[0].name: "" is not a valid Secret name"#,
+                r#"spec.template.imagePullSecrets[0].name: "" is not a valid Secret name"#,
             ),
         ] {
             let found = problems(&spec(extra.clone()), None);

@@ -12,7 +12,9 @@ fn captured() -> Value {
         env!("CARGO_MANIFEST_DIR")
     );
     let capture: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    capture["review"]["request"]["object"].clone()
+    // Captured as v1alpha1: the API server's JSON for the same At as v1.
+    let object = capture["review"]["request"]["object"].clone();
+    crate::conversion::convert(0, object, crate::conversion::V1).unwrap()
 }
 
 /// An At with every field the reconciler reads set, and what it does not read.
@@ -26,29 +28,32 @@ fn full_at() -> At {
     at.spec = AtSpec {
         schedule: "2026-11-22T12:00:00".into(),
         command: "echo 'a b' | tr a-z A-Z && exit 3".into(),
-        image: "alpine:3.20".into(),
         time_zone: Some("Europe/Berlin".into()),
         starting_deadline_seconds: Some(60),
         active_deadline_seconds: Some(600),
         ttl_seconds_after_finished: Some(0),
-        resources: Some(ResourceRequirements {
-            limits: Some(BTreeMap::from([("memory".into(), Quantity("64Mi".into()))])),
-            requests: Some(BTreeMap::from([("cpu".into(), Quantity("10m".into()))])),
-            ..ResourceRequirements::default()
-        }),
-        env: Some(vec![EnvVar {
-            name: "GREETING".into(),
-            value: Some("héllo \"world\"\n".into()),
-            value_from: None,
-        }]),
-        service_account_name: Some("runner".into()),
-        node_selector: Some(BTreeMap::from([("disk".into(), "ssd".into())])),
-        tolerations: Some(vec![Toleration {
-            key: Some("dedicated".into()),
-            operator: Some("Exists".into()),
-            ..Toleration::default()
-        }]),
-        image_pull_secrets: None,
+        template: crate::api::AtPodTemplate {
+            metadata: None,
+            image: "alpine:3.20".into(),
+            resources: Some(ResourceRequirements {
+                limits: Some(BTreeMap::from([("memory".into(), Quantity("64Mi".into()))])),
+                requests: Some(BTreeMap::from([("cpu".into(), Quantity("10m".into()))])),
+                ..ResourceRequirements::default()
+            }),
+            env: Some(vec![EnvVar {
+                name: "GREETING".into(),
+                value: Some("héllo \"world\"\n".into()),
+                value_from: None,
+            }]),
+            service_account_name: Some("runner".into()),
+            node_selector: Some(BTreeMap::from([("disk".into(), "ssd".into())])),
+            tolerations: Some(vec![Toleration {
+                key: Some("dedicated".into()),
+                operator: Some("Exists".into()),
+                ..Toleration::default()
+            }]),
+            image_pull_secrets: None,
+        },
     };
     at.status = Some(AtStatus {
         phase: Phase::Done,
@@ -153,7 +158,11 @@ fn decodes_the_api_servers_json_as_an_at_and_trims_it() {
     assert_eq!(at.metadata.resource_version.as_deref(), Some("28914"));
     assert_eq!(at.metadata.generation, Some(2));
     assert_eq!(at.spec.command, "echo YAY YAY");
-    assert_eq!(at.spec.image, crate::api::DEFAULT_IMAGE, "defaults applied");
+    assert_eq!(
+        at.spec.template.image,
+        crate::api::DEFAULT_IMAGE,
+        "defaults applied"
+    );
     assert_eq!(cached.phase(), Phase::Running);
     assert_eq!(cached.due(), Some("2019-04-12T10:12:00Z".parse().unwrap()));
     // What is kept is a fraction of the server's JSON.
@@ -221,13 +230,13 @@ fn is_the_at_resource_to_the_api_and_to_pods_owner_references() {
 #[test]
 fn an_at_that_does_not_decode_is_kept_as_unreadable_and_the_list_still_decodes() {
     let good = serde_json::json!({
-        "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+        "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
         "metadata": {"name": "good", "namespace": "ns", "resourceVersion": "1", "uid": "u1"},
         "spec": {"schedule": "2020-01-01T00:00:00Z", "command": "true"},
     });
     let mut bad = good.clone();
     bad["metadata"]["name"] = "bad".into();
-    bad["status"] = serde_json::json!({"phase": "DONE", "exitCode": 3_000_000_000_i64});
+    bad["status"] = serde_json::json!({"phase": "Done", "exitCode": 3_000_000_000_i64});
     let list = serde_json::json!({"items": [good, bad]});
     #[derive(serde::Deserialize)]
     struct List {

@@ -229,7 +229,7 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
 /// What to do about a pod the API server refused (HTTP 403), judged from its message.
 fn refusal_advice(reason: &str) -> &'static str {
     match Refusal::of(reason) {
-        Refusal::QuotaNeedsResources => "set spec.resources (requests and limits for what the quota names), or have the operator default them (cnat run --default-requests / --default-limits); cnat retries with backoff",
+        Refusal::QuotaNeedsResources => "set spec.template.resources (requests and limits for what the quota names), or have the operator default them (cnat run --default-requests / --default-limits); cnat retries with backoff",
         Refusal::QuotaExceeded => "the namespace's ResourceQuota is used up; cnat retries with backoff until it frees up, or raise the quota",
         Refusal::PodSecurity => "the namespace's Pod Security admission refused it; cnat retries with backoff, so relax the namespace's pod-security.kubernetes.io/enforce level or ask its administrator",
         Refusal::Policy => "a quota or admission policy refused it; cnat retries with backoff, so fix what the message names",

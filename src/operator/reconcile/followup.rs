@@ -396,6 +396,7 @@ impl Context {
         self.pods_first.creating.idle().await;
         match self.write_status(at, status).await {
             Ok(()) => {
+                super::forget(&self.failures, &key(at));
                 if let Some(note) = &decision.note {
                     let event = self.log_transition(at, status, note);
                     self.tell_later(at, event);
@@ -420,9 +421,13 @@ impl Context {
                 // it, and bring that reconcile about after the usual backoff or, if the API
                 // server did not answer, as soon as it answers again.
                 self.forget_write(at);
-                let delay = self.next_retry(at);
+                let (attempt, delay) = self.next_retry(at);
                 let unanswered = self.wait_if_unanswered(at, &error);
-                warn!(at = %key(at), phase = status.phase.as_str(), %error, retry_in = ?delay, unanswered, "writing status failed");
+                if super::glitch::quiet(&error, attempt) {
+                    debug!(at = %key(at), phase = status.phase.as_str(), %error, retry_in = ?delay, unanswered, attempt, "writing status failed on the API server's own error; retrying");
+                } else {
+                    warn!(at = %key(at), phase = status.phase.as_str(), %error, retry_in = ?delay, unanswered, "writing status failed");
+                }
                 self.retrigger_after(ObjectRef::from_obj(at), delay);
             }
         }
@@ -431,9 +436,7 @@ impl Context {
 
 /// Whether the API server's `refusal` of a status write means it refuses any status for this
 /// version of `at`: a 422 for an At whose spec is out of the CRD's bounds. Any other 422 is
-/// retried like other errors: kube-apiserver v1.24 with CEL validation on answers some
-/// concurrent status writes 422 with "internal error: runtime error: index out of range"
-/// while evaluating the CRD's transition rule, and that write succeeds when sent again.
+/// retried like other errors, among them the API server's own CEL failures (`glitch`).
 pub(super) fn refuses_any_status(at: &At, refusal: &kube::core::Status) -> bool {
     refusal.is_invalid() && !crate::limits::problems(&at.spec, |_| true).is_empty()
 }

@@ -4,6 +4,7 @@
 
 pub mod decide;
 pub mod followup;
+pub mod glitch;
 pub mod wakeups;
 
 use crate::api::{At, AtStatus, Phase};
@@ -302,15 +303,16 @@ impl Context {
         self.retriggers.take()
     }
 
-    /// Counts one more failure of `at` and returns the backoff before its next attempt.
-    fn next_retry(&self, at: &At) -> Duration {
+    /// Counts one more failure of `at` and returns how many failures in a row that makes and
+    /// the backoff before its next attempt.
+    fn next_retry(&self, at: &At) -> (u32, Duration) {
         let attempt = {
             let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
             let count = failures.entry(key(at)).or_insert(0);
             *count += 1;
             *count
         };
-        retry_delay(attempt)
+        (attempt, retry_delay(attempt))
     }
 
     /// The time now, by the injected clock.
@@ -426,12 +428,16 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
 
 /// Retries a failed reconcile after an exponentially growing, jittered delay.
 pub fn error_policy(at: Arc<At>, error: &Error, ctx: Arc<Context>) -> Action {
-    let delay = ctx.next_retry(&at);
+    let (attempt, delay) = ctx.next_retry(&at);
     // With no answer from the API server, its next answer also brings a retry.
     let unanswered = error
         .api_error()
         .is_some_and(|e| ctx.wait_if_unanswered(&at, e));
-    warn!(at = %key(&at), %error, retry_in = ?delay, unanswered, "reconcile failed");
+    if error.api_error().is_some_and(|e| glitch::quiet(e, attempt)) {
+        debug!(at = %key(&at), %error, retry_in = ?delay, unanswered, attempt, "reconcile failed on the API server's own error; retrying");
+    } else {
+        warn!(at = %key(&at), %error, retry_in = ?delay, unanswered, "reconcile failed");
+    }
     Action::requeue(delay)
 }
 
@@ -699,11 +705,14 @@ impl Context {
         decision: Decision,
         decided_at: DateTime<Utc>,
     ) -> Action {
-        let action = self.succeeded(at, &decision, decided_at);
-        if let Some(status) = &decision.status {
-            self.remember_write(at, status.phase);
-            self.follow_up(at, decision);
-        }
+        // With a write queued, the failures in a row are counted on until it is written
+        // (`followup`), so that a write failing again and again backs off and is reported.
+        let Some(status) = &decision.status else {
+            return self.succeeded(at, &decision, decided_at);
+        };
+        let action = self.settled(at, &decision, decided_at);
+        self.remember_write(at, status.phase);
+        self.follow_up(at, decision);
         action
     }
 
@@ -713,6 +722,12 @@ impl Context {
     /// the index's (README "Where the old leader's extra memory was").
     fn succeeded(&self, at: &At, decision: &Decision, decided_at: DateTime<Utc>) -> Action {
         forget(&self.failures, &key(at));
+        self.settled(at, decision, decided_at)
+    }
+
+    /// `succeeded` without resetting the backoff: records the phase decided on and sets when
+    /// to look again.
+    fn settled(&self, at: &At, decision: &Decision, decided_at: DateTime<Utc>) -> Action {
         let span = Span::current();
         let after = decision.status.as_ref().map_or(at.phase(), |s| s.phase);
         span.record("phase.after", after.as_str());

@@ -17,7 +17,7 @@ const AT_UID: &str = "4c4a2a4f-0d1e-4a59-9d0e-6c9d3c2a7a01";
 const PODS: &str = "/api/v1/namespaces/default/pods";
 const POD: &str = "/api/v1/namespaces/default/pods/example-at-pod";
 const STATUS: &str =
-    "/apis/cnat.programming-kubernetes.info/v1alpha1/namespaces/default/ats/example-at/status";
+    "/apis/cnat.programming-kubernetes.info/v1/namespaces/default/ats/example-at/status";
 const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/default/events";
 
 fn fixture(name: &str) -> Value {
@@ -35,7 +35,7 @@ fn pod_fixture(owner_uid: Option<&str>, ended: Option<(&str, i32)>) -> Value {
     pod["metadata"]["namespace"] = "default".into();
     if let Some(uid) = owner_uid {
         pod["metadata"]["ownerReferences"] = serde_json::json!([{
-            "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+            "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
             "name": "example-at", "uid": uid, "controller": true,
         }]);
     }
@@ -56,7 +56,10 @@ fn example_at(status: Option<AtStatus>) -> At {
         AtSpec {
             schedule: "2019-04-12T10:12:00Z".into(),
             command: "echo YAY".into(),
-            image: "busybox".into(),
+            template: crate::api::AtPodTemplate {
+                image: "busybox".into(),
+                ..Default::default()
+            },
             ..AtSpec::default()
         },
     );
@@ -674,8 +677,50 @@ async fn success_resets_the_backoff() {
         .unwrap()
         .insert("default/example-at".into(), 5);
     h.reconcile(example_at(None)).await.unwrap();
-    assert!(h.ctx.failures.lock().unwrap().is_empty());
+    // The pod was created, but the status write is still queued: until it is written, the
+    // failures in a row stand (a write that fails again backs off further).
+    let written = async {
+        while !h.ctx.failures.lock().unwrap().is_empty() {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), written)
+        .await
+        .expect("the backoff is reset once the status is written");
     h.finish(3).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_queued_status_write_that_fails_again_counts_on() {
+    let h = pod_created_then_status_write_fails();
+    // Two failures in a row already (earlier writes of this status).
+    h.ctx
+        .failures
+        .lock()
+        .unwrap()
+        .insert("default/example-at".into(), 2);
+    let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
+    h.reconcile(example_at(None)).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), retriggers.next())
+        .await
+        .expect("retried")
+        .unwrap();
+    assert_eq!(h.ctx.failures.lock().unwrap()["default/example-at"], 3);
+    drop(retriggers);
+    h.finish(2).await;
+}
+
+/// A pod create that succeeds, then a status write that fails (503).
+fn pod_created_then_status_write_fails() -> Harness {
+    harness(vec![
+        answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
+        answer(
+            "PATCH",
+            STATUS,
+            503,
+            serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "etcdserver: request timed out", "reason": "ServiceUnavailable", "code": 503}),
+        ),
+    ])
 }
 
 #[tokio::test(start_paused = true)]
@@ -739,15 +784,7 @@ async fn status_writes_after_a_pod_create_wait_until_no_pod_create_is_in_flight(
 
 #[tokio::test(start_paused = true)]
 async fn a_failed_follow_up_write_is_retried_by_a_new_reconcile_after_backoff() {
-    let h = harness(vec![
-        answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
-        answer(
-            "PATCH",
-            STATUS,
-            503,
-            serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "etcdserver: request timed out", "reason": "ServiceUnavailable", "code": 503}),
-        ),
-    ]);
+    let h = pod_created_then_status_write_fails();
     let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
     let started = tokio::time::Instant::now();
     h.reconcile(example_at(None)).await.unwrap();

@@ -3,11 +3,11 @@ use kube::ResourceExt;
 use serde_json::json;
 
 fn at(name: &str) -> serde_json::Value {
-    json!({"apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+    json!({"apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
            "metadata": {"name": name, "namespace": "default", "resourceVersion": "7",
                         "managedFields": [{"manager": "kubectl", "operation": "Update"}]},
            "spec": {"schedule": "2030-01-01T00:00:00Z", "command": "true", "image": "busybox"},
-           "status": {"phase": "PENDING", "scheduledTime": "2030-01-01T00:00:00Z"}})
+           "status": {"phase": "Pending", "scheduledTime": "2030-01-01T00:00:00Z"}})
 }
 
 /// `body` as the API server might send it: in pieces of `piece` bytes.
@@ -60,7 +60,7 @@ async fn decode(body: &[u8], piece: usize) -> (Vec<String>, kube::Result<Option<
 async fn a_list_decodes_at_by_at_however_its_body_is_cut() {
     let items: Vec<_> = (0..300).map(|i| at(&format!("at-{i:03}"))).collect();
     let body = serde_json::to_vec(&json!({
-        "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "AtList",
+        "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "AtList",
         "items": items, "metadata": {"resourceVersion": "4242", "continue": ""}}))
     .unwrap();
     for piece in [1, 7, 4096, body.len()] {

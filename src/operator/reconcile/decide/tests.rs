@@ -18,7 +18,10 @@ fn at_named(name: &str, schedule: &str, status: Option<AtStatus>) -> At {
         AtSpec {
             schedule: schedule.into(),
             command: "echo YAY".into(),
-            image: "busybox".into(),
+            template: crate::api::AtPodTemplate {
+                image: "busybox".into(),
+                ..Default::default()
+            },
             ..AtSpec::default()
         },
     );
@@ -611,7 +614,7 @@ mod production {
         for (file, advice) in [
             (
                 "status-403-forbidden-quota-requires-limits.json",
-                "set spec.resources",
+                "set spec.template.resources",
             ),
             ("status-403-forbidden-quota-exceeded.json", "is used up"),
             (
