@@ -40,10 +40,10 @@ where
     AdmissionRequest<T>: DeserializeOwned,
 {
     /// The request, with the review's type fields as kube's conversion sets them.
-    pub fn admission_request(self) -> Result<AdmissionRequest<T>, String> {
+    pub fn admission_request(mut self) -> Result<AdmissionRequest<T>, String> {
         let types = TypeMeta {
-            api_version: self.api_version.clone(),
-            kind: self.kind.clone(),
+            api_version: std::mem::take(&mut self.api_version),
+            kind: std::mem::take(&mut self.kind),
         };
         let mut request = self.request()?;
         request.types = types;
