@@ -36,6 +36,7 @@ mod ports;
 mod real;
 #[path = "support/rolling.rs"]
 mod rolling;
+#[allow(dead_code)] // the benches use part of it
 #[path = "support/rss.rs"]
 mod rss;
 #[path = "../tests/support/service.rs"]

@@ -22,6 +22,10 @@
 //! control plane's background work (README, "The first round, over seven starts"). The last start
 //! then runs eleven rounds of every target, conversion included.
 //!
+//! Each round also prints what else ran on the servers' CPU meanwhile (from `/proc/stat`, less
+//! the server's own time; 10 ms ticks, so ±10 ms) and the server's major page faults (code or
+//! data read back from disk), the two ways the machine can hold a server back unseen.
+//!
 //!     cargo bench --bench webhook                  # 7 starts, 11 rounds, then the medians
 //!     cargo bench --bench webhook -- -d30s         # other wrk arguments
 //!     cargo bench --bench webhook -- --real        # the escalation guard asks a real
@@ -165,10 +169,18 @@ async fn main() {
         wrk.push(&url);
         let cpu_before = rss::cpu_seconds(target.pid);
         let (wrk_before, plane_before) = (children_cpu_seconds(), plane_cpu_seconds());
+        let (busy_before, faults_before) = (
+            rss::cpu_busy_seconds(SERVER_CPU),
+            rss::major_faults(target.pid),
+        );
         let report = run(&wrk);
         let wrk_cpu = children_cpu_seconds() - wrk_before;
         let plane_cpu = plane_cpu_seconds() - plane_before;
         let cpu = rss::cpu_seconds(target.pid) - cpu_before;
+        // What else ran on the servers' CPU meanwhile (the other server, kernel threads,
+        // interrupts), and the pages the server had to read back from disk.
+        let others_ms = (rss::cpu_busy_seconds(SERVER_CPU) - busy_before - cpu) * 1e3;
+        let faults = rss::major_faults(target.pid) - faults_before;
         let label = target.label;
         assert!(!report.contains("Non-2xx"), "{label}: {report}");
         assert!(!report.contains("Socket errors"), "{label}: {report}");
@@ -184,19 +196,25 @@ async fn main() {
             cpu_us: cpu * 1e6 / requests,
         };
         println!(
-            "| {label} | {:.0} | {} | {} | {:.1} µs | {:.0}% | {:.0}% |",
+            "| {label} | {:.0} | {} | {} | {:.1} µs | {:.0}% | {:.0}% | {} | {} |",
             figures.rate,
             field(&report, "50%"),
             field(&report, "99%"),
             figures.cpu_us,
             wrk_cpu / wrk_seconds(&report) * 100.0,
-            plane_cpu / wrk_seconds(&report) * 100.0
+            plane_cpu / wrk_seconds(&report) * 100.0,
+            if pinned {
+                format!("{others_ms:.0} ms")
+            } else {
+                "-".into()
+            },
+            faults
         );
         figures
     };
     let header = || {
-        println!("| webhook | requests/s | p50 | p99 | server CPU per review | wrk's CPU (of one core) | control plane's CPU (of one core) |");
-        println!("|---|---|---|---|---|---|---|");
+        println!("| webhook | requests/s | p50 | p99 | server CPU per review | wrk's CPU (of one core) | control plane's CPU (of one core) | others on the servers' CPU | server's major faults |");
+        println!("|---|---|---|---|---|---|---|---|---|");
     };
 
     // The first round after start, over several starts: one 10 s round per server is a single

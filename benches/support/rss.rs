@@ -10,6 +10,38 @@ pub fn rss_kib(pid: &str) -> u64 {
         .unwrap()
 }
 
+/// Major page faults of process `pid` so far (pages read back from disk), from `/proc/PID/stat`
+/// (0 once it is gone).
+pub fn major_faults(pid: u32) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    fields[9].parse().unwrap_or(0)
+}
+
+/// Seconds CPU `cpu` has spent busy (anything but idle and I/O wait), from `/proc/stat`.
+pub fn cpu_busy_seconds(cpu: &str) -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap();
+    let Some(line) = stat
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(&format!("cpu{cpu}")))
+    else {
+        return f64::NAN;
+    };
+    // user nice system idle iowait irq softirq steal ...
+    let ticks: Vec<f64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|t| t.parse().unwrap_or(0.0))
+        .collect();
+    let busy: f64 = [0, 1, 2, 5, 6, 7]
+        .iter()
+        .map(|&i| ticks.get(i).copied().unwrap_or(0.0))
+        .sum();
+    busy / 100.0
+}
+
 /// User plus system CPU seconds process `pid` has used, from `/proc/PID/stat` (0 once it is
 /// gone).
 pub fn cpu_seconds(pid: u32) -> f64 {
