@@ -22,9 +22,11 @@
 //! control plane's background work (README, "The first round, over seven starts"). The last start
 //! then runs eleven rounds of every target, conversion included.
 //!
-//! Each round also prints what else ran on the servers' CPU meanwhile (from `/proc/stat`, less
-//! the server's own time; 10 ms ticks, so ±10 ms) and the server's major page faults (code or
-//! data read back from disk), the two ways the machine can hold a server back unseen.
+//! Each round also prints roughly what else ran on the servers' CPU meanwhile (its busy time in
+//! `/proc/stat`, interrupts and steal included, less the server's own; counted in 10 ms ticks,
+//! so about ±20 ms, and at times below zero) and the server's major page faults (code or data
+//! read back from disk): two ways the machine can hold a server back without the server's own
+//! figures showing it.
 //!
 //!     cargo bench --bench webhook                  # 7 starts, 11 rounds, then the medians
 //!     cargo bench --bench webhook -- -d30s         # other wrk arguments
@@ -60,6 +62,17 @@ const ROUNDS: usize = 11;
 /// Starts of fresh server processes, each measured in its first round after start; the last
 /// also runs the `ROUNDS` rounds.
 const STARTS: usize = 7;
+/// The order of the admission targets (validating, mutating, example) in the first `STARTS - 1`
+/// starts: each of the six orders once, so that each target goes first twice and each of cnat's
+/// webhooks is the first to load a fresh cnat three times (the last start: validating first).
+const FIRST_ROUND_ORDERS: [[usize; 3]; STARTS - 1] = [
+    [1, 2, 0],
+    [2, 0, 1],
+    [0, 1, 2],
+    [2, 1, 0],
+    [0, 2, 1],
+    [1, 0, 2],
+];
 /// The conversion target's body: a ConversionReview of this many Ats, v1alpha1 to v1.
 const CONVERSION: &str = "conversion";
 const CONVERTED_PER_REVIEW: usize = 100;
@@ -177,10 +190,10 @@ async fn main() {
         let wrk_cpu = children_cpu_seconds() - wrk_before;
         let plane_cpu = plane_cpu_seconds() - plane_before;
         let cpu = rss::cpu_seconds(target.pid) - cpu_before;
-        // What else ran on the servers' CPU meanwhile (the other server, kernel threads,
-        // interrupts), and the pages the server had to read back from disk.
+        // Roughly what else ran on the servers' CPU meanwhile (the other server, kernel threads,
+        // interrupts, steal; ±20 ms), and the pages the server had to read back from disk.
         let others_ms = (rss::cpu_busy_seconds(SERVER_CPU) - busy_before - cpu) * 1e3;
-        let faults = rss::major_faults(target.pid) - faults_before;
+        let faults = rss::major_faults(target.pid).saturating_sub(faults_before);
         let label = target.label;
         assert!(!report.contains("Non-2xx"), "{label}: {report}");
         assert!(!report.contains("Socket errors"), "{label}: {report}");
@@ -229,7 +242,7 @@ async fn main() {
         println!("Start {start}: the first round of each webhook after start");
         header();
         let mut measured: [Option<Figures>; 3] = [None, None, None];
-        for i in (0..3).map(|k| (k + start) % 3) {
+        for i in FIRST_ROUND_ORDERS[start - 1] {
             measured[i] = Some(measure(&targets[i]));
         }
         let [Some(validating), Some(mutating), Some(kube)] = measured else {
@@ -243,27 +256,6 @@ async fn main() {
     // also the last start's first round.
     let servers = Servers::start(&dir, &kubeconfig, STARTS, &on_cpu(SERVER_CPU)).await;
     let targets = servers.targets();
-    // A conversion that fails is answered 200 as well: check once that these convert.
-    let request = dir.join("conversion.json");
-    std::fs::write(&request, body(CONVERSION)).unwrap();
-    let answer: serde_json::Value = serde_json::from_str(&run(&[
-        "curl",
-        "-sk",
-        "--data-binary",
-        &format!("@{}", request.display()),
-        &format!("https://localhost:{}/convert", servers.port),
-    ]))
-    .unwrap();
-    assert_eq!(
-        answer["response"]["result"]["status"], "Success",
-        "{answer}"
-    );
-    assert_eq!(
-        answer["response"]["convertedObjects"]
-            .as_array()
-            .map(Vec::len),
-        Some(CONVERTED_PER_REVIEW)
-    );
     let mut ratios = Vec::new();
     let mut conversions = Vec::new();
     for round in 1..=ROUNDS {
@@ -281,6 +273,30 @@ async fn main() {
         ratios.push([validating.ratio_to(&kube), mutating.ratio_to(&kube)]);
         conversions.push(conversion);
     }
+    // A conversion that fails is answered 200 as well: check that these converted (after the
+    // rounds, so that the first round is the first load of this start).
+    let request = dir.join("conversion.json");
+    std::fs::write(&request, body(CONVERSION)).unwrap();
+    let answer: serde_json::Value = serde_json::from_str(&run(&[
+        "curl",
+        "-sk",
+        "--max-time",
+        "10",
+        "--data-binary",
+        &format!("@{}", request.display()),
+        &format!("https://localhost:{}/convert", servers.port),
+    ]))
+    .unwrap();
+    assert_eq!(
+        answer["response"]["result"]["status"], "Success",
+        "{answer}"
+    );
+    assert_eq!(
+        answer["response"]["convertedObjects"]
+            .as_array()
+            .map(Vec::len),
+        Some(CONVERTED_PER_REVIEW)
+    );
     firsts.push(ratios[0]);
     servers.stop();
 
@@ -393,6 +409,14 @@ impl Servers {
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
+        // Built before the waits, so that a failed one stops both (`Drop`).
+        let servers = Servers {
+            operator,
+            example,
+            port,
+            example_port,
+            admin,
+        };
         listening(port).await;
         listening(example_port).await;
         let started = Instant::now();
@@ -403,13 +427,7 @@ impl Servers {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        Servers {
-            operator,
-            example,
-            port,
-            example_port,
-            admin,
-        }
+        servers
     }
 
     fn targets(&self) -> [Target; 4] {
@@ -457,8 +475,15 @@ impl Servers {
     /// escalation guard denies when it gets no answer from the API server (the default
     /// `--access-review-on-error=deny`), with a 200 that wrk counts as a success: the bench
     /// measures the allowed path only.
-    fn stop(mut self) {
-        let metrics = run(&["curl", "-s", &format!("http://{}/metrics", self.admin)]);
+    fn stop(self) {
+        let metrics = run(&[
+            "curl",
+            "-s",
+            "--max-time",
+            "10",
+            &format!("http://{}/metrics", self.admin),
+        ]);
+        drop(self); // both servers stopped before anything here can fail
         let denied: Vec<&str> = metrics
             .lines()
             .filter(|line| {
@@ -471,11 +496,72 @@ impl Servers {
             metrics.contains("cnat_admission_requests_total{") && denied.is_empty(),
             "cnat denied reviews during the rounds (the bench measures the allowed path): {denied:?}"
         );
+        // cnat's own time per review, from receiving it to answering (a wait for a
+        // SubjectAccessReview included): whether a tail wrk saw was inside cnat's handler.
+        let own = ["validating", "mutating"].map(|webhook| {
+            let Some((over, total, within)) = slow_reviews(&metrics, webhook, SLOW_REVIEW) else {
+                return format!("{webhook}: none");
+            };
+            format!(
+                "{webhook}: {over} of {total} over {:.1} ms, all within {within:.1} ms",
+                SLOW_REVIEW * 1e3
+            )
+        });
+        println!(
+            "cnat's own time per review (cnat_admission_duration_seconds): {}",
+            own.join("; ")
+        );
+    }
+}
+
+impl Drop for Servers {
+    /// Stops both servers, also when the bench fails (a `Child` dropped keeps running).
+    fn drop(&mut self) {
         for child in [&mut self.operator, &mut self.example] {
-            child.kill().unwrap();
+            let _ = child.kill();
             let _ = child.wait();
         }
     }
+}
+
+/// A review cnat took longer than this over, in seconds, is counted as slow (a bucket bound of
+/// `cnat_admission_duration_seconds`).
+const SLOW_REVIEW: f64 = 0.0016;
+
+/// From the histogram `cnat_admission_duration_seconds` of `webhook` in the exposition
+/// `metrics`: how many reviews took longer than `slow` seconds (a bucket bound), how many there
+/// were, and the smallest bucket bound all of them took at most, in ms. None without reviews.
+fn slow_reviews(metrics: &str, webhook: &str, slow: f64) -> Option<(u64, u64, f64)> {
+    let label = format!("webhook=\"{webhook}\"");
+    // (le, cumulative count), in the order exposed: ascending bounds, then +Inf.
+    let buckets: Vec<(f64, u64)> = metrics
+        .lines()
+        .filter(|l| l.starts_with("cnat_admission_duration_seconds_bucket{") && l.contains(&label))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, l.rsplit(' ').next()?.parse().ok()?))
+        })
+        .collect();
+    let total = buckets.iter().map(|&(_, count)| count).max()?;
+    if total == 0 {
+        return None;
+    }
+    let fast = buckets
+        .iter()
+        .filter(|&&(le, _)| le <= slow * 1.001)
+        .map(|&(_, count)| count)
+        .max()
+        .unwrap_or(0);
+    let within = buckets
+        .iter()
+        .find(|&&(_, count)| count == total)
+        .map_or(f64::INFINITY, |&(le, _)| le * 1e3);
+    Some((total - fast, total, within))
 }
 
 struct Figures {
