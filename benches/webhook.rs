@@ -17,7 +17,8 @@
 //!
 //! The first round after start is measured over seven starts: each start has fresh processes of
 //! both servers, and each webhook's first round in it is compared with the example's first round
-//! in the same start (the order rotates, so that each goes first in some starts). One 10 s round
+//! in the same start (the first six starts run the six orders of the three admission targets, so
+//! that each of cnat's webhooks is the first to load a fresh cnat three times). One 10 s round
 //! per server is a single sample of a p99 that moves by half from second to second with the
 //! control plane's background work (README, "The first round, over seven starts"). The last start
 //! then runs eleven rounds of every target, conversion included.
@@ -233,7 +234,7 @@ async fn main() {
     // The first round after start, over several starts: one 10 s round per server is a single
     // sample of a noisy figure (see the README), so each start gets fresh processes, and the
     // goal's first round is the median over the starts of cnat's first round against the
-    // example's. The order rotates, so that each webhook goes first in some starts.
+    // example's. The orders: `FIRST_ROUND_ORDERS`.
     let mut firsts: Vec<[[f64; 3]; 2]> = Vec::new();
     for start in 1..STARTS {
         let servers = Servers::start(&dir, &kubeconfig, start, &on_cpu(SERVER_CPU)).await;
@@ -390,7 +391,7 @@ impl Servers {
         let port = free_port();
         let example_port = free_port();
         let admin: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let operator = command(prefix, env!("CARGO_BIN_EXE_cnat"))
+        let mut operator = command(prefix, env!("CARGO_BIN_EXE_cnat"))
             .args(["run", "--log-format=json", "--log=info"])
             .arg(format!("--lease-name=cnat-bench-{start}"))
             .arg(format!("--webhook-addr=127.0.0.1:{port}"))
@@ -408,7 +409,11 @@ impl Servers {
             .env("RUST_LOG", "info") // the example's fmt subscriber: its info lines, as cnat's are on
             .stdout(Stdio::null())
             .spawn()
-            .unwrap();
+            .unwrap_or_else(|error| {
+                let _ = operator.kill();
+                let _ = operator.wait();
+                panic!("the kube-rs example did not start: {error}")
+            });
         // Built before the waits, so that a failed one stops both (`Drop`).
         let servers = Servers {
             operator,
@@ -471,10 +476,10 @@ impl Servers {
         ]
     }
 
-    /// Checks that cnat allowed every review it answered, then stops both servers. The
-    /// escalation guard denies when it gets no answer from the API server (the default
-    /// `--access-review-on-error=deny`), with a 200 that wrk counts as a success: the bench
-    /// measures the allowed path only.
+    /// Reads cnat's metrics, stops both servers, then checks that cnat allowed every review it
+    /// answered and prints cnat's own time per review. The escalation guard denies when it gets
+    /// no answer from the API server (the default `--access-review-on-error=deny`), with a 200
+    /// that wrk counts as a success: the bench measures the allowed path only.
     fn stop(self) {
         let metrics = run(&[
             "curl",
