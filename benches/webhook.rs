@@ -143,8 +143,6 @@ async fn main() {
 
     if pinned {
         println!("Both servers on CPU {SERVER_CPU}, wrk and the control plane (SCHED_IDLE) on CPU {WRK_CPU}.");
-    }
-    if pinned {
         // The control plane (etcd, kube-apiserver) beside wrk, off the servers' CPU.
         for (_, pid) in &plane_processes {
             run(&["taskset", "-a", "-p", "-c", WRK_CPU, &pid.to_string()]);
@@ -163,7 +161,10 @@ async fn main() {
     };
     let measure = |target: &Target| -> Figures {
         let script = dir.join(format!("{}.lua", target.path));
-        std::fs::write(&script, lua(&body(target.fixture))).unwrap();
+        if !script.exists() {
+            // Once per target: the body is the same in every start and round.
+            std::fs::write(&script, lua(&body(target.fixture))).unwrap();
+        }
         // By name: wrk sends the host as SNI, and the example's rustls 0.22 refuses an IP there.
         let url = format!(
             "https://localhost:{}/{}?timeout=10s",
@@ -317,12 +318,8 @@ async fn main() {
                 m[2]
             );
         }
-        let median = |webhook: usize, i: usize| {
-            let mut values: Vec<f64> = rows.iter().map(|r| r[webhook][i]).collect();
-            values.sort_by(f64::total_cmp);
-            values[values.len() / 2]
-        };
-        let medians = [0, 1].map(|webhook| [0, 1, 2].map(|i| median(webhook, i)));
+        let medians =
+            [0, 1].map(|webhook| [0, 1, 2].map(|i| median(rows.iter().map(|r| r[webhook][i]))));
         let [v, m] = medians;
         println!(
             "| median | {:.2}x | {:.2}x | {:.2}x | {:.2}x | {:.2}x | {:.2}x |",
@@ -342,11 +339,7 @@ async fn main() {
         );
     }
     // Conversion has no counterpart in the example: its own figures, medians over the rounds.
-    let median_of = |f: fn(&Figures) -> f64| {
-        let mut values: Vec<f64> = conversions.iter().map(f).collect();
-        values.sort_by(f64::total_cmp);
-        values[values.len() / 2]
-    };
+    let median_of = |f: fn(&Figures) -> f64| median(conversions.iter().map(f));
     let rate = median_of(|f| f.rate);
     println!(
         "cnat conversion, ConversionReviews of {CONVERTED_PER_REVIEW} Ats (v1alpha1 to v1), medians: {rate:.0} reviews/s ({:.0} Ats/s), p99 {:.2} ms, CPU {:.2} µs per At",
@@ -543,12 +536,8 @@ fn slow_reviews(metrics: &str, webhook: &str, slow: f64) -> Option<(u64, u64, f6
         .lines()
         .filter(|l| l.starts_with("cnat_admission_duration_seconds_bucket{") && l.contains(&label))
         .filter_map(|l| {
-            let le = l.split("le=\"").nth(1)?.split('"').next()?;
-            let le = if le == "+Inf" {
-                f64::INFINITY
-            } else {
-                le.parse().ok()?
-            };
+            // `le="+Inf"` parses as infinity.
+            let le = l.split("le=\"").nth(1)?.split('"').next()?.parse().ok()?;
             Some((le, l.rsplit(' ').next()?.parse().ok()?))
         })
         .collect();
@@ -567,6 +556,13 @@ fn slow_reviews(metrics: &str, webhook: &str, slow: f64) -> Option<(u64, u64, f6
         .find(|&&(_, count)| count == total)
         .map_or(f64::INFINITY, |&(le, _)| le * 1e3);
     Some((total - fast, total, within))
+}
+
+/// The median of `values` (the upper one of an even count).
+fn median(values: impl Iterator<Item = f64>) -> f64 {
+    let mut values: Vec<f64> = values.collect();
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
 }
 
 struct Figures {

@@ -13,19 +13,16 @@ pub fn rss_kib(pid: &str) -> u64 {
 /// Major page faults of process `pid` so far (pages read back from disk), from `/proc/PID/stat`
 /// (0 once it is gone).
 pub fn major_faults(pid: u32) -> u64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0;
-    };
-    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
-    fields[9].parse().unwrap_or(0)
+    stat_fields(pid).get(9).map_or(0, |&faults| faults as u64)
 }
 
 /// Seconds CPU `cpu` has spent busy (anything but idle and I/O wait), from `/proc/stat`.
 pub fn cpu_busy_seconds(cpu: &str) -> f64 {
     let stat = std::fs::read_to_string("/proc/stat").unwrap();
+    let name = format!("cpu{cpu}");
     let Some(line) = stat
         .lines()
-        .find(|l| l.split_whitespace().next() == Some(&format!("cpu{cpu}")))
+        .find(|l| l.split_whitespace().next() == Some(name.as_str()))
     else {
         return f64::NAN;
     };
@@ -45,13 +42,25 @@ pub fn cpu_busy_seconds(cpu: &str) -> f64 {
 /// User plus system CPU seconds process `pid` has used, from `/proc/PID/stat` (0 once it is
 /// gone).
 pub fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    // Fields after the command name (which is in parentheses and may hold spaces).
-    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
-    let ticks = |i: usize| fields[i].parse::<f64>().unwrap_or(0.0);
+    let fields = stat_fields(pid);
+    let ticks = |i: usize| fields.get(i).copied().unwrap_or(0.0);
     (ticks(11) + ticks(12)) / 100.0
+}
+
+/// The fields of `/proc/PID/stat` after the command name (0: the state), each as a number (0
+/// where it is none); none once the process is gone.
+fn stat_fields(pid: u32) -> Vec<f64> {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return Vec::new();
+    };
+    // The command name is in parentheses and may hold spaces.
+    let Some(end) = stat.rfind(')') else {
+        return Vec::new();
+    };
+    stat[end + 1..]
+        .split_whitespace()
+        .map(|field| field.parse().unwrap_or(0.0))
+        .collect()
 }
 
 /// The control plane whose folder is `dir`: its etcd, kube-apiserver and
