@@ -178,6 +178,12 @@ pub struct RunArgs {
     #[arg(long, env = "CNAT_ACCESS_REVIEW_CACHE_TTL", default_value = "10s", value_parser = duration)]
     pub access_review_cache_ttl: Duration,
 
+    /// How long after its last use an answer is kept fresh in the background, so the user's
+    /// next apply within that time does not wait for a review (0s: only while applies keep
+    /// coming within the cache TTL).
+    #[arg(long, env = "CNAT_ACCESS_REVIEW_KEEP_WARM", default_value = "2m", value_parser = duration)]
+    pub access_review_keep_warm: Duration,
+
     /// The longest the guard waits for the API server's answer.
     #[arg(long, env = "CNAT_ACCESS_REVIEW_TIMEOUT", default_value = "2s", value_parser = duration)]
     pub access_review_timeout: Duration,
@@ -248,6 +254,7 @@ impl RunArgs {
             cache_ttl: self.access_review_cache_ttl,
             timeout: self.access_review_timeout,
             on_error: self.access_review_on_error,
+            keep_warm: self.access_review_keep_warm,
         })
     }
 

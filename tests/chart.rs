@@ -543,6 +543,10 @@ fn bad_values_are_rejected_by_the_schema() {
             "webhook.accessReview.onError=maybe",
             "/webhook/accessReview/onError",
         ),
+        (
+            "webhook.accessReview.keepWarm=2 minutes",
+            "/webhook/accessReview/keepWarm",
+        ),
         ("tracing.samplingRatio=2", "/tracing/samplingRatio"),
         ("tracing.samplingRatio=half", "/tracing/samplingRatio"),
         (
@@ -702,6 +706,7 @@ fn by_default_metrics_have_a_service_and_no_traces_are_exported() {
     assert_eq!(env["CNAT_STEP_DOWN_GRACE"], "200ms");
     assert_eq!(env["CNAT_ACCESS_REVIEW"], "true");
     assert_eq!(env["CNAT_ACCESS_REVIEW_ON_ERROR"], "deny");
+    assert_eq!(env["CNAT_ACCESS_REVIEW_KEEP_WARM"], "2m");
     // Dual-stack listeners, so IPv6-only clusters work.
     assert_eq!(env["CNAT_ADMIN_ADDR"], "[::]:8080");
     assert_eq!(env["CNAT_WEBHOOK_ADDR"], "[::]:8443");

@@ -13,13 +13,18 @@ use k8s_openapi::api::authorization::v1::{
 use kube::api::PostParams;
 use kube::{Api, Client};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
-use tokio::time::{timeout, Instant};
+use tokio::time::{timeout, Instant, MissedTickBehavior};
 
 /// Most cached answers; past this, expired ones are dropped, and new ones not cached while it
 /// stays full.
 const MAX_CACHED: usize = 10_000;
+
+/// Most answers refreshed in the background per quarter TTL (the oldest first), so many
+/// identities at once cannot flood the API server: past this, the rest expire and their next
+/// request asks.
+const MAX_REFRESHES: usize = 256;
 
 /// What to do when the API server gives no answer in time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -36,6 +41,9 @@ pub struct Settings {
     pub cache_ttl: Duration,
     pub timeout: Duration,
     pub on_error: OnError,
+    /// How long after its last use an answer is kept fresh in the background (zero: only
+    /// while requests keep coming).
+    pub keep_warm: Duration,
 }
 
 impl Default for Settings {
@@ -44,6 +52,7 @@ impl Default for Settings {
             cache_ttl: Duration::from_secs(10),
             timeout: Duration::from_secs(2),
             on_error: OnError::Deny,
+            keep_warm: Duration::from_secs(120),
         }
     }
 }
@@ -137,17 +146,49 @@ enum Reviewed {
 /// A review in flight, shared by every request that needs its answer.
 type Asking = Shared<BoxFuture<'static, Reviewed>>;
 
-/// Answers, each with when its question was sent, and the reviews in flight.
+/// A cached answer: when its question was sent, when a request last used it, and the question,
+/// to ask it again.
+struct Answer {
+    asked: Instant,
+    used: Instant,
+    reviewed: Reviewed,
+    question: SubjectAccessReview,
+}
+
+/// Answers and the reviews in flight.
 #[derive(Default)]
 struct Reviews {
-    answers: HashMap<Key, (Instant, Reviewed)>,
+    answers: HashMap<Key, Answer>,
     asking: HashMap<Key, Asking>,
+}
+
+/// What the background upkeep does with a cached answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Upkeep {
+    /// Leave it: younger than half the TTL, or not used lately but still valid.
+    Keep,
+    /// Ask again: past half its life (or expired) and used within `keep_warm`.
+    Refresh,
+    /// Forget it: expired and not used within `keep_warm`.
+    Drop,
+}
+
+/// The upkeep of an answer asked `age` ago and last used `idle` ago.
+pub fn upkeep(age: Duration, idle: Duration, settings: &Settings) -> Upkeep {
+    let warm = idle <= settings.keep_warm;
+    match (warm, age >= settings.cache_ttl) {
+        (false, true) => Upkeep::Drop,
+        (true, _) if age >= settings.cache_ttl / 2 => Upkeep::Refresh,
+        _ => Upkeep::Keep,
+    }
 }
 
 /// Asks the API server, with a short-lived cache. Concurrent requests with the same key share
 /// one review (single flight); an answer past half its life is refreshed in the background
-/// while it is still served, so after the first request per key, admissions that keep coming
-/// never wait on the API server. No answer is ever served older than `cache_ttl`.
+/// while it is still served, by the request that finds it so or, for answers used within
+/// `keep_warm`, by a background task every quarter TTL, so after the first request per key no
+/// admission waits on the API server while the key keeps being used at least every
+/// `keep_warm`. No answer is ever served older than `cache_ttl`.
 pub struct AccessReviewer {
     inner: Arc<Inner>,
 }
@@ -159,14 +200,19 @@ struct Inner {
 }
 
 impl AccessReviewer {
+    /// The reviewer, and (within a Tokio runtime) its background upkeep, which ends when the
+    /// reviewer is dropped.
     pub fn new(client: Client, settings: Settings) -> Self {
-        AccessReviewer {
-            inner: Arc::new(Inner {
-                api: Api::all(client),
-                settings,
-                reviews: Mutex::default(),
-            }),
+        let inner = Arc::new(Inner {
+            api: Api::all(client),
+            settings,
+            reviews: Mutex::default(),
+        });
+        let period = settings.cache_ttl / 4;
+        if !settings.keep_warm.is_zero() && !period.is_zero() {
+            tokio::spawn(keep_warm(Arc::downgrade(&inner), period));
         }
+        AccessReviewer { inner }
     }
 
     /// The verdict from a cached answer, without waiting: `None` when there is none (then
@@ -187,22 +233,18 @@ impl AccessReviewer {
             }
             match reviews.asking.get(&key) {
                 Some(asking) => asking.clone(),
-                None => {
-                    let asking = Inner::ask(&self.inner, key.clone(), user, namespace);
-                    reviews.asking.insert(key, asking.clone());
-                    // Driven to its end (at most the timeout) even if every request waiting
-                    // for it goes away, so it never lingers with an answer from long ago.
-                    tokio::spawn(asking.clone());
-                    asking
-                }
+                None => self
+                    .inner
+                    .start(&mut reviews.asking, key, review(user, namespace)),
             }
         };
         let answer = asking.await;
         self.verdict(user, namespace, answer)
     }
 
-    /// The cached answer for `key` if younger than the TTL; past half its life, a refresh is
-    /// started (one at a time).
+    /// The cached answer for `key` if younger than the TTL, marked used; past half its life, a
+    /// refresh is started (one at a time). An expired answer is marked used too, so the
+    /// background upkeep refreshes it while `check` asks.
     fn fresh(
         &self,
         reviews: &mut Reviews,
@@ -211,18 +253,20 @@ impl AccessReviewer {
         namespace: &str,
     ) -> Option<Reviewed> {
         let ttl = self.inner.settings.cache_ttl;
-        let (asked, answer) = reviews.answers.get(&key)?;
-        let age = Instant::now().duration_since(*asked);
+        let now = Instant::now();
+        let answer = reviews.answers.get_mut(&key)?;
+        answer.used = now;
+        let age = now.duration_since(answer.asked);
         if age >= ttl {
             return None;
         }
-        let answer = answer.clone();
+        let reviewed = answer.reviewed.clone();
         if age >= ttl / 2 && !reviews.asking.contains_key(&key) {
-            let refresh = Inner::ask(&self.inner, key.clone(), user, namespace);
-            reviews.asking.insert(key, refresh.clone());
-            tokio::spawn(refresh);
+            let _refresh = self
+                .inner
+                .start(&mut reviews.asking, key, review(user, namespace));
         }
-        Some(answer)
+        Some(reviewed)
     }
 
     fn verdict(&self, user: &UserInfo, namespace: &str, answer: Reviewed) -> Result<(), String> {
@@ -237,12 +281,67 @@ impl AccessReviewer {
     }
 }
 
+/// The background upkeep: every `period` (a quarter TTL), refreshes the answers used within
+/// `keep_warm` that are past half their life, and forgets the expired ones nobody used lately.
+/// Ends when the reviewer is gone.
+async fn keep_warm(inner: Weak<Inner>, period: Duration) {
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        inner.upkeep(Instant::now());
+    }
+}
+
 impl Inner {
+    /// One round of upkeep at `now` (see [`upkeep`]); at most [`MAX_REFRESHES`] refreshes, the
+    /// oldest answers first.
+    fn upkeep(self: &Arc<Self>, now: Instant) {
+        let mut reviews = self.lock();
+        let Reviews { answers, asking } = &mut *reviews;
+        let mut due = Vec::new();
+        answers.retain(|key, answer| {
+            let (age, idle) = (
+                now.duration_since(answer.asked),
+                now.duration_since(answer.used),
+            );
+            match upkeep(age, idle, &self.settings) {
+                Upkeep::Drop => false,
+                Upkeep::Refresh if !asking.contains_key(key) => {
+                    due.push((answer.asked, key.clone(), answer.question.clone()));
+                    true
+                }
+                Upkeep::Refresh | Upkeep::Keep => true,
+            }
+        });
+        due.sort_by_key(|(asked, ..)| *asked);
+        for (_, key, question) in due.into_iter().take(MAX_REFRESHES) {
+            let _refresh = self.start(asking, key, question);
+        }
+    }
+
+    /// Starts the review for `key` and records it as in flight. It is driven to its end (at
+    /// most the timeout) even if every request waiting for it goes away, so it never lingers
+    /// with an answer from long ago.
+    fn start(
+        self: &Arc<Self>,
+        asking: &mut HashMap<Key, Asking>,
+        key: Key,
+        question: SubjectAccessReview,
+    ) -> Asking {
+        let review = Inner::ask(self, key.clone(), question);
+        asking.insert(key, review.clone());
+        tokio::spawn(review.clone());
+        review
+    }
+
     /// The review for `key`, bounded in time; its answer goes into the cache (unless there was
     /// none) and it leaves the reviews in flight, whoever polls it to the end.
-    fn ask(inner: &Arc<Inner>, key: Key, user: &UserInfo, namespace: &str) -> Asking {
-        let (inner, question) = (inner.clone(), review(user, namespace));
-        let namespace = namespace.to_owned();
+    fn ask(inner: &Arc<Inner>, key: Key, question: SubjectAccessReview) -> Asking {
+        let inner = inner.clone();
         async move {
             let asked = Instant::now();
             let reviewed = match timeout(
@@ -270,15 +369,22 @@ impl Inner {
             reviews.asking.remove(&key);
             match &reviewed {
                 Reviewed::Unanswered(error) => {
+                    let namespace = &key.namespace;
                     tracing::warn!(namespace, error, on_error = ?inner.settings.on_error, "SubjectAccessReview failed");
                 }
                 answer => {
                     let (ttl, now) = (inner.settings.cache_ttl, Instant::now());
+                    if let Some(cached) = reviews.answers.get_mut(&key) {
+                        (cached.asked, cached.reviewed) = (asked, answer.clone());
+                        return reviewed;
+                    }
                     if reviews.answers.len() >= MAX_CACHED {
-                        reviews.answers.retain(|_, (at, _)| now.duration_since(*at) < ttl);
+                        reviews.answers.retain(|_, cached| now.duration_since(cached.asked) < ttl);
                     }
                     if reviews.answers.len() < MAX_CACHED {
-                        reviews.answers.insert(key, (asked, answer.clone()));
+                        let (used, reviewed) = (asked, answer.clone());
+                        let cached = Answer { asked, used, reviewed, question };
+                        reviews.answers.insert(key, cached);
                     }
                 }
             }

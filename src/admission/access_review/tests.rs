@@ -304,3 +304,146 @@ async fn a_cached_answer_is_given_without_waiting_and_refreshed_and_none_past_it
     drop(reviewer);
     assert_eq!(task.await.unwrap().len(), 2, "one review and one refresh");
 }
+
+/// An API server that answers every SubjectAccessReview at once, the `n`th (from 0) with
+/// `reply(n)`, until the client is gone; returns how many it answered.
+fn answering(reply: impl Fn(usize) -> Value + Send + 'static) -> (Client, JoinHandle<usize>) {
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let task = tokio::spawn(async move {
+        let mut answered = 0;
+        while let Some((_, respond)) = handle.next_request().await {
+            let body = serde_json::to_vec(&reply(answered)).unwrap();
+            respond.send_response(Response::builder().status(201).body(body.into()).unwrap());
+            answered += 1;
+        }
+        answered
+    });
+    (Client::new(service, "default"), task)
+}
+
+#[test]
+fn upkeep_refreshes_warm_answers_past_half_their_life_and_drops_cold_expired_ones() {
+    let settings = Settings::default(); // TTL 10 s, keep warm 120 s
+    let s = Duration::from_secs;
+    let cases = [
+        // (age, idle since last use) -> upkeep
+        ((s(0), s(0)), Upkeep::Keep),
+        ((Duration::from_millis(4999), s(0)), Upkeep::Keep),
+        ((s(5), s(5)), Upkeep::Refresh),
+        ((s(9), s(120)), Upkeep::Refresh),
+        ((s(30), s(30)), Upkeep::Refresh), // expired (a refresh failed), still in use
+        ((s(9), s(121)), Upkeep::Keep),    // cold, but valid for another second
+        ((s(10), s(121)), Upkeep::Drop),
+        ((s(600), s(600)), Upkeep::Drop),
+    ];
+    for ((age, idle), expected) in cases {
+        assert_eq!(
+            upkeep(age, idle, &settings),
+            expected,
+            "age {age:?}, idle {idle:?}"
+        );
+    }
+    let off = Settings {
+        keep_warm: Duration::ZERO,
+        ..settings
+    };
+    assert_eq!(upkeep(s(5), s(0), &off), Upkeep::Refresh, "just used");
+    assert_eq!(upkeep(s(5), s(1), &off), Upkeep::Keep);
+    assert_eq!(upkeep(s(10), s(1), &off), Upkeep::Drop);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_answer_used_lately_is_kept_fresh_so_the_next_apply_after_a_pause_does_not_wait() {
+    // The RoleBinding is removed after the fifth review.
+    let (client, task) = answering(|n| match n {
+        0..5 => fixture("subjectaccessreview-allowed.json"),
+        _ => fixture("subjectaccessreview-denied.json"),
+    });
+    let reviewer = AccessReviewer::new(client, Settings::default());
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    // Alice pauses for a minute, six TTLs.
+    tokio::time::sleep(Duration::from_secs(61)).await;
+    let started = Instant::now();
+    let denied = reviewer.cached(&alice(), "fx").expect("a fresh answer");
+    assert!(denied.unwrap_err().starts_with("alice may not create pods"));
+    let denied = reviewer.check(&alice(), "fx").await.unwrap_err();
+    assert!(denied.starts_with("alice may not create pods"), "{denied}");
+    assert_eq!(started.elapsed(), Duration::ZERO, "no wait");
+    drop(reviewer);
+    // Asked at 0 s, then refreshed every half TTL: 5 s, 10 s, ..., 60 s.
+    assert_eq!(task.await.unwrap(), 13);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_answer_not_used_within_keep_warm_stops_being_refreshed_and_is_forgotten() {
+    let (client, task) = answering(|_| fixture("subjectaccessreview-allowed.json"));
+    let settings = Settings {
+        keep_warm: Duration::from_secs(30),
+        ..Settings::default()
+    };
+    let reviewer = AccessReviewer::new(client, settings);
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    tokio::time::sleep(Duration::from_secs(300)).await;
+    assert!(reviewer.inner.lock().answers.is_empty(), "forgotten");
+    // Its next apply asks again (and is kept warm from then on).
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    drop(reviewer);
+    // Asked at 0 s; refreshed at 5, 10, ..., 30 s (last used at 0 s, warm until 30 s); the
+    // answer of 30 s expires at 40 s and is dropped; asked again at 300 s.
+    assert_eq!(task.await.unwrap(), 1 + 6 + 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_keep_warm_off_only_requests_refresh_answers() {
+    let (client, task) = answering(|_| fixture("subjectaccessreview-allowed.json"));
+    let settings = Settings {
+        keep_warm: Duration::ZERO,
+        ..Settings::default()
+    };
+    let reviewer = AccessReviewer::new(client, settings);
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    drop(reviewer);
+    assert_eq!(
+        task.await.unwrap(),
+        2,
+        "once at first, once after the pause"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_round_of_upkeep_starts_at_most_max_refreshes_the_oldest_answers_first() {
+    let (client, _task) = answering(|_| fixture("subjectaccessreview-allowed.json"));
+    let reviewer = AccessReviewer::new(client, Settings::default());
+    let now = Instant::now() + Duration::from_secs(100);
+    let users: Vec<UserInfo> = (0..MAX_REFRESHES + 44)
+        .map(|i| UserInfo {
+            username: Some(format!("user-{i}")),
+            ..UserInfo::default()
+        })
+        .collect();
+    {
+        let mut reviews = reviewer.inner.lock();
+        for (i, user) in users.iter().enumerate() {
+            // All past half their life and used just now; user-0 asked longest ago.
+            let asked = now - Duration::from_secs(9) + Duration::from_millis(i as u64);
+            let answer = Answer {
+                asked,
+                used: now,
+                reviewed: Reviewed::Allowed,
+                question: review(user, "fx"),
+            };
+            reviews.answers.insert(Key::new(user, "fx"), answer);
+        }
+    }
+    reviewer.inner.upkeep(now);
+    let reviews = reviewer.inner.lock();
+    assert_eq!(reviews.asking.len(), MAX_REFRESHES);
+    let refreshed = |i: usize| reviews.asking.contains_key(&Key::new(&users[i], "fx"));
+    assert!((0..MAX_REFRESHES).all(refreshed), "the oldest");
+    assert!(
+        !(MAX_REFRESHES..users.len()).any(refreshed),
+        "the newest wait"
+    );
+}
