@@ -274,9 +274,13 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
             {
                 warn!(%error, "warming up the admission rules failed; the first admission builds them");
             }
-            let reviewer = args
-                .access_review()
-                .map(|settings| Arc::new(AccessReviewer::new(client.clone(), settings)));
+            let reviewer = args.access_review().map(|settings| {
+                Arc::new(AccessReviewer::new(
+                    client.clone(),
+                    settings,
+                    metrics.clone(),
+                ))
+            });
             let shared = webhook::Shared {
                 metrics: metrics.clone(),
                 reviewer,

@@ -500,7 +500,9 @@ mod escalation_guard {
 
     async fn guarded(name: &str) -> (Server, ApiServer) {
         let api = ApiServer::new();
-        let reviewer = AccessReviewer::new(api.client(), access_review::Settings::default());
+        let metrics = Arc::new(Metrics::new(Default::default()));
+        let reviewer =
+            AccessReviewer::new(api.client(), access_review::Settings::default(), metrics);
         (server_with(name, Some(Arc::new(reviewer))).await, api)
     }
 

@@ -5,6 +5,7 @@
 //! denies, with a message naming the missing permission, when the answer is no or (by default)
 //! when no answer comes.
 
+use crate::observability::metrics::Metrics;
 use futures::future::{BoxFuture, FutureExt, Shared};
 use k8s_openapi::api::authentication::v1::UserInfo;
 use k8s_openapi::api::authorization::v1::{
@@ -21,10 +22,13 @@ use tokio::time::{timeout, Instant, MissedTickBehavior};
 /// stays full.
 const MAX_CACHED: usize = 10_000;
 
-/// Most answers refreshed in the background per quarter TTL (the oldest first), so many
-/// identities at once cannot flood the API server: past this, the rest expire and their next
-/// request asks.
-const MAX_REFRESHES: usize = 256;
+/// Most reviews the background upkeep starts per second, so many identities at once cannot
+/// flood the API server: past this, the answers tried longest ago go first and the rest wait for
+/// a later round.
+const MAX_REFRESHES_PER_SECOND: u32 = 100;
+
+/// The shortest time between two rounds of the upkeep, whatever the TTL.
+const MIN_PERIOD: Duration = Duration::from_millis(100);
 
 /// What to do when the API server gives no answer in time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -146,13 +150,23 @@ enum Reviewed {
 /// A review in flight, shared by every request that needs its answer.
 type Asking = Shared<BoxFuture<'static, Reviewed>>;
 
-/// A cached answer: when its question was sent, when a request last used it, and the question,
-/// to ask it again.
+/// A cached answer: when its question was sent, when a review for it was last started (a
+/// refresh may fail), when a request last used it, and the question, to ask it again.
 struct Answer {
     asked: Instant,
+    tried: Instant,
     used: Instant,
     reviewed: Reviewed,
     question: SubjectAccessReview,
+}
+
+/// Why a review was started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Trigger {
+    /// A request found no answer and waits for this one.
+    Request,
+    /// Ahead of expiry, while the answer is still served.
+    Refresh,
 }
 
 /// Answers and the reviews in flight.
@@ -162,33 +176,60 @@ struct Reviews {
     asking: HashMap<Key, Asking>,
 }
 
-/// What the background upkeep does with a cached answer.
+/// How often the background upkeep runs (a quarter TTL, at least [`MIN_PERIOD`]) and how many
+/// reviews one round may start (at most [`MAX_REFRESHES_PER_SECOND`] over a second).
+pub fn cadence(settings: &Settings) -> (Duration, usize) {
+    let period = (settings.cache_ttl / 4).max(MIN_PERIOD);
+    let budget = (period.as_secs_f64() * f64::from(MAX_REFRESHES_PER_SECOND)).ceil() as usize;
+    (period, budget.max(1))
+}
+
+/// Whether a background refresh that takes the whole timeout still arrives before the answer
+/// it replaces expires: it is started before the answer is `cache_ttl / 2 + period / 2` old.
+pub fn refreshes_in_time(settings: &Settings) -> bool {
+    let (period, _) = cadence(settings);
+    settings.cache_ttl / 2 + period / 2 + settings.timeout < settings.cache_ttl
+}
+
+/// How long ago an answer's question was sent, a review for it was last started, and a request
+/// last used it.
+#[derive(Debug, Clone, Copy)]
+pub struct Since {
+    pub asked: Duration,
+    pub tried: Duration,
+    pub used: Duration,
+}
+
+/// What a round of the background upkeep does with a cached answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Upkeep {
-    /// Leave it: younger than half the TTL, or not used lately but still valid.
+    /// Leave it: not due for a refresh, or not used lately but still valid.
     Keep,
-    /// Ask again: past half its life (or expired) and used within `keep_warm`.
+    /// Ask again: used within `keep_warm`, and its last review started about half a TTL ago
+    /// (to the nearest round, so a refresh comes every half TTL; a failed one is retried then).
     Refresh,
     /// Forget it: expired and not used within `keep_warm`.
     Drop,
 }
 
-/// The upkeep of an answer asked `age` ago and last used `idle` ago.
-pub fn upkeep(age: Duration, idle: Duration, settings: &Settings) -> Upkeep {
-    let warm = idle <= settings.keep_warm;
-    match (warm, age >= settings.cache_ttl) {
+/// The upkeep of an answer at one round (see [`Upkeep`]).
+pub fn upkeep(since: Since, settings: &Settings) -> Upkeep {
+    let (period, _) = cadence(settings);
+    let warm = since.used <= settings.keep_warm;
+    let due = since.tried + period / 2 >= settings.cache_ttl / 2;
+    match (warm, since.asked >= settings.cache_ttl) {
         (false, true) => Upkeep::Drop,
-        (true, _) if age >= settings.cache_ttl / 2 => Upkeep::Refresh,
+        (true, _) if due => Upkeep::Refresh,
         _ => Upkeep::Keep,
     }
 }
 
 /// Asks the API server, with a short-lived cache. Concurrent requests with the same key share
-/// one review (single flight); an answer past half its life is refreshed in the background
-/// while it is still served, by the request that finds it so or, for answers used within
-/// `keep_warm`, by a background task every quarter TTL, so after the first request per key no
-/// admission waits on the API server while the key keeps being used at least every
-/// `keep_warm`. No answer is ever served older than `cache_ttl`.
+/// one review (single flight); an answer past half its life is refreshed while it is still
+/// served, by the request that finds it so or, for answers used within `keep_warm`, by a
+/// background upkeep every quarter TTL, so after the first request per key no admission waits
+/// on the API server while the key is used at least every `keep_warm` (and refreshes arrive in
+/// time, see [`refreshes_in_time`]). No answer is ever served older than `cache_ttl`.
 pub struct AccessReviewer {
     inner: Arc<Inner>,
 }
@@ -196,22 +237,28 @@ pub struct AccessReviewer {
 struct Inner {
     api: Api<SubjectAccessReview>,
     settings: Settings,
+    metrics: Arc<Metrics>,
     reviews: Mutex<Reviews>,
 }
 
 impl AccessReviewer {
-    /// The reviewer, and (within a Tokio runtime) its background upkeep, which ends when the
-    /// reviewer is dropped.
-    pub fn new(client: Client, settings: Settings) -> Self {
+    /// The reviewer and its background upkeep, which ends at its first round after the reviewer
+    /// and its reviews in flight are gone. Must be called within a Tokio runtime.
+    pub fn new(client: Client, settings: Settings, metrics: Arc<Metrics>) -> Self {
+        if !settings.keep_warm.is_zero() && !refreshes_in_time(&settings) {
+            tracing::warn!(
+                cache_ttl = ?settings.cache_ttl,
+                timeout = ?settings.timeout,
+                "the access review timeout is over a quarter of its cache TTL: a slow background refresh can arrive after the answer expired, and an apply then waits for it"
+            );
+        }
         let inner = Arc::new(Inner {
             api: Api::all(client),
             settings,
+            metrics,
             reviews: Mutex::default(),
         });
-        let period = settings.cache_ttl / 4;
-        if !settings.keep_warm.is_zero() && !period.is_zero() {
-            tokio::spawn(keep_warm(Arc::downgrade(&inner), period));
-        }
+        tokio::spawn(keep_warm(Arc::downgrade(&inner)));
         AccessReviewer { inner }
     }
 
@@ -233,9 +280,11 @@ impl AccessReviewer {
             }
             match reviews.asking.get(&key) {
                 Some(asking) => asking.clone(),
-                None => self
-                    .inner
-                    .start(&mut reviews.asking, key, review(user, namespace)),
+                None => {
+                    let question = review(user, namespace);
+                    self.inner
+                        .start(&mut reviews, key, question, Trigger::Request)
+                }
             }
         };
         let answer = asking.await;
@@ -262,9 +311,8 @@ impl AccessReviewer {
         }
         let reviewed = answer.reviewed.clone();
         if age >= ttl / 2 && !reviews.asking.contains_key(&key) {
-            let _refresh = self
-                .inner
-                .start(&mut reviews.asking, key, review(user, namespace));
+            let question = review(user, namespace);
+            let _refresh = self.inner.start(reviews, key, question, Trigger::Refresh);
         }
         Some(reviewed)
     }
@@ -281,10 +329,12 @@ impl AccessReviewer {
     }
 }
 
-/// The background upkeep: every `period` (a quarter TTL), refreshes the answers used within
-/// `keep_warm` that are past half their life, and forgets the expired ones nobody used lately.
-/// Ends when the reviewer is gone.
-async fn keep_warm(inner: Weak<Inner>, period: Duration) {
+/// The background upkeep: a round every [`cadence`] period (see [`Inner::upkeep`]). Ends when
+/// the reviewer is gone.
+async fn keep_warm(inner: Weak<Inner>) {
+    let Some((period, _)) = inner.upgrade().map(|inner| cadence(&inner.settings)) else {
+        return;
+    };
     let mut ticks = tokio::time::interval(period);
     ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
@@ -297,50 +347,66 @@ async fn keep_warm(inner: Weak<Inner>, period: Duration) {
 }
 
 impl Inner {
-    /// One round of upkeep at `now` (see [`upkeep`]); at most [`MAX_REFRESHES`] refreshes, the
-    /// oldest answers first.
+    /// One round of upkeep at `now` (see [`upkeep`]): answers without a review in flight are
+    /// refreshed or forgotten; at most the [`cadence`] budget of refreshes, the answers tried
+    /// longest ago first.
     fn upkeep(self: &Arc<Self>, now: Instant) {
         let mut reviews = self.lock();
         let Reviews { answers, asking } = &mut *reviews;
         let mut due = Vec::new();
         answers.retain(|key, answer| {
-            let (age, idle) = (
-                now.duration_since(answer.asked),
-                now.duration_since(answer.used),
-            );
-            match upkeep(age, idle, &self.settings) {
+            if asking.contains_key(key) {
+                return true;
+            }
+            let since = Since {
+                asked: now.duration_since(answer.asked),
+                tried: now.duration_since(answer.tried),
+                used: now.duration_since(answer.used),
+            };
+            match upkeep(since, &self.settings) {
                 Upkeep::Drop => false,
-                Upkeep::Refresh if !asking.contains_key(key) => {
-                    due.push((answer.asked, key.clone(), answer.question.clone()));
+                Upkeep::Refresh => {
+                    due.push((answer.tried, key.clone(), answer.question.clone()));
                     true
                 }
-                Upkeep::Refresh | Upkeep::Keep => true,
+                Upkeep::Keep => true,
             }
         });
-        due.sort_by_key(|(asked, ..)| *asked);
-        for (_, key, question) in due.into_iter().take(MAX_REFRESHES) {
-            let _refresh = self.start(asking, key, question);
+        due.sort_by_key(|(tried, ..)| *tried);
+        let (_, budget) = cadence(&self.settings);
+        for (_, key, question) in due.into_iter().take(budget) {
+            let _refresh = self.start(&mut reviews, key, question, Trigger::Refresh);
         }
     }
 
-    /// Starts the review for `key` and records it as in flight. It is driven to its end (at
-    /// most the timeout) even if every request waiting for it goes away, so it never lingers
-    /// with an answer from long ago.
+    /// Starts the review for `key` and records it as in flight (and, on a cached answer, when
+    /// it was tried). It is driven to its end (at most the timeout) even if every request
+    /// waiting for it goes away, so it never lingers with an answer from long ago.
     fn start(
         self: &Arc<Self>,
-        asking: &mut HashMap<Key, Asking>,
+        reviews: &mut Reviews,
         key: Key,
         question: SubjectAccessReview,
+        trigger: Trigger,
     ) -> Asking {
-        let review = Inner::ask(self, key.clone(), question);
-        asking.insert(key, review.clone());
+        if let Some(answer) = reviews.answers.get_mut(&key) {
+            answer.tried = Instant::now();
+        }
+        let review = Inner::ask(self, key.clone(), question, trigger);
+        reviews.asking.insert(key, review.clone());
         tokio::spawn(review.clone());
         review
     }
 
-    /// The review for `key`, bounded in time; its answer goes into the cache (unless there was
-    /// none) and it leaves the reviews in flight, whoever polls it to the end.
-    fn ask(inner: &Arc<Inner>, key: Key, question: SubjectAccessReview) -> Asking {
+    /// The review for `key`, bounded in time; it leaves the reviews in flight and its answer
+    /// (unless there was none) goes into the cache, whoever polls it to the end. A refresh only
+    /// replaces an answer still cached: it never brings back one forgotten meanwhile.
+    fn ask(
+        inner: &Arc<Inner>,
+        key: Key,
+        question: SubjectAccessReview,
+        trigger: Trigger,
+    ) -> Asking {
         let inner = inner.clone();
         async move {
             let asked = Instant::now();
@@ -365,6 +431,18 @@ impl Inner {
                     inner.settings.timeout
                 )),
             };
+            let outcome = match &reviewed {
+                Reviewed::Allowed => "allowed",
+                Reviewed::Denied(_) => "denied",
+                Reviewed::Unanswered(_) => "unanswered",
+            };
+            let trigger_label = match trigger {
+                Trigger::Request => "request",
+                Trigger::Refresh => "refresh",
+            };
+            inner
+                .metrics
+                .access_reviewed(trigger_label, outcome, asked.elapsed());
             let mut reviews = inner.lock();
             reviews.asking.remove(&key);
             match &reviewed {
@@ -375,15 +453,26 @@ impl Inner {
                 answer => {
                     let (ttl, now) = (inner.settings.cache_ttl, Instant::now());
                     if let Some(cached) = reviews.answers.get_mut(&key) {
-                        (cached.asked, cached.reviewed) = (asked, answer.clone());
+                        if asked >= cached.asked {
+                            (cached.asked, cached.reviewed) = (asked, answer.clone());
+                        }
+                        return reviewed;
+                    }
+                    if trigger == Trigger::Refresh {
                         return reviewed;
                     }
                     if reviews.answers.len() >= MAX_CACHED {
                         reviews.answers.retain(|_, cached| now.duration_since(cached.asked) < ttl);
                     }
                     if reviews.answers.len() < MAX_CACHED {
-                        let (used, reviewed) = (asked, answer.clone());
-                        let cached = Answer { asked, used, reviewed, question };
+                        let (tried, used, reviewed) = (asked, asked, answer.clone());
+                        let cached = Answer {
+                            asked,
+                            tried,
+                            used,
+                            reviewed,
+                            question,
+                        };
                         reviews.answers.insert(key, cached);
                     }
                 }

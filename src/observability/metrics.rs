@@ -101,6 +101,14 @@ struct WebhookLabels {
     webhook: &'static str,
 }
 
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct AccessReviewLabels {
+    /// `request` (an admission found no answer and waited) or `refresh` (ahead of expiry).
+    trigger: &'static str,
+    /// `allowed`, `denied` or `unanswered` (an error, a timeout, an evaluation error).
+    outcome: &'static str,
+}
+
 /// Every metric cnat exports.
 #[derive(Debug)]
 pub struct Metrics {
@@ -109,6 +117,7 @@ pub struct Metrics {
     reconcile_duration: Histogram,
     admissions: Family<AdmissionLabels, Counter>,
     admission_duration: Family<WebhookLabels, Histogram, fn() -> Histogram>,
+    access_reviews: Family<AccessReviewLabels, Histogram, fn() -> Histogram>,
     conversions: Family<ConversionLabels, Counter>,
     lateness: Histogram,
     pods_refused: Family<RefusalLabels, Counter>,
@@ -132,6 +141,8 @@ impl Metrics {
         let admissions = Family::default();
         let admission_duration: Family<_, _, fn() -> Histogram> =
             Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.0001, 2.0, 14)));
+        let access_reviews: Family<_, _, fn() -> Histogram> =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.0005, 2.0, 14)));
         let conversions: Family<ConversionLabels, Counter> = Family::default();
         for result in ["success", "failure"] {
             drop(conversions.get_or_create(&ConversionLabels { result }));
@@ -168,6 +179,11 @@ impl Metrics {
             "cnat_admission_duration_seconds",
             "Time from receiving an AdmissionReview to answering it, by webhook",
             admission_duration.clone(),
+        );
+        registry.register(
+            "cnat_access_review_duration_seconds",
+            "SubjectAccessReviews the escalation guard sent and how long each took, by trigger (request: an admission found no cached answer and waited for it; refresh: ahead of expiry, nobody waited) and outcome (allowed, denied, unanswered)",
+            access_reviews.clone(),
         );
         registry.register(
             "cnat_conversion_reviews",
@@ -207,6 +223,7 @@ impl Metrics {
             reconcile_duration,
             admissions,
             admission_duration,
+            access_reviews,
             conversions,
             lateness,
             pods_refused,
@@ -248,6 +265,14 @@ impl Metrics {
         self.admissions.get_or_create(&labels).inc();
         self.admission_duration
             .get_or_create(&webhook)
+            .observe(took.as_secs_f64());
+    }
+
+    /// The escalation guard's SubjectAccessReview ended: why it was sent (`request` or
+    /// `refresh`), its `outcome` (`allowed`, `denied` or `unanswered`) and how long it took.
+    pub fn access_reviewed(&self, trigger: &'static str, outcome: &'static str, took: Duration) {
+        self.access_reviews
+            .get_or_create(&AccessReviewLabels { trigger, outcome })
             .observe(took.as_secs_f64());
     }
 

@@ -13,6 +13,18 @@ fn fixture(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
+/// The guard as it was before the background upkeep refreshed answers: only requests do.
+fn without_keep_warm() -> Settings {
+    Settings {
+        keep_warm: Duration::ZERO,
+        ..Settings::default()
+    }
+}
+
+fn metrics() -> Arc<Metrics> {
+    Arc::new(Metrics::new(Default::default()))
+}
+
 fn alice() -> UserInfo {
     UserInfo {
         username: Some("alice".into()),
@@ -23,7 +35,8 @@ fn alice() -> UserInfo {
 }
 
 /// A scripted API server: each SubjectAccessReview POST gets the next reply (`None`: never
-/// answered); returns the reviews it received.
+/// answered), and any past the script none; returns the reviews it received (once the
+/// reviewer and its reviews are gone).
 fn server(replies: Vec<Option<(u16, Value)>>) -> (Client, JoinHandle<Vec<Value>>) {
     let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let task = tokio::spawn(async move {
@@ -49,6 +62,11 @@ fn server(replies: Vec<Option<(u16, Value)>>) -> (Client, JoinHandle<Vec<Value>>
                 None => pending.push(respond),
             }
         }
+        // Past the script: recorded (so counts see them) and never answered.
+        while let Some((request, _respond)) = handle.next_request().await {
+            let body = request.into_body().collect().await.unwrap().to_bytes();
+            seen.push(serde_json::from_slice(&body).unwrap());
+        }
         seen
     });
     (Client::new(service, "default"), task)
@@ -60,7 +78,7 @@ async fn an_allowed_user_passes_and_the_review_carries_their_identity() {
         201,
         fixture("subjectaccessreview-allowed.json"),
     ))]);
-    let reviewer = AccessReviewer::new(client, Settings::default());
+    let reviewer = AccessReviewer::new(client, without_keep_warm(), metrics());
     assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
     drop(reviewer);
     let seen = task.await.unwrap();
@@ -80,7 +98,7 @@ async fn a_denied_user_gets_a_message_naming_the_permission_and_namespace() {
         201,
         fixture("subjectaccessreview-denied.json"),
     ))]);
-    let reviewer = AccessReviewer::new(client, Settings::default());
+    let reviewer = AccessReviewer::new(client, without_keep_warm(), metrics());
     let denied = reviewer.check(&alice(), "fx").await.unwrap_err();
     assert!(
         denied.starts_with("alice may not create pods in namespace fx, and an At runs a pod there"),
@@ -96,7 +114,7 @@ async fn answers_are_cached_briefly_per_user_groups_and_namespace() {
         Some((201, fixture("subjectaccessreview-allowed.json"))),
         Some((201, fixture("subjectaccessreview-allowed.json"))),
     ]);
-    let reviewer = AccessReviewer::new(client, Settings::default());
+    let reviewer = AccessReviewer::new(client, without_keep_warm(), metrics());
     // A burst of applies costs one review.
     for _ in 0..5 {
         assert!(reviewer.check(&alice(), "fx").await.is_err());
@@ -120,7 +138,7 @@ async fn a_review_that_fails_or_hangs_denies_by_default_and_is_not_cached() {
         None, // hangs
         Some((201, fixture("subjectaccessreview-allowed.json"))),
     ]);
-    let reviewer = AccessReviewer::new(client, Settings::default());
+    let reviewer = AccessReviewer::new(client, without_keep_warm(), metrics());
     let failed = reviewer.check(&alice(), "fx").await.unwrap_err();
     assert!(
         failed.starts_with("cnat could not check whether you may create pods in namespace fx"),
@@ -146,7 +164,7 @@ async fn with_on_error_allow_a_failed_review_lets_the_at_through() {
         on_error: OnError::Allow,
         ..Settings::default()
     };
-    let reviewer = AccessReviewer::new(client, settings);
+    let reviewer = AccessReviewer::new(client, settings, metrics());
     assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
 }
 
@@ -157,7 +175,7 @@ async fn the_cache_key_is_everything_the_review_sends() {
         Some((201, fixture("subjectaccessreview-allowed.json"))),
         Some((201, fixture("subjectaccessreview-allowed.json"))),
     ]);
-    let reviewer = AccessReviewer::new(client, Settings::default());
+    let reviewer = AccessReviewer::new(client, without_keep_warm(), metrics());
     assert!(reviewer.check(&alice(), "fx").await.is_err());
     // Same name and groups, another uid (a recreated user): asked again, not the cached "no".
     let mut other_uid = alice();
@@ -183,7 +201,7 @@ async fn a_no_with_an_evaluation_error_is_no_answer_and_is_not_cached() {
         Some((201, undecided)),
         Some((201, fixture("subjectaccessreview-allowed.json"))),
     ]);
-    let reviewer = AccessReviewer::new(client, Settings::default());
+    let reviewer = AccessReviewer::new(client, without_keep_warm(), metrics());
     let failed = reviewer.check(&alice(), "fx").await.unwrap_err();
     assert!(
         failed.starts_with("cnat could not check whether you may create pods in namespace fx"),
@@ -204,7 +222,7 @@ async fn concurrent_requests_of_one_user_share_one_review() {
         Some((201, fixture("subjectaccessreview-allowed.json"))),
         Some((201, fixture("subjectaccessreview-denied.json"))),
     ]);
-    let reviewer = AccessReviewer::new(client, Settings::default());
+    let reviewer = AccessReviewer::new(client, without_keep_warm(), metrics());
     // A cold start: 16 applies by alice arrive at once, and one by bob.
     let alice = alice();
     let mut bob = alice.clone();
@@ -231,7 +249,7 @@ async fn an_answer_in_use_is_refreshed_before_it_expires_and_no_request_waits_fo
         None, // the next refresh never gets an answer
     ]);
     let ttl = Settings::default().cache_ttl;
-    let reviewer = AccessReviewer::new(client, Settings::default());
+    let reviewer = AccessReviewer::new(client, without_keep_warm(), metrics());
     assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
     // Past half its life: served at once, and refreshed behind the scenes.
     tokio::time::advance(ttl / 2).await;
@@ -257,7 +275,7 @@ async fn a_review_whose_requests_went_away_still_ends_and_never_answers_a_later_
         Some((201, fixture("subjectaccessreview-allowed.json"))),
         Some((201, fixture("subjectaccessreview-denied.json"))),
     ]);
-    let reviewer = AccessReviewer::new(client, Settings::default());
+    let reviewer = AccessReviewer::new(client, without_keep_warm(), metrics());
     // The only request waiting for the first review goes away (kubectl interrupted).
     let gone = tokio::time::timeout(Duration::ZERO, reviewer.check(&alice(), "fx")).await;
     assert!(gone.is_err(), "it was still waiting");
@@ -280,7 +298,7 @@ async fn a_cached_answer_is_given_without_waiting_and_refreshed_and_none_past_it
         Some((201, fixture("subjectaccessreview-denied.json"))),
     ]);
     let ttl = Settings::default().cache_ttl;
-    let reviewer = AccessReviewer::new(client, Settings::default());
+    let reviewer = AccessReviewer::new(client, without_keep_warm(), metrics());
     assert_eq!(reviewer.cached(&alice(), "fx"), None, "nothing asked yet");
     assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
     assert_eq!(reviewer.cached(&alice(), "fx"), Some(Ok(())));
@@ -305,105 +323,191 @@ async fn a_cached_answer_is_given_without_waiting_and_refreshed_and_none_past_it
     assert_eq!(task.await.unwrap().len(), 2, "one review and one refresh");
 }
 
-/// An API server that answers every SubjectAccessReview at once, the `n`th (from 0) with
-/// `reply(n)`, until the client is gone; returns how many it answered.
-fn answering(reply: impl Fn(usize) -> Value + Send + 'static) -> (Client, JoinHandle<usize>) {
+/// How long the API server of [`answering`] takes to answer.
+const LATENCY: Duration = Duration::from_millis(100);
+
+/// An API server that answers every SubjectAccessReview after [`LATENCY`], the `n`th (from 0)
+/// with `reply(n)` (status code and body), until the client is gone; returns how many it got.
+fn answering(
+    reply: impl Fn(usize) -> (u16, Value) + Send + 'static,
+) -> (Client, JoinHandle<usize>) {
     let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let task = tokio::spawn(async move {
-        let mut answered = 0;
+        let mut received = 0;
         while let Some((_, respond)) = handle.next_request().await {
-            let body = serde_json::to_vec(&reply(answered)).unwrap();
-            respond.send_response(Response::builder().status(201).body(body.into()).unwrap());
-            answered += 1;
+            let (code, body) = reply(received);
+            let body = serde_json::to_vec(&body).unwrap();
+            let response = Response::builder().status(code).body(body.into()).unwrap();
+            tokio::spawn(async move {
+                tokio::time::sleep(LATENCY).await;
+                respond.send_response(response);
+            });
+            received += 1;
         }
-        answered
+        received
     });
     (Client::new(service, "default"), task)
 }
 
+fn allowed() -> (u16, Value) {
+    (201, fixture("subjectaccessreview-allowed.json"))
+}
+
+fn denied() -> (u16, Value) {
+    (201, fixture("subjectaccessreview-denied.json"))
+}
+
+fn failing() -> (u16, Value) {
+    (500, fixture("status-500-webhook-unreachable-create.json"))
+}
+
+/// How many reviews `metrics` counted with this trigger and outcome.
+fn counted(metrics: &Metrics, trigger: &str, outcome: &str) -> u64 {
+    let labels = format!("{{trigger=\"{trigger}\",outcome=\"{outcome}\"}}");
+    let line = format!("cnat_access_review_duration_seconds_count{labels} ");
+    let text = metrics.encode();
+    text.lines()
+        .find_map(|l| l.strip_prefix(line.as_str()))
+        .map_or(0, |count| count.trim().parse().unwrap())
+}
+
 #[test]
-fn upkeep_refreshes_warm_answers_past_half_their_life_and_drops_cold_expired_ones() {
-    let settings = Settings::default(); // TTL 10 s, keep warm 120 s
-    let s = Duration::from_secs;
-    let cases = [
-        // (age, idle since last use) -> upkeep
-        ((s(0), s(0)), Upkeep::Keep),
-        ((Duration::from_millis(4999), s(0)), Upkeep::Keep),
-        ((s(5), s(5)), Upkeep::Refresh),
-        ((s(9), s(120)), Upkeep::Refresh),
-        ((s(30), s(30)), Upkeep::Refresh), // expired (a refresh failed), still in use
-        ((s(9), s(121)), Upkeep::Keep),    // cold, but valid for another second
-        ((s(10), s(121)), Upkeep::Drop),
-        ((s(600), s(600)), Upkeep::Drop),
-    ];
-    for ((age, idle), expected) in cases {
-        assert_eq!(
-            upkeep(age, idle, &settings),
-            expected,
-            "age {age:?}, idle {idle:?}"
-        );
-    }
-    let off = Settings {
-        keep_warm: Duration::ZERO,
-        ..settings
+fn the_upkeep_runs_every_quarter_ttl_and_starts_at_most_100_reviews_a_second() {
+    let with_ttl = |ms| Settings {
+        cache_ttl: Duration::from_millis(ms),
+        ..Settings::default()
     };
-    assert_eq!(upkeep(s(5), s(0), &off), Upkeep::Refresh, "just used");
-    assert_eq!(upkeep(s(5), s(1), &off), Upkeep::Keep);
-    assert_eq!(upkeep(s(10), s(1), &off), Upkeep::Drop);
+    let ms = Duration::from_millis;
+    assert_eq!(cadence(&Settings::default()), (ms(2500), 250));
+    assert_eq!(cadence(&with_ttl(1000)), (ms(250), 25));
+    assert_eq!(cadence(&with_ttl(100)), (ms(100), 10), "at least 100 ms");
+    assert_eq!(cadence(&with_ttl(0)), (ms(100), 10));
+    // A refresh starts before the answer is 5 s + 1.25 s old; with the 2 s timeout it is in
+    // time, with 4 s it may not be.
+    assert!(refreshes_in_time(&Settings::default()));
+    let slow = Settings {
+        timeout: Duration::from_secs(4),
+        ..Settings::default()
+    };
+    assert!(!refreshes_in_time(&slow));
+    assert!(!refreshes_in_time(&with_ttl(2000)), "2 s timeout, 2 s TTL");
+}
+
+#[test]
+fn upkeep_refreshes_answers_used_lately_every_half_ttl_and_forgets_expired_cold_ones() {
+    let settings = Settings::default(); // TTL 10 s, rounds every 2.5 s, keep warm 120 s
+    let ms = Duration::from_millis;
+    let since = |asked, tried, used| Since {
+        asked: ms(asked),
+        tried: ms(tried),
+        used: ms(used),
+    };
+    let cases = [
+        (since(0, 0, 0), Upkeep::Keep),
+        // Due at the round nearest half its life: 3.75 s + half a round.
+        (since(3749, 3749, 0), Upkeep::Keep),
+        (since(3750, 3750, 0), Upkeep::Refresh),
+        (since(9000, 9000, 120_000), Upkeep::Refresh),
+        // Expired (refreshes failed), still in use: retried half a TTL after the last try.
+        (since(30_000, 2500, 30_000), Upkeep::Keep),
+        (since(30_000, 5000, 30_000), Upkeep::Refresh),
+        // Not used lately: served until it expires, then forgotten.
+        (since(9000, 9000, 120_001), Upkeep::Keep),
+        (since(10_000, 10_000, 120_001), Upkeep::Drop),
+        (since(600_000, 1000, 600_000), Upkeep::Drop),
+    ];
+    for (since, expected) in cases {
+        assert_eq!(upkeep(since, &settings), expected, "{since:?}");
+    }
+    let off = without_keep_warm();
+    assert_eq!(upkeep(since(9000, 9000, 1), &off), Upkeep::Keep);
+    assert_eq!(upkeep(since(10_000, 10_000, 1), &off), Upkeep::Drop);
 }
 
 #[tokio::test(start_paused = true)]
 async fn an_answer_used_lately_is_kept_fresh_so_the_next_apply_after_a_pause_does_not_wait() {
     // The RoleBinding is removed after the fifth review.
-    let (client, task) = answering(|n| match n {
-        0..5 => fixture("subjectaccessreview-allowed.json"),
-        _ => fixture("subjectaccessreview-denied.json"),
-    });
-    let reviewer = AccessReviewer::new(client, Settings::default());
+    let (client, task) = answering(|n| if n < 5 { allowed() } else { denied() });
+    let metrics = metrics();
+    let reviewer = AccessReviewer::new(client, Settings::default(), metrics.clone());
+    let started = Instant::now();
     assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    assert_eq!(started.elapsed(), LATENCY, "the first apply waits");
     // Alice pauses for a minute, six TTLs.
     tokio::time::sleep(Duration::from_secs(61)).await;
     let started = Instant::now();
-    let denied = reviewer.cached(&alice(), "fx").expect("a fresh answer");
-    assert!(denied.unwrap_err().starts_with("alice may not create pods"));
     let denied = reviewer.check(&alice(), "fx").await.unwrap_err();
     assert!(denied.starts_with("alice may not create pods"), "{denied}");
-    assert_eq!(started.elapsed(), Duration::ZERO, "no wait");
-    drop(reviewer);
+    assert_eq!(
+        started.elapsed(),
+        Duration::ZERO,
+        "no wait, and the answer is current"
+    );
     // Asked at 0 s, then refreshed every half TTL: 5 s, 10 s, ..., 60 s.
+    assert_eq!(counted(&metrics, "request", "allowed"), 1);
+    assert_eq!(counted(&metrics, "refresh", "allowed"), 4);
+    assert_eq!(counted(&metrics, "refresh", "denied"), 8);
+    drop(reviewer);
     assert_eq!(task.await.unwrap(), 13);
 }
 
 #[tokio::test(start_paused = true)]
 async fn an_answer_not_used_within_keep_warm_stops_being_refreshed_and_is_forgotten() {
-    let (client, task) = answering(|_| fixture("subjectaccessreview-allowed.json"));
+    let (client, task) = answering(|_| allowed());
     let settings = Settings {
         keep_warm: Duration::from_secs(30),
         ..Settings::default()
     };
-    let reviewer = AccessReviewer::new(client, settings);
+    let metrics = metrics();
+    let reviewer = AccessReviewer::new(client, settings, metrics.clone());
     assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
     tokio::time::sleep(Duration::from_secs(300)).await;
     assert!(reviewer.inner.lock().answers.is_empty(), "forgotten");
-    // Its next apply asks again (and is kept warm from then on).
+    // Refreshed at 5, 10, ..., 30 s (used at 0 s, warm until 30 s); the answer of 30 s
+    // expired at 40 s and was dropped.
+    assert_eq!(counted(&metrics, "refresh", "allowed"), 6);
+    // The next apply waits for a review (and is kept warm from then on).
+    let started = Instant::now();
     assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    assert_eq!(started.elapsed(), LATENCY);
+    assert_eq!(counted(&metrics, "request", "allowed"), 2);
     drop(reviewer);
-    // Asked at 0 s; refreshed at 5, 10, ..., 30 s (last used at 0 s, warm until 30 s); the
-    // answer of 30 s expires at 40 s and is dropped; asked again at 300 s.
     assert_eq!(task.await.unwrap(), 1 + 6 + 1);
 }
 
 #[tokio::test(start_paused = true)]
-async fn with_keep_warm_off_only_requests_refresh_answers() {
-    let (client, task) = answering(|_| fixture("subjectaccessreview-allowed.json"));
-    let settings = Settings {
-        keep_warm: Duration::ZERO,
-        ..Settings::default()
-    };
-    let reviewer = AccessReviewer::new(client, settings);
+async fn a_failed_refresh_is_retried_half_a_ttl_later_and_an_expired_answer_is_never_served() {
+    // The API server fails after the first review.
+    let (client, task) = answering(|n| if n == 0 { allowed() } else { failing() });
+    let metrics = metrics();
+    let reviewer = AccessReviewer::new(client, Settings::default(), metrics.clone());
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    // Refreshes at 5 s and 10 s fail; the answer of 0 s expires at 10 s.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(reviewer.cached(&alice(), "fx"), None, "expired");
+    let started = Instant::now();
+    let failed = reviewer.check(&alice(), "fx").await.unwrap_err();
+    assert!(failed.starts_with("cnat could not check"), "{failed}");
+    assert_eq!(started.elapsed(), LATENCY, "it asked, and waited");
+    // Retried half a TTL after the last try (12 s): at 17.5 s, not at every round.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert_eq!(counted(&metrics, "request", "allowed"), 1);
+    assert_eq!(counted(&metrics, "request", "unanswered"), 1);
+    assert_eq!(counted(&metrics, "refresh", "unanswered"), 3);
+    drop(reviewer);
+    assert_eq!(task.await.unwrap(), 5);
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_keep_warm_off_only_requests_refresh_answers_and_expired_ones_are_forgotten() {
+    let (client, task) = answering(|_| allowed());
+    let reviewer = AccessReviewer::new(client, without_keep_warm(), metrics());
     assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
     tokio::time::sleep(Duration::from_secs(60)).await;
+    assert!(reviewer.inner.lock().answers.is_empty(), "forgotten");
+    let started = Instant::now();
     assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    assert_eq!(started.elapsed(), LATENCY, "asked again");
     drop(reviewer);
     assert_eq!(
         task.await.unwrap(),
@@ -413,11 +517,35 @@ async fn with_keep_warm_off_only_requests_refresh_answers() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn one_round_of_upkeep_starts_at_most_max_refreshes_the_oldest_answers_first() {
-    let (client, _task) = answering(|_| fixture("subjectaccessreview-allowed.json"));
-    let reviewer = AccessReviewer::new(client, Settings::default());
+async fn a_refresh_never_brings_back_an_answer_forgotten_meanwhile() {
+    let (client, _task) = answering(|_| allowed());
+    let reviewer = AccessReviewer::new(client, without_keep_warm(), metrics());
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    let key = Key::new(&alice(), "fx");
+    let refresh = {
+        let mut reviews = reviewer.inner.lock();
+        let refresh = reviewer.inner.start(
+            &mut reviews,
+            key.clone(),
+            review(&alice(), "fx"),
+            Trigger::Refresh,
+        );
+        // Forgotten while the refresh is in flight (e.g. the cache was full).
+        reviews.answers.remove(&key);
+        refresh
+    };
+    assert!(matches!(refresh.await, Reviewed::Allowed));
+    let reviews = reviewer.inner.lock();
+    assert!(reviews.answers.is_empty() && reviews.asking.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_round_of_upkeep_starts_at_most_its_budget_the_answers_tried_longest_ago_first() {
+    let (client, _task) = answering(|_| allowed());
+    let reviewer = AccessReviewer::new(client, Settings::default(), metrics());
+    let (_, budget) = cadence(&Settings::default());
     let now = Instant::now() + Duration::from_secs(100);
-    let users: Vec<UserInfo> = (0..MAX_REFRESHES + 44)
+    let users: Vec<UserInfo> = (0..budget + 44)
         .map(|i| UserInfo {
             username: Some(format!("user-{i}")),
             ..UserInfo::default()
@@ -426,10 +554,11 @@ async fn one_round_of_upkeep_starts_at_most_max_refreshes_the_oldest_answers_fir
     {
         let mut reviews = reviewer.inner.lock();
         for (i, user) in users.iter().enumerate() {
-            // All past half their life and used just now; user-0 asked longest ago.
-            let asked = now - Duration::from_secs(9) + Duration::from_millis(i as u64);
+            // All due and used just now; user-0 tried longest ago, and asked most recently.
+            let tried = now - Duration::from_secs(9) + Duration::from_millis(i as u64);
             let answer = Answer {
-                asked,
+                asked: now - Duration::from_millis(i as u64),
+                tried,
                 used: now,
                 reviewed: Reviewed::Allowed,
                 question: review(user, "fx"),
@@ -439,11 +568,8 @@ async fn one_round_of_upkeep_starts_at_most_max_refreshes_the_oldest_answers_fir
     }
     reviewer.inner.upkeep(now);
     let reviews = reviewer.inner.lock();
-    assert_eq!(reviews.asking.len(), MAX_REFRESHES);
+    assert_eq!(reviews.asking.len(), budget);
     let refreshed = |i: usize| reviews.asking.contains_key(&Key::new(&users[i], "fx"));
-    assert!((0..MAX_REFRESHES).all(refreshed), "the oldest");
-    assert!(
-        !(MAX_REFRESHES..users.len()).any(refreshed),
-        "the newest wait"
-    );
+    assert!((0..budget).all(refreshed), "tried longest ago");
+    assert!(!(budget..users.len()).any(refreshed), "the rest wait");
 }
