@@ -501,8 +501,12 @@ mod escalation_guard {
     async fn guarded(name: &str) -> (Server, ApiServer) {
         let api = ApiServer::new();
         let metrics = Arc::new(Metrics::new(Default::default()));
-        let reviewer =
-            AccessReviewer::new(api.client(), access_review::Settings::default(), metrics);
+        // Without background refreshes, so the counts of reviews below are exact.
+        let settings = access_review::Settings {
+            keep_warm: std::time::Duration::ZERO,
+            ..access_review::Settings::default()
+        };
+        let reviewer = AccessReviewer::new(api.client(), settings, metrics);
         (server_with(name, Some(Arc::new(reviewer))).await, api)
     }
 

@@ -16,33 +16,75 @@ pub fn major_faults(pid: u32) -> u64 {
     stat_fields(pid).get(9).map_or(0, |&faults| faults as u64)
 }
 
-/// Seconds CPU `cpu` has spent busy (anything but idle and I/O wait), from `/proc/stat`.
-pub fn cpu_busy_seconds(cpu: &str) -> f64 {
+/// The time columns of CPU `cpu`'s line in `/proc/stat`, in seconds (user nice system idle
+/// iowait irq softirq steal ...); none when there is no such CPU.
+fn cpu_columns(cpu: &str) -> Vec<f64> {
     let stat = std::fs::read_to_string("/proc/stat").unwrap();
     let name = format!("cpu{cpu}");
     let Some(line) = stat
         .lines()
         .find(|l| l.split_whitespace().next() == Some(name.as_str()))
     else {
-        return f64::NAN;
+        return Vec::new();
     };
-    // user nice system idle iowait irq softirq steal ...
-    let ticks: Vec<f64> = line
-        .split_whitespace()
+    line.split_whitespace()
         .skip(1)
-        .map(|t| t.parse().unwrap_or(0.0))
-        .collect();
-    let busy: f64 = [0, 1, 2, 5, 6, 7]
-        .iter()
-        .map(|&i| ticks.get(i).copied().unwrap_or(0.0))
-        .sum();
-    busy / 100.0
+        .map(|t| t.parse().unwrap_or(0.0) / 100.0)
+        .collect()
+}
+
+/// What CPU `cpu` has spent, in seconds, from `/proc/stat`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuTime {
+    /// Anything but idle and I/O wait.
+    pub busy: f64,
+    /// Taken by the hypervisor: the virtual CPU did not run.
+    pub steal: f64,
+}
+
+impl CpuTime {
+    pub fn of(cpu: &str) -> CpuTime {
+        let columns = cpu_columns(cpu);
+        let column = |i: usize| columns.get(i).copied().unwrap_or(f64::NAN);
+        CpuTime {
+            busy: [0, 1, 2, 5, 6, 7].map(column).iter().sum(),
+            steal: column(7),
+        }
+    }
+
+    pub fn since(self, before: CpuTime) -> CpuTime {
+        CpuTime {
+            busy: self.busy - before.busy,
+            steal: self.steal - before.steal,
+        }
+    }
+}
+
+/// Every process's name and CPU seconds (user plus system, all its threads) so far, by pid.
+pub fn process_cpu_seconds() -> std::collections::HashMap<u32, (String, f64)> {
+    let mut found = std::collections::HashMap::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        if let Some((name, fields)) = parse_stat(&stat) {
+            found.insert(pid, (name.to_owned(), seconds(&fields)));
+        }
+    }
+    found
 }
 
 /// User plus system CPU seconds process `pid` has used, from `/proc/PID/stat` (0 once it is
 /// gone).
 pub fn cpu_seconds(pid: u32) -> f64 {
-    let fields = stat_fields(pid);
+    seconds(&stat_fields(pid))
+}
+
+/// User plus system seconds from the fields of a `/proc/PID/stat`.
+fn seconds(fields: &[f64]) -> f64 {
     let ticks = |i: usize| fields.get(i).copied().unwrap_or(0.0);
     (ticks(11) + ticks(12)) / 100.0
 }
@@ -50,17 +92,21 @@ pub fn cpu_seconds(pid: u32) -> f64 {
 /// The fields of `/proc/PID/stat` after the command name (0: the state), each as a number (0
 /// where it is none); none once the process is gone.
 fn stat_fields(pid: u32) -> Vec<f64> {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return Vec::new();
-    };
-    // The command name is in parentheses and may hold spaces.
-    let Some(end) = stat.rfind(')') else {
-        return Vec::new();
-    };
-    stat[end + 1..]
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| Some(parse_stat(&stat)?.1))
+        .unwrap_or_default()
+}
+
+/// A `/proc/PID/stat`'s command name (in parentheses, it may hold spaces) and the fields after
+/// it.
+fn parse_stat(stat: &str) -> Option<(&str, Vec<f64>)> {
+    let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+    let fields = stat[close + 1..]
         .split_whitespace()
         .map(|field| field.parse().unwrap_or(0.0))
-        .collect()
+        .collect();
+    Some((&stat[open + 1..close], fields))
 }
 
 /// The control plane whose folder is `dir`: its etcd, kube-apiserver and

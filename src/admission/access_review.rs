@@ -22,9 +22,9 @@ use tokio::time::{timeout, Instant, MissedTickBehavior};
 /// stays full.
 const MAX_CACHED: usize = 10_000;
 
-/// Most reviews the background upkeep starts per second, so many identities at once cannot
-/// flood the API server: past this, the answers tried longest ago go first and the rest wait for
-/// a later round.
+/// Most reviews the background upkeep starts per second, on average (a round starts this many
+/// times its period in seconds), so many identities at once cannot flood the API server: past
+/// this, the answers tried longest ago go first and the rest wait for a later round.
 const MAX_REFRESHES_PER_SECOND: u32 = 100;
 
 /// The shortest time between two rounds of the upkeep, whatever the TTL.
@@ -165,7 +165,8 @@ struct Answer {
 enum Trigger {
     /// A request found no answer and waits for this one.
     Request,
-    /// Ahead of expiry, while the answer is still served.
+    /// A refresh of a cached answer, ahead of its expiry or as a retry; a request that finds
+    /// the answer expired waits for it too.
     Refresh,
 }
 
@@ -185,7 +186,8 @@ pub fn cadence(settings: &Settings) -> (Duration, usize) {
 }
 
 /// Whether a background refresh that takes the whole timeout still arrives before the answer
-/// it replaces expires: it is started before the answer is `cache_ttl / 2 + period / 2` old.
+/// it replaces expires: it is started before the answer is `cache_ttl / 2 + period / 2` old, so
+/// the timeout must be under 3/8 of the TTL (3.75 s of 10 s).
 pub fn refreshes_in_time(settings: &Settings) -> bool {
     let (period, _) = cadence(settings);
     settings.cache_ttl / 2 + period / 2 + settings.timeout < settings.cache_ttl
@@ -215,13 +217,23 @@ pub enum Upkeep {
 /// The upkeep of an answer at one round (see [`Upkeep`]).
 pub fn upkeep(since: Since, settings: &Settings) -> Upkeep {
     let (period, _) = cadence(settings);
-    let warm = since.used <= settings.keep_warm;
-    let due = since.tried + period / 2 >= settings.cache_ttl / 2;
-    match (warm, since.asked >= settings.cache_ttl) {
-        (false, true) => Upkeep::Drop,
-        (true, _) if due => Upkeep::Refresh,
-        _ => Upkeep::Keep,
+    let used_lately = since.used <= settings.keep_warm;
+    // Off, or pointless when the rounds are too far apart to refresh before expiry.
+    let keeps_warm = !settings.keep_warm.is_zero() && period <= settings.cache_ttl / 2;
+    if since.asked >= settings.cache_ttl && !used_lately {
+        Upkeep::Drop
+    } else if keeps_warm && used_lately && retry_due(since.tried, settings) {
+        Upkeep::Refresh
+    } else {
+        Upkeep::Keep
     }
+}
+
+/// Whether a review for an answer may start again, its last one started `tried` ago: about
+/// half a TTL later (to the nearest round of the upkeep), also when that one failed.
+fn retry_due(tried: Duration, settings: &Settings) -> bool {
+    let (period, _) = cadence(settings);
+    tried + period / 2 >= settings.cache_ttl / 2
 }
 
 /// Asks the API server, with a short-lived cache. Concurrent requests with the same key share
@@ -249,7 +261,7 @@ impl AccessReviewer {
             tracing::warn!(
                 cache_ttl = ?settings.cache_ttl,
                 timeout = ?settings.timeout,
-                "the access review timeout is over a quarter of its cache TTL: a slow background refresh can arrive after the answer expired, and an apply then waits for it"
+                "the access review timeout is not under 3/8 of its cache TTL (3.75 s of 10 s): a background refresh that takes the whole timeout arrives after the answer expired, and an apply then waits for it"
             );
         }
         let inner = Arc::new(Inner {
@@ -292,8 +304,8 @@ impl AccessReviewer {
     }
 
     /// The cached answer for `key` if younger than the TTL, marked used; past half its life, a
-    /// refresh is started (one at a time). An expired answer is marked used too, so the
-    /// background upkeep refreshes it while `check` asks.
+    /// refresh is started (one at a time, half a TTL after the last one started). An expired
+    /// answer is marked used too: it stays warm (and is not forgotten) while `check` asks.
     fn fresh(
         &self,
         reviews: &mut Reviews,
@@ -310,7 +322,8 @@ impl AccessReviewer {
             return None;
         }
         let reviewed = answer.reviewed.clone();
-        if age >= ttl / 2 && !reviews.asking.contains_key(&key) {
+        let retry = retry_due(now.duration_since(answer.tried), &self.inner.settings);
+        if age >= ttl / 2 && retry && !reviews.asking.contains_key(&key) {
             let question = review(user, namespace);
             let _refresh = self.inner.start(reviews, key, question, Trigger::Refresh);
         }
@@ -366,7 +379,7 @@ impl Inner {
             match upkeep(since, &self.settings) {
                 Upkeep::Drop => false,
                 Upkeep::Refresh => {
-                    due.push((answer.tried, key.clone(), answer.question.clone()));
+                    due.push((answer.tried, key.clone()));
                     true
                 }
                 Upkeep::Keep => true,
@@ -374,7 +387,11 @@ impl Inner {
         });
         due.sort_by_key(|(tried, ..)| *tried);
         let (_, budget) = cadence(&self.settings);
-        for (_, key, question) in due.into_iter().take(budget) {
+        for (_, key) in due.into_iter().take(budget) {
+            let Some(answer) = reviews.answers.get(&key) else {
+                continue;
+            };
+            let question = answer.question.clone();
             let _refresh = self.start(&mut reviews, key, question, Trigger::Refresh);
         }
     }

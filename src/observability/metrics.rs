@@ -103,7 +103,7 @@ struct WebhookLabels {
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct AccessReviewLabels {
-    /// `request` (an admission found no answer and waited) or `refresh` (ahead of expiry).
+    /// `request` (an admission found no answer and waited) or `refresh` (of a cached answer).
     trigger: &'static str,
     /// `allowed`, `denied` or `unanswered` (an error, a timeout, an evaluation error).
     outcome: &'static str,
@@ -182,7 +182,7 @@ impl Metrics {
         );
         registry.register(
             "cnat_access_review_duration_seconds",
-            "SubjectAccessReviews the escalation guard sent and how long each took, by trigger (request: an admission found no cached answer and waited for it; refresh: ahead of expiry, nobody waited) and outcome (allowed, denied, unanswered)",
+            "SubjectAccessReviews the escalation guard sent and how long each took, by trigger (request: an admission found no cached answer and waited for it; refresh: of a cached answer, ahead of expiry or a retry, which an admission waits for only when the answer expired meanwhile) and outcome (allowed, denied, unanswered)",
             access_reviews.clone(),
         );
         registry.register(

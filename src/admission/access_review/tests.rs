@@ -242,31 +242,43 @@ async fn concurrent_requests_of_one_user_share_one_review() {
 
 #[tokio::test(start_paused = true)]
 async fn an_answer_in_use_is_refreshed_before_it_expires_and_no_request_waits_for_it() {
-    let (client, task) = server(vec![
-        Some((201, fixture("subjectaccessreview-allowed.json"))),
-        // The RoleBinding was removed meanwhile.
-        Some((201, fixture("subjectaccessreview-denied.json"))),
-        None, // the next refresh never gets an answer
-    ]);
+    // The RoleBinding is removed after the first review.
+    let (client, task) = answering(|n| if n == 0 { allowed() } else { denied() });
     let ttl = Settings::default().cache_ttl;
     let reviewer = AccessReviewer::new(client, without_keep_warm(), metrics());
     assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
-    // Past half its life: served at once, and refreshed behind the scenes.
+    // Past half its life: served at once (no wait for the review, which takes 100 ms), and
+    // refreshed behind the scenes.
     tokio::time::advance(ttl / 2).await;
     let started = Instant::now();
     assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
     assert_eq!(started.elapsed(), Duration::ZERO);
-    tokio::time::sleep(Duration::from_millis(1)).await;
-    // Past the first answer's life: the refreshed answer, at once (its own refresh, which
-    // hangs, is asked in the background).
+    tokio::time::sleep(2 * LATENCY).await;
+    // Past the first answer's life: the refreshed answer, at once (and its own refresh).
     tokio::time::advance(ttl / 2).await;
     let started = Instant::now();
     let denied = reviewer.check(&alice(), "fx").await.unwrap_err();
     assert!(denied.starts_with("alice may not create pods"), "{denied}");
     assert_eq!(started.elapsed(), Duration::ZERO);
-    tokio::time::sleep(Duration::from_millis(1)).await;
     drop(reviewer);
-    assert_eq!(task.await.unwrap().len(), 3);
+    assert_eq!(task.await.unwrap(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn applies_retry_a_failed_refresh_only_half_a_ttl_after_it_started() {
+    let (client, task) = answering(|n| if n == 0 { allowed() } else { failing() });
+    let reviewer = AccessReviewer::new(client, without_keep_warm(), metrics());
+    let start = Instant::now();
+    assert_eq!(reviewer.check(&alice(), "fx").await, Ok(()));
+    // At 5 s an apply starts a refresh, which fails; the applies after it are served the
+    // answer of 0 s, and start no refresh until 3.75 s after it (half a TTL, to the nearest
+    // round of the upkeep).
+    for at in [5000, 5500, 6000, 7000, 8000, 8700, 9000] {
+        tokio::time::sleep_until(start + Duration::from_millis(at)).await;
+        assert_eq!(reviewer.cached(&alice(), "fx"), Some(Ok(())), "at {at} ms");
+    }
+    drop(reviewer);
+    assert_eq!(task.await.unwrap(), 3, "at 0 s, 5 s and 9 s");
 }
 
 #[tokio::test(start_paused = true)]
@@ -390,6 +402,11 @@ fn the_upkeep_runs_every_quarter_ttl_and_starts_at_most_100_reviews_a_second() {
         ..Settings::default()
     };
     assert!(!refreshes_in_time(&slow));
+    let in_time = Settings {
+        timeout: Duration::from_millis(3700),
+        ..Settings::default()
+    };
+    assert!(refreshes_in_time(&in_time), "under 3/8 of the TTL");
     assert!(!refreshes_in_time(&with_ttl(2000)), "2 s timeout, 2 s TTL");
 }
 
@@ -422,6 +439,30 @@ fn upkeep_refreshes_answers_used_lately_every_half_ttl_and_forgets_expired_cold_
     let off = without_keep_warm();
     assert_eq!(upkeep(since(9000, 9000, 1), &off), Upkeep::Keep);
     assert_eq!(upkeep(since(10_000, 10_000, 1), &off), Upkeep::Drop);
+    assert_eq!(
+        upkeep(since(9000, 9000, 0), &off),
+        Upkeep::Keep,
+        "used, but off"
+    );
+    // Rounds at least 100 ms apart cannot keep answers of a TTL under 200 ms fresh: none are
+    // refreshed (with a TTL of 0 nothing is ever served), cold ones still forgotten.
+    for ttl in [0, 150] {
+        let short = Settings {
+            cache_ttl: ms(ttl),
+            ..settings
+        };
+        assert_eq!(
+            upkeep(since(5000, 5000, 0), &short),
+            Upkeep::Keep,
+            "{ttl} ms"
+        );
+        assert_eq!(upkeep(since(5000, 5000, 200_000), &short), Upkeep::Drop);
+    }
+    let ttl_200 = Settings {
+        cache_ttl: ms(200),
+        ..settings
+    };
+    assert_eq!(upkeep(since(100, 100, 0), &ttl_200), Upkeep::Refresh);
 }
 
 #[tokio::test(start_paused = true)]
