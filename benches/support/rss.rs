@@ -60,18 +60,34 @@ impl CpuTime {
     }
 }
 
-/// Every process's name and CPU seconds (user plus system, all its threads) so far, by pid.
-pub fn process_cpu_seconds() -> std::collections::HashMap<u32, (String, f64)> {
+/// Every process's pid and its folder in `/proc`.
+fn pids() -> impl Iterator<Item = (u32, std::path::PathBuf)> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_string_lossy().parse().ok()?;
+            Some((pid, entry.path()))
+        })
+}
+
+/// Every process's name and CPU seconds so far (user plus system, all its threads and its
+/// waited-for children), by pid and start time (so a reused pid is another process).
+pub fn process_cpu_seconds() -> std::collections::HashMap<(u32, u64), (String, f64)> {
     let mut found = std::collections::HashMap::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+    for (pid, path) in pids() {
+        let Ok(stat) = std::fs::read_to_string(path.join("stat")) else {
             continue;
         };
         if let Some((name, fields)) = parse_stat(&stat) {
-            found.insert(pid, (name.to_owned(), seconds(&fields)));
+            let field = |i: usize| fields.get(i).copied().unwrap_or(0.0);
+            let children = (field(13) + field(14)) / 100.0;
+            let started = field(19) as u64;
+            found.insert(
+                (pid, started),
+                (name.to_owned(), seconds(&fields) + children),
+            );
         }
     }
     found
@@ -115,11 +131,8 @@ pub fn processes_under(dir: &std::path::Path) -> Vec<(String, u32)> {
     // With the separator: a folder `...-1` must not match `...-10`.
     let dir = format!("{}/", dir.display());
     let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+    for (pid, path) in pids() {
+        let Ok(cmdline) = std::fs::read(path.join("cmdline")) else {
             continue;
         };
         let cmdline = String::from_utf8_lossy(&cmdline);

@@ -187,10 +187,16 @@ pub fn cadence(settings: &Settings) -> (Duration, usize) {
 
 /// Whether a background refresh that takes the whole timeout still arrives before the answer
 /// it replaces expires: it is started before the answer is `cache_ttl / 2 + period / 2` old, so
-/// the timeout must be under 3/8 of the TTL (3.75 s of 10 s).
+/// the timeout must be under [`timeout_limit`].
 pub fn refreshes_in_time(settings: &Settings) -> bool {
+    settings.timeout < timeout_limit(settings)
+}
+
+/// The longest timeout under which background refreshes arrive in time: `cache_ttl / 2 -
+/// period / 2`, 3/8 of the TTL when a round is a quarter of it (3.75 s of 10 s).
+pub fn timeout_limit(settings: &Settings) -> Duration {
     let (period, _) = cadence(settings);
-    settings.cache_ttl / 2 + period / 2 + settings.timeout < settings.cache_ttl
+    (settings.cache_ttl / 2).saturating_sub(period / 2)
 }
 
 /// How long ago an answer's question was sent, a review for it was last started, and a request
@@ -216,17 +222,21 @@ pub enum Upkeep {
 
 /// The upkeep of an answer at one round (see [`Upkeep`]).
 pub fn upkeep(since: Since, settings: &Settings) -> Upkeep {
-    let (period, _) = cadence(settings);
     let used_lately = since.used <= settings.keep_warm;
-    // Off, or pointless when the rounds are too far apart to refresh before expiry.
-    let keeps_warm = !settings.keep_warm.is_zero() && period <= settings.cache_ttl / 2;
     if since.asked >= settings.cache_ttl && !used_lately {
         Upkeep::Drop
-    } else if keeps_warm && used_lately && retry_due(since.tried, settings) {
+    } else if keeps_warm(settings) && used_lately && retry_due(since.tried, settings) {
         Upkeep::Refresh
     } else {
         Upkeep::Keep
     }
+}
+
+/// Whether the upkeep refreshes answers at all: not when keep-warm is off, nor when its rounds
+/// are too far apart to refresh before expiry (a TTL under 200 ms).
+fn keeps_warm(settings: &Settings) -> bool {
+    let (period, _) = cadence(settings);
+    !settings.keep_warm.is_zero() && period <= settings.cache_ttl / 2
 }
 
 /// Whether a review for an answer may start again, its last one started `tried` ago: about
@@ -239,7 +249,7 @@ fn retry_due(tried: Duration, settings: &Settings) -> bool {
 /// Asks the API server, with a short-lived cache. Concurrent requests with the same key share
 /// one review (single flight); an answer past half its life is refreshed while it is still
 /// served, by the request that finds it so or, for answers used within `keep_warm`, by a
-/// background upkeep every quarter TTL, so after the first request per key no admission waits
+/// background upkeep (rounds every quarter TTL, each answer refreshed every half TTL), so after the first request per key no admission waits
 /// on the API server while the key is used at least every `keep_warm` (and refreshes arrive in
 /// time, see [`refreshes_in_time`]). No answer is ever served older than `cache_ttl`.
 pub struct AccessReviewer {
@@ -257,11 +267,12 @@ impl AccessReviewer {
     /// The reviewer and its background upkeep, which ends at its first round after the reviewer
     /// and its reviews in flight are gone. Must be called within a Tokio runtime.
     pub fn new(client: Client, settings: Settings, metrics: Arc<Metrics>) -> Self {
-        if !settings.keep_warm.is_zero() && !refreshes_in_time(&settings) {
+        if keeps_warm(&settings) && !refreshes_in_time(&settings) {
             tracing::warn!(
                 cache_ttl = ?settings.cache_ttl,
                 timeout = ?settings.timeout,
-                "the access review timeout is not under 3/8 of its cache TTL (3.75 s of 10 s): a background refresh that takes the whole timeout arrives after the answer expired, and an apply then waits for it"
+                limit = ?timeout_limit(&settings),
+                "the access review timeout is not under its limit (3/8 of the cache TTL): a background refresh that takes the whole timeout arrives after the answer expired, and an apply then waits for it"
             );
         }
         let inner = Arc::new(Inner {

@@ -396,6 +396,7 @@ fn the_upkeep_runs_every_quarter_ttl_and_starts_at_most_100_reviews_a_second() {
     assert_eq!(cadence(&with_ttl(0)), (ms(100), 10));
     // A refresh starts before the answer is 5 s + 1.25 s old; with the 2 s timeout it is in
     // time, with 4 s it may not be.
+    assert_eq!(timeout_limit(&Settings::default()), ms(3750));
     assert!(refreshes_in_time(&Settings::default()));
     let slow = Settings {
         timeout: Duration::from_secs(4),
