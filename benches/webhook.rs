@@ -221,6 +221,7 @@ async fn main() {
         let other_processes_ms = other_processes.iter().map(|p| p.1).sum::<f64>() * 1e3;
         let busiest = other_processes
             .into_iter()
+            .filter(|p| p.1 > 0.0)
             .max_by(|a, b| a.1.total_cmp(&b.1));
         let faults = rss::major_faults(target.pid).saturating_sub(faults_before);
         let label = target.label;
