@@ -1,13 +1,13 @@
 //! Admission throughput and latency of the real `cnat run` binary over TLS with keep-alive:
 //! `wrk -t1 -c16 -d10s --latency` posting a captured AdmissionReview (as the API server sends
 //! it for a `v1` write) to the validating and the mutating webhook, with logging (JSON, info),
-//! metrics and trace ids on as in production. Beside
-//! it, in the same run and with the same certificate, load and body, a faithful equivalent of
-//! kube-rs's admission example (warp over rustls, `benches/support/kube_admission_example.rs`)
-//! runs as its own process; the rounds alternate between the two, and the bench reports cnat's
-//! webhooks against it as ratios (p99 latency, throughput). A fourth target, cnat's conversion
-//! webhook, gets ConversionReviews of 100 Ats (v1alpha1 to v1); the example has no counterpart,
-//! so its figures stand alone. Needs `wrk` (Debian package `wrk`).
+//! metrics and trace ids on as in production. Beside it, in the same run and with the same
+//! certificate, load and body, a faithful equivalent of kube-rs's admission example (warp over
+//! rustls, `benches/support/kube_admission_example.rs`) runs as its own process; the rounds
+//! alternate between the two, and the bench reports cnat's webhooks against it as ratios (p99
+//! latency, throughput). A fourth target, cnat's conversion webhook, gets ConversionReviews of
+//! 100 Ats (v1alpha1 to v1); the example has no counterpart, so its figures stand alone. Needs
+//! `wrk` (Debian package `wrk`).
 //!
 //! On a machine with two or more CPUs both servers run on CPU 0, wrk and the control plane (with
 //! `--real`) on CPU 1 (`taskset`), so that their work does not land on the servers' core at
@@ -30,8 +30,8 @@
 //! read back from disk): two ways the machine can hold a server back without the server's own
 //! figures showing it. Beside the others' time: the CPU's steal (the hypervisor ran something
 //! else), and the CPU time of the other processes (on either CPU; all but the server, the bench
-//! with wrk, and the control plane) with the busiest of them. Each start prints cnat's own time per review
-//! (`cnat_admission_duration_seconds`) and its SubjectAccessReviews
+//! with wrk, and the control plane) with the busiest of them. Each start prints cnat's own time
+//! per review (`cnat_admission_duration_seconds`) and its SubjectAccessReviews
 //! (`cnat_access_review_duration_seconds`: those a review waited for, and the refreshes).
 //!
 //!     cargo bench --bench webhook                  # 7 starts, 11 rounds, then the medians

@@ -249,9 +249,10 @@ fn retry_due(tried: Duration, settings: &Settings) -> bool {
 /// Asks the API server, with a short-lived cache. Concurrent requests with the same key share
 /// one review (single flight); an answer past half its life is refreshed while it is still
 /// served, by the request that finds it so or, for answers used within `keep_warm`, by a
-/// background upkeep (rounds every quarter TTL, each answer refreshed every half TTL), so after the first request per key no admission waits
-/// on the API server while the key is used at least every `keep_warm` (and refreshes arrive in
-/// time, see [`refreshes_in_time`]). No answer is ever served older than `cache_ttl`.
+/// background upkeep (rounds every quarter TTL, each answer refreshed every half TTL), so
+/// after the first request per key no admission waits on the API server while the key is used
+/// at least every `keep_warm` (and refreshes arrive in time, see [`refreshes_in_time`]). No
+/// answer is ever served older than `cache_ttl`.
 pub struct AccessReviewer {
     inner: Arc<Inner>,
 }
@@ -289,7 +290,7 @@ impl AccessReviewer {
     /// `check`). An answer past half its life is refreshed in the background.
     pub fn cached(&self, user: &UserInfo, namespace: &str) -> Option<Result<(), String>> {
         let key = Key::new(user, namespace);
-        let answer = self.fresh(&mut self.inner.lock(), key, user, namespace)?;
+        let answer = self.fresh(&mut self.inner.lock(), key)?;
         Some(self.verdict(user, namespace, answer))
     }
 
@@ -298,7 +299,7 @@ impl AccessReviewer {
         let key = Key::new(user, namespace);
         let asking = {
             let mut reviews = self.inner.lock();
-            if let Some(answer) = self.fresh(&mut reviews, key.clone(), user, namespace) {
+            if let Some(answer) = self.fresh(&mut reviews, key.clone()) {
                 return self.verdict(user, namespace, answer);
             }
             match reviews.asking.get(&key) {
@@ -317,13 +318,7 @@ impl AccessReviewer {
     /// The cached answer for `key` if younger than the TTL, marked used; past half its life, a
     /// refresh is started (one at a time, half a TTL after the last one started). An expired
     /// answer is marked used too: it stays warm (and is not forgotten) while `check` asks.
-    fn fresh(
-        &self,
-        reviews: &mut Reviews,
-        key: Key,
-        user: &UserInfo,
-        namespace: &str,
-    ) -> Option<Reviewed> {
+    fn fresh(&self, reviews: &mut Reviews, key: Key) -> Option<Reviewed> {
         let ttl = self.inner.settings.cache_ttl;
         let now = Instant::now();
         let answer = reviews.answers.get_mut(&key)?;
@@ -335,7 +330,7 @@ impl AccessReviewer {
         let reviewed = answer.reviewed.clone();
         let retry = retry_due(now.duration_since(answer.tried), &self.inner.settings);
         if age >= ttl / 2 && retry && !reviews.asking.contains_key(&key) {
-            let question = review(user, namespace);
+            let question = answer.question.clone();
             let _refresh = self.inner.start(reviews, key, question, Trigger::Refresh);
         }
         Some(reviewed)
@@ -493,12 +488,11 @@ impl Inner {
                         reviews.answers.retain(|_, cached| now.duration_since(cached.asked) < ttl);
                     }
                     if reviews.answers.len() < MAX_CACHED {
-                        let (tried, used, reviewed) = (asked, asked, answer.clone());
                         let cached = Answer {
                             asked,
-                            tried,
-                            used,
-                            reviewed,
+                            tried: asked,
+                            used: asked,
+                            reviewed: answer.clone(),
                             question,
                         };
                         reviews.answers.insert(key, cached);
