@@ -14,7 +14,7 @@
 //! version's defaults when it decodes an object: a request's in its own version, a stored one's
 //! in the storage version), and never fails on a partial object.
 
-use kube::core::conversion::{ConversionRequest, ConversionResponse, ConversionReview};
+use kube::core::conversion::{ConversionResponse, ConversionReview};
 use kube::core::Status;
 use serde_json::{Map, Value};
 use thiserror::Error;
@@ -304,34 +304,21 @@ fn kind_of(value: &Value) -> &'static str {
 
 /// The answer to a `ConversionReview` body (`apiextensions.k8s.io/v1`): every object converted,
 /// or a `Failure` naming the first that could not be, or, for a body that is not a
-/// ConversionReview, a `Failure` saying why. Never panics.
+/// ConversionReview, a `Failure` saying why. Never panics. The webhook streams the same answer
+/// (`streaming`); this collects it.
 pub fn review(body: &[u8]) -> ConversionReview {
-    let mut request = match serde_json::from_slice::<ConversionReview>(body)
-        .map_err(|e| format!("the body is not a ConversionReview: {e}"))
-        .and_then(|review| {
-            ConversionRequest::from_review(review)
-                .map_err(|_| "the ConversionReview has no request".to_owned())
-        }) {
-        Ok(request) => request,
-        Err(message) => {
-            return ConversionResponse::invalid(Status::failure(&message, "BadRequest"))
-                .into_review()
-        }
+    let mut out = Vec::new();
+    let failure = |why: String| {
+        ConversionResponse::invalid(Status::failure(&why, "BadRequest")).into_review()
     };
-    let desired = request.desired_api_version.clone();
-    let objects = std::mem::take(&mut request.objects);
-    let response = ConversionResponse::for_request(request);
-    let converted: Result<Vec<Value>, ConversionError> = objects
-        .into_iter()
-        .enumerate()
-        .map(|(index, object)| convert(index, object, &desired))
-        .collect();
-    match converted {
-        Ok(objects) => response.success(objects),
-        Err(error) => response.failure(Status::failure(&error.to_string(), "BadRequest")),
+    match streaming::answer(body, &mut out) {
+        Ok(_) => serde_json::from_slice(&out)
+            .unwrap_or_else(|e| failure(format!("cnat wrote an unreadable answer: {e}"))),
+        Err(broken) => failure(broken.to_string()),
     }
-    .into_review()
 }
+
+pub mod streaming;
 
 #[cfg(test)]
 mod tests;

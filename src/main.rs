@@ -14,7 +14,6 @@ use cnat::serving::admin::{self, Health};
 use cnat::serving::tls::{self, CertFiles};
 use cnat::{admission::webhook, api, observability::telemetry, operator::controller};
 use kube::runtime::events::Reporter;
-use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -254,16 +253,16 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
         move || cache.readiness()
     });
     let listener = cnat::serving::listen::bind(args.admin_addr)
-        .and_then(tokio::net::TcpListener::from_std)
         .map_err(|e| format!("--admin-addr {}: {e}", args.admin_addr))?;
     // The address bound, so that `--admin-addr=127.0.0.1:0` is useful: the log says the port.
     let admin_addr = listener.local_addr().unwrap_or(args.admin_addr);
     let close_servers = CancellationToken::new();
-    let admin = tokio::spawn(
-        axum::serve(listener, admin::router(health.clone(), metrics.clone()))
-            .with_graceful_shutdown(close_servers.clone().cancelled_owned())
-            .into_future(),
-    );
+    let admin = tokio::spawn(admin::serve(
+        listener,
+        admin::router(health.clone(), metrics.clone()),
+        close_servers.clone(),
+        cnat::serving::guard::Limits::admin(),
+    ));
 
     let draining = cnat::serving::drain::Draining::default();
     let webhooks = match args.webhooks {

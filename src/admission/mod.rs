@@ -2,6 +2,7 @@
 //! apply them, and the same rules offline.
 //!
 //! - `webhook`: the webhooks' HTTP side: AdmissionReview in and out, over TLS.
+//! - `conversion_webhook`: the conversion webhook's HTTP side, read and answered as a stream.
 //! - `validation`: the rules an At must follow, shared with `cnat check`; pure.
 //! - `defaulting`: the mutating webhook's defaults as RFC 6902 JSON patches; pure.
 //! - `review`: an AdmissionReview's envelope, decoded straight into its request.
@@ -11,6 +12,7 @@
 
 pub mod access_review;
 pub mod check;
+pub mod conversion_webhook;
 pub mod defaulting;
 pub mod mutating_review;
 pub mod review;

@@ -5,6 +5,7 @@
 //! kube-apiserver sends when its tracing is on) and is counted in the metrics.
 
 use crate::admission::access_review::AccessReviewer;
+use crate::admission::conversion_webhook;
 use crate::admission::defaulting::{self, Target};
 use crate::admission::mutating_review;
 use crate::admission::review::Envelope;
@@ -12,9 +13,9 @@ use crate::admission::validation;
 use crate::api::{At, GROUP};
 use crate::observability::metrics::{AdmissionLabels, Metrics};
 use crate::serving::drain::{self, Draining};
-use crate::serving::guard;
+use crate::serving::guard::{self, Slot, Slots};
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
@@ -26,7 +27,7 @@ use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
 use kube::core::{DynamicObject, GroupVersionKind, Resource};
 use opentelemetry::trace::Status;
 use opentelemetry_http::HeaderExtractor;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{debug, info_span, Instrument};
@@ -40,9 +41,14 @@ pub const MUTATING_PATH: &str = "/mutating";
 pub const CONVERT_PATH: &str = "/convert";
 /// An AdmissionReview holds the object and the old object, each up to etcd's 1.5 MiB.
 pub const MAX_BODY: usize = 4 << 20;
-/// A ConversionReview holds every object of a list the API server converts (an unpaged list of
-/// Ats stored in another version: thousands), so it gets far more room than an AdmissionReview.
-pub const MAX_CONVERSION_BODY: usize = 128 << 20;
+/// The admission bodies being read and decoded at once on a replica, in KiB, and from one
+/// client address: decoding takes a multiple of the body (up to about 40 times for a made-up
+/// one), so this bounds the memory of reviews in flight; a client that sends large reviews
+/// waits for its own earlier ones, not for everyone's. A review of an At is a few KiB.
+pub const BODY_BUDGET_KIB: usize = 16 << 10;
+pub const BODY_BUDGET_PER_CLIENT_KIB: usize = 4 << 10;
+/// How long an admission review waits for room in the body budget before it is answered 429.
+pub const BODY_WAIT: Duration = Duration::from_secs(2);
 /// A client that has not finished its TLS handshake by then is dropped (no slowloris).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A client that has not sent its request headers by then is dropped.
@@ -60,27 +66,95 @@ pub struct Shared {
     pub draining: Draining,
 }
 
-/// The webhook routes.
+/// What the routes share: `Shared`, and the budgets of this server.
+#[derive(Clone)]
+struct Served {
+    shared: Shared,
+    bodies: Arc<Slots>,
+    conversions: Arc<Slots>,
+}
+
+/// The webhook routes. The caller's address (for the per-client budgets) comes from
+/// `ConnectInfo<SocketAddr>`, as `serve` sets it.
 pub fn router(shared: Shared) -> Router {
+    let served = Served {
+        shared,
+        bodies: Slots::new(BODY_BUDGET_KIB, BODY_BUDGET_PER_CLIENT_KIB),
+        conversions: conversion_webhook::slots(),
+    };
     let route = |name: &'static str, review: Review| {
         post(
-            move |State(shared): State<Shared>, headers: HeaderMap, body: Bytes| async move {
-                admit(name, review, &shared, &headers, &body).await
+            move |State(served): State<Served>, request: axum::extract::Request| async move {
+                let client = client_of(&request);
+                let headers = request.headers().clone();
+                match read_body(&served.bodies, client, request).await {
+                    Ok((body, _budget)) => admit(name, review, &served.shared, &headers, &body).await,
+                    Err(refused) => refused,
+                }
             },
         )
     };
     Router::new()
         .route(VALIDATING_PATH, route("validating", validating))
         .route(MUTATING_PATH, route("mutating", mutating))
-        .layer(DefaultBodyLimit::max(MAX_BODY))
         .route(
             CONVERT_PATH,
             post(
-                |State(shared): State<Shared>, body: Bytes| async move { convert(&shared, &body) },
-            )
-            .layer(DefaultBodyLimit::max(MAX_CONVERSION_BODY)),
+                |State(served): State<Served>, request: axum::extract::Request| async move {
+                    let client = client_of(&request);
+                    let metrics = served.shared.metrics.clone();
+                    conversion_webhook::convert(&served.conversions, metrics, client, request.into_body()).await
+                },
+            ),
         )
-        .with_state(shared)
+        .with_state(served)
+}
+
+/// The address of the caller, as `serve` records it (`0.0.0.0` when it is not known).
+fn client_of(request: &axum::extract::Request) -> IpAddr {
+    request
+        .extensions()
+        .get::<axum::extract::ConnectInfo<SocketAddr>>()
+        .map_or(IpAddr::from([0, 0, 0, 0]), |info| info.0.ip())
+}
+
+/// The body of an admission request, read once room for it in the body budget is taken (by
+/// its Content-Length, or the most a body may be), or the answer that refuses it: 413 past
+/// [`MAX_BODY`], 429 when no room comes within [`BODY_WAIT`].
+async fn read_body(
+    budget: &Arc<Slots>,
+    client: IpAddr,
+    request: axum::extract::Request,
+) -> Result<(Bytes, Slot), Response> {
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    let too_large = || {
+        (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("cnat: an AdmissionReview is at most {} MiB\n", MAX_BODY >> 20),
+        )
+            .into_response()
+    };
+    if declared.is_some_and(|length| length > MAX_BODY) {
+        return Err(too_large());
+    }
+    let kib = declared.unwrap_or(MAX_BODY).div_ceil(1024).max(1);
+    let deadline = tokio::time::Instant::now() + BODY_WAIT;
+    let Some(slot) = budget.wait_n(client, kib, deadline).await else {
+        return Err((
+            StatusCode::TOO_MANY_REQUESTS,
+            [(header::RETRY_AFTER, "1")],
+            "cnat: too many admission review bytes in flight on this replica (from this client, or in all); retry\n",
+        )
+            .into_response());
+    };
+    match axum::body::to_bytes(request.into_body(), MAX_BODY).await {
+        Ok(body) => Ok((body, slot)),
+        Err(_) => Err(too_large()),
+    }
 }
 
 /// Runs `review` on `body` inside an `admission` span, asks the escalation guard when the
@@ -143,25 +217,6 @@ async fn admit(
         took,
     );
     span.in_scope(|| respond(verdict.map(|v| v.response)))
-}
-
-/// Answers a ConversionReview inside a `conversion` span, and counts it. Always 200 with a
-/// ConversionReview: a request cnat cannot convert gets a `Failure` result saying why.
-fn convert(shared: &Shared, body: &[u8]) -> Response {
-    let span = info_span!("conversion", "otel.kind" = "server");
-    let review = span.in_scope(|| crate::conversion::review(body));
-    let result = review.response.as_ref().map(|r| &r.result);
-    let ok = result.is_some_and(|r| r.is_success());
-    if let Some(result) = result.filter(|_| !ok) {
-        span.set_status(Status::error(result.message.clone()));
-        debug!(parent: &span, reason = %result.message, "conversion refused");
-    }
-    shared.metrics.converted(ok);
-    (
-        [(header::CONTENT_TYPE, "application/json")],
-        serde_json::to_vec(&review).unwrap_or_default(),
-    )
-        .into_response()
 }
 
 fn describe(span: &tracing::Span, verdict: &Verdict) {
@@ -236,7 +291,7 @@ pub async fn serve(
             // TCP_NODELAY: an answer goes out as the TLS layer writes it, not held back waiting
             // for the ACK of the one before (Nagle), which shows as tail latency.
             axum_server::accept::NoDelayAcceptor::new(),
-            limits.max_connections,
+            &limits,
         ));
     let mut server = axum_server::from_tcp(listener)?
         .acceptor(acceptor)
@@ -250,14 +305,16 @@ pub async fn serve(
     let draining = shared.draining.clone();
     let app = router(shared)
         .layer(axum::middleware::from_fn_with_state(
-            guard::RequestGuard::new(limits),
+            guard::RequestGuard::new(limits, "admission requests"),
             guard::guard,
         ))
         .layer(axum::middleware::from_fn_with_state(
             draining,
             drain::close_connections,
         ));
-    server.serve(app.into_make_service()).await
+    server
+        .serve(app.into_make_service_with_connect_info::<SocketAddr>())
+        .await
 }
 
 /// The HTTP answer: the AdmissionReview, or 400 with the reason the body is not one.

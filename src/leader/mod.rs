@@ -42,6 +42,10 @@ use tracing::{debug, info, warn};
 /// How soon a candidate asks again after the API server gave no answer.
 const UNANSWERED_RETRY: Duration = Duration::from_millis(500);
 
+/// The shortest wait for a renewal's answer, however close the renew deadline is (the loop stops
+/// at the deadline whatever the renewal is doing).
+const MIN_RENEWAL_WAIT: Duration = Duration::from_millis(100);
+
 /// The wall clock whose time goes into `acquireTime`/`renewTime` (informational only: no
 /// decision reads them). Injected so tests can give each replica a skewed clock.
 #[derive(Clone)]
@@ -452,13 +456,25 @@ impl Elector {
                         }
                         Renewal::Gone(holder) => break Why::Taken(holder),
                         Renewal::Failed(error) => {
-                            warn!(lease = %self.name(), %error, "could not renew the lease");
-                            renew_at = Instant::now() + timing.retry_period;
+                            let left = held
+                                .deadline(timing.renew_deadline)
+                                .saturating_duration_since(Instant::now());
+                            // Leadership is at risk only when little of the deadline is left;
+                            // one refused renewal early on is retried like any other.
+                            if left < timing.renew_deadline / 2 {
+                                warn!(lease = %self.name(), %error, ?left, "could not renew the lease; retrying before the renew deadline");
+                            } else {
+                                info!(lease = %self.name(), %error, ?left, "could not renew the lease; retrying");
+                            }
+                            renew_at = Instant::now() + timing.retry_period.min(left / 2);
                         }
                     }
                 }
                 _ = sleep_until(renew_at), if renewal.is_none() => {
-                    renewal = Some(Box::pin(self.renew(held.resource_version.clone())));
+                    let left = held
+                        .deadline(timing.renew_deadline)
+                        .saturating_duration_since(Instant::now());
+                    renewal = Some(Box::pin(self.renew(held.resource_version.clone(), left)));
                 }
             }
         };
@@ -522,7 +538,11 @@ impl Elector {
 
     /// One renewal on `version`; on a conflict the Lease is read again to tell a foreign write
     /// (still ours) from a takeover.
-    fn renew(&self, version: String) -> impl Future<Output = Renewal> + Send + 'static {
+    fn renew(
+        &self,
+        version: String,
+        limit: Duration,
+    ) -> impl Future<Output = Renewal> + Send + 'static {
         let (leases, me, wall) = (
             self.leases.clone(),
             self.me().to_owned(),
@@ -530,7 +550,8 @@ impl Elector {
         );
         async move {
             let sent = Instant::now();
-            match leases.swap(&record::renew_patch(&version, wall)).await {
+            let patch = record::renew_patch(&version, wall);
+            match leases.swap_within(&patch, limit.max(MIN_RENEWAL_WAIT)).await {
                 Ok(Written::Done(lease)) => Renewal::Renewed(held(&lease, sent)),
                 Ok(Written::Missing) => Renewal::Gone(None),
                 Ok(Written::Conflict) => match leases.get().await {

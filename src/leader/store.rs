@@ -70,10 +70,7 @@ impl LeaseApi {
         &self,
         call: impl Future<Output = Result<T, kube::Error>>,
     ) -> Result<T, LeaseError> {
-        timeout(self.limit, call)
-            .await
-            .map_err(|_| LeaseError::Timeout(self.limit))?
-            .map_err(LeaseError::Api)
+        within(self.limit, call).await
     }
 
     /// The Lease, or `None` when there is none.
@@ -92,12 +89,16 @@ impl LeaseApi {
     /// A merge patch carrying `metadata.resourceVersion`: the API server applies it only if the
     /// record is still at that version.
     pub async fn swap(&self, patch: &Value) -> Result<Written, LeaseError> {
+        self.swap_within(patch, self.limit).await
+    }
+
+    /// `swap`, waiting up to `limit` for the answer: a leader's renewal may wait for as long as
+    /// its renew deadline leaves, since an answer that comes late still keeps the Lease, and a
+    /// renewal sent again would only load a busy API server more.
+    pub async fn swap_within(&self, patch: &Value, limit: Duration) -> Result<Written, LeaseError> {
         debug_assert!(patch["metadata"]["resourceVersion"].is_string());
         let params = PatchParams::default();
-        answer(
-            self.bounded(self.api.patch(&self.name, &params, &Patch::Merge(patch)))
-                .await,
-        )
+        answer(within(limit, self.api.patch(&self.name, &params, &Patch::Merge(patch))).await)
     }
 
     /// Every change of the Lease (`fieldSelector=metadata.name=<name>`), as `Some(lease)`, or
@@ -118,6 +119,16 @@ impl LeaseApi {
                 }
             })
     }
+}
+
+async fn within<T>(
+    limit: Duration,
+    call: impl Future<Output = Result<T, kube::Error>>,
+) -> Result<T, LeaseError> {
+    timeout(limit, call)
+        .await
+        .map_err(|_| LeaseError::Timeout(limit))?
+        .map_err(LeaseError::Api)
 }
 
 fn answer(result: Result<Lease, LeaseError>) -> Result<Written, LeaseError> {

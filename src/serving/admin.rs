@@ -7,13 +7,56 @@
 
 use crate::leader::Leadership;
 use crate::observability::metrics::{self, Metrics};
+use crate::serving::guard::{self, Limits};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::routing::get;
 use axum::Router;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// A client that has not sent its request headers by then is dropped; so is a kept connection
+/// idle for that long (the kubelet probes every few seconds, Prometheus every 15-60 s and
+/// reconnects at no cost).
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Serves `app` (the admin routes) on `listener` in plain HTTP/1.1 within `limits` (see
+/// `serving::guard`) until `stop`; connections still open a second later are closed.
+pub async fn serve(
+    listener: std::net::TcpListener,
+    app: Router,
+    stop: CancellationToken,
+    limits: Limits,
+) -> std::io::Result<()> {
+    let handle = axum_server::Handle::new();
+    tokio::spawn({
+        let handle = handle.clone();
+        async move {
+            stop.cancelled().await;
+            handle.graceful_shutdown(Some(Duration::from_secs(1)));
+        }
+    });
+    let acceptor = guard::Capped::new(axum_server::accept::DefaultAcceptor::new(), &limits);
+    let mut server = axum_server::from_tcp(listener)?
+        .acceptor(acceptor)
+        .handle(handle)
+        .http1_only();
+    server
+        .http_builder()
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT);
+    let app = app.layer(axum::middleware::from_fn_with_state(
+        guard::RequestGuard::new(limits, "requests"),
+        guard::guard,
+    ));
+    server
+        .serve(app.into_make_service_with_connect_info::<SocketAddr>())
+        .await
+}
 
 /// What the probes report on.
 pub struct Health {

@@ -1,0 +1,479 @@
+//! A `ConversionReview` answered as it is read: the objects are decoded, converted and written
+//! one at a time, so what one review holds in memory is one object (decoded within a
+//! [`Budget`]) and the I/O buffers, however many objects the API server sends (an unpaged list
+//! of thousands) or however large a body a caller makes up. Pure: bytes in (`Read`), bytes out
+//! (`Write`).
+//!
+//! kube-apiserver writes the request's `uid` and `desiredAPIVersion` before its `objects` (Go
+//! writes a struct's fields in their order; serde_json, sorting keys, does too for the version);
+//! a review whose objects come before `desiredAPIVersion` is refused, as nothing could be
+//! converted before knowing the version wanted. The answer's `uid` is written last, so the
+//! request's may come anywhere.
+//!
+//! Once the first object is written the answer says `Success`; an object that cannot be
+//! converted after that (never one the API server stored: only a made-up review has one) ends
+//! the answer with an error, which the HTTP side turns into a cut connection: the caller gets an
+//! error either way, and no half list is ever read as a whole one.
+
+use super::{convert, ConversionError, V1, V1ALPHA1};
+use crate::serving::bounded::Budget;
+use kube::core::conversion::ConversionResponse;
+use kube::core::Status;
+use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use std::cell::RefCell;
+use std::fmt;
+use std::io::{self, Read, Write};
+
+/// What one object of a review may take in memory, decoded: many times what any At needs (an
+/// At is at most etcd's 1.5 MiB of JSON, mostly strings), and a bound on a made-up one.
+pub const OBJECT_BUDGET: usize = 16 << 20;
+
+/// How an answer ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Answered {
+    /// Every object converted (`Success`).
+    Converted(usize),
+    /// A `Failure` saying why (nothing was converted).
+    Refused(String),
+}
+
+/// Why an answer could not be completed once begun (the caller cuts the connection).
+#[derive(Debug, thiserror::Error)]
+pub enum Broken {
+    #[error("writing the answer: {0}")]
+    Write(#[from] io::Error),
+    #[error("the ConversionReview went wrong after {converted} objects were converted: {why}")]
+    Midway { converted: usize, why: String },
+}
+
+/// Reads a ConversionReview from `body` and writes its answer to `out`.
+pub fn answer(body: impl Read, out: impl Write) -> Result<Answered, Broken> {
+    let state = RefCell::new(State {
+        out: Output::new(out),
+        uid: None,
+        desired: None,
+        types: (false, false),
+        request: false,
+        refused: None,
+        converted: 0,
+    });
+    let mut deserializer = serde_json::Deserializer::from_reader(io::BufReader::new(body));
+    let parsed = Review(&state)
+        .deserialize(&mut deserializer)
+        .and_then(|()| deserializer.end());
+    let mut state = state.into_inner();
+    let why = match (parsed, state.refused.take()) {
+        (_, Some(why)) => Some(why),
+        (Err(error), None) if !state.out.begun => {
+            Some(format!("the body is not a ConversionReview: {error}"))
+        }
+        (Err(error), None) => {
+            return Err(midway(&state, error.to_string()));
+        }
+        (Ok(()), None) => match (state.types, state.request) {
+            ((false, _), _) => Some("the body is not a ConversionReview: missing field `apiVersion`".into()),
+            ((_, false), _) => Some("the body is not a ConversionReview: missing field `kind`".into()),
+            (_, false) => Some("the ConversionReview has no request".into()),
+            _ => None,
+        },
+    };
+    match why {
+        Some(why) if state.out.begun => Err(midway(&state, why)),
+        Some(why) => {
+            let mut response = ConversionResponse::invalid(Status::failure(&why, "BadRequest"));
+            response.uid = state.uid.unwrap_or_default();
+            serde_json::to_writer(&mut state.out.inner, &response.into_review())
+                .map_err(io::Error::from)?;
+            state.out.inner.flush()?;
+            Ok(Answered::Refused(why))
+        }
+        None => {
+            let uid = serde_json::to_string(state.uid.as_deref().unwrap_or_default())
+                .map_err(io::Error::from)?;
+            state.out.begin()?;
+            write!(state.out.inner, r#"],"uid":{uid}}}}}"#)?;
+            state.out.inner.flush()?;
+            Ok(Answered::Converted(state.converted))
+        }
+    }
+}
+
+fn midway<W>(state: &State<W>, why: String) -> Broken {
+    Broken::Midway {
+        converted: state.converted,
+        why,
+    }
+}
+
+/// The answer as it is written: the head (up to the `[` of `convertedObjects`) once, then the
+/// objects with commas between them.
+struct Output<W> {
+    inner: W,
+    begun: bool,
+}
+
+impl<W: Write> Output<W> {
+    fn new(inner: W) -> Self {
+        Output {
+            inner,
+            begun: false,
+        }
+    }
+
+    fn begin(&mut self) -> io::Result<()> {
+        if self.begun {
+            return Ok(());
+        }
+        self.begun = true;
+        let success = serde_json::to_string(&Status::success())?;
+        write!(
+            self.inner,
+            r#"{{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview","response":{{"result":{success},"convertedObjects":["#
+        )
+    }
+
+    fn object(&mut self, object: &serde_json::Value) -> io::Result<()> {
+        let first = !self.begun;
+        self.begin()?;
+        if !first {
+            self.inner.write_all(b",")?;
+        }
+        serde_json::to_writer(&mut self.inner, object).map_err(io::Error::from)
+    }
+}
+
+/// What the parse has seen so far.
+struct State<W> {
+    out: Output<W>,
+    uid: Option<String>,
+    desired: Option<String>,
+    /// Whether `apiVersion` and `kind` were there.
+    types: (bool, bool),
+    request: bool,
+    /// Why the review is refused; set, the parse stops.
+    refused: Option<String>,
+    converted: usize,
+}
+
+/// The error that stops the parse once `refused` is set (its text is never shown).
+fn stop<E: de::Error>() -> E {
+    E::custom("refused")
+}
+
+struct Review<'a, W>(&'a RefCell<State<W>>);
+
+impl<'de, W: Write> DeserializeSeed<'de> for Review<'_, W> {
+    type Value = ();
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de, W: Write> Visitor<'de> for Review<'_, W> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a ConversionReview object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(key) = map.next_key::<Key>()? {
+            match key {
+                Key::ApiVersion => {
+                    map.next_value::<String>()?;
+                    self.0.borrow_mut().types.0 = true;
+                }
+                Key::Kind => {
+                    map.next_value::<String>()?;
+                    self.0.borrow_mut().types.1 = true;
+                }
+                Key::Request => {
+                    self.0.borrow_mut().request = true;
+                    map.next_value_seed(Request(self.0))?;
+                }
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The keys cnat reads, without allocating for the others.
+enum Key {
+    ApiVersion,
+    Kind,
+    Request,
+    Uid,
+    Desired,
+    Objects,
+    Other,
+}
+
+impl<'de> serde::Deserialize<'de> for Key {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Keys;
+        impl Visitor<'_> for Keys {
+            type Value = Key;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Key, E> {
+                Ok(match v {
+                    "apiVersion" => Key::ApiVersion,
+                    "kind" => Key::Kind,
+                    "request" => Key::Request,
+                    "uid" => Key::Uid,
+                    "desiredAPIVersion" => Key::Desired,
+                    "objects" => Key::Objects,
+                    _ => Key::Other,
+                })
+            }
+        }
+        d.deserialize_identifier(Keys)
+    }
+}
+
+struct Request<'a, W>(&'a RefCell<State<W>>);
+
+impl<'de, W: Write> DeserializeSeed<'de> for Request<'_, W> {
+    type Value = ();
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de, W: Write> Visitor<'de> for Request<'_, W> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a ConversionRequest object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let (mut uid, mut desired, mut objects) = (false, false, false);
+        while let Some(key) = map.next_key::<Key>()? {
+            match key {
+                Key::Uid => {
+                    self.0.borrow_mut().uid = Some(map.next_value()?);
+                    uid = true;
+                }
+                Key::Desired => {
+                    let version: String = map.next_value()?;
+                    if version != V1 && version != V1ALPHA1 {
+                        // Refused; read on (skipping the objects, which costs no memory) for
+                        // the uid the answer must carry.
+                        let why = ConversionError::UnknownTarget(version.clone()).to_string();
+                        self.0.borrow_mut().refused = Some(why);
+                    }
+                    self.0.borrow_mut().desired = Some(version);
+                    desired = true;
+                }
+                Key::Objects if self.0.borrow().refused.is_some() => {
+                    map.next_value::<IgnoredAny>()?;
+                    objects = true;
+                }
+                Key::Objects => {
+                    if !desired {
+                        self.0.borrow_mut().refused = Some(
+                            "the ConversionReview's request lists its objects before its desiredAPIVersion; cnat converts them as they come, in the order kube-apiserver sends them".into(),
+                        );
+                        return Err(stop());
+                    }
+                    map.next_value_seed(Objects(self.0))?;
+                    objects = true;
+                }
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        let missing = [(uid, "uid"), (desired, "desiredAPIVersion"), (objects, "objects")]
+            .into_iter()
+            .find(|(present, _)| !present);
+        if let Some((_, field)) = missing.filter(|_| self.0.borrow().refused.is_none()) {
+            self.0.borrow_mut().refused = Some(format!(
+                "the body is not a ConversionReview: missing field `{field}`"
+            ));
+            return Err(stop());
+        }
+        Ok(())
+    }
+}
+
+struct Objects<'a, W>(&'a RefCell<State<W>>);
+
+impl<'de, W: Write> DeserializeSeed<'de> for Objects<'_, W> {
+    type Value = ();
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de, W: Write> Visitor<'de> for Objects<'_, W> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a list of objects")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        for index in 0.. {
+            let budget = Budget::new(OBJECT_BUDGET);
+            let object = match seq.next_element_seed(budget.value()) {
+                Ok(Some(object)) => object,
+                Ok(None) => return Ok(()),
+                Err(error) => {
+                    let why = format!("object {index}: {error}");
+                    self.0.borrow_mut().refused = Some(why);
+                    return Err(stop());
+                }
+            };
+            let mut state = self.0.borrow_mut();
+            let desired = state.desired.clone().unwrap_or_default();
+            match convert(index, object, &desired) {
+                Ok(converted) => {
+                    if let Err(error) = state.out.object(&converted) {
+                        state.refused = Some(format!("writing the answer: {error}"));
+                        return Err(stop());
+                    }
+                    state.converted += 1;
+                }
+                Err(error) => {
+                    state.refused = Some(error.to_string());
+                    return Err(stop());
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::core::conversion::ConversionReview;
+    use serde_json::{json, Value};
+
+    fn run(body: &[u8]) -> (Result<Answered, String>, Vec<u8>) {
+        let mut out = Vec::new();
+        let answered = answer(body, &mut out).map_err(|e| e.to_string());
+        (answered, out)
+    }
+
+    fn at(name: &str) -> Value {
+        json!({"apiVersion": V1ALPHA1, "kind": "At", "metadata": {"name": name},
+               "spec": {"schedule": "s", "command": "c", "image": "busybox"}})
+    }
+
+    #[test]
+    fn every_object_is_converted_in_order_and_the_answer_is_a_review() {
+        let objects: Vec<Value> = (0..300).map(|i| at(&format!("at-{i}"))).collect();
+        let body = json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
+            "request": {"uid": "u-1", "desiredAPIVersion": V1, "objects": objects}});
+        let (answered, out) = run(&serde_json::to_vec(&body).unwrap());
+        assert_eq!(answered, Ok(Answered::Converted(300)));
+        let review: ConversionReview = serde_json::from_slice(&out).unwrap();
+        let response = review.response.unwrap();
+        assert_eq!(response.uid, "u-1");
+        assert_eq!(response.converted_objects.len(), 300);
+        assert_eq!(response.converted_objects[7]["metadata"]["name"], "at-7");
+        assert_eq!(response.converted_objects[7]["spec"]["template"]["image"], "busybox");
+    }
+
+    #[test]
+    fn an_empty_list_is_converted() {
+        let body = br#"{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview","request":{"uid":"u","desiredAPIVersion":"cnat.programming-kubernetes.info/v1","objects":[]}}"#;
+        let (answered, out) = run(body);
+        assert_eq!(answered, Ok(Answered::Converted(0)));
+        let review: ConversionReview = serde_json::from_slice(&out).unwrap();
+        assert!(review.response.unwrap().converted_objects.is_empty());
+    }
+
+    #[test]
+    fn a_list_of_non_objects_is_refused_at_its_first_element_without_reading_on() {
+        // 60 MB of `0,` would follow; the reader is asked for no more than the first buffers.
+        struct Zeros {
+            given: usize,
+        }
+        impl Read for Zeros {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                let head = br#"{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview","request":{"uid":"u-2","desiredAPIVersion":"cnat.programming-kubernetes.info/v1","objects":["#;
+                let n = buf.len().min(4096);
+                for (i, byte) in buf[..n].iter_mut().enumerate() {
+                    let at = self.given + i;
+                    *byte = head.get(at).copied().unwrap_or(if at % 2 == 0 { b'0' } else { b',' });
+                }
+                self.given += n;
+                assert!(self.given < 1 << 20, "read on past the first object");
+                Ok(n)
+            }
+        }
+        let mut out = Vec::new();
+        let answered = answer(Zeros { given: 0 }, &mut out).unwrap();
+        assert!(
+            matches!(&answered, Answered::Refused(why) if why.contains("object 0 is not a JSON object but a number")),
+            "{answered:?}"
+        );
+        let review: ConversionReview = serde_json::from_slice(&out).unwrap();
+        let response = review.response.unwrap();
+        assert_eq!(response.uid, "u-2");
+        assert_eq!(response.result.status, Some(kube::core::response::StatusSummary::Failure));
+    }
+
+    #[test]
+    fn an_object_past_its_budget_is_refused_before_it_is_built() {
+        let huge = format!(
+            r#"{{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview","request":{{"uid":"u","desiredAPIVersion":"{V1}","objects":[{{"spec":[{}0]}}]}}}}"#,
+            "0,".repeat(300_000)
+        );
+        let (answered, _) = run(huge.as_bytes());
+        let Ok(Answered::Refused(why)) = answered else {
+            panic!("{answered:?}")
+        };
+        assert!(why.starts_with("object 0: the value takes more than 16384 KiB"), "{why}");
+    }
+
+    #[test]
+    fn objects_before_the_version_wanted_are_refused_and_the_uid_may_come_last() {
+        let object = serde_json::to_string(&at("a")).unwrap();
+        let text = format!(
+            r#"{{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview","request":{{"objects":[{object}],"uid":"u","desiredAPIVersion":"{V1}"}}}}"#
+        );
+        let (answered, out) = run(text.as_bytes());
+        assert!(
+            matches!(&answered, Ok(Answered::Refused(why)) if why.contains("lists its objects before its desiredAPIVersion")),
+            "{answered:?}"
+        );
+        let review: ConversionReview = serde_json::from_slice(&out).unwrap();
+        let failure = Some(kube::core::response::StatusSummary::Failure);
+        assert_eq!(review.response.unwrap().result.status, failure);
+        let text = format!(
+            r#"{{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview","request":{{"desiredAPIVersion":"{V1}","objects":[{object}],"uid":"u-last"}}}}"#
+        );
+        let (answered, out) = run(text.as_bytes());
+        assert_eq!(answered, Ok(Answered::Converted(1)));
+        let review: ConversionReview = serde_json::from_slice(&out).unwrap();
+        assert_eq!(review.response.unwrap().uid, "u-last");
+    }
+
+    #[test]
+    fn a_bad_object_after_good_ones_breaks_the_answer_instead_of_cutting_the_list() {
+        let body = json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
+            "request": {"uid": "u", "desiredAPIVersion": V1, "objects": [at("a"), 7]}});
+        let (answered, out) = run(&serde_json::to_vec(&body).unwrap());
+        let error = answered.unwrap_err();
+        assert!(error.contains("after 1 objects were converted"), "{error}");
+        assert!(serde_json::from_slice::<Value>(&out).is_err(), "no complete review was written");
+    }
+
+    #[test]
+    fn trailing_bytes_after_the_review_break_it() {
+        let body = json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
+            "request": {"uid": "u", "desiredAPIVersion": V1, "objects": [at("a")]}});
+        let mut text = serde_json::to_vec(&body).unwrap();
+        text.extend_from_slice(b" {}");
+        assert!(run(&text).0.is_err());
+    }
+}
