@@ -41,7 +41,12 @@ pub fn slots() -> Arc<Slots> {
 }
 
 /// Answers the ConversionReview in `body` from `client`.
-pub async fn convert(slots: &Arc<Slots>, metrics: Arc<Metrics>, client: IpAddr, body: Body) -> Response {
+pub async fn convert(
+    slots: &Arc<Slots>,
+    metrics: Arc<Metrics>,
+    client: IpAddr,
+    body: Body,
+) -> Response {
     let started = Instant::now();
     let Some(slot) = slots.wait_n(client, 1, started + SLOT_WAIT).await else {
         return (
@@ -52,9 +57,9 @@ pub async fn convert(slots: &Arc<Slots>, metrics: Arc<Metrics>, client: IpAddr, 
             .into_response();
     };
     let deadline = started + DEADLINE;
-    let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(
-        Box::pin(within(body, deadline)),
-    ));
+    let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(Box::pin(
+        within(body, deadline),
+    )));
     let (sender, answer) = mpsc::channel(CHUNKS);
     let runtime = tokio::runtime::Handle::current();
     tokio::task::spawn_blocking(move || {
@@ -129,13 +134,20 @@ impl Chunks {
             return Ok(());
         }
         let chunk = self.buffer.split().freeze();
-        let sent = self
-            .runtime
-            .block_on(tokio::time::timeout_at(self.deadline, self.sender.send(Ok(chunk))));
+        let sent = self.runtime.block_on(tokio::time::timeout_at(
+            self.deadline,
+            self.sender.send(Ok(chunk)),
+        ));
         match sent {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(_)) => Err(io::Error::new(io::ErrorKind::BrokenPipe, "the caller went away")),
-            Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "the caller did not read the answer in time")),
+            Ok(Err(_)) => Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the caller went away",
+            )),
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the caller did not read the answer in time",
+            )),
         }
     }
 }

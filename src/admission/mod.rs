@@ -7,6 +7,7 @@
 //! - `defaulting`: the mutating webhook's defaults as RFC 6902 JSON patches; pure.
 //! - `review`: an AdmissionReview's envelope, decoded straight into its request.
 //! - `mutating_review`: the part of an AdmissionReview the mutating webhook reads.
+//! - `validating_review`: the part the validating webhook reads when its fast path cannot.
 //! - `access_review`: the escalation guard: an At's author must be allowed to create its pod.
 //! - `check`: `cnat check`: the validating webhook's rules, offline, over manifest files.
 
@@ -16,6 +17,7 @@ pub mod conversion_webhook;
 pub mod defaulting;
 pub mod mutating_review;
 pub mod review;
+pub mod validating_review;
 pub mod validation;
 pub mod webhook;
 

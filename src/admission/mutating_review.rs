@@ -6,8 +6,10 @@
 //! webhook bench. The API server has checked the object's metadata before any webhook sees it.
 
 use crate::admission::review::Envelope;
+use crate::serving::bounded::{self, Budget};
 use kube::core::admission::Operation;
 use kube::core::GroupVersionKind;
+use serde::de::{DeserializeSeed, Visitor};
 use serde::{Deserialize, Deserializer};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -49,9 +51,32 @@ pub struct Metadata {
     pub labels: Option<BTreeMap<String, String>>,
 }
 
+/// A field that is an object or `null` (present either way), decoded within
+/// [`FIELD_BUDGET`]; anything else is refused at its first byte.
 fn present<'de, D: Deserializer<'de>>(value: D) -> Result<Option<Value>, D::Error> {
-    Value::deserialize(value).map(Some)
+    struct ObjectOrNull<'a>(&'a Budget);
+    impl<'de> Visitor<'de> for ObjectOrNull<'_> {
+        type Value = Value;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object or null")
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_none<E: serde::de::Error>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+            bounded::Object(self.0).deserialize(d).map(Value::Object)
+        }
+    }
+    let budget = Budget::new(FIELD_BUDGET);
+    value.deserialize_option(ObjectOrNull(&budget)).map(Some)
 }
+
+/// What an object's spec or status may take in memory, decoded: many times what any At needs,
+/// and a bound on a made-up one.
+pub const FIELD_BUDGET: usize = 8 << 20;
 
 impl Object {
     /// `spec` and `status` as they were in the object (absent ones absent), at the paths the
@@ -168,6 +193,20 @@ mod tests {
         let mut labels = review.clone();
         labels["request"]["object"]["metadata"]["labels"] = serde_json::json!({"a": 1});
         assert!(decode(&serde_json::to_vec(&labels).unwrap()).is_err());
+        // A spec or status that is not an object is refused while decoding, however long.
+        for field in ["spec", "status"] {
+            let mut array = review.clone();
+            array["request"]["object"][field] = Value::Array(vec![0.into(); 100_000]);
+            let refused = decode(&serde_json::to_vec(&array).unwrap()).unwrap_err();
+            assert!(
+                refused.contains("invalid type: sequence, expected a JSON object"),
+                "{field}: {refused}"
+            );
+        }
+        let mut huge = review.clone();
+        huge["request"]["object"]["spec"]["x"] = Value::Array(vec![0.into(); 200_000]);
+        let refused = decode(&serde_json::to_vec(&huge).unwrap()).unwrap_err();
+        assert!(refused.contains("more than any At needs"), "{refused}");
         assert!(decode(b"not json").is_err());
     }
 }

@@ -30,8 +30,19 @@ impl<R: DeserializeOwned> Envelope<R> {
 
     /// The request, or why there is none.
     pub fn request(self) -> Result<R, String> {
-        self.request
-            .ok_or_else(|| "the AdmissionReview has no request".to_owned())
+        self.split().map(|(_, request)| request)
+    }
+
+    /// The review's type fields and its request, or why there is no request.
+    pub fn split(self) -> Result<(TypeMeta, R), String> {
+        let types = TypeMeta {
+            api_version: self.api_version,
+            kind: self.kind,
+        };
+        let request = self
+            .request
+            .ok_or_else(|| "the AdmissionReview has no request".to_owned())?;
+        Ok((types, request))
     }
 }
 
@@ -40,12 +51,8 @@ where
     AdmissionRequest<T>: DeserializeOwned,
 {
     /// The request, with the review's type fields as kube's conversion sets them.
-    pub fn admission_request(mut self) -> Result<AdmissionRequest<T>, String> {
-        let types = TypeMeta {
-            api_version: std::mem::take(&mut self.api_version),
-            kind: std::mem::take(&mut self.kind),
-        };
-        let mut request = self.request()?;
+    pub fn admission_request(self) -> Result<AdmissionRequest<T>, String> {
+        let (types, mut request) = self.split()?;
         request.types = types;
         Ok(request)
     }

@@ -9,6 +9,7 @@ use crate::admission::conversion_webhook;
 use crate::admission::defaulting::{self, Target};
 use crate::admission::mutating_review;
 use crate::admission::review::Envelope;
+use crate::admission::validating_review;
 use crate::admission::validation;
 use crate::api::{At, GROUP};
 use crate::observability::metrics::{AdmissionLabels, Metrics};
@@ -24,7 +25,7 @@ use axum_server::tls_rustls::{RustlsAcceptor, RustlsConfig};
 use axum_server::Handle;
 use base64::Engine;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
-use kube::core::{DynamicObject, GroupVersionKind, Resource};
+use kube::core::{GroupVersionKind, Resource};
 use opentelemetry::trace::Status;
 use opentelemetry_http::HeaderExtractor;
 use std::net::{IpAddr, SocketAddr};
@@ -88,7 +89,9 @@ pub fn router(shared: Shared) -> Router {
                 let client = client_of(&request);
                 let headers = request.headers().clone();
                 match read_body(&served.bodies, client, request).await {
-                    Ok((body, _budget)) => admit(name, review, &served.shared, &headers, &body).await,
+                    Ok((body, _budget)) => {
+                        admit(name, review, &served.shared, &headers, &body).await
+                    }
                     Err(refused) => refused,
                 }
             },
@@ -103,7 +106,13 @@ pub fn router(shared: Shared) -> Router {
                 |State(served): State<Served>, request: axum::extract::Request| async move {
                     let client = client_of(&request);
                     let metrics = served.shared.metrics.clone();
-                    conversion_webhook::convert(&served.conversions, metrics, client, request.into_body()).await
+                    conversion_webhook::convert(
+                        &served.conversions,
+                        metrics,
+                        client,
+                        request.into_body(),
+                    )
+                    .await
                 },
             ),
         )
@@ -134,7 +143,10 @@ async fn read_body(
     let too_large = || {
         (
             StatusCode::PAYLOAD_TOO_LARGE,
-            format!("cnat: an AdmissionReview is at most {} MiB\n", MAX_BODY >> 20),
+            format!(
+                "cnat: an AdmissionReview is at most {} MiB\n",
+                MAX_BODY >> 20
+            ),
         )
             .into_response()
     };
@@ -365,56 +377,144 @@ fn encode(mut response: AdmissionResponse) -> Vec<u8> {
     serde_json::to_vec(&review).unwrap_or_default()
 }
 
-/// The request inside an `admission.k8s.io/v1` AdmissionReview.
-fn decode(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, String> {
-    Envelope::from_slice(body)?.admission_request()
-}
-
 /// The validating webhook for an AdmissionReview body: denies an invalid At, a spec change
-/// after it started, and a status phase that goes back. Bodies that hold an At decode straight
-/// into one (the fast path); anything else is decoded generically to say why it is refused.
+/// after it started, and a status phase that goes back; says whose permission to create pods a
+/// create or spec change needs (the escalation guard). A `v1` At decodes straight into kube's
+/// request (the fast path); every other review is decoded once within bounds
+/// (`validating_review`) and judged by the same rules, an At whose stored copy cnat cannot read
+/// included.
 pub fn validating(body: &[u8]) -> Result<Verdict, String> {
     let typed = Envelope::<AdmissionRequest<At>>::from_slice(body)
         .and_then(Envelope::admission_request)
         .ok()
-        .filter(|r| r.kind.version != "v1alpha1");
-    let (typed, older) = match typed {
-        Some(request) => (Some(request), false),
-        None => (upgraded(body), true),
+        .filter(|r| r.kind.version != "v1alpha1" && concerns_ats(&r.kind));
+    if let Some(request) = typed {
+        return Ok(judge(&request, false));
+    }
+    let (types, request) = validating_review::decode(body)?;
+    Ok(judge_lean(types, request))
+}
+
+/// The verdict on a decoded At review; `older` for a `v1alpha1` one (messages then name its
+/// fields).
+fn judge(request: &AdmissionRequest<At>, older: bool) -> Verdict {
+    let mut response = validate(request);
+    if older {
+        // The rules name v1's fields; a v1alpha1 writer has them in `spec` itself.
+        response.result.message = crate::conversion::in_v1alpha1_terms(&response.result.message);
+    }
+    let mut verdict = Verdict::on(request, response);
+    verdict.access = runs_pod_for(request);
+    verdict
+}
+
+/// The verdict on a review the fast path could not take.
+fn judge_lean(types: kube::core::TypeMeta, request: validating_review::Request) -> Verdict {
+    let mut response = allowed(&request.uid);
+    response.types = types.clone();
+    let about = |response| {
+        let (namespace, name) = (request.namespace.clone(), request.name.clone());
+        Verdict::about(&request.kind, &request.operation, namespace, name, response)
     };
-    match typed {
-        Some(request) if concerns_ats(&request.kind) => {
-            let mut response = validate(&request);
-            if older {
-                // The rules name v1's fields; a v1alpha1 writer has them in `spec` itself.
-                response.result.message =
-                    crate::conversion::in_v1alpha1_terms(&response.result.message);
-            }
-            let mut verdict = Verdict::on(&request, response);
-            verdict.access = runs_pod_for(&request);
-            Ok(verdict)
+    if !concerns_ats(&request.kind) {
+        let kind = &request.kind;
+        return about(response.deny(format!(
+            "cnat reviews only {GROUP} At objects (v1, v1alpha1), not {}/{} {}; check the webhook's rules",
+            kind.group, kind.version, kind.kind
+        )));
+    }
+    if !writes(&request.operation) {
+        return about(response);
+    }
+    let Some(object) = request.object.clone() else {
+        return about(response.deny("the AdmissionReview has no object to review"));
+    };
+    let older = request.kind.version == "v1alpha1";
+    let at = match as_at(object.clone()) {
+        Ok(at) => at,
+        Err(why) => return about(response.deny(why)),
+    };
+    match request.old_object.clone().map(as_at) {
+        Some(Err(_)) => judge_unreadable_update(&request, &at, &object, response, older),
+        old => {
+            let request = AdmissionRequest {
+                types,
+                uid: request.uid,
+                kind: request.kind,
+                resource: request.resource,
+                sub_resource: request.sub_resource,
+                request_kind: None,
+                request_resource: None,
+                request_sub_resource: None,
+                name: request.name,
+                namespace: request.namespace,
+                operation: request.operation,
+                user_info: request.user_info,
+                object: Some(at),
+                old_object: old.and_then(Result::ok),
+                dry_run: request.dry_run,
+                options: None,
+            };
+            judge(&request, older)
         }
-        _ => decode(body).map(|request| Verdict::on(&request, refuse(&request))),
     }
 }
 
-/// A v1alpha1 AdmissionReview's request with its objects converted to v1 (`None` for anything
-/// else, or what does not convert).
-fn upgraded(body: &[u8]) -> Option<AdmissionRequest<At>> {
-    let mut review: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let request = review.get_mut("request")?;
-    if request.get("kind")?.get("version")?.as_str()? != "v1alpha1" {
-        return None;
+/// An update of an At whose stored copy does not decode as one (the operator's `Unreadable`
+/// event asks its owner to fix it with `kubectl edit`). What runs may change only as on any
+/// At: the spec stays frozen once the stored copy says it started (or says nothing cnat can
+/// read as "not started"), and a spec change is the fix, checked whole, by someone who may
+/// create pods there (the escalation guard). Metadata and status edits leave what runs as it
+/// is and pass.
+fn judge_unreadable_update(
+    request: &validating_review::Request,
+    at: &At,
+    object: &serde_json::Value,
+    response: AdmissionResponse,
+    older: bool,
+) -> Verdict {
+    let verdict = |response| {
+        let (namespace, name) = (request.namespace.clone(), request.name.clone());
+        Verdict::about(&request.kind, &request.operation, namespace, name, response)
+    };
+    let in_terms = |message: String| match older {
+        true => crate::conversion::in_v1alpha1_terms(&message),
+        false => message,
+    };
+    let old = request.old_object.as_ref();
+    let spec_of = |object: &serde_json::Value| {
+        crate::conversion::convert(0, object.clone(), crate::conversion::V1)
+            .ok()
+            .and_then(|v1| v1.get("spec").cloned())
+    };
+    let (new_spec, old_spec) = (spec_of(object), old.and_then(spec_of));
+    let spec_changes = new_spec.is_none() || new_spec != old_spec;
+    if is_status(request.sub_resource.as_deref()) || !spec_changes {
+        return verdict(response);
     }
-    for field in ["object", "oldObject"] {
-        if let Some(object) = request.get_mut(field).filter(|o| o.is_object()) {
-            *object = crate::conversion::convert(0, object.take(), crate::conversion::V1).ok()?;
-        }
+    let phase = old.and_then(|old| old.pointer("/status/phase"));
+    let not_started = match phase {
+        None => true,
+        Some(phase) => matches!(phase.as_str(), Some("Pending" | "PENDING")),
+    };
+    if !not_started {
+        let phase = phase.map_or_else(String::new, |p| p.to_string());
+        return verdict(response.deny(in_terms(format!(
+            "spec: cannot change: the stored At does not decode as an At and its status.phase is {phase}, so its command may have run, and changing the spec cannot undo that; create a new At instead"
+        ))));
     }
-    serde_json::from_value::<Envelope<AdmissionRequest<At>>>(review)
-        .ok()?
-        .admission_request()
-        .ok()
+    let problems = validation::spec_problems(at, None);
+    let response = match problems.is_empty() {
+        true => response,
+        false => response.deny(in_terms(validation::summary(at, &problems))),
+    };
+    let mut verdict = verdict(response);
+    let namespace = request
+        .namespace
+        .clone()
+        .or_else(|| at.metadata.namespace.clone());
+    verdict.access = namespace.map(|namespace| (request.user_info.clone(), namespace));
+    verdict
 }
 
 /// Whose permission to create pods, where, an At write needs: a create, or an update that
@@ -453,43 +553,6 @@ fn validate(request: &AdmissionRequest<At>) -> AdmissionResponse {
         response
     } else {
         response.deny(validation::summary(at, &problems))
-    }
-}
-
-/// A review the fast path could not take: not an At, or an At that does not decode as one.
-fn refuse(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
-    let response = AdmissionResponse::from(request);
-    if !concerns_ats(&request.kind) {
-        let kind = &request.kind;
-        return response.deny(format!(
-            "cnat reviews only {GROUP} At objects (v1, v1alpha1), not {}/{} {}; check the webhook's rules",
-            kind.group, kind.version, kind.kind
-        ));
-    }
-    match request
-        .object
-        .as_ref()
-        .filter(|_| writes(&request.operation))
-    {
-        // The fast path could not take it (e.g. an update of an At whose stored copy cnat cannot
-        // read): the new object is checked on its own, whole, never allowed unreviewed.
-        Some(object) => match as_at(object) {
-            Ok(at) => {
-                let problems = validation::spec_problems(&at, None);
-                if problems.is_empty() {
-                    return response;
-                }
-                let summary = validation::summary(&at, &problems);
-                match object.types.as_ref() {
-                    Some(t) if t.api_version == crate::conversion::V1ALPHA1 => {
-                        response.deny(crate::conversion::in_v1alpha1_terms(&summary))
-                    }
-                    _ => response.deny(summary),
-                }
-            }
-            Err(why) => response.deny(why),
-        },
-        None => refuse_untyped(request, response),
     }
 }
 
@@ -581,9 +644,8 @@ fn is_status(sub_resource: Option<&str>) -> bool {
 }
 
 /// `object` as a v1 At (converted first when it is a v1alpha1 one).
-fn as_at(object: &DynamicObject) -> Result<At, String> {
-    let value = serde_json::to_value(object).map_err(|e| e.to_string())?;
-    let value = crate::conversion::convert(0, value, crate::conversion::V1)
+fn as_at(object: serde_json::Value) -> Result<At, String> {
+    let value = crate::conversion::convert(0, object, crate::conversion::V1)
         .map_err(|e| format!("the object is not a valid At: {e}"))?;
     serde_json::from_value(value).map_err(|e| format!("the object is not a valid At: {e}"))
 }

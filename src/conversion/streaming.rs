@@ -71,8 +71,12 @@ pub fn answer(body: impl Read, out: impl Write) -> Result<Answered, Broken> {
             return Err(midway(&state, error.to_string()));
         }
         (Ok(()), None) => match (state.types, state.request) {
-            ((false, _), _) => Some("the body is not a ConversionReview: missing field `apiVersion`".into()),
-            ((_, false), _) => Some("the body is not a ConversionReview: missing field `kind`".into()),
+            ((false, _), _) => {
+                Some("the body is not a ConversionReview: missing field `apiVersion`".into())
+            }
+            ((_, false), _) => {
+                Some("the body is not a ConversionReview: missing field `kind`".into())
+            }
             (_, false) => Some("the ConversionReview has no request".into()),
             _ => None,
         },
@@ -289,9 +293,13 @@ impl<'de, W: Write> Visitor<'de> for Request<'_, W> {
                 }
             }
         }
-        let missing = [(uid, "uid"), (desired, "desiredAPIVersion"), (objects, "objects")]
-            .into_iter()
-            .find(|(present, _)| !present);
+        let missing = [
+            (uid, "uid"),
+            (desired, "desiredAPIVersion"),
+            (objects, "objects"),
+        ]
+        .into_iter()
+        .find(|(present, _)| !present);
         if let Some((_, field)) = missing.filter(|_| self.0.borrow().refused.is_none()) {
             self.0.borrow_mut().refused = Some(format!(
                 "the body is not a ConversionReview: missing field `{field}`"
@@ -379,7 +387,10 @@ mod tests {
         assert_eq!(response.uid, "u-1");
         assert_eq!(response.converted_objects.len(), 300);
         assert_eq!(response.converted_objects[7]["metadata"]["name"], "at-7");
-        assert_eq!(response.converted_objects[7]["spec"]["template"]["image"], "busybox");
+        assert_eq!(
+            response.converted_objects[7]["spec"]["template"]["image"],
+            "busybox"
+        );
     }
 
     #[test]
@@ -403,7 +414,10 @@ mod tests {
                 let n = buf.len().min(4096);
                 for (i, byte) in buf[..n].iter_mut().enumerate() {
                     let at = self.given + i;
-                    *byte = head.get(at).copied().unwrap_or(if at % 2 == 0 { b'0' } else { b',' });
+                    *byte = head
+                        .get(at)
+                        .copied()
+                        .unwrap_or(if at % 2 == 0 { b'0' } else { b',' });
                 }
                 self.given += n;
                 assert!(self.given < 1 << 20, "read on past the first object");
@@ -419,7 +433,10 @@ mod tests {
         let review: ConversionReview = serde_json::from_slice(&out).unwrap();
         let response = review.response.unwrap();
         assert_eq!(response.uid, "u-2");
-        assert_eq!(response.result.status, Some(kube::core::response::StatusSummary::Failure));
+        assert_eq!(
+            response.result.status,
+            Some(kube::core::response::StatusSummary::Failure)
+        );
     }
 
     #[test]
@@ -432,7 +449,10 @@ mod tests {
         let Ok(Answered::Refused(why)) = answered else {
             panic!("{answered:?}")
         };
-        assert!(why.starts_with("object 0: the value takes more than 16384 KiB"), "{why}");
+        assert!(
+            why.starts_with("object 0: the value takes more than 16384 KiB"),
+            "{why}"
+        );
     }
 
     #[test]
@@ -465,7 +485,10 @@ mod tests {
         let (answered, out) = run(&serde_json::to_vec(&body).unwrap());
         let error = answered.unwrap_err();
         assert!(error.contains("after 1 objects were converted"), "{error}");
-        assert!(serde_json::from_slice::<Value>(&out).is_err(), "no complete review was written");
+        assert!(
+            serde_json::from_slice::<Value>(&out).is_err(),
+            "no complete review was written"
+        );
     }
 
     #[test]

@@ -551,7 +551,10 @@ impl Elector {
         async move {
             let sent = Instant::now();
             let patch = record::renew_patch(&version, wall);
-            match leases.swap_within(&patch, limit.max(MIN_RENEWAL_WAIT)).await {
+            match leases
+                .swap_within(&patch, limit.max(MIN_RENEWAL_WAIT))
+                .await
+            {
                 Ok(Written::Done(lease)) => Renewal::Renewed(held(&lease, sent)),
                 Ok(Written::Missing) => Renewal::Gone(None),
                 Ok(Written::Conflict) => match leases.get().await {

@@ -98,7 +98,13 @@ impl LeaseApi {
     pub async fn swap_within(&self, patch: &Value, limit: Duration) -> Result<Written, LeaseError> {
         debug_assert!(patch["metadata"]["resourceVersion"].is_string());
         let params = PatchParams::default();
-        answer(within(limit, self.api.patch(&self.name, &params, &Patch::Merge(patch))).await)
+        answer(
+            within(
+                limit,
+                self.api.patch(&self.name, &params, &Patch::Merge(patch)),
+            )
+            .await,
+        )
     }
 
     /// Every change of the Lease (`fieldSelector=metadata.name=<name>`), as `Some(lease)`, or

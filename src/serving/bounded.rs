@@ -139,7 +139,10 @@ pub struct Object<'a>(pub &'a Budget);
 impl<'de> DeserializeSeed<'de> for Object<'_> {
     type Value = Map<String, Value>;
 
-    fn deserialize<D: de::Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+    fn deserialize<D: de::Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> Result<Self::Value, D::Error> {
         deserializer.deserialize_map(self)
     }
 }
@@ -189,7 +192,10 @@ mod tests {
             "{refused}"
         );
         let fits = format!("[{}0]", "0,".repeat(10_000));
-        assert_eq!(decode(&fits, 1 << 20).unwrap().as_array().unwrap().len(), 10_001);
+        assert_eq!(
+            decode(&fits, 1 << 20).unwrap().as_array().unwrap().len(),
+            10_001
+        );
     }
 
     #[test]
@@ -204,7 +210,10 @@ mod tests {
         let budget = Budget::new(1 << 20);
         for text in ["[1]", "0", "\"spec\"", "null"] {
             let mut deserializer = serde_json::Deserializer::from_str(text);
-            assert!(Object(&budget).deserialize(&mut deserializer).is_err(), "{text}");
+            assert!(
+                Object(&budget).deserialize(&mut deserializer).is_err(),
+                "{text}"
+            );
         }
         let mut deserializer = serde_json::Deserializer::from_str(r#"{"a": 1}"#);
         let object = Object(&budget).deserialize(&mut deserializer).unwrap();

@@ -211,7 +211,10 @@ where
     >;
 
     fn accept(&self, stream: TcpStream, service: S) -> Self::Future {
-        let permit = stream.peer_addr().ok().and_then(|peer| self.slots.take(peer.ip()));
+        let permit = stream
+            .peer_addr()
+            .ok()
+            .and_then(|peer| self.slots.take(peer.ip()));
         let inner = self.inner.clone();
         Box::pin(async move {
             let Some(permit) = permit else {

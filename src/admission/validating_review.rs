@@ -1,0 +1,144 @@
+//! What the validating webhook reads of a review its fast path (a `v1` At decoded straight
+//! into kube's `AdmissionRequest<At>`) could not take: a `v1alpha1` At, an object that does not
+//! decode as an At, or another kind. Decoded once, with the objects as JSON within a budget
+//! each (`serving::bounded`), and everything else of the review (options, managedFields are
+//! part of the objects) skipped or typed: so a made-up body costs a bounded multiple of what it
+//! holds, whatever its shape.
+
+use crate::admission::review::Envelope;
+use crate::serving::bounded::{self, Budget};
+use k8s_openapi::api::authentication::v1::UserInfo;
+use kube::core::admission::Operation;
+use kube::core::{GroupVersionKind, GroupVersionResource, TypeMeta};
+use serde::de::{DeserializeSeed, Visitor};
+use serde::{Deserialize, Deserializer};
+use serde_json::Value;
+
+/// What one object of a review may take in memory, decoded (as `mutating_review`'s fields).
+pub const OBJECT_BUDGET: usize = 8 << 20;
+
+/// The request's fields the validating webhook uses.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Request {
+    pub uid: String,
+    pub kind: GroupVersionKind,
+    pub resource: GroupVersionResource,
+    #[serde(default)]
+    pub sub_resource: Option<String>,
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub namespace: Option<String>,
+    pub operation: Operation,
+    pub user_info: UserInfo,
+    #[serde(default, deserialize_with = "object")]
+    pub object: Option<Value>,
+    #[serde(default, deserialize_with = "object")]
+    pub old_object: Option<Value>,
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+/// An object, or `null` (`None`), decoded within [`OBJECT_BUDGET`]; anything else is refused
+/// at its first byte.
+fn object<'de, D: Deserializer<'de>>(value: D) -> Result<Option<Value>, D::Error> {
+    struct ObjectOrNull<'a>(&'a Budget);
+    impl<'de> Visitor<'de> for ObjectOrNull<'_> {
+        type Value = Option<Value>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object or null")
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            bounded::Object(self.0)
+                .deserialize(d)
+                .map(|fields| Some(Value::Object(fields)))
+        }
+    }
+    let budget = Budget::new(OBJECT_BUDGET);
+    value.deserialize_option(ObjectOrNull(&budget))
+}
+
+/// The review's type fields and its request, from an `admission.k8s.io/v1` AdmissionReview.
+pub fn decode(body: &[u8]) -> Result<(TypeMeta, Request), String> {
+    Envelope::from_slice(body)?.split()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_capture_reads_as_kube_s_full_decode() {
+        use kube::core::admission::{AdmissionRequest, AdmissionReview};
+        use kube::core::DynamicObject;
+        for name in crate::admission::CAPTURED_REVIEWS {
+            let body = serde_json::to_vec(&crate::admission::captured_review(name)).unwrap();
+            let kube: AdmissionReview<DynamicObject> = serde_json::from_slice(&body).unwrap();
+            let kube: AdmissionRequest<DynamicObject> = kube.try_into().unwrap();
+            let (types, ours) = decode(&body).unwrap();
+            assert_eq!(types, kube.types, "{name}");
+            assert_eq!(
+                (
+                    &ours.uid,
+                    &ours.kind,
+                    &ours.sub_resource,
+                    &ours.name,
+                    &ours.namespace
+                ),
+                (
+                    &kube.uid,
+                    &kube.kind,
+                    &kube.sub_resource,
+                    &kube.name,
+                    &kube.namespace
+                ),
+                "{name}"
+            );
+            assert_eq!(
+                (&ours.operation, ours.dry_run),
+                (&kube.operation, kube.dry_run),
+                "{name}"
+            );
+            assert_eq!(ours.user_info, kube.user_info, "{name}");
+            // The objects as they are in the review, nulls included.
+            let review = crate::admission::captured_review(name);
+            let raw = |field: &str| Some(review["request"][field].clone()).filter(|o| !o.is_null());
+            assert_eq!(ours.object, raw("object"), "{name}");
+            assert_eq!(ours.old_object, raw("oldObject"), "{name}");
+        }
+    }
+
+    #[test]
+    fn objects_of_the_wrong_shape_or_past_the_budget_are_refused_while_decoding() {
+        let review = crate::admission::captured_review("validating-update.json");
+        for bad in [
+            Value::Array(vec![0.into(); 100_000]),
+            Value::from(7),
+            Value::from("x"),
+        ] {
+            let mut broken = review.clone();
+            broken["request"]["oldObject"] = bad;
+            let refused = decode(&serde_json::to_vec(&broken).unwrap()).unwrap_err();
+            assert!(refused.contains("expected a JSON object"), "{refused}");
+        }
+        let mut huge = review.clone();
+        huge["request"]["object"]["metadata"]["managedFields"] =
+            serde_json::json!([{"fieldsV1": vec![0; 200_000]}]);
+        let refused = decode(&serde_json::to_vec(&huge).unwrap()).unwrap_err();
+        assert!(refused.contains("more than any At needs"), "{refused}");
+        let mut null = review.clone();
+        null["request"]["oldObject"] = Value::Null;
+        assert!(decode(&serde_json::to_vec(&null).unwrap())
+            .unwrap()
+            .1
+            .old_object
+            .is_none());
+    }
+}
