@@ -18,14 +18,36 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use tokio::time::{timeout, Instant, MissedTickBehavior};
 
-/// Most cached answers; past this, expired ones are dropped, and new ones not cached while it
-/// stays full.
+/// Most cached answers, and most bytes they may hold (each holds its identity twice: the key and
+/// the question); past either, expired answers are dropped, then answers used only once (the
+/// oldest first), and a new answer that still does not fit is not cached. An answer used more
+/// than once is never dropped to make room.
 const MAX_CACHED: usize = 10_000;
+const MAX_CACHED_BYTES: usize = 16 << 20;
+
+/// The largest identity (`userInfo`: user name, uid, groups and extra, in bytes of text) the
+/// guard asks about. Kubernetes sets no bound, but a real user's is a few hundred bytes to a
+/// few KiB (an OIDC token with 200 groups, where Azure AD stops listing them, is about 8 KiB);
+/// 32 KiB is four times that. A review with more is denied without asking: it could only be
+/// made up, and each one would cost the API server a SubjectAccessReview and this replica its
+/// size twice in the cache.
+pub const MAX_USER_INFO_BYTES: usize = 32 << 10;
+
+/// Most reviews a replica sends per second, by why: for identities it has no answer for, in
+/// all and from one client address (the API server's own calls keep half however hard another
+/// caller floods); and for identities it has (refreshes by the upkeep or by requests).
+/// Together at most 140 a second on average, keep-warm included (the known budget saves up three
+/// seconds' worth, for a round of the upkeep). A request past these is denied, whatever
+/// `--access-review-on-error` says: a flood must not open the guard.
+pub const NEW_PER_SECOND: u32 = 40;
+pub const NEW_PER_SECOND_PER_CLIENT: u32 = 20;
+pub const KNOWN_PER_SECOND: u32 = 100;
 
 /// Most reviews the background upkeep starts per second, on average (a round starts this many
 /// times its period in seconds), so many identities at once cannot flood the API server: past
-/// this, the answers tried longest ago go first and the rest wait for a later round.
-const MAX_REFRESHES_PER_SECOND: u32 = 100;
+/// this, the answers tried longest ago go first and the rest wait for a later round. They are
+/// also taken from the `KNOWN_PER_SECOND` budget.
+const MAX_REFRESHES_PER_SECOND: u32 = KNOWN_PER_SECOND;
 
 /// The shortest time between two rounds of the upkeep, whatever the TTL.
 const MIN_PERIOD: Duration = Duration::from_millis(100);
@@ -94,6 +116,130 @@ pub fn denial(user: &UserInfo, namespace: &str, reason: Option<&str>) -> String 
     )
 }
 
+/// The denial for an identity over [`MAX_USER_INFO_BYTES`].
+pub fn oversized(namespace: &str, bytes: usize, groups: usize) -> String {
+    format!(
+        "cnat refuses to check an identity of {bytes} bytes ({groups} groups), over its bound of {MAX_USER_INFO_BYTES} bytes and far beyond any real user's, so it cannot tell whether you may create pods in namespace {namespace}, and an At runs a pod there; ask the cluster administrator"
+    )
+}
+
+/// The denial when the guard is asking about too many identities at once.
+pub fn busy(namespace: &str) -> String {
+    format!(
+        "cnat could not check whether you may create pods in namespace {namespace}: it is asking the API server about too many identities at once (over {NEW_PER_SECOND} new ones a second, or {NEW_PER_SECOND_PER_CLIENT} from one caller), and an At runs a pod there; try again in a few seconds"
+    )
+}
+
+/// The denial for `user` when their identity is over [`MAX_USER_INFO_BYTES`].
+fn too_large(user: &UserInfo, namespace: &str) -> Option<String> {
+    let bytes = user_info_bytes(user);
+    let groups = user.groups.as_ref().map_or(0, Vec::len);
+    (bytes > MAX_USER_INFO_BYTES).then(|| oversized(namespace, bytes, groups))
+}
+
+/// The bytes of text in `user`'s identity.
+pub fn user_info_bytes(user: &UserInfo) -> usize {
+    let text = |s: &Option<String>| s.as_ref().map_or(0, String::len);
+    let groups: usize = user.groups.iter().flatten().map(String::len).sum();
+    let extra: usize = user
+        .extra
+        .iter()
+        .flatten()
+        .map(|(key, values)| key.len() + values.iter().map(String::len).sum::<usize>())
+        .sum();
+    text(&user.username) + text(&user.uid) + groups + extra
+}
+
+/// A token bucket: `rate` a second, at most `burst` saved up. Pure: the caller says when it is.
+#[derive(Debug, Clone, Copy)]
+pub struct Bucket {
+    rate: f64,
+    burst: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    /// `rate` a second, at most `seconds` of them saved up; full at `now`.
+    pub fn new(rate: u32, seconds: u32, now: Instant) -> Self {
+        let burst = f64::from(rate) * f64::from(seconds.max(1));
+        Bucket {
+            rate: f64::from(rate),
+            burst,
+            tokens: burst,
+            at: now,
+        }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.burst);
+        self.at = now;
+    }
+
+    /// Whether a token is there at `now` (and takes it).
+    pub fn take(&mut self, now: Instant) -> bool {
+        self.refill(now);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Whole tokens there at `now`.
+    pub fn available(&mut self, now: Instant) -> usize {
+        self.refill(now);
+        self.tokens as usize
+    }
+
+    /// Whether it is full at `now` (it can be forgotten: a new one is the same).
+    fn full(&mut self, now: Instant) -> bool {
+        self.refill(now);
+        self.tokens >= self.burst
+    }
+}
+
+/// The review budgets (see [`NEW_PER_SECOND`]).
+struct Budgets {
+    new: Bucket,
+    new_by_client: HashMap<std::net::IpAddr, Bucket>,
+    known: Bucket,
+}
+
+impl Budgets {
+    fn new(now: Instant) -> Self {
+        Budgets {
+            new: Bucket::new(NEW_PER_SECOND, 1, now),
+            new_by_client: HashMap::new(),
+            // Three seconds' worth: a round of the upkeep (a quarter TTL, 2.5 s by default)
+            // may start its whole budget at once.
+            known: Bucket::new(KNOWN_PER_SECOND, 3, now),
+        }
+    }
+
+    /// A review of an identity without an answer, asked for by `client`.
+    fn take_new(&mut self, client: std::net::IpAddr, now: Instant) -> bool {
+        if self.new_by_client.len() >= 1024 {
+            self.new_by_client.retain(|_, bucket| !bucket.full(now));
+        }
+        let mine = self
+            .new_by_client
+            .entry(client)
+            .or_insert_with(|| Bucket::new(NEW_PER_SECOND_PER_CLIENT, 1, now));
+        let mut trial = *mine;
+        if !trial.take(now) || !self.new.take(now) {
+            return false;
+        }
+        *mine = trial;
+        true
+    }
+}
+
+/// Where a request came from when the caller does not say (`check`, `cached`).
+const UNKNOWN_CLIENT: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
+
 /// The message when no answer came and the guard denies.
 pub fn unanswered(namespace: &str, error: &str) -> String {
     format!(
@@ -113,6 +259,19 @@ struct Key {
 }
 
 impl Key {
+    /// What this key and its question hold, in bytes, for the cache's bound.
+    fn bytes(&self) -> usize {
+        let identity = self.user.len()
+            + self.uid.len()
+            + self.groups.iter().map(String::len).sum::<usize>()
+            + self
+                .extra
+                .iter()
+                .map(|(k, v)| k.len() + v.iter().map(String::len).sum::<usize>())
+                .sum::<usize>();
+        2 * (identity + self.namespace.len()) + 512
+    }
+
     fn new(user: &UserInfo, namespace: &str) -> Self {
         let mut groups = user.groups.clone().unwrap_or_default();
         groups.sort();
@@ -156,8 +315,11 @@ struct Answer {
     asked: Instant,
     tried: Instant,
     used: Instant,
+    /// How many requests used it (at most 2 counted: once, or more).
+    uses: u8,
     reviewed: Reviewed,
     question: SubjectAccessReview,
+    bytes: usize,
 }
 
 /// Why a review was started.
@@ -170,11 +332,55 @@ enum Trigger {
     Refresh,
 }
 
-/// Answers and the reviews in flight.
-#[derive(Default)]
+/// Answers, the reviews in flight, the bytes the answers hold and the review budgets.
 struct Reviews {
     answers: HashMap<Key, Answer>,
     asking: HashMap<Key, Asking>,
+    bytes: usize,
+    budgets: Budgets,
+}
+
+impl Reviews {
+    fn new(now: Instant) -> Self {
+        Reviews {
+            answers: HashMap::new(),
+            asking: HashMap::new(),
+            bytes: 0,
+            budgets: Budgets::new(now),
+        }
+    }
+
+    fn remove(&mut self, key: &Key) {
+        if let Some(answer) = self.answers.remove(key) {
+            self.bytes = self.bytes.saturating_sub(answer.bytes);
+        }
+    }
+
+    /// Makes room for an answer of `bytes`: expired answers go, then answers used once (the
+    /// oldest first); `false` when it still does not fit.
+    fn make_room(&mut self, bytes: usize, ttl: Duration, now: Instant) -> bool {
+        let fits = |r: &Self| r.answers.len() < MAX_CACHED && r.bytes + bytes <= MAX_CACHED_BYTES;
+        if fits(self) {
+            return true;
+        }
+        let expired: Vec<Key> = (self.answers.iter())
+            .filter(|(_, a)| now.duration_since(a.asked) >= ttl)
+            .map(|(k, _)| k.clone())
+            .collect();
+        expired.iter().for_each(|key| self.remove(key));
+        let mut once: Vec<(Instant, Key)> = (self.answers.iter())
+            .filter(|(k, a)| a.uses < 2 && !self.asking.contains_key(*k))
+            .map(|(k, a)| (a.used, k.clone()))
+            .collect();
+        once.sort_by_key(|(used, _)| *used);
+        for (_, key) in once {
+            if fits(self) {
+                break;
+            }
+            self.remove(&key);
+        }
+        fits(self)
+    }
 }
 
 /// How often the background upkeep runs (a quarter TTL, at least [`MIN_PERIOD`]) and how many
@@ -280,7 +486,7 @@ impl AccessReviewer {
             api: Api::all(client),
             settings,
             metrics,
-            reviews: Mutex::default(),
+            reviews: Mutex::new(Reviews::new(Instant::now())),
         });
         tokio::spawn(keep_warm(Arc::downgrade(&inner)));
         AccessReviewer { inner }
@@ -289,6 +495,19 @@ impl AccessReviewer {
     /// The verdict from a cached answer, without waiting: `None` when there is none (then
     /// `check`). An answer past half its life is refreshed in the background.
     pub fn cached(&self, user: &UserInfo, namespace: &str) -> Option<Result<(), String>> {
+        self.cached_for(UNKNOWN_CLIENT, user, namespace)
+    }
+
+    /// `cached`, for a request from `client` (an identity over the bound is denied at once).
+    pub fn cached_for(
+        &self,
+        _client: std::net::IpAddr,
+        user: &UserInfo,
+        namespace: &str,
+    ) -> Option<Result<(), String>> {
+        if let Some(denial) = too_large(user, namespace) {
+            return Some(Err(denial));
+        }
         let key = Key::new(user, namespace);
         let answer = self.fresh(&mut self.inner.lock(), key)?;
         Some(self.verdict(user, namespace, answer))
@@ -296,6 +515,21 @@ impl AccessReviewer {
 
     /// `Ok` when `user` may create pods in `namespace`, else the denial message.
     pub async fn check(&self, user: &UserInfo, namespace: &str) -> Result<(), String> {
+        self.check_for(UNKNOWN_CLIENT, user, namespace).await
+    }
+
+    /// `check`, for a request from `client`: a review of an identity without an answer counts
+    /// against the budgets of new identities, in all and for `client`; one that has an
+    /// expired answer against the budget of known ones (see [`NEW_PER_SECOND`]).
+    pub async fn check_for(
+        &self,
+        client: std::net::IpAddr,
+        user: &UserInfo,
+        namespace: &str,
+    ) -> Result<(), String> {
+        if let Some(denial) = too_large(user, namespace) {
+            return Err(denial);
+        }
         let key = Key::new(user, namespace);
         let asking = {
             let mut reviews = self.inner.lock();
@@ -305,6 +539,17 @@ impl AccessReviewer {
             match reviews.asking.get(&key) {
                 Some(asking) => asking.clone(),
                 None => {
+                    let now = Instant::now();
+                    let budgeted = match reviews.answers.contains_key(&key) {
+                        true => reviews.budgets.known.take(now),
+                        false => reviews.budgets.take_new(client, now),
+                    };
+                    if !budgeted {
+                        self.inner
+                            .metrics
+                            .access_reviewed("request", "refused", Duration::ZERO);
+                        return Err(busy(namespace));
+                    }
                     let question = review(user, namespace);
                     self.inner
                         .start(&mut reviews, key, question, Trigger::Request)
@@ -323,13 +568,21 @@ impl AccessReviewer {
         let now = Instant::now();
         let answer = reviews.answers.get_mut(&key)?;
         answer.used = now;
+        answer.uses = answer.uses.saturating_add(1).min(2);
         let age = now.duration_since(answer.asked);
         if age >= ttl {
             return None;
         }
         let reviewed = answer.reviewed.clone();
         let retry = retry_due(now.duration_since(answer.tried), &self.inner.settings);
-        if age >= ttl / 2 && retry && !reviews.asking.contains_key(&key) {
+        if age >= ttl / 2
+            && retry
+            && !reviews.asking.contains_key(&key)
+            && reviews.budgets.known.take(now)
+        {
+            let Some(answer) = reviews.answers.get(&key) else {
+                return Some(reviewed);
+            };
             let question = answer.question.clone();
             let _refresh = self.inner.start(reviews, key, question, Trigger::Refresh);
         }
@@ -371,7 +624,12 @@ impl Inner {
     /// longest ago first.
     fn upkeep(self: &Arc<Self>, now: Instant) {
         let mut reviews = self.lock();
-        let Reviews { answers, asking } = &mut *reviews;
+        let Reviews {
+            answers,
+            asking,
+            bytes,
+            budgets,
+        } = &mut *reviews;
         let mut due = Vec::new();
         answers.retain(|key, answer| {
             if asking.contains_key(key) {
@@ -382,18 +640,26 @@ impl Inner {
                 tried: now.duration_since(answer.tried),
                 used: now.duration_since(answer.used),
             };
-            match upkeep(since, &self.settings) {
+            let keep = match upkeep(since, &self.settings) {
                 Upkeep::Drop => false,
                 Upkeep::Refresh => {
-                    due.push((answer.tried, key.clone()));
+                    // Identities used more than once first: a flood of made-up ones, each used
+                    // once, cannot keep the answers of real users from being refreshed.
+                    due.push((answer.uses < 2, answer.tried, key.clone()));
                     true
                 }
                 Upkeep::Keep => true,
+            };
+            if !keep {
+                *bytes = bytes.saturating_sub(answer.bytes);
             }
+            keep
         });
-        due.sort_by_key(|(tried, ..)| *tried);
+        due.sort_by_key(|(once, tried, _)| (*once, *tried));
         let (_, budget) = cadence(&self.settings);
-        for (_, key) in due.into_iter().take(budget) {
+        let budget = budget.min(budgets.known.available(now));
+        for (_, _, key) in due.into_iter().take(budget) {
+            reviews.budgets.known.take(now);
             let Some(answer) = reviews.answers.get(&key) else {
                 continue;
             };
@@ -484,17 +750,18 @@ impl Inner {
                     if trigger == Trigger::Refresh {
                         return reviewed;
                     }
-                    if reviews.answers.len() >= MAX_CACHED {
-                        reviews.answers.retain(|_, cached| now.duration_since(cached.asked) < ttl);
-                    }
-                    if reviews.answers.len() < MAX_CACHED {
+                    let bytes = key.bytes();
+                    if reviews.make_room(bytes, ttl, now) {
                         let cached = Answer {
                             asked,
                             tried: asked,
                             used: asked,
+                            uses: 1,
                             reviewed: answer.clone(),
                             question,
+                            bytes,
                         };
+                        reviews.bytes += bytes;
                         reviews.answers.insert(key, cached);
                     }
                 }

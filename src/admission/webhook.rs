@@ -90,7 +90,7 @@ pub fn router(shared: Shared) -> Router {
                 let headers = request.headers().clone();
                 match read_body(&served.bodies, client, request).await {
                     Ok((body, _budget)) => {
-                        admit(name, review, &served.shared, &headers, &body).await
+                        admit(name, review, &served.shared, client, &headers, &body).await
                     }
                     Err(refused) => refused,
                 }
@@ -175,6 +175,7 @@ async fn admit(
     webhook: &'static str,
     review: Review,
     shared: &Shared,
+    client: IpAddr,
     headers: &HeaderMap,
     body: &[u8],
 ) -> Response {
@@ -192,11 +193,11 @@ async fn admit(
     if let (Ok(v), Some(reviewer)) = (verdict.as_mut(), &shared.reviewer) {
         if let Some((user, namespace)) = v.access.take().filter(|_| v.response.allowed) {
             // A cached answer (nearly always) without a future or entering the span again.
-            let checked = match reviewer.cached(&user, &namespace) {
+            let checked = match reviewer.cached_for(client, &user, &namespace) {
                 Some(checked) => checked,
                 None => {
                     reviewer
-                        .check(&user, &namespace)
+                        .check_for(client, &user, &namespace)
                         .instrument(span.clone())
                         .await
                 }

@@ -602,9 +602,12 @@ async fn one_round_of_upkeep_starts_at_most_its_budget_the_answers_tried_longest
                 asked: now - Duration::from_millis(i as u64),
                 tried,
                 used: now,
+                uses: 2,
                 reviewed: Reviewed::Allowed,
                 question: review(user, "fx"),
+                bytes: Key::new(user, "fx").bytes(),
             };
+            reviews.bytes += answer.bytes;
             reviews.answers.insert(Key::new(user, "fx"), answer);
         }
     }
@@ -614,4 +617,138 @@ async fn one_round_of_upkeep_starts_at_most_its_budget_the_answers_tried_longest
     let refreshed = |i: usize| reviews.asking.contains_key(&Key::new(&users[i], "fx"));
     assert!((0..budget).all(refreshed), "tried longest ago");
     assert!(!(budget..users.len()).any(refreshed), "the rest wait");
+}
+
+fn user(name: &str, groups: usize, group_bytes: usize) -> UserInfo {
+    UserInfo {
+        username: Some(name.into()),
+        groups: Some((0..groups).map(|i| format!("{i:0group_bytes$}")).collect()),
+        ..UserInfo::default()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_identity_past_the_bound_is_denied_without_asking_the_api_server() {
+    let (client, task) = answering(|_| allowed());
+    let metrics = metrics();
+    let reviewer = AccessReviewer::new(client, Settings::default(), metrics.clone());
+    // 32 KiB of groups passes (the bound), one byte more does not.
+    let at_bound = user(&"b".repeat(32), 32, 1023);
+    assert_eq!(user_info_bytes(&at_bound), MAX_USER_INFO_BYTES);
+    assert_eq!(reviewer.check(&at_bound, "fx").await, Ok(()));
+    // The attack's size: 1.5 MB of groups.
+    let huge = user("mallory", 50_000, 30);
+    let denied = reviewer.check(&huge, "fx").await.unwrap_err();
+    assert!(
+        denied.starts_with("cnat refuses to check an identity of 1500007 bytes (50000 groups), over its bound of 32768 bytes"),
+        "{denied}"
+    );
+    assert_eq!(reviewer.cached(&huge, "fx"), Some(Err(denied)));
+    assert_eq!(reviewer.inner.lock().answers.len(), 1, "not cached");
+    drop(reviewer);
+    assert_eq!(task.await.unwrap(), 1, "one review: bob's");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_flood_of_new_identities_gets_a_fixed_rate_of_reviews_and_leaves_the_api_server_s_share()
+{
+    let (client, task) = answering(|_| allowed());
+    let metrics = metrics();
+    let reviewer = Arc::new(AccessReviewer::new(
+        client,
+        Settings::default(),
+        metrics.clone(),
+    ));
+    let (flood, apiserver) = ("10.0.0.66".parse().unwrap(), "10.0.0.1".parse().unwrap());
+    // 200 new identities a second for 5 s from one caller.
+    let mut admitted = 0;
+    for second in 0..5 {
+        let checks: Vec<_> = (0..200)
+            .map(|i| {
+                let reviewer = reviewer.clone();
+                let who = user(&format!("made-up-{second}-{i}"), 1, 8);
+                tokio::spawn(async move { reviewer.check_for(flood, &who, "fx").await })
+            })
+            .collect();
+        for check in checks {
+            match check.await.unwrap() {
+                Ok(()) => admitted += 1,
+                Err(busy) => assert!(busy.contains("too many identities at once"), "{busy}"),
+            }
+        }
+        // Meanwhile the API server's callers' new identities are still asked about.
+        let alice = user(&format!("alice-{second}"), 2, 8);
+        assert_eq!(reviewer.check_for(apiserver, &alice, "fx").await, Ok(()));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    // 20 a second from one caller (the first second's 20 saved up, then 20 a second).
+    assert!((100..=120).contains(&admitted), "{admitted}");
+    assert_eq!(counted(&metrics, "request", "refused"), 1000 - admitted);
+    drop(reviewer);
+    let reviews = task.await.unwrap();
+    // The flood's and alice's requests; refreshes of answers used once wait behind none here.
+    assert!(reviews <= admitted as usize + 5 + 50, "{reviews}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_cache_is_bounded_in_bytes_and_never_drops_an_answer_used_twice_to_make_room() {
+    let (client, _task) = answering(|_| allowed());
+    let reviewer = Arc::new(AccessReviewer::new(client, Settings::default(), metrics()));
+    let alice = alice();
+    assert_eq!(reviewer.check(&alice, "fx").await, Ok(()));
+    // 31 KiB identities, 20 new ones a second for a minute: 1200 x 62 KiB would be 73 MiB.
+    // Alice applies every 10 s, without waiting for a review.
+    for second in 0..60 {
+        let checks: Vec<_> = (0..20)
+            .map(|i| {
+                let (reviewer, big) = (
+                    reviewer.clone(),
+                    user(&format!("big-{second}-{i}"), 31, 1000),
+                );
+                tokio::spawn(async move {
+                    reviewer
+                        .check_for("10.0.0.66".parse().unwrap(), &big, "fx")
+                        .await
+                })
+            })
+            .collect();
+        for check in checks {
+            assert_eq!(check.await.unwrap(), Ok(()));
+        }
+        if second % 10 == 0 {
+            assert_eq!(
+                reviewer.cached(&alice, "fx"),
+                Some(Ok(())),
+                "second {second}"
+            );
+        }
+        let reviews = reviewer.inner.lock();
+        assert!(reviews.bytes <= MAX_CACHED_BYTES, "{}", reviews.bytes);
+        let mine = reviews.answers.get(&Key::new(&alice, "fx"));
+        assert!(
+            mine.is_some(),
+            "second {second}: {} answers, {} bytes, {} asking",
+            reviews.answers.len(),
+            reviews.bytes,
+            reviews.asking.len()
+        );
+        drop(reviews);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let reviews = reviewer.inner.lock();
+    let counted: usize = reviews.answers.values().map(|a| a.bytes).sum();
+    assert_eq!(reviews.bytes, counted, "the count of bytes is kept exactly");
+}
+
+#[test]
+fn a_bucket_gives_its_rate_and_saves_up_at_most_its_burst() {
+    let start = Instant::now();
+    let mut bucket = Bucket::new(20, 1, start);
+    assert_eq!((0..30).filter(|_| bucket.take(start)).count(), 20);
+    assert!(!bucket.take(start + Duration::from_millis(40)));
+    assert!(bucket.take(start + Duration::from_millis(50)));
+    let later = start + Duration::from_secs(100);
+    assert_eq!(bucket.available(later), 20, "at most one second saved up");
+    let mut three = Bucket::new(100, 3, start);
+    assert_eq!(three.available(start), 300);
 }
