@@ -200,6 +200,13 @@ pub struct RunArgs {
     #[arg(long, env = "CNAT_TLS_KEY", default_value = "/etc/cnat/tls/tls.key")]
     pub tls_key: PathBuf,
 
+    /// PEM bundle of the CA that signed the client certificate kube-apiserver presents to
+    /// webhooks (an AdmissionConfiguration with a kubeconfig for cnat's webhooks): only
+    /// clients with a certificate it signed may connect. Unset: any client may (kube-apiserver
+    /// presents none by default).
+    #[arg(long, env = "CNAT_WEBHOOK_CLIENT_CA")]
+    pub webhook_client_ca: Option<PathBuf>,
+
     /// How often to look for a renewed certificate; new connections get it without a restart.
     #[arg(long, env = "CNAT_TLS_RELOAD_INTERVAL", default_value = "10s", value_parser = duration)]
     pub tls_reload_interval: Duration,

@@ -379,9 +379,11 @@ async fn start_webhooks(
     let files = CertFiles {
         cert: args.tls_cert.clone(),
         key: args.tls_key.clone(),
+        client_ca: args.webhook_client_ca.clone(),
     };
-    let config = tls::server_config(&files)
-        .map_err(|e| format!("webhook certificate (--tls-cert, --tls-key): {e}"))?;
+    let config = tls::server_config(&files).map_err(|e| {
+        format!("webhook certificate (--tls-cert, --tls-key, --webhook-client-ca): {e}")
+    })?;
     let config = RustlsConfig::from_config(config);
     tokio::spawn(tls::reload_on_change(
         files,

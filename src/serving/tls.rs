@@ -16,11 +16,13 @@ use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-/// Where the serving certificate chain and its key are.
+/// Where the serving certificate chain and its key are, and the CA bundle that signed the
+/// client certificates to require (`None`: no client certificate asked for).
 #[derive(Debug, Clone)]
 pub struct CertFiles {
     pub cert: PathBuf,
     pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
 }
 
 /// Why a certificate could not be loaded or made. Messages name the file and the fix.
@@ -41,6 +43,8 @@ pub enum TlsError {
         key: PathBuf,
         source: rustls::Error,
     },
+    #[error("{path}: no usable PEM CA certificate for client certificates ({reason}); give the CA bundle that signed the API server's client certificate (--webhook-client-ca)")]
+    ClientCa { path: PathBuf, reason: String },
     #[error("generating a certificate: {0}")]
     Generate(#[from] rcgen::Error),
     #[error("{path}: {source}")]
@@ -50,7 +54,8 @@ pub enum TlsError {
     },
 }
 
-/// A server config for `files`: TLS 1.2 or 1.3, HTTP/1.1 (what kube-apiserver speaks to webhooks).
+/// A server config for `files`: TLS 1.2 or 1.3, HTTP/1.1 (what kube-apiserver speaks to webhooks),
+/// and, with `client_ca`, only clients presenting a certificate that CA signed.
 pub fn server_config(files: &CertFiles) -> Result<Arc<ServerConfig>, TlsError> {
     let (cert_pem, key_pem) = (read(&files.cert)?, read(&files.key)?);
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
@@ -70,15 +75,39 @@ pub fn server_config(files: &CertFiles) -> Result<Arc<ServerConfig>, TlsError> {
         key: files.key.clone(),
         source,
     };
-    let mut config =
-        ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
-            .map_err(config_error)?
-            .with_no_client_auth()
-            .with_single_cert(chain, key)
-            .map_err(config_error)?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+        .map_err(config_error)?;
+    let builder = match &files.client_ca {
+        None => builder.with_no_client_auth(),
+        Some(path) => builder.with_client_cert_verifier(client_verifier(path, provider)?),
+    };
+    let mut config = builder.with_single_cert(chain, key).map_err(config_error)?;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
+}
+
+/// A verifier that requires a client certificate signed by a CA in the PEM bundle at `path`.
+fn client_verifier(
+    path: &Path,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, TlsError> {
+    let bad = |reason: String| TlsError::ClientCa {
+        path: path.to_owned(),
+        reason,
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(&read(path)?) {
+        let cert = cert.map_err(|e| bad(e.to_string()))?;
+        roots.add(cert).map_err(|e| bad(e.to_string()))?;
+    }
+    if roots.is_empty() {
+        return Err(bad("no certificate in the file".into()));
+    }
+    rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+        .build()
+        .map_err(|e| bad(e.to_string()))
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
@@ -100,6 +129,10 @@ pub async fn reload_on_change(
         (
             std::fs::read(&files.cert).ok(),
             std::fs::read(&files.key).ok(),
+            files
+                .client_ca
+                .as_ref()
+                .and_then(|ca| std::fs::read(ca).ok()),
         )
     };
     let mut loaded = contents(&files);
@@ -204,7 +237,11 @@ impl DevCerts {
                 source,
             },
         )?;
-        Ok(CertFiles { cert, key })
+        Ok(CertFiles {
+            cert,
+            key,
+            client_ca: None,
+        })
     }
 }
 
@@ -241,6 +278,7 @@ mod tests {
         let missing = CertFiles {
             cert: dir.join("nope.crt"),
             key: files.key.clone(),
+            client_ca: None,
         };
         let err = server_config(&missing).unwrap_err().to_string();
         assert!(
@@ -252,6 +290,7 @@ mod tests {
         let garbage = CertFiles {
             cert: dir.join("garbage.crt"),
             key: files.key.clone(),
+            client_ca: None,
         };
         assert!(server_config(&garbage)
             .unwrap_err()
@@ -261,6 +300,7 @@ mod tests {
         let swapped = CertFiles {
             cert: files.cert.clone(),
             key: files.cert.clone(),
+            client_ca: None,
         };
         assert!(server_config(&swapped)
             .unwrap_err()
@@ -274,8 +314,93 @@ mod tests {
         let mismatched = CertFiles {
             cert: files.cert.clone(),
             key: other.key,
+            client_ca: None,
         };
         let err = server_config(&mismatched).unwrap_err().to_string();
         assert!(err.contains("do not form a usable TLS identity"), "{err}");
+    }
+
+    /// A CA and a client certificate it signed (PEM: CA, certificate, key).
+    fn client_pki(name: &str) -> (String, String, String) {
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign];
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let mut client = CertificateParams::new(Vec::<String>::new()).unwrap();
+        client.distinguished_name.push(DnType::CommonName, name);
+        client.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let cert = client.signed_by(&key, &Issuer::new(ca, ca_key)).unwrap();
+        (ca_cert.pem(), cert.pem(), key.serialize_pem())
+    }
+
+    /// Whether the server side of a handshake with `client` succeeded.
+    async fn handshake(server: Arc<ServerConfig>, client: rustls::ClientConfig) -> bool {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            tokio_rustls::TlsAcceptor::from(server)
+                .accept(stream)
+                .await
+                .is_ok()
+        });
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let _ = tokio_rustls::TlsConnector::from(Arc::new(client))
+            .connect(name, stream)
+            .await;
+        accepted.await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn with_a_client_ca_only_clients_it_signed_get_through() {
+        let dir = temp_dir("client-ca");
+        let served = generate("s", "ns", 1).unwrap().write(&dir).unwrap();
+        let (ca, cert, key) = client_pki("kube-apiserver");
+        std::fs::write(dir.join("client-ca.crt"), &ca).unwrap();
+        let files = CertFiles {
+            client_ca: Some(dir.join("client-ca.crt")),
+            ..served.clone()
+        };
+        let server = server_config(&files).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        for der in CertificateDer::pem_file_iter(dir.join("ca.crt")).unwrap() {
+            roots.add(der.unwrap()).unwrap();
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = || {
+            rustls::ClientConfig::builder_with_provider(provider.clone())
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(roots.clone())
+        };
+        let with_cert = |cert: &str, key: &str| {
+            let chain = CertificateDer::pem_slice_iter(cert.as_bytes())
+                .map(Result::unwrap)
+                .collect();
+            let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap();
+            builder().with_client_auth_cert(chain, key).unwrap()
+        };
+        assert!(!handshake(server.clone(), builder().with_no_client_auth()).await);
+        assert!(handshake(server.clone(), with_cert(&cert, &key)).await);
+        let (_, stranger, stranger_key) = client_pki("some-pod");
+        assert!(!handshake(server.clone(), with_cert(&stranger, &stranger_key)).await);
+        // Without a client CA, anyone gets through (the default).
+        let open = server_config(&served).unwrap();
+        assert!(handshake(open, builder().with_no_client_auth()).await);
+        // A client CA file without a certificate is an error naming the file and the flag.
+        std::fs::write(dir.join("empty.crt"), "").unwrap();
+        let broken = CertFiles {
+            client_ca: Some(dir.join("empty.crt")),
+            ..served
+        };
+        let error = server_config(&broken).unwrap_err().to_string();
+        assert!(
+            error.contains("empty.crt: no usable PEM CA certificate")
+                && error.contains("--webhook-client-ca"),
+            "{error}"
+        );
     }
 }

@@ -801,6 +801,7 @@ impl ControlPlane {
         let files = cnat::serving::tls::CertFiles {
             cert: certs.join("tls.crt"),
             key: certs.join("tls.key"),
+            client_ca: None,
         };
         let log = self.dir.join(format!("{identity}-{start}.log"));
         let mut command = Command::new(binary);
