@@ -507,6 +507,40 @@ fn a_user_provided_secret_is_mounted_with_its_ca() {
 }
 
 #[test]
+fn a_client_ca_secret_makes_the_webhooks_require_the_api_server_s_certificate() {
+    let open = Rendered::new(&[]);
+    assert!(!plain_env(&open).contains_key("CNAT_WEBHOOK_CLIENT_CA"));
+    let rendered = Rendered::new(&["webhook.clientCASecret=apiserver-client-ca"]);
+    let env = plain_env(&rendered);
+    assert_eq!(
+        env["CNAT_WEBHOOK_CLIENT_CA"],
+        "/etc/cnat/webhook-client-ca/ca.crt"
+    );
+    let pod = rendered.pod_template().spec.unwrap();
+    let volume = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "webhook-client-ca")
+        .expect("the client CA volume");
+    let secret = volume.secret.as_ref().unwrap();
+    assert_eq!(secret.secret_name.as_deref(), Some("apiserver-client-ca"));
+    assert_eq!(secret.items.as_ref().unwrap()[0].key, "ca.crt");
+    let mounted = pod.containers[0]
+        .volume_mounts
+        .iter()
+        .flatten()
+        .any(|m| m.name == "webhook-client-ca" && m.mount_path == "/etc/cnat/webhook-client-ca");
+    assert!(mounted);
+    // The flag it sets is one `cnat run` has.
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_cnat"))
+        .args(["run", "--help"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&help.stdout).contains("[env: CNAT_WEBHOOK_CLIENT_CA=]"));
+}
+
+#[test]
 fn bad_values_are_rejected_by_the_schema() {
     for (set, complaint) in [
         ("replicaCount=0", "/replicaCount"),
