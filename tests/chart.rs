@@ -526,11 +526,10 @@ fn a_client_ca_secret_makes_the_webhooks_require_the_api_server_s_certificate() 
     let secret = volume.secret.as_ref().unwrap();
     assert_eq!(secret.secret_name.as_deref(), Some("apiserver-client-ca"));
     assert_eq!(secret.items.as_ref().unwrap()[0].key, "ca.crt");
-    let mounted = pod.containers[0]
-        .volume_mounts
-        .iter()
-        .flatten()
-        .any(|m| m.name == "webhook-client-ca" && m.mount_path == "/etc/cnat/webhook-client-ca");
+    let mounted =
+        pod.containers[0].volume_mounts.iter().flatten().any(|m| {
+            m.name == "webhook-client-ca" && m.mount_path == "/etc/cnat/webhook-client-ca"
+        });
     assert!(mounted);
     // The flag it sets is one `cnat run` has.
     let help = std::process::Command::new(env!("CARGO_BIN_EXE_cnat"))

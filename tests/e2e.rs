@@ -20,6 +20,8 @@ mod bad_input;
 mod cel;
 #[path = "e2e/chart.rs"]
 mod chart;
+#[path = "e2e/hostile.rs"]
+mod hostile;
 #[path = "e2e/lifecycle.rs"]
 mod lifecycle;
 #[path = "e2e/list_shards.rs"]

@@ -1,0 +1,470 @@
+//! Hostile callers against the real `cnat run` binary, over real sockets: every attack of the
+//! report (issue 37) from one client machine (the source address 127.0.0.2), while a
+//! legitimate caller from another address (127.0.0.1) sends one valid AdmissionReview every
+//! 100 ms to `/validating`, as kube-apiserver would, and the test reads the replica's own RSS
+//! from `/proc` every 20 ms. Each attack must leave the replica's peak RSS at most 256 MiB, at
+//! most 1% of the legitimate reviews failed and their p99 within 1 s, and `/readyz` answering.
+//!
+//! And the fallback path of the validating webhook: an At whose stored copy does not decode
+//! (the operator's `Unreadable` event asks its owner to fix it) is changed only by someone who
+//! may create pods, and not at all once it ran.
+
+use crate::support::envtest::{install_crd, Replica};
+use crate::support::https::{client, post};
+use serde_json::{json, Value};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+
+/// Where the attacks come from: another address than the legitimate caller's.
+const ATTACKER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 2));
+/// How long each attack lasts (100 legitimate reviews).
+const ATTACK: Duration = Duration::from_secs(10);
+/// The goals.
+const RSS_LIMIT: u64 = 256 << 20;
+const P99_LIMIT: Duration = Duration::from_secs(1);
+
+/// The resident set size of process `pid`, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse::<u64>().ok())
+        .map_or(0, |kib| kib << 10)
+}
+
+/// The highest RSS of `pid` seen since the last `take`, sampled every 20 ms.
+struct Peak {
+    peak: Arc<AtomicU64>,
+    _sampler: tokio::task::JoinHandle<()>,
+}
+
+impl Peak {
+    fn watch(pid: u32) -> Self {
+        let peak = Arc::new(AtomicU64::new(0));
+        let sampler = tokio::spawn({
+            let peak = peak.clone();
+            async move {
+                loop {
+                    peak.fetch_max(rss(pid), Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        });
+        Peak {
+            peak,
+            _sampler: sampler,
+        }
+    }
+
+    fn take(&self) -> u64 {
+        self.peak.swap(0, Ordering::Relaxed)
+    }
+}
+
+/// A valid review of an At create by the admin (who may create pods), as kube-apiserver sends
+/// it for a `v1` write.
+fn legitimate_review(namespace: &str, uid: &str) -> Vec<u8> {
+    let capture = std::fs::read_to_string(format!(
+        "{}/tests/fixtures/admission-review-k8s-1.24/validating-create.json",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap();
+    let mut review: Value = serde_json::from_str::<Value>(&capture).unwrap()["review"].clone();
+    let request = &mut review["request"];
+    request["uid"] = uid.into();
+    request["namespace"] = namespace.into();
+    for field in ["kind", "resource", "requestKind", "requestResource"] {
+        request[field]["version"] = "v1".into();
+    }
+    let object = request["object"].take();
+    request["object"] = cnat::conversion::convert(0, object, cnat::conversion::V1).unwrap();
+    request["object"]["metadata"]["namespace"] = namespace.into();
+    serde_json::to_vec(&review).unwrap()
+}
+
+/// The legitimate caller: one review every 100 ms, each on its own, recording whether it was
+/// answered 200 with its uid and allowed, and how long it took.
+struct Legitimate {
+    results: Arc<Mutex<Vec<(bool, Duration)>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Legitimate {
+    fn start(replica: &Replica, namespace: &str) -> Self {
+        let https = client(&replica.ca(), rustls::DEFAULT_VERSIONS);
+        let (results, stop) = (Arc::default(), Arc::new(AtomicBool::new(false)));
+        let caller = Legitimate {
+            results: Arc::clone(&results),
+            stop: Arc::clone(&stop),
+        };
+        let (addr, namespace) = (replica.webhook, namespace.to_owned());
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(Duration::from_millis(100));
+            for n in 0u64.. {
+                ticks.tick().await;
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                let (https, results) = (https.clone(), Arc::clone(&results));
+                let uid = format!("legitimate-{n}");
+                let body = legitimate_review(&namespace, &uid);
+                tokio::spawn(async move {
+                    let started = Instant::now();
+                    let answer = tokio::time::timeout(
+                        Duration::from_secs(5),
+                        post(&https, addr, "/validating?timeout=5s", body),
+                    )
+                    .await;
+                    let ok = match answer {
+                        Ok(Ok((200, body))) => {
+                            serde_json::from_slice::<Value>(&body).is_ok_and(|r| {
+                                r["response"]["uid"] == uid.as_str()
+                                    && r["response"]["allowed"] == true
+                            })
+                        }
+                        _ => false,
+                    };
+                    results.lock().unwrap().push((ok, started.elapsed()));
+                });
+            }
+        });
+        caller
+    }
+
+    /// The reviews answered since the last call: (count, failed, p99).
+    fn take(&self) -> (usize, usize, Duration) {
+        let mut results = std::mem::take(&mut *self.results.lock().unwrap());
+        let failed = results.iter().filter(|(ok, _)| !ok).count();
+        results.sort_by_key(|(_, took)| *took);
+        let p99 = results
+            .get((results.len() * 99).div_ceil(100).saturating_sub(1))
+            .map_or(Duration::ZERO, |(_, took)| *took);
+        (results.len(), failed, p99)
+    }
+}
+
+impl Drop for Legitimate {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A TCP connection to `to` from the attacker's address.
+async fn tcp_from_attacker(to: SocketAddr) -> std::io::Result<TcpStream> {
+    let socket = TcpSocket::new_v4()?;
+    socket.bind(SocketAddr::new(ATTACKER, 0))?;
+    socket.connect(to).await
+}
+
+/// The attacker's way to the webhook port: its address, and TLS trusting the replica's CA (an
+/// attacker in the cluster reaches the Service and gets its certificate as anyone does).
+#[derive(Clone)]
+struct Attacker {
+    webhook: SocketAddr,
+    tls: tokio_rustls::TlsConnector,
+}
+
+impl Attacker {
+    fn new(replica: &Replica) -> Self {
+        let mut roots = rustls::RootCertStore::empty();
+        let ca = std::fs::read(replica.ca()).unwrap();
+        for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(&ca) {
+            let cert: rustls::pki_types::CertificateDer = cert.unwrap();
+            roots.add(cert).unwrap();
+        }
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        Attacker {
+            webhook: replica.webhook,
+            tls: tokio_rustls::TlsConnector::from(Arc::new(config)),
+        }
+    }
+
+    /// A TLS connection to the webhook port from the attacker's address.
+    async fn connect(&self) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        let tcp = tcp_from_attacker(self.webhook).await?;
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        self.tls.connect(name, tcp).await
+    }
+}
+
+/// `clients` loops, each POSTing one of its bodies (`body(n)`, four each) to `path` over a new
+/// TLS connection, until `until`.
+async fn flood(
+    attacker: &Attacker,
+    clients: usize,
+    path: &str,
+    body: impl Fn(u64) -> Arc<Vec<u8>>,
+    until: Instant,
+) {
+    let mut tasks = Vec::new();
+    for client in 0..clients as u64 {
+        let bodies: Vec<Arc<Vec<u8>>> = (0..4).map(|i| body(client * 4 + i)).collect();
+        let (attacker, path) = (attacker.clone(), path.to_owned());
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0;
+            while Instant::now() < until {
+                let body = &bodies[n % bodies.len()];
+                n += 1;
+                let Ok(mut tls) = attacker.connect().await else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                let head = format!(
+                    "POST {path} HTTP/1.1\r\nHost: cnat\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                    body.len()
+                );
+                let sent = async {
+                    tls.write_all(head.as_bytes()).await?;
+                    for chunk in body.chunks(1 << 20) {
+                        tls.write_all(chunk).await?;
+                    }
+                    tls.flush().await?;
+                    let mut answer = vec![0u8; 64 << 10];
+                    let _ = tls.read(&mut answer).await?;
+                    std::io::Result::Ok(())
+                };
+                let _ = tokio::time::timeout(Duration::from_secs(5), sent).await;
+            }
+        }));
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+}
+
+/// `/readyz` of the replica answers 200 within a second, from the legitimate address.
+fn ready(replica: &Replica) -> bool {
+    crate::support::process::probe(replica.admin, "/readyz") == Some(200)
+}
+
+#[tokio::test]
+async fn under_each_attack_a_replica_keeps_its_memory_and_answers_the_api_server() {
+    let plane = crate::real_control_plane!();
+    let admin = plane.admin().await;
+    install_crd(&admin, &cnat::api::crd_yaml()).await;
+    let ns = plane.namespace("hostile", &[]).await;
+    // Serves the webhooks; reconciles nothing (it watches another namespace).
+    let replica = plane.replica("hostile-0", &ns, &["--namespace=elsewhere"]);
+    crate::admission::ready(plane, &replica).await;
+    let pid = replica.child.id();
+    let peak = Peak::watch(pid);
+    let attacker = Attacker::new(&replica);
+    let legitimate = Legitimate::start(&replica, &ns);
+    // Warm: the admin's answer is cached, connections are open.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (count, failed, _) = legitimate.take();
+    assert!(
+        count >= 10 && failed == 0,
+        "before any attack: {failed} of {count} failed:\n{}",
+        replica.log_text()
+    );
+    let baseline = peak.take();
+
+    let mut report = Vec::new();
+    let mut judge = |attack: &str, extra: String| {
+        let (count, failed, p99) = legitimate.take();
+        let rss = peak.take();
+        let line = format!(
+            "{attack}: peak RSS {} MiB (before the attacks {} MiB); legitimate reviews {count}, failed {failed}, p99 {:.0} ms{extra}",
+            rss >> 20,
+            baseline >> 20,
+            p99.as_secs_f64() * 1e3
+        );
+        eprintln!("{line}");
+        report.push((attack.to_owned(), rss, count, failed, p99, line));
+    };
+
+    // 1. Two clients POSTing 60 MB ConversionReviews whose objects are [0,0,0,...].
+    let mut conversion = br#"{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview","request":{"uid":"x","desiredAPIVersion":"cnat.programming-kubernetes.info/v1","objects":["#.to_vec();
+    conversion.extend(std::iter::repeat_n(*b"0,", 30 << 20).flatten());
+    conversion.extend_from_slice(b"0]}}");
+    let conversion = Arc::new(conversion);
+    flood(
+        &attacker,
+        2,
+        "/convert?timeout=30s",
+        |_| conversion.clone(),
+        Instant::now() + ATTACK,
+    )
+    .await;
+    judge("60 MB ConversionReviews x2", String::new());
+
+    // 2. Sixteen clients POSTing 4 MiB AdmissionReviews to /mutating whose object.spec is a
+    // huge JSON array.
+    let mut mutating: Value = serde_json::from_slice(&legitimate_review(&ns, "m")).unwrap();
+    mutating["request"]["object"]["spec"] = Value::Array(Vec::new());
+    let small = serde_json::to_vec(&mutating).unwrap().len();
+    mutating["request"]["object"]["spec"] =
+        Value::Array(vec![0.into(); ((4 << 20) - small - 64) / 2]);
+    let mutating = Arc::new(serde_json::to_vec(&mutating).unwrap());
+    assert!(mutating.len() <= 4 << 20 && mutating.len() > (4 << 20) - 1024);
+    flood(
+        &attacker,
+        16,
+        "/mutating?timeout=5s",
+        |_| mutating.clone(),
+        Instant::now() + ATTACK,
+    )
+    .await;
+    judge("4 MiB AdmissionReviews to /mutating x16", String::new());
+
+    // 3. Eight clients POSTing valid At creates to /validating with 1.5 MB of userInfo.groups
+    // and a new username each time.
+    let groups: Vec<String> = (0..50_000).map(|i| format!("group-{i:024}")).collect();
+    let big_identity = |n: u64| {
+        let mut review: Value =
+            serde_json::from_slice(&legitimate_review(&ns, &format!("g-{n}"))).unwrap();
+        review["request"]["userInfo"] =
+            json!({"username": format!("made-up-{n}"), "groups": groups});
+        Arc::new(serde_json::to_vec(&review).unwrap())
+    };
+    assert!(big_identity(0).len() > 1_500_000);
+    flood(
+        &attacker,
+        8,
+        "/validating?timeout=5s",
+        big_identity,
+        Instant::now() + ATTACK,
+    )
+    .await;
+    judge("1.5 MB userInfo.groups x8", String::new());
+
+    // 4. Slowloris: 400 idle TCP connections without a ClientHello, 80 TLS requests that send
+    // their headers and then one body byte a second.
+    let until = Instant::now() + ATTACK;
+    let mut tasks = Vec::new();
+    for _ in 0..400 {
+        let webhook = replica.webhook;
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < until {
+                let Ok(mut idle) = tcp_from_attacker(webhook).await else {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                };
+                // Held until the server closes it (or the attack ends).
+                let mut byte = [0u8; 1];
+                let left = until.saturating_duration_since(Instant::now());
+                let _ = tokio::time::timeout(left, idle.read(&mut byte)).await;
+            }
+        }));
+    }
+    for _ in 0..80 {
+        let attacker = attacker.clone();
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < until {
+                let Ok(mut tls) = attacker.connect().await else {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                };
+                let head = "POST /validating?timeout=5s HTTP/1.1\r\nHost: cnat\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n";
+                if tls.write_all(head.as_bytes()).await.is_err() {
+                    continue;
+                }
+                while Instant::now() < until {
+                    if tls.write_all(b" ").await.is_err() || tls.flush().await.is_err() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }));
+    }
+    let mut readyz = 0;
+    while Instant::now() < until {
+        readyz += usize::from(!ready(&replica));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    assert_eq!(readyz, 0, "/readyz failed {readyz} times during slowloris");
+    judge(
+        "slowloris: 400 idle TCP + 80 TLS one byte a second",
+        String::new(),
+    );
+
+    // 5. 5,000 idle TCP connections to the admin port (20,000 in the report; this process may
+    // open 20,000 files in all).
+    let mut idle = Vec::new();
+    for _ in 0..5_000 {
+        if let Ok(stream) = tcp_from_attacker(replica.admin).await {
+            idle.push(stream);
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut held = 0;
+    for stream in &mut idle {
+        let mut byte = [0u8; 1];
+        // Closed by the server: read gives 0 (or an error) at once; held: no answer.
+        match tokio::time::timeout(Duration::from_millis(1), stream.read(&mut byte)).await {
+            Err(_) => held += 1,
+            Ok(_) => {}
+        }
+    }
+    let mut readyz = 0;
+    for _ in 0..20 {
+        readyz += usize::from(!ready(&replica));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        readyz, 0,
+        "/readyz failed {readyz} times with the admin port flooded"
+    );
+    assert!(
+        held <= 16,
+        "{held} of {} idle connections held by the admin port",
+        idle.len()
+    );
+    // Idle ones are closed after the header timeout (5 s).
+    tokio::time::sleep(cnat::serving::admin::HEADER_TIMEOUT + Duration::from_secs(1)).await;
+    let mut still = 0;
+    for stream in &mut idle {
+        let mut byte = [0u8; 1];
+        if tokio::time::timeout(Duration::from_millis(1), stream.read(&mut byte))
+            .await
+            .is_err()
+        {
+            still += 1;
+        }
+    }
+    drop(idle);
+    judge(
+        "5,000 idle TCP connections to the admin port",
+        format!("; held {held}, still open after the header timeout {still}"),
+    );
+    assert_eq!(
+        still, 0,
+        "idle admin connections outlive the header timeout"
+    );
+
+    for (attack, rss, count, failed, p99, line) in &report {
+        assert!(
+            *rss <= RSS_LIMIT,
+            "{attack}: {line}\n{}",
+            replica
+                .log_text()
+                .lines()
+                .rev()
+                .take(20)
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        assert!(*failed * 100 <= *count, "{attack}: {line}");
+        assert!(*p99 <= P99_LIMIT, "{attack}: {line}");
+        assert!(
+            *count >= 80,
+            "{attack}: too few legitimate reviews answered: {line}"
+        );
+    }
+}
