@@ -18,7 +18,7 @@ pub(crate) async fn register(client: &Client, replica: &Replica, namespace: &str
 }
 
 /// A Role in `ns` granting `verbs` on `resources` (group, resource) to `user`.
-async fn grant(client: &Client, ns: &str, user: &str, rules: Value) {
+pub(crate) async fn grant(client: &Client, ns: &str, user: &str, rules: Value) {
     let role: Role = serde_json::from_value(json!({
         "metadata": {"name": user}, "rules": rules,
     }))

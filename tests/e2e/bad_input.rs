@@ -40,7 +40,7 @@ async fn wait_event(client: &kube::Client, ns: &str, name: &str, reason: &str) -
 }
 
 /// The CRD as it was before it bounded the numbers (no `maximum`): what let the poison At in.
-fn unbounded_crd() -> String {
+pub(crate) fn unbounded_crd() -> String {
     let yaml = cnat::api::crd_yaml();
     let body = yaml.split_once("---\n").unwrap().1;
     let mut crd: Value = serde_saphyr::from_str(body).unwrap();

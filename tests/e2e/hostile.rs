@@ -468,3 +468,129 @@ async fn under_each_attack_a_replica_keeps_its_memory_and_answers_the_api_server
         );
     }
 }
+
+/// Patches the spec of At `name` as `ats`'s user, retrying while RBAC has not reached the API
+/// server's cache (403 on the patch itself).
+async fn patch_spec(
+    ats: &kube::Api<kube::core::DynamicObject>,
+    name: &str,
+    spec: Value,
+) -> Result<kube::core::DynamicObject, Box<kube::core::Status>> {
+    let patch = json!({ "spec": spec });
+    for _ in 0..50 {
+        let params = kube::api::PatchParams::default();
+        match ats
+            .patch(name, &params, &kube::api::Patch::Merge(&patch))
+            .await
+        {
+            Ok(patched) => return Ok(patched),
+            Err(kube::Error::Api(s)) if s.code == 403 && s.message.contains("cannot patch") => {}
+            Err(kube::Error::Api(s)) => return Err(s),
+            Err(other) => panic!("{other}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("RBAC never let the patch through")
+}
+
+#[tokio::test]
+async fn an_at_whose_stored_copy_cnat_cannot_read_is_fixed_only_by_who_may_create_pods_and_not_once_it_ran(
+) {
+    // It changes the CRD (a cluster-wide object): a control plane of its own.
+    let Some(plane) = crate::support::envtest::own_control_plane() else {
+        return;
+    };
+    let admin = plane.admin().await;
+    let ns = plane.namespace("unreadable", &[]).await;
+    let resource = kube::discovery::ApiResource::erase::<cnat::api::At>(&());
+    let raw = |client: &kube::Client| {
+        kube::Api::<kube::core::DynamicObject>::namespaced_with(client.clone(), &ns, &resource)
+    };
+    // Two Ats stored before the CRD bounded ttlSecondsAfterFinished (3e9 is no i32, so cnat
+    // cannot read them): one not started, one that ran.
+    install_crd(&admin, &crate::bad_input::unbounded_crd()).await;
+    for name in ["not-started", "ran"] {
+        let object: kube::core::DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
+            "metadata": {"name": name},
+            "spec": {"schedule": "2999-01-01T00:00:00Z", "command": "true",
+                     "ttlSecondsAfterFinished": 3_000_000_000_i64},
+        }))
+        .unwrap();
+        raw(&admin)
+            .create(&Default::default(), &object)
+            .await
+            .unwrap();
+    }
+    let running = json!({"status": {"phase": "Running", "podName": "ran-pod"}});
+    raw(&admin)
+        .patch_status(
+            "ran",
+            &Default::default(),
+            &kube::api::Patch::Merge(&running),
+        )
+        .await
+        .unwrap();
+    install_crd(&admin, &cnat::api::crd_yaml()).await;
+
+    // The webhooks of a replica, in force once a bad At is refused.
+    let replica = plane.replica("unreadable-0", &ns, &["--namespace=elsewhere"]);
+    crate::admission::ready(plane, &replica).await;
+    crate::admission::register(&admin, &replica, &ns).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let bad: kube::core::DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
+            "metadata": {"name": "probe"}, "spec": {"schedule": "tomorrow", "command": "true"},
+        }))
+        .unwrap();
+        match raw(&admin).create(&Default::default(), &bad).await {
+            Err(kube::Error::Api(s)) if s.message.contains("is not an RFC 3339 time") => break,
+            _ => {
+                let _ = raw(&admin).delete("probe", &Default::default()).await;
+                assert!(Instant::now() < deadline, "the webhooks never applied");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    // mallory may edit Ats but not create pods; bob may do both.
+    let ats_rules = json!([{"apiGroups": ["cnat.programming-kubernetes.info"], "resources": ["ats"],
+                            "verbs": ["get", "update", "patch"]}]);
+    crate::admission::grant(&admin, &ns, "mallory", ats_rules.clone()).await;
+    let mut both = ats_rules.as_array().unwrap().clone();
+    both.push(json!({"apiGroups": [""], "resources": ["pods"], "verbs": ["create"]}));
+    crate::admission::grant(&admin, &ns, "bob", Value::from(both)).await;
+    let mallory = raw(&plane.user("mallory", &["system:authenticated"]).await);
+    let bob = raw(&plane.user("bob", &["system:authenticated"]).await);
+
+    // The fix the Unreadable event asks for, with a new command and a privileged
+    // ServiceAccount: refused to mallory, with the guard's words.
+    let escalation = json!({"ttlSecondsAfterFinished": 60, "command": "cat /var/run/secrets/kubernetes.io/serviceaccount/token",
+                            "template": {"serviceAccountName": "cluster-admin"}});
+    let refused = patch_spec(&mallory, "not-started", escalation.clone())
+        .await
+        .unwrap_err();
+    assert!(
+        refused
+            .message
+            .contains("mallory may not create pods in namespace"),
+        "{}",
+        refused.message
+    );
+    let stored = raw(&admin).get("not-started").await.unwrap();
+    assert_eq!(stored.data["spec"]["command"], "true", "unchanged");
+    // bob may: the fix goes through, checked whole.
+    let fixed = patch_spec(&bob, "not-started", escalation.clone())
+        .await
+        .unwrap();
+    assert_eq!(fixed.data["spec"]["ttlSecondsAfterFinished"], 60);
+    // Once it ran, nobody changes what ran, not even the admin.
+    let frozen = patch_spec(&raw(&admin), "ran", escalation)
+        .await
+        .unwrap_err();
+    assert!(
+        frozen.message.contains("spec: cannot change: the stored At does not decode as an At and its status.phase is \"Running\""),
+        "{}",
+        frozen.message
+    );
+}
