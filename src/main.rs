@@ -284,6 +284,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
                 metrics: metrics.clone(),
                 reviewer,
                 draining: draining.clone(),
+                certified_only: args.webhook_client_ca.is_some(),
             };
             Some(start_webhooks(&args, shared, close_servers.clone()).await?)
         }
@@ -381,9 +382,8 @@ async fn start_webhooks(
         key: args.tls_key.clone(),
         client_ca: args.webhook_client_ca.clone(),
     };
-    let config = tls::server_config(&files).map_err(|e| {
-        format!("webhook certificate (--tls-cert, --tls-key, --webhook-client-ca): {e}")
-    })?;
+    let config = tls::server_config(&files)
+        .map_err(|e| format!("webhook certificate (--tls-cert, --tls-key): {e}"))?;
     let config = RustlsConfig::from_config(config);
     tokio::spawn(tls::reload_on_change(
         files,

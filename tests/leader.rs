@@ -1043,3 +1043,25 @@ async fn a_leader_whose_watch_must_relist_keeps_leading_on_the_store_it_has() {
     x.replica.shutdown.cancel();
     x.replica.task.await.unwrap();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_leader_whose_renewals_answer_slower_than_the_retry_period_keeps_leading() {
+    // A loaded API server: every call takes 1.5 retry periods, well inside the renew deadline.
+    // A renewal waits for its answer (it still keeps the Lease) instead of giving up after a
+    // retry period and sending another one to a server that is already slow.
+    let server = ApiServer::new();
+    server.set_latency(LATENCY);
+    let activity = Arc::new(Activity::default());
+    let replicas = replicas(&server, 1, &activity);
+    let leader = leader_of(&replicas, &activity).await;
+    server.set_latency(TIMING.retry_period * 3 / 2);
+    tokio::time::sleep(TIMING.renew_deadline * 4).await;
+    assert!(replicas[leader].leadership.is_leader(), "lost the lease");
+    assert_eq!(activity.runs(), 1, "it never stopped leading");
+    let renewals = server
+        .calls_by(&replicas[leader].id)
+        .iter()
+        .filter(|(what, _)| what == "PATCH leases")
+        .count();
+    assert!(renewals >= 10, "it kept renewing: {renewals}");
+}

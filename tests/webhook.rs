@@ -60,6 +60,7 @@ async fn server_limited(
             metrics: Arc::new(Metrics::new(Default::default())),
             reviewer,
             draining: draining.clone(),
+            certified_only: false,
         },
         limits,
     ));
@@ -756,4 +757,81 @@ async fn the_conversion_webhook_converts_and_answers_what_it_cannot_with_a_failu
     let big = convert(body).await;
     assert_eq!(big["result"]["status"], "Success", "{}", big["result"]);
     assert_eq!(big["convertedObjects"].as_array().unwrap().len(), 6000);
+}
+
+/// A CA and a client certificate it signed, for `name` (PEM: CA, certificate, key).
+fn client_pki(name: &str) -> (String, String, String) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let mut client = CertificateParams::new(Vec::<String>::new()).unwrap();
+    client.distinguished_name.push(DnType::CommonName, name);
+    client.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    let cert = client.signed_by(&key, &Issuer::new(ca, ca_key)).unwrap();
+    (ca_cert.pem(), cert.pem(), key.serialize_pem())
+}
+
+#[tokio::test]
+async fn with_a_client_ca_only_the_api_server_s_certificate_gets_admission_and_anyone_conversion() {
+    let dir = std::env::temp_dir().join(format!("cnat-webhook-client-ca-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let served = tls::generate("cnat-webhook", "cnat-system", 1)
+        .unwrap()
+        .write(&dir)
+        .unwrap();
+    let (ca, cert, key) = client_pki("kube-apiserver");
+    std::fs::write(dir.join("client-ca.crt"), &ca).unwrap();
+    let files = CertFiles {
+        client_ca: Some(dir.join("client-ca.crt")),
+        ..served
+    };
+    let config = RustlsConfig::from_config(tls::server_config(&files).unwrap());
+    let handle = axum_server::Handle::new();
+    tokio::spawn(webhook::serve(
+        cnat::serving::listen::bind("127.0.0.1:0".parse().unwrap()).unwrap(),
+        config,
+        handle.clone(),
+        webhook::Shared {
+            metrics: Arc::new(Metrics::new(Default::default())),
+            reviewer: None,
+            draining: Draining::default(),
+            certified_only: true,
+        },
+        Limits::default(),
+    ));
+    let addr = handle.listening().await.unwrap();
+    let (path, body) = fixture("validating-create.json");
+    let body = serde_json::to_vec(&body).unwrap();
+    // kube-apiserver with its client certificate: reviewed.
+    let apiserver = support::https::client_with_certificate(&dir.join("ca.crt"), &cert, &key);
+    let (status, answer) = post(&apiserver, addr, &path, body.clone()).await.unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    // Any other pod: refused before its body is read.
+    let anyone = client(&dir.join("ca.crt"), rustls::DEFAULT_VERSIONS);
+    for path in [path.as_str(), "/mutating?timeout=5s"] {
+        let (status, answer) = post(&anyone, addr, path, body.clone()).await.unwrap();
+        assert_eq!(status, 403, "{path}");
+        assert!(String::from_utf8_lossy(&answer).contains("--webhook-client-ca"));
+    }
+    // A certificate from another CA: not even a handshake.
+    let (_, stranger, stranger_key) = client_pki("some-pod");
+    let stranger =
+        support::https::client_with_certificate(&dir.join("ca.crt"), &stranger, &stranger_key);
+    assert!(post(&stranger, addr, &path, body.clone()).await.is_err());
+    // Conversions come without a certificate (kube-apiserver presents none for them).
+    let review = serde_json::to_vec(&json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
+        "request": {"uid": "c1", "desiredAPIVersion": "cnat.programming-kubernetes.info/v1", "objects": []}
+    }))
+    .unwrap();
+    let (status, answer) = post(&anyone, addr, "/convert?timeout=30s", review)
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    let answer: Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(answer["response"]["uid"], "c1");
+    handle.shutdown();
 }

@@ -25,13 +25,17 @@ use tokio::time::{timeout, Instant, MissedTickBehavior};
 const MAX_CACHED: usize = 10_000;
 const MAX_CACHED_BYTES: usize = 16 << 20;
 
-/// The largest identity (`userInfo`: user name, uid, groups and extra, in bytes of text) the
-/// guard asks about. Kubernetes sets no bound, but a real user's is a few hundred bytes to a
-/// few KiB (an OIDC token with 200 groups, where Azure AD stops listing them, is about 8 KiB);
-/// 32 KiB is four times that. A review with more is denied without asking: it could only be
-/// made up, and each one would cost the API server a SubjectAccessReview and this replica its
-/// size twice in the cache.
-pub const MAX_USER_INFO_BYTES: usize = 32 << 10;
+/// The largest identity the guard asks about: its `userInfo` (user name, uid, groups and extra)
+/// counted as its text plus [`STRING_COST`] bytes a string, about what it takes in memory (so
+/// a million empty groups count as what they cost). Kubernetes sets no bound, but a real
+/// user's is a few hundred bytes to a few KiB (200 OIDC groups, where Azure AD stops listing
+/// them, count about 16 KiB); 64 KiB is four times that. A review with more is denied without
+/// asking: it could only be made up, and each one would cost the API server a
+/// SubjectAccessReview and this replica its size twice in the cache.
+pub const MAX_USER_INFO_BYTES: usize = 64 << 10;
+
+/// What a string of an identity costs beyond its text: a `String` and its share of the list.
+pub const STRING_COST: usize = 48;
 
 /// Most reviews a replica sends per second, by why: for identities it has no answer for, in
 /// all and from one client address (the API server's own calls keep half however hard another
@@ -137,15 +141,16 @@ fn too_large(user: &UserInfo, namespace: &str) -> Option<String> {
     (bytes > MAX_USER_INFO_BYTES).then(|| oversized(namespace, bytes, groups))
 }
 
-/// The bytes of text in `user`'s identity.
+/// What `user`'s identity costs: its text, and [`STRING_COST`] a string.
 pub fn user_info_bytes(user: &UserInfo) -> usize {
-    let text = |s: &Option<String>| s.as_ref().map_or(0, String::len);
-    let groups: usize = user.groups.iter().flatten().map(String::len).sum();
+    let text = |s: &Option<String>| s.as_ref().map_or(0, |s| s.len() + STRING_COST);
+    let strings = |v: &[String]| v.iter().map(|s| s.len() + STRING_COST).sum::<usize>();
+    let groups = user.groups.as_deref().map_or(0, strings);
     let extra: usize = user
         .extra
         .iter()
         .flatten()
-        .map(|(key, values)| key.len() + values.iter().map(String::len).sum::<usize>())
+        .map(|(key, values)| key.len() + STRING_COST + strings(values))
         .sum();
     text(&user.username) + text(&user.uid) + groups + extra
 }
@@ -261,13 +266,14 @@ struct Key {
 impl Key {
     /// What this key and its question hold, in bytes, for the cache's bound.
     fn bytes(&self) -> usize {
+        let strings = |v: &[String]| v.iter().map(|s| s.len() + STRING_COST).sum::<usize>();
         let identity = self.user.len()
             + self.uid.len()
-            + self.groups.iter().map(String::len).sum::<usize>()
+            + strings(&self.groups)
             + self
                 .extra
                 .iter()
-                .map(|(k, v)| k.len() + v.iter().map(String::len).sum::<usize>())
+                .map(|(k, v)| k.len() + STRING_COST + strings(v))
                 .sum::<usize>();
         2 * (identity + self.namespace.len()) + 512
     }

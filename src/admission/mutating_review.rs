@@ -6,10 +6,10 @@
 //! webhook bench. The API server has checked the object's metadata before any webhook sees it.
 
 use crate::admission::review::Envelope;
-use crate::serving::bounded::{self, Budget};
+use crate::serving::bounded::Budget;
 use kube::core::admission::Operation;
 use kube::core::GroupVersionKind;
-use serde::de::{DeserializeSeed, Visitor};
+use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -51,27 +51,45 @@ pub struct Metadata {
     pub labels: Option<BTreeMap<String, String>>,
 }
 
-/// A field that is an object or `null` (present either way), decoded within
-/// [`FIELD_BUDGET`]; anything else is refused at its first byte.
+/// A field as it is (present either way): an object decoded within [`FIELD_BUDGET`]; a list,
+/// which no At's spec or status is and nothing defaults inside, skipped as it is read (an empty
+/// list stands for it: the defaults leave it alone, and the API server's schema refuses it);
+/// `null` and other values as they are.
 fn present<'de, D: Deserializer<'de>>(value: D) -> Result<Option<Value>, D::Error> {
-    struct ObjectOrNull<'a>(&'a Budget);
-    impl<'de> Visitor<'de> for ObjectOrNull<'_> {
+    struct Field<'a>(&'a Budget);
+    impl<'de> Visitor<'de> for Field<'_> {
         type Value = Value;
         fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("an object or null")
+            f.write_str("any JSON value")
         }
-        fn visit_unit<E: serde::de::Error>(self) -> Result<Value, E> {
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Value, A::Error> {
+            self.0.value().visit_map(map)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(Value::Array(Vec::new()))
+        }
+        fn visit_bool<E: de::Error>(self, v: bool) -> Result<Value, E> {
+            self.0.value().visit_bool(v)
+        }
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<Value, E> {
+            self.0.value().visit_i64(v)
+        }
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value, E> {
+            self.0.value().visit_u64(v)
+        }
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
+            self.0.value().visit_f64(v)
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Value, E> {
+            self.0.value().visit_str(v)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Value, E> {
             Ok(Value::Null)
-        }
-        fn visit_none<E: serde::de::Error>(self) -> Result<Value, E> {
-            Ok(Value::Null)
-        }
-        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
-            bounded::Object(self.0).deserialize(d).map(Value::Object)
         }
     }
     let budget = Budget::new(FIELD_BUDGET);
-    value.deserialize_option(ObjectOrNull(&budget)).map(Some)
+    value.deserialize_any(Field(&budget)).map(Some)
 }
 
 /// What an object's spec or status may take in memory, decoded: many times what any At needs,
@@ -193,14 +211,16 @@ mod tests {
         let mut labels = review.clone();
         labels["request"]["object"]["metadata"]["labels"] = serde_json::json!({"a": 1});
         assert!(decode(&serde_json::to_vec(&labels).unwrap()).is_err());
-        // A spec or status that is not an object is refused while decoding, however long.
+        // A spec or status that is a list is skipped as it is read, however long.
         for field in ["spec", "status"] {
             let mut array = review.clone();
             array["request"]["object"][field] = Value::Array(vec![0.into(); 100_000]);
-            let refused = decode(&serde_json::to_vec(&array).unwrap()).unwrap_err();
-            assert!(
-                refused.contains("invalid type: sequence, expected a JSON object"),
-                "{field}: {refused}"
+            let body = serde_json::to_vec(&array).unwrap();
+            let mut object = decode(&body).unwrap().object.unwrap();
+            assert_eq!(
+                object.take_data()[field],
+                Value::Array(Vec::new()),
+                "{field}"
             );
         }
         let mut huge = review.clone();

@@ -10,7 +10,6 @@ use crate::serving::bounded::{self, Budget};
 use k8s_openapi::api::authentication::v1::UserInfo;
 use kube::core::admission::Operation;
 use kube::core::{GroupVersionKind, GroupVersionResource, TypeMeta};
-use serde::de::{DeserializeSeed, Visitor};
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
@@ -43,26 +42,8 @@ pub struct Request {
 /// An object, or `null` (`None`), decoded within [`OBJECT_BUDGET`]; anything else is refused
 /// at its first byte.
 fn object<'de, D: Deserializer<'de>>(value: D) -> Result<Option<Value>, D::Error> {
-    struct ObjectOrNull<'a>(&'a Budget);
-    impl<'de> Visitor<'de> for ObjectOrNull<'_> {
-        type Value = Option<Value>;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("an object or null")
-        }
-        fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-            bounded::Object(self.0)
-                .deserialize(d)
-                .map(|fields| Some(Value::Object(fields)))
-        }
-    }
     let budget = Budget::new(OBJECT_BUDGET);
-    value.deserialize_option(ObjectOrNull(&budget))
+    Ok(bounded::object_or_null(value, &budget)?.map(Value::Object))
 }
 
 /// The review's type fields and its request, from an `admission.k8s.io/v1` AdmissionReview.

@@ -15,6 +15,7 @@ use crate::api::{At, GROUP};
 use crate::observability::metrics::{AdmissionLabels, Metrics};
 use crate::serving::drain::{self, Draining};
 use crate::serving::guard::{self, Slot, Slots};
+use crate::serving::tls;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -65,6 +66,9 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     pub reviewer: Option<Arc<AccessReviewer>>,
     pub draining: Draining,
+    /// Admission reviews only from clients that presented a certificate the client CA signed
+    /// (`--webhook-client-ca`); conversions from anyone (kube-apiserver's carry none).
+    pub certified_only: bool,
 }
 
 /// What the routes share: `Shared`, and the budgets of this server.
@@ -86,6 +90,13 @@ pub fn router(shared: Shared) -> Router {
     let route = |name: &'static str, review: Review| {
         post(
             move |State(served): State<Served>, request: axum::extract::Request| async move {
+                if served.shared.certified_only && !certified(&request) {
+                    return (
+                        StatusCode::FORBIDDEN,
+                        "cnat: the admission webhooks take reviews only from clients with a certificate the CA in --webhook-client-ca signed (chart webhook.clientCASecret)\n",
+                    )
+                        .into_response();
+                }
                 let client = client_of(&request);
                 let headers = request.headers().clone();
                 match read_body(&served.bodies, client, request).await {
@@ -117,6 +128,11 @@ pub fn router(shared: Shared) -> Router {
             ),
         )
         .with_state(served)
+}
+
+/// Whether the caller presented a client certificate (which the TLS handshake verified).
+fn certified(request: &axum::extract::Request) -> bool {
+    request.extensions().get::<tls::ClientCertificate>() == Some(&tls::ClientCertificate(true))
 }
 
 /// The address of the caller, as `serve` records it (`0.0.0.0` when it is not known).
@@ -293,38 +309,26 @@ impl Verdict {
 /// (see `serving::guard`).
 pub async fn serve(
     listener: std::net::TcpListener,
-    tls: RustlsConfig,
+    config: RustlsConfig,
     handle: Handle<SocketAddr>,
     shared: Shared,
     limits: guard::Limits,
 ) -> std::io::Result<()> {
-    let acceptor = RustlsAcceptor::new(tls)
-        .handshake_timeout(HANDSHAKE_TIMEOUT)
-        .acceptor(guard::Capped::new(
-            // TCP_NODELAY: an answer goes out as the TLS layer writes it, not held back waiting
-            // for the ACK of the one before (Nagle), which shows as tail latency.
-            axum_server::accept::NoDelayAcceptor::new(),
-            &limits,
-        ));
-    let mut server = axum_server::from_tcp(listener)?
-        .acceptor(acceptor)
-        .handle(handle)
-        .http1_only();
-    server
-        .http_builder()
-        .http1()
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(HEADER_TIMEOUT);
+    let acceptor = tls::Certified(
+        RustlsAcceptor::new(config)
+            .handshake_timeout(HANDSHAKE_TIMEOUT)
+            .acceptor(guard::Capped::new(
+                // TCP_NODELAY: an answer goes out as the TLS layer writes it, not held back waiting
+                // for the ACK of the one before (Nagle), which shows as tail latency.
+                axum_server::accept::NoDelayAcceptor::new(),
+                &limits,
+            )),
+    );
+    let server = guard::http1_server(listener, acceptor, handle, HEADER_TIMEOUT)?;
     let draining = shared.draining.clone();
-    let app = router(shared)
-        .layer(axum::middleware::from_fn_with_state(
-            guard::RequestGuard::new(limits, "admission requests"),
-            guard::guard,
-        ))
-        .layer(axum::middleware::from_fn_with_state(
-            draining,
-            drain::close_connections,
-        ));
+    let app = guard::guarded(router(shared), limits, "admission requests").layer(
+        axum::middleware::from_fn_with_state(draining, drain::close_connections),
+    );
     server
         .serve(app.into_make_service_with_connect_info::<SocketAddr>())
         .await

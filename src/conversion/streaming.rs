@@ -28,6 +28,11 @@ use std::io::{self, Read, Write};
 /// At is at most etcd's 1.5 MiB of JSON, mostly strings), and a bound on a made-up one.
 pub const OBJECT_BUDGET: usize = 16 << 20;
 
+/// The longest string or number read, in bytes of the body: the parser holds one whole before
+/// anything can look at it (a made-up `uid` of 400 MB would be 400 MB), and no At holds one
+/// longer than etcd's 1.5 MiB object.
+pub const MAX_TOKEN: usize = 2 << 20;
+
 /// How an answer ended.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Answered {
@@ -57,7 +62,8 @@ pub fn answer(body: impl Read, out: impl Write) -> Result<Answered, Broken> {
         refused: None,
         converted: 0,
     });
-    let mut deserializer = serde_json::Deserializer::from_reader(io::BufReader::new(body));
+    let tokens = Tokens::new(io::BufReader::new(body), MAX_TOKEN);
+    let mut deserializer = serde_json::Deserializer::from_reader(tokens);
     let parsed = Review(&state)
         .deserialize(&mut deserializer)
         .and_then(|()| deserializer.end());
@@ -99,6 +105,70 @@ pub fn answer(body: impl Read, out: impl Write) -> Result<Answered, Broken> {
             state.out.inner.flush()?;
             Ok(Answered::Converted(state.converted))
         }
+    }
+}
+
+/// A reader that fails once a string or a number (or any other run of bytes between JSON's
+/// punctuation) in what it passes on grows past `limit` bytes, before the parser has taken it.
+struct Tokens<R> {
+    inner: R,
+    limit: usize,
+    in_string: bool,
+    escaped: bool,
+    run: usize,
+}
+
+impl<R> Tokens<R> {
+    fn new(inner: R, limit: usize) -> Self {
+        Tokens {
+            inner,
+            limit,
+            in_string: false,
+            escaped: false,
+            run: 0,
+        }
+    }
+}
+
+impl<R: Read> Read for Tokens<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        for &byte in &buf[..n] {
+            if self.in_string {
+                match byte {
+                    _ if self.escaped => self.escaped = false,
+                    b'\\' => self.escaped = true,
+                    b'"' => {
+                        self.in_string = false;
+                        self.run = 0;
+                        continue;
+                    }
+                    _ => {}
+                }
+                self.run += 1;
+            } else {
+                match byte {
+                    b'"' => {
+                        self.in_string = true;
+                        self.run = 0;
+                    }
+                    b'{' | b'}' | b'[' | b']' | b',' | b':' | b' ' | b'\t' | b'\n' | b'\r' => {
+                        self.run = 0
+                    }
+                    _ => self.run += 1,
+                }
+            }
+            if self.run > self.limit {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "a string or number over {} MiB, longer than any At holds",
+                        self.limit >> 20
+                    ),
+                ));
+            }
+        }
+        Ok(n)
     }
 }
 
@@ -489,6 +559,37 @@ mod tests {
             serde_json::from_slice::<Value>(&out).is_err(),
             "no complete review was written"
         );
+    }
+
+    #[test]
+    fn a_string_or_number_past_the_bound_is_refused_before_the_parser_holds_it() {
+        for long in [
+            format!(r#""{}""#, "u".repeat(MAX_TOKEN + 1)),
+            format!(
+                r#""{}\"{}""#,
+                "u".repeat(MAX_TOKEN / 2),
+                "u".repeat(MAX_TOKEN / 2)
+            ),
+            "1".repeat(MAX_TOKEN + 1),
+        ] {
+            let body = format!(
+                r#"{{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview","request":{{"uid":{long},"desiredAPIVersion":"{V1}","objects":[]}}}}"#
+            );
+            let (answered, _) = run(body.as_bytes());
+            assert!(
+                matches!(&answered, Ok(Answered::Refused(why)) if why.contains("a string or number over 2 MiB")),
+                "{answered:?}"
+            );
+        }
+        // A key too.
+        let body = format!(r#"{{"{}":1}}"#, "k".repeat(MAX_TOKEN + 1));
+        assert!(matches!(run(body.as_bytes()).0, Ok(Answered::Refused(_))));
+        // Just under the bound passes.
+        let fits = format!(
+            r#"{{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview","request":{{"uid":"{}","desiredAPIVersion":"{V1}","objects":[]}}}}"#,
+            "u".repeat(MAX_TOKEN)
+        );
+        assert_eq!(run(fits.as_bytes()).0, Ok(Answered::Converted(0)));
     }
 
     #[test]

@@ -459,9 +459,9 @@ impl Elector {
                             let left = held
                                 .deadline(timing.renew_deadline)
                                 .saturating_duration_since(Instant::now());
-                            // Leadership is at risk only when little of the deadline is left;
-                            // one refused renewal early on is retried like any other.
-                            if left < timing.renew_deadline / 2 {
+                            // Leadership is at risk only when the deadline is less than a
+                            // retry period away; a failed renewal before that is retried.
+                            if left < timing.retry_period {
                                 warn!(lease = %self.name(), %error, ?left, "could not renew the lease; retrying before the renew deadline");
                             } else {
                                 info!(lease = %self.name(), %error, ?left, "could not renew the lease; retrying");
@@ -474,7 +474,11 @@ impl Elector {
                     let left = held
                         .deadline(timing.renew_deadline)
                         .saturating_duration_since(Instant::now());
-                    renewal = Some(Box::pin(self.renew(held.resource_version.clone(), left)));
+                    // A renewal may wait for its answer (one that comes late still keeps the
+                    // Lease), but not for all the time left: a connection that hangs must
+                    // leave room for another try.
+                    let limit = timing.retry_period.max(left / 2);
+                    renewal = Some(Box::pin(self.renew(held.resource_version.clone(), limit)));
                 }
             }
         };

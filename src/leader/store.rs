@@ -92,9 +92,9 @@ impl LeaseApi {
         self.swap_within(patch, self.limit).await
     }
 
-    /// `swap`, waiting up to `limit` for the answer: a leader's renewal may wait for as long as
-    /// its renew deadline leaves, since an answer that comes late still keeps the Lease, and a
-    /// renewal sent again would only load a busy API server more.
+    /// `swap`, waiting up to `limit` for the answer: a leader's renewal may wait longer than a
+    /// retry period (an answer that comes late still keeps the Lease, and a renewal sent again
+    /// would only load a busy API server more).
     pub async fn swap_within(&self, patch: &Value, limit: Duration) -> Result<Written, LeaseError> {
         debug_assert!(patch["metadata"]["resourceVersion"].is_string());
         let params = PatchParams::default();

@@ -40,21 +40,11 @@ pub async fn serve(
         }
     });
     let acceptor = guard::Capped::new(axum_server::accept::DefaultAcceptor::new(), &limits);
-    let mut server = axum_server::from_tcp(listener)?
-        .acceptor(acceptor)
-        .handle(handle)
-        .http1_only();
-    server
-        .http_builder()
-        .http1()
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(HEADER_TIMEOUT);
-    let app = app.layer(axum::middleware::from_fn_with_state(
-        guard::RequestGuard::new(limits, "requests"),
-        guard::guard,
-    ));
-    server
-        .serve(app.into_make_service_with_connect_info::<SocketAddr>())
+    guard::http1_server(listener, acceptor, handle, HEADER_TIMEOUT)?
+        .serve(
+            guard::guarded(app, limits, "requests")
+                .into_make_service_with_connect_info::<SocketAddr>(),
+        )
         .await
 }
 

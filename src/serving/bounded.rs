@@ -162,6 +162,32 @@ impl<'de> Visitor<'de> for Object<'_> {
     }
 }
 
+/// A JSON object decoded within `budget`, or `None` for `null`: what an AdmissionReview's
+/// `object`, `oldObject`, or an object's `spec` and `status` may be. Anything else is refused at
+/// its first byte.
+pub fn object_or_null<'de, D: de::Deserializer<'de>>(
+    deserializer: D,
+    budget: &Budget,
+) -> Result<Option<Map<String, Value>>, D::Error> {
+    struct ObjectOrNull<'a>(&'a Budget);
+    impl<'de> Visitor<'de> for ObjectOrNull<'_> {
+        type Value = Option<Map<String, Value>>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("an object or null")
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_some<D: de::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            Object(self.0).deserialize(d).map(Some)
+        }
+    }
+    deserializer.deserialize_option(ObjectOrNull(budget))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

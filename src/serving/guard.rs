@@ -282,6 +282,37 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
     }
 }
 
+/// An HTTP/1.1 server on `listener` (non-blocking) through `acceptor`, shut down by `handle`,
+/// dropping a client whose request headers (or next request, on a kept connection) have not
+/// come within `header_timeout`.
+pub fn http1_server<Acc>(
+    listener: std::net::TcpListener,
+    acceptor: Acc,
+    handle: axum_server::Handle<SocketAddr>,
+    header_timeout: Duration,
+) -> io::Result<axum_server::Server<SocketAddr, Acc>> {
+    let mut server = axum_server::from_tcp(listener)?
+        .acceptor(acceptor)
+        .handle(handle)
+        .http1_only();
+    server
+        .http_builder()
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    Ok(server)
+}
+
+/// `app` within the request bounds of `limits` ("admission requests" and the like say `what`
+/// in the 429), its requests' client address recorded (serve it with
+/// `into_make_service_with_connect_info::<SocketAddr>()`).
+pub fn guarded(app: axum::Router, limits: Limits, what: &'static str) -> axum::Router {
+    app.layer(axum::middleware::from_fn_with_state(
+        RequestGuard::new(limits, what),
+        guard,
+    ))
+}
+
 /// The middleware state: requests in flight and the deadline.
 #[derive(Clone)]
 pub struct RequestGuard {

@@ -55,7 +55,10 @@ pub enum TlsError {
 }
 
 /// A server config for `files`: TLS 1.2 or 1.3, HTTP/1.1 (what kube-apiserver speaks to webhooks),
-/// and, with `client_ca`, only clients presenting a certificate that CA signed.
+/// and, with `client_ca`, client certificates asked for and verified: a client that presents
+/// one that CA did not sign is refused in the handshake; one that presents none gets through
+/// the handshake (kube-apiserver's conversion calls carry none, whatever its admission
+/// configuration says) and is marked so ([`Certified`]): the admission webhooks refuse it.
 pub fn server_config(files: &CertFiles) -> Result<Arc<ServerConfig>, TlsError> {
     let (cert_pem, key_pem) = (read(&files.cert)?, read(&files.key)?);
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
@@ -106,8 +109,61 @@ fn client_verifier(
         return Err(bad("no certificate in the file".into()));
     }
     rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+        .allow_unauthenticated()
         .build()
         .map_err(|e| bad(e.to_string()))
+}
+
+/// Whether a request's client presented a certificate in its TLS handshake (one the client CA
+/// signed: the handshake fails for any other), as a request extension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientCertificate(pub bool);
+
+/// A TLS connection that can tell whether its client presented a certificate.
+pub trait Peer {
+    fn presented_certificate(&self) -> bool;
+}
+
+impl<S> Peer for tokio_rustls::server::TlsStream<S> {
+    fn presented_certificate(&self) -> bool {
+        self.get_ref()
+            .1
+            .peer_certificates()
+            .is_some_and(|chain| !chain.is_empty())
+    }
+}
+
+/// An acceptor around a TLS one that marks every request of a connection with its
+/// [`ClientCertificate`].
+#[derive(Clone)]
+pub struct Certified<A>(pub A);
+
+impl<A, I, S> axum_server::accept::Accept<I, S> for Certified<A>
+where
+    A: axum_server::accept::Accept<I, S>,
+    A::Stream: Peer + Send + 'static,
+    A::Service: Send + 'static,
+    A::Future: Send + 'static,
+{
+    type Stream = A::Stream;
+    type Service = axum::middleware::AddExtension<A::Service, ClientCertificate>;
+    type Future = std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = std::io::Result<(Self::Stream, Self::Service)>> + Send,
+        >,
+    >;
+
+    fn accept(&self, stream: I, service: S) -> Self::Future {
+        let accepted = self.0.accept(stream, service);
+        Box::pin(async move {
+            let (stream, service) = accepted.await?;
+            let mark = ClientCertificate(stream.presented_certificate());
+            Ok((
+                stream,
+                tower_layer::Layer::layer(&axum::Extension(mark), service),
+            ))
+        })
+    }
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
@@ -335,16 +391,18 @@ mod tests {
         (ca_cert.pem(), cert.pem(), key.serialize_pem())
     }
 
-    /// Whether the server side of a handshake with `client` succeeded.
-    async fn handshake(server: Arc<ServerConfig>, client: rustls::ClientConfig) -> bool {
+    /// The server side of a handshake with `client`: `None` when it failed, else whether the
+    /// client presented a certificate.
+    async fn handshake(server: Arc<ServerConfig>, client: rustls::ClientConfig) -> Option<bool> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let accepted = tokio::spawn(async move {
             let (stream, _) = listener.accept().await.unwrap();
-            tokio_rustls::TlsAcceptor::from(server)
+            let tls = tokio_rustls::TlsAcceptor::from(server)
                 .accept(stream)
                 .await
-                .is_ok()
+                .ok()?;
+            Some(tls.presented_certificate())
         });
         let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
         let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
@@ -355,7 +413,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn with_a_client_ca_only_clients_it_signed_get_through() {
+    async fn with_a_client_ca_clients_it_signed_are_marked_and_others_refused() {
         let dir = temp_dir("client-ca");
         let served = generate("s", "ns", 1).unwrap().write(&dir).unwrap();
         let (ca, cert, key) = client_pki("kube-apiserver");
@@ -383,13 +441,23 @@ mod tests {
             let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap();
             builder().with_client_auth_cert(chain, key).unwrap()
         };
-        assert!(!handshake(server.clone(), builder().with_no_client_auth()).await);
-        assert!(handshake(server.clone(), with_cert(&cert, &key)).await);
+        // Without a certificate: through, unmarked (the conversion webhook takes it, the
+        // admission webhooks do not).
+        let none = handshake(server.clone(), builder().with_no_client_auth()).await;
+        assert_eq!(none, Some(false));
+        assert_eq!(
+            handshake(server.clone(), with_cert(&cert, &key)).await,
+            Some(true)
+        );
         let (_, stranger, stranger_key) = client_pki("some-pod");
-        assert!(!handshake(server.clone(), with_cert(&stranger, &stranger_key)).await);
-        // Without a client CA, anyone gets through (the default).
+        let stranger = handshake(server.clone(), with_cert(&stranger, &stranger_key)).await;
+        assert_eq!(
+            stranger, None,
+            "a certificate the CA did not sign is refused"
+        );
+        // Without a client CA, nobody is asked for one (the default).
         let open = server_config(&served).unwrap();
-        assert!(handshake(open, builder().with_no_client_auth()).await);
+        assert_eq!(handshake(open, with_cert(&cert, &key)).await, Some(false));
         // A client CA file without a certificate is an error naming the file and the flag.
         std::fs::write(dir.join("empty.crt"), "").unwrap();
         let broken = CertFiles {

@@ -73,6 +73,33 @@ fn connector(
         .build()
 }
 
+/// An HTTPS client that trusts only the CA in `ca` and presents `cert` with `key` (PEM).
+pub fn client_with_certificate(ca: &Path, cert: &str, key: &str) -> Https {
+    let mut roots = rustls::RootCertStore::empty();
+    for der in rustls::pki_types::CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(der.unwrap()).unwrap();
+    }
+    use rustls::pki_types::pem::PemObject;
+    let chain = rustls::pki_types::CertificateDer::pem_slice_iter(cert.as_bytes())
+        .map(Result::unwrap)
+        .collect();
+    let key = rustls::pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap();
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_client_auth_cert(chain, key)
+    .unwrap();
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(config)
+        .https_only()
+        .enable_http1()
+        .build();
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
 pub async fn post(
     client: &Https,
     addr: SocketAddr,

@@ -632,17 +632,22 @@ async fn an_identity_past_the_bound_is_denied_without_asking_the_api_server() {
     let (client, task) = answering(|_| allowed());
     let metrics = metrics();
     let reviewer = AccessReviewer::new(client, Settings::default(), metrics.clone());
-    // 32 KiB of groups passes (the bound), one byte more does not.
-    let at_bound = user(&"b".repeat(32), 32, 1023);
+    // 64 KiB passes (the bound: 1024 groups of 16 bytes and 48 a string, a 16-byte name).
+    let at_bound = user(&"b".repeat(16), 1023, 16);
     assert_eq!(user_info_bytes(&at_bound), MAX_USER_INFO_BYTES);
     assert_eq!(reviewer.check(&at_bound, "fx").await, Ok(()));
+    let one_more = user(&"b".repeat(17), 1023, 16);
+    assert!(reviewer.check(&one_more, "fx").await.is_err());
     // The attack's size: 1.5 MB of groups.
     let huge = user("mallory", 50_000, 30);
     let denied = reviewer.check(&huge, "fx").await.unwrap_err();
     assert!(
-        denied.starts_with("cnat refuses to check an identity of 1500007 bytes (50000 groups), over its bound of 32768 bytes"),
+        denied.starts_with("cnat refuses to check an identity of 3900055 bytes (50000 groups), over its bound of 65536 bytes"),
         "{denied}"
     );
+    // Empty groups cost what a String costs: a million of them are no small identity.
+    let empty = user("mallory", 1_000_000, 0);
+    assert!(reviewer.check(&empty, "fx").await.is_err());
     assert_eq!(reviewer.cached(&huge, "fx"), Some(Err(denied)));
     assert_eq!(reviewer.inner.lock().answers.len(), 1, "not cached");
     drop(reviewer);
@@ -696,7 +701,7 @@ async fn the_cache_is_bounded_in_bytes_and_never_drops_an_answer_used_twice_to_m
     let reviewer = Arc::new(AccessReviewer::new(client, Settings::default(), metrics()));
     let alice = alice();
     assert_eq!(reviewer.check(&alice, "fx").await, Ok(()));
-    // 31 KiB identities, 20 new ones a second for a minute: 1200 x 62 KiB would be 73 MiB.
+    // 60 KiB identities, 20 new ones a second for a minute: 1200 x 120 KiB would be 140 MiB.
     // Alice applies every 10 s, without waiting for a review.
     for second in 0..60 {
         let checks: Vec<_> = (0..20)
