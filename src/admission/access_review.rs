@@ -39,13 +39,15 @@ pub const STRING_COST: usize = 48;
 
 /// Most reviews a replica sends per second, by why: for identities it has no answer for, in
 /// all and from one client address (the API server's own calls keep half however hard another
-/// caller floods); and for identities it has (refreshes by the upkeep or by requests).
-/// Together at most 140 a second on average, keep-warm included (the known budget saves up three
-/// seconds' worth, for a round of the upkeep). A request past these is denied, whatever
-/// `--access-review-on-error` says: a flood must not open the guard.
+/// caller floods); and for identities it has (refreshes by the upkeep or by requests, a
+/// request's also within its client address's share). Together at most 140 a second on
+/// average, keep-warm included (the known budget saves up four seconds' worth, for a round of
+/// the upkeep, which leaves one second's worth to requests). A request past these is denied,
+/// whatever `--access-review-on-error` says: a flood must not open the guard.
 pub const NEW_PER_SECOND: u32 = 40;
 pub const NEW_PER_SECOND_PER_CLIENT: u32 = 20;
 pub const KNOWN_PER_SECOND: u32 = 100;
+pub const KNOWN_PER_SECOND_PER_CLIENT: u32 = 50;
 
 /// Most reviews the background upkeep starts per second, on average (a round starts this many
 /// times its period in seconds), so many identities at once cannot flood the API server: past
@@ -130,7 +132,7 @@ pub fn oversized(namespace: &str, bytes: usize, groups: usize) -> String {
 /// The denial when the guard is asking about too many identities at once.
 pub fn busy(namespace: &str) -> String {
     format!(
-        "cnat could not check whether you may create pods in namespace {namespace}: it is asking the API server about too many identities at once (over {NEW_PER_SECOND} new ones a second, or {NEW_PER_SECOND_PER_CLIENT} from one caller), and an At runs a pod there; try again in a few seconds"
+        "cnat could not check whether you may create pods in namespace {namespace}: it is asking the API server about too many identities at once (at most {NEW_PER_SECOND} new and {KNOWN_PER_SECOND} known ones a second, fewer for one caller), and an At runs a pod there; try again in a few seconds"
     )
 }
 
@@ -211,6 +213,7 @@ struct Budgets {
     new: Bucket,
     new_by_client: HashMap<std::net::IpAddr, Bucket>,
     known: Bucket,
+    known_by_client: HashMap<std::net::IpAddr, Bucket>,
 }
 
 impl Budgets {
@@ -218,27 +221,46 @@ impl Budgets {
         Budgets {
             new: Bucket::new(NEW_PER_SECOND, 1, now),
             new_by_client: HashMap::new(),
-            // Three seconds' worth: a round of the upkeep (a quarter TTL, 2.5 s by default)
-            // may start its whole budget at once.
-            known: Bucket::new(KNOWN_PER_SECOND, 3, now),
+            // Four seconds' worth: a round of the upkeep (a quarter TTL, 2.5 s by default)
+            // may start its budget at once, and a second's worth is left to requests.
+            known: Bucket::new(KNOWN_PER_SECOND, 4, now),
+            known_by_client: HashMap::new(),
         }
     }
 
-    /// A review of an identity without an answer, asked for by `client`.
-    fn take_new(&mut self, client: std::net::IpAddr, now: Instant) -> bool {
-        if self.new_by_client.len() >= 1024 {
-            self.new_by_client.retain(|_, bucket| !bucket.full(now));
+    /// A review asked for by `client`, of an identity with an answer (`known`) or without.
+    fn take(&mut self, client: std::net::IpAddr, known: bool, now: Instant) -> bool {
+        let (all, by_client, rate) = match known {
+            true => (
+                &mut self.known,
+                &mut self.known_by_client,
+                KNOWN_PER_SECOND_PER_CLIENT,
+            ),
+            false => (
+                &mut self.new,
+                &mut self.new_by_client,
+                NEW_PER_SECOND_PER_CLIENT,
+            ),
+        };
+        if by_client.len() >= 1024 {
+            by_client.retain(|_, bucket| !bucket.full(now));
         }
-        let mine = self
-            .new_by_client
+        let mine = by_client
             .entry(client)
-            .or_insert_with(|| Bucket::new(NEW_PER_SECOND_PER_CLIENT, 1, now));
+            .or_insert_with(|| Bucket::new(rate, 1, now));
         let mut trial = *mine;
-        if !trial.take(now) || !self.new.take(now) {
+        if !trial.take(now) || !all.take(now) {
             return false;
         }
         *mine = trial;
         true
+    }
+
+    /// How many refreshes the upkeep may start now: what the known budget holds beyond one
+    /// second's worth, kept for requests.
+    fn for_upkeep(&mut self, now: Instant) -> usize {
+        let reserve = KNOWN_PER_SECOND as usize;
+        self.known.available(now).saturating_sub(reserve)
     }
 }
 
@@ -323,6 +345,8 @@ struct Answer {
     used: Instant,
     /// How many requests used it (at most 2 counted: once, or more).
     uses: u8,
+    /// The address of the client that used it last.
+    client: std::net::IpAddr,
     reviewed: Reviewed,
     question: SubjectAccessReview,
     bytes: usize,
@@ -331,8 +355,8 @@ struct Answer {
 /// Why a review was started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Trigger {
-    /// A request found no answer and waits for this one.
-    Request,
+    /// A request from this client address found no answer and waits for this one.
+    Request(std::net::IpAddr),
     /// A refresh of a cached answer, ahead of its expiry or as a retry; a request that finds
     /// the answer expired waits for it too.
     Refresh,
@@ -507,7 +531,7 @@ impl AccessReviewer {
     /// `cached`, for a request from `client` (an identity over the bound is denied at once).
     pub fn cached_for(
         &self,
-        _client: std::net::IpAddr,
+        client: std::net::IpAddr,
         user: &UserInfo,
         namespace: &str,
     ) -> Option<Result<(), String>> {
@@ -515,7 +539,7 @@ impl AccessReviewer {
             return Some(Err(denial));
         }
         let key = Key::new(user, namespace);
-        let answer = self.fresh(&mut self.inner.lock(), key)?;
+        let answer = self.fresh(&mut self.inner.lock(), key, client)?;
         Some(self.verdict(user, namespace, answer))
     }
 
@@ -539,17 +563,14 @@ impl AccessReviewer {
         let key = Key::new(user, namespace);
         let asking = {
             let mut reviews = self.inner.lock();
-            if let Some(answer) = self.fresh(&mut reviews, key.clone()) {
+            if let Some(answer) = self.fresh(&mut reviews, key.clone(), client) {
                 return self.verdict(user, namespace, answer);
             }
             match reviews.asking.get(&key) {
                 Some(asking) => asking.clone(),
                 None => {
-                    let now = Instant::now();
-                    let budgeted = match reviews.answers.contains_key(&key) {
-                        true => reviews.budgets.known.take(now),
-                        false => reviews.budgets.take_new(client, now),
-                    };
+                    let (now, known) = (Instant::now(), reviews.answers.contains_key(&key));
+                    let budgeted = reviews.budgets.take(client, known, now);
                     if !budgeted {
                         self.inner
                             .metrics
@@ -558,7 +579,7 @@ impl AccessReviewer {
                     }
                     let question = review(user, namespace);
                     self.inner
-                        .start(&mut reviews, key, question, Trigger::Request)
+                        .start(&mut reviews, key, question, Trigger::Request(client))
                 }
             }
         };
@@ -569,12 +590,13 @@ impl AccessReviewer {
     /// The cached answer for `key` if younger than the TTL, marked used; past half its life, a
     /// refresh is started (one at a time, half a TTL after the last one started). An expired
     /// answer is marked used too: it stays warm (and is not forgotten) while `check` asks.
-    fn fresh(&self, reviews: &mut Reviews, key: Key) -> Option<Reviewed> {
+    fn fresh(&self, reviews: &mut Reviews, key: Key, client: std::net::IpAddr) -> Option<Reviewed> {
         let ttl = self.inner.settings.cache_ttl;
         let now = Instant::now();
         let answer = reviews.answers.get_mut(&key)?;
         answer.used = now;
         answer.uses = answer.uses.saturating_add(1).min(2);
+        answer.client = client;
         let age = now.duration_since(answer.asked);
         if age >= ttl {
             return None;
@@ -605,6 +627,31 @@ impl AccessReviewer {
             },
         }
     }
+}
+
+/// The first `budget` of `due` answers (once used, last tried, last client, key) to refresh:
+/// each client address's in turn (the API server's answers are not starved by another caller's,
+/// however many it made), and within one address's, those used more than once first, then
+/// those tried longest ago.
+fn fair(mut due: Vec<(bool, Instant, std::net::IpAddr, Key)>, budget: usize) -> Vec<Key> {
+    due.sort_by_key(|(once, tried, ..)| (*once, *tried));
+    let mut queues: Vec<(std::net::IpAddr, std::collections::VecDeque<Key>)> = Vec::new();
+    for (_, _, client, key) in due {
+        match queues.iter_mut().find(|(c, _)| *c == client) {
+            Some((_, queue)) => queue.push_back(key),
+            None => queues.push((client, std::collections::VecDeque::from([key]))),
+        }
+    }
+    let mut chosen = Vec::new();
+    while chosen.len() < budget && queues.iter().any(|(_, q)| !q.is_empty()) {
+        for (_, queue) in &mut queues {
+            if chosen.len() == budget {
+                break;
+            }
+            chosen.extend(queue.pop_front());
+        }
+    }
+    chosen
 }
 
 /// The background upkeep: a round every [`cadence`] period (see [`Inner::upkeep`]). Ends when
@@ -651,7 +698,7 @@ impl Inner {
                 Upkeep::Refresh => {
                     // Identities used more than once first: a flood of made-up ones, each used
                     // once, cannot keep the answers of real users from being refreshed.
-                    due.push((answer.uses < 2, answer.tried, key.clone()));
+                    due.push((answer.uses < 2, answer.tried, answer.client, key.clone()));
                     true
                 }
                 Upkeep::Keep => true,
@@ -661,15 +708,14 @@ impl Inner {
             }
             keep
         });
-        due.sort_by_key(|(once, tried, _)| (*once, *tried));
         let (_, budget) = cadence(&self.settings);
-        let budget = budget.min(budgets.known.available(now));
-        for (_, _, key) in due.into_iter().take(budget) {
-            reviews.budgets.known.take(now);
+        let budget = budget.min(budgets.for_upkeep(now));
+        for key in fair(due, budget) {
             let Some(answer) = reviews.answers.get(&key) else {
                 continue;
             };
             let question = answer.question.clone();
+            reviews.budgets.known.take(now);
             let _refresh = self.start(&mut reviews, key, question, Trigger::Refresh);
         }
     }
@@ -732,7 +778,7 @@ impl Inner {
                 Reviewed::Unanswered(_) => "unanswered",
             };
             let trigger_label = match trigger {
-                Trigger::Request => "request",
+                Trigger::Request(_) => "request",
                 Trigger::Refresh => "refresh",
             };
             inner
@@ -753,9 +799,9 @@ impl Inner {
                         }
                         return reviewed;
                     }
-                    if trigger == Trigger::Refresh {
+                    let Trigger::Request(client) = trigger else {
                         return reviewed;
-                    }
+                    };
                     let bytes = key.bytes();
                     if reviews.make_room(bytes, ttl, now) {
                         let cached = Answer {
@@ -763,6 +809,7 @@ impl Inner {
                             tried: asked,
                             used: asked,
                             uses: 1,
+                            client,
                             reviewed: answer.clone(),
                             question,
                             bytes,

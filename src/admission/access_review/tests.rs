@@ -603,6 +603,7 @@ async fn one_round_of_upkeep_starts_at_most_its_budget_the_answers_tried_longest
                 tried,
                 used: now,
                 uses: 2,
+                client: UNKNOWN_CLIENT,
                 reviewed: Reviewed::Allowed,
                 question: review(user, "fx"),
                 bytes: Key::new(user, "fx").bytes(),
@@ -756,4 +757,43 @@ fn a_bucket_gives_its_rate_and_saves_up_at_most_its_burst() {
     assert_eq!(bucket.available(later), 20, "at most one second saved up");
     let mut three = Bucket::new(100, 3, start);
     assert_eq!(three.available(start), 300);
+}
+
+#[test]
+fn keep_warm_serves_each_client_address_in_turn_so_a_flood_of_answers_starves_nobody() {
+    let now = Instant::now();
+    let (flood, apiserver): (std::net::IpAddr, std::net::IpAddr) =
+        ("10.0.0.66".parse().unwrap(), "10.0.0.1".parse().unwrap());
+    let key = |name: &str| Key::new(&user(name, 1, 4), "fx");
+    // 500 made-up identities, each used twice and tried longer ago than alice's and bob's.
+    let mut due: Vec<_> = (0..500)
+        .map(|i| (false, now, flood, key(&format!("made-up-{i}"))))
+        .collect();
+    let later = now + Duration::from_secs(1);
+    due.push((false, later, apiserver, key("alice")));
+    due.push((true, later, apiserver, key("bob")));
+    let chosen = fair(due, 50);
+    assert_eq!(chosen.len(), 50);
+    assert!(chosen.contains(&key("alice")) && chosen.contains(&key("bob")));
+    // Within one address: used more than once first.
+    let position = |name: &str| chosen.iter().position(|k| *k == key(name)).unwrap();
+    assert!(position("alice") < position("bob"));
+}
+
+#[test]
+fn one_caller_cannot_spend_the_known_budget_of_requests() {
+    let now = Instant::now();
+    let mut budgets = Budgets::new(now);
+    let (flood, apiserver) = ("10.0.0.66".parse().unwrap(), "10.0.0.1".parse().unwrap());
+    let spent = (0..1000).filter(|_| budgets.take(flood, true, now)).count();
+    assert_eq!(spent, KNOWN_PER_SECOND_PER_CLIENT as usize);
+    let theirs = (0..1000)
+        .filter(|_| budgets.take(apiserver, true, now))
+        .count();
+    assert_eq!(theirs, KNOWN_PER_SECOND_PER_CLIENT as usize);
+    // New identities have budgets of their own.
+    assert!(budgets.take(apiserver, false, now));
+    // The upkeep leaves a second's worth of the known budget to requests.
+    let mut fresh = Budgets::new(now);
+    assert_eq!(fresh.for_upkeep(now), 3 * KNOWN_PER_SECOND as usize);
 }
