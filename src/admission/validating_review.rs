@@ -30,6 +30,7 @@ pub struct Request {
     #[serde(default)]
     pub namespace: Option<String>,
     pub operation: Operation,
+    #[serde(deserialize_with = "identity")]
     pub user_info: UserInfo,
     #[serde(default, deserialize_with = "object")]
     pub object: Option<Value>,
@@ -44,6 +45,19 @@ pub struct Request {
 fn object<'de, D: Deserializer<'de>>(value: D) -> Result<Option<Value>, D::Error> {
     let budget = Budget::new(OBJECT_BUDGET);
     Ok(bounded::object_or_null(value, &budget)?.map(Value::Object))
+}
+
+/// What a review's `userInfo` may take in memory, decoded: many times the largest identity the
+/// escalation guard asks about (`access_review::MAX_USER_INFO_BYTES`), which denies more.
+pub const IDENTITY_BUDGET: usize = 1 << 20;
+
+/// The `userInfo`, decoded within [`IDENTITY_BUDGET`] (a list of a million empty groups is a
+/// few MiB of text and would be tens of MiB of strings).
+fn identity<'de, D: Deserializer<'de>>(value: D) -> Result<UserInfo, D::Error> {
+    use serde::de::{DeserializeSeed, Error};
+    let budget = Budget::new(IDENTITY_BUDGET);
+    let value = budget.value().deserialize(value)?;
+    UserInfo::deserialize(value).map_err(D::Error::custom)
 }
 
 /// The review's type fields and its request, from an `admission.k8s.io/v1` AdmissionReview.
@@ -113,6 +127,10 @@ mod tests {
         huge["request"]["object"]["metadata"]["managedFields"] =
             serde_json::json!([{"fieldsV1": vec![0; 200_000]}]);
         let refused = decode(&serde_json::to_vec(&huge).unwrap()).unwrap_err();
+        assert!(refused.contains("more than any At needs"), "{refused}");
+        let mut crowd = review.clone();
+        crowd["request"]["userInfo"]["groups"] = Value::Array(vec!["".into(); 100_000]);
+        let refused = decode(&serde_json::to_vec(&crowd).unwrap()).unwrap_err();
         assert!(refused.contains("more than any At needs"), "{refused}");
         let mut null = review.clone();
         null["request"]["oldObject"] = Value::Null;

@@ -49,6 +49,10 @@ pub const MAX_BODY: usize = 4 << 20;
 /// waits for its own earlier ones, not for everyone's. A review of an At is a few KiB.
 pub const BODY_BUDGET_KIB: usize = 16 << 10;
 pub const BODY_BUDGET_PER_CLIENT_KIB: usize = 4 << 10;
+/// The largest body the validating webhook decodes straight into typed structs: some of kube's
+/// types hold JSON values (`managedFields`, `options`) that a made-up body can make many times
+/// its size; a larger body (no review of an ordinary At is) takes the bounded path.
+pub const FAST_PATH_BODY: usize = 256 << 10;
 /// How long an admission review waits for room in the body budget before it is answered 429.
 pub const BODY_WAIT: Duration = Duration::from_secs(2);
 /// A client that has not finished its TLS handshake by then is dropped (no slowloris).
@@ -389,9 +393,9 @@ fn encode(mut response: AdmissionResponse) -> Vec<u8> {
 /// (`validating_review`) and judged by the same rules, an At whose stored copy cnat cannot read
 /// included.
 pub fn validating(body: &[u8]) -> Result<Verdict, String> {
-    let typed = Envelope::<AdmissionRequest<At>>::from_slice(body)
-        .and_then(Envelope::admission_request)
-        .ok()
+    let typed = (body.len() <= FAST_PATH_BODY)
+        .then(|| Envelope::<AdmissionRequest<At>>::from_slice(body))
+        .and_then(|envelope| envelope.and_then(Envelope::admission_request).ok())
         .filter(|r| r.kind.version != "v1alpha1" && concerns_ats(&r.kind));
     if let Some(request) = typed {
         return Ok(judge(&request, false));
@@ -435,12 +439,15 @@ fn judge_lean(types: kube::core::TypeMeta, request: validating_review::Request) 
         return about(response.deny("the AdmissionReview has no object to review"));
     };
     let older = request.kind.version == "v1alpha1";
+    let old = request.old_object.clone().map(as_at);
+    if let Some(Err(_)) = old {
+        return judge_unreadable_update(&request, &object, response, older);
+    }
     let at = match as_at(object.clone()) {
         Ok(at) => at,
         Err(why) => return about(response.deny(why)),
     };
-    match request.old_object.clone().map(as_at) {
-        Some(Err(_)) => judge_unreadable_update(&request, &at, &object, response, older),
+    match old {
         old => {
             let request = AdmissionRequest {
                 types,
@@ -473,7 +480,6 @@ fn judge_lean(types: kube::core::TypeMeta, request: validating_review::Request) 
 /// is and pass.
 fn judge_unreadable_update(
     request: &validating_review::Request,
-    at: &At,
     object: &serde_json::Value,
     response: AdmissionResponse,
     older: bool,
@@ -497,21 +503,33 @@ fn judge_unreadable_update(
     if is_status(request.sub_resource.as_deref()) || !spec_changes {
         return verdict(response);
     }
-    let phase = old.and_then(|old| old.pointer("/status/phase"));
-    let not_started = match phase {
-        None => true,
-        Some(phase) => matches!(phase.as_str(), Some("Pending" | "PENDING")),
+    // Not started: no status, or a status whose phase is absent or Pending; anything else
+    // (another phase, or a status or phase cnat cannot read) may have run.
+    let status = old
+        .and_then(|old| old.get("status"))
+        .filter(|s| !s.is_null());
+    let phase = status
+        .and_then(|status| status.get("phase"))
+        .filter(|p| !p.is_null());
+    let not_started = match (status, phase) {
+        (None, _) => true,
+        (Some(status), None) => status.is_object(),
+        (Some(_), Some(phase)) => matches!(phase.as_str(), Some("Pending" | "PENDING")),
     };
     if !not_started {
-        let phase = phase.map_or_else(String::new, |p| p.to_string());
+        let phase = phase.map_or_else(|| "unreadable".to_owned(), |p| p.to_string());
         return verdict(response.deny(in_terms(format!(
             "spec: cannot change: the stored At does not decode as an At and its status.phase is {phase}, so its command may have run, and changing the spec cannot undo that; create a new At instead"
         ))));
     }
-    let problems = validation::spec_problems(at, None);
+    let at = match as_at(object.clone()) {
+        Ok(at) => at,
+        Err(why) => return verdict(response.deny(why)),
+    };
+    let problems = validation::spec_problems(&at, None);
     let response = match problems.is_empty() {
         true => response,
-        false => response.deny(in_terms(validation::summary(at, &problems))),
+        false => response.deny(in_terms(validation::summary(&at, &problems))),
     };
     let mut verdict = verdict(response);
     let namespace = request
@@ -654,3 +672,6 @@ fn as_at(object: serde_json::Value) -> Result<At, String> {
         .map_err(|e| format!("the object is not a valid At: {e}"))?;
     serde_json::from_value(value).map_err(|e| format!("the object is not a valid At: {e}"))
 }
+
+#[cfg(test)]
+mod tests;

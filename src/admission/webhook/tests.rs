@@ -1,0 +1,125 @@
+//! The validating webhook's path for an At whose stored copy does not decode.
+
+use super::*;
+use serde_json::{json, Value};
+
+/// A v1 update review by `user` of an At whose stored copy holds a number no i32 holds (as
+/// one stored before the CRD bounded it), with `status` stored and `spec` as the new spec.
+fn unreadable_update(user: &str, status: Value, spec: Value) -> Vec<u8> {
+    let stored_spec = json!({"schedule": "2999-01-01T00:00:00Z", "command": "true",
+                             "ttlSecondsAfterFinished": 3_000_000_000_i64});
+    let at = |spec: &Value| {
+        let mut at = json!({"apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
+                            "metadata": {"name": "x", "namespace": "fx"}, "spec": spec});
+        if !status.is_null() {
+            at["status"] = status.clone();
+        }
+        at
+    };
+    let gvk = json!({"group": "cnat.programming-kubernetes.info", "version": "v1", "kind": "At"});
+    serde_json::to_vec(&json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "u-1", "kind": gvk, "name": "x", "namespace": "fx", "operation": "UPDATE",
+            "resource": {"group": "cnat.programming-kubernetes.info", "version": "v1", "resource": "ats"},
+            "userInfo": {"username": user, "groups": ["system:authenticated"]},
+            "object": at(&spec), "oldObject": at(&stored_spec),
+        }
+    }))
+    .unwrap()
+}
+
+fn fixed(command: &str) -> Value {
+    json!({"schedule": "2999-01-01T00:00:00Z", "command": command, "ttlSecondsAfterFinished": 60,
+           "template": {"serviceAccountName": "cluster-admin"}})
+}
+
+#[test]
+fn the_fix_of_a_pending_unreadable_at_is_checked_whole_and_needs_permission_to_create_pods() {
+    let verdict = validating(&unreadable_update("mallory", Value::Null, fixed("steal"))).unwrap();
+    assert!(verdict.response.allowed, "{:?}", verdict.response.result);
+    assert_eq!(verdict.response.uid, "u-1");
+    let (user, namespace) = verdict.access.expect("the escalation guard is asked");
+    assert_eq!(
+        (user.username.as_deref(), namespace.as_str()),
+        (Some("mallory"), "fx")
+    );
+    // Pending is not started.
+    let status = json!({"phase": "Pending"});
+    let verdict = validating(&unreadable_update("m", status, fixed("steal"))).unwrap();
+    assert!(verdict.response.allowed && verdict.access.is_some());
+    // The fix is checked whole: a bad schedule is refused.
+    let mut bad = fixed("steal");
+    bad["schedule"] = "tomorrow".into();
+    let verdict = validating(&unreadable_update("mallory", Value::Null, bad)).unwrap();
+    assert!(!verdict.response.allowed);
+    assert!(
+        verdict.response.result.message.contains("\"tomorrow\""),
+        "{}",
+        verdict.response.result.message
+    );
+}
+
+#[test]
+fn once_the_stored_copy_says_it_may_have_run_its_spec_never_changes() {
+    for status in [
+        json!({"phase": "Running"}),
+        json!({"phase": "Done"}),
+        json!({"phase": 7}),
+        json!("not a status"),
+    ] {
+        let verdict = validating(&unreadable_update("admin", status.clone(), fixed("x"))).unwrap();
+        assert!(!verdict.response.allowed, "{status}");
+        assert!(
+            verdict
+                .response
+                .result
+                .message
+                .starts_with("spec: cannot change: the stored At does not decode as an At"),
+            "{}",
+            verdict.response.result.message
+        );
+    }
+}
+
+#[test]
+fn metadata_and_status_edits_of_an_unreadable_at_pass_without_asking() {
+    let stored = json!({"schedule": "2999-01-01T00:00:00Z", "command": "true",
+                        "ttlSecondsAfterFinished": 3_000_000_000_i64});
+    let verdict = validating(&unreadable_update(
+        "mallory",
+        json!({"phase": "Done"}),
+        stored,
+    ))
+    .unwrap();
+    assert!(verdict.response.allowed, "{:?}", verdict.response.result);
+    assert!(verdict.access.is_none());
+    // A new spec that still does not decode is refused, saying why.
+    let mut broken = fixed("x");
+    broken["ttlSecondsAfterFinished"] = 4_000_000_000_i64.into();
+    let verdict = validating(&unreadable_update("mallory", Value::Null, broken)).unwrap();
+    assert!(!verdict.response.allowed);
+    assert!(verdict
+        .response
+        .result
+        .message
+        .contains("the object is not a valid At"));
+}
+
+#[test]
+fn a_large_review_takes_the_bounded_path_and_gets_the_same_verdict() {
+    let mut review: Value =
+        serde_json::from_slice(&unreadable_update("m", Value::Null, fixed("x"))).unwrap();
+    // A readable stored copy, and 300 KiB of annotations: over the fast path's bound.
+    review["request"]["oldObject"]["spec"]["ttlSecondsAfterFinished"] = 60.into();
+    let small = serde_json::to_vec(&review).unwrap();
+    review["request"]["object"]["metadata"]["annotations"] = json!({"big": "a".repeat(300 << 10)});
+    review["request"]["oldObject"]["metadata"]["annotations"] =
+        json!({"big": "a".repeat(300 << 10)});
+    let large = serde_json::to_vec(&review).unwrap();
+    assert!(large.len() > FAST_PATH_BODY && small.len() < FAST_PATH_BODY);
+    let (a, b) = (validating(&small).unwrap(), validating(&large).unwrap());
+    assert_eq!(a.response.allowed, b.response.allowed);
+    assert_eq!(a.response.result.message, b.response.result.message);
+    assert_eq!(a.access.is_some(), b.access.is_some());
+}
