@@ -299,6 +299,25 @@ async fn under_each_attack_a_replica_keeps_its_memory_and_answers_the_api_server
     )
     .await;
     judge("60 MB ConversionReviews x2", String::new());
+    // The same size in one string (a made-up uid), which a parser holds whole before anyone
+    // can look at it.
+    let mut string =
+        br#"{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview","request":{"uid":""#
+            .to_vec();
+    string.extend(std::iter::repeat_n(b'u', 60 << 20));
+    string.extend_from_slice(
+        br#"","desiredAPIVersion":"cnat.programming-kubernetes.info/v1","objects":[]}}"#,
+    );
+    let string = Arc::new(string);
+    flood(
+        &attacker,
+        2,
+        "/convert?timeout=30s",
+        |_| string.clone(),
+        Instant::now() + ATTACK,
+    )
+    .await;
+    judge("60 MB uid in ConversionReviews x2", String::new());
 
     // 2. Sixteen clients POSTing 4 MiB AdmissionReviews to /mutating whose object.spec is a
     // huge JSON array.
