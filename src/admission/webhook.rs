@@ -447,29 +447,25 @@ fn judge_lean(types: kube::core::TypeMeta, request: validating_review::Request) 
         Ok(at) => at,
         Err(why) => return about(response.deny(why)),
     };
-    match old {
-        old => {
-            let request = AdmissionRequest {
-                types,
-                uid: request.uid,
-                kind: request.kind,
-                resource: request.resource,
-                sub_resource: request.sub_resource,
-                request_kind: None,
-                request_resource: None,
-                request_sub_resource: None,
-                name: request.name,
-                namespace: request.namespace,
-                operation: request.operation,
-                user_info: request.user_info,
-                object: Some(at),
-                old_object: old.and_then(Result::ok),
-                dry_run: request.dry_run,
-                options: None,
-            };
-            judge(&request, older)
-        }
-    }
+    let request = AdmissionRequest {
+        types,
+        uid: request.uid,
+        kind: request.kind,
+        resource: request.resource,
+        sub_resource: request.sub_resource,
+        request_kind: None,
+        request_resource: None,
+        request_sub_resource: None,
+        name: request.name,
+        namespace: request.namespace,
+        operation: request.operation,
+        user_info: request.user_info,
+        object: Some(at),
+        old_object: old.and_then(Result::ok),
+        dry_run: request.dry_run,
+        options: None,
+    };
+    judge(&request, older)
 }
 
 /// An update of an At whose stored copy does not decode as one (the operator's `Unreadable`

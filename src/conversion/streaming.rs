@@ -484,10 +484,11 @@ mod tests {
                 let n = buf.len().min(4096);
                 for (i, byte) in buf[..n].iter_mut().enumerate() {
                     let at = self.given + i;
-                    *byte = head
-                        .get(at)
-                        .copied()
-                        .unwrap_or(if at % 2 == 0 { b'0' } else { b',' });
+                    *byte = head.get(at).copied().unwrap_or(if at.is_multiple_of(2) {
+                        b'0'
+                    } else {
+                        b','
+                    });
                 }
                 self.given += n;
                 assert!(self.given < 1 << 20, "read on past the first object");

@@ -728,17 +728,18 @@ async fn the_cache_is_bounded_in_bytes_and_never_drops_an_answer_used_twice_to_m
                 "second {second}"
             );
         }
-        let reviews = reviewer.inner.lock();
-        assert!(reviews.bytes <= MAX_CACHED_BYTES, "{}", reviews.bytes);
-        let mine = reviews.answers.get(&Key::new(&alice, "fx"));
-        assert!(
-            mine.is_some(),
-            "second {second}: {} answers, {} bytes, {} asking",
-            reviews.answers.len(),
-            reviews.bytes,
-            reviews.asking.len()
-        );
-        drop(reviews);
+        {
+            let reviews = reviewer.inner.lock();
+            assert!(reviews.bytes <= MAX_CACHED_BYTES, "{}", reviews.bytes);
+            let mine = reviews.answers.get(&Key::new(&alice, "fx"));
+            assert!(
+                mine.is_some(),
+                "second {second}: {} answers, {} bytes, {} asking",
+                reviews.answers.len(),
+                reviews.bytes,
+                reviews.asking.len()
+            );
+        }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
     let reviews = reviewer.inner.lock();
