@@ -200,10 +200,11 @@ pub struct RunArgs {
     #[arg(long, env = "CNAT_TLS_KEY", default_value = "/etc/cnat/tls/tls.key")]
     pub tls_key: PathBuf,
 
-    /// PEM bundle of the CA that signed the client certificate kube-apiserver presents to
-    /// webhooks (an AdmissionConfiguration with a kubeconfig for cnat's webhooks): only
-    /// clients with a certificate it signed may connect. Unset: any client may (kube-apiserver
-    /// presents none by default).
+    /// PEM bundle of a CA that signs only the client certificate kube-apiserver presents to
+    /// webhooks (an AdmissionConfiguration with a kubeconfig for cnat's webhooks): the admission
+    /// webhooks then answer only clients with a certificate it signed (403 for none; a
+    /// certificate another CA signed fails the handshake). Conversions are answered for anyone:
+    /// kube-apiserver's conversion calls carry no client certificate. Unset: anyone.
     #[arg(long, env = "CNAT_WEBHOOK_CLIENT_CA")]
     pub webhook_client_ca: Option<PathBuf>,
 

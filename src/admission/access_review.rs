@@ -47,7 +47,7 @@ pub const STRING_COST: usize = 48;
 pub const NEW_PER_SECOND: u32 = 40;
 pub const NEW_PER_SECOND_PER_CLIENT: u32 = 20;
 pub const KNOWN_PER_SECOND: u32 = 100;
-pub const KNOWN_PER_SECOND_PER_CLIENT: u32 = 50;
+pub const KNOWN_PER_SECOND_PER_CLIENT: u32 = 30;
 
 /// Most reviews the background upkeep starts per second, on average (a round starts this many
 /// times its period in seconds), so many identities at once cannot flood the API server: past
@@ -606,7 +606,7 @@ impl AccessReviewer {
         if age >= ttl / 2
             && retry
             && !reviews.asking.contains_key(&key)
-            && reviews.budgets.known.take(now)
+            && reviews.budgets.take(client, true, now)
         {
             let Some(answer) = reviews.answers.get(&key) else {
                 return Some(reviewed);
@@ -635,16 +635,18 @@ impl AccessReviewer {
 /// those tried longest ago.
 fn fair(mut due: Vec<(bool, Instant, std::net::IpAddr, Key)>, budget: usize) -> Vec<Key> {
     due.sort_by_key(|(once, tried, ..)| (*once, *tried));
-    let mut queues: Vec<(std::net::IpAddr, std::collections::VecDeque<Key>)> = Vec::new();
+    let mut queues: Vec<std::collections::VecDeque<Key>> = Vec::new();
+    let mut index: HashMap<std::net::IpAddr, usize> = HashMap::new();
     for (_, _, client, key) in due {
-        match queues.iter_mut().find(|(c, _)| *c == client) {
-            Some((_, queue)) => queue.push_back(key),
-            None => queues.push((client, std::collections::VecDeque::from([key]))),
-        }
+        let at = *index.entry(client).or_insert_with(|| {
+            queues.push(std::collections::VecDeque::new());
+            queues.len() - 1
+        });
+        queues[at].push_back(key);
     }
     let mut chosen = Vec::new();
-    while chosen.len() < budget && queues.iter().any(|(_, q)| !q.is_empty()) {
-        for (_, queue) in &mut queues {
+    while chosen.len() < budget && queues.iter().any(|q| !q.is_empty()) {
+        for queue in &mut queues {
             if chosen.len() == budget {
                 break;
             }

@@ -440,7 +440,7 @@ fn judge_lean(types: kube::core::TypeMeta, request: validating_review::Request) 
     };
     let older = request.kind.version == "v1alpha1";
     let old = request.old_object.clone().map(as_at);
-    if let Some(Err(_)) = old {
+    if let (Operation::Update, Some(Err(_))) = (&request.operation, &old) {
         return judge_unreadable_update(&request, &object, response, older);
     }
     let at = match as_at(object.clone()) {
@@ -496,7 +496,25 @@ fn judge_unreadable_update(
     };
     let (new_spec, old_spec) = (spec_of(object), old.and_then(spec_of));
     let spec_changes = new_spec.is_none() || new_spec != old_spec;
-    if is_status(request.sub_resource.as_deref()) || !spec_changes {
+    if is_status(request.sub_resource.as_deref()) {
+        // A phase never goes back, here too: else a status write could reopen the spec.
+        let rank = |at: Option<&serde_json::Value>| {
+            let phase = at?.pointer("/status/phase")?.as_str()?;
+            PHASE_RANKS
+                .iter()
+                .find(|(p, _)| *p == phase)
+                .map(|(_, rank)| *rank)
+        };
+        let (was, now) = (rank(old), rank(Some(object)));
+        if was.is_some_and(|was| now.is_none_or(|now| now < was)) {
+            return verdict(response.deny(in_terms(format!(
+                "status.phase: cannot go back or be removed (it was {}): an At runs at most once; create a new At to run the command again",
+                old.and_then(|o| o.pointer("/status/phase")).map_or_else(String::new, |p| p.to_string())
+            ))));
+        }
+        return verdict(response);
+    }
+    if !spec_changes {
         return verdict(response);
     }
     // Not started: no status, or a status whose phase is absent or Pending; anything else
@@ -527,14 +545,27 @@ fn judge_unreadable_update(
         true => response,
         false => response.deny(in_terms(validation::summary(&at, &problems))),
     };
-    let mut verdict = verdict(response);
     let namespace = request
         .namespace
         .clone()
         .or_else(|| at.metadata.namespace.clone());
-    verdict.access = namespace.map(|namespace| (request.user_info.clone(), namespace));
+    let Some(namespace) = namespace else {
+        return verdict(response.deny("the AdmissionReview names no namespace for the At"));
+    };
+    let mut verdict = verdict(response);
+    verdict.access = Some((request.user_info.clone(), namespace));
     verdict
 }
+
+/// The phases in the order an At goes through them, in both versions' spelling.
+const PHASE_RANKS: [(&str, u8); 6] = [
+    ("Pending", 0),
+    ("PENDING", 0),
+    ("Running", 1),
+    ("RUNNING", 1),
+    ("Done", 2),
+    ("DONE", 2),
+];
 
 /// Whose permission to create pods, where, an At write needs: a create, or an update that
 /// changes the spec (the pod it will run); not a status write, a delete or a label edit.

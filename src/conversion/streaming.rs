@@ -62,7 +62,8 @@ pub fn answer(body: impl Read, out: impl Write) -> Result<Answered, Broken> {
         refused: None,
         converted: 0,
     });
-    let tokens = Tokens::new(io::BufReader::new(body), MAX_TOKEN);
+    // Buffered outside: serde_json reads a byte at a time from what it is given.
+    let tokens = io::BufReader::new(Tokens::new(body, MAX_TOKEN));
     let mut deserializer = serde_json::Deserializer::from_reader(tokens);
     let parsed = Review(&state)
         .deserialize(&mut deserializer)

@@ -91,7 +91,8 @@ pub fn server_config(files: &CertFiles) -> Result<Arc<ServerConfig>, TlsError> {
     Ok(Arc::new(config))
 }
 
-/// A verifier that requires a client certificate signed by a CA in the PEM bundle at `path`.
+/// A verifier that checks a client certificate, when one is presented, against the CA in the
+/// PEM bundle at `path` (a client that presents none is marked, not refused: see [`Certified`]).
 fn client_verifier(
     path: &Path,
     provider: Arc<rustls::crypto::CryptoProvider>,

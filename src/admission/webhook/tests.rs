@@ -123,3 +123,39 @@ fn a_large_review_takes_the_bounded_path_and_gets_the_same_verdict() {
     assert_eq!(a.response.result.message, b.response.result.message);
     assert_eq!(a.access.is_some(), b.access.is_some());
 }
+
+#[test]
+fn a_status_write_cannot_take_an_unreadable_at_back_to_pending() {
+    let stored = json!({"schedule": "2999-01-01T00:00:00Z", "command": "true",
+                        "ttlSecondsAfterFinished": 3_000_000_000_i64});
+    let mut review: Value =
+        serde_json::from_slice(&unreadable_update("m", json!({"phase": "Done"}), stored)).unwrap();
+    review["request"]["subResource"] = "status".into();
+    let forward = serde_json::to_vec(&review).unwrap();
+    assert!(
+        validating(&forward).unwrap().response.allowed,
+        "Done stays Done"
+    );
+    for back in [json!({"phase": "Pending"}), json!({})] {
+        review["request"]["object"]["status"] = back.clone();
+        let verdict = validating(&serde_json::to_vec(&review).unwrap()).unwrap();
+        assert!(!verdict.response.allowed, "{back}");
+        assert!(verdict
+            .response
+            .result
+            .message
+            .starts_with("status.phase: cannot go back"));
+    }
+}
+
+#[test]
+fn a_made_up_create_with_an_unreadable_old_object_is_judged_as_a_create() {
+    let mut review: Value =
+        serde_json::from_slice(&unreadable_update("m", Value::Null, fixed("x"))).unwrap();
+    review["request"]["operation"] = "CREATE".into();
+    let verdict = validating(&serde_json::to_vec(&review).unwrap()).unwrap();
+    assert!(
+        verdict.access.is_some(),
+        "a create always asks the escalation guard"
+    );
+}
