@@ -458,7 +458,7 @@ impl AtCache {
         // Dropped when the task ends, by a panic too (unwinding drops it).
         let alive = stopped.clone().drop_guard();
         let watch = follow::follow(client.clone(), namespace.map(str::to_owned), store.clone())
-            .backoff(crate::operator::controller::WatchBackoff::new())
+            .backoff(watch_backoff())
             .reflect(writer)
             .for_each(move |event| {
                 let change = match event {
@@ -591,6 +591,20 @@ pub fn read(cached: &CachedAt) -> Option<At> {
 }
 
 mod follow;
+
+/// Retrying a failed watch (the At cache's and the leader's pod watch): 100 ms doubling to
+/// 500 ms, plus up to as much again of jitter, so never more than 1 s; reset by any event.
+/// kube's default grows to 30 s, which after an API server outage leaves the caches (and new
+/// Ats) waiting up to that long after the server is back; one request a second per watch is
+/// cheap.
+pub fn watch_backoff() -> kube::runtime::watcher::ExponentialBackoff {
+    backon::ExponentialBuilder::new()
+        .with_min_delay(std::time::Duration::from_millis(100))
+        .with_max_delay(std::time::Duration::from_millis(500))
+        .with_jitter()
+        .without_max_times()
+        .into()
+}
 
 #[cfg(test)]
 mod tests;

@@ -12,17 +12,14 @@ use crate::operator::events::EventSink;
 use crate::operator::pod;
 use crate::operator::policy::RunPolicy;
 use crate::operator::reconcile::{self, error_policy, reconcile, Context};
-use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::runtime::utils::Backoff;
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::{Api, Client, ResourceExt};
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -77,7 +74,7 @@ pub async fn run_with_cache(
     // Pods of deleted Ats that wait for cnat's finalizer to go.
     let (orphans, orphaned) = mpsc::unbounded_channel();
     let pod_events = watcher(pods, watcher::Config::default().labels(pod::SELECTOR))
-        .backoff(WatchBackoff::new())
+        .backoff(cache::watch_backoff())
         .modify(pod::trim)
         .reflect(pod_writer)
         // Deletions too: a pod that vanishes must end its At.
@@ -361,39 +358,6 @@ impl Drop for ForgetAts {
     }
 }
 
-/// Retrying a failed watch: 100 ms doubling to 500 ms, plus up to as much again of jitter, so
-/// never more than 1 s; reset by any event. kube's
-/// default grows to 30 s, which after an API server outage leaves the caches (and new Ats)
-/// waiting up to that long after the server is back; one request a second per watch is cheap.
-pub(crate) struct WatchBackoff(backon::ExponentialBackoff);
-
-impl WatchBackoff {
-    pub(crate) fn new() -> Self {
-        WatchBackoff(
-            ExponentialBuilder::new()
-                .with_min_delay(Duration::from_millis(100))
-                .with_max_delay(Duration::from_millis(500))
-                .with_jitter()
-                .without_max_times()
-                .build(),
-        )
-    }
-}
-
-impl Iterator for WatchBackoff {
-    type Item = Duration;
-
-    fn next(&mut self) -> Option<Duration> {
-        self.0.next()
-    }
-}
-
-impl Backoff for WatchBackoff {
-    fn reset(&mut self) {
-        *self = WatchBackoff::new();
-    }
-}
-
 fn pod_api(client: &Client, namespace: Option<&str>) -> Api<Pod> {
     match namespace {
         Some(ns) => Api::namespaced(client.clone(), ns),
@@ -426,25 +390,5 @@ mod tests {
         let mut rest = names[3..].to_vec();
         rest.sort();
         assert_eq!(rest, ["bad", "done", "later"]);
-    }
-
-    #[test]
-    fn watch_retries_stay_within_a_second_and_start_over_after_success() {
-        let mut backoff = WatchBackoff::new();
-        let delays: Vec<Duration> = backoff.by_ref().take(20).collect();
-        assert_eq!(delays.len(), 20, "never gives up");
-        assert!(delays[0] >= Duration::from_millis(100) && delays[0] <= Duration::from_millis(200));
-        assert!(
-            delays.iter().all(|d| *d <= Duration::from_secs(1)),
-            "{delays:?}"
-        );
-        assert!(
-            delays[10..]
-                .iter()
-                .all(|d| *d >= Duration::from_millis(500)),
-            "{delays:?}"
-        );
-        backoff.reset();
-        assert!(backoff.next().unwrap() <= Duration::from_millis(200));
     }
 }

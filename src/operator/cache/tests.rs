@@ -271,3 +271,25 @@ fn an_at_that_does_not_decode_is_kept_as_unreadable_and_the_list_still_decodes()
         );
     }
 }
+
+#[test]
+fn watch_retries_stay_within_a_second_and_start_over_after_success() {
+    use kube::runtime::utils::Backoff;
+    use std::time::Duration;
+    let mut backoff = watch_backoff();
+    let delays: Vec<Duration> = backoff.by_ref().take(20).collect();
+    assert_eq!(delays.len(), 20, "never gives up");
+    assert!(delays[0] >= Duration::from_millis(100) && delays[0] <= Duration::from_millis(200));
+    assert!(
+        delays.iter().all(|d| *d <= Duration::from_secs(1)),
+        "{delays:?}"
+    );
+    assert!(
+        delays[10..]
+            .iter()
+            .all(|d| *d >= Duration::from_millis(500)),
+        "{delays:?}"
+    );
+    backoff.reset();
+    assert!(backoff.next().unwrap() <= Duration::from_millis(200));
+}
