@@ -5,7 +5,7 @@
 //! dropped: decoding the whole review was the largest part of a mutating review's CPU in the
 //! webhook bench. The API server has checked the object's metadata before any webhook sees it.
 
-use crate::admission::review::Envelope;
+use crate::admission::review::{Envelope, ReviewError};
 use crate::serving::bounded::Budget;
 use kube::core::admission::Operation;
 use kube::core::GroupVersionKind;
@@ -111,7 +111,7 @@ impl Object {
 }
 
 /// The request inside an `admission.k8s.io/v1` AdmissionReview body.
-pub fn decode(body: &[u8]) -> Result<Request, String> {
+pub fn decode(body: &[u8]) -> Result<Request, ReviewError> {
     Envelope::from_slice(body)?.request()
 }
 
@@ -186,7 +186,9 @@ mod tests {
         for field in ["apiVersion", "kind"] {
             let mut without = review.clone();
             without.as_object_mut().unwrap().remove(field);
-            let refused = decode(&serde_json::to_vec(&without).unwrap()).unwrap_err();
+            let refused = decode(&serde_json::to_vec(&without).unwrap())
+                .unwrap_err()
+                .to_string();
             assert!(
                 refused.contains(&format!("missing field `{field}`")),
                 "{refused}"
@@ -195,7 +197,9 @@ mod tests {
         let mut without = review.clone();
         without.as_object_mut().unwrap().remove("request");
         assert_eq!(
-            decode(&serde_json::to_vec(&without).unwrap()).unwrap_err(),
+            decode(&serde_json::to_vec(&without).unwrap())
+                .unwrap_err()
+                .to_string(),
             "the AdmissionReview has no request"
         );
         for (path, bad) in [
@@ -225,7 +229,9 @@ mod tests {
         }
         let mut huge = review.clone();
         huge["request"]["object"]["spec"]["x"] = Value::Array(vec![0.into(); 200_000]);
-        let refused = decode(&serde_json::to_vec(&huge).unwrap()).unwrap_err();
+        let refused = decode(&serde_json::to_vec(&huge).unwrap())
+            .unwrap_err()
+            .to_string();
         assert!(refused.contains("more than any At needs"), "{refused}");
         assert!(decode(b"not json").is_err());
     }

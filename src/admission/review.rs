@@ -9,6 +9,16 @@ use kube::core::admission::AdmissionRequest;
 use kube::core::{Resource, TypeMeta};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
+use thiserror::Error;
+
+/// Why a body is not an AdmissionReview cnat can review (the webhook answers 400 with it).
+#[derive(Debug, Error)]
+pub enum ReviewError {
+    #[error("the body is not an admission.k8s.io/v1 AdmissionReview: {0}")]
+    NotAReview(#[from] serde_json::Error),
+    #[error("the AdmissionReview has no request")]
+    NoRequest,
+}
 
 /// A review whose request decodes as `R`: kube's `AdmissionRequest`, or the part of it a
 /// webhook reads (`mutating_review`).
@@ -23,25 +33,22 @@ pub struct Envelope<R> {
 
 impl<R: DeserializeOwned> Envelope<R> {
     /// The review in `body`, or why it is not one.
-    pub fn from_slice(body: &[u8]) -> Result<Self, String> {
-        serde_json::from_slice(body)
-            .map_err(|e| format!("the body is not an admission.k8s.io/v1 AdmissionReview: {e}"))
+    pub fn from_slice(body: &[u8]) -> Result<Self, ReviewError> {
+        Ok(serde_json::from_slice(body)?)
     }
 
     /// The request, or why there is none.
-    pub fn request(self) -> Result<R, String> {
+    pub fn request(self) -> Result<R, ReviewError> {
         self.split().map(|(_, request)| request)
     }
 
     /// The review's type fields and its request, or why there is no request.
-    pub fn split(self) -> Result<(TypeMeta, R), String> {
+    pub fn split(self) -> Result<(TypeMeta, R), ReviewError> {
         let types = TypeMeta {
             api_version: self.api_version,
             kind: self.kind,
         };
-        let request = self
-            .request
-            .ok_or_else(|| "the AdmissionReview has no request".to_owned())?;
+        let request = self.request.ok_or(ReviewError::NoRequest)?;
         Ok((types, request))
     }
 }
@@ -51,7 +58,7 @@ where
     AdmissionRequest<T>: DeserializeOwned,
 {
     /// The request, with the review's type fields as kube's conversion sets them.
-    pub fn admission_request(self) -> Result<AdmissionRequest<T>, String> {
+    pub fn admission_request(self) -> Result<AdmissionRequest<T>, ReviewError> {
         let (types, mut request) = self.split()?;
         request.types = types;
         Ok(request)
@@ -69,6 +76,10 @@ mod tests {
     }
 
     fn decode(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, String> {
+        decode_review(body).map_err(|e| e.to_string())
+    }
+
+    fn decode_review(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, ReviewError> {
         Envelope::from_slice(body)?.admission_request()
     }
 

@@ -5,7 +5,7 @@
 //! part of the objects) skipped or typed: so a made-up body costs a bounded multiple of what it
 //! holds, whatever its shape.
 
-use crate::admission::review::Envelope;
+use crate::admission::review::{Envelope, ReviewError};
 use crate::serving::bounded::{self, Budget};
 use k8s_openapi::api::authentication::v1::UserInfo;
 use kube::core::admission::Operation;
@@ -61,7 +61,7 @@ fn identity<'de, D: Deserializer<'de>>(value: D) -> Result<UserInfo, D::Error> {
 }
 
 /// The review's type fields and its request, from an `admission.k8s.io/v1` AdmissionReview.
-pub fn decode(body: &[u8]) -> Result<(TypeMeta, Request), String> {
+pub fn decode(body: &[u8]) -> Result<(TypeMeta, Request), ReviewError> {
     Envelope::from_slice(body)?.split()
 }
 
@@ -120,17 +120,23 @@ mod tests {
         ] {
             let mut broken = review.clone();
             broken["request"]["oldObject"] = bad;
-            let refused = decode(&serde_json::to_vec(&broken).unwrap()).unwrap_err();
+            let refused = decode(&serde_json::to_vec(&broken).unwrap())
+                .unwrap_err()
+                .to_string();
             assert!(refused.contains("expected a JSON object"), "{refused}");
         }
         let mut huge = review.clone();
         huge["request"]["object"]["metadata"]["managedFields"] =
             serde_json::json!([{"fieldsV1": vec![0; 200_000]}]);
-        let refused = decode(&serde_json::to_vec(&huge).unwrap()).unwrap_err();
+        let refused = decode(&serde_json::to_vec(&huge).unwrap())
+            .unwrap_err()
+            .to_string();
         assert!(refused.contains("more than any At needs"), "{refused}");
         let mut crowd = review.clone();
         crowd["request"]["userInfo"]["groups"] = Value::Array(vec!["".into(); 100_000]);
-        let refused = decode(&serde_json::to_vec(&crowd).unwrap()).unwrap_err();
+        let refused = decode(&serde_json::to_vec(&crowd).unwrap())
+            .unwrap_err()
+            .to_string();
         assert!(refused.contains("more than any At needs"), "{refused}");
         let mut null = review.clone();
         null["request"]["oldObject"] = Value::Null;

@@ -8,7 +8,7 @@ use crate::admission::access_review::AccessReviewer;
 use crate::admission::conversion_webhook;
 use crate::admission::defaulting::{self, Target};
 use crate::admission::mutating_review;
-use crate::admission::review::Envelope;
+use crate::admission::review::{Envelope, ReviewError};
 use crate::admission::validating_review;
 use crate::admission::validation;
 use crate::api::{At, GROUP};
@@ -61,7 +61,7 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A webhook's pure entry point: AdmissionReview body in, verdict out.
-type Review = fn(&[u8]) -> Result<Verdict, String>;
+type Review = fn(&[u8]) -> Result<Verdict, ReviewError>;
 
 /// What every request shares: the metrics, the escalation guard (`None`: turned off), and
 /// whether the replica is draining (shutting down).
@@ -234,7 +234,7 @@ async fn admit(
             verdict.operation
         }
         Err(why) => {
-            span.set_status(Status::error(why.clone()));
+            span.set_status(Status::error(why.to_string()));
             "UNKNOWN"
         }
     };
@@ -339,7 +339,7 @@ pub async fn serve(
 }
 
 /// The HTTP answer: the AdmissionReview, or 400 with the reason the body is not one.
-fn respond(review: Result<AdmissionResponse, String>) -> Response {
+fn respond(review: Result<AdmissionResponse, ReviewError>) -> Response {
     match review {
         Ok(response) => {
             debug!(uid = %response.uid, allowed = response.allowed, reason = %response.result.message, "admission review");
@@ -392,7 +392,7 @@ fn encode(mut response: AdmissionResponse) -> Vec<u8> {
 /// request (the fast path); every other review is decoded once within bounds
 /// (`validating_review`) and judged by the same rules, an At whose stored copy cnat cannot read
 /// included.
-pub fn validating(body: &[u8]) -> Result<Verdict, String> {
+pub fn validating(body: &[u8]) -> Result<Verdict, ReviewError> {
     let typed = (body.len() <= FAST_PATH_BODY)
         .then(|| Envelope::<AdmissionRequest<At>>::from_slice(body))
         .and_then(|envelope| envelope.and_then(Envelope::admission_request).ok())
@@ -621,7 +621,7 @@ fn refuse_untyped<T: Resource>(
 /// The mutating webhook for an AdmissionReview body: defaults `spec.template.image` and the phase, and
 /// labels the At with its list shard (`shard`), as an idempotent JSON patch. It works on the
 /// raw object, to see which fields are absent.
-pub fn mutating(body: &[u8]) -> Result<Verdict, String> {
+pub fn mutating(body: &[u8]) -> Result<Verdict, ReviewError> {
     let mut request = mutating_review::decode(body)?;
     let response = mutate(&mut request);
     let (namespace, name) = (request.namespace, request.name);
