@@ -10,6 +10,7 @@
 
 use crate::api::{At, AtSpec, AtStatus, Phase};
 use crate::operator::contain::Quarantine;
+use crate::operator::key::AtKey;
 use crate::schedule;
 use crate::shard;
 use chrono::{DateTime, Utc};
@@ -249,20 +250,12 @@ impl CachedAt {
     pub fn at(&self) -> Result<At, CacheError> {
         if let Some(why) = &self.unreadable {
             return Err(CacheError {
-                at: format!(
-                    "{}/{}",
-                    self.namespace().unwrap_or_default(),
-                    self.name_any()
-                ),
+                at: AtKey::of(self),
                 source: Fault::Unreadable(why.to_string()),
             });
         }
         let fault = |source| CacheError {
-            at: format!(
-                "{}/{}",
-                self.namespace().unwrap_or_default(),
-                self.name_any()
-            ),
+            at: AtKey::of(self),
             source,
         };
         let json = lz4_flex::block::decompress_size_prepended(&self.packed)
@@ -342,7 +335,7 @@ impl CachedAt {
 #[derive(Debug, thiserror::Error)]
 #[error("At {at}: the cached copy does not read back ({source}); it is left alone until it changes. Please report this as a bug")]
 pub struct CacheError {
-    at: String,
+    at: AtKey,
     source: Fault,
 }
 

@@ -8,6 +8,7 @@
 //! `install_hook` routes every panic message through the log: a panic inside a catch is handed
 //! to the catch (which logs it with the At), any other is logged as it happens.
 
+use crate::operator::key::AtKey;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::future::Future;
@@ -114,10 +115,10 @@ impl<F: Future> Future for Caught<F> {
 /// At versions (`namespace/name` and resourceVersion) whose handling panicked: skipped until
 /// they change, are deleted, or `QUARANTINE` passed. Shared by every leadership of this replica.
 #[derive(Debug, Default)]
-pub struct Quarantine(Mutex<HashMap<String, (String, tokio::time::Instant)>>);
+pub struct Quarantine(Mutex<HashMap<AtKey, (String, tokio::time::Instant)>>);
 
 impl Quarantine {
-    pub fn add(&self, at: String, resource_version: String) {
+    pub fn add(&self, at: AtKey, resource_version: String) {
         let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if map.len() >= MAX_QUARANTINED {
             map.clear();
@@ -127,7 +128,7 @@ impl Quarantine {
     }
 
     /// Whether this version of `at` is quarantined; a newer version, or time, ends it.
-    pub fn holds(&self, at: &str, resource_version: Option<&str>) -> bool {
+    pub fn holds(&self, at: &AtKey, resource_version: Option<&str>) -> bool {
         let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
         match map.get(at) {
             None => false,
@@ -144,7 +145,7 @@ impl Quarantine {
         }
     }
 
-    pub fn remove(&self, at: &str) {
+    pub fn remove(&self, at: &AtKey) {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(at);
     }
 }
@@ -185,26 +186,29 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn quarantine_ends_after_its_time() {
         let quarantine = Quarantine::default();
-        quarantine.add("ns/a".into(), "7".into());
+        quarantine.add(AtKey::new("ns", "a"), "7".into());
         tokio::time::advance(QUARANTINE - std::time::Duration::from_secs(1)).await;
-        assert!(quarantine.holds("ns/a", Some("7")));
+        assert!(quarantine.holds(&AtKey::new("ns", "a"), Some("7")));
         tokio::time::advance(std::time::Duration::from_secs(1)).await;
-        assert!(!quarantine.holds("ns/a", Some("7")));
+        assert!(!quarantine.holds(&AtKey::new("ns", "a"), Some("7")));
     }
 
     #[tokio::test]
     async fn quarantine_holds_one_version_until_it_changes() {
         let quarantine = Quarantine::default();
-        quarantine.add("ns/a".into(), "7".into());
-        assert!(quarantine.holds("ns/a", Some("7")));
-        assert!(!quarantine.holds("ns/b", Some("7")));
-        assert!(!quarantine.holds("ns/a", Some("8")), "a newer version runs");
+        quarantine.add(AtKey::new("ns", "a"), "7".into());
+        assert!(quarantine.holds(&AtKey::new("ns", "a"), Some("7")));
+        assert!(!quarantine.holds(&AtKey::new("ns", "b"), Some("7")));
         assert!(
-            !quarantine.holds("ns/a", Some("7")),
+            !quarantine.holds(&AtKey::new("ns", "a"), Some("8")),
+            "a newer version runs"
+        );
+        assert!(
+            !quarantine.holds(&AtKey::new("ns", "a"), Some("7")),
             "and the entry is gone"
         );
-        quarantine.add("ns/a".into(), "9".into());
-        quarantine.remove("ns/a");
-        assert!(!quarantine.holds("ns/a", Some("9")));
+        quarantine.add(AtKey::new("ns", "a"), "9".into());
+        quarantine.remove(&AtKey::new("ns", "a"));
+        assert!(!quarantine.holds(&AtKey::new("ns", "a"), Some("9")));
     }
 }

@@ -9,11 +9,14 @@
 //! - `policy`: operator-wide run policy (`cnat run --default-*`) for what an At leaves out.
 //! - `cache`: the Ats as every replica caches them, leader or not (compact `CachedAt`).
 //! - `spare`: gives back the table a per-At map grew to in a burst.
+//! - `key`: `AtKey`, how the operator names an At everywhere.
+//! - `contain`: a panic in the loop is caught, logged with its At and ends the loop.
 
 pub mod cache;
 pub mod contain;
 pub mod controller;
 pub mod events;
+pub mod key;
 pub mod pod;
 pub mod policy;
 pub mod reachability;

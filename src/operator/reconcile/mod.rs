@@ -11,6 +11,7 @@ use crate::api::{At, AtStatus, Phase};
 use crate::observability::metrics::Metrics;
 use crate::operator::contain::{Panicked, Quarantine};
 use crate::operator::events::EventSink;
+use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;
 use crate::operator::reachability::{self, Reachability};
 use crate::operator::spare::shrink_if_sparse;
@@ -55,38 +56,38 @@ pub const MAX_REQUEUE: Duration = Duration::from_secs(3600);
 pub enum Error {
     #[error("At {at}: creating pod {pod}: {source}")]
     CreatePod {
-        at: String,
+        at: AtKey,
         pod: String,
         source: kube::Error,
     },
     #[error("At {at}: reading pod {pod}: {source}")]
     ReadPod {
-        at: String,
+        at: AtKey,
         pod: String,
         source: kube::Error,
     },
     #[error("At {at}: writing status {phase}: {source}")]
     WriteStatus {
-        at: String,
+        at: AtKey,
         phase: Phase,
         source: kube::Error,
     },
     #[error("At {at}: pod {pod} kept appearing and disappearing while being created")]
-    PodChurn { at: String, pod: String },
+    PodChurn { at: AtKey, pod: String },
     #[error("At {at}: the API server refused pod {pod} (retried with backoff): {reason}")]
     PodRefused {
-        at: String,
+        at: AtKey,
         pod: String,
         reason: String,
     },
     #[error("At {at}: removing cnat's finalizer from pod {pod}, which is being deleted: {source}")]
     ReleasePod {
-        at: String,
+        at: AtKey,
         pod: String,
         source: kube::Error,
     },
     #[error("At {at}: deleting it after ttlSecondsAfterFinished: {source}")]
-    Delete { at: String, source: kube::Error },
+    Delete { at: AtKey, source: kube::Error },
 }
 
 impl Error {
@@ -105,7 +106,7 @@ impl Error {
 
 /// Removes `at_key`'s entry from a per-At map, giving back the map's spare room once it is
 /// mostly empty (after a burst).
-fn forget<V>(map: &Mutex<HashMap<String, V>>, at_key: &str) {
+fn forget<V>(map: &Mutex<HashMap<AtKey, V>>, at_key: &AtKey) {
     let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
     if map.remove(at_key).is_some() {
         shrink_if_sparse(&mut map);
@@ -125,9 +126,9 @@ pub struct Context {
     policy: RunPolicy,
     /// Per At (`namespace/name`), the resourceVersion our last status write replaced: a cache still showing it
     /// is stale, and deciding on it would redo the step just taken.
-    superseded: Mutex<HashMap<String, (String, Phase)>>,
+    superseded: Mutex<HashMap<AtKey, (String, Phase)>>,
     /// Per At (`namespace/name`), consecutive failed reconciles, for exponential backoff.
-    failures: Mutex<HashMap<String, u32>>,
+    failures: Mutex<HashMap<AtKey, u32>>,
     /// Pod creates and status writes in flight, which lower-priority writes wait for.
     pods_first: PodsFirst,
     /// Status writes queued behind pod creates.
@@ -189,7 +190,7 @@ impl Context {
 
     /// Drops everything kept for a deleted At: its backoff, its last write, its wakeup.
     pub fn forget(&self, at: &ObjectRef<At>) {
-        let at_key = at_ref_key(at);
+        let at_key = AtKey::from(at);
         forget(&self.failures, &at_key);
         forget(&self.superseded, &at_key);
         self.quarantine.remove(&at_key);
@@ -199,11 +200,8 @@ impl Context {
     /// Drops what is kept for Ats `known` does not hold any more (deletions a relist or a lagging
     /// feed did not report one by one).
     pub fn forget_all_but(&self, known: impl Fn(&ObjectRef<At>) -> bool) {
-        let gone = |at_key: &String| {
-            let (namespace, name) = at_key.split_once('/').unwrap_or(("", at_key));
-            !known(&ObjectRef::new(name).within(namespace))
-        };
-        let dropped: Vec<String> = {
+        let gone = |at_key: &AtKey| !known(&at_key.to_ref());
+        let dropped: Vec<AtKey> = {
             let failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
             let superseded = self.superseded.lock().unwrap_or_else(|e| e.into_inner());
             failures
@@ -214,8 +212,7 @@ impl Context {
                 .collect()
         };
         for at_key in dropped {
-            let (namespace, name) = at_key.split_once('/').unwrap_or(("", &at_key));
-            self.forget(&ObjectRef::new(name).within(namespace));
+            self.forget(&at_key.to_ref());
         }
         self.wakeups.retain(known);
     }
@@ -852,16 +849,8 @@ fn uid(at: &At) -> String {
 }
 
 /// `namespace/name`, how logs and errors name an At, and what per-At maps are keyed by.
-fn key(at: &At) -> String {
-    format!("{}/{}", namespace(at), at.name_any())
-}
-
-fn at_ref_key(at: &ObjectRef<At>) -> String {
-    format!(
-        "{}/{}",
-        at.namespace.as_deref().unwrap_or_default(),
-        at.name
-    )
+fn key(at: &At) -> AtKey {
+    AtKey::from(at)
 }
 
 #[cfg(test)]

@@ -675,7 +675,7 @@ async fn success_resets_the_backoff() {
         .failures
         .lock()
         .unwrap()
-        .insert("default/example-at".into(), 5);
+        .insert(AtKey::new("default", "example-at"), 5);
     h.reconcile(example_at(None)).await.unwrap();
     // The pod was created, but the status write is still queued: until it is written, the
     // failures in a row stand (a write that fails again backs off further).
@@ -698,7 +698,7 @@ async fn a_queued_status_write_that_fails_again_counts_on() {
         .failures
         .lock()
         .unwrap()
-        .insert("default/example-at".into(), 2);
+        .insert(AtKey::new("default", "example-at"), 2);
     let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
     h.reconcile(example_at(None)).await.unwrap();
     tokio::time::timeout(Duration::from_secs(60), retriggers.next())
@@ -826,7 +826,7 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
         .failures
         .lock()
         .unwrap()
-        .insert("default/example-at".into(), 8);
+        .insert(AtKey::new("default", "example-at"), 8);
     let at = Arc::new(example_at(None));
     let error = reconcile(at.clone(), h.ctx.clone()).await.unwrap_err();
     assert!(

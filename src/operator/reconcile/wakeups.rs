@@ -9,12 +9,13 @@
 
 use super::decide::{decide, Action, PodObservation};
 use crate::api::At;
+use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;
 use crate::operator::spare::shrink_if_sparse;
 use chrono::{DateTime, Utc};
 use kube::runtime::reflector::ObjectRef;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -51,34 +52,14 @@ pub struct Wakeups {
     changed: Notify,
 }
 
-/// Both maps share one key per At: its namespace and name in one string, `namespace/name`
-/// (neither can contain a `/`). At 100,000 Ats, a full reference in each map cost about 50 MB;
-/// a shared `ObjectRef` (name and namespace allocated apart) about 20 MB.
+/// Both maps share one key per At (`AtKey`: its namespace and name in one string). At 100,000
+/// Ats, a full reference in each map cost about 50 MB; a shared `ObjectRef` (name and namespace
+/// allocated apart) about 20 MB.
 #[derive(Default)]
 struct Index {
-    by_time: BTreeMap<(Instant, u64), Key>,
-    by_at: HashMap<Key, (Instant, u64)>,
+    by_time: BTreeMap<(Instant, u64), AtKey>,
+    by_at: HashMap<AtKey, (Instant, u64)>,
     next_id: u64,
-}
-
-/// An At's `namespace/name` (or `name`, without namespace).
-#[derive(Clone, PartialEq, Eq, Hash)]
-struct Key(Arc<str>);
-
-impl Key {
-    fn of(at: &ObjectRef<At>) -> Key {
-        Key(match &at.namespace {
-            Some(namespace) => format!("{namespace}/{}", at.name).into(),
-            None => at.name.as_str().into(),
-        })
-    }
-
-    fn at(&self) -> ObjectRef<At> {
-        match self.0.split_once('/') {
-            Some((namespace, name)) => ObjectRef::new(name).within(namespace),
-            None => ObjectRef::new(&self.0),
-        }
-    }
 }
 
 impl Wakeups {
@@ -95,7 +76,7 @@ impl Wakeups {
 
     /// Sets `at`'s entry to `when` unless it has one that `replaces` says to keep.
     fn put(&self, at: ObjectRef<At>, when: Instant, replaces: impl Fn(Instant) -> bool) {
-        let at = Key::of(&at);
+        let at = AtKey::from(&at);
         let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(&old) = index.by_at.get(&at) {
             if !replaces(old.0) {
@@ -116,7 +97,7 @@ impl Wakeups {
     /// `at` needs no wakeup (it is being reconciled now, or was deleted).
     pub fn clear(&self, at: &ObjectRef<At>) {
         let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(key) = index.by_at.remove(&Key::of(at)) {
+        if let Some(key) = index.by_at.remove(&AtKey::from(at)) {
             index.by_time.remove(&key);
             shrink_if_sparse(&mut index.by_at);
         }
@@ -125,10 +106,10 @@ impl Wakeups {
     /// Keeps only the Ats `known` holds.
     pub fn retain(&self, known: impl Fn(&ObjectRef<At>) -> bool) {
         let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
-        let gone: Vec<Key> = index
+        let gone: Vec<AtKey> = index
             .by_at
             .keys()
-            .filter(|k| !known(&k.at()))
+            .filter(|k| !known(&k.to_ref()))
             .cloned()
             .collect();
         for at in gone {
@@ -142,7 +123,7 @@ impl Wakeups {
     /// When `at` is to be reconciled, if it waits in the index.
     pub fn when(&self, at: &ObjectRef<At>) -> Option<Instant> {
         let index = self.index.lock().unwrap_or_else(|e| e.into_inner());
-        index.by_at.get(&Key::of(at)).map(|(when, _)| *when)
+        index.by_at.get(&AtKey::from(at)).map(|(when, _)| *when)
     }
 
     /// Entries now.
@@ -168,7 +149,7 @@ impl Wakeups {
             }
             let at = entry.remove();
             index.by_at.remove(&at);
-            due.push(at.at());
+            due.push(at.to_ref());
         }
         shrink_if_sparse(&mut index.by_at);
         let next = index.by_time.keys().next().map(|(when, _)| *when);
