@@ -287,21 +287,13 @@ impl CachedAt {
     }
 
     /// The At this cached copy is of, by name and namespace.
-    pub fn at_ref(cached: &CachedAt) -> ObjectRef<At> {
-        let key = ObjectRef::new(&cached.name_any());
-        match cached.namespace() {
-            Some(namespace) => key.within(&namespace),
-            None => key,
-        }
+    pub fn key(cached: &CachedAt) -> AtKey {
+        AtKey::of(cached)
     }
 
     /// The same At's key in the runtime's queue of Ats to reconcile.
-    pub fn key_of(at: &ObjectRef<At>) -> ObjectRef<CachedAt> {
-        let key = ObjectRef::new(&at.name);
-        match &at.namespace {
-            Some(namespace) => key.within(namespace),
-            None => key,
-        }
+    pub fn key_of(at: &AtKey) -> ObjectRef<CachedAt> {
+        at.to_ref()
     }
 }
 
@@ -389,7 +381,7 @@ pub enum Change {
     /// An At was created or changed: this version, as the store now holds it.
     At(Arc<CachedAt>),
     /// An At was deleted (its name and namespace).
-    Deleted(ObjectRef<At>),
+    Deleted(AtKey),
     /// The watch listed every At again (at start, or after its resourceVersion expired): the
     /// store now holds what that list found, so anything may have changed.
     Relisted,
@@ -475,9 +467,7 @@ impl AtCache {
                         Some(Change::Relisted)
                     }
                     // The leader drops what it kept for it.
-                    Ok(Event::Delete(at)) => Some(Change::Deleted(
-                        ObjectRef::new(&at.name_any()).within(&at.namespace().unwrap_or_default()),
-                    )),
+                    Ok(Event::Delete(at)) => Some(Change::Deleted(AtKey::of(&at))),
                     Ok(Event::Init) => {
                         progress.received.store(0, Ordering::Relaxed);
                         None

@@ -300,7 +300,7 @@ async fn look_at_all(ctx: &Arc<Context>, store: &Store<CachedAt>) {
             continue;
         }
         if needs_reconcile(ctx, cached) {
-            ctx.wake_up(CachedAt::at_ref(cached));
+            ctx.wake_up(CachedAt::key(cached));
         }
     }
 }

@@ -64,6 +64,14 @@ impl From<&At> for AtKey {
     }
 }
 
+/// The same At as a reference to it (for tests and logs that hold one).
+impl PartialEq<ObjectRef<At>> for AtKey {
+    fn eq(&self, other: &ObjectRef<At>) -> bool {
+        other.namespace.as_deref().unwrap_or_default() == self.namespace()
+            && other.name == self.name()
+    }
+}
+
 impl Borrow<str> for AtKey {
     fn borrow(&self) -> &str {
         &self.0

@@ -216,15 +216,12 @@ fn is_the_at_resource_to_the_api_and_to_pods_owner_references() {
         CachedAt::url_path(&(), Some("team-a")),
         At::url_path(&(), Some("team-a"))
     );
-    let at_ref = ObjectRef::<At>::new("x").within("team-a");
+    let at_ref = AtKey::new("team-a", "x");
     assert_eq!(
         CachedAt::key_of(&at_ref),
         ObjectRef::new("x").within("team-a")
     );
-    assert_eq!(
-        CachedAt::key_of(&ObjectRef::<At>::new("y")),
-        ObjectRef::new("y")
-    );
+    assert_eq!(CachedAt::key_of(&AtKey::new("", "y")), ObjectRef::new("y"));
 }
 
 #[test]

@@ -10,7 +10,6 @@ use crate::api::At;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::Event;
-use kube::runtime::reflector::ObjectRef;
 use kube::Resource;
 use std::sync::Arc;
 use tokio::sync::{mpsc, watch};
@@ -407,7 +406,7 @@ impl Context {
             }
             // Deleted meanwhile: nothing to retry, and nothing to keep for it.
             Err(kube::Error::Api(s)) if s.is_not_found() => {
-                self.forget(&ObjectRef::from_obj(at));
+                self.forget(&key(at));
             }
             // The server refuses any status on this version: see `refused_status`.
             Err(kube::Error::Api(s)) if s.is_invalid() && job.target.out_of_range => {
@@ -428,7 +427,7 @@ impl Context {
                 } else {
                     warn!(at = %key(at), phase = status.phase.as_str(), %error, retry_in = ?delay, unanswered, "writing status failed");
                 }
-                self.retrigger_after(ObjectRef::from_obj(at), delay);
+                self.retrigger_after(key(at), delay);
             }
         }
     }

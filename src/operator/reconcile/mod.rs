@@ -137,9 +137,9 @@ pub struct Context {
     tellings: followup::Lanes<followup::Telling>,
     /// Ats to reconcile outside the runtime's own requeues (wakeups, failed follow-up writes,
     /// an API server that answers again).
-    retriggers: followup::Queue<ObjectRef<At>>,
+    retriggers: followup::Queue<AtKey>,
     /// Ats whose last attempt got no answer from the API server: retried when it answers.
-    unreachable: Reachability<ObjectRef<At>>,
+    unreachable: Reachability<AtKey>,
     /// When settled Ats (and failed follow-up writes) are looked at again.
     wakeups: Arc<Wakeups>,
     /// At versions whose handling panicked: skipped until they change (see `contain`).
@@ -189,18 +189,17 @@ impl Context {
     }
 
     /// Drops everything kept for a deleted At: its backoff, its last write, its wakeup.
-    pub fn forget(&self, at: &ObjectRef<At>) {
-        let at_key = AtKey::from(at);
-        forget(&self.failures, &at_key);
-        forget(&self.superseded, &at_key);
-        self.quarantine.remove(&at_key);
+    pub fn forget(&self, at: &AtKey) {
+        forget(&self.failures, at);
+        forget(&self.superseded, at);
+        self.quarantine.remove(at);
         self.wakeups.clear(at);
     }
 
     /// Drops what is kept for Ats `known` does not hold any more (deletions a relist or a lagging
     /// feed did not report one by one).
-    pub fn forget_all_but(&self, known: impl Fn(&ObjectRef<At>) -> bool) {
-        let gone = |at_key: &AtKey| !known(&at_key.to_ref());
+    pub fn forget_all_but(&self, known: impl Fn(&AtKey) -> bool) {
+        let gone = |at_key: &AtKey| !known(at_key);
         let dropped: Vec<AtKey> = {
             let failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
             let superseded = self.superseded.lock().unwrap_or_else(|e| e.into_inner());
@@ -212,7 +211,7 @@ impl Context {
                 .collect()
         };
         for at_key in dropped {
-            self.forget(&at_key.to_ref());
+            self.forget(&at_key);
         }
         self.wakeups.retain(known);
     }
@@ -290,13 +289,13 @@ impl Context {
     fn wait_if_unanswered(&self, at: &At, error: &kube::Error) -> bool {
         let unanswered = reachability::unanswered(error);
         if unanswered {
-            self.unreachable.wait(ObjectRef::from_obj(at));
+            self.unreachable.wait(key(at));
         }
         unanswered
     }
 
     /// Ats to reconcile again, for `Controller::reconcile_on`; `None` if already taken.
-    pub fn retriggers(&self) -> Option<impl futures::Stream<Item = ObjectRef<At>> + use<>> {
+    pub fn retriggers(&self) -> Option<impl futures::Stream<Item = AtKey> + use<>> {
         self.retriggers.take()
     }
 
@@ -318,7 +317,7 @@ impl Context {
     }
 
     /// Reconciles `at` now (for `wakeups::Wakeups::run`).
-    pub fn wake_up(&self, at: ObjectRef<At>) {
+    pub fn wake_up(&self, at: AtKey) {
         // Fails only once the loop has ended, when nothing is left to wake.
         let _ = self.retriggers.sender.send(at);
     }
@@ -331,7 +330,7 @@ impl Context {
         }
         let wakeups = &self.wakeups;
         // By name only: the index holds one small key per waiting At.
-        let at_ref = ObjectRef::new(&at.name_any()).within(&namespace(at));
+        let at_ref = key(at);
         // Its pod waits for cnat's finalizer to go: only a reconcile, which sees the pod,
         // decides that (a terminating pod changes no more, so nothing else would bring it).
         if self.held_pod_of(&at_ref).is_some() {
@@ -356,7 +355,7 @@ impl Context {
 
     /// Reconciles `at` again after `delay`, or earlier if its wakeup already says so (no task
     /// of its own).
-    fn retrigger_after(&self, at: ObjectRef<At>, delay: Duration) {
+    fn retrigger_after(&self, at: AtKey, delay: Duration) {
         self.wakeups
             .set_earlier(at, tokio::time::Instant::now() + delay);
     }
@@ -496,9 +495,9 @@ impl Context {
     }
 
     /// The pod of `at` if the pod cache shows it waiting for cnat's finalizer to go.
-    pub fn held_pod_of(&self, at: &ObjectRef<At>) -> Option<ObjectRef<Pod>> {
-        let name = pod::name_for(&at.name);
-        let key = ObjectRef::new(&name).within(at.namespace.as_deref().unwrap_or_default());
+    pub fn held_pod_of(&self, at: &AtKey) -> Option<ObjectRef<Pod>> {
+        let name = pod::name_for(at.name());
+        let key = ObjectRef::new(&name).within(at.namespace());
         self.pods
             .get(&key)
             .filter(|found| pod::awaits_release(found))
@@ -657,7 +656,7 @@ impl Context {
                     return Ok(Action::await_change());
                 }
                 Err(kube::Error::Api(s)) if s.is_not_found() => {
-                    self.forget(&ObjectRef::from_obj(at));
+                    self.forget(&key(at));
                     return Ok(Action::await_change());
                 }
                 Err(kube::Error::Api(s)) if followup::refuses_any_status(at, &s) => {
@@ -732,7 +731,7 @@ impl Context {
         if let Some(left) = decision.requeue {
             let left = left.saturating_sub(spent).min(MAX_REQUEUE);
             span.record("requeue.seconds", left.as_secs_f64());
-            self.retrigger_after(ObjectRef::from_obj(at), left);
+            self.retrigger_after(key(at), left);
         }
         Action::await_change()
     }

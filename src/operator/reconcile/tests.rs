@@ -232,10 +232,7 @@ impl Harness {
     /// How long until the next reconcile of the example At, as the wake-up index holds it
     /// (exact under paused time).
     fn wakes_in(&self) -> Option<Duration> {
-        let when = self
-            .ctx
-            .wakeups()
-            .when(&ObjectRef::from_obj(&example_at(None)))?;
+        let when = self.ctx.wakeups().when(&AtKey::from(&example_at(None)))?;
         Some(when.saturating_duration_since(tokio::time::Instant::now()))
     }
 
@@ -950,7 +947,7 @@ async fn events_wait_until_no_status_write_is_queued_but_at_most_two_seconds() {
 async fn a_deleted_at_leaves_nothing_behind_in_the_leader_s_maps() {
     let h = harness(vec![]);
     let at = example_at(None);
-    let at_ref = ObjectRef::from_obj(&at);
+    let at_ref = AtKey::from(&at);
     // A failure's backoff, a write's record, a wakeup: all kept per At.
     h.ctx.next_retry(&at);
     h.ctx.remember_write(&at, Phase::Pending);
@@ -968,11 +965,11 @@ async fn a_deleted_at_leaves_nothing_behind_in_the_leader_s_maps() {
     for at in [&at, &other] {
         h.ctx.next_retry(at);
         h.ctx.wakeups().set(
-            ObjectRef::from_obj(at),
+            AtKey::from(at),
             tokio::time::Instant::now() + Duration::from_secs(3600),
         );
     }
-    h.ctx.forget_all_but(|known| known.name == "other");
+    h.ctx.forget_all_but(|known| known.name() == "other");
     assert_eq!(h.ctx.kept(), (1, 0, 1));
     h.finish(0).await;
 }

@@ -13,7 +13,6 @@ use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;
 use crate::operator::spare::shrink_if_sparse;
 use chrono::{DateTime, Utc};
-use kube::runtime::reflector::ObjectRef;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -64,19 +63,18 @@ struct Index {
 
 impl Wakeups {
     /// `at` is reconciled at `when` (replacing an earlier entry for it).
-    pub fn set(&self, at: ObjectRef<At>, when: Instant) {
+    pub fn set(&self, at: AtKey, when: Instant) {
         self.put(at, when, |_| true);
     }
 
     /// `at` is reconciled at `when`, or earlier if it already waits for an earlier instant (a
     /// failed write's retry must not put off the At's due time).
-    pub fn set_earlier(&self, at: ObjectRef<At>, when: Instant) {
+    pub fn set_earlier(&self, at: AtKey, when: Instant) {
         self.put(at, when, |set| when < set);
     }
 
     /// Sets `at`'s entry to `when` unless it has one that `replaces` says to keep.
-    fn put(&self, at: ObjectRef<At>, when: Instant, replaces: impl Fn(Instant) -> bool) {
-        let at = AtKey::from(&at);
+    fn put(&self, at: AtKey, when: Instant, replaces: impl Fn(Instant) -> bool) {
         let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(&old) = index.by_at.get(&at) {
             if !replaces(old.0) {
@@ -95,23 +93,18 @@ impl Wakeups {
     }
 
     /// `at` needs no wakeup (it is being reconciled now, or was deleted).
-    pub fn clear(&self, at: &ObjectRef<At>) {
+    pub fn clear(&self, at: &AtKey) {
         let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(key) = index.by_at.remove(&AtKey::from(at)) {
+        if let Some(key) = index.by_at.remove(at) {
             index.by_time.remove(&key);
             shrink_if_sparse(&mut index.by_at);
         }
     }
 
     /// Keeps only the Ats `known` holds.
-    pub fn retain(&self, known: impl Fn(&ObjectRef<At>) -> bool) {
+    pub fn retain(&self, known: impl Fn(&AtKey) -> bool) {
         let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
-        let gone: Vec<AtKey> = index
-            .by_at
-            .keys()
-            .filter(|k| !known(&k.to_ref()))
-            .cloned()
-            .collect();
+        let gone: Vec<AtKey> = index.by_at.keys().filter(|k| !known(k)).cloned().collect();
         for at in gone {
             if let Some(entry) = index.by_at.remove(&at) {
                 index.by_time.remove(&entry);
@@ -121,9 +114,9 @@ impl Wakeups {
     }
 
     /// When `at` is to be reconciled, if it waits in the index.
-    pub fn when(&self, at: &ObjectRef<At>) -> Option<Instant> {
+    pub fn when(&self, at: &AtKey) -> Option<Instant> {
         let index = self.index.lock().unwrap_or_else(|e| e.into_inner());
-        index.by_at.get(&AtKey::from(at)).map(|(when, _)| *when)
+        index.by_at.get(at).map(|(when, _)| *when)
     }
 
     /// Entries now.
@@ -140,7 +133,7 @@ impl Wakeups {
     }
 
     /// Removes and returns every At due at `now`, and the next instant after them.
-    pub fn take_due(&self, now: Instant) -> (Vec<ObjectRef<At>>, Option<Instant>) {
+    pub fn take_due(&self, now: Instant) -> (Vec<AtKey>, Option<Instant>) {
         let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
         let mut due = Vec::new();
         while let Some(entry) = index.by_time.first_entry() {
@@ -149,7 +142,7 @@ impl Wakeups {
             }
             let at = entry.remove();
             index.by_at.remove(&at);
-            due.push(at.to_ref());
+            due.push(at);
         }
         shrink_if_sparse(&mut index.by_at);
         let next = index.by_time.keys().next().map(|(when, _)| *when);
@@ -157,7 +150,7 @@ impl Wakeups {
     }
 
     /// Runs until dropped: hands each At to `wake_up` when its instant comes.
-    pub async fn run(&self, mut wake_up: impl FnMut(ObjectRef<At>)) {
+    pub async fn run(&self, mut wake_up: impl FnMut(AtKey)) {
         loop {
             // Registered before looking, so an entry set meanwhile is not missed.
             let changed = self.changed.notified();

@@ -1,5 +1,6 @@
 use super::*;
 use crate::api::{AtStatus, Phase};
+use crate::operator::key::AtKey;
 use crate::operator::reconcile::decide::tests::at;
 
 const NOW: &str = "2026-11-22T02:10:00Z";
@@ -85,12 +86,16 @@ async fn wakeups_come_in_order_once_each_and_a_later_entry_replaces_an_earlier()
     let (woken, mut order) = tokio::sync::mpsc::unbounded_channel();
     let runner = {
         let wakeups = wakeups.clone();
-        tokio::spawn(async move { wakeups.run(|at| woken.send(at.name).unwrap()).await })
+        tokio::spawn(async move {
+            wakeups
+                .run(|at| woken.send(at.name().to_owned()).unwrap())
+                .await
+        })
     };
     let start = Instant::now();
-    let a = ObjectRef::<At>::new("a").within("default");
-    let b = ObjectRef::<At>::new("b").within("default");
-    let c = ObjectRef::<At>::new("c").within("default");
+    let a = AtKey::new("default", "a");
+    let b = AtKey::new("default", "b");
+    let c = AtKey::new("default", "c");
     wakeups.set(a.clone(), start + Duration::from_secs(5));
     wakeups.set(b.clone(), start + Duration::from_secs(1));
     wakeups.set(a.clone(), start + Duration::from_secs(2));
@@ -116,33 +121,27 @@ async fn wakeups_come_in_order_once_each_and_a_later_entry_replaces_an_earlier()
 fn ats_of_one_name_in_two_namespaces_wake_apart_and_come_back_whole() {
     let wakeups = Wakeups::default();
     let start = Instant::now();
-    let a = ObjectRef::<At>::new("x").within("team-a");
-    let b = ObjectRef::<At>::new("x").within("team-b");
-    let bare = ObjectRef::<At>::new("y");
+    let a = AtKey::new("team-a", "x");
+    let b = AtKey::new("team-b", "x");
+    let bare = AtKey::new("", "y");
     wakeups.set(a.clone(), start);
     wakeups.set(b.clone(), start + Duration::from_secs(1));
     wakeups.set(bare.clone(), start + Duration::from_secs(2));
-    wakeups.clear(&ObjectRef::new("x").within("team-c"));
+    wakeups.clear(&AtKey::new("team-c", "x"));
     assert_eq!(wakeups.len(), 3);
     let (due, next) = wakeups.take_due(start + Duration::from_secs(1));
-    let names: Vec<_> = due
-        .iter()
-        .map(|at| (at.namespace.as_deref(), at.name.as_str()))
-        .collect();
-    assert_eq!(names, [(Some("team-a"), "x"), (Some("team-b"), "x")]);
+    let names: Vec<_> = due.iter().map(|at| (at.namespace(), at.name())).collect();
+    assert_eq!(names, [("team-a", "x"), ("team-b", "x")]);
     assert_eq!(next, Some(start + Duration::from_secs(2)));
     let (due, next) = wakeups.take_due(start + Duration::from_secs(2));
-    assert_eq!(
-        (due[0].namespace.as_deref(), due[0].name.as_str()),
-        (None, "y")
-    );
+    assert_eq!((due[0].namespace(), due[0].name()), ("", "y"));
     assert_eq!(next, None);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_retry_does_not_put_off_an_earlier_wakeup_but_can_bring_it_forward() {
     let wakeups = Wakeups::default();
-    let at = ObjectRef::<At>::new("a").within("ns");
+    let at = AtKey::new("ns", "a");
     let start = Instant::now();
     // Due in 10 s; a failed write's retry in 30 s keeps the 10 s.
     wakeups.set(at.clone(), start + Duration::from_secs(10));
@@ -153,7 +152,7 @@ async fn a_retry_does_not_put_off_an_earlier_wakeup_but_can_bring_it_forward() {
     assert_eq!(wakeups.when(&at), Some(start + Duration::from_secs(1)));
     assert_eq!(wakeups.len(), 1);
     // With no entry, it sets one.
-    let other = ObjectRef::<At>::new("b").within("ns");
+    let other = AtKey::new("ns", "b");
     wakeups.set_earlier(other.clone(), start + Duration::from_secs(5));
     assert_eq!(wakeups.when(&other), Some(start + Duration::from_secs(5)));
 }
