@@ -4,7 +4,7 @@
 //! in the runtime's requeue queue. The pods, usually far fewer than the Ats, are watched by the
 //! leader only.
 
-use crate::api::{At, Phase};
+use crate::api::Phase;
 use crate::observability::metrics::Metrics;
 use crate::operator::cache::{self, AtCache, CachedAt, Change};
 use crate::operator::contain;
@@ -263,11 +263,9 @@ fn owner_gone(found: &Pod, store: &Store<CachedAt>) -> bool {
 
 /// Tells in an event that `cached` does not decode as an At.
 fn report(ctx: &Arc<Context>, cached: &CachedAt) {
-    let mut at = At::new(&cached.name_any(), Default::default());
-    at.metadata.namespace = cached.namespace();
-    at.metadata.uid = cached.uid();
-    at.metadata.resource_version = cached.resource_version();
-    ctx.report_unreadable(&at, cached.unreadable().unwrap_or_default());
+    let why = cached.unreadable().unwrap_or_default();
+    let regarding = kube::Resource::object_ref(cached, &());
+    ctx.report_unreadable(&CachedAt::key(cached), regarding, why);
 }
 
 /// `Context::needs_reconcile` on a cached At read back; a panic is caught and ends the loop.

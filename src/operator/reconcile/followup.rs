@@ -7,6 +7,7 @@
 
 use super::{key, Context, Decision};
 use crate::api::At;
+use crate::operator::key::AtKey;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::Event;
@@ -327,18 +328,19 @@ impl Context {
     }
 
     /// Queues `event` about `at` behind the pod creates and status writes.
-    pub(super) fn tell_later(self: &Arc<Self>, at: &At, event: Event) {
+    pub(super) fn tell_later(
+        self: &Arc<Self>,
+        at: &AtKey,
+        regarding: ObjectReference,
+        event: Event,
+    ) {
         let telling = Telling {
             ctx: self.clone(),
             event,
-            regarding: at.object_ref(&()),
+            regarding,
             queued: tokio::time::Instant::now(),
         };
-        let key = (
-            at.metadata.namespace.as_deref(),
-            at.metadata.name.as_deref(),
-        );
-        match self.tellings.try_send(&key, telling) {
+        match self.tellings.try_send(at, telling) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => self.metrics.event_dropped(),
             Err(mpsc::error::TrySendError::Closed(_)) => {
@@ -384,7 +386,7 @@ impl Context {
             action: "Reconcile".into(),
             secondary: None,
         };
-        self.tell_later(at, event);
+        self.tell_later(&key(at), at.object_ref(&()), event);
     }
 
     async fn write_followup(self: &Arc<Self>, job: &Followup) {
@@ -398,7 +400,7 @@ impl Context {
                 super::forget(&self.failures, &key(at));
                 if let Some(note) = &decision.note {
                     let event = self.log_transition(at, status, note);
-                    self.tell_later(at, event);
+                    self.tell_later(&key(at), at.object_ref(&()), event);
                 }
             }
             Err(kube::Error::Api(s)) if s.is_conflict() => {

@@ -229,8 +229,13 @@ impl Context {
 
     /// Tells, in a Warning event on the At, that cnat cannot read it (`why`), so it does nothing
     /// with it until it is fixed.
-    pub fn report_unreadable(self: &Arc<Self>, at: &At, why: &str) {
-        warn!(at = %key(at), "an At that does not decode as an At is left alone until it changes");
+    pub fn report_unreadable(
+        self: &Arc<Self>,
+        at: &AtKey,
+        regarding: k8s_openapi::api::core::v1::ObjectReference,
+        why: &str,
+    ) {
+        warn!(at = %at, "an At that does not decode as an At is left alone until it changes");
         let event = Event {
             type_: EventType::Warning,
             reason: "Unreadable".into(),
@@ -240,7 +245,7 @@ impl Context {
             action: "Reconcile".into(),
             secondary: None,
         };
-        self.tell_later(at, event);
+        self.tell_later(at, regarding, event);
     }
 
     /// Entries kept per At now: backoffs, last writes, wakeups (for tests of forgetting).
