@@ -10,6 +10,7 @@
 //! - `cache`: the Ats as every replica caches them, leader or not (compact `CachedAt`).
 //! - `spare`: gives back the table a per-At map grew to in a burst.
 //! - `key`: `AtKey`, how the operator names an At everywhere.
+//! - `ledger`: what the leader remembers of each At, with one `forget`.
 //! - `contain`: a panic in the loop is caught, logged with its At and ends the loop.
 
 pub mod cache;
@@ -17,6 +18,7 @@ pub mod contain;
 pub mod controller;
 pub mod events;
 pub mod key;
+pub mod ledger;
 pub mod pod;
 pub mod policy;
 pub mod reachability;

@@ -397,7 +397,7 @@ impl Context {
         self.pods_first.creating.idle().await;
         match self.write_status(at, status).await {
             Ok(()) => {
-                super::forget(&self.failures, &key(at));
+                self.ledger.succeeded(&key(at));
                 if let Some(note) = &decision.note {
                     let event = self.log_transition(at, status, note);
                     self.tell_later(&key(at), at.object_ref(&()), event);

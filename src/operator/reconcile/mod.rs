@@ -12,9 +12,9 @@ use crate::observability::metrics::Metrics;
 use crate::operator::contain::{Panicked, Quarantine};
 use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
+use crate::operator::ledger::Ledger;
 use crate::operator::policy::RunPolicy;
 use crate::operator::reachability::{self, Reachability};
-use crate::operator::spare::shrink_if_sparse;
 use crate::{operator::pod, schedule};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
@@ -27,8 +27,7 @@ use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
@@ -104,15 +103,6 @@ impl Error {
     }
 }
 
-/// Removes `at_key`'s entry from a per-At map, giving back the map's spare room once it is
-/// mostly empty (after a burst).
-fn forget<V>(map: &Mutex<HashMap<AtKey, V>>, at_key: &AtKey) {
-    let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
-    if map.remove(at_key).is_some() {
-        shrink_if_sparse(&mut map);
-    }
-}
-
 /// The wall clock, injected so tests control time.
 pub type Clock = Box<dyn Fn() -> DateTime<Utc> + Send + Sync>;
 
@@ -124,11 +114,8 @@ pub struct Context {
     clock: Clock,
     metrics: Arc<Metrics>,
     policy: RunPolicy,
-    /// Per At (`namespace/name`), the resourceVersion our last status write replaced: a cache still showing it
-    /// is stale, and deciding on it would redo the step just taken.
-    superseded: Mutex<HashMap<AtKey, (String, Phase)>>,
-    /// Per At (`namespace/name`), consecutive failed reconciles, for exponential backoff.
-    failures: Mutex<HashMap<AtKey, u32>>,
+    /// What is remembered of each At: last write, failures, wakeup, quarantine.
+    ledger: Ledger,
     /// Pod creates and status writes in flight, which lower-priority writes wait for.
     pods_first: PodsFirst,
     /// Status writes queued behind pod creates.
@@ -140,10 +127,6 @@ pub struct Context {
     retriggers: followup::Queue<AtKey>,
     /// Ats whose last attempt got no answer from the API server: retried when it answers.
     unreachable: Reachability<AtKey>,
-    /// When settled Ats (and failed follow-up writes) are looked at again.
-    wakeups: Arc<Wakeups>,
-    /// At versions whose handling panicked: skipped until they change (see `contain`).
-    quarantine: Arc<Quarantine>,
     /// Cancelled when a reconcile panicked: the loop ends, and with it this leadership.
     fatal: CancellationToken,
 }
@@ -165,22 +148,19 @@ impl Context {
             clock,
             metrics,
             policy,
-            superseded: Mutex::default(),
-            failures: Mutex::default(),
+            ledger: Ledger::new(quarantine),
             pods_first: PodsFirst::default(),
             followups: followup::Queue::default(),
             tellings: followup::Lanes::default(),
             retriggers: followup::Queue::default(),
             unreachable: Reachability::default(),
-            wakeups: Arc::default(),
-            quarantine,
             fatal: CancellationToken::new(),
         }
     }
 
     /// When settled Ats are looked at again (`Wakeups::run` hands them to `wake_up`).
     pub fn wakeups(&self) -> &Arc<Wakeups> {
-        &self.wakeups
+        self.ledger.wakeups()
     }
 
     /// Cancelled once a reconcile panicked: the loop must end.
@@ -190,30 +170,13 @@ impl Context {
 
     /// Drops everything kept for a deleted At: its backoff, its last write, its wakeup.
     pub fn forget(&self, at: &AtKey) {
-        forget(&self.failures, at);
-        forget(&self.superseded, at);
-        self.quarantine.remove(at);
-        self.wakeups.clear(at);
+        self.ledger.forget(at);
     }
 
     /// Drops what is kept for Ats `known` does not hold any more (deletions a relist or a lagging
     /// feed did not report one by one).
     pub fn forget_all_but(&self, known: impl Fn(&AtKey) -> bool) {
-        let gone = |at_key: &AtKey| !known(at_key);
-        let dropped: Vec<AtKey> = {
-            let failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
-            let superseded = self.superseded.lock().unwrap_or_else(|e| e.into_inner());
-            failures
-                .keys()
-                .chain(superseded.keys())
-                .filter(|k| gone(k))
-                .cloned()
-                .collect()
-        };
-        for at_key in dropped {
-            self.forget(&at_key);
-        }
-        self.wakeups.retain(known);
+        self.ledger.retain(known);
     }
 
     /// The pods in the pod cache that wait for cnat's finalizer while `owner_gone` says their
@@ -250,17 +213,7 @@ impl Context {
 
     /// Entries kept per At now: backoffs, last writes, wakeups (for tests of forgetting).
     pub fn kept(&self) -> (usize, usize, usize) {
-        let failures = self
-            .failures
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .len();
-        let superseded = self
-            .superseded
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .len();
-        (failures, superseded, self.wakeups.len())
+        self.ledger.kept()
     }
 
     /// A panic while handling `at` at `place`: logged once with the At and the panic, counted,
@@ -269,15 +222,16 @@ impl Context {
         self.metrics.panicked(place);
         let at_key = key(at);
         tracing::error!(at = %at_key, place, %panic, "panic while handling this At; it is skipped until it changes, and leadership ends so the reconcile loop starts afresh. Please report this as a bug");
-        self.quarantine
+        self.ledger
+            .quarantine()
             .add(at_key, at.resource_version().unwrap_or_default());
         self.fatal.cancel();
     }
 
     /// Whether this version of `at` is quarantined after a panic.
     pub fn quarantined(&self, at: &At) -> bool {
-        self.quarantine
-            .holds(&key(at), at.resource_version().as_deref())
+        self.ledger
+            .quarantined(&key(at), at.resource_version().as_deref())
     }
 
     /// Runs until dropped: while Ats wait for an unreachable API server, asks it every
@@ -307,12 +261,7 @@ impl Context {
     /// Counts one more failure of `at` and returns how many failures in a row that makes and
     /// the backoff before its next attempt.
     fn next_retry(&self, at: &At) -> (u32, Duration) {
-        let attempt = {
-            let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
-            let count = failures.entry(key(at)).or_insert(0);
-            *count += 1;
-            *count
-        };
+        let attempt = self.ledger.failed(&key(at));
         (attempt, retry_delay(attempt))
     }
 
@@ -333,13 +282,13 @@ impl Context {
         if self.is_stale(at).is_some() || self.quarantined(at) {
             return false;
         }
-        let wakeups = &self.wakeups;
+        let wakeups = self.ledger.wakeups();
         // By name only: the index holds one small key per waiting At.
         let at_ref = key(at);
         // Its pod waits for cnat's finalizer to go: only a reconcile, which sees the pod,
         // decides that (a terminating pod changes no more, so nothing else would bring it).
         if self.held_pod_of(&at_ref).is_some() {
-            self.wakeups.clear(&at_ref);
+            self.ledger.wakeups().clear(&at_ref);
             return true;
         }
         match wakeups::wake(at, (self.clock)(), &self.policy) {
@@ -361,7 +310,8 @@ impl Context {
     /// Reconciles `at` again after `delay`, or earlier if its wakeup already says so (no task
     /// of its own).
     fn retrigger_after(&self, at: AtKey, delay: Duration) {
-        self.wakeups
+        self.ledger
+            .wakeups()
             .set_earlier(at, tokio::time::Instant::now() + delay);
     }
 }
@@ -466,16 +416,8 @@ impl Context {
     /// The phase we wrote (or queued) over this version of `at`, if we did: the cache has not
     /// caught up with our write.
     fn is_stale(&self, at: &At) -> Option<Phase> {
-        let mut superseded = self.superseded.lock().unwrap_or_else(|e| e.into_inner());
-        let at_key = key(at);
-        let written = superseded
-            .get(&at_key)
-            .filter(|(rv, _)| Some(rv) == at.resource_version().as_ref())
-            .map(|(_, phase)| *phase);
-        if written.is_none() && superseded.remove(&at_key).is_some() {
-            shrink_if_sparse(&mut superseded);
-        }
-        written
+        self.ledger
+            .stale(&key(at), at.resource_version().as_deref())
     }
 
     fn cached_pod(&self, at: &At) -> PodObservation {
@@ -722,7 +664,7 @@ impl Context {
     /// hold an entry per waiting At (about 400 bytes each, its tables never shrinking) beside
     /// the index's (README "Where the old leader's extra memory was").
     fn succeeded(&self, at: &At, decision: &Decision, decided_at: DateTime<Utc>) -> Action {
-        forget(&self.failures, &key(at));
+        self.ledger.succeeded(&key(at));
         self.settled(at, decision, decided_at)
     }
 
@@ -783,15 +725,12 @@ impl Context {
     }
 
     fn forget_write(&self, at: &At) {
-        forget(&self.superseded, &key(at));
+        self.ledger.unwritten(&key(at));
     }
 
     fn remember_write(&self, at: &At, phase: Phase) {
         if let Some(rv) = at.resource_version() {
-            self.superseded
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(key(at), (rv, phase));
+            self.ledger.written(key(at), rv, phase);
         }
     }
 

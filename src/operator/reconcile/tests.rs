@@ -609,7 +609,10 @@ async fn api_errors_name_the_at_and_retry_with_growing_backoff() {
     for _ in 0..3 {
         error_policy(at.clone(), &error, h.ctx.clone());
     }
-    assert_eq!(h.ctx.failures.lock().unwrap()["default/example-at"], 3);
+    assert_eq!(
+        h.ctx.ledger.failures.lock().unwrap()["default/example-at"],
+        3
+    );
     let metrics = h.metrics.encode();
     assert!(
         metrics.contains("\ncnat_reconciles_total{result=\"error\"} 1\n"),
@@ -669,6 +672,7 @@ async fn success_resets_the_backoff() {
         answer("POST", EVENTS, 201, created_event()),
     ]);
     h.ctx
+        .ledger
         .failures
         .lock()
         .unwrap()
@@ -677,7 +681,7 @@ async fn success_resets_the_backoff() {
     // The pod was created, but the status write is still queued: until it is written, the
     // failures in a row stand (a write that fails again backs off further).
     let written = async {
-        while !h.ctx.failures.lock().unwrap().is_empty() {
+        while !h.ctx.ledger.failures.lock().unwrap().is_empty() {
             tokio::task::yield_now().await;
         }
     };
@@ -692,6 +696,7 @@ async fn a_queued_status_write_that_fails_again_counts_on() {
     let h = pod_created_then_status_write_fails();
     // Two failures in a row already (earlier writes of this status).
     h.ctx
+        .ledger
         .failures
         .lock()
         .unwrap()
@@ -702,7 +707,10 @@ async fn a_queued_status_write_that_fails_again_counts_on() {
         .await
         .expect("retried")
         .unwrap();
-    assert_eq!(h.ctx.failures.lock().unwrap()["default/example-at"], 3);
+    assert_eq!(
+        h.ctx.ledger.failures.lock().unwrap()["default/example-at"],
+        3
+    );
     drop(retriggers);
     h.finish(2).await;
 }
@@ -795,7 +803,10 @@ async fn a_failed_follow_up_write_is_retried_by_a_new_reconcile_after_backoff() 
         waited >= Duration::from_millis(500) && waited <= Duration::from_secs(1),
         "backoff of a first failure: {waited:?}"
     );
-    assert_eq!(h.ctx.failures.lock().unwrap()["default/example-at"], 1);
+    assert_eq!(
+        h.ctx.ledger.failures.lock().unwrap()["default/example-at"],
+        1
+    );
     // The cached version is no longer skipped: the next reconcile acts on it.
     assert_eq!(h.ctx.is_stale(&example_at(None)), None);
     drop(retriggers);
@@ -820,6 +831,7 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
     let probe = tokio::spawn(h.ctx.clone().probe_reachability());
     // The outage has lasted: eight failures already, so the backoff is past a minute.
     h.ctx
+        .ledger
         .failures
         .lock()
         .unwrap()
@@ -833,7 +845,10 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
     let started = tokio::time::Instant::now();
     error_policy(at, &error, h.ctx.clone());
     // The ninth failure: the runtime's own retry comes after at least 128 s.
-    assert_eq!(h.ctx.failures.lock().unwrap()["default/example-at"], 9);
+    assert_eq!(
+        h.ctx.ledger.failures.lock().unwrap()["default/example-at"],
+        9
+    );
     assert!(retry_delay(9) >= Duration::from_secs(128));
 
     // Three probes go unanswered; the fourth answer brings the At back at once.
@@ -996,7 +1011,10 @@ async fn a_422_from_the_cel_rule_s_internal_error_is_retried() {
         .expect("retried")
         .unwrap();
     assert_eq!(again, ObjectRef::new("example-at").within("default"));
-    assert_eq!(h.ctx.failures.lock().unwrap()["default/example-at"], 1);
+    assert_eq!(
+        h.ctx.ledger.failures.lock().unwrap()["default/example-at"],
+        1
+    );
     drop(retriggers);
     h.finish(2).await;
 }
