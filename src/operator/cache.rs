@@ -397,14 +397,14 @@ pub struct AtCache {
     /// Cancelled when the watch task ended (it only does by a panic): the cache is frozen.
     stopped: tokio_util::sync::CancellationToken,
     /// How far the first list has come.
-    listing: Arc<Listing>,
+    listing: Arc<ListProgress>,
     _watch: Arc<AbortOnDropHandle<()>>,
 }
 
 /// How far the cache's first list has come: a replica leads, and says it is ready, only once
 /// it holds every At (see `AtCache::listed`).
 #[derive(Debug, Default)]
-struct Listing {
+struct ListProgress {
     /// Ats received by the list in progress.
     received: std::sync::atomic::AtomicUsize,
     /// A complete list is in the store; relists keep the store they replace until they end.
@@ -436,7 +436,7 @@ impl AtCache {
         let (store, writer) = reflector::store();
         let (changes, _) = broadcast::channel(CHANGES);
         let (feed, cached) = (changes.clone(), store.clone());
-        let listing = Arc::new(Listing::default());
+        let listing = Arc::new(ListProgress::default());
         let progress = listing.clone();
         let started = std::time::Instant::now();
         let stopped = tokio_util::sync::CancellationToken::new();

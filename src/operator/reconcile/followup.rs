@@ -33,7 +33,7 @@ pub const MAX_TELLINGS: usize = 4096;
 
 /// Counts work in flight (or queued) of one priority; lower priorities wait until it is idle.
 #[derive(Clone)]
-pub struct Busy(Arc<Counted>);
+pub struct InFlight(Arc<Counted>);
 
 struct Counted {
     count: watch::Sender<usize>,
@@ -41,19 +41,19 @@ struct Counted {
     idle_since: std::sync::Mutex<tokio::time::Instant>,
 }
 
-impl Default for Busy {
+impl Default for InFlight {
     fn default() -> Self {
-        Busy(Arc::new(Counted {
+        InFlight(Arc::new(Counted {
             count: watch::Sender::new(0),
             idle_since: std::sync::Mutex::new(tokio::time::Instant::now()),
         }))
     }
 }
 
-/// One unit of work counted by `Busy`, until dropped.
-pub struct Entered(Busy);
+/// One unit of work counted by `InFlight`, until dropped.
+pub struct InFlightGuard(InFlight);
 
-impl Drop for Entered {
+impl Drop for InFlightGuard {
     fn drop(&mut self) {
         let counted = &self.0 .0;
         counted.count.send_modify(|n| {
@@ -66,11 +66,11 @@ impl Drop for Entered {
     }
 }
 
-impl Busy {
+impl InFlight {
     /// Counts one more unit until the returned guard is dropped.
-    pub fn enter(&self) -> Entered {
+    pub fn enter(&self) -> InFlightGuard {
         self.0.count.send_modify(|n| *n += 1);
-        Entered(self.clone())
+        InFlightGuard(self.clone())
     }
 
     /// Returns once nothing is counted.
@@ -96,9 +96,9 @@ impl Busy {
 #[derive(Default)]
 pub struct PodsFirst {
     /// Pod creates in flight.
-    pub creating: Busy,
+    pub creating: InFlight,
     /// Follow-up status writes queued or in flight.
-    pub writing: Busy,
+    pub writing: InFlight,
 }
 
 impl PodsFirst {
@@ -134,7 +134,7 @@ pub struct Followup {
     /// The reconcile's span, as trace ids: the `status-write` span is its child.
     parent: opentelemetry::trace::SpanContext,
     /// Counts this write as queued until it is done.
-    _writing: Entered,
+    _writing: InFlightGuard,
 }
 
 /// What a queued status write keeps of its At.
@@ -176,7 +176,7 @@ impl Target {
 }
 
 /// An event that waits for the pod creates and status writes queued before it.
-pub struct Telling {
+pub struct QueuedEvent {
     ctx: Arc<Context>,
     event: Event,
     regarding: ObjectReference,
@@ -287,7 +287,7 @@ impl Context {
     /// dropped with the reconcile loop). Returns `None` if it was already taken.
     pub fn followup_writer(&self) -> Option<impl std::future::Future<Output = ()> + use<>> {
         let jobs = self.followups.take()?;
-        let lanes = self.tellings.take()?;
+        let lanes = self.queued_events.take()?;
         let writes = jobs.for_each_concurrent(WRITERS, |job| async move {
             use opentelemetry::trace::TraceContextExt;
             use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -308,17 +308,17 @@ impl Context {
         // Each only once pod creates and status writes have been quiet for a moment (a wave's
         // events wait for the whole wave), several lanes at once, each At's in order.
         let events = futures::future::join_all(lanes.into_iter().map(|lane| {
-            lane.for_each(|telling| async move {
+            lane.for_each(|waiting| async move {
                 // Under steady writes there may never be 20 ms of quiet: events wait for it at
                 // most `MAX_DEFER`, so they are late, never lost.
                 tokio::select! {
-                    () = telling.ctx.pods_first.quiet() => {}
-                    () = tokio::time::sleep_until(telling.queued + MAX_DEFER) => {}
+                    () = waiting.ctx.pods_first.quiet() => {}
+                    () = tokio::time::sleep_until(waiting.queued + MAX_DEFER) => {}
                 }
-                telling
+                waiting
                     .ctx
                     .events
-                    .publish_now(telling.event, telling.regarding)
+                    .publish_now(waiting.event, waiting.regarding)
                     .await;
             })
         }));
@@ -334,13 +334,13 @@ impl Context {
         regarding: ObjectReference,
         event: Event,
     ) {
-        let telling = Telling {
+        let waiting = QueuedEvent {
             ctx: self.clone(),
             event,
             regarding,
             queued: tokio::time::Instant::now(),
         };
-        match self.tellings.try_send(at, telling) {
+        match self.queued_events.try_send(at, waiting) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => self.metrics.event_dropped(),
             Err(mpsc::error::TrySendError::Closed(_)) => {

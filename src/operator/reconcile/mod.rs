@@ -121,7 +121,7 @@ pub struct Context {
     /// Status writes queued behind pod creates.
     followups: followup::Queue<followup::Followup>,
     /// Events queued behind pod creates and status writes.
-    tellings: followup::Lanes<followup::Telling>,
+    queued_events: followup::Lanes<followup::QueuedEvent>,
     /// Ats to reconcile outside the runtime's own requeues (wakeups, failed follow-up writes,
     /// an API server that answers again).
     retriggers: followup::Queue<AtKey>,
@@ -151,7 +151,7 @@ impl Context {
             ledger: Ledger::new(quarantine),
             pods_first: PodsFirst::default(),
             followups: followup::Queue::default(),
-            tellings: followup::Lanes::default(),
+            queued_events: followup::Lanes::default(),
             retriggers: followup::Queue::default(),
             unreachable: Reachability::default(),
             fatal: CancellationToken::new(),
