@@ -4,23 +4,23 @@
 //! in the runtime's requeue queue. The pods, usually far fewer than the Ats, are watched by the
 //! leader only.
 
-use crate::api::Phase;
 use crate::observability::metrics::Metrics;
-use crate::operator::cache::{self, AtCache, CachedAt, Change};
+use crate::operator::cache::{self, AtCache, CachedAt};
 use crate::operator::contain;
 use crate::operator::events::EventSink;
 use crate::operator::pod;
 use crate::operator::policy::RunPolicy;
 use crate::operator::reconcile::{self, error_policy, reconcile, Context};
-use chrono::{DateTime, Utc};
+use crate::operator::triggers;
+use chrono::Utc;
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{reflector, watcher, WatchStreamExt};
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, Client};
 use std::sync::Arc;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -73,84 +73,84 @@ pub async fn run_with_cache(
     let at_store = cache.store().clone();
     // Pods of deleted Ats that wait for cnat's finalizer to go.
     let (orphans, orphaned) = mpsc::unbounded_channel();
-    let pod_events = watcher(pods, watcher::Config::default().labels(pod::SELECTOR))
-        .backoff(cache::watch_backoff())
-        .modify(pod::trim)
-        .reflect(pod_writer)
-        // Deletions too: a pod that vanishes must end its At.
-        .touched_objects()
-        .inspect_ok({
-            let (store, orphans) = (at_store.clone(), orphans.clone());
-            move |found: &Pod| {
-                if pod::awaits_release(found) && owner_gone(found, &store) {
-                    let _ = orphans.send(ObjectRef::from_obj(found));
-                }
-            }
-        });
+    let pod_events = pod_events(pods, pod_writer, at_store.clone(), orphans.clone());
     // Subscribed before the first look at the cache, so no change falls between the two.
-    let changes = cache.subscribe();
-    // Only Ats with work now are reconciled as they are watched; settled ones wait in one
-    // ordered index until they fall due (see `reconcile::wakeups`).
-    let at_events = futures::stream::unfold(
-        (changes, ctx.clone(), at_store.clone(), orphans),
-        |(mut changes, ctx, store, orphans)| async move {
-            loop {
-                match changes.recv().await {
-                    Ok(Change::At(at)) if at.unreadable().is_some() => report(&ctx, &at),
-                    Ok(Change::At(at)) => return Some((at, (changes, ctx, store, orphans))),
-                    Ok(Change::Deleted(at)) => {
-                        ctx.forget(&at);
-                        if let Some(held) = ctx.held_pod_of(&at) {
-                            let _ = orphans.send(held);
-                        }
-                    }
-                    Ok(Change::Relisted) => {
-                        sweep(&ctx, &store, &orphans);
-                        look_at_all(&ctx, &store).await;
-                    }
-                    // Fell behind: whatever was missed is in the cache.
-                    Err(broadcast::error::RecvError::Lagged(missed)) => {
-                        warn!(
-                            missed,
-                            "reconcile loop fell behind the At watch; looking at every At"
-                        );
-                        sweep(&ctx, &store, &orphans);
-                        look_at_all(&ctx, &store).await;
-                    }
-                    Err(broadcast::error::RecvError::Closed) => return None,
-                }
-            }
-        },
-    )
-    .filter({
-        let ctx = ctx.clone();
-        move |cached: &Arc<CachedAt>| std::future::ready(needs_reconcile(&ctx, cached))
-    });
-
-    // Every task of the loop is supervised: if one panics or ends, the loop ends.
-    let mut tasks: JoinSet<&'static str> = JoinSet::new();
-    // Then every At already cached. A cache still listing says `Relisted` when it has them all.
-    tasks.spawn({
-        let (ctx, store) = (ctx.clone(), at_store.clone());
-        async move {
-            if let Some(Ok(())) = store.wait_until_ready().now_or_never() {
-                look_at_all(&ctx, &store).await;
-            }
-            FIRST_LOOK
-        }
-    });
+    let at_events = triggers::at_events(cache.subscribe(), ctx.clone(), at_store.clone(), orphans);
     metrics.count_ats(at_store.clone());
     let _forget = ForgetAts(metrics.clone());
     info!(
         namespace = settings.namespace.as_deref().unwrap_or("<all>"),
         "reconciling Ats"
     );
-    // Both exist once per context, which was just made.
-    let (Some(followups), Some(retriggers)) = (ctx.followup_writer(), ctx.retriggers()) else {
-        unreachable!("a new context hands out its follow-up writer and retriggers");
+    // Exists once per context, which was just made.
+    let Some(retriggers) = ctx.retriggers() else {
+        unreachable!("a new context hands out its retriggers");
     };
-    // Status writes queued behind pod creates live and die with the loop: a stopping leader
-    // drops what it has not written, and its successor writes it from what it observes.
+    let tasks = spawn_tasks(&ctx, &at_store, orphaned);
+    let fatal = ctx.fatal().clone();
+    let controller = Controller::for_shared_stream(at_events, at_store)
+        .owns_stream(pod_events)
+        .reconcile_on(retriggers.map(|at| CachedAt::key_of(&at)))
+        .with_config(controller::Config::default().concurrency(settings.concurrency))
+        .graceful_shutdown_on(stop.cancelled_owned())
+        .run(reconcile_cached, error_policy_cached, ctx)
+        .for_each(|result| async move {
+            // Reconcile failures were logged by the error policy; these are the runtime's own.
+            match result {
+                // A pod or wakeup of an At deleted meanwhile: normal, e.g. under mass deletion.
+                Err(error @ controller::Error::ObjectNotFound(_)) => debug!(%error, "controller"),
+                Err(error @ controller::Error::QueueError(_)) => warn!(%error, "controller"),
+                _ => {}
+            }
+        });
+    supervise(controller, fatal, tasks, &metrics).await;
+    info!("reconcile loop stopped");
+}
+
+/// The leader's pod watch, into its pod cache; a pod of a gone At that waits for cnat's
+/// finalizer goes to `orphans`. Deletions too: a pod that vanishes must end its At.
+fn pod_events(
+    pods: Api<Pod>,
+    writer: reflector::store::Writer<Pod>,
+    ats: Store<CachedAt>,
+    orphans: mpsc::UnboundedSender<ObjectRef<Pod>>,
+) -> impl futures::Stream<Item = Result<Pod, watcher::Error>> + Send {
+    watcher(pods, watcher::Config::default().labels(pod::SELECTOR))
+        .backoff(cache::watch_backoff())
+        .modify(pod::trim)
+        .reflect(writer)
+        .touched_objects()
+        .inspect_ok(move |found: &Pod| {
+            if pod::awaits_release(found) && triggers::owner_gone(found, &ats) {
+                let _ = orphans.send(ObjectRef::from_obj(found));
+            }
+        })
+}
+
+/// The loop's tasks beside the runtime: the first look at every cached At, the follow-up
+/// writer, the reachability probe, the wakeups and the release of orphaned pods. They live and
+/// die with the loop: a stopping leader drops what it has not written, and its successor writes
+/// it from what it observes.
+fn spawn_tasks(
+    ctx: &Arc<Context>,
+    store: &Store<CachedAt>,
+    orphaned: mpsc::UnboundedReceiver<ObjectRef<Pod>>,
+) -> JoinSet<&'static str> {
+    let mut tasks: JoinSet<&'static str> = JoinSet::new();
+    // Every At already cached. A cache still listing says `Relisted` when it has them all.
+    tasks.spawn({
+        let (ctx, store) = (ctx.clone(), store.clone());
+        async move {
+            if let Some(Ok(())) = store.wait_until_ready().now_or_never() {
+                triggers::look_at_all(&ctx, &store).await;
+            }
+            FIRST_LOOK
+        }
+    });
+    // Exists once per context, which was just made.
+    let Some(followups) = ctx.followup_writer() else {
+        unreachable!("a new context hands out its follow-up writer");
+    };
     tasks.spawn(async move {
         followups.await;
         "follow-up writer"
@@ -163,7 +163,7 @@ pub async fn run_with_cache(
         }
     });
     tasks.spawn({
-        let (ctx, store) = (ctx.clone(), at_store.clone());
+        let (ctx, store) = (ctx.clone(), store.clone());
         async move {
             ctx.wakeups()
                 .run(|at| {
@@ -191,22 +191,17 @@ pub async fn run_with_cache(
             "orphan release"
         }
     });
-    let fatal = ctx.fatal().clone();
-    let controller = Controller::for_shared_stream(at_events, at_store)
-        .owns_stream(pod_events)
-        .reconcile_on(retriggers.map(|at| CachedAt::key_of(&at)))
-        .with_config(controller::Config::default().concurrency(settings.concurrency))
-        .graceful_shutdown_on(stop.cancelled_owned())
-        .run(reconcile_cached, error_policy_cached, ctx)
-        .for_each(|result| async move {
-            // Reconcile failures were logged by the error policy; these are the runtime's own.
-            match result {
-                // A pod or wakeup of an At deleted meanwhile: normal, e.g. under mass deletion.
-                Err(error @ controller::Error::ObjectNotFound(_)) => debug!(%error, "controller"),
-                Err(error @ controller::Error::QueueError(_)) => warn!(%error, "controller"),
-                _ => {}
-            }
-        });
+    tasks
+}
+
+/// Runs `controller` until it ends, a reconcile panicked (`fatal`), or one of `tasks` ended or
+/// panicked (the first look may end).
+async fn supervise(
+    controller: impl std::future::Future<Output = ()>,
+    fatal: CancellationToken,
+    mut tasks: JoinSet<&'static str>,
+    metrics: &Metrics,
+) {
     tokio::pin!(controller);
     loop {
         tokio::select! {
@@ -228,90 +223,12 @@ pub async fn run_with_cache(
             },
         }
     }
-    info!("reconcile loop stopped");
 }
 
 /// The first look at every cached At ends by itself; every other task runs as long as the loop.
 const FIRST_LOOK: &str = "first look";
 /// Pods of deleted Ats released at once (three requests each).
 const ORPHAN_RELEASES: usize = 8;
-
-/// After a relist or a lagging feed, deletions were not seen one by one: drops what is kept
-/// for Ats no longer cached, and releases the pods of those Ats.
-fn sweep(ctx: &Context, store: &Store<CachedAt>, orphans: &mpsc::UnboundedSender<ObjectRef<Pod>>) {
-    ctx.forget_all_but(|at| store.get(&CachedAt::key_of(at)).is_some());
-    for found in ctx.held_pods(|found| owner_gone(found, store)) {
-        let _ = orphans.send(found);
-    }
-}
-
-/// Whether the owner At of `found` is gone from `store` (or is another At by that name now).
-fn owner_gone(found: &Pod, store: &Store<CachedAt>) -> bool {
-    let Some(owner) = found
-        .owner_references()
-        .iter()
-        .find(|o| o.controller == Some(true))
-    else {
-        return true;
-    };
-    let key = ObjectRef::new(&owner.name).within(&found.namespace().unwrap_or_default());
-    match store.get(&key).as_deref().and_then(cache::read) {
-        Some(at) => at.uid().as_deref() != Some(owner.uid.as_str()),
-        None => true,
-    }
-}
-
-/// Tells in an event that `cached` does not decode as an At.
-fn report(ctx: &Arc<Context>, cached: &CachedAt) {
-    let why = cached.unreadable().unwrap_or_default();
-    let regarding = kube::Resource::object_ref(cached, &());
-    ctx.report_unreadable(&CachedAt::key(cached), regarding, why);
-}
-
-/// `Context::needs_reconcile` on a cached At read back; a panic is caught and ends the loop.
-fn needs_reconcile(ctx: &Context, cached: &CachedAt) -> bool {
-    let Some(at) = cache::read(cached) else {
-        return false;
-    };
-    match contain::catch(|| ctx.needs_reconcile(&at)) {
-        Ok(needs) => needs,
-        Err(panic) => {
-            ctx.panicked(&at, "look", &panic);
-            false
-        }
-    }
-}
-
-/// Reconciles every cached At that needs it now; the others go into `wakeups`. Ats already due
-/// come first (reading 100,000 cached Ats back takes about 0.3 s), then those that run; it
-/// yields to other tasks every 1000 Ats.
-async fn look_at_all(ctx: &Arc<Context>, store: &Store<CachedAt>) {
-    let now = ctx.now();
-    let mut ats = store.state();
-    ats.sort_by_key(|at| first_look_order(at, now));
-    for (i, cached) in ats.iter().enumerate() {
-        if i % 1000 == 999 {
-            tokio::task::yield_now().await;
-        }
-        if cached.unreadable().is_some() {
-            report(ctx, cached);
-            continue;
-        }
-        if needs_reconcile(ctx, cached) {
-            ctx.wake_up(CachedAt::key(cached));
-        }
-    }
-}
-
-/// Where `at` comes in a first look at every At: PENDING and due first, earliest first; then
-/// RUNNING (its pod may have ended); then the rest.
-fn first_look_order(at: &CachedAt, now: DateTime<Utc>) -> (u8, Option<DateTime<Utc>>) {
-    match at.phase() {
-        Phase::Pending if at.due().is_some_and(|due| due <= now) => (0, at.due()),
-        Phase::Running => (1, None),
-        _ => (2, None),
-    }
-}
 
 /// `reconcile` on the cached At, read back.
 async fn reconcile_cached(
@@ -360,33 +277,5 @@ fn pod_api(client: &Client, namespace: Option<&str>) -> Api<Pod> {
     match namespace {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn cached(name: &str, schedule: &str, phase: Phase) -> CachedAt {
-        CachedAt::example(name, "default", schedule, Some(phase))
-    }
-
-    #[test]
-    fn a_first_look_takes_due_ats_first_earliest_first_then_running_ones() {
-        let now = "2026-11-23T12:00:00Z".parse().unwrap();
-        let mut ats = [
-            cached("later", "2026-11-23T13:00:00Z", Phase::Pending),
-            cached("done", "2026-11-23T11:00:00Z", Phase::Done),
-            cached("running", "2026-11-23T11:00:00Z", Phase::Running),
-            cached("bad", "soon", Phase::Pending),
-            cached("due-now", "2026-11-23T12:00:00Z", Phase::Pending),
-            cached("overdue", "2026-11-23T11:00:00Z", Phase::Pending),
-        ];
-        ats.sort_by_key(|at| first_look_order(at, now));
-        let names: Vec<String> = ats.iter().map(|at| at.name_any()).collect();
-        assert_eq!(names[..3], ["overdue", "due-now", "running"]);
-        let mut rest = names[3..].to_vec();
-        rest.sort();
-        assert_eq!(rest, ["bad", "done", "later"]);
     }
 }

@@ -11,6 +11,7 @@
 //! - `spare`: gives back the table a per-At map grew to in a burst.
 //! - `key`: `AtKey`, how the operator names an At everywhere.
 //! - `ledger`: what the leader remembers of each At, with one `forget`.
+//! - `triggers`: what brings an At to a reconcile: the cache's changes, first looks, sweeps.
 //! - `contain`: a panic in the loop is caught, logged with its At and ends the loop.
 
 pub mod cache;
@@ -24,3 +25,4 @@ pub mod policy;
 pub mod reachability;
 pub mod reconcile;
 pub mod spare;
+pub mod triggers;
