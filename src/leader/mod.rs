@@ -631,7 +631,9 @@ impl Elector {
             },
             spec: None,
         };
-        if !self.events.try_send(event, regarding.object_ref(&())) {
+        // The Lease's events share one lane, so they keep their order.
+        let lane = &self.settings.lease_name;
+        if !self.events.try_send(lane, event, regarding.object_ref(&())) {
             debug!(lease = %self.name(), reason, "event queue full; event dropped");
         }
     }

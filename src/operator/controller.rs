@@ -127,7 +127,7 @@ fn pod_events(
         })
 }
 
-/// The loop's tasks beside the runtime: the first look at every cached At, the follow-up
+/// The loop's tasks beside the runtime: the first look at every cached At, the status
 /// writer, the reachability probe, the wakeups and the release of orphaned pods. They live and
 /// die with the loop: a stopping leader drops what it has not written, and its successor writes
 /// it from what it observes.
@@ -148,12 +148,12 @@ fn spawn_tasks(
         }
     });
     // Exists once per context, which was just made.
-    let Some(followups) = ctx.followup_writer() else {
-        unreachable!("a new context hands out its follow-up writer");
+    let Some(writes) = ctx.writer().queued_writes() else {
+        unreachable!("a new context hands out its queued writes");
     };
     tasks.spawn(async move {
-        followups.await;
-        "follow-up writer"
+        writes.await;
+        "status writer"
     });
     tasks.spawn({
         let ctx = ctx.clone();

@@ -1,5 +1,9 @@
-//! Publishes Kubernetes Events in the background, so a reconcile never waits for one: the status
-//! write is what matters, and the event tells the same story for `kubectl describe`.
+//! The one queue of Kubernetes Events, so that nothing waits for one: the status write is what
+//! matters, and the event tells the same story for `kubectl describe`. Events go out in
+//! `LANES` lanes, each in order: what is queued with one key (an At, a Lease) always takes the
+//! same lane, so one object's events go out in the order they were queued while other objects'
+//! go at the same time. An event may wait behind writes (`try_send_behind`): until pod creates
+//! and status writes are quiet (`PodsFirst`), at most `MAX_DEFER`, so late, never lost.
 //!
 //! Each event is published by a fresh kube `Recorder`. A long-lived one keeps every event it
 //! published for six minutes (to count repeats as a series) and scans that whole cache on every
@@ -7,60 +11,160 @@
 //! cached events and a scan of them per event. cnat's events are one per transition (repeated
 //! refusals are told once), so a series has nothing to count and memory stays flat.
 
+use crate::operator::pods_first::PodsFirst;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, Recorder, Reporter};
+use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher, Hash};
+use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tracing::{debug, warn};
 
-/// Events waiting to be published; past this they are dropped (and counted by the caller):
-/// nothing waits for room, least of all the leader's renewals.
-const QUEUE: usize = 4096;
-/// Events published at once; each is one API request.
-const CONCURRENCY: usize = 8;
+/// Events published at once (each one API request), in as many lanes.
+pub const LANES: usize = 8;
+/// Events waiting in all lanes together (each holds its `LANES`th part); past a lane's part
+/// they are dropped (and counted by the caller): nothing waits for room, least of all the
+/// leader's renewals, and the At's status holds the same facts.
+pub const QUEUE: usize = 4096;
+/// The longest an event waits for pod creates and status writes to be quiet.
+pub const MAX_DEFER: Duration = Duration::from_secs(2);
 /// The API server refuses an event whose note is longer than this many bytes.
 pub const MAX_NOTE_BYTES: usize = 1024;
 
 /// A handle for queueing events; publishing stops once every handle is dropped.
 #[derive(Clone)]
 pub struct EventSink {
-    queue: mpsc::Sender<(Event, ObjectReference)>,
-    client: kube::Client,
-    reporter: Reporter,
+    lanes: Arc<Lanes<Queued>>,
+}
+
+/// An event in its lane.
+struct Queued {
+    event: Event,
+    regarding: ObjectReference,
+    /// The writes it waits for, and since when.
+    behind: Option<(PodsFirst, Instant)>,
 }
 
 impl EventSink {
-    /// Starts the background publisher on the current tokio runtime, reporting as `reporter`.
+    /// Starts the lanes' publishers on the current tokio runtime, reporting as `reporter`.
     pub fn start(client: kube::Client, reporter: Reporter) -> Self {
-        let (queue, receiver) = mpsc::channel(QUEUE);
-        let pending = futures::stream::unfold(receiver, |mut rx| async {
-            rx.recv().await.map(|e| (e, rx))
-        });
-        let (publisher, reporting) = (client.clone(), reporter.clone());
-        tokio::spawn(
-            pending.for_each_concurrent(CONCURRENCY, move |(event, regarding)| {
-                publish(publisher.clone(), reporting.clone(), event, regarding)
-            }),
-        );
+        let lanes = Lanes::default();
+        for lane in lanes.take().into_iter().flatten() {
+            let (client, reporter) = (client.clone(), reporter.clone());
+            tokio::spawn(
+                lane.for_each(move |queued| {
+                    publish_in_turn(client.clone(), reporter.clone(), queued)
+                }),
+            );
+        }
         EventSink {
-            queue,
-            client,
-            reporter,
+            lanes: Arc::new(lanes),
         }
     }
 
-    /// Publishes `event` about `regarding` now, returning when the API server answered (for
-    /// callers that pace events themselves).
-    pub async fn publish_now(&self, mut event: Event, regarding: ObjectReference) {
-        event.note = event.note.map(|note| fit_note(&note));
-        publish(self.client.clone(), self.reporter.clone(), event, regarding).await;
+    /// Queues `event` about `regarding` in the lane of `key`, its note cut to what the API
+    /// server accepts, without waiting: `false` when the lane is full (or the publishers
+    /// stopped) and it was dropped.
+    pub fn try_send(&self, key: &impl Hash, event: Event, regarding: ObjectReference) -> bool {
+        self.queue(key, event, regarding, None)
     }
 
-    /// Queues `event` about `regarding`, its note cut to what the API server accepts, without
-    /// waiting: `false` when the queue is full (or the publisher stopped) and it was dropped.
-    pub fn try_send(&self, mut event: Event, regarding: ObjectReference) -> bool {
+    /// `try_send`, the event going out once `writes` are quiet (at most `MAX_DEFER` from now).
+    pub fn try_send_behind(
+        &self,
+        key: &impl Hash,
+        event: Event,
+        regarding: ObjectReference,
+        writes: &PodsFirst,
+    ) -> bool {
+        self.queue(
+            key,
+            event,
+            regarding,
+            Some((writes.clone(), Instant::now())),
+        )
+    }
+
+    fn queue(
+        &self,
+        key: &impl Hash,
+        mut event: Event,
+        regarding: ObjectReference,
+        behind: Option<(PodsFirst, Instant)>,
+    ) -> bool {
         event.note = event.note.map(|note| fit_note(&note));
-        self.queue.try_send((event, regarding)).is_ok()
+        let queued = Queued {
+            event,
+            regarding,
+            behind,
+        };
+        match self.lanes.try_send(key, queued) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(_)) => false,
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                debug!("event publishers stopped; event dropped");
+                false
+            }
+        }
+    }
+}
+
+/// Publishes `queued` once the writes it waits for are quiet: under steady writes there may
+/// never be a quiet moment, so at most `MAX_DEFER` after it was queued.
+async fn publish_in_turn(client: kube::Client, reporter: Reporter, queued: Queued) {
+    if let Some((writes, since)) = &queued.behind {
+        tokio::select! {
+            () = writes.quiet() => {}
+            () = tokio::time::sleep_until(*since + MAX_DEFER) => {}
+        }
+    }
+    publish(client, reporter, queued.event, queued.regarding).await;
+}
+
+/// `LANES` queues that hold at most `QUEUE` together (senders drop what does not fit), each
+/// emptied in order; what is sent with one key always goes to the same lane.
+pub struct Lanes<T> {
+    senders: Vec<mpsc::Sender<T>>,
+    receivers: std::sync::Mutex<Option<Vec<mpsc::Receiver<T>>>>,
+}
+
+impl<T> Default for Lanes<T> {
+    fn default() -> Self {
+        let (senders, receivers) = (0..LANES).map(|_| mpsc::channel(QUEUE / LANES)).unzip();
+        Lanes {
+            senders,
+            receivers: std::sync::Mutex::new(Some(receivers)),
+        }
+    }
+}
+
+impl<T> Lanes<T> {
+    /// Queues `item` in the lane of `key` without waiting.
+    pub fn try_send(&self, key: &impl Hash, item: T) -> Result<(), mpsc::error::TrySendError<T>> {
+        let hash = BuildHasherDefault::<DefaultHasher>::default().hash_one(key);
+        // The modulo keeps it below LANES, so the cast cannot truncate.
+        self.senders[(hash % LANES as u64) as usize].try_send(item)
+    }
+
+    /// Each lane's receiving end as a stream; `None` once taken.
+    pub fn take(&self) -> Option<Vec<impl futures::Stream<Item = T> + use<T>>> {
+        let receivers = self
+            .receivers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()?;
+        Some(
+            receivers
+                .into_iter()
+                .map(|receiver| {
+                    futures::stream::unfold(receiver, |mut rx| async {
+                        rx.recv().await.map(|item| (item, rx))
+                    })
+                })
+                .collect(),
+        )
     }
 }
 
@@ -169,6 +273,42 @@ mod tests {
             assert!(fitted.len() > MAX_NOTE_BYTES - 8, "{unit}: cut too much");
             assert!(fitted.ends_with('…'));
             assert!(long.starts_with(fitted.trim_end_matches('…')));
+        }
+    }
+
+    #[tokio::test]
+    async fn one_object_s_events_keep_their_order_while_others_go_alongside() {
+        let lanes = Lanes::<u32>::default();
+        for i in 0..50 {
+            lanes.try_send(&(Some("default"), Some("a")), i).unwrap();
+            lanes
+                .try_send(&(Some("default"), Some("b")), 100 + i)
+                .unwrap();
+            lanes
+                .try_send(&(Some("other"), Some("a")), 200 + i)
+                .unwrap();
+        }
+        let streams = lanes.take().unwrap();
+        assert!(lanes.take().is_none(), "taken once");
+        drop(lanes);
+        let emptied =
+            futures::future::join_all(streams.into_iter().map(|s| s.collect::<Vec<_>>())).await;
+        for base in [0, 100, 200] {
+            let at: Vec<u32> = emptied
+                .iter()
+                .flatten()
+                .copied()
+                .filter(|i| (base..base + 50).contains(i))
+                .collect();
+            assert_eq!(
+                at,
+                (base..base + 50).collect::<Vec<_>>(),
+                "in order, all in one lane"
+            );
+            assert_eq!(
+                emptied.iter().filter(|lane| lane.contains(&base)).count(),
+                1
+            );
         }
     }
 }

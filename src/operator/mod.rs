@@ -3,7 +3,8 @@
 //!
 //! - `controller`: wires the reconciler to the cluster: watches and kube-runtime's `Controller`.
 //! - `reconcile`: the pure state machine (`reconcile::decide`) and carrying its decisions out.
-//! - `events`: publishes Kubernetes Events in the background, so a reconcile never waits.
+//! - `events`: the one queue of Kubernetes Events, in per-object lanes; nothing waits for one.
+//! - `pods_first`: pod creates before status writes before events, when many Ats fall due.
 //! - `reachability`: resumes work when an unreachable API server answers again.
 //! - `pod`: the pod an At runs in: name, labels, spec and the summary `decide` reads; pure.
 //! - `policy`: operator-wide run policy (`cnat run --default-*`) for what an At leaves out.
@@ -21,6 +22,7 @@ pub mod events;
 pub mod key;
 pub mod ledger;
 pub mod pod;
+pub mod pods_first;
 pub mod policy;
 pub mod reachability;
 pub mod reconcile;

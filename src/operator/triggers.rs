@@ -90,7 +90,8 @@ pub fn owner_gone(found: &Pod, store: &Store<CachedAt>) -> bool {
 fn report(ctx: &Arc<Context>, cached: &CachedAt) {
     let why = cached.unreadable().unwrap_or_default();
     let regarding = kube::Resource::object_ref(cached, &());
-    ctx.report_unreadable(&CachedAt::key(cached), regarding, why);
+    ctx.writer()
+        .report_unreadable(&CachedAt::key(cached), regarding, why);
 }
 
 /// `Context::needs_reconcile` on a cached At read back; a panic is caught and ends the loop.

@@ -2,13 +2,15 @@
 //! answering with bodies captured from a real kube-apiserver (tests/fixtures/api-k8s-1.24).
 
 use super::*;
-use crate::api::{AtSpec, Phase};
+use crate::api::{AtSpec, AtStatus, Phase};
 use crate::observability::metrics::Metrics;
 use crate::operator::policy::RunPolicy;
+use decide::PodObservation;
 use futures::StreamExt;
 use http::{Request, Response};
 use kube::client::Body;
 use kube::runtime::events::Reporter;
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{reflector, watcher};
 use serde_json::Value;
 
@@ -204,7 +206,7 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
     ));
     // As in production, status writes that follow pod creates go through the writer, and
     // wakeups (retries of failed writes among them) reconcile again.
-    tokio::spawn(ctx.followup_writer().unwrap());
+    tokio::spawn(ctx.writer.queued_writes().unwrap());
     let wakeups = tokio::spawn({
         let ctx = ctx.clone();
         async move { ctx.wakeups().run(|at| ctx.wake_up(at)).await }
@@ -610,7 +612,7 @@ async fn api_errors_name_the_at_and_retry_with_growing_backoff() {
         error_policy(at.clone(), &error, h.ctx.clone());
     }
     assert_eq!(
-        h.ctx.ledger.failures.lock().unwrap()["default/example-at"],
+        h.ctx.writer.ledger().failures.lock().unwrap()["default/example-at"],
         3
     );
     let metrics = h.metrics.encode();
@@ -672,7 +674,8 @@ async fn success_resets_the_backoff() {
         answer("POST", EVENTS, 201, created_event()),
     ]);
     h.ctx
-        .ledger
+        .writer
+        .ledger()
         .failures
         .lock()
         .unwrap()
@@ -681,7 +684,7 @@ async fn success_resets_the_backoff() {
     // The pod was created, but the status write is still queued: until it is written, the
     // failures in a row stand (a write that fails again backs off further).
     let written = async {
-        while !h.ctx.ledger.failures.lock().unwrap().is_empty() {
+        while !h.ctx.writer.ledger().failures.lock().unwrap().is_empty() {
             tokio::task::yield_now().await;
         }
     };
@@ -696,7 +699,8 @@ async fn a_queued_status_write_that_fails_again_counts_on() {
     let h = pod_created_then_status_write_fails();
     // Two failures in a row already (earlier writes of this status).
     h.ctx
-        .ledger
+        .writer
+        .ledger()
         .failures
         .lock()
         .unwrap()
@@ -708,7 +712,7 @@ async fn a_queued_status_write_that_fails_again_counts_on() {
         .expect("retried")
         .unwrap();
     assert_eq!(
-        h.ctx.ledger.failures.lock().unwrap()["default/example-at"],
+        h.ctx.writer.ledger().failures.lock().unwrap()["default/example-at"],
         3
     );
     drop(retriggers);
@@ -767,7 +771,7 @@ async fn status_writes_after_a_pod_create_wait_until_no_pod_create_is_in_flight(
         answer("POST", EVENTS, 201, created_event()),
     ]);
     // Another At's pod create is in flight while this one's pod is created.
-    let other = h.ctx.pods_first.creating.enter();
+    let other = h.ctx.writer.pods_first().creating.enter();
     assert_eq!(
         h.reconcile(example_at(None)).await.unwrap(),
         Action::await_change()
@@ -779,7 +783,7 @@ async fn status_writes_after_a_pod_create_wait_until_no_pod_create_is_in_flight(
         h.reconcile(example_at(None)).await.unwrap(),
         Action::await_change()
     );
-    assert_eq!(h.ctx.pods_first.creating.in_flight(), 1);
+    assert_eq!(h.ctx.writer.pods_first().creating.in_flight(), 1);
 
     drop(other);
     let sent = h.finish(3).await;
@@ -804,7 +808,7 @@ async fn a_failed_follow_up_write_is_retried_by_a_new_reconcile_after_backoff() 
         "backoff of a first failure: {waited:?}"
     );
     assert_eq!(
-        h.ctx.ledger.failures.lock().unwrap()["default/example-at"],
+        h.ctx.writer.ledger().failures.lock().unwrap()["default/example-at"],
         1
     );
     // The cached version is no longer skipped: the next reconcile acts on it.
@@ -831,7 +835,8 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
     let probe = tokio::spawn(h.ctx.clone().probe_reachability());
     // The outage has lasted: eight failures already, so the backoff is past a minute.
     h.ctx
-        .ledger
+        .writer
+        .ledger()
         .failures
         .lock()
         .unwrap()
@@ -846,7 +851,7 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
     error_policy(at, &error, h.ctx.clone());
     // The ninth failure: the runtime's own retry comes after at least 128 s.
     assert_eq!(
-        h.ctx.ledger.failures.lock().unwrap()["default/example-at"],
+        h.ctx.writer.ledger().failures.lock().unwrap()["default/example-at"],
         9
     );
     assert!(retry_delay(9) >= Duration::from_secs(128));
@@ -858,7 +863,7 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
         .unwrap();
     assert_eq!(again, ObjectRef::new("example-at").within("default"));
     assert_eq!(started.elapsed(), reachability::PROBE_EVERY * 4);
-    assert_eq!(h.ctx.unreachable.waiting(), 0);
+    assert_eq!(h.ctx.writer.unreachable().waiting(), 0);
     probe.abort();
     let _ = probe.await;
     drop(retriggers);
@@ -876,7 +881,7 @@ async fn an_answer_that_refuses_is_not_an_outage() {
     let at = Arc::new(example_at(None));
     let error = reconcile(at.clone(), h.ctx.clone()).await.unwrap_err();
     error_policy(at, &error, h.ctx.clone());
-    assert_eq!(h.ctx.unreachable.waiting(), 0, "backs off instead");
+    assert_eq!(h.ctx.writer.unreachable().waiting(), 0, "backs off instead");
     h.finish(1).await;
 }
 
@@ -908,7 +913,7 @@ async fn an_at_due_while_its_pending_write_waits_gets_its_pod_without_waiting() 
         clock,
     );
     // Other pods are being created: the PENDING write waits in the queue.
-    let others = h.ctx.pods_first.creating.enter();
+    let others = h.ctx.writer.pods_first().creating.enter();
     assert_eq!(
         h.reconcile(future.clone()).await.unwrap(),
         Action::await_change()
@@ -941,7 +946,7 @@ async fn events_wait_until_no_status_write_is_queued_but_at_most_two_seconds() {
         answer("POST", EVENTS, 201, created_event()),
     ]);
     // Another At's status write is queued (and stays: writes that never pause).
-    let other = h.ctx.pods_first.writing.enter();
+    let other = h.ctx.writer.pods_first().writing.enter();
     h.reconcile(future).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1900)).await;
     assert_eq!(
@@ -964,8 +969,13 @@ async fn a_deleted_at_leaves_nothing_behind_in_the_leader_s_maps() {
     let at = example_at(None);
     let at_ref = AtKey::from(&at);
     // A failure's backoff, a write's record, a wakeup: all kept per At.
-    h.ctx.next_retry(&at);
-    h.ctx.remember_write(&at, Phase::Pending);
+    let ledger = h.ctx.writer.ledger();
+    ledger.failed(&at_ref);
+    ledger.written(
+        at_ref.clone(),
+        at.resource_version().unwrap(),
+        Phase::Pending,
+    );
     h.ctx.wakeups().set(
         at_ref.clone(),
         tokio::time::Instant::now() + Duration::from_secs(3600),
@@ -978,7 +988,7 @@ async fn a_deleted_at_leaves_nothing_behind_in_the_leader_s_maps() {
     let mut other = example_at(None);
     other.metadata.name = Some("other".into());
     for at in [&at, &other] {
-        h.ctx.next_retry(at);
+        ledger.failed(&AtKey::from(at));
         h.ctx.wakeups().set(
             AtKey::from(at),
             tokio::time::Instant::now() + Duration::from_secs(3600),
@@ -1012,68 +1022,9 @@ async fn a_422_from_the_cel_rule_s_internal_error_is_retried() {
         .unwrap();
     assert_eq!(again, ObjectRef::new("example-at").within("default"));
     assert_eq!(
-        h.ctx.ledger.failures.lock().unwrap()["default/example-at"],
+        h.ctx.writer.ledger().failures.lock().unwrap()["default/example-at"],
         1
     );
     drop(retriggers);
     h.finish(2).await;
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_wave_s_events_pay_the_quiet_period_once() {
-    let pods_first = followup::PodsFirst::default();
-    let started = tokio::time::Instant::now();
-    let write = pods_first.writing.enter();
-    tokio::time::advance(Duration::from_millis(5)).await;
-    drop(write);
-    // The first waiter waits until writes have been idle for the quiet period (20 ms)...
-    pods_first.quiet().await;
-    assert_eq!(started.elapsed(), Duration::from_millis(25));
-    // ...and every later one passes at once, while nothing is written.
-    let later = tokio::time::Instant::now();
-    for _ in 0..100 {
-        pods_first.quiet().await;
-    }
-    assert_eq!(later.elapsed(), Duration::ZERO);
-    // A pod create starts the quiet period again.
-    drop(pods_first.creating.enter());
-    let after_create = tokio::time::Instant::now();
-    pods_first.quiet().await;
-    assert_eq!(after_create.elapsed(), Duration::from_millis(20));
-}
-
-#[tokio::test]
-async fn one_at_s_events_keep_their_order_while_others_go_alongside() {
-    let lanes = followup::Lanes::<u32>::default();
-    for i in 0..50 {
-        lanes.try_send(&(Some("default"), Some("a")), i).unwrap();
-        lanes
-            .try_send(&(Some("default"), Some("b")), 100 + i)
-            .unwrap();
-        lanes
-            .try_send(&(Some("other"), Some("a")), 200 + i)
-            .unwrap();
-    }
-    let streams = lanes.take().unwrap();
-    assert!(lanes.take().is_none(), "taken once");
-    drop(lanes);
-    let emptied =
-        futures::future::join_all(streams.into_iter().map(|s| s.collect::<Vec<_>>())).await;
-    for base in [0, 100, 200] {
-        let at: Vec<u32> = emptied
-            .iter()
-            .flatten()
-            .copied()
-            .filter(|i| (base..base + 50).contains(i))
-            .collect();
-        assert_eq!(
-            at,
-            (base..base + 50).collect::<Vec<_>>(),
-            "in order, all in one lane"
-        );
-        assert_eq!(
-            emptied.iter().filter(|lane| lane.contains(&base)).count(),
-            1
-        );
-    }
 }

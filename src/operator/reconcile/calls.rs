@@ -1,0 +1,238 @@
+//! The executor's API calls besides status writes (`writer`): looking up, creating and
+//! releasing an At's pod, releasing the pod of a deleted At, and deleting a finished At.
+
+use super::decide::{self, PodObservation};
+use super::{key, namespace, uid, Context, Error, FIELD_MANAGER};
+use crate::api::At;
+use crate::operator::key::AtKey;
+use crate::operator::reconcile::writer::retry_delay;
+use crate::{operator::pod, schedule};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::ObjectRef;
+use kube::{Api, ResourceExt};
+use tracing::{debug, info, warn};
+
+/// Attempts to release the pod of a deleted At before leaving it to the next relist or leader.
+const ORPHAN_ATTEMPTS: u32 = 6;
+
+impl Context {
+    fn at_api(&self, at: &At) -> Api<At> {
+        Api::namespaced(self.client.clone(), &namespace(at))
+    }
+
+    fn pod_api(&self, at: &At) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), &namespace(at))
+    }
+
+    /// The pods in the pod cache that wait for cnat's finalizer to go while `owner_gone` says
+    /// their At is gone.
+    pub fn held_pods(&self, owner_gone: impl Fn(&Pod) -> bool) -> Vec<ObjectRef<Pod>> {
+        self.pods
+            .state()
+            .iter()
+            .filter(|found| pod::awaits_release(found) && owner_gone(found))
+            .map(|found| ObjectRef::from_obj(found.as_ref()))
+            .collect()
+    }
+
+    pub(super) fn cached_pod(&self, at: &At) -> PodObservation {
+        let name = pod::name_for(&at.name_any());
+        match self.pods.get(&ObjectRef::new(&name).within(&namespace(at))) {
+            Some(found) => observe(&found, at),
+            None => PodObservation::NotCached,
+        }
+    }
+
+    pub(super) async fn fetch_pod(&self, at: &At) -> Result<PodObservation, Error> {
+        let name = pod::name_for(&at.name_any());
+        match self.pod_api(at).get_opt(&name).await {
+            Ok(Some(found)) => Ok(observe(&found, at)),
+            Ok(None) => Ok(PodObservation::Missing),
+            Err(source) => Err(Error::ReadPod {
+                at: key(at),
+                pod: name,
+                source,
+            }),
+        }
+    }
+
+    /// The pod of `at` if the pod cache shows it waiting for cnat's finalizer to go.
+    pub fn held_pod_of(&self, at: &AtKey) -> Option<ObjectRef<Pod>> {
+        let name = pod::name_for(at.name());
+        let key = ObjectRef::new(&name).within(at.namespace());
+        self.pods
+            .get(&key)
+            .filter(|found| pod::awaits_release(found))
+            .map(|_| key)
+    }
+
+    /// Removes cnat's finalizer from a pod whose At is gone: nothing is left to record. The
+    /// caches may lag, so the API server is asked first: a pod whose At still exists is left to
+    /// that At's reconcile.
+    pub async fn release_orphan(&self, found: &ObjectRef<Pod>) {
+        let namespace = found.namespace.as_deref().unwrap_or_default();
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let ats: Api<At> = Api::namespaced(self.client.clone(), namespace);
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PatchParams::default()
+        };
+        // Retried a few times with backoff (a terminating pod changes no more, so no event would
+        // bring it back); past that, the next relist or the next leader finds it again.
+        for attempt in 1..=ORPHAN_ATTEMPTS {
+            match self.try_release_orphan(found, &pods, &ats, &params).await {
+                Ok(true) => return debug!(pod = %found, "released the pod of a deleted At"),
+                Ok(false) => return,
+                Err(error) if attempt == ORPHAN_ATTEMPTS => {
+                    return warn!(pod = %found, %error, attempts = attempt, "could not remove cnat's finalizer from the pod of a deleted At; the next relist or leader tries again")
+                }
+                Err(error) => {
+                    debug!(pod = %found, %error, attempt, "removing cnat's finalizer failed; retrying");
+                    tokio::time::sleep(retry_delay(attempt)).await;
+                }
+            }
+        }
+    }
+
+    async fn try_release_orphan(
+        &self,
+        found: &ObjectRef<Pod>,
+        pods: &Api<Pod>,
+        ats: &Api<At>,
+        params: &PatchParams,
+    ) -> Result<bool, kube::Error> {
+        let Some(current) = pods.get_opt(&found.name).await? else {
+            return Ok(false);
+        };
+        if !pod::awaits_release(&current) {
+            return Ok(false);
+        }
+        let owner = current
+            .owner_references()
+            .iter()
+            .find(|o| o.controller == Some(true))
+            .cloned();
+        if let Some(owner) = owner {
+            let at = ats.get_opt(&owner.name).await?;
+            if at.is_some_and(|at| at.uid().as_deref() == Some(owner.uid.as_str())) {
+                return Ok(false);
+            }
+        }
+        let patch = Patch::Merge(pod::release_patch(&current));
+        pods.patch(&found.name, params, &patch).await.map(|_| true)
+    }
+
+    /// Removes cnat's finalizer from the At's pod (read fresh, so the patch carries its current
+    /// resourceVersion and other finalizers), then says what is left of the pod.
+    pub(super) async fn release_pod(&self, at: &At) -> Result<PodObservation, Error> {
+        let name = pod::name_for(&at.name_any());
+        let fail = |source| Error::ReleasePod {
+            at: key(at),
+            pod: name.clone(),
+            source,
+        };
+        let api = self.pod_api(at);
+        let Some(found) = api.get_opt(&name).await.map_err(fail)? else {
+            return Ok(PodObservation::Missing);
+        };
+        // Only our own pod, and only while it waits for us.
+        if !pod::awaits_release(&found) || !pod::is_controlled_by(&found, &uid(at)) {
+            return Ok(observe(&found, at));
+        }
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PatchParams::default()
+        };
+        match api
+            .patch(&name, &params, &Patch::Merge(pod::release_patch(&found)))
+            .await
+        {
+            Ok(released) => Ok(observe(&released, at)),
+            // Gone meanwhile (its last finalizer went), or changed: look again.
+            Err(kube::Error::Api(s)) if s.is_not_found() => Ok(PodObservation::Missing),
+            Err(kube::Error::Api(s)) if s.is_conflict() => self.fetch_pod(at).await,
+            Err(source) => Err(fail(source)),
+        }
+    }
+
+    /// Creates the pod; `None` when created, else what was found instead.
+    pub(super) async fn create_pod(&self, at: &At) -> Result<Option<PodObservation>, Error> {
+        let params = PostParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PostParams::default()
+        };
+        let creating = self.writer.pods_first().creating.enter();
+        let created = self
+            .pod_api(at)
+            .create(&params, &pod::build(at, &self.policy))
+            .await;
+        drop(creating);
+        match created {
+            Ok(_) => {
+                self.record_lateness(at);
+                Ok(None)
+            }
+            Err(kube::Error::Api(status)) if status.is_already_exists() => {
+                self.fetch_pod(at).await.map(Some)
+            }
+            Err(kube::Error::Api(status)) if status.is_invalid() || status.code == 400 => {
+                self.metrics.pod_refused("invalid");
+                Ok(Some(PodObservation::Rejected(status.message)))
+            }
+            // Quota, Pod Security or a policy webhook: may pass later, so retried with backoff.
+            Err(kube::Error::Api(status)) if status.is_forbidden() => {
+                self.metrics
+                    .pod_refused(decide::Refusal::of(&status.message).label());
+                Ok(Some(PodObservation::Refused(status.message)))
+            }
+            Err(source) => Err(Error::CreatePod {
+                at: key(at),
+                pod: pod::name_for(&at.name_any()),
+                source,
+            }),
+        }
+    }
+
+    /// The run lateness: the pod exists now, its schedule said when it should have.
+    fn record_lateness(&self, at: &At) {
+        if let Ok(due) = schedule::parse(&at.spec.schedule, at.spec.time_zone.as_deref()) {
+            let late = ((self.clock)() - due).to_std().unwrap_or_default();
+            self.metrics.ran_late(late);
+        }
+    }
+
+    /// Deletes a finished At whose `ttlSecondsAfterFinished` passed; its pod goes with it
+    /// (owner reference). The uid precondition spares a new At that took the same name.
+    pub(super) async fn delete_at(&self, at: &At) -> Result<Action, Error> {
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: at.uid(),
+                resource_version: None,
+            }),
+            ..DeleteParams::background()
+        };
+        match self.at_api(at).delete(&at.name_any(), &params).await {
+            Ok(_) => {
+                info!(at = %key(at), "deleted: ttlSecondsAfterFinished passed");
+                Ok(Action::await_change())
+            }
+            Err(kube::Error::Api(s)) if s.is_not_found() || s.is_conflict() => {
+                Ok(Action::await_change())
+            }
+            Err(source) => Err(Error::Delete {
+                at: key(at),
+                source,
+            }),
+        }
+    }
+}
+
+fn observe(found: &Pod, at: &At) -> PodObservation {
+    if pod::is_controlled_by(found, &uid(at)) {
+        PodObservation::Owned(pod::view(found))
+    } else {
+        PodObservation::Foreign
+    }
+}

@@ -1,0 +1,428 @@
+//! The one writer of Ats' statuses and of the events that tell their transitions. A reconcile
+//! writes a status at once (`write_now`: a refused pod's status says why before the reconcile
+//! backs off) or queues it behind the pod creates in flight (`queue`, see `PodsFirst`); both go
+//! through `write`, which reads the API server's answer one way for both. A transition's event
+//! goes out after its write, through the one event queue (`EventSink`). Failures of reconciles
+//! and of queued writes are retried by one policy (`retry`): counted per At in the ledger,
+//! backed off, and waited out while the API server does not answer.
+
+use super::decide::{Decision, Note, Severity};
+use super::queue::Queue;
+use super::{glitch, Error, FIELD_MANAGER};
+use crate::api::{At, AtStatus, Phase};
+use crate::observability::metrics::Metrics;
+use crate::operator::contain::Quarantine;
+use crate::operator::events::EventSink;
+use crate::operator::key::AtKey;
+use crate::operator::ledger::Ledger;
+use crate::operator::pods_first::{InFlightGuard, PodsFirst};
+use crate::operator::reachability::{self, Reachability};
+use backon::{BackoffBuilder, ExponentialBuilder};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::events::{Event, EventType};
+use kube::{Api, Client, Resource};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::field::{display, Empty};
+use tracing::{debug, info, info_span, warn, Instrument, Span};
+
+/// Queued status writes made at once: as many as reconciles (pod creates) run at once by
+/// default (`--concurrency`).
+pub const WRITERS: usize = 32;
+
+/// Owns status writes, the queue of writes behind pod creates, transition events and retries.
+pub struct Writer {
+    client: Client,
+    events: EventSink,
+    metrics: Arc<Metrics>,
+    /// What is remembered of each At: last write, failures, wakeup, quarantine.
+    ledger: Ledger,
+    /// Pod creates and status writes in flight, which lower-priority writes wait for.
+    pods_first: PodsFirst,
+    /// Status writes queued behind pod creates.
+    queued: Queue<QueuedWrite>,
+    /// Ats whose last attempt got no answer from the API server: retried when it answers.
+    unreachable: Reachability<AtKey>,
+}
+
+/// What a status write keeps of its At: when Ats are created faster than their statuses can be
+/// written, thousands of writes wait in the queue, and whole Ats would cost several KiB each.
+pub struct Target {
+    key: AtKey,
+    uid: Option<String>,
+    /// The version decided on: the write is guarded by it, never blind.
+    resource_version: Option<String>,
+    /// The phase before (for the log line).
+    from: Option<Phase>,
+    /// Its spec is outside the CRD's bounds (see `Written::Refused`).
+    out_of_range: bool,
+}
+
+impl Target {
+    pub fn of(at: &At) -> Self {
+        Target {
+            key: AtKey::from(at),
+            uid: at.metadata.uid.clone(),
+            resource_version: at.metadata.resource_version.clone(),
+            from: at.status.as_ref().map(|s| s.phase),
+            out_of_range: !crate::limits::problems(&at.spec, |_| true).is_empty(),
+        }
+    }
+
+    /// The At, as an event names what it is about.
+    fn regarding(&self) -> ObjectReference {
+        ObjectReference {
+            api_version: Some(At::api_version(&()).into_owned()),
+            kind: Some(At::kind(&()).into_owned()),
+            name: Some(self.key.name().into()),
+            namespace: Some(self.key.namespace().into()),
+            uid: self.uid.clone(),
+            resource_version: self.resource_version.clone(),
+            field_path: None,
+        }
+    }
+}
+
+/// How the API server answered a status write.
+enum Written {
+    Done,
+    /// Someone wrote first: the watch brings the newer At, and the next decision is on that.
+    Conflict,
+    /// The At is gone: nothing to retry, nothing to keep for it.
+    Gone,
+    /// The API server refuses any status on this version (told in an event instead).
+    Refused,
+    Failed(kube::Error),
+}
+
+/// A status write (and its event) that waits for the pods of its wave; of the reconcile that
+/// queued it, it keeps only the trace ids (an open span would cost more).
+struct QueuedWrite {
+    writer: Arc<Writer>,
+    target: Target,
+    decision: Decision,
+    /// The reconcile's span, as trace ids: the `status-write` span is its child.
+    parent: opentelemetry::trace::SpanContext,
+    /// Counts this write as queued until it is done.
+    _writing: InFlightGuard,
+}
+
+impl Writer {
+    pub fn new(
+        client: Client,
+        events: EventSink,
+        metrics: Arc<Metrics>,
+        quarantine: Arc<Quarantine>,
+    ) -> Self {
+        Writer {
+            client,
+            events,
+            metrics,
+            ledger: Ledger::new(quarantine),
+            pods_first: PodsFirst::default(),
+            queued: Queue::default(),
+            unreachable: Reachability::default(),
+        }
+    }
+
+    /// What is remembered of each At.
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    /// Pod creates and status writes in flight.
+    pub fn pods_first(&self) -> &PodsFirst {
+        &self.pods_first
+    }
+
+    /// Ats waiting for the API server to answer again.
+    pub fn unreachable(&self) -> &Reachability<AtKey> {
+        &self.unreachable
+    }
+
+    /// Writes the decided status now, then tells the transition: `Ok(true)` once written,
+    /// `Ok(false)` when the write is moot (a newer version, a gone At, a refused status).
+    pub async fn write_now(
+        &self,
+        target: &Target,
+        decision: &Decision,
+    ) -> Result<bool, kube::Error> {
+        let Some(status) = &decision.status else {
+            return Ok(true);
+        };
+        match self.write(target, status, decision).await {
+            Written::Done => {
+                self.remember(target, status.phase);
+                self.tell_transition(target, status, decision.note.as_ref(), None);
+                Ok(true)
+            }
+            Written::Refused => {
+                self.remember(target, status.phase);
+                Ok(false)
+            }
+            Written::Conflict | Written::Gone => Ok(false),
+            Written::Failed(error) => Err(error),
+        }
+    }
+
+    /// Queues the decided status write and event behind the pod creates in flight; until it is
+    /// written, the version decided on counts as stale (`Ledger::stale`).
+    pub fn queue(self: &Arc<Self>, target: Target, decision: Decision) {
+        use opentelemetry::trace::TraceContextExt;
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        let Some(status) = &decision.status else {
+            return;
+        };
+        self.remember(&target, status.phase);
+        let job = QueuedWrite {
+            writer: self.clone(),
+            target,
+            decision,
+            parent: Span::current().context().span().span_context().clone(),
+            _writing: self.pods_first.writing.enter(),
+        };
+        if !self.queued.send(job) {
+            // Only after the writer stopped, i.e. the loop is ending: the next leader writes it.
+            debug!("status writer stopped; status write left to the next reconcile");
+        }
+    }
+
+    /// The queue's writers, each write once no pod create is in flight. Runs until every
+    /// `Writer` handle is gone (or it is dropped with the reconcile loop); `None` if already
+    /// taken.
+    pub fn queued_writes(&self) -> Option<impl std::future::Future<Output = ()> + use<>> {
+        let jobs = self.queued.take()?;
+        Some(jobs.for_each_concurrent(WRITERS, |job| async move {
+            use opentelemetry::trace::TraceContextExt;
+            use tracing_opentelemetry::OpenTelemetrySpanExt;
+            let span = info_span!(
+                "status-write",
+                at = %job.target.key,
+                phase = job.decision.status.as_ref().map(|s| s.phase.as_str()),
+                error = Empty,
+                "otel.status_code" = Empty,
+            );
+            // Without a collector or a sampled trace, there is no parent to name.
+            if job.parent.is_valid() {
+                let parent =
+                    opentelemetry::Context::new().with_remote_span_context(job.parent.clone());
+                let _ = span.set_parent(parent);
+            }
+            job.writer.write_queued(&job).instrument(span).await;
+        }))
+    }
+
+    async fn write_queued(&self, job: &QueuedWrite) {
+        let (target, decision) = (&job.target, &job.decision);
+        let Some(status) = &decision.status else {
+            return;
+        };
+        self.pods_first.creating.idle().await;
+        match self.write(target, status, decision).await {
+            Written::Done => {
+                self.ledger.succeeded(&target.key);
+                let behind = Some(&self.pods_first);
+                self.tell_transition(target, status, decision.note.as_ref(), behind);
+            }
+            Written::Conflict | Written::Gone | Written::Refused => {}
+            Written::Failed(source) => {
+                let error = Error::WriteStatus {
+                    at: target.key.clone(),
+                    phase: status.phase,
+                    source,
+                };
+                let span = Span::current();
+                span.record("error", display(&error));
+                span.record("otel.status_code", "ERROR");
+                // The cache still shows the version decided on: the next reconcile acts on it,
+                // after the usual backoff or, if the API server did not answer, once it answers.
+                self.ledger.unwritten(&target.key);
+                let delay = self.retry(&target.key, &error, "writing status");
+                self.ledger
+                    .wakeups()
+                    .set_earlier(target.key.clone(), tokio::time::Instant::now() + delay);
+            }
+        }
+    }
+
+    /// The status subresource only, guarded by the resourceVersion decided on.
+    async fn write(&self, target: &Target, status: &AtStatus, decision: &Decision) -> Written {
+        let patch = json!({
+            "metadata": { "resourceVersion": target.resource_version },
+            "status": status,
+        });
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PatchParams::default()
+        };
+        let api: Api<At> = Api::namespaced(self.client.clone(), target.key.namespace());
+        match api
+            .patch_status(target.key.name(), &params, &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => Written::Done,
+            Err(kube::Error::Api(s)) if s.is_conflict() => {
+                debug!(at = %target.key, "status changed meanwhile; waiting for the newer version");
+                Written::Conflict
+            }
+            Err(kube::Error::Api(s)) if s.is_not_found() => {
+                self.ledger.forget(&target.key);
+                Written::Gone
+            }
+            // Any other 422 is retried like other errors, the API server's own CEL failures
+            // among them (`glitch`).
+            Err(kube::Error::Api(s)) if s.is_invalid() && target.out_of_range => {
+                self.refused_status(target, decision, &s);
+                Written::Refused
+            }
+            Err(error) => Written::Failed(error),
+        }
+    }
+
+    /// Our status write of `phase` replaces the version of `target` decided on.
+    fn remember(&self, target: &Target, phase: Phase) {
+        if let Some(rv) = &target.resource_version {
+            self.ledger.written(target.key.clone(), rv.clone(), phase);
+        }
+    }
+
+    /// The one retry policy: counts one more failure of `at`, lets an unanswered request wait
+    /// for the API server (its next answer brings a retry), logs `error` (`what` failed) and
+    /// returns the backoff before the next attempt.
+    pub fn retry(&self, at: &AtKey, error: &Error, what: &str) -> Duration {
+        let attempt = self.ledger.failed(at);
+        let delay = retry_delay(attempt);
+        let api_error = error.api_error();
+        let unanswered = api_error.is_some_and(reachability::unanswered);
+        if unanswered {
+            self.unreachable.wait(at.clone());
+        }
+        if api_error.is_some_and(|e| glitch::quiet(e, attempt)) {
+            debug!(at = %at, %error, retry_in = ?delay, unanswered, attempt, "{what} failed on the API server's own error; retrying");
+        } else {
+            warn!(at = %at, %error, retry_in = ?delay, unanswered, "{what} failed");
+        }
+        delay
+    }
+
+    /// Logs the transition `note` tells and queues its event (`behind` the writes in flight,
+    /// or at once).
+    fn tell_transition(
+        &self,
+        target: &Target,
+        status: &AtStatus,
+        note: Option<&Note>,
+        behind: Option<&PodsFirst>,
+    ) {
+        let Some(note) = note else {
+            return;
+        };
+        let from = target.from.map(|phase| phase.as_str());
+        let (at, to, reason) = (&target.key, status.phase.as_str(), note.reason);
+        // The log gathers every tenant's Ats: it gets the summary, never the command's output,
+        // which stays on the At (status and event) for whoever may read it.
+        let logged = &note.summary;
+        match note.severity {
+            Severity::Normal => info!(at = %at, from, to, reason, "{logged}"),
+            Severity::Warning => warn!(at = %at, from, to, reason, "{logged}"),
+        }
+        let event = Event {
+            type_: match note.severity {
+                Severity::Normal => EventType::Normal,
+                Severity::Warning => EventType::Warning,
+            },
+            reason: note.reason.into(),
+            note: Some(note.message.clone()),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        self.tell(at, target.regarding(), event, behind);
+    }
+
+    /// Queues `event` about `at` in its lane of the event queue; a full lane drops it (counted).
+    fn tell(
+        &self,
+        at: &AtKey,
+        regarding: ObjectReference,
+        event: Event,
+        behind: Option<&PodsFirst>,
+    ) {
+        let queued = match behind {
+            Some(writes) => self.events.try_send_behind(at, event, regarding, writes),
+            None => self.events.try_send(at, event, regarding),
+        };
+        if !queued {
+            self.metrics.event_dropped();
+        }
+    }
+
+    /// The API server validates the whole At on a status write, so an At whose spec breaks the
+    /// CRD's schema (stored before the schema had today's bounds) can get no status at all
+    /// (422). Retrying cannot help: the decided event tells the story instead, with the
+    /// server's words, and this version is left alone until it changes.
+    fn refused_status(&self, target: &Target, decision: &Decision, refusal: &kube::core::Status) {
+        let told = decision.note.as_ref().map_or_else(
+            || {
+                format!(
+                    "the API server refuses any status for this At: {}",
+                    refusal.message
+                )
+            },
+            |note| {
+                format!(
+                    "{}; the API server refuses any status for this At until its spec is fixed: {}",
+                    note.message, refusal.message
+                )
+            },
+        );
+        warn!(at = %target.key, reason = decision.note.as_ref().map(|n| n.reason), "the API server refuses any status for this At (its spec breaks the CRD's schema); told in an event only");
+        let event = Event {
+            type_: EventType::Warning,
+            reason: decision
+                .note
+                .as_ref()
+                .map_or("InvalidSpec", |n| n.reason)
+                .into(),
+            note: Some(told),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        self.tell(
+            &target.key,
+            target.regarding(),
+            event,
+            Some(&self.pods_first),
+        );
+    }
+
+    /// Tells, in a Warning event on the At, that cnat cannot read it (`why`), so it does nothing
+    /// with it until it is fixed.
+    pub fn report_unreadable(&self, at: &AtKey, regarding: ObjectReference, why: &str) {
+        warn!(at = %at, "an At that does not decode as an At is left alone until it changes");
+        let event = Event {
+            type_: EventType::Warning,
+            reason: "Unreadable".into(),
+            note: Some(format!(
+                "cnat cannot read this At ({why}), so it does nothing with it; fix the field named (kubectl edit) and it runs"
+            )),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        self.tell(at, regarding, event, Some(&self.pods_first));
+    }
+}
+
+/// Delay before retry number `attempt` (1-based): 0.5 s doubling to 5 minutes, with jitter.
+pub fn retry_delay(attempt: u32) -> Duration {
+    ExponentialBuilder::new()
+        .with_min_delay(Duration::from_millis(500))
+        .with_max_delay(Duration::from_secs(300))
+        .with_jitter()
+        .without_max_times()
+        .build()
+        .nth(attempt.saturating_sub(1) as usize)
+        .unwrap_or(Duration::from_secs(300))
+}
