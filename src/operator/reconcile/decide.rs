@@ -43,7 +43,7 @@ pub enum PodObservation {
 
 /// The one API call a reconcile needs next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Action {
+pub enum Call {
     Nothing,
     /// Create the pod, then write the decided status.
     CreatePod,
@@ -77,7 +77,7 @@ pub struct Note {
 /// The outcome of one decision.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
-    pub action: Action,
+    pub call: Call,
     /// The status to write, only when it differs from the current one.
     pub status: Option<AtStatus>,
     /// The event of this transition, only when the status changes.
@@ -91,7 +91,7 @@ pub struct Decision {
 impl Decision {
     fn idle() -> Self {
         Decision {
-            action: Action::Nothing,
+            call: Call::Nothing,
             status: None,
             note: None,
             requeue: None,
@@ -110,7 +110,7 @@ pub fn decide(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPol
     };
     match pod {
         PodObservation::Owned(view) if releases(at, view, &decision) => Decision {
-            action: Action::ReleasePod,
+            call: Call::ReleasePod,
             ..decision
         },
         _ => decision,
@@ -126,7 +126,7 @@ fn releases(at: &At, view: &PodView, decision: &Decision) -> bool {
     let recorded = at.status.as_ref().is_some_and(|s| {
         s.phase != Phase::Pending && s.pod_name.as_deref() == Some(view.name.as_str())
     });
-    let settled = decision.status.is_none() && decision.action == Action::Nothing;
+    let settled = decision.status.is_none() && decision.call == Call::Nothing;
     at.metadata.deletion_timestamp.is_some() || (recorded && settled)
 }
 
@@ -161,7 +161,7 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
         return next
             .condition(SCHEDULED, true, "Scheduled", &message)
             .note(Severity::Normal, "Scheduled", message)
-            .decide(Action::Nothing, Some(left));
+            .decide(Call::Nothing, Some(left));
     }
     let pod_name = pod::name_for(&at.name_any());
     // An At being deleted starts nothing (its pod would be orphaned at once, and cnat's
@@ -177,7 +177,7 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
         return match pod {
             // It may exist already (the cache lags): a pod that runs must be reported, not missed.
             PodObservation::NotCached => Decision {
-                action: Action::LookUpPod,
+                call: Call::LookUpPod,
                 ..Decision::idle()
             },
             _ => missed(at, now, due, seconds),
@@ -190,7 +190,7 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
             );
             next.condition(POD_CREATED, false, "PodNameConflict", &message)
                 .note(Severity::Warning, "PodNameConflict", message)
-                .decide(Action::Nothing, Some(CONFLICT_RECHECK))
+                .decide(Call::Nothing, Some(CONFLICT_RECHECK))
         }
         PodObservation::Rejected(reason) => {
             let message = format!(
@@ -198,7 +198,7 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
             );
             next.condition(POD_CREATED, false, "PodInvalid", &message)
                 .note(Severity::Warning, "PodInvalid", message)
-                .decide(Action::Nothing, None)
+                .decide(Call::Nothing, None)
         }
         PodObservation::Refused(reason) => {
             let message = format!(
@@ -208,7 +208,7 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
             let mut decision = next
                 .condition(POD_CREATED, false, "PodForbidden", &message)
                 .note(Severity::Warning, "PodForbidden", message)
-                .decide(Action::Nothing, None);
+                .decide(Call::Nothing, None);
             decision.retry = true;
             decision
         }
@@ -221,7 +221,7 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
             );
             next.status.scheduled_time = Some(due);
             next.status.start_time = Some(now);
-            next.started(&pod_name).decide(Action::CreatePod, None)
+            next.started(&pod_name).decide(Call::CreatePod, None)
         }
     }
 }
@@ -285,7 +285,7 @@ fn missed(at: &At, now: DateTime<Utc>, due: DateTime<Utc>, seconds: i64) -> Deci
     next.status.completion_time = Some(now);
     next.condition(FAILED, true, "MissedDeadline", &message)
         .note(Severity::Warning, "MissedDeadline", message)
-        .decide(Action::Nothing, None)
+        .decide(Call::Nothing, None)
 }
 
 /// A DONE At waits for `ttlSecondsAfterFinished`, then is deleted; without one it stays.
@@ -308,7 +308,7 @@ fn finished(at: &At, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {
             ..Decision::idle()
         },
         None => Decision {
-            action: Action::DeleteAt,
+            call: Call::DeleteAt,
             ..Decision::idle()
         },
     }
@@ -318,7 +318,7 @@ fn running(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
     let pod_name = pod::name_for(&at.name_any());
     match pod {
         PodObservation::NotCached => Decision {
-            action: Action::LookUpPod,
+            call: Call::LookUpPod,
             ..Decision::idle()
         },
         PodObservation::Owned(view) => from_pod(at, view, now, policy),
@@ -341,7 +341,7 @@ fn from_pod(at: &At, view: &PodView, now: DateTime<Utc>, policy: &RunPolicy) -> 
         next.status.start_time = next.status.start_time.or(view.created_at).or(Some(now));
         return next
             .started(&view.name)
-            .decide(Action::Nothing, Some(policy.running_recheck));
+            .decide(Call::Nothing, Some(policy.running_recheck));
     };
     let deadline = at
         .spec
@@ -467,7 +467,7 @@ impl<'a> Next<'a> {
     fn invalid(self, reason: &'static str, message: String) -> Decision {
         self.condition(SCHEDULED, false, reason, &message)
             .note(Severity::Warning, reason, message)
-            .decide(Action::Nothing, None)
+            .decide(Call::Nothing, None)
     }
 
     fn started(mut self, pod_name: &str) -> Self {
@@ -488,14 +488,14 @@ impl<'a> Next<'a> {
         self.status.completion_time = end.finished_at.or(Some(self.now));
         self.condition(type_, true, reason, &message)
             .note(severity, reason, message)
-            .decide(Action::Nothing, None)
+            .decide(Call::Nothing, None)
     }
 
     /// Keeps the status and its event only if something changed, so repeats are silent.
-    fn decide(self, action: Action, requeue: Option<Duration>) -> Decision {
+    fn decide(self, call: Call, requeue: Option<Duration>) -> Decision {
         let changed = self.at.status.as_ref() != Some(&self.status);
         Decision {
-            action,
+            call,
             status: changed.then_some(self.status),
             note: self.note.filter(|_| changed),
             requeue,

@@ -18,7 +18,7 @@ use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;
 use crate::operator::{pod, reachability};
 use chrono::{DateTime, Utc};
-use decide::{decide, Action as Step, Decision};
+use decide::{decide, Call, Decision};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::Store;
@@ -236,23 +236,23 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
     let mut taken = Vec::new();
     for _ in 0..MAX_STEPS {
         let decision = decide(at, &observation, now, &ctx.policy);
-        let pending_write = stale == Some(Phase::Pending) && decision.action == Step::CreatePod;
+        let pending_write = stale == Some(Phase::Pending) && decision.call == Call::CreatePod;
         if stale.is_some() && !pending_write {
             taken.push("skip-stale");
             Span::current().record("action", taken.join(",").as_str());
             return Ok(Action::await_change());
         }
-        taken.push(action_name(decision.action));
+        taken.push(call_name(decision.call));
         Span::current().record("action", taken.join(",").as_str());
-        observation = match decision.action {
+        observation = match decision.call {
             // Status writes and events follow at lower priority, behind the pod creates in
             // flight; a refused pod's status is written here, before the error backs off.
-            Step::Nothing if decision.retry => return ctx.commit(at, decision, now).await,
-            Step::Nothing => return Ok(ctx.defer(at, decision, now)),
-            Step::LookUpPod => ctx.fetch_pod(at).await?,
-            Step::DeleteAt => return ctx.delete_at(at).await,
-            Step::ReleasePod => ctx.release_pod(at).await?,
-            Step::CreatePod => match ctx.create_pod(at).await? {
+            Call::Nothing if decision.retry => return ctx.commit(at, decision, now).await,
+            Call::Nothing => return Ok(ctx.defer(at, decision, now)),
+            Call::LookUpPod => ctx.fetch_pod(at).await?,
+            Call::DeleteAt => return ctx.delete_at(at).await,
+            Call::ReleasePod => ctx.release_pod(at).await?,
+            Call::CreatePod => match ctx.create_pod(at).await? {
                 None => return Ok(ctx.defer(at, decision, now)),
                 Some(found) => found,
             },
@@ -348,13 +348,13 @@ impl Context {
     }
 }
 
-fn action_name(action: Step) -> &'static str {
-    match action {
-        Step::Nothing => "none",
-        Step::LookUpPod => "look-up-pod",
-        Step::CreatePod => "create-pod",
-        Step::DeleteAt => "delete-at",
-        Step::ReleasePod => "release-pod",
+fn call_name(call: Call) -> &'static str {
+    match call {
+        Call::Nothing => "none",
+        Call::LookUpPod => "look-up-pod",
+        Call::CreatePod => "create-pod",
+        Call::DeleteAt => "delete-at",
+        Call::ReleasePod => "release-pod",
     }
 }
 

@@ -81,7 +81,7 @@ fn running_status() -> AtStatus {
         now,
         &RunPolicy::default(),
     );
-    assert_eq!(decided.action, Step::CreatePod);
+    assert_eq!(decided.call, Call::CreatePod);
     decided.status.unwrap()
 }
 

@@ -7,7 +7,7 @@
 //! `wake` says need work now; the others go into `Wakeups` under the instant they fall due
 //! (or nowhere, when nothing will ever be due) and are reconciled then.
 
-use super::decide::{decide, Action, PodObservation};
+use super::decide::{decide, Call, PodObservation};
 use crate::api::At;
 use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;
@@ -35,7 +35,7 @@ pub enum Wake {
 /// At's reconcile by itself.
 pub fn wake(at: &At, now: DateTime<Utc>, policy: &RunPolicy) -> Wake {
     let decision = decide(at, &PodObservation::NotCached, now, policy);
-    if decision.action != Action::Nothing || decision.status.is_some() || decision.retry {
+    if decision.call != Call::Nothing || decision.status.is_some() || decision.retry {
         return Wake::Now;
     }
     match decision.requeue {

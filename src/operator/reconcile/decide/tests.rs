@@ -89,7 +89,7 @@ fn note_of(decision: &Decision) -> &Note {
 fn a_future_at_waits_exactly_until_it_is_due() {
     let now = time("2019-04-12T10:11:58.500Z");
     let d = decide(&at(BOOK_SCHEDULE, None), &PodObservation::NotCached, now);
-    assert_eq!(d.action, Action::Nothing);
+    assert_eq!(d.call, Call::Nothing);
     assert_eq!(d.requeue, Some(Duration::from_millis(1500)));
     let status = status_of(&d);
     assert_eq!(status.phase, Phase::Pending);
@@ -123,7 +123,7 @@ fn waiting_again_writes_nothing_and_tells_nobody() {
     assert_eq!(
         again,
         Decision {
-            action: Action::Nothing,
+            call: Call::Nothing,
             status: None,
             note: None,
             requeue: Some(Duration::from_secs(60)),
@@ -137,7 +137,7 @@ fn a_due_at_creates_its_pod_and_goes_running_without_a_prior_status_write() {
     for now in ["2019-04-12T10:12:00Z", "2026-11-22T00:00:00Z"] {
         let now = time(now);
         let d = decide(&at(BOOK_SCHEDULE, None), &PodObservation::NotCached, now);
-        assert_eq!(d.action, Action::CreatePod);
+        assert_eq!(d.call, Call::CreatePod);
         assert_eq!(d.requeue, None);
         let status = status_of(&d);
         assert_eq!(status.phase, Phase::Running);
@@ -159,7 +159,7 @@ fn a_pending_at_whose_time_comes_creates_its_pod() {
     let at = written(at(BOOK_SCHEDULE, None), &waiting);
     let now = time("2019-04-12T10:12:00.001Z");
     let d = decide(&at, &PodObservation::Missing, now);
-    assert_eq!(d.action, Action::CreatePod);
+    assert_eq!(d.call, Call::CreatePod);
     let status = status_of(&d);
     assert_eq!(status.phase, Phase::Running);
     // Still scheduled since the first look: the condition did not transition.
@@ -175,7 +175,7 @@ fn an_unparseable_schedule_is_reported_once_and_waits_for_a_fix() {
     let now = time("2026-11-22T00:00:00Z");
     let bad = at("tomorrow noon", None);
     let d = decide(&bad, &PodObservation::NotCached, now);
-    assert_eq!((d.action, d.requeue), (Action::Nothing, None));
+    assert_eq!((d.call, d.requeue), (Call::Nothing, None));
     let status = status_of(&d);
     assert_eq!(status.phase, Phase::Pending);
     let scheduled = condition(status, SCHEDULED);
@@ -215,7 +215,7 @@ fn a_name_too_long_for_its_pod_label_never_runs() {
         &PodObservation::NotCached,
         time("2026-01-01T00:00:00Z"),
     );
-    assert_eq!(d.action, Action::Nothing);
+    assert_eq!(d.call, Call::Nothing);
     let scheduled = condition(status_of(&d), SCHEDULED);
     assert_eq!(scheduled.reason, "InvalidName");
     assert!(
@@ -229,7 +229,7 @@ fn a_name_too_long_for_its_pod_label_never_runs() {
 fn a_pod_this_at_does_not_control_is_never_adopted() {
     let now = time("2026-01-01T00:00:00Z");
     let d = decide(&at(BOOK_SCHEDULE, None), &PodObservation::Foreign, now);
-    assert_eq!(d.action, Action::Nothing);
+    assert_eq!(d.call, Call::Nothing);
     assert_eq!(d.requeue, Some(CONFLICT_RECHECK));
     let status = status_of(&d);
     assert_eq!(status.phase, Phase::Pending);
@@ -260,7 +260,7 @@ fn a_pod_the_api_server_rejects_is_reported_without_a_retry_loop() {
         &PodObservation::Rejected("spec.containers[0].image: Required value".into()),
         time("2026-01-01T00:00:00Z"),
     );
-    assert_eq!((d.action, d.requeue), (Action::Nothing, None));
+    assert_eq!((d.call, d.requeue), (Call::Nothing, None));
     let created = condition(status_of(&d), POD_CREATED);
     assert_eq!(created.reason, "PodInvalid");
     assert!(created
@@ -282,7 +282,7 @@ fn an_own_pod_found_while_pending_is_adopted_not_created_again() {
         &PodObservation::Owned(running_pod()),
         time("2019-04-12T10:12:05Z"),
     );
-    assert_eq!(d.action, Action::Nothing);
+    assert_eq!(d.call, Call::Nothing);
     let status = status_of(&d);
     assert_eq!(status.phase, Phase::Running);
     assert_eq!(status.start_time, running_pod().created_at);
@@ -312,7 +312,7 @@ fn a_running_at_with_no_cached_pod_asks_the_api_server_first() {
     assert_eq!(
         d,
         Decision {
-            action: Action::LookUpPod,
+            call: Call::LookUpPod,
             ..Decision::idle()
         }
     );
@@ -418,7 +418,7 @@ fn a_pod_that_vanishes_is_reported_and_never_recreated() {
         (PodObservation::Foreign, "was replaced"),
     ] {
         let d = decide(&running_at(), &observation, now);
-        assert_eq!(d.action, Action::Nothing);
+        assert_eq!(d.call, Call::Nothing);
         let status = status_of(&d);
         assert_eq!(
             (status.phase, status.outcome),
@@ -533,7 +533,7 @@ fn invariants_hold_for_every_at_observation_and_time() {
                         "only waiting or running Ats requeue: {ctx}"
                     );
                 }
-                if d.action == Action::CreatePod {
+                if d.call == Call::CreatePod {
                     let due = schedule::parse(&at.spec.schedule, None).map(|t| t <= now);
                     assert!(rank(before) <= 1 && name_ok && due == Ok(true), "{ctx}");
                     assert!(
@@ -545,7 +545,7 @@ fn invariants_hold_for_every_at_observation_and_time() {
                     );
                     assert_eq!(after, Some(Phase::Running), "{ctx}");
                 }
-                if d.action == Action::LookUpPod {
+                if d.call == Call::LookUpPod {
                     assert_eq!(
                         (before, &observation),
                         (Some(Phase::Running), &PodObservation::NotCached),
@@ -570,8 +570,8 @@ fn invariants_hold_for_every_at_observation_and_time() {
                     }
                 }
                 // Level-based: deciding again on what was written changes nothing more.
-                let next_observation = match d.action {
-                    Action::CreatePod => PodObservation::Owned(running_pod()),
+                let next_observation = match d.call {
+                    Call::CreatePod => PodObservation::Owned(running_pod()),
                     _ => observation.clone(),
                 };
                 let again = decide(&written(at.clone(), &d), &next_observation, now);
@@ -626,7 +626,7 @@ mod production {
             let refused = PodObservation::Refused(reason.clone());
             let d = decide(&at(BOOK_SCHEDULE, None), &refused, now);
             assert!(d.retry, "{file}: retried with backoff");
-            assert_eq!((d.action, d.requeue), (Action::Nothing, None));
+            assert_eq!((d.call, d.requeue), (Call::Nothing, None));
             let status = status_of(&d);
             assert_eq!(status.phase, Phase::Pending);
             assert_eq!(status.reason.as_deref(), Some("PodForbidden"));
@@ -653,7 +653,7 @@ mod production {
                 &PodObservation::NotCached,
                 now,
             );
-            assert_eq!(created.action, Action::CreatePod);
+            assert_eq!(created.call, Call::CreatePod);
             let c = condition(status_of(&created), POD_CREATED);
             assert_eq!(
                 (c.status.as_str(), c.reason.as_str()),
@@ -683,11 +683,11 @@ mod production {
             &PodObservation::NotCached,
             time("2019-04-12T10:13:00Z"),
         );
-        assert_eq!(d.action, Action::CreatePod);
+        assert_eq!(d.call, Call::CreatePod);
         // Past it: first make sure no pod exists (the cache lags) ...
         let after = time("2019-04-12T10:13:01Z");
         let d = decide(&late, &PodObservation::NotCached, after);
-        assert_eq!((d.action, d.status.is_none()), (Action::LookUpPod, true));
+        assert_eq!((d.call, d.status.is_none()), (Call::LookUpPod, true));
         // ... a pod that does exist is reported, not missed ...
         let d = decide(&late, &PodObservation::Owned(running_pod()), after);
         assert_eq!(status_of(&d).phase, Phase::Running);
@@ -699,7 +699,7 @@ mod production {
             PodObservation::Foreign,
         ] {
             let d = decide(&late, &observation, after);
-            assert_eq!(d.action, Action::Nothing, "{observation:?}");
+            assert_eq!(d.call, Call::Nothing, "{observation:?}");
             let status = status_of(&d);
             assert_eq!(
                 (status.phase, status.outcome),
@@ -725,7 +725,7 @@ mod production {
             &PodObservation::Missing,
             time("2030-01-01T00:00:00Z"),
         );
-        assert_eq!(d.action, Action::CreatePod);
+        assert_eq!(d.call, Call::CreatePod);
         // The operator's default applies when the At has none; the At's own wins.
         let policy = RunPolicy {
             starting_deadline_seconds: Some(0),
@@ -740,7 +740,7 @@ mod production {
         assert_eq!(status_of(&d).outcome, Some(Outcome::Missed));
         let own = with_spec(|s| s.starting_deadline_seconds = Some(3600));
         let d = super::super::decide(&own, &PodObservation::Missing, after, &policy);
-        assert_eq!(d.action, Action::CreatePod);
+        assert_eq!(d.call, Call::CreatePod);
     }
 
     #[test]
@@ -797,7 +797,7 @@ mod production {
             &PodObservation::NotCached,
             done_at + chrono::Duration::seconds(100),
         );
-        assert_eq!(d.action, Action::DeleteAt);
+        assert_eq!(d.call, Call::DeleteAt);
         assert_eq!(d.status, None, "nothing written to an At about to go");
         // No TTL: DONE Ats stay; the operator's default applies when the At has none.
         let mut kept = finished.clone();
@@ -812,7 +812,7 @@ mod production {
             ..RunPolicy::default()
         };
         let d = super::super::decide(&kept, &PodObservation::NotCached, far, &policy);
-        assert_eq!(d.action, Action::DeleteAt);
+        assert_eq!(d.call, Call::DeleteAt);
     }
 
     #[test]
@@ -843,7 +843,7 @@ mod production {
             &PodObservation::NotCached,
             time("2019-04-12T10:00:00Z"),
         );
-        assert_eq!(d.action, Action::Nothing);
+        assert_eq!(d.call, Call::Nothing);
         assert_eq!(status_of(&d).reason.as_deref(), Some("InvalidTimeZone"));
         assert!(status_of(&d)
             .message
@@ -874,10 +874,7 @@ fn the_poison_at_gets_invalid_spec_instead_of_a_panic() {
         &PodObservation::NotCached,
         time("2026-11-24T00:00:00Z"),
     );
-    assert_eq!(
-        (d.action, d.requeue, d.retry),
-        (Action::Nothing, None, false)
-    );
+    assert_eq!((d.call, d.requeue, d.retry), (Call::Nothing, None, false));
     let status = status_of(&d);
     assert_eq!(status.phase, Phase::Pending);
     assert_eq!(status.reason.as_deref(), Some("InvalidSpec"));
@@ -914,7 +911,7 @@ fn extreme_values_in_range_decide_without_overflow() {
             // Either a status (scheduled, or due: running), or, past the deadline, a look for
             // a pod before it is reported missed.
             assert!(
-                d.status.is_some() || d.action == Action::LookUpPod,
+                d.status.is_some() || d.call == Call::LookUpPod,
                 "{schedule} at {now}: {d:?}"
             );
         }
@@ -971,7 +968,7 @@ fn a_deleted_pod_is_released_only_once_the_status_names_it() {
         &PodObservation::Owned(deleting(running_pod())),
         now,
     );
-    assert_eq!(d.action, Action::Nothing);
+    assert_eq!(d.call, Call::Nothing);
     assert_eq!(status_of(&d).phase, Phase::Running);
     assert_eq!(status_of(&d).pod_name.as_deref(), Some("example-at-pod"));
     // RUNNING with the pod named: the finalizer can go.
@@ -981,28 +978,25 @@ fn a_deleted_pod_is_released_only_once_the_status_names_it() {
         &PodObservation::Owned(deleting(running_pod())),
         now,
     );
-    assert_eq!(d.action, Action::ReleasePod);
+    assert_eq!(d.call, Call::ReleasePod);
     assert_eq!(d.status, None);
     // A pod that ended while being deleted: its outcome is recorded before the release.
     let ended = deleting(ended_pod(true, Some(0), None));
     let d = decide(&recorded, &PodObservation::Owned(ended.clone()), now);
-    assert_eq!(
-        (d.action, status_of(&d).phase),
-        (Action::Nothing, Phase::Done)
-    );
+    assert_eq!((d.call, status_of(&d).phase), (Call::Nothing, Phase::Done));
     let done = written(recorded.clone(), &d);
     assert_eq!(
-        decide(&done, &PodObservation::Owned(ended), now).action,
-        Action::ReleasePod
+        decide(&done, &PodObservation::Owned(ended), now).call,
+        Call::ReleasePod
     );
     // Not being deleted, or without the finalizer: nothing to release.
     let d = decide(&recorded, &PodObservation::Owned(running_pod()), now);
-    assert_eq!(d.action, Action::Nothing);
+    assert_eq!(d.call, Call::Nothing);
     let mut free = deleting(running_pod());
     free.held = false;
     assert_eq!(
-        decide(&recorded, &PodObservation::Owned(free), now).action,
-        Action::Nothing
+        decide(&recorded, &PodObservation::Owned(free), now).call,
+        Call::Nothing
     );
     // An At that is itself being deleted lets its pod go at once.
     let mut going = at(BOOK_SCHEDULE, None);
@@ -1010,5 +1004,5 @@ fn a_deleted_pod_is_released_only_once_the_status_names_it() {
         k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
     ));
     let d = decide(&going, &PodObservation::Owned(deleting(running_pod())), now);
-    assert_eq!(d.action, Action::ReleasePod);
+    assert_eq!(d.call, Call::ReleasePod);
 }
