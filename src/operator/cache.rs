@@ -66,29 +66,10 @@ impl<'de> Deserialize<'de> for CachedAt {
 /// building them), its spec and its status.
 #[derive(Deserialize)]
 struct Incoming {
-    metadata: KeptMeta,
+    metadata: meta::KeptMeta,
     spec: AtSpec,
     #[serde(default)]
     status: Option<AtStatus>,
-}
-
-/// `ObjectMeta` but for `managedFields` and `annotations` (same names, same types).
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct KeptMeta {
-    name: Option<String>,
-    namespace: Option<String>,
-    uid: Option<String>,
-    resource_version: Option<String>,
-    generation: Option<i64>,
-    generate_name: Option<String>,
-    creation_timestamp: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
-    deletion_timestamp: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
-    deletion_grace_period_seconds: Option<i64>,
-    finalizers: Option<Vec<String>>,
-    labels: Option<std::collections::BTreeMap<String, String>>,
-    owner_references: Option<Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference>>,
-    self_link: Option<String>,
 }
 
 impl From<Incoming> for At {
@@ -98,24 +79,8 @@ impl From<Incoming> for At {
             spec,
             status,
         } = incoming;
-        let mut at = At::new(m.name.as_deref().unwrap_or_default(), spec);
-        at.metadata = ObjectMeta {
-            name: m.name,
-            namespace: m.namespace,
-            uid: m.uid,
-            resource_version: m.resource_version,
-            generation: m.generation,
-            generate_name: m.generate_name,
-            creation_timestamp: m.creation_timestamp,
-            deletion_timestamp: m.deletion_timestamp,
-            deletion_grace_period_seconds: m.deletion_grace_period_seconds,
-            finalizers: m.finalizers,
-            labels: m.labels,
-            owner_references: m.owner_references,
-            self_link: m.self_link,
-            annotations: None,
-            managed_fields: None,
-        };
+        let mut at = At::new(m.0.name.as_deref().unwrap_or_default(), spec);
+        at.metadata = m.0;
         at.status = status;
         at
     }
@@ -574,6 +539,7 @@ pub fn read(cached: &CachedAt) -> Option<At> {
 }
 
 mod follow;
+mod meta;
 
 /// Retrying a failed watch (the At cache's and the leader's pod watch): 100 ms doubling to
 /// 500 ms, plus up to as much again of jitter, so never more than 1 s; reset by any event.
