@@ -18,7 +18,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{reflector, watcher, WatchStreamExt};
-use kube::{Api, Client};
+use kube::{Api, Client, ResourceExt};
 use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
@@ -230,19 +230,22 @@ const FIRST_LOOK: &str = "first look";
 /// Pods of deleted Ats released at once (three requests each).
 const ORPHAN_RELEASES: usize = 8;
 
-/// `reconcile` on the cached At, read back.
+/// `reconcile` on the cached At, as decoded by the look that found work for it or read back.
 async fn reconcile_cached(
     cached: Arc<CachedAt>,
     ctx: Arc<Context>,
 ) -> Result<controller::Action, reconcile::Error> {
-    let Some(at) = cache::read(&cached) else {
+    // As the look that found work decoded it, or read back now (a wakeup, a retry).
+    let ledger = ctx.writer().ledger();
+    let version = cached.resource_version();
+    let decoded = ledger.take_decoded(&CachedAt::key(&cached), version.as_deref());
+    let Some(at) = decoded.or_else(|| cache::read(&cached).map(Arc::new)) else {
         // Logged; nothing can be done with it until it changes.
         return Ok(controller::Action::await_change());
     };
     if ctx.quarantined(&at) {
         return Ok(controller::Action::await_change());
     }
-    let at = Arc::new(at);
     match contain::Caught::new(reconcile(at.clone(), ctx.clone())).await {
         Ok(result) => result,
         Err(panic) => {

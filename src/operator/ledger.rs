@@ -1,10 +1,12 @@
 //! What the leader remembers of each At between reconciles, in one place with one `forget`:
 //! the resourceVersion its last status write replaced (a cache still showing it is stale), its
 //! consecutive failures (for the backoff), when it is looked at again (`Wakeups`), and whether a
-//! version of it is quarantined after a panic. Every map is keyed by `AtKey` and gives its
-//! spare room back after a burst.
+//! version of it is quarantined after a panic; and, between the look that found work for an At
+//! and its reconcile, the At as that look decoded it (`decoded`: decompressed and decoded once
+//! per change, not twice). Every map is keyed by `AtKey` and gives its spare room back after a
+//! burst.
 
-use crate::api::Phase;
+use crate::api::{At, Phase};
 use crate::operator::contain::Quarantine;
 use crate::operator::key::AtKey;
 use crate::operator::reconcile::wakeups::Wakeups;
@@ -22,7 +24,13 @@ pub struct Ledger {
     wakeups: Arc<Wakeups>,
     /// At versions whose handling panicked: skipped until they change (see `contain`).
     quarantine: Arc<Quarantine>,
+    /// Ats a look found work for, as it decoded them, until their reconcile takes them.
+    decoded: Mutex<HashMap<AtKey, Arc<At>>>,
 }
+
+/// Decoded Ats kept for their reconcile at most; past this a reconcile decodes its At again
+/// (when a burst falls due at once, most wait in the runtime's queue, which holds only keys).
+pub const MAX_DECODED: usize = 1024;
 
 impl Ledger {
     pub fn new(quarantine: Arc<Quarantine>) -> Self {
@@ -31,6 +39,7 @@ impl Ledger {
             failures: Mutex::default(),
             wakeups: Arc::default(),
             quarantine,
+            decoded: Mutex::default(),
         }
     }
 
@@ -48,6 +57,7 @@ impl Ledger {
     pub fn forget(&self, at: &AtKey) {
         remove(&self.failures, at);
         remove(&self.superseded, at);
+        remove(&self.decoded, at);
         self.quarantine.remove(at);
         self.wakeups.clear(at);
     }
@@ -57,9 +67,11 @@ impl Ledger {
         let dropped: Vec<AtKey> = {
             let failures = lock(&self.failures);
             let superseded = lock(&self.superseded);
+            let decoded = lock(&self.decoded);
             failures
                 .keys()
                 .chain(superseded.keys())
+                .chain(decoded.keys())
                 .filter(|k| !known(k))
                 .cloned()
                 .collect()
@@ -114,6 +126,28 @@ impl Ledger {
         remove(&self.failures, at);
     }
 
+    /// Keeps `at`, as a look that found work decoded it, for its reconcile (`take_decoded`).
+    pub fn keep_decoded(&self, at: Arc<At>) {
+        let key = AtKey::from(at.as_ref());
+        let mut decoded = lock(&self.decoded);
+        if decoded.len() < MAX_DECODED || decoded.contains_key(&key) {
+            decoded.insert(key, at);
+        }
+    }
+
+    /// The At kept for `at`'s reconcile, if it is the version the cache holds now.
+    pub fn take_decoded(&self, at: &AtKey, resource_version: Option<&str>) -> Option<Arc<At>> {
+        let kept = {
+            let mut decoded = lock(&self.decoded);
+            let kept = decoded.remove(at);
+            if kept.is_some() {
+                shrink_if_sparse(&mut decoded);
+            }
+            kept
+        }?;
+        (kept.metadata.resource_version.as_deref() == resource_version).then_some(kept)
+    }
+
     /// Whether this version of `at` is quarantined after a panic.
     pub fn quarantined(&self, at: &AtKey, resource_version: Option<&str>) -> bool {
         self.quarantine.holds(at, resource_version)
@@ -130,5 +164,57 @@ fn remove<V>(map: &Mutex<HashMap<AtKey, V>>, at: &AtKey) {
     let mut map = lock(map);
     if map.remove(at).is_some() {
         shrink_if_sparse(&mut map);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(name: &str, version: &str) -> Arc<At> {
+        let mut at = At::new(name, crate::api::AtSpec::default());
+        at.metadata.namespace = Some("default".into());
+        at.metadata.resource_version = Some(version.into());
+        Arc::new(at)
+    }
+
+    #[test]
+    fn a_decoded_at_goes_to_the_reconcile_of_the_same_version_once_and_is_bounded() {
+        let ledger = Ledger::new(Arc::default());
+        let key = AtKey::new("default", "a");
+        ledger.keep_decoded(at("a", "1"));
+        assert!(
+            ledger.take_decoded(&key, Some("2")).is_none(),
+            "another version"
+        );
+        assert!(
+            ledger.take_decoded(&key, Some("1")).is_none(),
+            "taken, even unused"
+        );
+        ledger.keep_decoded(at("a", "1"));
+        ledger.keep_decoded(at("a", "2"));
+        let taken = ledger
+            .take_decoded(&key, Some("2"))
+            .expect("the newer version");
+        assert_eq!(taken.metadata.resource_version.as_deref(), Some("2"));
+        assert!(ledger.take_decoded(&key, Some("2")).is_none(), "once");
+
+        for i in 0..MAX_DECODED + 10 {
+            ledger.keep_decoded(at(&format!("at-{i}"), "1"));
+        }
+        assert_eq!(lock(&ledger.decoded).len(), MAX_DECODED);
+        let last = AtKey::new("default", &format!("at-{}", MAX_DECODED + 9));
+        assert!(
+            ledger.take_decoded(&last, Some("1")).is_none(),
+            "past the bound"
+        );
+        let first = AtKey::new("default", "at-0");
+        ledger.forget(&first);
+        assert!(
+            ledger.take_decoded(&first, Some("1")).is_none(),
+            "forgotten"
+        );
+        ledger.retain(|_| false);
+        assert!(lock(&ledger.decoded).is_empty(), "a sweep drops them too");
     }
 }

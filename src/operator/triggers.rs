@@ -100,7 +100,12 @@ fn needs_reconcile(ctx: &Context, cached: &CachedAt) -> bool {
         return false;
     };
     match contain::catch(|| ctx.needs_reconcile(&at)) {
-        Ok(needs) => needs,
+        Ok(true) => {
+            // Its reconcile follows: it takes the At as decoded here.
+            ctx.writer().ledger().keep_decoded(Arc::new(at));
+            true
+        }
+        Ok(false) => false,
         Err(panic) => {
             ctx.panicked(&at, "look", &panic);
             false
