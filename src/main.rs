@@ -202,11 +202,34 @@ fn certs(args: CertsArgs) -> ExitCode {
     }
 }
 
+/// Why `cnat run` stopped with an error (printed as `cnat: ...`, exit code 1).
+#[derive(Debug, thiserror::Error)]
+enum RunError {
+    #[error(transparent)]
+    Telemetry(#[from] telemetry::Error),
+    #[error(transparent)]
+    Timing(#[from] leader::TimingError),
+    #[error("--shutdown-delay {delay:?} must be shorter than --shutdown-timeout {timeout:?}")]
+    ShutdownDelay { delay: Duration, timeout: Duration },
+    #[error(transparent)]
+    Connect(#[from] cnat::ConnectError),
+    #[error("--admin-addr {addr}: {source}")]
+    AdminAddr {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("webhook certificate (--tls-cert, --tls-key): {0}")]
+    Certificate(#[from] tls::TlsError),
+    #[error("--webhook-addr {addr}: {why}")]
+    WebhookAddr { addr: SocketAddr, why: String },
+    #[error("the At cache stopped following the Ats")]
+    CacheStopped,
+}
+
 /// Every replica serves the admin endpoints and the webhooks; the Lease holder also reconciles.
-async fn run(args: RunArgs) -> Result<(), String> {
+async fn run(args: RunArgs) -> Result<(), RunError> {
     let identity = args.identity.clone().unwrap_or_else(cnat::identity);
-    let telemetry =
-        telemetry::init(args.log_format, &args.log, &identity).map_err(|e| e.to_string())?;
+    let telemetry = telemetry::init(args.log_format, &args.log, &identity)?;
     // Panic messages go through the log, once each (see `operator::contain`).
     cnat::operator::contain::install_hook();
     let result = serve(args, identity, telemetry.exporting()).await;
@@ -215,17 +238,135 @@ async fn run(args: RunArgs) -> Result<(), String> {
     result
 }
 
-/// `cnat run` once telemetry is up.
-async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), String> {
+/// What `cnat run` serves until it shuts down.
+struct Serving {
+    health: Arc<Health>,
+    draining: cnat::serving::drain::Draining,
+    /// Cancelled to close the servers (after the shutdown delay).
+    close_servers: CancellationToken,
+    admin: JoinHandle<std::io::Result<()>>,
+    webhooks: Option<WebhookServer>,
+}
+
+/// The webhook server's task and handle.
+type WebhookServer = (
+    JoinHandle<std::io::Result<()>>,
+    axum_server::Handle<SocketAddr>,
+);
+
+/// `cnat run` once telemetry is up: the servers, then the election, then the shutdown.
+async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), RunError> {
     let timing = args.timing();
-    timing.validate().map_err(|e| e.to_string())?;
+    timing.validate()?;
     if args.shutdown_delay >= args.shutdown_timeout {
-        return Err(format!(
-            "--shutdown-delay {:?} must be shorter than --shutdown-timeout {:?}",
-            args.shutdown_delay, args.shutdown_timeout
-        ));
+        return Err(RunError::ShutdownDelay {
+            delay: args.shutdown_delay,
+            timeout: args.shutdown_timeout,
+        });
     }
-    let client = cnat::client().await.map_err(|e| e.to_string())?;
+    let client = cnat::client().await?;
+    let shutdown = CancellationToken::new();
+    tokio::spawn(on_signal(shutdown.clone()));
+    let leadership = Arc::new(Leadership::default());
+    let metrics = Arc::new(Metrics::new(leadership.clone()));
+    // Every replica caches the Ats, so the next leader starts with all of them. Ready, and a
+    // candidate for the Lease, only with every At cached (required before `/readyz` answers).
+    let cache = cnat::operator::cache::AtCache::start(&client, args.namespace.as_deref());
+    let health = Arc::new(Health::new(
+        leadership.clone(),
+        timing.lease_duration,
+        args.webhooks,
+    ));
+    health.require({
+        let cache = cache.clone();
+        move || cache.readiness().map_err(Into::into)
+    });
+    let (serving, admin_addr) = start_servers(&args, &client, &metrics, health).await?;
+    let cache_stopped = cache.stopped();
+    let election = elect(
+        &args, client, identity, timing, leadership, metrics, cache, &shutdown,
+    );
+    info!(admin = %admin_addr, exporting_traces = exporting, "cnat started");
+    let failed = tokio::select! {
+        _ = shutdown.cancelled() => None,
+        _ = cache_stopped => {
+            error!("the At cache stopped following the Ats (its task panicked); stopping, so that the pod restarts");
+            shutdown.cancel();
+            Some(RunError::CacheStopped)
+        }
+    };
+    shut_down(&args, serving, election).await;
+    failed.map_or(Ok(()), Err)
+}
+
+/// The admin server and, unless `--webhooks=false`, the webhook server; returns once they
+/// listen, with the admin address bound (`--admin-addr=127.0.0.1:0` then logs its port).
+async fn start_servers(
+    args: &RunArgs,
+    client: &kube::Client,
+    metrics: &Arc<Metrics>,
+    health: Arc<Health>,
+) -> Result<(Serving, SocketAddr), RunError> {
+    let listener =
+        cnat::serving::listen::bind(args.admin_addr).map_err(|source| RunError::AdminAddr {
+            addr: args.admin_addr,
+            source,
+        })?;
+    let admin_addr = listener.local_addr().unwrap_or(args.admin_addr);
+    let close_servers = CancellationToken::new();
+    let admin = tokio::spawn(admin::serve(
+        listener,
+        admin::router(health.clone(), metrics.clone()),
+        close_servers.clone(),
+        cnat::serving::guard::Limits::admin(),
+    ));
+    let draining = cnat::serving::drain::Draining::default();
+    let webhooks = if args.webhooks {
+        // Off the runtime's threads, before the server listens.
+        if let Err(error) = tokio::task::spawn_blocking(cnat::admission::validation::warm_up).await
+        {
+            warn!(%error, "warming up the admission rules failed; the first admission builds them");
+        }
+        let reviewer = args.access_review().map(|settings| {
+            Arc::new(AccessReviewer::new(
+                client.clone(),
+                settings,
+                metrics.clone(),
+            ))
+        });
+        let shared = webhook::Shared {
+            metrics: metrics.clone(),
+            reviewer,
+            draining: draining.clone(),
+            certified_only: args.webhook_client_ca.is_some(),
+        };
+        Some(start_webhooks(args, shared, close_servers.clone()).await?)
+    } else {
+        None
+    };
+    health.set_webhooks_serving();
+    let serving = Serving {
+        health,
+        draining,
+        close_servers,
+        admin,
+        webhooks,
+    };
+    Ok((serving, admin_addr))
+}
+
+/// Competes for the Lease; while this replica holds it, it reconciles.
+#[allow(clippy::too_many_arguments)] // each is one thing the election needs, moved in
+fn elect(
+    args: &RunArgs,
+    client: kube::Client,
+    identity: String,
+    timing: leader::Timing,
+    leadership: Arc<Leadership>,
+    metrics: Arc<Metrics>,
+    cache: cnat::operator::cache::AtCache,
+    shutdown: &CancellationToken,
+) -> JoinHandle<()> {
     let namespace = args
         .lease_namespace
         .clone()
@@ -235,63 +376,6 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
                 .filter(|ns| !ns.is_empty())
         })
         .unwrap_or_else(|| client.default_namespace().to_owned());
-
-    let shutdown = CancellationToken::new();
-    tokio::spawn(on_signal(shutdown.clone()));
-    let leadership = Arc::new(Leadership::default());
-    let metrics = Arc::new(Metrics::new(leadership.clone()));
-    let health = Arc::new(Health::new(
-        leadership.clone(),
-        timing.lease_duration,
-        args.webhooks,
-    ));
-    // Every replica caches the Ats, so the next leader starts with all of them. Ready, and a
-    // candidate for the Lease, only with every At cached (required before `/readyz` answers).
-    let cache = cnat::operator::cache::AtCache::start(&client, args.namespace.as_deref());
-    health.require({
-        let cache = cache.clone();
-        move || cache.readiness()
-    });
-    let listener = cnat::serving::listen::bind(args.admin_addr)
-        .map_err(|e| format!("--admin-addr {}: {e}", args.admin_addr))?;
-    // The address bound, so that `--admin-addr=127.0.0.1:0` is useful: the log says the port.
-    let admin_addr = listener.local_addr().unwrap_or(args.admin_addr);
-    let close_servers = CancellationToken::new();
-    let admin = tokio::spawn(admin::serve(
-        listener,
-        admin::router(health.clone(), metrics.clone()),
-        close_servers.clone(),
-        cnat::serving::guard::Limits::admin(),
-    ));
-
-    let draining = cnat::serving::drain::Draining::default();
-    let webhooks = match args.webhooks {
-        true => {
-            // Off the runtime's threads, before the server listens.
-            if let Err(error) =
-                tokio::task::spawn_blocking(cnat::admission::validation::warm_up).await
-            {
-                warn!(%error, "warming up the admission rules failed; the first admission builds them");
-            }
-            let reviewer = args.access_review().map(|settings| {
-                Arc::new(AccessReviewer::new(
-                    client.clone(),
-                    settings,
-                    metrics.clone(),
-                ))
-            });
-            let shared = webhook::Shared {
-                metrics: metrics.clone(),
-                reviewer,
-                draining: draining.clone(),
-                certified_only: args.webhook_client_ca.is_some(),
-            };
-            Some(start_webhooks(&args, shared, close_servers.clone()).await?)
-        }
-        false => None,
-    };
-    health.set_webhooks_serving();
-
     let reporter = Reporter {
         controller: "cnat".into(),
         instance: Some(identity.clone()),
@@ -309,52 +393,45 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
         concurrency: args.concurrency,
         policy: args.policy(),
     };
-    let (work_client, work_events, work_metrics) =
-        (client.clone(), events.clone(), metrics.clone());
-    let cache_stopped = cache.stopped();
-    let election = tokio::spawn(leader::run(
+    let (work_client, work_events) = (client.clone(), events.clone());
+    let listed = cache.listed();
+    tokio::spawn(leader::run(
         client,
         election_settings,
         leadership,
         events,
-        cache.listed(),
+        listed,
         move |stop| {
             controller::run_with_cache(
                 cache.clone(),
                 work_client.clone(),
                 controller_settings.clone(),
                 work_events.clone(),
-                work_metrics.clone(),
+                metrics.clone(),
                 stop,
             )
         },
         shutdown.clone(),
-    ));
-    info!(admin = %admin_addr, exporting_traces = exporting, "cnat started");
+    ))
+}
 
-    let failed = tokio::select! {
-        _ = shutdown.cancelled() => None,
-        _ = cache_stopped => {
-            error!("the At cache stopped following the Ats (its task panicked); stopping, so that the pod restarts");
-            shutdown.cancel();
-            Some("the At cache stopped following the Ats".to_owned())
-        }
-    };
+/// Not ready at once; then: stop reconciling and release the Lease, so another replica takes
+/// over at once; keep serving until the endpoint is out of Services (`--shutdown-delay`);
+/// finish requests in flight and close keep-alive connections. All within
+/// `--shutdown-timeout`.
+async fn shut_down(args: &RunArgs, serving: Serving, election: JoinHandle<()>) {
     let signalled = Instant::now();
-    health.set_not_ready();
-    draining.start();
+    serving.health.set_not_ready();
+    serving.draining.start();
     let graceful = async {
-        // 1. stop reconciling and release the Lease, so another replica takes over at once;
         let _ = election.await;
-        // 2. keep serving until the endpoint is out of Services;
         sleep_until(signalled + args.shutdown_delay).await;
-        // 3. finish requests in flight and close keep-alive connections.
-        close_servers.cancel();
-        if let Some((server, handle)) = webhooks {
+        serving.close_servers.cancel();
+        if let Some((server, handle)) = serving.webhooks {
             handle.graceful_shutdown(None);
             let _ = server.await;
         }
-        let _ = admin.await;
+        let _ = serving.admin.await;
     };
     match timeout(args.shutdown_timeout, graceful).await {
         Ok(()) => info!("shut down cleanly"),
@@ -362,7 +439,6 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), S
             warn!(timeout = ?args.shutdown_timeout, "graceful shutdown took too long; exiting")
         }
     }
-    failed.map_or(Ok(()), Err)
 }
 
 /// Starts the HTTPS webhook server and its certificate reloader; returns once it listens.
@@ -370,21 +446,13 @@ async fn start_webhooks(
     args: &RunArgs,
     shared: webhook::Shared,
     stop_reloading: CancellationToken,
-) -> Result<
-    (
-        JoinHandle<std::io::Result<()>>,
-        axum_server::Handle<SocketAddr>,
-    ),
-    String,
-> {
+) -> Result<WebhookServer, RunError> {
     let files = CertFiles {
         cert: args.tls_cert.clone(),
         key: args.tls_key.clone(),
         client_ca: args.webhook_client_ca.clone(),
     };
-    let config = tls::server_config(&files)
-        .map_err(|e| format!("webhook certificate (--tls-cert, --tls-key): {e}"))?;
-    let config = RustlsConfig::from_config(config);
+    let config = RustlsConfig::from_config(tls::server_config(&files)?);
     tokio::spawn(tls::reload_on_change(
         files,
         config.clone(),
@@ -392,8 +460,11 @@ async fn start_webhooks(
         stop_reloading,
     ));
     let handle = axum_server::Handle::new();
-    let listener = cnat::serving::listen::bind(args.webhook_addr)
-        .map_err(|e| format!("--webhook-addr {}: {e}", args.webhook_addr))?;
+    let addr = args.webhook_addr;
+    let listener = cnat::serving::listen::bind(addr).map_err(|e| RunError::WebhookAddr {
+        addr,
+        why: e.to_string(),
+    })?;
     let server = tokio::spawn(webhook::serve(
         listener,
         config,
@@ -406,7 +477,7 @@ async fn start_webhooks(
             Ok(Err(error)) => error.to_string(),
             other => format!("{other:?}"),
         };
-        return Err(format!("--webhook-addr {}: {why}", args.webhook_addr));
+        return Err(RunError::WebhookAddr { addr, why });
     };
     info!(addr = %bound, "serving admission webhooks");
     Ok((server, handle))

@@ -939,7 +939,7 @@ async fn a_cache_whose_list_waits_for_the_conversion_webhook_says_ready_but_is_n
     ] {
         server.fail_lists(Resource::Ats, Some(other));
         tokio::time::sleep(Duration::from_secs(60)).await;
-        let why = cache.readiness().unwrap_err();
+        let why = cache.readiness().unwrap_err().to_string();
         assert!(why.contains(named), "{why}");
     }
     server.fail_lists(Resource::Ats, None);
@@ -963,12 +963,12 @@ async fn a_cache_whose_list_gets_no_answer_gives_up_says_why_and_lists_once_it_c
     let cache = cnat::operator::cache::AtCache::start(&client, None);
     tokio::time::sleep(Duration::from_secs(30)).await;
     assert_eq!(
-        cache.readiness(),
+        cache.readiness().map_err(|why| why.to_string()),
         Err("listing Ats: 0 received so far; this replica leads and is ready once it holds them all".into())
     );
     // A list that gets no answer for 60 s is given up (kube-client has no read timeout).
     tokio::time::sleep(Duration::from_secs(31)).await;
-    let why = cache.readiness().unwrap_err();
+    let why = cache.readiness().unwrap_err().to_string();
     assert!(
         why.contains("(the last attempt failed: ") && why.contains("no answer within 60s"),
         "{why}"

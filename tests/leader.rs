@@ -945,7 +945,7 @@ async fn a_replica_still_listing_ats_neither_competes_for_the_lease_nor_says_it_
         "competed before its cache was full"
     );
     assert!(!x.replica.leadership.is_leader());
-    let why = x.cache.readiness().unwrap_err();
+    let why = x.cache.readiness().unwrap_err().to_string();
     assert!(why.starts_with("listing Ats: "), "{why}");
     // Once the list is in: ready, and leading at once (no other candidate).
     assert!(

@@ -500,6 +500,20 @@ struct Inner {
     reviews: Mutex<Reviews>,
 }
 
+/// Why a review is denied: who may not do what where, and what to do about it (the
+/// AdmissionReview's message, as kubectl prints it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Denial(pub String);
+
+impl std::ops::Deref for Denial {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
 impl AccessReviewer {
     /// The reviewer and its background upkeep, which ends at its first round after the reviewer
     /// and its reviews in flight are gone. Must be called within a Tokio runtime.
@@ -524,7 +538,7 @@ impl AccessReviewer {
 
     /// The verdict from a cached answer, without waiting: `None` when there is none (then
     /// `check`). An answer past half its life is refreshed in the background.
-    pub fn cached(&self, user: &UserInfo, namespace: &str) -> Option<Result<(), String>> {
+    pub fn cached(&self, user: &UserInfo, namespace: &str) -> Option<Result<(), Denial>> {
         self.cached_for(UNKNOWN_CLIENT, user, namespace)
     }
 
@@ -534,17 +548,17 @@ impl AccessReviewer {
         client: std::net::IpAddr,
         user: &UserInfo,
         namespace: &str,
-    ) -> Option<Result<(), String>> {
+    ) -> Option<Result<(), Denial>> {
         if let Some(denial) = too_large(user, namespace) {
-            return Some(Err(denial));
+            return Some(Err(Denial(denial)));
         }
         let key = Key::new(user, namespace);
         let answer = self.fresh(&mut self.inner.lock(), key, client)?;
-        Some(self.verdict(user, namespace, answer))
+        Some(self.verdict(user, namespace, answer).map_err(Denial))
     }
 
     /// `Ok` when `user` may create pods in `namespace`, else the denial message.
-    pub async fn check(&self, user: &UserInfo, namespace: &str) -> Result<(), String> {
+    pub async fn check(&self, user: &UserInfo, namespace: &str) -> Result<(), Denial> {
         self.check_for(UNKNOWN_CLIENT, user, namespace).await
     }
 
@@ -552,6 +566,15 @@ impl AccessReviewer {
     /// against the budgets of new identities, in all and for `client`; one that has an
     /// expired answer against the budget of known ones (see [`NEW_PER_SECOND`]).
     pub async fn check_for(
+        &self,
+        client: std::net::IpAddr,
+        user: &UserInfo,
+        namespace: &str,
+    ) -> Result<(), Denial> {
+        self.ask_for(client, user, namespace).await.map_err(Denial)
+    }
+
+    async fn ask_for(
         &self,
         client: std::net::IpAddr,
         user: &UserInfo,

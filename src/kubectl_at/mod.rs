@@ -451,93 +451,22 @@ pub async fn run(
         clap_complete::generate(shell, &mut command, "kubectl-at", out);
         return Ok(ExitCode::SUCCESS);
     }
-    let io = |e: std::io::Error| Error::Server(format!("cannot write the output: {e}"));
     let creating = !(args.list || !args.remove.is_empty() || args.cat.is_some());
     // Everything about the At is checked before a cluster is needed.
-    let mut prepared = None;
-    if creating {
-        let clock = Clock::system(args.tz.as_deref())?;
-        if args.time.is_empty() && args.in_.is_none() {
-            return Err(time::TimeError::Empty.into());
-        }
-        let due = due(&args, &clock)?;
-        let command = command(&args, || {
-            let mut text = String::new();
-            std::io::stdin().read_to_string(&mut text).map(|_| text)
-        })?;
-        prepared = Some((clock, due, command));
-    }
-    let client_only = args.dry_run == Some(DryRun::Client);
-    if let (Some((clock, due, command)), true) = (&prepared, client_only) {
-        let namespace = args.namespace.clone().unwrap_or_else(|| "default".into());
-        let namespace = match (&args.namespace, connect(&args).await) {
-            (Some(_), _) | (None, Err(_)) => namespace,
-            (None, Ok((_, context_namespace))) => context_namespace,
-        };
-        let at = build(&args, &namespace, command.clone(), *due, &random_suffix())?;
-        let text = match args.output {
-            Some(output) => render(&at, output)?,
-            None => format!(
-                "{} (dry run)\n",
-                show::job_line(&at, *due, clock.now, &clock.zone)
-            ),
-        };
-        out.write_all(text.as_bytes()).map_err(io)?;
-        return Ok(ExitCode::SUCCESS);
+    let new = if creating {
+        Some(prepare(&args)?)
+    } else {
+        None
+    };
+    if let (Some(new), Some(DryRun::Client)) = (&new, &args.dry_run) {
+        return dry_run(&args, new, out).await;
     }
     let (client, context_namespace) = connect(&args).await?;
     let namespace = args.namespace.clone().unwrap_or(context_namespace);
-    let ats: Api<At> = Api::namespaced(client.clone(), &namespace);
     if args.list {
-        let clock = Clock::system(args.tz.as_deref())?;
-        let api: Api<At> = if args.all_namespaces {
-            Api::all(client)
-        } else {
-            ats
-        };
-        let list = api
-            .list(&ListParams::default())
-            .await
-            .map_err(|e| server("list Ats", e))?;
-        let text = match args.output {
-            None => {
-                if list.items.is_empty() {
-                    writeln!(
-                        err,
-                        "No Ats in {}.",
-                        if args.all_namespaces {
-                            "any namespace"
-                        } else {
-                            &namespace
-                        }
-                    )
-                    .map_err(io)?;
-                    return Ok(ExitCode::SUCCESS);
-                }
-                show::table(&list.items, clock.now, &clock.zone, args.all_namespaces)
-            }
-            Some(Output::Name) => list
-                .items
-                .iter()
-                .map(|at| render(at, Output::Name))
-                .collect::<Result<String, _>>()?,
-            Some(format) => {
-                let value =
-                    serde_json::json!({"apiVersion": "v1", "kind": "List", "items": list.items});
-                match format {
-                    Output::Json => {
-                        serde_json::to_string_pretty(&value)
-                            .map_err(|e| Error::Invalid(e.to_string()))?
-                            + "\n"
-                    }
-                    _ => serde_saphyr::to_string(&value)
-                        .map_err(|e| Error::Invalid(e.to_string()))?,
-                }
-            }
-        };
-        out.write_all(text.as_bytes()).map_err(io)?;
-        return Ok(ExitCode::SUCCESS);
+        return list(&args, client, &namespace, out, err).await;
     }
+    let ats: Api<At> = Api::namespaced(client.clone(), &namespace);
     if let Some(name) = &args.cat {
         let at = ats
             .get(name)
@@ -547,75 +476,24 @@ pub async fn run(
         return Ok(ExitCode::SUCCESS);
     }
     if !args.remove.is_empty() {
-        let mut failed = false;
-        for name in &args.remove {
-            match ats.delete(name, &DeleteParams::background()).await {
-                Ok(_) => {
-                    writeln!(out, "at.{} \"{name}\" deleted", crate::api::GROUP).map_err(io)?
-                }
-                Err(e) => {
-                    failed = true;
-                    writeln!(
-                        err,
-                        "error: {}",
-                        server(&format!("delete At {namespace}/{name}"), e)
-                    )
-                    .map_err(io)?;
-                }
-            }
-        }
-        return Ok(if failed {
-            ExitCode::FAILURE
-        } else {
-            ExitCode::SUCCESS
-        });
+        return remove(&ats, &namespace, &args.remove, out, err).await;
     }
-    let Some((clock, due, command)) = prepared else {
+    let Some(new) = new else {
         return Err(Error::Usage("nothing to do".into()));
     };
-    let mut created = None;
-    for _ in 0..3 {
-        let at = build(&args, &namespace, command.clone(), due, &random_suffix())?;
-        match ats.create(&PostParams::default(), &at).await {
-            Ok(at) => {
-                created = Some(at);
-                break;
-            }
-            // A generated name that is taken: another suffix.
-            Err(kube::Error::Api(status)) if status.code == 409 && args.name.is_none() => continue,
-            Err(e) => {
-                return Err(server(
-                    &format!("create At {namespace}/{}", at.name_any()),
-                    e,
-                ))
-            }
-        }
-    }
-    let at = created.ok_or_else(|| {
-        Error::Server("three generated names were taken; give one with --name".into())
-    })?;
+    let at = create(&args, &ats, &namespace, &new).await?;
     match args.output {
         Some(output) => out.write_all(render(&at, output)?.as_bytes()).map_err(io)?,
         None => {
-            writeln!(err, "{}", show::job_line(&at, due, clock.now, &clock.zone)).map_err(io)?
+            let line = show::job_line(&at, new.due, new.clock.now, &new.clock.zone);
+            writeln!(err, "{line}").map_err(io)?
         }
     }
     if !args.wait {
         return Ok(ExitCode::SUCCESS);
     }
     let pods: Api<Pod> = Api::namespaced(client, &namespace);
-    let name = at.name_any();
-    let waited = wait(&ats, &pods, &name, out, err);
-    let finished = match Duration::try_from(args.timeout).ok().filter(|t| !t.is_zero()) {
-        Some(limit) => tokio::time::timeout(limit, waited).await.map_err(|_| {
-            Error::Server(format!(
-                "At {namespace}/{} did not finish within --timeout {}; it goes on: kubectl at -l -n {namespace}",
-                at.name_any(),
-                args.timeout
-            ))
-        })??,
-        None => waited.await?,
-    };
+    let finished = wait_within(&args, &ats, &pods, &at, out, err).await?;
     match show::exit_code(&finished) {
         Ok(code) => Ok(ExitCode::from(code)),
         Err(why) => {
@@ -623,6 +501,186 @@ pub async fn run(
             Ok(ExitCode::FAILURE)
         }
     }
+}
+
+/// An At to create, checked: the clock it was read by, when it is due, its command.
+struct NewAt {
+    clock: Clock,
+    due: Timestamp,
+    command: String,
+}
+
+/// Checks everything about the At to create, before a cluster is needed.
+fn prepare(args: &Args) -> Result<NewAt, Error> {
+    let clock = Clock::system(args.tz.as_deref())?;
+    if args.time.is_empty() && args.in_.is_none() {
+        return Err(time::TimeError::Empty.into());
+    }
+    let due = due(args, &clock)?;
+    let command = command(args, || {
+        let mut text = String::new();
+        std::io::stdin().read_to_string(&mut text).map(|_| text)
+    })?;
+    Ok(NewAt {
+        clock,
+        due,
+        command,
+    })
+}
+
+/// `--dry-run=client`: shows the At that would be created; the cluster is asked only for the
+/// context's namespace, and not even that when it does not answer.
+async fn dry_run(args: &Args, new: &NewAt, out: &mut impl Write) -> Result<ExitCode, Error> {
+    let namespace = args.namespace.clone().unwrap_or_else(|| "default".into());
+    let namespace = match (&args.namespace, connect(args).await) {
+        (Some(_), _) | (None, Err(_)) => namespace,
+        (None, Ok((_, context_namespace))) => context_namespace,
+    };
+    let at = build(
+        args,
+        &namespace,
+        new.command.clone(),
+        new.due,
+        &random_suffix(),
+    )?;
+    let text = match args.output {
+        Some(output) => render(&at, output)?,
+        None => format!(
+            "{} (dry run)\n",
+            show::job_line(&at, new.due, new.clock.now, &new.clock.zone)
+        ),
+    };
+    out.write_all(text.as_bytes()).map_err(io)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `-l`: the Ats of `namespace` (or all, `-A`) as a table, names, JSON or YAML.
+async fn list(
+    args: &Args,
+    client: Client,
+    namespace: &str,
+    out: &mut impl Write,
+    err: &mut impl Write,
+) -> Result<ExitCode, Error> {
+    let clock = Clock::system(args.tz.as_deref())?;
+    let api: Api<At> = if args.all_namespaces {
+        Api::all(client)
+    } else {
+        Api::namespaced(client, namespace)
+    };
+    let list = api
+        .list(&ListParams::default())
+        .await
+        .map_err(|e| server("list Ats", e))?;
+    let text = match args.output {
+        None if list.items.is_empty() => {
+            let place = if args.all_namespaces {
+                "any namespace"
+            } else {
+                namespace
+            };
+            writeln!(err, "No Ats in {place}.").map_err(io)?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        None => show::table(&list.items, clock.now, &clock.zone, args.all_namespaces),
+        Some(Output::Name) => list
+            .items
+            .iter()
+            .map(|at| render(at, Output::Name))
+            .collect::<Result<String, _>>()?,
+        Some(format) => {
+            let value =
+                serde_json::json!({"apiVersion": "v1", "kind": "List", "items": list.items});
+            match format {
+                Output::Json => {
+                    serde_json::to_string_pretty(&value)
+                        .map_err(|e| Error::Invalid(e.to_string()))?
+                        + "\n"
+                }
+                _ => serde_saphyr::to_string(&value).map_err(|e| Error::Invalid(e.to_string()))?,
+            }
+        }
+    };
+    out.write_all(text.as_bytes()).map_err(io)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `-r`: deletes the named Ats, each reported; fails if any delete failed.
+async fn remove(
+    ats: &Api<At>,
+    namespace: &str,
+    names: &[String],
+    out: &mut impl Write,
+    err: &mut impl Write,
+) -> Result<ExitCode, Error> {
+    let mut failed = false;
+    for name in names {
+        match ats.delete(name, &DeleteParams::background()).await {
+            Ok(_) => writeln!(out, "at.{} \"{name}\" deleted", crate::api::GROUP).map_err(io)?,
+            Err(e) => {
+                failed = true;
+                let error = server(&format!("delete At {namespace}/{name}"), e);
+                writeln!(err, "error: {error}").map_err(io)?;
+            }
+        }
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// Creates the At; a generated name that is taken gets another suffix (three tries).
+async fn create(args: &Args, ats: &Api<At>, namespace: &str, new: &NewAt) -> Result<At, Error> {
+    for _ in 0..3 {
+        let at = build(
+            args,
+            namespace,
+            new.command.clone(),
+            new.due,
+            &random_suffix(),
+        )?;
+        match ats.create(&PostParams::default(), &at).await {
+            Ok(at) => return Ok(at),
+            Err(kube::Error::Api(status)) if status.code == 409 && args.name.is_none() => continue,
+            Err(e) => {
+                let what = format!("create At {namespace}/{}", at.name_any());
+                return Err(server(&what, e));
+            }
+        }
+    }
+    Err(Error::Server(
+        "three generated names were taken; give one with --name".into(),
+    ))
+}
+
+/// `wait`, within `--timeout` unless it is 0.
+async fn wait_within(
+    args: &Args,
+    ats: &Api<At>,
+    pods: &Api<Pod>,
+    at: &At,
+    out: &mut impl Write,
+    err: &mut impl Write,
+) -> Result<At, Error> {
+    let name = at.name_any();
+    let waited = wait(ats, pods, &name, out, err);
+    match Duration::try_from(args.timeout).ok().filter(|t| !t.is_zero()) {
+        Some(limit) => tokio::time::timeout(limit, waited).await.map_err(|_| {
+            let namespace = at.namespace().unwrap_or_default();
+            Error::Server(format!(
+                "At {namespace}/{name} did not finish within --timeout {}; it goes on: kubectl at -l -n {namespace}",
+                args.timeout
+            ))
+        })?,
+        None => waited.await,
+    }
+}
+
+/// Writing the output failed.
+fn io(e: std::io::Error) -> Error {
+    Error::Server(format!("cannot write the output: {e}"))
 }
 
 /// Waits for the At to run, copies its pod's output to `out` while it runs, and returns the At

@@ -631,9 +631,10 @@ impl Elector {
             },
             spec: None,
         };
-        // The Lease's events share one lane, so they keep their order.
-        let lane = &self.settings.lease_name;
-        if !self.events.try_send(lane, event, regarding.object_ref(&())) {
+        if !self
+            .events
+            .try_send_replica(event, regarding.object_ref(&()))
+        {
             debug!(lease = %self.name(), reason, "event queue full; event dropped");
         }
     }

@@ -484,7 +484,7 @@ impl AtCache {
 
     /// `Ok` once the cache holds a complete list; else how far the first list has come, for
     /// `/readyz`.
-    pub fn readiness(&self) -> Result<(), String> {
+    pub fn readiness(&self) -> Result<(), StillListing> {
         if self.listing.complete.is_cancelled() {
             return Ok(());
         }
@@ -501,13 +501,10 @@ impl AtCache {
             // for the Lease until the list completes (`listed`).
             return Ok(());
         }
-        let last = failed
-            .as_deref()
-            .map(|error| format!(" (the last attempt failed: {error})"))
-            .unwrap_or_default();
-        Err(format!(
-            "listing Ats: {received} received so far{last}; this replica leads and is ready once it holds them all"
-        ))
+        Err(StillListing {
+            received,
+            failed: failed.clone(),
+        })
     }
 
     /// At versions this replica skips after a panic handling them.
@@ -524,6 +521,21 @@ impl AtCache {
     pub fn subscribe(&self) -> broadcast::Receiver<Change> {
         self.changes.subscribe()
     }
+}
+
+/// The cache does not hold every At yet: how far its first list has come.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("listing Ats: {received} received so far{}; this replica leads and is ready once it holds them all", last_failure(.failed.as_deref()))]
+pub struct StillListing {
+    pub received: usize,
+    /// Why the last attempt failed, if it did.
+    pub failed: Option<String>,
+}
+
+fn last_failure(failed: Option<&str>) -> String {
+    failed
+        .map(|error| format!(" (the last attempt failed: {error})"))
+        .unwrap_or_default()
 }
 
 /// Reads `cached` back as an At; `None` if it does not read: an At the API server holds but

@@ -129,8 +129,9 @@ fn pod_events(
 
 /// The loop's tasks beside the runtime: the first look at every cached At, the status
 /// writer, the reachability probe, the wakeups and the release of orphaned pods. They live and
-/// die with the loop: a stopping leader drops what it has not written, and its successor writes
-/// it from what it observes.
+/// die with the loop: a stopping leader drops the status writes it has not made, and its
+/// successor makes them from what it observes (the events of writes made still go out: they
+/// wait in the replica's event queue).
 fn spawn_tasks(
     ctx: &Arc<Context>,
     store: &Store<CachedAt>,

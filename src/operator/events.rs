@@ -1,8 +1,8 @@
 //! The one queue of Kubernetes Events, so that nothing waits for one: the status write is what
 //! matters, and the event tells the same story for `kubectl describe`. Events go out in
-//! `LANES` lanes, each in order: what is queued with one key (an At, a Lease) always takes the
-//! same lane, so one object's events go out in the order they were queued while other objects'
-//! go at the same time. An event may wait behind writes (`try_send_behind`): until pod creates
+//! `LANES` lanes, each in order: what is queued with one key (an At) always takes the same
+//! lane, so one At's events go out in the order they were queued while other Ats' go at the
+//! same time; the replica's own events (its Lease's) have a lane of their own. An event may wait behind writes (`try_send_behind`): until pod creates
 //! and status writes are quiet (`PodsFirst`), at most `MAX_DEFER`, so late, never lost.
 //!
 //! Each event is published by a fresh kube `Recorder`. A long-lived one keeps every event it
@@ -37,6 +37,8 @@ pub const MAX_NOTE_BYTES: usize = 1024;
 #[derive(Clone)]
 pub struct EventSink {
     lanes: Arc<Lanes<Queued>>,
+    /// A lane of its own for the replica's events (its Lease's), which never wait behind Ats'.
+    replica: mpsc::Sender<Queued>,
 }
 
 /// An event in its lane.
@@ -51,17 +53,30 @@ impl EventSink {
     /// Starts the lanes' publishers on the current tokio runtime, reporting as `reporter`.
     pub fn start(client: kube::Client, reporter: Reporter) -> Self {
         let lanes = Lanes::default();
+        let (replica, replica_lane) = mpsc::channel(QUEUE / LANES);
+        let replica_lane = futures::stream::unfold(replica_lane, |mut rx| async {
+            rx.recv().await.map(|item| (item, rx))
+        });
         for lane in lanes.take().into_iter().flatten() {
-            let (client, reporter) = (client.clone(), reporter.clone());
-            tokio::spawn(
-                lane.for_each(move |queued| {
-                    publish_in_turn(client.clone(), reporter.clone(), queued)
-                }),
-            );
+            spawn_publisher(lane, &client, &reporter);
         }
+        spawn_publisher(replica_lane, &client, &reporter);
         EventSink {
             lanes: Arc::new(lanes),
+            replica,
         }
+    }
+
+    /// Queues an event about this replica itself (its Lease) in its own lane, in order and
+    /// never behind Ats' events; `false` when the lane is full and it was dropped.
+    pub fn try_send_replica(&self, mut event: Event, regarding: ObjectReference) -> bool {
+        event.note = event.note.map(|note| fit_note(&note));
+        let queued = Queued {
+            event,
+            regarding,
+            behind: None,
+        };
+        self.replica.try_send(queued).is_ok()
     }
 
     /// Queues `event` about `regarding` in the lane of `key`, its note cut to what the API
@@ -109,6 +124,18 @@ impl EventSink {
             }
         }
     }
+}
+
+/// Publishes what `lane` brings, one after the other, until every sender is gone.
+fn spawn_publisher(
+    lane: impl futures::Stream<Item = Queued> + Send + 'static,
+    client: &kube::Client,
+    reporter: &Reporter,
+) {
+    let (client, reporter) = (client.clone(), reporter.clone());
+    tokio::spawn(
+        lane.for_each(move |queued| publish_in_turn(client.clone(), reporter.clone(), queued)),
+    );
 }
 
 /// Publishes `queued` once the writes it waits for are quiet: under steady writes there may

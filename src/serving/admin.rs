@@ -68,8 +68,11 @@ impl std::fmt::Debug for Health {
     }
 }
 
+/// Why a requirement of readiness is not met; its message is the probe's answer.
+pub type Unmet = Box<dyn std::error::Error + Send + Sync>;
+
 /// A condition of readiness: `Err` says what is missing.
-pub type Requirement = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
+pub type Requirement = Box<dyn Fn() -> Result<(), Unmet> + Send + Sync>;
 
 impl Health {
     /// Not ready until `set_webhooks_serving`, unless this replica serves no webhooks.
@@ -84,7 +87,7 @@ impl Health {
     }
 
     /// Not ready while `requirement` says `Err` (its message is the probe's answer).
-    pub fn require(&self, requirement: impl Fn() -> Result<(), String> + Send + Sync + 'static) {
+    pub fn require(&self, requirement: impl Fn() -> Result<(), Unmet> + Send + Sync + 'static) {
         self.required
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -118,7 +121,9 @@ impl Health {
             Err("the webhook server is not serving yet".into())
         } else {
             let required = self.required.lock().unwrap_or_else(|e| e.into_inner());
-            required.iter().try_for_each(|requirement| requirement())
+            required
+                .iter()
+                .try_for_each(|requirement| requirement().map_err(|unmet| unmet.to_string()))
         }
     }
 }
