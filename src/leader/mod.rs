@@ -21,9 +21,11 @@ pub mod timing;
 pub use timing::{Timing, TimingError};
 
 use crate::operator::events::EventSink;
+use futures::stream::FusedStream;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::runtime::events::{Event, EventType};
+use kube::runtime::watcher;
 use kube::{Api, Client, Resource};
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use record::{Held, Known, Next, Reread, Seen};
@@ -219,6 +221,20 @@ enum Renewal {
 
 type RenewalFuture = Pin<Box<dyn Future<Output = Renewal> + Send>>;
 
+/// What a campaign knows between its steps.
+struct Campaign {
+    known: Known,
+    /// The Lease as last seen, and since when.
+    last: Option<Seen>,
+    /// When the watch or a read last brought the Lease.
+    news_at: Instant,
+    /// Failed attempts in a row.
+    failures: u32,
+    watch_failing: bool,
+    /// A watcher stream does not end; if it ever did, it is not polled again (it would spin).
+    watch_open: bool,
+}
+
 struct Elector {
     leases: LeaseApi,
     settings: Settings,
@@ -254,135 +270,167 @@ impl Elector {
     /// change at once; after a retry period without news the Lease is read again, so a broken
     /// watch only slows a handover to an expiry, never stops one.
     async fn campaign(&self, shutdown: &CancellationToken) -> Option<Won> {
-        let timing = self.settings.timing;
         let watch = self.leases.watch().fuse();
         tokio::pin!(watch);
-        let mut known = Known::Unknown;
-        let mut last: Option<Seen> = None;
-        let mut news_at = Instant::now();
-        let mut failures = 0u32;
-        let mut watch_failing = false;
-        // A watcher stream does not end; if it ever did, stop polling it (it would spin).
-        let mut watch_open = true;
+        let mut c = Campaign {
+            known: Known::Unknown,
+            last: None,
+            news_at: Instant::now(),
+            failures: 0,
+            watch_failing: false,
+            watch_open: true,
+        };
         loop {
             let now = Instant::now();
-            let step = record::next(&known, self.me(), now);
+            let step = record::next(&c.known, self.me(), now);
             let waiting = matches!(step, Next::Wait { .. });
             let attempt: Result<Option<Won>, LeaseError> = match step {
                 Next::Read => self.leases.get().await.map(|lease| {
-                    known = self.observe(lease.as_ref(), &mut last, Instant::now());
-                    news_at = Instant::now();
+                    c.known = self.observe(lease.as_ref(), &mut c.last, Instant::now());
+                    c.news_at = Instant::now();
                     None
                 }),
-                Next::Create => {
-                    let lease = record::new_lease(
-                        &self.settings.lease_name,
-                        &self.settings.namespace,
-                        self.me(),
-                        timing.lease_seconds(),
-                        self.settings.clock.now(),
-                    );
-                    match self.leases.create(&lease).await {
-                        Ok(Written::Done(created)) => Ok(Some(Won {
-                            held: held(&created, now),
-                            free_since: None,
-                        })),
-                        Ok(Written::Conflict) => {
-                            known = Known::Unknown;
-                            Ok(None)
-                        }
-                        // The namespace is missing: a configuration error, retried with pauses.
-                        Ok(Written::Missing) => Err(LeaseError::NoNamespace(self.name())),
-                        Err(error) => Err(error),
-                    }
-                }
+                Next::Create => self.create(&mut c, now).await,
                 Next::Take {
                     resource_version,
                     transitions,
-                } => {
-                    let free_since = last.as_ref().map(Seen::free_since);
-                    let patch = record::take_patch(
-                        self.me(),
-                        &resource_version,
-                        transitions,
-                        timing.lease_seconds(),
-                        self.settings.clock.now(),
-                    );
-                    match self.leases.swap(&patch).await {
-                        Ok(Written::Done(taken)) => Ok(Some(Won {
-                            held: held(&taken, now),
-                            free_since,
-                        })),
-                        // Someone wrote first; read what they wrote.
-                        Ok(Written::Conflict) => {
-                            debug!(lease = %self.name(), "the lease changed before we could take it");
-                            known = Known::Unknown;
-                            Ok(None)
-                        }
-                        Ok(Written::Missing) => {
-                            known = Known::Missing;
-                            Ok(None)
-                        }
-                        Err(error) => {
-                            // The write may have landed: read before deciding again.
-                            known = Known::Unknown;
-                            Err(error)
-                        }
-                    }
-                }
+                } => self.take(&mut c, &resource_version, transitions, now).await,
                 Next::Wait { until } => {
-                    let reread_at = news_at + timing.retry_period;
                     tokio::select! {
                         _ = shutdown.cancelled() => return None,
-                        news = watch.next(), if watch_open => match news {
-                            Some(Ok(lease)) => {
-                                if watch_failing {
-                                    info!(lease = %self.name(), "watching the lease again");
-                                    watch_failing = false;
-                                }
-                                known = self.observe(lease.as_ref(), &mut last, Instant::now());
-                                news_at = Instant::now();
-                            }
-                            Some(Err(error)) if !watch_failing => {
-                                warn!(lease = %self.name(), %error, "cannot watch the lease; reading it every retry period instead");
-                                watch_failing = true;
-                            }
-                            Some(Err(_)) => {}
-                            None => watch_open = false,
-                        },
-                        _ = sleep_until(until.min(reread_at)) => {
-                            if Instant::now() >= reread_at {
-                                known = Known::Unknown;
-                            }
-                        }
+                        () = self.wait_for_news(&mut c, &mut watch, until) => Ok(None),
                     }
-                    Ok(None)
                 }
             };
             match attempt {
                 Ok(Some(won)) => return Some(won),
                 // Only a settled state (someone else holds it) ends a streak of failures: a
                 // read that works before a write that fails is no recovery.
-                Ok(None) if waiting => failures = 0,
+                Ok(None) if waiting => c.failures = 0,
                 Ok(None) => {}
                 Err(error) => {
-                    failures += 1;
-                    warn!(lease = %self.name(), %error, failures, "could not acquire the lease; retrying");
-                    known = Known::Unknown;
-                    // No answer at all (the API server is down or restarting): ask again soon,
-                    // so leadership resumes right after it is back. An answer that refused us
-                    // (a missing namespace, RBAC) backs off.
-                    let pause = if error.unanswered() {
-                        timing.retry_period.min(UNANSWERED_RETRY)
-                    } else {
-                        timing.retry_period * failures.clamp(1, 5)
-                    };
+                    let pause = self.failed_attempt(&mut c, &error);
                     tokio::select! {
                         _ = shutdown.cancelled() => return None,
                         _ = sleep(pause) => {}
                     }
                 }
             }
+        }
+    }
+
+    /// Creates the Lease, held by us (`now`: when the request went out).
+    async fn create(&self, c: &mut Campaign, now: Instant) -> Result<Option<Won>, LeaseError> {
+        let timing = self.settings.timing;
+        let lease = record::new_lease(
+            &self.settings.lease_name,
+            &self.settings.namespace,
+            self.me(),
+            timing.lease_seconds(),
+            self.settings.clock.now(),
+        );
+        match self.leases.create(&lease).await {
+            Ok(Written::Done(created)) => Ok(Some(Won {
+                held: held(&created, now),
+                free_since: None,
+            })),
+            Ok(Written::Conflict) => {
+                c.known = Known::Unknown;
+                Ok(None)
+            }
+            // The namespace is missing: a configuration error, retried with pauses.
+            Ok(Written::Missing) => Err(LeaseError::NoNamespace(self.name())),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Takes the free or expired Lease at `resource_version` (`now`: when the request went out).
+    async fn take(
+        &self,
+        c: &mut Campaign,
+        resource_version: &str,
+        transitions: i32,
+        now: Instant,
+    ) -> Result<Option<Won>, LeaseError> {
+        let timing = self.settings.timing;
+        let free_since = c.last.as_ref().map(Seen::free_since);
+        let patch = record::take_patch(
+            self.me(),
+            resource_version,
+            transitions,
+            timing.lease_seconds(),
+            self.settings.clock.now(),
+        );
+        match self.leases.swap(&patch).await {
+            Ok(Written::Done(taken)) => Ok(Some(Won {
+                held: held(&taken, now),
+                free_since,
+            })),
+            // Someone wrote first; read what they wrote.
+            Ok(Written::Conflict) => {
+                debug!(lease = %self.name(), "the lease changed before we could take it");
+                c.known = Known::Unknown;
+                Ok(None)
+            }
+            Ok(Written::Missing) => {
+                c.known = Known::Missing;
+                Ok(None)
+            }
+            Err(error) => {
+                // The write may have landed: read before deciding again.
+                c.known = Known::Unknown;
+                Err(error)
+            }
+        }
+    }
+
+    /// Waits for news of the Lease from the watch, or until `until` (when it may be taken); a
+    /// retry period without news makes the next step a read.
+    async fn wait_for_news(
+        &self,
+        c: &mut Campaign,
+        watch: &mut (impl FusedStream<Item = Result<Option<Lease>, watcher::Error>> + Unpin),
+        until: Instant,
+    ) {
+        let reread_at = c.news_at + self.settings.timing.retry_period;
+        tokio::select! {
+            news = watch.next(), if c.watch_open => match news {
+                Some(Ok(lease)) => {
+                    if c.watch_failing {
+                        info!(lease = %self.name(), "watching the lease again");
+                        c.watch_failing = false;
+                    }
+                    c.known = self.observe(lease.as_ref(), &mut c.last, Instant::now());
+                    c.news_at = Instant::now();
+                }
+                Some(Err(error)) if !c.watch_failing => {
+                    warn!(lease = %self.name(), %error, "cannot watch the lease; reading it every retry period instead");
+                    c.watch_failing = true;
+                }
+                Some(Err(_)) => {}
+                None => c.watch_open = false,
+            },
+            _ = sleep_until(until.min(reread_at)) => {
+                if Instant::now() >= reread_at {
+                    c.known = Known::Unknown;
+                }
+            }
+        }
+    }
+
+    /// Counts and logs a failed attempt; returns the pause before the next. No answer at all
+    /// (the API server is down or restarting): ask again soon, so leadership resumes right after
+    /// it is back. An answer that refused us (a missing namespace, RBAC) backs off.
+    fn failed_attempt(&self, c: &mut Campaign, error: &LeaseError) -> Duration {
+        c.failures += 1;
+        let failures = c.failures;
+        warn!(lease = %self.name(), %error, failures, "could not acquire the lease; retrying");
+        c.known = Known::Unknown;
+        let retry_period = self.settings.timing.retry_period;
+        if error.unanswered() {
+            retry_period.min(UNANSWERED_RETRY)
+        } else {
+            retry_period * failures.clamp(1, 5)
         }
     }
 
@@ -412,8 +460,6 @@ impl Elector {
         W: Fn(CancellationToken) -> F,
         F: Future<Output = ()> + Send + 'static,
     {
-        let timing = self.settings.timing;
-        let mut held = won.held;
         let stop = CancellationToken::new();
         // Dropping the election (e.g. its task is aborted) aborts the work too: no reconcile
         // loop may outlive the leadership that started it.
@@ -429,19 +475,29 @@ impl Elector {
             "LeaderElected",
             "became leader: reconciling Ats",
         );
+        let (why, held) = self.hold(won.held, &mut task, shutdown).await;
+        self.stop_work(&why, &mut task, &stop, &held).await;
+        self.leadership.set_leading(false);
+        self.step_down(why, &held).await
+    }
 
+    /// Renews the Lease every retry period while it is held; returns why holding it ended and
+    /// the last tenure.
+    async fn hold(
+        &self,
+        mut held: Held,
+        task: &mut AbortOnDropHandle<()>,
+        shutdown: &CancellationToken,
+    ) -> (Why, Held) {
+        let timing = self.settings.timing;
         let mut renewal: Option<RenewalFuture> = None;
         let mut renew_at = held.sent + timing.retry_period;
-        let mut finished = false;
         let why = loop {
             tokio::select! {
                 biased;
                 _ = sleep_until(held.deadline(timing.renew_deadline)) => break Why::Deadline,
                 _ = shutdown.cancelled() => break Why::Shutdown,
-                result = &mut task => {
-                    finished = true;
-                    break Why::LoopEnded(format!("{result:?}"));
-                }
+                result = &mut *task => break Why::LoopEnded(format!("{result:?}")),
                 outcome = async { renewal.as_mut().expect("a renewal").await }, if renewal.is_some() => {
                     renewal = None;
                     match outcome {
@@ -455,19 +511,7 @@ impl Elector {
                             renew_at = Instant::now();
                         }
                         Renewal::Gone(holder) => break Why::Taken(holder),
-                        Renewal::Failed(error) => {
-                            let left = held
-                                .deadline(timing.renew_deadline)
-                                .saturating_duration_since(Instant::now());
-                            // Leadership is at risk only when the deadline is less than a
-                            // retry period away; a failed renewal before that is retried.
-                            if left < timing.retry_period {
-                                warn!(lease = %self.name(), %error, ?left, "could not renew the lease; retrying before the renew deadline");
-                            } else {
-                                info!(lease = %self.name(), %error, ?left, "could not renew the lease; retrying");
-                            }
-                            renew_at = Instant::now() + timing.retry_period.min(left / 2);
-                        }
+                        Renewal::Failed(error) => renew_at = self.renewal_failed(&held, &error),
                     }
                 }
                 _ = sleep_until(renew_at), if renewal.is_none() => {
@@ -482,62 +526,84 @@ impl Elector {
                 }
             }
         };
-        drop(renewal);
+        (why, held)
+    }
 
-        let graceful = matches!(why, Why::Shutdown | Why::LoopEnded(_));
-        if !finished {
-            if graceful {
-                stop.cancel();
-                let until = (Instant::now() + timing.step_down_grace)
-                    .min(held.deadline(timing.renew_deadline));
-                let left = until.saturating_duration_since(Instant::now());
-                finished = timeout(left, &mut task).await.is_ok();
-                if !finished {
-                    info!(lease = %self.name(), grace = ?timing.step_down_grace, "reconciles still running after the step-down grace; aborting them");
-                }
-            }
-            if !finished {
-                // Abort at the next await point: no reconcile starts or continues after this.
-                task.abort();
-                let _ = (&mut task).await;
-            }
+    /// Logs a failed renewal and returns when to try again: within a retry period, and before
+    /// the renew deadline. Leadership is at risk only when the deadline is less than a retry
+    /// period away; a failed renewal before that is retried.
+    fn renewal_failed(&self, held: &Held, error: &LeaseError) -> Instant {
+        let timing = self.settings.timing;
+        let left = held
+            .deadline(timing.renew_deadline)
+            .saturating_duration_since(Instant::now());
+        if left < timing.retry_period {
+            warn!(lease = %self.name(), %error, ?left, "could not renew the lease; retrying before the renew deadline");
+        } else {
+            info!(lease = %self.name(), %error, ?left, "could not renew the lease; retrying");
         }
-        self.leadership.set_leading(false);
+        Instant::now() + timing.retry_period.min(left / 2)
+    }
 
-        match why {
+    /// Stops the reconcile loop (unless it ended by itself): on shutdown it gets the step-down
+    /// grace, within the tenure; otherwise, or past that, it is aborted at its next await point,
+    /// so no reconcile starts or continues after this.
+    async fn stop_work(
+        &self,
+        why: &Why,
+        task: &mut AbortOnDropHandle<()>,
+        stop: &CancellationToken,
+        held: &Held,
+    ) {
+        if matches!(why, Why::LoopEnded(_)) {
+            return;
+        }
+        let timing = self.settings.timing;
+        if matches!(why, Why::Shutdown) {
+            stop.cancel();
+            let until =
+                (Instant::now() + timing.step_down_grace).min(held.deadline(timing.renew_deadline));
+            let left = until.saturating_duration_since(Instant::now());
+            if timeout(left, &mut *task).await.is_ok() {
+                return;
+            }
+            info!(lease = %self.name(), grace = ?timing.step_down_grace, "reconciles still running after the step-down grace; aborting them");
+        }
+        task.abort();
+        let _ = (&mut *task).await;
+    }
+
+    /// Releases the Lease on shutdown or when the loop ended, and tells why leading ended.
+    async fn step_down(&self, why: Why, held: &Held) -> Ended {
+        let reason = match why {
             Why::Shutdown => {
-                self.release(&held).await;
+                self.release(held).await;
                 self.tell(
                     EventType::Normal,
                     "LeaderReleased",
                     "released the lease on shutdown",
                 );
-                Ended::Released
+                return Ended::Released;
             }
-            why => {
-                let reason = match why {
-                    Why::Deadline => format!(
-                        "no renewal within the renew deadline {:?}",
-                        timing.renew_deadline
-                    ),
-                    Why::Taken(Some(holder)) => format!("the lease is now held by {holder:?}"),
-                    Why::Taken(None) => "the lease was released or deleted by someone else".into(),
-                    Why::LoopEnded(result) => {
-                        // Let another replica (or this one, after a pause) start afresh.
-                        self.release(&held).await;
-                        format!("the reconcile loop ended unexpectedly: {result}")
-                    }
-                    Why::Shutdown => unreachable!("handled above"),
-                };
-                warn!(lease = %self.name(), identity = %self.me(), reason = %reason, "lost leadership: reconciling stopped");
-                self.tell(
-                    EventType::Warning,
-                    "LeaderLost",
-                    &format!("stopped leading: {reason}"),
-                );
-                Ended::Lost
+            Why::Deadline => format!(
+                "no renewal within the renew deadline {:?}",
+                self.settings.timing.renew_deadline
+            ),
+            Why::Taken(Some(holder)) => format!("the lease is now held by {holder:?}"),
+            Why::Taken(None) => "the lease was released or deleted by someone else".into(),
+            Why::LoopEnded(result) => {
+                // Let another replica (or this one, after a pause) start afresh.
+                self.release(held).await;
+                format!("the reconcile loop ended unexpectedly: {result}")
             }
-        }
+        };
+        warn!(lease = %self.name(), identity = %self.me(), reason = %reason, "lost leadership: reconciling stopped");
+        self.tell(
+            EventType::Warning,
+            "LeaderLost",
+            &format!("stopped leading: {reason}"),
+        );
+        Ended::Lost
     }
 
     /// One renewal on `version`; on a conflict the Lease is read again to tell a foreign write
