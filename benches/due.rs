@@ -310,7 +310,7 @@ fn spawn_operator(kubeconfig: &std::path::Path) -> Operator {
 /// `spawn_operator`, also returning its admin (metrics) address.
 fn spawn_operator_with_admin(kubeconfig: &std::path::Path) -> (Operator, std::net::SocketAddr) {
     let dir = kubeconfig.with_extension("certs");
-    let certs = Command::new(env!("CARGO_BIN_EXE_cnat"))
+    let certs = Command::new(envtest::cnat_binary())
         .args(["certs", "--out-dir", dir.to_str().unwrap()])
         .output()
         .unwrap();
@@ -322,7 +322,7 @@ fn spawn_operator_with_admin(kubeconfig: &std::path::Path) -> (Operator, std::ne
             .unwrap()
     };
     let admin = free();
-    let child = Command::new(env!("CARGO_BIN_EXE_cnat"))
+    let child = Command::new(envtest::cnat_binary())
         .args(["run", "--log-format", "text", "--log", "warn"])
         .arg(format!("--admin-addr={admin}"))
         .arg(format!("--webhook-addr={}", free()))

@@ -48,6 +48,14 @@ pub struct ControlPlane {
 static RUNNING: Mutex<Vec<(Vec<u32>, PathBuf)>> = Mutex::new(Vec::new());
 static SHARED: OnceLock<Result<Option<ControlPlane>, String>> = OnceLock::new();
 
+/// The `cnat` binary replicas run: this build's, unless `CNAT_BENCH_BINARY` names another
+/// (`scripts/bench-side-by-side` runs the benches on an older build that way).
+pub fn cnat_binary() -> PathBuf {
+    std::env::var_os("CNAT_BENCH_BINARY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_cnat")))
+}
+
 /// The folder with the binaries, if `KUBEBUILDER_ASSETS` names one that has them all.
 pub fn assets() -> Option<PathBuf> {
     let dir = PathBuf::from(std::env::var_os("KUBEBUILDER_ASSETS")?);
@@ -764,8 +772,8 @@ impl ControlPlane {
         kubeconfig: &Path,
         shared: Option<&Path>,
     ) -> Replica {
-        let binary = Path::new(env!("CARGO_BIN_EXE_cnat"));
-        self.start_binary(binary, identity, lease_namespace, extra, kubeconfig, shared)
+        let binary = cnat_binary();
+        self.start_binary(&binary, identity, lease_namespace, extra, kubeconfig, shared)
     }
 
     /// Starts `binary` as a replica with the certificates in `shared` (made there, whole, if
