@@ -773,7 +773,14 @@ impl ControlPlane {
         shared: Option<&Path>,
     ) -> Replica {
         let binary = cnat_binary();
-        self.start_binary(&binary, identity, lease_namespace, extra, kubeconfig, shared)
+        self.start_binary(
+            &binary,
+            identity,
+            lease_namespace,
+            extra,
+            kubeconfig,
+            shared,
+        )
     }
 
     /// Starts `binary` as a replica with the certificates in `shared` (made there, whole, if

@@ -65,6 +65,9 @@ const BATCH: usize = 256;
 
 type EventStream = Pin<Box<dyn Stream<Item = kube::Result<WatchEvent<CachedAt>>> + Send>>;
 
+/// The next state and the events a step brought.
+type Stepped = (State, Vec<Result<Event<CachedAt>, Error>>);
+
 /// Where the follower is.
 enum State {
     /// To list, at any version (`None`: the first list) or not older than this one.
@@ -117,112 +120,132 @@ pub fn follow(
 }
 
 /// One step: the next state, and what it yields.
-async fn step(
-    state: State,
-    follower: &mut Follower,
-) -> (State, Vec<Result<Event<CachedAt>, Error>>) {
-    let (client, url) = (&follower.client, follower.url.as_str());
+async fn step(state: State, follower: &mut Follower) -> Stepped {
     match state {
-        State::List(version) => {
-            let selectors: Vec<Option<String>> = if follower.sharded {
-                crate::shard::selectors().into_iter().map(Some).collect()
-            } else {
-                vec![None]
-            };
-            let answers = futures::future::join_all(selectors.into_iter().map(|selector| {
-                let mut params = match &version {
-                    None => ListParams::default().match_any(),
-                    Some(version) => ListParams {
-                        resource_version: Some(version.clone()),
-                        version_match: Some(VersionMatch::NotOlderThan),
-                        ..ListParams::default()
-                    },
-                };
-                params.label_selector = selector;
-                async move {
-                    match Request::new(url).list(&params) {
-                        Ok(request) => timeout(IDLE, client.request_stream(request))
-                            .await
-                            .unwrap_or_else(|_| Err(silent())),
-                        Err(error) => Err(kube::Error::BuildRequest(error)),
-                    }
-                }
-            }))
-            .await;
-            match answers.into_iter().collect::<kube::Result<Vec<_>>>() {
-                Ok(bodies) => (
-                    State::Listing(Listing::start(bodies, version)),
-                    vec![Ok(Event::Init)],
-                ),
-                Err(error) => (
-                    State::List(version),
-                    vec![Err(Error::InitialListFailed(error))],
-                ),
-            }
+        State::List(version) => list(version, follower).await,
+        State::Listing(listing) => read_listed(listing, follower).await,
+        State::Watch(version, replay) => watch(version, replay, follower).await,
+        State::Watching(version, events, replay) => {
+            read_watched(version, events, replay, follower).await
         }
-        State::Listing(mut listing) => match listing.next().await {
-            Listed::Ats(ats) => {
-                let events = ats.into_iter().map(|at| Ok(Event::InitApply(at))).collect();
-                (State::Listing(listing), events)
-            }
-            Listed::Ended => (State::Listing(listing), vec![]),
-            Listed::Failed(error) => (State::List(listing.asked), vec![Err(error)]),
-            Listed::Done(versions) => match Replay::of(&versions) {
-                Ok((from, replay)) => (State::Watch(from, replay), vec![Ok(Event::InitDone)]),
-                Err(odd) => {
-                    follower.sharded = false;
-                    let why = format!("the API server's resourceVersion {odd:?} is not a number, which listing the At shards at once needs; listing them in one request from now on");
-                    (
-                        State::List(listing.asked),
-                        vec![Err(Error::InitialListFailed(kube::Error::Service(
-                            why.into(),
-                        )))],
-                    )
-                }
+    }
+}
+
+/// Lists every At (the shard lists at once) at any version (`None`) or not older than
+/// `version`; the lists' bodies are decoded as they stream in (`Listing`).
+async fn list(version: Option<String>, follower: &Follower) -> Stepped {
+    let (client, url) = (&follower.client, follower.url.as_str());
+    let selectors: Vec<Option<String>> = if follower.sharded {
+        crate::shard::selectors().into_iter().map(Some).collect()
+    } else {
+        vec![None]
+    };
+    let answers = futures::future::join_all(selectors.into_iter().map(|selector| {
+        let mut params = match &version {
+            None => ListParams::default().match_any(),
+            Some(version) => ListParams {
+                resource_version: Some(version.clone()),
+                version_match: Some(VersionMatch::NotOlderThan),
+                ..ListParams::default()
             },
+        };
+        params.label_selector = selector;
+        async move {
+            match Request::new(url).list(&params) {
+                Ok(request) => timeout(IDLE, client.request_stream(request))
+                    .await
+                    .unwrap_or_else(|_| Err(silent())),
+                Err(error) => Err(kube::Error::BuildRequest(error)),
+            }
+        }
+    }))
+    .await;
+    match answers.into_iter().collect::<kube::Result<Vec<_>>>() {
+        Ok(bodies) => (
+            State::Listing(Listing::start(bodies, version)),
+            vec![Ok(Event::Init)],
+        ),
+        Err(error) => (
+            State::List(version),
+            vec![Err(Error::InitialListFailed(error))],
+        ),
+    }
+}
+
+/// The next Ats the lists brought, or their end.
+async fn read_listed(mut listing: Listing, follower: &mut Follower) -> Stepped {
+    match listing.next().await {
+        Listed::Ats(ats) => {
+            let events = ats.into_iter().map(|at| Ok(Event::InitApply(at))).collect();
+            (State::Listing(listing), events)
+        }
+        Listed::Ended => (State::Listing(listing), vec![]),
+        Listed::Failed(error) => (State::List(listing.asked), vec![Err(error)]),
+        Listed::Done(versions) => match Replay::of(&versions) {
+            Ok((from, replay)) => (State::Watch(from, replay), vec![Ok(Event::InitDone)]),
+            Err(odd) => {
+                follower.sharded = false;
+                let why = format!("the API server's resourceVersion {odd:?} is not a number, which listing the At shards at once needs; listing them in one request from now on");
+                (
+                    State::List(listing.asked),
+                    vec![Err(Error::InitialListFailed(kube::Error::Service(
+                        why.into(),
+                    )))],
+                )
+            }
         },
-        State::Watch(version, replay) => {
-            // Bookmarks are on by default.
-            let params = WatchParams::default().timeout(WATCH_TIMEOUT);
-            let request = match Request::new(url).watch(&params, &version) {
-                Ok(request) => request,
-                Err(error) => {
-                    return (
-                        State::Watch(version, replay),
-                        vec![Err(Error::WatchStartFailed(kube::Error::BuildRequest(
-                            error,
-                        )))],
-                    )
-                }
-            };
-            // A refusal (410 too) comes as the stream's first event.
-            let started = timeout(IDLE, client.request_events::<CachedAt>(request))
-                .await
-                .unwrap_or_else(|_| Err(silent()));
-            match started {
-                Ok(events) => (State::Watching(version, Box::pin(events), replay), vec![]),
-                Err(error) => (
-                    State::Watch(version, replay),
-                    vec![Err(Error::WatchStartFailed(error))],
-                ),
-            }
+    }
+}
+
+/// Starts a watch from `version`.
+async fn watch(version: String, replay: Option<Replay>, follower: &Follower) -> Stepped {
+    let (client, url) = (&follower.client, follower.url.as_str());
+    // Bookmarks are on by default.
+    let params = WatchParams::default().timeout(WATCH_TIMEOUT);
+    let request = match Request::new(url).watch(&params, &version) {
+        Ok(request) => request,
+        Err(error) => {
+            return (
+                State::Watch(version, replay),
+                vec![Err(Error::WatchStartFailed(kube::Error::BuildRequest(
+                    error,
+                )))],
+            )
         }
-        State::Watching(version, mut events, replay) => {
-            match timeout(WATCH_IDLE, events.next()).await {
-                Ok(Some(Ok(event))) => watched(version, events, replay, event, &follower.held),
-                Ok(Some(Err(kube::Error::Api(status)))) if status.code == 410 => (
-                    State::List(Some(relist_from(version, replay))),
-                    vec![Err(Error::WatchError(status))],
-                ),
-                Ok(Some(Err(error))) => (
-                    State::Watch(version, replay),
-                    vec![Err(Error::WatchFailed(error))],
-                ),
-                // Ended after its timeout, as asked, or silent past it: go on from the last
-                // version.
-                Ok(None) | Err(_) => (State::Watch(version, replay), vec![]),
-            }
-        }
+    };
+    // A refusal (410 too) comes as the stream's first event.
+    let started = timeout(IDLE, client.request_events::<CachedAt>(request))
+        .await
+        .unwrap_or_else(|_| Err(silent()));
+    match started {
+        Ok(events) => (State::Watching(version, Box::pin(events), replay), vec![]),
+        Err(error) => (
+            State::Watch(version, replay),
+            vec![Err(Error::WatchStartFailed(error))],
+        ),
+    }
+}
+
+/// The next event of the watch, or its end.
+async fn read_watched(
+    version: String,
+    mut events: EventStream,
+    replay: Option<Replay>,
+    follower: &Follower,
+) -> Stepped {
+    match timeout(WATCH_IDLE, events.next()).await {
+        Ok(Some(Ok(event))) => watched(version, events, replay, event, &follower.held),
+        Ok(Some(Err(kube::Error::Api(status)))) if status.code == 410 => (
+            State::List(Some(relist_from(version, replay))),
+            vec![Err(Error::WatchError(status))],
+        ),
+        Ok(Some(Err(error))) => (
+            State::Watch(version, replay),
+            vec![Err(Error::WatchFailed(error))],
+        ),
+        // Ended after its timeout, as asked, or silent past it: go on from the last
+        // version.
+        Ok(None) | Err(_) => (State::Watch(version, replay), vec![]),
     }
 }
 
@@ -233,7 +256,7 @@ fn watched(
     replay: Option<Replay>,
     event: WatchEvent<CachedAt>,
     held: &Store<CachedAt>,
-) -> (State, Vec<Result<Event<CachedAt>, Error>>) {
+) -> Stepped {
     let (at, delete) = match event {
         WatchEvent::Added(at) | WatchEvent::Modified(at) => (at, false),
         WatchEvent::Deleted(at) => (at, true),

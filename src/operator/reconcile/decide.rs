@@ -138,21 +138,9 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
     if let PodObservation::Owned(view) = pod {
         return from_pod(at, view, now, policy);
     }
-    // Stored before the CRD and the webhook had these bounds (or with the webhook off).
-    let out_of_range = limits::problems(&at.spec, |_| true);
-    if !out_of_range.is_empty() {
-        let message = format!(
-            "{}; cnat does not run an At with a value outside its range: fix the field (kubectl edit) and it runs",
-            out_of_range.join("; ")
-        );
-        return next.invalid("InvalidSpec", message);
-    }
-    let due = match schedule::parse(&at.spec.schedule, at.spec.time_zone.as_deref()) {
+    let due = match due_instant(at) {
         Ok(due) => due,
-        Err(err @ schedule::ScheduleError::UnknownZone(_)) => {
-            return next.invalid("InvalidTimeZone", err.to_string())
-        }
-        Err(err) => return next.invalid("InvalidSchedule", err.to_string()),
+        Err((reason, message)) => return next.invalid(reason, message),
     };
     let mut next = next;
     next.status.scheduled_time = Some(due);
@@ -163,7 +151,6 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
             .note(Severity::Normal, "Scheduled", message)
             .decide(Call::Nothing, Some(left));
     }
-    let pod_name = pod::name_for(&at.name_any());
     // An At being deleted starts nothing (its pod would be orphaned at once, and cnat's
     // finalizer on that pod is already let go).
     if at.metadata.deletion_timestamp.is_some() {
@@ -183,6 +170,40 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
             _ => missed(at, now, due, seconds),
         };
     }
+    due_now(at, pod, next, due, now)
+}
+
+/// The instant a PENDING At is due, or why it cannot run as stored (a reason and a message):
+/// a spec outside the CRD's bounds (stored before it had them, or with the webhook off), a
+/// schedule or time zone that does not parse.
+fn due_instant(at: &At) -> Result<DateTime<Utc>, (&'static str, String)> {
+    let out_of_range = limits::problems(&at.spec, |_| true);
+    if !out_of_range.is_empty() {
+        let message = format!(
+            "{}; cnat does not run an At with a value outside its range: fix the field (kubectl edit) and it runs",
+            out_of_range.join("; ")
+        );
+        return Err(("InvalidSpec", message));
+    }
+    match schedule::parse(&at.spec.schedule, at.spec.time_zone.as_deref()) {
+        Ok(due) => Ok(due),
+        Err(err @ schedule::ScheduleError::UnknownZone(_)) => {
+            Err(("InvalidTimeZone", err.to_string()))
+        }
+        Err(err) => Err(("InvalidSchedule", err.to_string())),
+    }
+}
+
+/// A PENDING At that is due (`due`) and not past its starting deadline: its pod is created,
+/// or what stands in the way (a foreign pod, a refusal) is recorded.
+fn due_now(
+    at: &At,
+    pod: &PodObservation,
+    next: Next,
+    due: DateTime<Utc>,
+    now: DateTime<Utc>,
+) -> Decision {
+    let pod_name = pod::name_for(&at.name_any());
     match pod {
         PodObservation::Foreign => {
             let message = format!(
