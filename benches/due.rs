@@ -133,7 +133,7 @@ async fn outage(n: usize, down: Duration) {
     let pending = poll(&server, LEAD, |s| {
         names.iter().all(|a| {
             s.get(Resource::Ats, "default", a)
-                .is_some_and(|v| v["status"]["phase"] == "PENDING")
+                .is_some_and(|v| v["status"]["phase"] == "Pending")
         })
     })
     .await;
@@ -207,7 +207,7 @@ async fn run(n: usize) {
     let settled = poll(&server, lead, |s| {
         names.iter().all(|a| {
             s.get(Resource::Ats, "default", a)
-                .is_some_and(|v| v["status"]["phase"] == "PENDING")
+                .is_some_and(|v| v["status"]["phase"] == "Pending")
         })
     })
     .await;
@@ -229,7 +229,7 @@ async fn run(n: usize) {
     let running = poll(&server, Duration::from_secs(60), |s| {
         names.iter().all(|a| {
             s.get(Resource::Ats, "default", a)
-                .is_some_and(|v| v["status"]["phase"] == "RUNNING")
+                .is_some_and(|v| v["status"]["phase"] == "Running")
         })
     })
     .await;
@@ -481,7 +481,7 @@ async fn pending(n: usize) {
         let done = (0..5000).all(|i| {
             server
                 .get(Resource::Ats, "default", &format!("new-{i:04}"))
-                .is_some_and(|v| v["status"]["phase"] == "PENDING")
+                .is_some_and(|v| v["status"]["phase"] == "Pending")
         });
         if done {
             break;
