@@ -493,7 +493,7 @@ pub async fn run(
         return Ok(ExitCode::SUCCESS);
     }
     let pods: Api<Pod> = Api::namespaced(client, &namespace);
-    let finished = wait_within(&args, &ats, &pods, &at, out, err).await?;
+    let finished = wait_within(&args, &ats, &pods, &namespace, &at, out, err).await?;
     match show::exit_code(&finished) {
         Ok(code) => Ok(ExitCode::from(code)),
         Err(why) => {
@@ -660,6 +660,7 @@ async fn wait_within(
     args: &Args,
     ats: &Api<At>,
     pods: &Api<Pod>,
+    namespace: &str,
     at: &At,
     out: &mut impl Write,
     err: &mut impl Write,
@@ -668,7 +669,6 @@ async fn wait_within(
     let waited = wait(ats, pods, &name, out, err);
     match Duration::try_from(args.timeout).ok().filter(|t| !t.is_zero()) {
         Some(limit) => tokio::time::timeout(limit, waited).await.map_err(|_| {
-            let namespace = at.namespace().unwrap_or_default();
             Error::Server(format!(
                 "At {namespace}/{name} did not finish within --timeout {}; it goes on: kubectl at -l -n {namespace}",
                 args.timeout

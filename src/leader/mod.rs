@@ -701,7 +701,7 @@ impl Elector {
             .events
             .try_send_replica(event, regarding.object_ref(&()))
         {
-            debug!(lease = %self.name(), reason, "event queue full; event dropped");
+            debug!(lease = %self.name(), reason, "event not queued (its lane is full, or publishing stopped); dropped");
         }
     }
 }

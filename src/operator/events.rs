@@ -2,8 +2,9 @@
 //! matters, and the event tells the same story for `kubectl describe`. Events go out in
 //! `LANES` lanes, each in order: what is queued with one key (an At) always takes the same
 //! lane, so one At's events go out in the order they were queued while other Ats' go at the
-//! same time; the replica's own events (its Lease's) have a lane of their own. An event may wait behind writes (`try_send_behind`): until pod creates
-//! and status writes are quiet (`PodsFirst`), at most `MAX_DEFER`, so late, never lost.
+//! same time; the replica's own events (its Lease's) have a lane of their own. An event may
+//! wait behind writes (`try_send_behind`): until pod creates and status writes are quiet
+//! (`PodsFirst`), at most `MAX_DEFER`, so late, never lost.
 //!
 //! Each event is published by a fresh kube `Recorder`. A long-lived one keeps every event it
 //! published for six minutes (to count repeats as a series) and scans that whole cache on every
@@ -24,9 +25,10 @@ use tracing::{debug, warn};
 
 /// Events published at once (each one API request), in as many lanes.
 pub const LANES: usize = 8;
-/// Events waiting in all lanes together (each holds its `LANES`th part); past a lane's part
-/// they are dropped (and counted by the caller): nothing waits for room, least of all the
-/// leader's renewals, and the At's status holds the same facts.
+/// Ats' events waiting in all lanes together (each holds its `LANES`th part; the replica's
+/// own lane holds as much again); past a lane's part they are dropped (and counted by the
+/// caller): nothing waits for room, least of all the leader's renewals, and the At's status
+/// holds the same facts.
 pub const QUEUE: usize = 4096;
 /// The longest an event waits for pod creates and status writes to be quiet.
 pub const MAX_DEFER: Duration = Duration::from_secs(2);
@@ -76,7 +78,14 @@ impl EventSink {
             regarding,
             behind: None,
         };
-        self.replica.try_send(queued).is_ok()
+        match self.replica.try_send(queued) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(_)) => false,
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                debug!("event publishers stopped; event dropped");
+                false
+            }
+        }
     }
 
     /// Queues `event` about `regarding` in the lane of `key`, its note cut to what the API

@@ -51,9 +51,14 @@ static SHARED: OnceLock<Result<Option<ControlPlane>, String>> = OnceLock::new();
 /// The `cnat` binary replicas run: this build's, unless `CNAT_BENCH_BINARY` names another
 /// (`scripts/bench-side-by-side` runs the benches on an older build that way).
 pub fn cnat_binary() -> PathBuf {
-    std::env::var_os("CNAT_BENCH_BINARY")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_cnat")))
+    match std::env::var_os("CNAT_BENCH_BINARY") {
+        Some(other) => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| eprintln!("replicas run {} (CNAT_BENCH_BINARY)", other.to_string_lossy()));
+            PathBuf::from(other)
+        }
+        None => PathBuf::from(env!("CARGO_BIN_EXE_cnat")),
+    }
 }
 
 /// The folder with the binaries, if `KUBEBUILDER_ASSETS` names one that has them all.
