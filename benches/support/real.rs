@@ -240,10 +240,8 @@ enum CrdCopy {
 fn copy_api(admin: &Client, ns: &str, copy: CrdCopy) -> Api<kube::api::DynamicObject> {
     use kube::api::ApiResource;
     use kube::core::GroupVersionKind;
-    let resource = ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk(copy.group(), "v1", "At"),
-        "ats",
-    );
+    let resource =
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(copy.group(), "v1", "At"), "ats");
     Api::namespaced_with(admin.clone(), ns, &resource)
 }
 

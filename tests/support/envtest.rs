@@ -54,7 +54,12 @@ pub fn cnat_binary() -> PathBuf {
     match std::env::var_os("CNAT_BENCH_BINARY") {
         Some(other) => {
             static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| eprintln!("replicas run {} (CNAT_BENCH_BINARY)", other.to_string_lossy()));
+            SAID.call_once(|| {
+                eprintln!(
+                    "replicas run {} (CNAT_BENCH_BINARY)",
+                    other.to_string_lossy()
+                )
+            });
             PathBuf::from(other)
         }
         None => PathBuf::from(env!("CARGO_BIN_EXE_cnat")),
