@@ -11,7 +11,7 @@
 //! version by whoever writes them. Each write passes the admission webhooks as an UPDATE (the
 //! mutating webhook adds a missing list-shard label then).
 
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::{GroupVersionKind, TypeMeta};
@@ -76,6 +76,52 @@ pub struct Report {
     /// written again).
     pub restarts: usize,
     pub dry_run: bool,
+    /// Objects the API server would not take back (or, in a dry run, would not): each with why
+    /// and the fix. While any is left, `storedVersions` stays as it was.
+    pub left: Vec<Left>,
+}
+
+/// An object the migration could not rewrite.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Left {
+    /// Kind, namespace and name, as kubectl names it.
+    pub object: String,
+    /// The API server's answer.
+    pub why: String,
+    /// What to do about it.
+    pub fix: &'static str,
+}
+
+impl Left {
+    /// `object` could not be written back: why (`error`), and what to do about it.
+    fn new(object: String, error: &kube::Error) -> Self {
+        let (why, fix) = match error {
+            kube::Error::Api(status) if status.message.contains("webhook") => (
+                status.message.clone(),
+                "an admission webhook refused the unchanged object, or could not be called: fix what it names (or the webhook)",
+            ),
+            kube::Error::Api(status) if status.code == 422 => (
+                status.message.clone(),
+                "its stored value breaks today's schema (a value outside the bounds): fix the field named (kubectl edit) or delete the object",
+            ),
+            kube::Error::Api(status) if status.code == 403 => (
+                status.message.clone(),
+                "grant the migration's user update on this resource (or run it as one who has it)",
+            ),
+            kube::Error::Api(status) => (
+                status.message.clone(),
+                "fix what the API server names",
+            ),
+            other => (other.to_string(), "check that the API server answers"),
+        };
+        Left { object, why, fix }
+    }
+}
+
+impl std::fmt::Display for Left {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}; {}", self.object, self.why, self.fix)
+    }
 }
 
 impl std::fmt::Display for Report {
@@ -91,6 +137,7 @@ impl std::fmt::Display for Report {
             conflicts,
             restarts,
             dry_run,
+            left,
         } = self;
         if *dry_run {
             write!(
@@ -101,6 +148,13 @@ impl std::fmt::Display for Report {
             write!(
                 f,
                 "{crd}: {read} object(s) read as {storage_version}: {rewritten} rewritten, {unchanged} already stored as {storage_version}, {gone} deleted meanwhile; storedVersions {stored_before:?} -> [{storage_version:?}]"
+            )?;
+        }
+        if !left.is_empty() {
+            write!(
+                f,
+                "; {} object(s) left behind (storedVersions unchanged)",
+                left.len()
             )?;
         }
         if conflicts + restarts > 0 {
@@ -134,16 +188,19 @@ pub enum MigrateError {
         was: String,
         now: String,
     },
-    #[error("rewriting {object}: {source}. Run cnat migrate-storage again once that is fixed: what was rewritten stays rewritten")]
-    Write { object: String, source: kube::Error },
-    #[error("rewriting {object}: {MAX_CONFLICTS} writes in a row conflicted with other writers; run cnat migrate-storage again")]
-    Conflicts { object: String },
+    #[error("{} object(s) of {} could not be rewritten, so status.storedVersions stays {:?}; fix each and run cnat migrate-storage again (what was rewritten stays rewritten):{}", .0.left.len(), .0.crd, .0.stored_before, list_left(&.0.left))]
+    LeftBehind(Box<Report>),
     #[error("setting status.storedVersions of {crd} to [{version}]: {source}. Every object is stored as {version} now: running cnat migrate-storage again finishes this")]
     StoredVersions {
         crd: String,
         version: String,
         source: kube::Error,
     },
+}
+
+/// One line each.
+fn list_left(left: &[Left]) -> String {
+    left.iter().map(|l| format!("\n  {l}")).collect()
 }
 
 /// The version objects of `crd` are stored in (the one with `storage: true`).
@@ -229,17 +286,20 @@ pub async fn migrate(
             .collect();
         report.read += fresh.len();
         done.extend(fresh.iter().filter_map(|o| o.uid()));
+        // Every object is tried: one the API server will not take back is reported, not the
+        // end of the migration.
         let outcomes: Vec<(Written, usize)> = futures::stream::iter(fresh)
             .map(|object| rewrite(&client, &resource, object, &params))
             .buffer_unordered(options.concurrency.max(1))
-            .try_collect()
-            .await?;
+            .collect()
+            .await;
         for (written, conflicts) in outcomes {
             report.conflicts += conflicts;
             match written {
                 Written::Rewritten => report.rewritten += 1,
                 Written::Unchanged => report.unchanged += 1,
                 Written::Gone => report.gone += 1,
+                Written::Left(left) => report.left.push(left),
             }
         }
         progress(&report);
@@ -247,6 +307,10 @@ pub async fn migrate(
         if token.is_none() {
             break;
         }
+    }
+    if !report.left.is_empty() {
+        report.left.sort_by(|a, b| a.object.cmp(&b.object));
+        return Err(MigrateError::LeftBehind(Box::new(report)));
     }
     // Only if the storage version is still the one every object was written in, and the CRD
     // has not changed since it was read (the resourceVersion makes the patch a precondition).
@@ -283,11 +347,13 @@ pub async fn migrate(
 }
 
 /// What one write did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Written {
     Rewritten,
     Unchanged,
     Gone,
+    /// The API server would not take it back.
+    Left(Left),
 }
 
 /// Writes `object` (of `resource`) back unchanged, reading it again after each conflict, so a
@@ -297,7 +363,7 @@ pub async fn rewrite(
     resource: &ApiResource,
     mut object: DynamicObject,
     params: &PostParams,
-) -> Result<(Written, usize), MigrateError> {
+) -> (Written, usize) {
     let name = object.name_any();
     let (api, label): (Api<DynamicObject>, _) = match object.namespace() {
         Some(namespace) => (
@@ -318,31 +384,26 @@ pub async fn rewrite(
         let before = object.resource_version();
         match api.replace(&name, params, &object).await {
             // A dry run writes nothing, whatever the answer says.
-            Ok(_) if params.dry_run => return Ok((Written::Unchanged, conflicts)),
+            Ok(_) if params.dry_run => return (Written::Unchanged, conflicts),
             Ok(written) if written.resource_version() == before => {
-                return Ok((Written::Unchanged, conflicts))
+                return (Written::Unchanged, conflicts)
             }
-            Ok(_) => return Ok((Written::Rewritten, conflicts)),
-            Err(kube::Error::Api(e)) if e.code == 404 => return Ok((Written::Gone, conflicts)),
+            Ok(_) => return (Written::Rewritten, conflicts),
+            Err(kube::Error::Api(e)) if e.code == 404 => return (Written::Gone, conflicts),
             Err(kube::Error::Api(e)) if e.code == 409 => match api.get_opt(&name).await {
                 Ok(Some(fresh)) => object = fresh,
-                Ok(None) => return Ok((Written::Gone, conflicts + 1)),
-                Err(source) => {
-                    return Err(MigrateError::Write {
-                        object: label,
-                        source,
-                    })
-                }
+                Ok(None) => return (Written::Gone, conflicts + 1),
+                Err(error) => return (Written::Left(Left::new(label, &error)), conflicts + 1),
             },
-            Err(source) => {
-                return Err(MigrateError::Write {
-                    object: label,
-                    source,
-                })
-            }
+            Err(error) => return (Written::Left(Left::new(label, &error)), conflicts),
         }
     }
-    Err(MigrateError::Conflicts { object: label })
+    let left = Left {
+        object: label,
+        why: format!("{MAX_CONFLICTS} writes in a row conflicted with other writers"),
+        fix: "run cnat migrate-storage again",
+    };
+    (Written::Left(left), MAX_CONFLICTS)
 }
 
 #[cfg(test)]
@@ -380,6 +441,7 @@ mod tests {
             conflicts: 2,
             restarts: 0,
             dry_run: false,
+            left: Vec::new(),
         };
         assert_eq!(
             report.to_string(),

@@ -3,7 +3,7 @@
 //! in the new one, page by page; a dry run writes nothing; `status.storedVersions` ends as the
 //! new version alone; a second run finds nothing to rewrite.
 
-use cnat::storage_migration::{migrate, rewrite, Options, Report, Written};
+use cnat::storage_migration::{migrate, rewrite, MigrateError, Options, Report, Written};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{
@@ -169,7 +169,7 @@ async fn a_stale_copy_is_read_again_and_never_overwrites_a_newer_one() {
         )
         .await
         .unwrap();
-    let written = rewrite(&admin, &widget, stale, &post).await.unwrap();
+    let written = rewrite(&admin, &widget, stale, &post).await;
     // The stale write conflicted (409), the At was read again, and that copy written: a no-op,
     // since it is stored in this version already.
     assert_eq!(written, (Written::Unchanged, 1));
@@ -185,6 +185,154 @@ async fn a_stale_copy_is_read_again_and_never_overwrites_a_newer_one() {
     api.delete("deleted", &DeleteParams::default())
         .await
         .unwrap();
-    let written = rewrite(&admin, &widget, gone, &post).await.unwrap();
+    let written = rewrite(&admin, &widget, gone, &post).await;
     assert_eq!(written.0, Written::Gone);
+}
+
+/// The group of the third test's CRD.
+const LEFT_GROUP: &str = "leftover.e2e.example";
+
+/// `crd` for `LEFT_GROUP` with `spec.size` an integer, at most `maximum` when given.
+fn bounded_crd(versions: &[(&str, bool)], maximum: Option<i64>) -> String {
+    let mut crd: serde_json::Value = serde_json::from_str(&crd(LEFT_GROUP, versions)).unwrap();
+    let mut size = json!({"type": "integer"});
+    if let Some(maximum) = maximum {
+        size["maximum"] = json!(maximum);
+    }
+    for version in crd["spec"]["versions"].as_array_mut().unwrap() {
+        version["schema"]["openAPIV3Schema"]["properties"]["spec"] =
+            json!({"type": "object", "properties": {"size": size}});
+    }
+    crd.to_string()
+}
+
+#[tokio::test]
+async fn objects_it_cannot_rewrite_are_reported_with_the_fix_and_stored_versions_waits_for_them() {
+    use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+    let plane = crate::real_control_plane!();
+    let admin = plane.admin().await;
+    let crd_name = format!("widgets.{LEFT_GROUP}");
+    crate::support::envtest::install_crd(&admin, &bounded_crd(&[("v1alpha1", true)], None)).await;
+    let ns = plane.namespace("migrate-leftover", &[]).await;
+    let old = resource(LEFT_GROUP, "v1alpha1");
+    let api: Api<DynamicObject> = Api::namespaced_with(admin.clone(), &ns, &old);
+    let post = PostParams::default();
+    for (name, size, refuse) in [
+        ("ok-0", 1, false),
+        ("ok-1", 2, false),
+        ("ok-2", 3, false),
+        ("big", 1000, false),
+        ("refused", 4, true),
+    ] {
+        let mut object = DynamicObject::new(name, &old);
+        object.data = json!({"spec": {"size": size}});
+        if refuse {
+            object.metadata.labels = Some([("refuse".to_owned(), "yes".to_owned())].into());
+        }
+        api.create(&post, &object).await.unwrap();
+    }
+    // A new storage version whose schema is tighter than what `big` holds (kube-apiserver
+    // v1.30+ ratchets an unchanged value; v1.24 refuses it), and a webhook that cannot be
+    // called for `refused`'s updates (failurePolicy Fail).
+    crate::support::envtest::install_crd(
+        &admin,
+        &bounded_crd(&[("v1alpha1", false), ("v1", true)], Some(100)),
+    )
+    .await;
+    let webhook: ValidatingWebhookConfiguration = serde_json::from_value(json!({
+        "metadata": {"name": "leftover-refuse"},
+        "webhooks": [{
+            "name": "refuse.leftover.e2e.example",
+            "clientConfig": {"url": "https://127.0.0.1:1/refuse"},
+            "rules": [{"apiGroups": [LEFT_GROUP], "apiVersions": ["*"], "operations": ["UPDATE"],
+                       "resources": ["widgets"]}],
+            "objectSelector": {"matchLabels": {"refuse": "yes"}},
+            "failurePolicy": "Fail", "sideEffects": "None",
+            "admissionReviewVersions": ["v1"], "timeoutSeconds": 2,
+        }],
+    }))
+    .unwrap();
+    let webhooks: Api<ValidatingWebhookConfiguration> = Api::all(admin.clone());
+    webhooks.create(&post, &webhook).await.unwrap();
+    let ratchets = admin
+        .apiserver_version()
+        .await
+        .unwrap()
+        .minor
+        .trim_end_matches('+')
+        .parse::<u32>()
+        .unwrap()
+        >= 30;
+
+    let options = Options {
+        crd: crd_name.clone(),
+        ..Options::default()
+    };
+    // The webhook configuration takes a moment to reach the server's admission chain.
+    let mut outcome = migrate(admin.clone(), &options, |_| {}).await;
+    for _ in 0..50 {
+        match &outcome {
+            Err(MigrateError::LeftBehind(report))
+                if report.left.iter().any(|l| l.object.ends_with("/refused")) =>
+            {
+                break
+            }
+            _ => {}
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        outcome = migrate(admin.clone(), &options, |_| {}).await;
+    }
+    let error = outcome.expect_err("objects left behind");
+    let message = error.to_string();
+    let MigrateError::LeftBehind(report) = error else {
+        panic!("{message}");
+    };
+    let left: Vec<&str> = report.left.iter().map(|l| l.object.as_str()).collect();
+    let expected_left = if ratchets {
+        vec![format!("Widget {ns}/refused")]
+    } else {
+        vec![format!("Widget {ns}/big"), format!("Widget {ns}/refused")]
+    };
+    assert_eq!(left, expected_left, "{message}");
+    assert_eq!(report.read, 5, "every object was tried");
+    let refused = report.left.iter().find(|l| l.object.ends_with("/refused")).unwrap();
+    assert!(refused.why.contains("refuse.leftover.e2e.example"), "{refused}");
+    assert!(refused.fix.contains("webhook"), "{refused}");
+    if !ratchets {
+        let big = &report.left[0];
+        assert!(big.why.contains("spec.size"), "{big}");
+        assert!(big.fix.contains("schema"), "{big}");
+    }
+    assert!(
+        message.contains("status.storedVersions stays") && message.contains("/refused: "),
+        "{message}"
+    );
+    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
+    let stored = crds.get(&crd_name).await.unwrap().status.unwrap().stored_versions;
+    assert_eq!(stored.unwrap(), ["v1alpha1", "v1"], "untouched while any is left");
+
+    // Fixed (the webhook gone, the big one brought within bounds): the next run finishes.
+    webhooks
+        .delete("leftover-refuse", &DeleteParams::default())
+        .await
+        .unwrap();
+    api.patch(
+        "big",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"size": 100}})),
+    )
+    .await
+    .unwrap();
+    let mut done = migrate(admin.clone(), &options, |_| {}).await;
+    for _ in 0..50 {
+        if done.is_ok() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        done = migrate(admin.clone(), &options, |_| {}).await;
+    }
+    let done = done.unwrap();
+    assert!(done.left.is_empty());
+    let stored = crds.get(&crd_name).await.unwrap().status.unwrap().stored_versions;
+    assert_eq!(stored.unwrap(), ["v1"]);
 }
