@@ -37,6 +37,16 @@ pub enum Command {
     /// Rewrite every At in the CRD's storage version, then set status.storedVersions to it alone
     /// (for an admin, after an upgrade that changed the storage version; safe to run again).
     MigrateStorage(MigrateStorageArgs),
+    /// Remove cnat's finalizer from every pod that still holds it, for when no replica will run
+    /// again (helm uninstall's pre-delete hook); exits 1 if any could not be released.
+    Release(ReleaseArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ReleaseArgs {
+    /// Only this namespace's pods (default: every namespace).
+    #[arg(long)]
+    pub namespace: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -5,7 +5,8 @@ use axum_server::tls_rustls::RustlsConfig;
 use clap::Parser;
 use cnat::admission::access_review::AccessReviewer;
 use cnat::cli::{
-    CertsArgs, CheckArgs, Cli, Command, CrdArgs, MigrateStorageArgs, RunArgs, SmokeTestArgs,
+    CertsArgs, CheckArgs, Cli, Command, CrdArgs, MigrateStorageArgs, ReleaseArgs, RunArgs,
+    SmokeTestArgs,
 };
 use cnat::leader::{self, Leadership};
 use cnat::observability::metrics::Metrics;
@@ -41,6 +42,7 @@ async fn main() -> ExitCode {
         Command::Certs(args) => certs(args),
         Command::SmokeTest(args) => smoke_test(args).await,
         Command::MigrateStorage(args) => migrate_storage(args).await,
+        Command::Release(args) => release(args).await,
         Command::Run(args) => match run(*args).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
@@ -171,6 +173,38 @@ async fn migrate_storage(args: MigrateStorageArgs) -> ExitCode {
         }
         Err(error) => {
             eprintln!("cnat migrate-storage: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `cnat release`: every pod let go of cnat's finalizer; the count on stdout, failures on
+/// stderr.
+async fn release(args: ReleaseArgs) -> ExitCode {
+    let client = match cnat::client().await {
+        Ok(client) => client,
+        Err(error) => {
+            eprintln!("cnat release: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match cnat::operator::release::release_all(client, args.namespace.as_deref()).await {
+        Ok(released) => {
+            println!(
+                "released {} pod(s) from cnat's finalizer",
+                released.released
+            );
+            for (pod, why) in &released.failed {
+                eprintln!("cnat release: pod {pod}: {why}; run cnat release again");
+            }
+            if released.failed.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(error) => {
+            eprintln!("cnat release: {error}");
             ExitCode::FAILURE
         }
     }

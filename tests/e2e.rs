@@ -30,6 +30,8 @@ mod list_shards;
 mod mass_deletion;
 #[path = "e2e/rbac.rs"]
 mod rbac;
+#[path = "e2e/release.rs"]
+mod release;
 #[path = "e2e/storage_migration.rs"]
 mod storage_migration;
 #[path = "e2e/upgrade.rs"]

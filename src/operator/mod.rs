@@ -13,6 +13,7 @@
 //! - `key`: `AtKey`, how the operator names an At everywhere.
 //! - `ledger`: what the leader remembers of each At, with one `forget`.
 //! - `triggers`: what brings an At to a reconcile: the cache's changes, first looks, sweeps.
+//! - `release`: `cnat release`, every pod let go of cnat's finalizer (helm uninstall's hook).
 //! - `contain`: a panic in the loop is caught, logged with its At and ends the loop.
 
 pub mod cache;
@@ -26,5 +27,6 @@ pub mod pods_first;
 pub mod policy;
 pub mod reachability;
 pub mod reconcile;
+pub mod release;
 pub mod spare;
 pub mod triggers;

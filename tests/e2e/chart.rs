@@ -214,9 +214,11 @@ async fn the_chart_installs_upgrades_rolls_back_and_uninstalls_on_a_real_server(
     );
     assert_eq!(replicas(&admin).await, default_replicas);
 
+    // Without hooks: no kubelet runs the pre-delete hook's Job here, and helm would wait for it
+    // (`tests/e2e/release.rs` runs the hook's command, `cnat release`).
     helm(
         kubeconfig,
-        &["uninstall", "cnat", "--namespace", "cnat-system"],
+        &["uninstall", "cnat", "--namespace", "cnat-system", "--no-hooks"],
     );
     for (group, version, kind) in cluster_scoped {
         let left = released(&admin, &discovery, group, version, kind).await;

@@ -3,7 +3,7 @@
 
 use super::decide::{self, PodObservation};
 use super::{key, namespace, uid, Context, Error, FIELD_MANAGER};
-use crate::api::At;
+use crate::api::{At, Phase};
 use crate::operator::key::AtKey;
 use crate::operator::reconcile::writer::retry_delay;
 use crate::{operator::pod, schedule};
@@ -35,6 +35,12 @@ impl Context {
             .filter(|found| pod::awaits_release(found) && owner_gone(found))
             .map(|found| ObjectRef::from_obj(found.as_ref()))
             .collect()
+    }
+
+    /// Whether `at` is DONE and its pod, in the pod cache, still holds cnat's finalizer.
+    pub(super) fn holds_finished_pod(&self, at: &At) -> bool {
+        let done = at.status.as_ref().is_some_and(|s| s.phase == Phase::Done);
+        done && matches!(self.cached_pod(at), PodObservation::Owned(view) if view.held)
     }
 
     pub(super) fn cached_pod(&self, at: &At) -> PodObservation {
@@ -125,7 +131,8 @@ impl Context {
     }
 
     /// Removes cnat's finalizer from the At's pod (read fresh, so the patch carries its current
-    /// resourceVersion and other finalizers), then says what is left of the pod.
+    /// resourceVersion and other finalizers), then says what is left of the pod. `decide` asks
+    /// for it once the pod's outcome is recorded, or the pod or the At is going.
     pub(super) async fn release_pod(&self, at: &At) -> Result<PodObservation, Error> {
         let name = pod::name_for(&at.name_any());
         let fail = |source| Error::ReleasePod {
@@ -137,8 +144,8 @@ impl Context {
         let Some(found) = api.get_opt(&name).await.map_err(fail)? else {
             return Ok(PodObservation::Missing);
         };
-        // Only our own pod, and only while it waits for us.
-        if !pod::awaits_release(&found) || !pod::is_controlled_by(&found, &uid(at)) {
+        // Only our own pod, and only while it holds cnat's finalizer.
+        if !pod::is_held(&found) || !pod::is_controlled_by(&found, &uid(at)) {
             return Ok(observe(&found, at));
         }
         let params = PatchParams {

@@ -117,17 +117,25 @@ pub fn decide(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPol
     }
 }
 
-/// Whether the finalizer of `view`, which is being deleted, can go: the At is going too, or its
-/// status already names the pod and this decision writes nothing more about it.
+/// Whether cnat's finalizer on `view` can go: it keeps the pod until its outcome is recorded.
+/// So it goes once the At's status records the pod's outcome (DONE, naming the pod) and this
+/// decision writes nothing more; and for a pod being deleted, also once the status names the
+/// pod as RUNNING (its end is then recorded from its absence), or when the At is going too.
 fn releases(at: &At, view: &PodView, decision: &Decision) -> bool {
-    if !(view.deleting && view.held) {
+    if !view.held {
         return false;
     }
-    let recorded = at.status.as_ref().is_some_and(|s| {
-        s.phase != Phase::Pending && s.pod_name.as_deref() == Some(view.name.as_str())
-    });
+    if view.deleting && at.metadata.deletion_timestamp.is_some() {
+        return true;
+    }
+    let names_pod = |s: &AtStatus| s.pod_name.as_deref() == Some(view.name.as_str());
+    let phase = at.status.as_ref().filter(|s| names_pod(s)).map(|s| s.phase);
     let settled = decision.status.is_none() && decision.call == Call::Nothing;
-    at.metadata.deletion_timestamp.is_some() || (recorded && settled)
+    match phase {
+        Some(Phase::Done) => settled,
+        Some(Phase::Running) => view.deleting && settled,
+        _ => false,
+    }
 }
 
 fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {

@@ -173,9 +173,10 @@ impl Context {
         let wakeups = self.wakeups();
         // By name only: the index holds one small key per waiting At.
         let at_key = key(at);
-        // Its pod waits for cnat's finalizer to go: only a reconcile, which sees the pod,
-        // decides that (a terminating pod changes no more, so nothing else would bring it).
-        if self.held_pod_of(&at_key).is_some() {
+        // Its pod waits for cnat's finalizer to go (terminating, or its outcome recorded): only a
+        // reconcile, which sees the pod, decides that (a terminating or ended pod changes no
+        // more, so nothing else would bring it).
+        if self.held_pod_of(&at_key).is_some() || self.holds_finished_pod(at) {
             wakeups.clear(&at_key);
             return true;
         }
