@@ -123,6 +123,7 @@ pub struct Metrics {
     pods_refused: Family<RefusalLabels, Counter>,
     panics: Family<PanicLabels, Counter>,
     events_dropped: Counter,
+    creates_unconfirmed: Counter,
     ats: Arc<AtCount>,
 }
 
@@ -158,6 +159,7 @@ impl Metrics {
             drop(panics.get_or_create(&PanicLabels { place }));
         }
         let events_dropped = Counter::default();
+        let creates_unconfirmed = Counter::default();
         let ats = Arc::new(AtCount::default());
         let mut registry = Registry::default();
         registry.register(
@@ -211,6 +213,11 @@ impl Metrics {
             events_dropped.clone(),
         );
         registry.register(
+            "cnat_pod_creates_unconfirmed",
+            "Pod creates not made because the API server's copy of the At (a quorum read just before) was not the cache's: DONE, deleted, changed or another At by that name; the cache was behind",
+            creates_unconfirmed.clone(),
+        );
+        registry.register(
             "cnat_leader_handover_seconds",
             "On the replica that became leader: time from seeing the Lease released or expired until it led",
             leadership.handovers().clone(),
@@ -229,6 +236,7 @@ impl Metrics {
             pods_refused,
             panics,
             events_dropped,
+            creates_unconfirmed,
             ats,
         }
     }
@@ -241,6 +249,11 @@ impl Metrics {
     /// An event was dropped: its queue was full.
     pub fn event_dropped(&self) {
         self.events_dropped.inc();
+    }
+
+    /// A pod create was not made: the API server's copy of the At was not the cache's.
+    pub fn create_unconfirmed(&self) {
+        self.creates_unconfirmed.inc();
     }
 
     /// The API server refused a pod create for `reason` (a `Refusal` label, or `invalid`).

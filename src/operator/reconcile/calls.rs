@@ -164,13 +164,16 @@ impl Context {
         }
     }
 
-    /// Creates the pod; `None` when created, else what was found instead.
-    pub(super) async fn create_pod(&self, at: &At) -> Result<Option<PodObservation>, Error> {
+    /// Creates the pod once the API server confirms the At as decided on (`confirm`).
+    pub(super) async fn create_pod(&self, at: &At) -> Result<Created, Error> {
         let params = PostParams {
             field_manager: Some(FIELD_MANAGER.into()),
             ..PostParams::default()
         };
         let creating = self.writer.pods_first().creating.enter();
+        if !self.confirm(at).await? {
+            return Ok(Created::Unconfirmed);
+        }
         let created = self
             .pod_api(at)
             .create(&params, &pod::build(at, &self.policy))
@@ -179,20 +182,20 @@ impl Context {
         match created {
             Ok(_) => {
                 self.record_lateness(at);
-                Ok(None)
+                Ok(Created::Yes)
             }
             Err(kube::Error::Api(status)) if status.is_already_exists() => {
-                self.fetch_pod(at).await.map(Some)
+                self.fetch_pod(at).await.map(Created::Found)
             }
             Err(kube::Error::Api(status)) if status.is_invalid() || status.code == 400 => {
                 self.metrics.pod_refused("invalid");
-                Ok(Some(PodObservation::Rejected(status.message)))
+                Ok(Created::Found(PodObservation::Rejected(status.message)))
             }
             // Quota, Pod Security or a policy webhook: may pass later, so retried with backoff.
             Err(kube::Error::Api(status)) if status.is_forbidden() => {
                 self.metrics
                     .pod_refused(decide::Refusal::of(&status.message).label());
-                Ok(Some(PodObservation::Refused(status.message)))
+                Ok(Created::Found(PodObservation::Refused(status.message)))
             }
             Err(source) => Err(Error::CreatePod {
                 at: key(at),
@@ -200,6 +203,28 @@ impl Context {
                 source,
             }),
         }
+    }
+
+    /// Whether the API server confirms `at` as the cache showed it, by a quorum read: a cache
+    /// that is behind (relisting, a stuck watch, a new leader's) may still show an At as PENDING
+    /// that is DONE, deleted, or another At by that name, and its pod must not run again.
+    async fn confirm(&self, at: &At) -> Result<bool, Error> {
+        let fresh = self
+            .at_api(at)
+            .get_opt(&at.name_any())
+            .await
+            .map_err(|source| Error::ConfirmAt {
+                at: key(at),
+                source,
+            })?;
+        let confirmed = decide::confirms_create(at, fresh.as_ref());
+        if !confirmed {
+            let fresh = fresh.as_ref();
+            let phase = fresh.and_then(|f| f.status.as_ref()).map(|s| s.phase.as_str());
+            info!(at = %key(at), exists = fresh.is_some(), phase, "the API server's copy of this At is not what the cache shows; no pod until the cache catches up");
+            self.metrics.create_unconfirmed();
+        }
+        Ok(confirmed)
     }
 
     /// The run lateness: the pod exists now, its schedule said when it should have.
@@ -234,6 +259,15 @@ impl Context {
             }),
         }
     }
+}
+
+/// What a pod create came to.
+pub(super) enum Created {
+    Yes,
+    /// Not created: what was found instead (the pod exists, or the API server refused it).
+    Found(PodObservation),
+    /// Not created: the API server's copy of the At is not the one decided on.
+    Unconfirmed,
 }
 
 fn observe(found: &Pod, at: &At) -> PodObservation {

@@ -255,6 +255,18 @@ fn due_now(
     }
 }
 
+/// Whether the API server's copy of an At (`fresh`; `None`: gone) confirms a decision made on
+/// `cached` to create its pod: the same At (uid), not being deleted, its spec unchanged, and not
+/// started (PENDING or no status yet; our own PENDING write may have landed meanwhile).
+pub fn confirms_create(cached: &At, fresh: Option<&At>) -> bool {
+    fresh.is_some_and(|fresh| {
+        fresh.metadata.uid == cached.metadata.uid
+            && fresh.metadata.deletion_timestamp.is_none()
+            && fresh.spec == cached.spec
+            && fresh.status.as_ref().is_none_or(|s| s.phase == Phase::Pending)
+    })
+}
+
 /// What to do about a pod the API server refused (HTTP 403), judged from its message.
 fn refusal_advice(reason: &str) -> &'static str {
     match Refusal::of(reason) {

@@ -26,6 +26,8 @@ pub enum Error {
         phase: Phase,
         source: kube::Error,
     },
+    #[error("At {at}: reading it from the API server before creating its pod: {source}")]
+    ConfirmAt { at: AtKey, source: kube::Error },
     #[error("At {at}: pod {pod} kept appearing and disappearing while being created")]
     PodChurn { at: AtKey, pod: String },
     #[error("At {at}: the API server refused pod {pod} (retried with backoff): {reason}")]
@@ -50,6 +52,7 @@ impl Error {
         match self {
             Error::CreatePod { source, .. }
             | Error::ReadPod { source, .. }
+            | Error::ConfirmAt { source, .. }
             | Error::WriteStatus { source, .. }
             | Error::ReleasePod { source, .. }
             | Error::Delete { source, .. } => Some(source),

@@ -30,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::field::{display, Empty};
 use tracing::{info_span, Instrument, Span};
 use wakeups::{Wake, Wakeups};
+use calls::Created;
 use writer::{Target, Writer};
 
 pub use error::Error;
@@ -254,8 +255,10 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
             Call::DeleteAt => return ctx.delete_at(at).await,
             Call::ReleasePod => ctx.release_pod(at).await?,
             Call::CreatePod => match ctx.create_pod(at).await? {
-                None => return Ok(ctx.defer(at, decision, now)),
-                Some(found) => found,
+                Created::Yes => return Ok(ctx.defer(at, decision, now)),
+                Created::Found(found) => found,
+                // The watch brings the API server's version; the decision is made on that.
+                Created::Unconfirmed => return Ok(Action::await_change()),
             },
         };
     }

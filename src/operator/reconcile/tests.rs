@@ -21,6 +21,9 @@ const POD: &str = "/api/v1/namespaces/default/pods/example-at-pod";
 const STATUS: &str =
     "/apis/cnat.programming-kubernetes.info/v1/namespaces/default/ats/example-at/status";
 const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/default/events";
+/// The At itself: its GETs (the quorum read before a pod create) are answered from the
+/// harness's `stored` copy, outside the script.
+const AT: &str = "/apis/cnat.programming-kubernetes.info/v1/namespaces/default/ats/example-at";
 
 fn fixture(name: &str) -> Value {
     let path = format!(
@@ -124,6 +127,11 @@ struct Harness {
     answered: Arc<std::sync::atomic::AtomicUsize>,
     /// Runs the context's wakeups; it holds a handle to the context until aborted.
     wakeups: tokio::task::JoinHandle<()>,
+    /// The API server's copy of the example At (`None`: it does not exist); `reconcile` sets it
+    /// to the At it is given unless a test set it first.
+    stored: Arc<std::sync::Mutex<Option<Option<Value>>>>,
+    /// Reads of the example At the mock API server answered from `stored`.
+    reads: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// A context whose client talks to a mock API server that answers `script` in order and
@@ -139,12 +147,29 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
     let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counter = answered.clone();
+    let stored: Arc<std::sync::Mutex<Option<Option<Value>>>> = Arc::default();
+    let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (held, read) = (stored.clone(), reads.clone());
     let server = tokio::spawn(async move {
         let mut script = script.into_iter();
         let mut sent = Vec::new();
         while let Some((request, respond)) = handle.next_request().await {
             let (parts, body) = request.into_parts();
             let bytes = body.collect_bytes().await.unwrap();
+            if parts.method == http::Method::GET && parts.uri.path() == AT {
+                let copy = held.lock().unwrap().clone().flatten();
+                let (code, reply) = match copy {
+                    Some(at) => (200, at),
+                    None => (404, fixture("status-404-not-found.json")),
+                };
+                let response = Response::builder()
+                    .status(code)
+                    .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+                    .unwrap();
+                respond.send_response(response);
+                read.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                continue;
+            }
             let exchange = script.next();
             if exchange.as_ref().is_some_and(|e| e.code == NO_ANSWER) {
                 // The connection closes unanswered, as when the API server is down.
@@ -218,6 +243,8 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
         server,
         answered,
         wakeups,
+        stored,
+        reads,
     }
 }
 
@@ -228,7 +255,26 @@ impl Harness {
     }
 
     async fn reconcile(&self, at: At) -> Result<Action, Error> {
+        self.store_unless_set(&at);
         reconcile(Arc::new(at), self.ctx.clone()).await
+    }
+
+    /// The API server holds `at` (unless a test said otherwise first).
+    fn store_unless_set(&self, at: &At) {
+        let mut stored = self.stored.lock().unwrap();
+        if stored.is_none() {
+            *stored = Some(Some(serde_json::to_value(at).unwrap()));
+        }
+    }
+
+    /// The API server holds `at` from now on (`None`: no such At).
+    fn store(&self, at: Option<&At>) {
+        *self.stored.lock().unwrap() = Some(at.map(|at| serde_json::to_value(at).unwrap()));
+    }
+
+    /// Reads of the At the API server answered.
+    fn reads(&self) -> usize {
+        self.reads.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// How long until the next reconcile of the example At, as the wake-up index holds it
@@ -596,6 +642,7 @@ async fn api_errors_name_the_at_and_retry_with_growing_backoff() {
         serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "etcdserver: request timed out", "reason": "ServiceUnavailable", "code": 503}),
     )]);
     let at = Arc::new(example_at(None));
+    h.store_unless_set(&at);
     let error = reconcile(at.clone(), h.ctx.clone()).await.unwrap_err();
     assert!(matches!(error, Error::CreatePod { .. }));
     let message = error.to_string();
@@ -842,6 +889,7 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
         .unwrap()
         .insert(AtKey::new("default", "example-at"), 8);
     let at = Arc::new(example_at(None));
+    h.store_unless_set(&at);
     let error = reconcile(at.clone(), h.ctx.clone()).await.unwrap_err();
     assert!(
         error.api_error().is_some_and(reachability::unanswered),
@@ -879,6 +927,7 @@ async fn an_answer_that_refuses_is_not_an_outage() {
         fixture("status-500-webhook-unreachable-create.json"),
     )]);
     let at = Arc::new(example_at(None));
+    h.store_unless_set(&at);
     let error = reconcile(at.clone(), h.ctx.clone()).await.unwrap_err();
     error_policy(at, &error, h.ctx.clone());
     assert_eq!(h.ctx.writer.unreachable().waiting(), 0, "backs off instead");
