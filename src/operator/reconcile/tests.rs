@@ -397,6 +397,78 @@ async fn a_due_at_creates_its_pod_before_writing_running() {
     );
 }
 
+/// A cache that is behind (a relist, a stuck watch, a new leader's) can show as PENDING and due
+/// an At the API server holds as DONE, deleted, changed, or another At by that name: its pod is
+/// created only once a quorum read of the At confirms what the cache showed.
+#[tokio::test]
+async fn a_due_at_s_pod_is_created_only_when_the_api_server_confirms_the_at() {
+    let cached = example_at(None);
+    let with = |change: &dyn Fn(&mut At)| {
+        let mut at = cached.clone();
+        at.metadata.resource_version = Some("200".into());
+        change(&mut at);
+        at
+    };
+    let done = with(&|at| {
+        at.status = Some(AtStatus {
+            phase: Phase::Done,
+            pod_name: Some("example-at-pod".into()),
+            ..AtStatus::default()
+        })
+    });
+    let other = with(&|at| at.metadata.uid = Some("another-uid".into()));
+    let changed = with(&|at| at.spec.schedule = "2999-01-01T00:00:00Z".into());
+    let going = with(&|at| {
+        at.metadata.deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(NOW.parse().unwrap()),
+        )
+    });
+    let cases = [
+        ("DONE", Some(&done)),
+        ("deleted", None),
+        ("another At by that name", Some(&other)),
+        ("its spec changed", Some(&changed)),
+        ("being deleted", Some(&going)),
+    ];
+    for (case, stored) in cases {
+        let h = harness(vec![]);
+        h.store(stored);
+        let action = h.reconcile(cached.clone()).await.unwrap();
+        assert_eq!(action, Action::await_change(), "{case}");
+        assert_eq!(h.reads(), 1, "{case}: one quorum read");
+        let metrics = h.metrics.encode();
+        assert!(
+            metrics.contains("\ncnat_pod_creates_unconfirmed_total 1\n"),
+            "{case}: {metrics}"
+        );
+        h.finish(0).await;
+    }
+
+    // The API server's copy is newer but the same At, spec and phase (our own PENDING write
+    // landed meanwhile): confirmed, the pod is created.
+    let written = with(&|at| {
+        at.status = Some(AtStatus {
+            phase: Phase::Pending,
+            ..AtStatus::default()
+        })
+    });
+    let h = harness(vec![
+        answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
+        answer("PATCH", STATUS, 200, at_response(&running_status())),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    h.store(Some(&written));
+    h.reconcile(cached).await.unwrap();
+    assert_eq!(h.reads(), 1);
+    let metrics = h.metrics.encode();
+    assert!(
+        metrics.contains("\ncnat_pod_creates_unconfirmed_total 0\n"),
+        "{metrics}"
+    );
+    let sent = h.finish(3).await;
+    assert_eq!(sent[0].path, PODS);
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_existing_pod_of_this_at_is_adopted_not_created_twice() {
     let h = harness(vec![
