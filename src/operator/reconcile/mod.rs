@@ -376,4 +376,6 @@ fn key(at: &At) -> AtKey {
 }
 
 #[cfg(test)]
+mod handover_model;
+#[cfg(test)]
 mod tests;

@@ -1,0 +1,238 @@
+//! A model of two replicas, their caches and the API server, explored exhaustively: every
+//! interleaving of reconciles by whichever replica leads (with the real `decide` and
+//! `confirms_create`), the kubelet ending the pod, a pod deleted by hand, TTL deletion and the
+//! garbage collector, caches catching up (or not) and Lease handovers at any moment. It checks
+//! that an At's command never runs twice: with the quorum read before each pod create there is
+//! no such interleaving; without it, the search finds the one of issue 39 (a new leader whose
+//! cache still shows a deleted At as PENDING).
+
+use super::decide::{confirms_create, decide, Call, PodObservation};
+use crate::api::{At, AtPodTemplate, AtSpec, AtStatus};
+use crate::operator::pod::{PodEnd, PodView};
+use crate::operator::policy::RunPolicy;
+use chrono::{DateTime, Utc};
+use std::collections::{HashSet, VecDeque};
+
+const NOW: &str = "2026-11-25T12:00:00Z";
+
+/// The At as the API server holds it: its version and status (as JSON, to be hashed).
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+struct AtState {
+    rv: u8,
+    status: Option<String>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+struct PodState {
+    ended: bool,
+    held: bool,
+    deleting: bool,
+}
+
+/// The cluster as the server holds it, or as a cache last saw it.
+#[derive(Clone, PartialEq, Eq, Hash, Debug, Default)]
+struct World {
+    at: Option<AtState>,
+    pod: Option<PodState>,
+}
+
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+struct State {
+    server: World,
+    caches: [World; 2],
+    leader: usize,
+    /// Pods created for the At (each runs its command once).
+    runs: u8,
+}
+
+fn now() -> DateTime<Utc> {
+    NOW.parse().unwrap()
+}
+
+fn at_of(state: &AtState) -> At {
+    let mut at = At::new(
+        "x",
+        AtSpec {
+            schedule: "2026-11-25T11:00:00Z".into(),
+            command: "true".into(),
+            template: AtPodTemplate {
+                image: "busybox".into(),
+                ..Default::default()
+            },
+            ttl_seconds_after_finished: Some(0),
+            ..AtSpec::default()
+        },
+    );
+    at.metadata.namespace = Some("default".into());
+    at.metadata.uid = Some("uid-1".into());
+    at.metadata.resource_version = Some(state.rv.to_string());
+    at.status = state
+        .status
+        .as_deref()
+        .map(|json| serde_json::from_str(json).unwrap());
+    at
+}
+
+fn observe(pod: Option<PodState>, missing: PodObservation) -> PodObservation {
+    match pod {
+        None => missing,
+        Some(pod) => PodObservation::Owned(PodView {
+            name: "x-pod".into(),
+            created_at: Some(now()),
+            end: pod.ended.then(|| PodEnd {
+                succeeded: true,
+                exit_code: Some(0),
+                detail: None,
+                pod_reason: None,
+                finished_at: Some(now()),
+            }),
+            deleting: pod.deleting,
+            held: pod.held,
+        }),
+    }
+}
+
+/// The leader's reconcile on what its cache shows, carried out against the server.
+fn reconcile(state: &State, confirm: bool) -> State {
+    let mut next = state.clone();
+    let cache = &state.caches[state.leader];
+    let Some(cached) = &cache.at else {
+        return next;
+    };
+    let at = at_of(cached);
+    let mut observation = observe(cache.pod, PodObservation::NotCached);
+    for _ in 0..3 {
+        let decision = decide(&at, &observation, now(), &RunPolicy::default());
+        let server = &mut next.server;
+        match decision.call {
+            Call::LookUpPod => {
+                observation = observe(server.pod, PodObservation::Missing);
+                continue;
+            }
+            Call::CreatePod => {
+                let fresh = server.at.as_ref().map(at_of);
+                if confirm && !confirms_create(&at, fresh.as_ref()) {
+                    return next;
+                }
+                if server.pod.is_some() {
+                    // Already exists: looked up and decided again.
+                    observation = observe(server.pod, PodObservation::Missing);
+                    continue;
+                }
+                server.pod = Some(PodState {
+                    ended: false,
+                    held: true,
+                    deleting: false,
+                });
+                next.runs += 1;
+            }
+            Call::ReleasePod => {
+                if let Some(pod) = &mut server.pod {
+                    pod.held = false;
+                    if pod.deleting {
+                        server.pod = None;
+                    }
+                }
+                return next;
+            }
+            Call::DeleteAt => {
+                server.at = None;
+                return next;
+            }
+            Call::Nothing => {}
+        }
+        // The status write, guarded by the version decided on.
+        if let (Some(status), Some(stored)) = (&decision.status, &mut server.at) {
+            if stored.rv == cached.rv {
+                *stored = AtState {
+                    rv: stored.rv + 1,
+                    status: Some(serde_json::to_string::<AtStatus>(status).unwrap()),
+                };
+            }
+        }
+        return next;
+    }
+    next
+}
+
+/// Every state one step from `state`.
+fn successors(state: &State, confirm: bool) -> Vec<State> {
+    let mut next = vec![reconcile(state, confirm)];
+    let mut change = |apply: &dyn Fn(&mut State)| {
+        let mut changed = state.clone();
+        apply(&mut changed);
+        next.push(changed);
+    };
+    // The kubelet ends the pod.
+    change(&|s| {
+        if let Some(pod) = &mut s.server.pod {
+            pod.ended = true;
+        }
+    });
+    // Someone deletes the ended pod by hand; or the garbage collector, once the At is gone.
+    change(&|s| {
+        let gone = s.server.at.is_none();
+        if let Some(pod) = &mut s.server.pod {
+            if pod.ended || gone {
+                if pod.held {
+                    pod.deleting = true;
+                } else {
+                    s.server.pod = None;
+                }
+            }
+        }
+    });
+    // A cache catches up; the Lease changes hands.
+    for replica in 0..2 {
+        change(&|s| s.caches[replica] = s.server.clone());
+    }
+    change(&|s| s.leader = 1 - s.leader);
+    next.retain(|n| n != state);
+    next
+}
+
+/// The first state reached in which the command ran twice, if any.
+fn explore(confirm: bool) -> (Option<State>, usize) {
+    let created = World {
+        at: Some(AtState {
+            rv: 1,
+            status: None,
+        }),
+        pod: None,
+    };
+    let start = State {
+        server: created.clone(),
+        caches: [created.clone(), created],
+        leader: 0,
+        runs: 0,
+    };
+    let mut seen = HashSet::from([start.clone()]);
+    let mut queue = VecDeque::from([start]);
+    while let Some(state) = queue.pop_front() {
+        if state.runs > 1 {
+            return (Some(state), seen.len());
+        }
+        for next in successors(&state, confirm) {
+            if seen.insert(next.clone()) {
+                queue.push_back(next);
+            }
+        }
+    }
+    (None, seen.len())
+}
+
+#[test]
+fn with_the_quorum_read_no_interleaving_runs_the_command_twice() {
+    let (twice, explored) = explore(true);
+    assert_eq!(twice, None);
+    // Not vacuous: the search went through the whole life of the At.
+    assert!(explored > 100, "{explored} states");
+}
+
+#[test]
+fn without_it_a_new_leader_with_a_stale_cache_runs_it_again() {
+    let (twice, _) = explore(false);
+    let twice = twice.expect("the issue's interleaving");
+    // The At was deleted after it ran; the new leader's cache still showed it PENDING.
+    assert_eq!(twice.server.at, None, "{twice:?}");
+}
