@@ -49,7 +49,7 @@ pub async fn start(header: &str) -> (&'static ControlPlane, Client) {
 }
 
 pub async fn run(sizes: &[usize]) {
-    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | the same without the CEL rule / with a minimal schema | every At DONE after the last pod ended | DONE / floor | every Succeeded event after the last DONE | operator RSS |").await;
+    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | the same without the CEL rule / with a minimal schema | every At DONE after the last pod ended | DONE / floor | every Succeeded event after the last DONE | every pod let go of cnat's finalizer after the last DONE | operator RSS |").await;
     for &n in sizes {
         burst(plane, &admin, n).await;
     }
@@ -168,6 +168,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     // Every At RUNNING, then every pod ends at once.
     wait_phases(&ats, n, "Running").await;
     let done_seen = tokio::spawn(watch_done(ats.clone(), n));
+    let released_seen = tokio::spawn(watch_released(pods.clone(), n));
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(admin.clone(), &ns);
     let told = tokio::spawn(watch_succeeded_events(events, n));
     let ended = concurrently(n, |i| {
@@ -203,12 +204,18 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         .expect("every Succeeded event within five minutes")
         .unwrap();
     let events_after = told.saturating_duration_since(done);
+    // cnat lets go of each pod once its outcome is recorded (an older build, only when the
+    // pod or its At is deleted: "never" here).
+    let released = match tokio::time::timeout(Duration::from_secs(60), released_seen).await {
+        Ok(released) => format!("{:.2?}", released.unwrap().saturating_duration_since(done)),
+        Err(_) => "never".to_owned(),
+    };
     let rss = crate::rss::rss_kib(&operator.child.id().to_string());
     let created = pods.list(&Default::default()).await.unwrap().items.len();
     assert_eq!(created, n, "one pod per At");
     let q = |p: f64| after[((after.len() - 1) as f64 * p).round() as usize];
     println!(
-        "| {n} | {create_floor:.2?} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {events_after:.2?} | {:.0} MiB |",
+        "| {n} | {create_floor:.2?} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {events_after:.2?} | {released} | {:.0} MiB |",
         q(0.0),
         q(0.5),
         q(1.0),
@@ -395,6 +402,26 @@ async fn watch_done(ats: Api<At>, n: usize) -> Instant {
             .is_some_and(|s| s.phase == cnat::api::Phase::Done)
         {
             done.insert(at.metadata.name.unwrap_or_default());
+        }
+    }
+    Instant::now()
+}
+
+/// When the last of `n` pods was seen without cnat's finalizer (having been seen with it).
+async fn watch_released(pods: Api<Pod>, n: usize) -> Instant {
+    let mut held = std::collections::HashSet::new();
+    let mut released = std::collections::HashSet::new();
+    let stream = watcher(pods, watcher::Config::default()).applied_objects();
+    futures::pin_mut!(stream);
+    while released.len() < n {
+        let Some(pod) = stream.try_next().await.unwrap() else {
+            break;
+        };
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        if pod.finalizers().iter().any(|f| f == cnat::operator::pod::FINALIZER) {
+            held.insert(name);
+        } else if held.contains(&name) {
+            released.insert(name);
         }
     }
     Instant::now()
