@@ -418,7 +418,11 @@ async fn watch_released(pods: Api<Pod>, n: usize) -> Instant {
             break;
         };
         let name = pod.metadata.name.clone().unwrap_or_default();
-        if pod.finalizers().iter().any(|f| f == cnat::operator::pod::FINALIZER) {
+        if pod
+            .finalizers()
+            .iter()
+            .any(|f| f == cnat::operator::pod::FINALIZER)
+        {
             held.insert(name);
         } else if held.contains(&name) {
             released.insert(name);

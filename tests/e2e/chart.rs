@@ -218,7 +218,13 @@ async fn the_chart_installs_upgrades_rolls_back_and_uninstalls_on_a_real_server(
     // (`tests/e2e/release.rs` runs the hook's command, `cnat release`).
     helm(
         kubeconfig,
-        &["uninstall", "cnat", "--namespace", "cnat-system", "--no-hooks"],
+        &[
+            "uninstall",
+            "cnat",
+            "--namespace",
+            "cnat-system",
+            "--no-hooks",
+        ],
     );
     for (group, version, kind) in cluster_scoped {
         let left = released(&admin, &discovery, group, version, kind).await;

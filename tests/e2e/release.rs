@@ -24,7 +24,9 @@ async fn until<T>(within: Duration, mut check: impl AsyncFnMut() -> Option<T>) -
 }
 
 fn held(pod: &Pod) -> bool {
-    pod.finalizers().iter().any(|f| f == cnat::operator::pod::FINALIZER)
+    pod.finalizers()
+        .iter()
+        .any(|f| f == cnat::operator::pod::FINALIZER)
 }
 
 #[tokio::test]
@@ -57,26 +59,43 @@ async fn a_finished_pod_is_let_go_once_recorded_and_cnat_release_lets_go_of_the_
     // deletes it).
     target.finish_pod(&ns, "finished-pod", 0, "").await;
     let released = until(Duration::from_secs(30), async || {
-        let done = ats.get("finished").await.unwrap().status.is_some_and(|s| s.phase == Phase::Done);
+        let done = ats
+            .get("finished")
+            .await
+            .unwrap()
+            .status
+            .is_some_and(|s| s.phase == Phase::Done);
         let pod = pods.get("finished-pod").await.unwrap();
         (done && !held(&pod)).then_some(())
     })
     .await;
-    assert!(released.is_some(), "the finished pod still holds cnat's finalizer");
+    assert!(
+        released.is_some(),
+        "the finished pod still holds cnat's finalizer"
+    );
     let running = ats.get("running").await.unwrap();
     assert_eq!(running.status.map(|s| s.phase), Some(Phase::Running));
-    assert!(held(&pods.get("running-pod").await.unwrap()), "a running pod stays held");
+    assert!(
+        held(&pods.get("running-pod").await.unwrap()),
+        "a running pod stays held"
+    );
 
     // No replica runs any more; the namespace is deleted: the running pod's finalizer holds it.
     drop(operator);
     let namespaces: Api<Namespace> = Api::all(target.client.clone());
-    namespaces.delete(&ns, &DeleteParams::default()).await.unwrap();
+    namespaces
+        .delete(&ns, &DeleteParams::default())
+        .await
+        .unwrap();
     if !plane.has_controller_manager() {
         return; // nothing deletes a namespace's contents without kube-controller-manager
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let pod = pods.get("running-pod").await.unwrap();
-    assert!(pod.metadata.deletion_timestamp.is_some() && held(&pod), "kept by the finalizer");
+    assert!(
+        pod.metadata.deletion_timestamp.is_some() && held(&pod),
+        "kept by the finalizer"
+    );
     assert!(namespaces.get_opt(&ns).await.unwrap().is_some());
 
     // The hook's command.
@@ -88,11 +107,23 @@ async fn a_finished_pod_is_let_go_once_recorded_and_cnat_release_lets_go_of_the_
         .await
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     assert_eq!(stdout.trim(), "released 1 pod(s) from cnat's finalizer");
     let gone = until(Duration::from_secs(90), async || {
-        namespaces.get_opt(&ns).await.unwrap().is_none().then_some(())
+        namespaces
+            .get_opt(&ns)
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
     })
     .await;
-    assert!(gone.is_some(), "namespace {ns} still there after cnat release");
+    assert!(
+        gone.is_some(),
+        "namespace {ns} still there after cnat release"
+    );
 }

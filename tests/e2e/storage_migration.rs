@@ -295,8 +295,15 @@ async fn objects_it_cannot_rewrite_are_reported_with_the_fix_and_stored_versions
     };
     assert_eq!(left, expected_left, "{message}");
     assert_eq!(report.read, 5, "every object was tried");
-    let refused = report.left.iter().find(|l| l.object.ends_with("/refused")).unwrap();
-    assert!(refused.why.contains("refuse.leftover.e2e.example"), "{refused}");
+    let refused = report
+        .left
+        .iter()
+        .find(|l| l.object.ends_with("/refused"))
+        .unwrap();
+    assert!(
+        refused.why.contains("refuse.leftover.e2e.example"),
+        "{refused}"
+    );
     assert!(refused.fix.contains("webhook"), "{refused}");
     if !ratchets {
         let big = &report.left[0];
@@ -308,8 +315,18 @@ async fn objects_it_cannot_rewrite_are_reported_with_the_fix_and_stored_versions
         "{message}"
     );
     let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
-    let stored = crds.get(&crd_name).await.unwrap().status.unwrap().stored_versions;
-    assert_eq!(stored.unwrap(), ["v1alpha1", "v1"], "untouched while any is left");
+    let stored = crds
+        .get(&crd_name)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .stored_versions;
+    assert_eq!(
+        stored.unwrap(),
+        ["v1alpha1", "v1"],
+        "untouched while any is left"
+    );
 
     // Fixed (the webhook gone, the big one brought within bounds): the next run finishes.
     webhooks
@@ -333,6 +350,12 @@ async fn objects_it_cannot_rewrite_are_reported_with_the_fix_and_stored_versions
     }
     let done = done.unwrap();
     assert!(done.left.is_empty());
-    let stored = crds.get(&crd_name).await.unwrap().status.unwrap().stored_versions;
+    let stored = crds
+        .get(&crd_name)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .stored_versions;
     assert_eq!(stored.unwrap(), ["v1"]);
 }

@@ -220,7 +220,9 @@ impl Context {
         let confirmed = decide::confirms_create(at, fresh.as_ref());
         if !confirmed {
             let fresh = fresh.as_ref();
-            let phase = fresh.and_then(|f| f.status.as_ref()).map(|s| s.phase.as_str());
+            let phase = fresh
+                .and_then(|f| f.status.as_ref())
+                .map(|s| s.phase.as_str());
             info!(at = %key(at), exists = fresh.is_some(), phase, "the API server's copy of this At is not what the cache shows; no pod until the cache catches up");
             self.metrics.create_unconfirmed();
         }

@@ -263,7 +263,10 @@ pub fn confirms_create(cached: &At, fresh: Option<&At>) -> bool {
         fresh.metadata.uid == cached.metadata.uid
             && fresh.metadata.deletion_timestamp.is_none()
             && fresh.spec == cached.spec
-            && fresh.status.as_ref().is_none_or(|s| s.phase == Phase::Pending)
+            && fresh
+                .status
+                .as_ref()
+                .is_none_or(|s| s.phase == Phase::Pending)
     })
 }
 

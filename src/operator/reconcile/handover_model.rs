@@ -184,10 +184,8 @@ fn successors(state: &State, confirm: bool) -> Vec<State> {
     });
     // The leader releases the held pod of a gone At (it asks the server first).
     change(&|s| {
-        if s.server.at.is_none() {
-            if s.server.pod.is_some_and(|p| p.held && p.deleting) {
-                s.server.pod = None;
-            }
+        if s.server.at.is_none() && s.server.pod.is_some_and(|p| p.held && p.deleting) {
+            s.server.pod = None;
         }
     });
     // A cache catches up; the Lease changes hands.

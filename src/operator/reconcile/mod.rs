@@ -17,6 +17,7 @@ use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;
 use crate::operator::{pod, reachability};
+use calls::Created;
 use chrono::{DateTime, Utc};
 use decide::{decide, Call, Decision};
 use k8s_openapi::api::core::v1::Pod;
@@ -30,7 +31,6 @@ use tokio_util::sync::CancellationToken;
 use tracing::field::{display, Empty};
 use tracing::{info_span, Instrument, Span};
 use wakeups::{Wake, Wakeups};
-use calls::Created;
 use writer::{Target, Writer};
 
 pub use error::Error;

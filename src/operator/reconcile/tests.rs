@@ -419,9 +419,9 @@ async fn a_due_at_s_pod_is_created_only_when_the_api_server_confirms_the_at() {
     let other = with(&|at| at.metadata.uid = Some("another-uid".into()));
     let changed = with(&|at| at.spec.schedule = "2999-01-01T00:00:00Z".into());
     let going = with(&|at| {
-        at.metadata.deletion_timestamp = Some(
-            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(NOW.parse().unwrap()),
-        )
+        at.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            NOW.parse().unwrap(),
+        ))
     });
     let cases = [
         ("DONE", Some(&done)),

@@ -442,11 +442,59 @@ fn done_is_final() {
     at.spec.schedule = "garbage".into();
     at.metadata.generation = Some(7);
     for observation in observations() {
+        // Nothing more is written or created; what is left is letting go of its pod.
+        let held = matches!(&observation, PodObservation::Owned(view) if view.held);
+        let call = if held {
+            Call::ReleasePod
+        } else {
+            Call::Nothing
+        };
         assert_eq!(
             decide(&at, &observation, time("2030-01-01T00:00:00Z")),
-            Decision::idle()
+            Decision {
+                call,
+                ..Decision::idle()
+            },
+            "{observation:?}"
         );
     }
+}
+
+/// cnat's finalizer keeps a pod until its outcome is recorded, and no longer.
+#[test]
+fn a_pod_is_let_go_once_its_outcome_is_recorded() {
+    let now = time("2026-01-01T00:00:09Z");
+    let ended = ended_pod(true, Some(0), None);
+    // RUNNING, its pod ended: the decision records the outcome; the pod is kept until then.
+    let running = running_at();
+    let recording = decide(&running, &PodObservation::Owned(ended.clone()), now);
+    assert_eq!(recording.call, Call::Nothing);
+    assert_eq!(status_of(&recording).phase, Phase::Done);
+    // Recorded: let go.
+    let done = written(running.clone(), &recording);
+    let release = decide(&done, &PodObservation::Owned(ended.clone()), now);
+    assert_eq!(release.call, Call::ReleasePod);
+    assert_eq!((release.status, release.note), (None, None));
+    // Already let go, or another pod by that name: nothing.
+    let free = PodView {
+        held: false,
+        ..ended.clone()
+    };
+    assert_eq!(
+        decide(&done, &PodObservation::Owned(free), now).call,
+        Call::Nothing
+    );
+    let other = PodView {
+        name: "other-pod".into(),
+        ..ended.clone()
+    };
+    assert_eq!(
+        decide(&done, &PodObservation::Owned(other), now).call,
+        Call::Nothing
+    );
+    // A RUNNING At's running pod stays held.
+    let decided = decide(&running, &PodObservation::Owned(running_pod()), now);
+    assert_ne!(decided.call, Call::ReleasePod);
 }
 
 fn observations() -> Vec<PodObservation> {
