@@ -631,12 +631,14 @@ fn bad_values_are_rejected_by_the_schema() {
 
 #[test]
 fn the_default_install_renders_exactly_these_objects() {
-    // Including the helm test hook's ServiceAccount, Role, RoleBinding and Pod.
+    // Including the helm test hook's ServiceAccount, Role, RoleBinding and Pod, and the
+    // pre-delete hook's Job (`cnat release`).
     let expected = [
         "ClusterRole",
         "ClusterRoleBinding",
         "CustomResourceDefinition",
         "Deployment",
+        "Job",
         "MutatingWebhookConfiguration",
         "NetworkPolicy",
         "Pod",
@@ -1031,6 +1033,51 @@ fn helm_test_runs_the_smoke_test_with_its_own_minimal_rbac() {
             rule(&[""], &["pods"], &["create"], None),
         ]
     );
+}
+
+/// `helm uninstall` first lets go of every pod cnat keeps (`cnat release`), as the operator's
+/// own ServiceAccount (which may patch pods for this), restricted like the operator; off on
+/// request.
+#[test]
+fn uninstall_first_releases_the_pods_cnat_keeps() {
+    let rendered = Rendered::new(&[]);
+    let hooks: Vec<&Value> = rendered
+        .0
+        .iter()
+        .filter(|d| d["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete")
+        .collect();
+    assert_eq!(hooks.len(), 1);
+    let job = hooks[0];
+    assert_eq!(job["kind"], "Job");
+    let pod = &job["spec"]["template"]["spec"];
+    assert_eq!(pod["containers"][0]["args"], serde_json::json!(["release"]));
+    assert_eq!(pod["serviceAccountName"], "cnat");
+    assert_eq!(pod["restartPolicy"], "Never");
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    let container = &pod["containers"][0]["securityContext"];
+    assert_eq!(container["allowPrivilegeEscalation"], false);
+    assert_eq!(container["readOnlyRootFilesystem"], true);
+    assert_eq!(
+        container["capabilities"]["drop"],
+        serde_json::json!(["ALL"])
+    );
+    let role = rendered
+        .0
+        .iter()
+        .find(|d| d["kind"] == "ClusterRole")
+        .unwrap();
+    let pods_rule = role["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["resources"] == serde_json::json!(["pods"]))
+        .unwrap();
+    assert!(pods_rule["verbs"]
+        .as_array()
+        .unwrap()
+        .contains(&serde_json::json!("patch")));
+    let off = Rendered::new(&["releaseOnUninstall=false"]);
+    assert!(!off.kinds().contains(&"Job".to_owned()));
 }
 
 #[test]

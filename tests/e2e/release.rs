@@ -90,11 +90,17 @@ async fn a_finished_pod_is_let_go_once_recorded_and_cnat_release_lets_go_of_the_
     if !plane.has_controller_manager() {
         return; // nothing deletes a namespace's contents without kube-controller-manager
     }
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let pod = pods.get("running-pod").await.unwrap();
+    let terminating = until(Duration::from_secs(60), async || {
+        let pod = pods.get_opt("running-pod").await.unwrap()?;
+        pod.metadata.deletion_timestamp.is_some().then_some(pod)
+    })
+    .await
+    .expect("the namespace controller deletes the pod");
+    assert!(held(&terminating), "kept by the finalizer");
+    tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(
-        pod.metadata.deletion_timestamp.is_some() && held(&pod),
-        "kept by the finalizer"
+        pods.get_opt("running-pod").await.unwrap().is_some(),
+        "still kept"
     );
     assert!(namespaces.get_opt(&ns).await.unwrap().is_some());
 
