@@ -37,8 +37,9 @@ pub enum Command {
     /// Rewrite every At in the CRD's storage version, then set status.storedVersions to it alone
     /// (for an admin, after an upgrade that changed the storage version; safe to run again).
     MigrateStorage(MigrateStorageArgs),
-    /// Remove cnat's finalizer from every pod that still holds it, for when no replica will run
-    /// again (helm uninstall's pre-delete hook); exits 1 if any could not be released.
+    /// Remove cnat's finalizer from every pod whose outcome no longer needs it (its At's status
+    /// names it, or its At is gone), for when no replica will run again (helm uninstall's
+    /// pre-delete hook); exits 1 if any had to be kept or could not be released.
     Release(ReleaseArgs),
 }
 

@@ -194,10 +194,10 @@ async fn release(args: ReleaseArgs) -> ExitCode {
                 "released {} pod(s) from cnat's finalizer",
                 released.released
             );
-            for (pod, why) in &released.failed {
-                eprintln!("cnat release: pod {pod}: {why}; run cnat release again");
+            for (pod, why) in &released.kept {
+                eprintln!("cnat release: pod {pod}: {why}");
             }
-            if released.failed.is_empty() {
+            if released.kept.is_empty() {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::FAILURE

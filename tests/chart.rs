@@ -1035,6 +1035,10 @@ fn helm_test_runs_the_smoke_test_with_its_own_minimal_rbac() {
     );
 }
 
+fn pod_labels_of(job: &Value) -> Value {
+    job["spec"]["template"]["metadata"]["labels"].clone()
+}
+
 /// `helm uninstall` first lets go of every pod cnat keeps (`cnat release`), as the operator's
 /// own ServiceAccount (which may patch pods for this), restricted like the operator; off on
 /// request.
@@ -1076,6 +1080,24 @@ fn uninstall_first_releases_the_pods_cnat_keeps() {
         .as_array()
         .unwrap()
         .contains(&serde_json::json!("patch")));
+    // No Service, PodDisruptionBudget or anti-affinity takes a hook's pod for a replica.
+    let selector = &rendered
+        .0
+        .iter()
+        .find(|d| d["kind"] == "Deployment")
+        .unwrap()["spec"]["selector"]["matchLabels"];
+    let hook_pods = [
+        &pod_labels_of(job),
+        &rendered.0.iter().find(|d| d["kind"] == "Pod").unwrap()["metadata"]["labels"],
+    ];
+    for labels in hook_pods {
+        let selected = selector
+            .as_object()
+            .unwrap()
+            .iter()
+            .all(|(k, v)| &labels[k] == v);
+        assert!(!selected, "{labels}");
+    }
     let off = Rendered::new(&["releaseOnUninstall=false"]);
     assert!(!off.kinds().contains(&"Job".to_owned()));
 }

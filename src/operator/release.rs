@@ -1,19 +1,26 @@
-//! `cnat release`: removes cnat's finalizer from every pod that still holds it, for when no
-//! replica will run again (`helm uninstall` runs it in a pre-delete hook). A pod whose At is
-//! RUNNING then records nothing more: its At stays RUNNING until a replica runs again, and the
-//! pod, no longer kept, can be deleted (a namespace being deleted goes) before its outcome is
-//! read. Each pod is patched with its resourceVersion as precondition (other finalizers stay);
-//! one that changed meanwhile is read again.
+//! `cnat release`: removes cnat's finalizer from the pods that no longer need it, for when no
+//! replica will run again (`helm uninstall` runs it in a pre-delete hook). The finalizer keeps a
+//! pod until its At's status names it, so that a pod deleted before its `Running` write landed
+//! is seen by the next leader instead of run again. So a pod is let go only when its At's status
+//! names it (`Running` or `Done`), or its At is gone (or is another At by that name now); a pod
+//! of an At whose status does not name it yet is kept and reported (a replica records it; run
+//! `cnat release` again after). An At left `Running` records nothing more until cnat runs again.
+//! Each pod is patched with its resourceVersion as precondition (other finalizers stay); one
+//! that changed meanwhile is read again. Pods are listed in pages, metadata only.
 
+use crate::api::{At, Phase};
 use crate::operator::pod;
 use crate::operator::reconcile::FIELD_MANAGER;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{ListParams, Patch, PatchParams};
+use kube::core::PartialObjectMeta;
 use kube::{Api, Client, ResourceExt};
 
 /// Pods released at once.
 const CONCURRENCY: usize = 8;
+/// Pods per list page.
+const PAGE: u32 = 500;
 /// Writes of one pod that may conflict in a row before it is reported.
 const MAX_CONFLICTS: usize = 10;
 
@@ -22,56 +29,128 @@ const MAX_CONFLICTS: usize = 10;
 pub struct Released {
     /// Pods that held the finalizer and no longer do.
     pub released: usize,
-    /// Pods (namespace/name) that could not be released, with why.
-    pub failed: Vec<(String, String)>,
+    /// Pods (namespace/name) kept or failed, with why.
+    pub kept: Vec<(String, String)>,
 }
 
 /// Why the pods could not be listed.
 #[derive(Debug, thiserror::Error)]
-#[error("listing cnat's pods ({selector}): {source}. May you list pods in {scope}?")]
+#[error("listing cnat's pods ({selector}) in {scope}: {source}. May you list pods there?")]
 pub struct ListError {
     selector: &'static str,
     scope: String,
     source: kube::Error,
 }
 
-/// Releases every pod cnat created, in `namespace` or in all namespaces.
+/// What became of one pod.
+enum Outcome {
+    Released,
+    /// Not held (any more), or gone.
+    Nothing,
+    Kept(String),
+}
+
+/// Releases the pods cnat created that no longer need its finalizer, in `namespace` or in all.
 pub async fn release_all(client: Client, namespace: Option<&str>) -> Result<Released, ListError> {
     let pods: Api<Pod> = match namespace {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     };
-    let list = pods
-        .list(&ListParams::default().labels(pod::SELECTOR))
-        .await
-        .map_err(|source| ListError {
-            selector: pod::SELECTOR,
-            scope: namespace.map_or("every namespace".into(), |ns| format!("namespace {ns}")),
-            source,
-        })?;
-    let held: Vec<Pod> = list.items.into_iter().filter(pod::is_held).collect();
-    let outcomes: Vec<(String, Result<bool, kube::Error>)> = futures::stream::iter(held)
-        .map(|found| {
-            let client = client.clone();
-            async move {
-                let ns = found.namespace().unwrap_or_default();
-                let name = format!("{ns}/{}", found.name_any());
-                (name, release(Api::namespaced(client, &ns), found).await)
-            }
-        })
-        .buffer_unordered(CONCURRENCY)
-        .collect()
-        .await;
     let mut released = Released::default();
-    for (name, outcome) in outcomes {
-        match outcome {
-            Ok(true) => released.released += 1,
-            Ok(false) => {}
-            Err(error) => released.failed.push((name, error.to_string())),
+    let mut token: Option<String> = None;
+    loop {
+        let mut params = ListParams::default().labels(pod::SELECTOR).limit(PAGE);
+        if let Some(token) = &token {
+            params = params.continue_token(token);
+        }
+        let page = pods
+            .list_metadata(&params)
+            .await
+            .map_err(|source| ListError {
+                selector: pod::SELECTOR,
+                scope: namespace.map_or("every namespace".into(), |ns| format!("namespace {ns}")),
+                source,
+            })?;
+        let held: Vec<Pod> = page
+            .items
+            .into_iter()
+            .map(|meta: PartialObjectMeta<Pod>| Pod {
+                metadata: meta.metadata,
+                ..Pod::default()
+            })
+            .filter(pod::is_held)
+            .collect();
+        let outcomes: Vec<(String, Outcome)> = futures::stream::iter(held)
+            .map(|found| {
+                let client = client.clone();
+                async move {
+                    let ns = found.namespace().unwrap_or_default();
+                    let name = format!("{ns}/{}", found.name_any());
+                    (name, release_if_recorded(&client, &ns, found).await)
+                }
+            })
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await;
+        for (name, outcome) in outcomes {
+            match outcome {
+                Outcome::Released => released.released += 1,
+                Outcome::Nothing => {}
+                Outcome::Kept(why) => released.kept.push((name, why)),
+            }
+        }
+        token = page.metadata.continue_.filter(|t| !t.is_empty());
+        if token.is_none() {
+            break;
         }
     }
-    released.failed.sort();
+    released.kept.sort();
     Ok(released)
+}
+
+/// Whether `found` may go: its At's status names it (RUNNING or DONE), or its At is gone or is
+/// another At by that name now.
+fn recorded(found: &Pod, owner: Option<&At>) -> bool {
+    let Some(at) = owner else {
+        return true;
+    };
+    let controller = found
+        .owner_references()
+        .iter()
+        .find(|o| o.controller == Some(true))
+        .map(|o| o.uid.as_str());
+    if at.metadata.uid.as_deref() != controller {
+        return true;
+    }
+    at.status.as_ref().is_some_and(|s| {
+        s.phase != Phase::Pending && s.pod_name.as_deref() == Some(found.name_any().as_str())
+    })
+}
+
+async fn release_if_recorded(client: &Client, namespace: &str, found: Pod) -> Outcome {
+    let owner = found
+        .owner_references()
+        .iter()
+        .find(|o| o.controller == Some(true))
+        .map(|o| o.name.clone());
+    let ats: Api<At> = Api::namespaced(client.clone(), namespace);
+    let at = match owner {
+        Some(name) => match ats.get_opt(&name).await {
+            Ok(at) => at,
+            Err(error) => return Outcome::Kept(format!("reading its At: {error}")),
+        },
+        None => None,
+    };
+    if !recorded(&found, at.as_ref()) {
+        return Outcome::Kept(
+            "its At's status does not name it yet (its Running write had not landed): kept, so that it is never run twice; run cnat release again once a replica has recorded it".into(),
+        );
+    }
+    match release(Api::namespaced(client.clone(), namespace), found).await {
+        Ok(true) => Outcome::Released,
+        Ok(false) => Outcome::Nothing,
+        Err(error) => Outcome::Kept(format!("{error}; run cnat release again")),
+    }
 }
 
 /// Removes cnat's finalizer from `found`: `true` once removed, `false` if gone or not held.
@@ -99,4 +178,55 @@ async fn release(pods: Api<Pod>, mut found: Pod) -> Result<bool, kube::Error> {
     Err(kube::Error::Service(
         format!("{MAX_CONFLICTS} writes in a row conflicted with other writers").into(),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{AtSpec, AtStatus};
+
+    fn pod_of(uid: &str) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "x-pod", "namespace": "ns",
+                "ownerReferences": [{"apiVersion": "cnat.programming-kubernetes.info/v1",
+                    "kind": "At", "name": "x", "uid": uid, "controller": true}]},
+        }))
+        .unwrap()
+    }
+
+    fn at(uid: &str, status: Option<(Phase, Option<&str>)>) -> At {
+        let mut at = At::new("x", AtSpec::default());
+        at.metadata.uid = Some(uid.into());
+        at.status = status.map(|(phase, pod)| AtStatus {
+            phase,
+            pod_name: pod.map(Into::into),
+            ..AtStatus::default()
+        });
+        at
+    }
+
+    #[test]
+    fn a_pod_goes_only_once_its_at_records_it_or_is_gone() {
+        let found = pod_of("u1");
+        // Gone, or another At by that name: nothing left to record it.
+        assert!(recorded(&found, None));
+        assert!(recorded(&found, Some(&at("u2", None))));
+        // Its status names it: recorded.
+        for phase in [Phase::Running, Phase::Done] {
+            assert!(recorded(
+                &found,
+                Some(&at("u1", Some((phase, Some("x-pod")))))
+            ));
+        }
+        // Not yet: the pod would be lost to the next leader, who would run it again.
+        assert!(!recorded(&found, Some(&at("u1", None))));
+        assert!(!recorded(
+            &found,
+            Some(&at("u1", Some((Phase::Pending, None))))
+        ));
+        assert!(!recorded(
+            &found,
+            Some(&at("u1", Some((Phase::Running, Some("other")))))
+        ));
+    }
 }

@@ -39,3 +39,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "cnat.certSecret" -}}
 {{- default (printf "%s-webhook-tls" (include "cnat.fullname" .)) .Values.webhook.certs.existingSecret }}
 {{- end }}
+
+{{- /* Labels for a hook's pod (`cnat release`, `helm test`): the chart's, but not the operator's
+selector labels, so that no Service, PodDisruptionBudget or anti-affinity takes it for a replica.
+Call with (list . "component"). */ -}}
+{{- define "cnat.hookPodLabels" -}}
+{{- $root := index . 0 -}}
+helm.sh/chart: {{ printf "%s-%s" $root.Chart.Name $root.Chart.Version }}
+app.kubernetes.io/name: {{ printf "%s-%s" (include "cnat.name" $root) (index . 1) }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+{{- end }}
