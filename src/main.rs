@@ -152,16 +152,20 @@ async fn migrate_storage(args: MigrateStorageArgs) -> ExitCode {
     let progress = |report: &cnat::storage_migration::Report| {
         if report.dry_run {
             eprintln!(
-                "cnat migrate-storage (dry run): {} read, every write accepted, {} gone",
-                report.read, report.gone
+                "cnat migrate-storage (dry run): {} read, {} accepted, {} refused, {} gone",
+                report.read,
+                report.unchanged,
+                report.left.len(),
+                report.gone
             )
         } else {
             eprintln!(
-                "cnat migrate-storage: {} read, {} rewritten, {} already stored as {}, {} gone",
+                "cnat migrate-storage: {} read, {} rewritten, {} already stored as {}, {} left behind, {} gone",
                 report.read,
                 report.rewritten,
                 report.unchanged,
                 report.storage_version,
+                report.left.len(),
                 report.gone
             )
         }

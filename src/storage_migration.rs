@@ -96,6 +96,10 @@ impl Left {
     /// `object` could not be written back: why (`error`), and what to do about it.
     fn new(object: String, error: &kube::Error) -> Self {
         let (why, fix) = match error {
+            kube::Error::Api(status) if status.message.contains("conversion webhook") => (
+                status.message.clone(),
+                "the API server could not convert it: is a cnat replica of this release running (it serves /convert)?",
+            ),
             kube::Error::Api(status) if status.message.contains("webhook") => (
                 status.message.clone(),
                 "an admission webhook refused the unchanged object, or could not be called: fix what it names (or the webhook)",
@@ -198,9 +202,20 @@ pub enum MigrateError {
     },
 }
 
-/// One line each.
+/// Objects listed in the error at most; the count says how many more.
+const LISTED: usize = 50;
+
+/// One line each, the first `LISTED`.
 fn list_left(left: &[Left]) -> String {
-    left.iter().map(|l| format!("\n  {l}")).collect()
+    let mut lines: String = left
+        .iter()
+        .take(LISTED)
+        .map(|l| format!("\n  {l}"))
+        .collect();
+    if left.len() > LISTED {
+        lines += &format!("\n  ... and {} more", left.len() - LISTED);
+    }
+    lines
 }
 
 /// The version objects of `crd` are stored in (the one with `storage: true`).

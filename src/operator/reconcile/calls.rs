@@ -141,27 +141,42 @@ impl Context {
             source,
         };
         let api = self.pod_api(at);
-        let Some(found) = api.get_opt(&name).await.map_err(fail)? else {
-            return Ok(PodObservation::Missing);
+        // The cached copy first (its resourceVersion guards the patch); read only if it is
+        // missing or stale.
+        let cached = self.pods.get(&ObjectRef::new(&name).within(&namespace(at)));
+        let mut found = match cached {
+            Some(found) => Pod::clone(&found),
+            None => match api.get_opt(&name).await.map_err(fail)? {
+                Some(found) => found,
+                None => return Ok(PodObservation::Missing),
+            },
         };
-        // Only our own pod, and only while it holds cnat's finalizer.
-        if !pod::is_held(&found) || !pod::is_controlled_by(&found, &uid(at)) {
-            return Ok(observe(&found, at));
-        }
         let params = PatchParams {
             field_manager: Some(FIELD_MANAGER.into()),
             ..PatchParams::default()
         };
-        match api
-            .patch(&name, &params, &Patch::Merge(pod::release_patch(&found)))
-            .await
-        {
-            Ok(released) => Ok(observe(&released, at)),
-            // Gone meanwhile (its last finalizer went), or changed: look again.
-            Err(kube::Error::Api(s)) if s.is_not_found() => Ok(PodObservation::Missing),
-            Err(kube::Error::Api(s)) if s.is_conflict() => self.fetch_pod(at).await,
-            Err(source) => Err(fail(source)),
+        for attempt in 0..2 {
+            // Only our own pod, and only while it holds cnat's finalizer.
+            if !pod::is_held(&found) || !pod::is_controlled_by(&found, &uid(at)) {
+                return Ok(observe(&found, at));
+            }
+            let patch = Patch::Merge(pod::release_patch(&found));
+            match api.patch(&name, &params, &patch).await {
+                Ok(released) => return Ok(observe(&released, at)),
+                // Gone meanwhile (its last finalizer went).
+                Err(kube::Error::Api(s)) if s.is_not_found() => return Ok(PodObservation::Missing),
+                // Changed since read: read it again, once.
+                Err(kube::Error::Api(s)) if s.is_conflict() && attempt == 0 => {
+                    match api.get_opt(&name).await.map_err(fail)? {
+                        Some(fresh) => found = fresh,
+                        None => return Ok(PodObservation::Missing),
+                    }
+                }
+                Err(kube::Error::Api(s)) if s.is_conflict() => return self.fetch_pod(at).await,
+                Err(source) => return Err(fail(source)),
+            }
         }
+        self.fetch_pod(at).await
     }
 
     /// Creates the pod once the API server confirms the At as decided on (`confirm`).

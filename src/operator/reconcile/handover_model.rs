@@ -1,10 +1,13 @@
 //! A model of two replicas, their caches and the API server, explored exhaustively: every
 //! interleaving of reconciles by whichever replica leads (with the real `decide` and
-//! `confirms_create`), the kubelet ending the pod, a pod deleted by hand, TTL deletion and the
-//! garbage collector, caches catching up (or not) and Lease handovers at any moment. It checks
-//! that an At's command never runs twice: with the quorum read before each pod create there is
-//! no such interleaving; without it, the search finds the one of issue 39 (a new leader whose
-//! cache still shows a deleted At as PENDING).
+//! `confirms_create`), the kubelet ending the pod, a pod deleted by hand, TTL deletion (an At
+//! with and one without `ttlSecondsAfterFinished: 0`), the garbage collector and orphan release,
+//! caches catching up (or not) and Lease handovers at any moment. It checks that an At's command
+//! never runs twice: with the quorum read before each pod create there is no such interleaving;
+//! without it, the search finds the one of issue 39 (a new leader whose cache still shows as
+//! PENDING an At that ran). What it abstracts: one reconcile is one step (its pod create and
+//! status write land together; a write the leader queued and lost is not modelled), one leader
+//! at a time, and a replica's At and pod caches catch up together.
 
 use super::decide::{confirms_create, decide, Call, PodObservation};
 use crate::api::{At, AtPodTemplate, AtSpec, AtStatus};
@@ -15,10 +18,12 @@ use std::collections::{HashSet, VecDeque};
 
 const NOW: &str = "2026-11-25T12:00:00Z";
 
-/// The At as the API server holds it: its version and status (as JSON, to be hashed).
+/// The At as the API server holds it: its version, whether it has `ttlSecondsAfterFinished:
+/// 0`, and its status (as JSON, to be hashed).
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 struct AtState {
     rv: u8,
+    ttl: bool,
     status: Option<String>,
 }
 
@@ -59,7 +64,7 @@ fn at_of(state: &AtState) -> At {
                 image: "busybox".into(),
                 ..Default::default()
             },
-            ttl_seconds_after_finished: Some(0),
+            ttl_seconds_after_finished: state.ttl.then_some(0),
             ..AtSpec::default()
         },
     );
@@ -146,6 +151,7 @@ fn reconcile(state: &State, confirm: bool) -> State {
             if stored.rv == cached.rv {
                 *stored = AtState {
                     rv: stored.rv + 1,
+                    ttl: stored.ttl,
                     status: Some(serde_json::to_string::<AtStatus>(status).unwrap()),
                 };
             }
@@ -197,26 +203,32 @@ fn successors(state: &State, confirm: bool) -> Vec<State> {
     next
 }
 
-/// The first state reached in which the command ran twice, if any.
-fn explore(confirm: bool) -> (Option<State>, usize) {
-    let created = World {
-        at: Some(AtState {
-            rv: 1,
-            status: None,
-        }),
-        pod: None,
-    };
-    let start = State {
-        server: created.clone(),
-        caches: [created.clone(), created],
-        leader: 0,
-        runs: 0,
-    };
-    let mut seen = HashSet::from([start.clone()]);
-    let mut queue = VecDeque::from([start]);
+/// Every state reached from an At just created (with and without `ttlSecondsAfterFinished: 0`),
+/// and the first in which the command ran twice, if any.
+fn explore(confirm: bool) -> (Option<State>, HashSet<State>) {
+    let mut seen = HashSet::new();
+    let mut queue = VecDeque::new();
+    for ttl in [false, true] {
+        let created = World {
+            at: Some(AtState {
+                rv: 1,
+                ttl,
+                status: None,
+            }),
+            pod: None,
+        };
+        let start = State {
+            server: created.clone(),
+            caches: [created.clone(), created],
+            leader: 0,
+            runs: 0,
+        };
+        seen.insert(start.clone());
+        queue.push_back(start);
+    }
     while let Some(state) = queue.pop_front() {
         if state.runs > 1 {
-            return (Some(state), seen.len());
+            return (Some(state), seen);
         }
         for next in successors(&state, confirm) {
             if seen.insert(next.clone()) {
@@ -224,15 +236,51 @@ fn explore(confirm: bool) -> (Option<State>, usize) {
             }
         }
     }
-    (None, seen.len())
+    (None, seen)
+}
+
+/// A replica's cache still shows the At as created (no status) while the server has moved on.
+fn stale_cache(state: &State) -> bool {
+    state
+        .caches
+        .iter()
+        .any(|c| c.at.as_ref().is_some_and(|at| at.status.is_none()) && c.pod.is_none())
+}
+
+fn done(world: &World) -> bool {
+    world.at.as_ref().is_some_and(|at| {
+        at.status
+            .as_deref()
+            .is_some_and(|s| s.contains(r#""phase":"Done""#))
+    })
 }
 
 #[test]
 fn with_the_quorum_read_no_interleaving_runs_the_command_twice() {
-    let (twice, explored) = explore(true);
+    let (twice, seen) = explore(true);
     assert_eq!(twice, None);
-    // Not vacuous: the search went through the whole life of the At.
-    assert!(explored > 100, "{explored} states");
+    // Not vacuous: the dangerous situations were reached, each with a stale cache that could
+    // lead: the At deleted after it ran (TTL); its pod let go once DONE and deleted by hand;
+    // its pod gone while the At is DONE and kept.
+    let reached = |what: &str, holds: &dyn Fn(&State) -> bool| {
+        assert!(seen.iter().any(holds), "never reached: {what}");
+    };
+    reached("deleted after it ran, a stale cache", &|s| {
+        s.runs == 1 && s.server.at.is_none() && s.server.pod.is_none() && stale_cache(s)
+    });
+    reached("DONE, its pod let go and deleted, a stale cache", &|s| {
+        s.runs == 1 && done(&s.server) && s.server.pod.is_none() && stale_cache(s)
+    });
+    reached("DONE, its pod let go but still there", &|s| {
+        done(&s.server) && s.server.pod.is_some_and(|p| !p.held && !p.deleting)
+    });
+    reached("a stale cache leading", &|s| {
+        s.runs == 1
+            && s.caches[s.leader]
+                .at
+                .as_ref()
+                .is_some_and(|at| at.status.is_none())
+    });
 }
 
 #[test]

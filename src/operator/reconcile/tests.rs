@@ -286,6 +286,7 @@ impl Harness {
 
     /// Stops the mock server and returns what was sent, checking it followed the script.
     async fn finish(self, expected: usize) -> Vec<Sent> {
+        let reads = self.reads.clone();
         self.wakeups.abort();
         let _ = self.wakeups.await;
         drop(self.ctx);
@@ -298,6 +299,13 @@ impl Harness {
             .map(|s| format!("{} {}", s.method, s.path))
             .collect();
         assert_eq!(sent.len(), expected, "requests: {summary:#?}");
+        // Every pod create followed a quorum read of its At.
+        let creates = sent
+            .iter()
+            .filter(|s| s.method == "POST" && s.path == PODS)
+            .count();
+        let reads = reads.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(reads >= creates, "{creates} pod creates, {reads} reads");
         sent
     }
 }
