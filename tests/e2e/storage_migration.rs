@@ -315,15 +315,8 @@ async fn objects_it_cannot_rewrite_are_reported_with_the_fix_and_stored_versions
         "{message}"
     );
     let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
-    let stored = crds
-        .get(&crd_name)
-        .await
-        .unwrap()
-        .status
-        .unwrap()
-        .stored_versions;
     assert_eq!(
-        stored.unwrap(),
+        stored_versions_of(&crds, &crd_name).await,
         ["v1alpha1", "v1"],
         "untouched while any is left"
     );
@@ -350,12 +343,10 @@ async fn objects_it_cannot_rewrite_are_reported_with_the_fix_and_stored_versions
     }
     let done = done.unwrap();
     assert!(done.left.is_empty());
-    let stored = crds
-        .get(&crd_name)
-        .await
-        .unwrap()
-        .status
-        .unwrap()
-        .stored_versions;
-    assert_eq!(stored.unwrap(), ["v1"]);
+    assert_eq!(stored_versions_of(&crds, &crd_name).await, ["v1"]);
+}
+
+async fn stored_versions_of(crds: &Api<CustomResourceDefinition>, name: &str) -> Vec<String> {
+    let crd = crds.get(name).await.unwrap();
+    crd.status.unwrap().stored_versions.unwrap()
 }
