@@ -207,8 +207,8 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     // cnat lets go of each pod once its outcome is recorded (an older build, only when the
     // pod or its At is deleted: "never" here).
     let released = match tokio::time::timeout(Duration::from_secs(60), released_seen).await {
-        Ok(released) => format!("{:.2?}", released.unwrap().saturating_duration_since(done)),
-        Err(_) => "never".to_owned(),
+        Ok(Ok(released)) => format!("{:.2?}", released.saturating_duration_since(done)),
+        _ => "never".to_owned(),
     };
     let rss = crate::rss::rss_kib(&operator.child.id().to_string());
     let created = pods.list(&Default::default()).await.unwrap().items.len();
@@ -411,11 +411,17 @@ async fn watch_done(ats: Api<At>, n: usize) -> Instant {
 async fn watch_released(pods: Api<Pod>, n: usize) -> Instant {
     let mut held = std::collections::HashSet::new();
     let mut released = std::collections::HashSet::new();
-    let stream = watcher(pods, watcher::Config::default()).applied_objects();
+    // A watch that fails (its connection idles out while nothing is released) starts again.
+    let stream = watcher(pods, watcher::Config::default())
+        .default_backoff()
+        .applied_objects();
     futures::pin_mut!(stream);
     while released.len() < n {
-        let Some(pod) = stream.try_next().await.unwrap() else {
+        let Some(next) = stream.next().await else {
             break;
+        };
+        let Ok(pod) = next else {
+            continue;
         };
         let name = pod.metadata.name.clone().unwrap_or_default();
         if pod
