@@ -123,8 +123,56 @@ pub struct Metrics {
     pods_refused: Family<RefusalLabels, Counter>,
     panics: Family<PanicLabels, Counter>,
     events_dropped: Counter,
-    creates_unconfirmed: Counter,
+    creates: PodCreates,
     ats: Arc<AtCount>,
+}
+
+/// What stood between a pod create decided on and the create (issue 39, "never twice").
+#[derive(Debug)]
+struct PodCreates {
+    /// How the API server confirmed the At before the create, by `by`.
+    confirmed: Family<ConfirmLabels, Counter>,
+    /// Creates not made: the API server's copy was not the cache's.
+    unconfirmed: Counter,
+    /// Creates put off: the At cache was behind.
+    deferred: Counter,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ConfirmLabels {
+    /// `read` (a quorum read of the At) or `own_write` (the cached version is one this leader's
+    /// own status write made: no request).
+    by: &'static str,
+}
+
+impl PodCreates {
+    fn register(registry: &mut Registry) -> Self {
+        let confirmed: Family<ConfirmLabels, Counter> = Family::default();
+        for by in ["read", "own_write"] {
+            drop(confirmed.get_or_create(&ConfirmLabels { by }));
+        }
+        let (unconfirmed, deferred) = (Counter::default(), Counter::default());
+        registry.register(
+            "cnat_pod_create_confirmations",
+            "Pod creates whose At the API server confirmed as the cache showed it (it exists with that uid and has not started), by how: read (a quorum read of the At just before) or own_write (the cached version is one this leader's own status write made, no request)",
+            confirmed.clone(),
+        );
+        registry.register(
+            "cnat_pod_creates_unconfirmed",
+            "Pod creates not made because the API server's copy of the At (a quorum read just before) was not the cache's: DONE, deleted, changed or another At by that name; the cache was behind",
+            unconfirmed.clone(),
+        );
+        registry.register(
+            "cnat_pod_creates_deferred",
+            "Pod creates put off because the At cache was behind the API server (listing, replaying what its lists held, or its watch silent for over 75 s); decided again once it caught up",
+            deferred.clone(),
+        );
+        PodCreates {
+            confirmed,
+            unconfirmed,
+            deferred,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -159,7 +207,6 @@ impl Metrics {
             drop(panics.get_or_create(&PanicLabels { place }));
         }
         let events_dropped = Counter::default();
-        let creates_unconfirmed = Counter::default();
         let ats = Arc::new(AtCount::default());
         let mut registry = Registry::default();
         registry.register(
@@ -212,11 +259,7 @@ impl Metrics {
             "Kubernetes Events not published because the queue of events waiting was full (the At's status holds the same facts)",
             events_dropped.clone(),
         );
-        registry.register(
-            "cnat_pod_creates_unconfirmed",
-            "Pod creates not made because the API server's copy of the At (a quorum read just before) was not the cache's: DONE, deleted, changed or another At by that name; the cache was behind",
-            creates_unconfirmed.clone(),
-        );
+        let creates = PodCreates::register(&mut registry);
         registry.register(
             "cnat_leader_handover_seconds",
             "On the replica that became leader: time from seeing the Lease released or expired until it led",
@@ -236,7 +279,7 @@ impl Metrics {
             pods_refused,
             panics,
             events_dropped,
-            creates_unconfirmed,
+            creates,
             ats,
         }
     }
@@ -253,7 +296,17 @@ impl Metrics {
 
     /// A pod create was not made: the API server's copy of the At was not the cache's.
     pub fn create_unconfirmed(&self) {
-        self.creates_unconfirmed.inc();
+        self.creates.unconfirmed.inc();
+    }
+
+    /// The API server confirmed a pod create's At, `by` a read or the leader's own write.
+    pub fn create_confirmed(&self, by: &'static str) {
+        self.creates.confirmed.get_or_create(&ConfirmLabels { by }).inc();
+    }
+
+    /// A pod create was put off: the At cache was behind.
+    pub fn create_deferred(&self) {
+        self.creates.deferred.inc();
     }
 
     /// The API server refused a pod create for `reason` (a `Refusal` label, or `invalid`).

@@ -11,6 +11,7 @@
 use crate::api::{At, AtSpec, AtStatus, Phase};
 use crate::operator::contain::Quarantine;
 use crate::operator::key::AtKey;
+use freshness::Freshness;
 use crate::schedule;
 use crate::shard;
 use chrono::{DateTime, Utc};
@@ -363,6 +364,8 @@ pub struct AtCache {
     stopped: tokio_util::sync::CancellationToken,
     /// How far the first list has come.
     listing: Arc<ListProgress>,
+    /// Whether the store is caught up with the API server now.
+    freshness: Freshness,
     _watch: Arc<AbortOnDropHandle<()>>,
 }
 
@@ -407,7 +410,13 @@ impl AtCache {
         let stopped = tokio_util::sync::CancellationToken::new();
         // Dropped when the task ends, by a panic too (unwinding drops it).
         let alive = stopped.clone().drop_guard();
-        let watch = follow::follow(client.clone(), namespace.map(str::to_owned), store.clone())
+        let freshness = Freshness::default();
+        let watch = follow::follow(
+            client.clone(),
+            namespace.map(str::to_owned),
+            store.clone(),
+            freshness.clone(),
+        )
             .backoff(watch_backoff())
             .reflect(writer)
             .for_each(move |event| {
@@ -467,6 +476,7 @@ impl AtCache {
             quarantine: Arc::default(),
             stopped,
             listing,
+            freshness,
             _watch: Arc::new(AbortOnDropHandle::new(tokio::spawn(watch))),
         }
     }
@@ -505,6 +515,11 @@ impl AtCache {
             received,
             failed: failed.clone(),
         })
+    }
+
+    /// Whether the store is caught up with the API server (`freshness`).
+    pub fn freshness(&self) -> &Freshness {
+        &self.freshness
     }
 
     /// At versions this replica skips after a panic handling them.
@@ -551,6 +566,7 @@ pub fn read(cached: &CachedAt) -> Option<At> {
 }
 
 mod follow;
+pub mod freshness;
 mod meta;
 
 /// Retrying a failed watch (the At cache's and the leader's pod watch): 100 ms doubling to

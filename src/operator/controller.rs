@@ -10,7 +10,7 @@ use crate::operator::contain;
 use crate::operator::events::EventSink;
 use crate::operator::pod;
 use crate::operator::policy::RunPolicy;
-use crate::operator::reconcile::{self, error_policy, reconcile, Context};
+use crate::operator::reconcile::{self, error_policy, reconcile, Caches, Context};
 use crate::operator::triggers;
 use chrono::Utc;
 use futures::{FutureExt, StreamExt, TryStreamExt};
@@ -61,9 +61,13 @@ pub async fn run_with_cache(
 ) {
     let pods = pod_api(&client, settings.namespace.as_deref());
     let (pod_store, pod_writer) = reflector::store();
+    let caches = Caches {
+        pods: pod_store,
+        ats: cache.freshness().clone(),
+    };
     let ctx = Arc::new(Context::new(
         client,
-        pod_store,
+        caches,
         events,
         Box::new(Utc::now),
         metrics.clone(),

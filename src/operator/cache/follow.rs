@@ -27,13 +27,17 @@
 //! - An API server whose resourceVersions are not numbers (which the replay compares) gets one
 //!   list of every At from then on.
 //! - A watch ends normally after its timeout; it is started again from the last version seen
-//!   (bookmarks keep that fresh). A watch silent for longer than its timeout, a list body
+//!   (bookmarks keep that fresh). A watch silent for `freshness::SILENCE` (75 s), a list body
 //!   silent for `IDLE`, or an answer that does not start within `IDLE`, is taken for a dead
 //!   connection (kube-client sets no read timeout): the watch is started again, the list failed.
+//! - After each step the follower tells `freshness` where it is (listing, replaying, watching)
+//!   and whether its watch just said something: pods are created only from a cache that is
+//!   caught up.
 //! - Errors are yielded as `watcher::Error`s for the caller's backoff; the next poll retries.
 //!   A watch whose version expired (410) is yielded as an error too (then listed again), as
 //!   kube-runtime does, so a relist is logged and backed off.
 
+use super::freshness::{Following, Freshness, SILENCE};
 use super::CachedAt;
 use futures::{AsyncBufReadExt, Stream, StreamExt};
 use kube::api::{ListParams, VersionMatch, WatchEvent, WatchParams};
@@ -52,8 +56,10 @@ use tokio_util::task::AbortOnDropHandle;
 
 /// Seconds a watch asks to last (kube-runtime's watcher asks the same).
 const WATCH_TIMEOUT: u32 = 290;
-/// A watch with no event (bookmarks included) for this long is dead (as kube-runtime judges).
-const WATCH_IDLE: Duration = Duration::from_secs(WATCH_TIMEOUT as u64 + 5);
+/// A watch with no event (bookmarks included) for this long is taken for dead and started
+/// again (`freshness::SILENCE`; kube-runtime waits for the watch's whole timeout, 295 s, during
+/// which its cache may be behind).
+const WATCH_IDLE: Duration = SILENCE;
 /// An answer that does not start, or a list body that stops, for this long is dead
 /// (kube-apiserver ends any request after 60 s by default).
 const IDLE: Duration = Duration::from_secs(60);
@@ -88,14 +94,18 @@ struct Follower {
     /// List the shards at once (`false` after an API server gave a resourceVersion that is not
     /// a number, which the replay needs to compare).
     sharded: bool,
+    /// Where it is, for those who must not act on a cache that is behind.
+    freshness: Freshness,
 }
 
 /// Follows the Ats (of `namespace`, or all) with `client`, as kube-runtime's `watcher` does
-/// (see the module docs for the difference); `held` is the store its events go into.
+/// (see the module docs for the difference); `held` is the store its events go into, and
+/// `freshness` hears where the follower is after each step.
 pub fn follow(
     client: Client,
     namespace: Option<String>,
     held: Store<CachedAt>,
+    freshness: Freshness,
 ) -> impl Stream<Item = Result<Event<CachedAt>, Error>> + Send {
     let url = CachedAt::url_path(&(), namespace.as_deref());
     let follower = Follower {
@@ -103,6 +113,7 @@ pub fn follow(
         url,
         held,
         sharded: true,
+        freshness,
     };
     futures::stream::unfold(
         (State::List(None), follower, VecDeque::new()),
@@ -119,16 +130,25 @@ pub fn follow(
     )
 }
 
-/// One step: the next state, and what it yields.
+/// One step: the next state, and what it yields. The state it ends in says how fresh the
+/// store is; it is `Watching` only when the watch just started or said something.
 async fn step(state: State, follower: &mut Follower) -> Stepped {
-    match state {
+    let (next, events) = match state {
         State::List(version) => list(version, follower).await,
         State::Listing(listing) => read_listed(listing, follower).await,
         State::Watch(version, replay) => watch(version, replay, follower).await,
         State::Watching(version, events, replay) => {
             read_watched(version, events, replay, follower).await
         }
-    }
+    };
+    let following = match &next {
+        State::List(_) | State::Listing(_) => Following::Listing,
+        State::Watch(..) | State::Watching(_, _, Some(_)) => Following::Replaying,
+        State::Watching(_, _, None) => Following::Watching,
+    };
+    let heard = matches!(next, State::Watching(..));
+    follower.freshness.set(following, heard);
+    (next, events)
 }
 
 /// Lists every At (the shard lists at once) at any version (`None`) or not older than

@@ -12,10 +12,18 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
+use std::time::Duration;
 use tracing::{debug, info, warn};
 
 /// Attempts to release the pod of a deleted At before leaving it to the next relist or leader.
 const ORPHAN_ATTEMPTS: u32 = 6;
+/// How long a pod create waits for an At cache that is behind before its reconcile ends (a
+/// reconcile holds one of the loop's slots, and a leader stepping down waits for it).
+const CATCH_UP_WAIT: Duration = Duration::from_secs(2);
+/// When an At whose create waited is reconciled again: the cache caught up meanwhile (so it
+/// is decided again on what the cache holds now), or not yet.
+const RECHECK_SOON: Duration = Duration::from_millis(10);
+const RECHECK_BEHIND: Duration = Duration::from_secs(1);
 
 impl Context {
     fn at_api(&self, at: &At) -> Api<At> {
@@ -29,7 +37,7 @@ impl Context {
     /// The pods in the pod cache that wait for cnat's finalizer to go while `owner_gone` says
     /// their At is gone.
     pub fn held_pods(&self, owner_gone: impl Fn(&Pod) -> bool) -> Vec<ObjectRef<Pod>> {
-        self.pods
+        self.caches.pods
             .state()
             .iter()
             .filter(|found| pod::awaits_release(found) && owner_gone(found))
@@ -45,7 +53,7 @@ impl Context {
 
     pub(super) fn cached_pod(&self, at: &At) -> PodObservation {
         let name = pod::name_for(&at.name_any());
-        match self.pods.get(&ObjectRef::new(&name).within(&namespace(at))) {
+        match self.caches.pods.get(&ObjectRef::new(&name).within(&namespace(at))) {
             Some(found) => observe(&found, at),
             None => PodObservation::NotCached,
         }
@@ -68,7 +76,7 @@ impl Context {
     pub fn held_pod_of(&self, at: &AtKey) -> Option<ObjectRef<Pod>> {
         let name = pod::name_for(at.name());
         let key = ObjectRef::new(&name).within(at.namespace());
-        self.pods
+        self.caches.pods
             .get(&key)
             .filter(|found| pod::awaits_release(found))
             .map(|_| key)
@@ -143,7 +151,7 @@ impl Context {
         let api = self.pod_api(at);
         // The cached copy first (its resourceVersion guards the patch); read only if it is
         // missing or stale.
-        let cached = self.pods.get(&ObjectRef::new(&name).within(&namespace(at)));
+        let cached = self.caches.pods.get(&ObjectRef::new(&name).within(&namespace(at)));
         let mut found = match cached {
             Some(found) => Pod::clone(&found),
             None => match api.get_opt(&name).await.map_err(fail)? {
@@ -185,6 +193,9 @@ impl Context {
             field_manager: Some(FIELD_MANAGER.into()),
             ..PostParams::default()
         };
+        if !self.caches.ats.is_caught_up() {
+            return Ok(self.behind().await);
+        }
         let creating = self.writer.pods_first().creating.enter();
         if !self.confirm(at).await? {
             return Ok(Created::Unconfirmed);
@@ -196,6 +207,10 @@ impl Context {
         drop(creating);
         match created {
             Ok(_) => {
+                // No later create may rely on the version this one was decided on.
+                if let Some(version) = &at.metadata.resource_version {
+                    self.writer.ledger().replaced(&key(at), version);
+                }
                 self.record_lateness(at);
                 Ok(Created::Yes)
             }
@@ -220,10 +235,29 @@ impl Context {
         }
     }
 
-    /// Whether the API server confirms `at` as the cache showed it, by a quorum read: a cache
-    /// that is behind (relisting, a stuck watch, a new leader's) may still show an At as PENDING
-    /// that is DONE, deleted, or another At by that name, and its pod must not run again.
+    /// A pod create put off because the At cache is behind (`cache::freshness`): waits a little
+    /// for it to catch up, then says when to decide again.
+    async fn behind(&self) -> Created {
+        self.metrics.create_deferred();
+        let back = self.caches.ats.caught_up_within(CATCH_UP_WAIT).await;
+        debug!(back, "the At cache is behind the API server (listing, replaying, or its watch silent); the pod create waits for it");
+        Created::Behind {
+            caught_up: if back { RECHECK_SOON } else { RECHECK_BEHIND },
+        }
+    }
+
+    /// Whether the API server confirms `at` as the cache showed it: a cache that is behind
+    /// (relisting, a stuck watch, a new leader's) may still show an At as PENDING that is DONE,
+    /// deleted, or another At by that name, and its pod must not run again. Confirmed without a
+    /// request when the cached version is one this leadership's own status write left PENDING
+    /// (the API server answered that write, and no pod was created from it since:
+    /// `Ledger::pending_written`); otherwise by a quorum read of the At.
     async fn confirm(&self, at: &At) -> Result<bool, Error> {
+        let version = at.metadata.resource_version.as_deref();
+        if self.writer.ledger().pending_confirmed(&key(at), version) {
+            self.metrics.create_confirmed("own_write");
+            return Ok(true);
+        }
         let fresh = self
             .at_api(at)
             .get_opt(&at.name_any())
@@ -233,7 +267,9 @@ impl Context {
                 source,
             })?;
         let confirmed = decide::confirms_create(at, fresh.as_ref());
-        if !confirmed {
+        if confirmed {
+            self.metrics.create_confirmed("read");
+        } else {
             let fresh = fresh.as_ref();
             let phase = fresh
                 .and_then(|f| f.status.as_ref())
@@ -285,6 +321,8 @@ pub(super) enum Created {
     Found(PodObservation),
     /// Not created: the API server's copy of the At is not the one decided on.
     Unconfirmed,
+    /// Not created: the At cache is behind; decide again after this long.
+    Behind { caught_up: Duration },
 }
 
 fn observe(found: &Pod, at: &At) -> PodObservation {

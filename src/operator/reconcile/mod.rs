@@ -13,6 +13,7 @@ pub mod writer;
 use crate::api::{At, Phase};
 use crate::observability::metrics::Metrics;
 use crate::operator::contain::{Panicked, Quarantine};
+use crate::operator::cache::freshness::Freshness;
 use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;
@@ -51,10 +52,17 @@ pub const MAX_REQUEUE: Duration = Duration::from_secs(3600);
 /// The wall clock, injected so tests control time.
 pub type Clock = Box<dyn Fn() -> DateTime<Utc> + Send + Sync>;
 
+/// What the executor sees of the cluster besides the At it reconciles: this leadership's pod
+/// cache, and whether the replica's At cache is caught up with the API server.
+pub struct Caches {
+    pub pods: Store<Pod>,
+    pub ats: Freshness,
+}
+
 /// What every reconcile shares: the executor's view of the cluster and the one writer.
 pub struct Context {
     client: Client,
-    pods: Store<Pod>,
+    caches: Caches,
     clock: Clock,
     metrics: Arc<Metrics>,
     policy: RunPolicy,
@@ -70,7 +78,7 @@ pub struct Context {
 impl Context {
     pub fn new(
         client: Client,
-        pods: Store<Pod>,
+        caches: Caches,
         events: EventSink,
         clock: Clock,
         metrics: Arc<Metrics>,
@@ -80,7 +88,7 @@ impl Context {
         let writer = Writer::new(client.clone(), events, metrics.clone(), quarantine);
         Context {
             client,
-            pods,
+            caches,
             clock,
             metrics,
             policy,
@@ -259,6 +267,8 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
                 Created::Found(found) => found,
                 // The watch brings the API server's version; the decision is made on that.
                 Created::Unconfirmed => return Ok(Action::await_change()),
+                // Decided again on what the cache holds once it caught up.
+                Created::Behind { caught_up } => return Ok(Action::requeue(caught_up)),
             },
         };
     }

@@ -4,6 +4,7 @@
 use super::*;
 use crate::api::{AtSpec, AtStatus, Phase};
 use crate::observability::metrics::Metrics;
+use crate::operator::cache::freshness::{Following, SILENCE};
 use crate::operator::policy::RunPolicy;
 use decide::PodObservation;
 use futures::StreamExt;
@@ -132,6 +133,10 @@ struct Harness {
     stored: Arc<std::sync::Mutex<Option<Option<Value>>>>,
     /// Reads of the example At the mock API server answered from `stored`.
     reads: Arc<std::sync::atomic::AtomicUsize>,
+    /// The At cache's freshness, as the follower would say it.
+    freshness: Freshness,
+    /// Keeps `freshness` caught up, as a live watch's bookmarks do.
+    bookmarks: tokio::task::JoinHandle<()>,
 }
 
 /// A context whose client talks to a mock API server that answers `script` in order and
@@ -220,9 +225,25 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
         instance: Some("cnat-0".into()),
     };
     let events = EventSink::start(client.clone(), reporter);
+    // A live watch, heard from (a bookmark) every minute, unless a test says otherwise.
+    let freshness = Freshness::default();
+    freshness.heard(Following::Watching);
+    let bookmarks = tokio::spawn({
+        let freshness = freshness.clone();
+        async move {
+            loop {
+                freshness.heard(Following::Watching);
+                tokio::time::sleep(Duration::from_secs(60)).await;
+            }
+        }
+    });
+    let caches = Caches {
+        pods: store,
+        ats: freshness.clone(),
+    };
     let ctx = Arc::new(Context::new(
         client,
-        store,
+        caches,
         events,
         clock,
         metrics.clone(),
@@ -245,6 +266,8 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
         wakeups,
         stored,
         reads,
+        freshness,
+        bookmarks,
     }
 }
 
@@ -288,6 +311,7 @@ impl Harness {
     async fn finish(self, expected: usize) -> Vec<Sent> {
         let reads = self.reads.clone();
         self.wakeups.abort();
+        self.bookmarks.abort();
         let _ = self.wakeups.await;
         drop(self.ctx);
         let sent = tokio::time::timeout(Duration::from_secs(5), self.server)
@@ -299,15 +323,26 @@ impl Harness {
             .map(|s| format!("{} {}", s.method, s.path))
             .collect();
         assert_eq!(sent.len(), expected, "requests: {summary:#?}");
-        // Every pod create followed a quorum read of its At.
+        // Every pod create was confirmed: by a quorum read of its At, or by this leader's own
+        // PENDING write of the version decided on.
         let creates = sent
             .iter()
             .filter(|s| s.method == "POST" && s.path == PODS)
             .count();
         let reads = reads.load(std::sync::atomic::Ordering::SeqCst);
-        assert!(reads >= creates, "{creates} pod creates, {reads} reads");
+        let metrics = self.metrics.encode();
+        let own = counted(&metrics, "cnat_pod_create_confirmations_total{by=\"own_write\"}");
+        assert!(reads + own >= creates, "{creates} pod creates, {reads} reads, {own} own writes");
         sent
     }
+}
+
+/// The value of the sample `name` (with its labels) in a scrape.
+fn counted(metrics: &str, name: &str) -> usize {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 fn created_event() -> Value {
@@ -475,6 +510,106 @@ async fn a_due_at_s_pod_is_created_only_when_the_api_server_confirms_the_at() {
     );
     let sent = h.finish(3).await;
     assert_eq!(sent[0].path, PODS);
+}
+
+/// The version this leader's own PENDING write made needs no read before its pod: the API
+/// server answered that write, and no pod was made from it since. Any other version is read.
+#[tokio::test(start_paused = true)]
+async fn a_pod_created_from_this_leader_s_own_pending_write_needs_no_read() {
+    let now = Arc::new(std::sync::Mutex::new(
+        DateTime::parse_from_rfc3339(NOW).unwrap().to_utc(),
+    ));
+    let clock: Clock = Box::new({
+        let now = now.clone();
+        move || *now.lock().unwrap()
+    });
+    let mut at = example_at(None);
+    at.spec.schedule = "2026-11-22T02:11:00Z".into();
+    let h = harness_at(
+        vec![
+            answer("PATCH", STATUS, 200, at_response(&running_status())),
+            answer("POST", EVENTS, 201, created_event()),
+            answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
+            answer("PATCH", STATUS, 200, at_response(&running_status())),
+            answer("POST", EVENTS, 201, created_event()),
+        ],
+        clock,
+    );
+    h.reconcile(at.clone()).await.unwrap();
+    // The written version (101, as the mock answers) comes back through the watch, due.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    at.status = Some(AtStatus {
+        phase: Phase::Pending,
+        ..AtStatus::default()
+    });
+    at.metadata.resource_version = Some("101".into());
+    *now.lock().unwrap() = DateTime::parse_from_rfc3339("2026-11-22T02:11:00Z")
+        .unwrap()
+        .to_utc();
+    h.reconcile(at.clone()).await.unwrap();
+    assert_eq!(h.reads(), 0, "no read");
+    let metrics = h.metrics.encode();
+    let own = "cnat_pod_create_confirmations_total{by=\"own_write\"}";
+    assert_eq!(counted(&metrics, own), 1, "{metrics}");
+    let sent = h.finish(5).await;
+    assert_eq!(sent[2].path, PODS);
+
+    // The same version in a new leadership (another ledger), or another version: read first.
+    for version in ["101", "102"] {
+        let due = *now.lock().unwrap();
+        let h = harness_at(
+            vec![
+                answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
+                answer("PATCH", STATUS, 200, at_response(&running_status())),
+                answer("POST", EVENTS, 201, created_event()),
+            ],
+            Box::new(move || due),
+        );
+        at.metadata.resource_version = Some(version.into());
+        h.reconcile(at.clone()).await.unwrap();
+        assert_eq!(h.reads(), 1, "{version}");
+        let metrics = h.metrics.encode();
+        let read = "cnat_pod_create_confirmations_total{by=\"read\"}";
+        assert_eq!(counted(&metrics, read), 1, "{metrics}");
+        h.finish(3).await;
+    }
+}
+
+/// An At cache that is behind (listing, replaying, its watch silent) creates no pod: the create
+/// waits a little for it to catch up, then the At is decided again on what it holds.
+#[tokio::test(start_paused = true)]
+async fn no_pod_is_created_from_an_at_cache_that_is_behind() {
+    let h = harness(vec![
+        answer("POST", PODS, 201, pod_fixture(Some(AT_UID), None)),
+        answer("PATCH", STATUS, 200, at_response(&running_status())),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    h.bookmarks.abort();
+    h.freshness.set(Following::Listing, false);
+    let at = example_at(None);
+    let started = tokio::time::Instant::now();
+    let action = h.reconcile(at.clone()).await.unwrap();
+    assert_eq!(action, Action::requeue(Duration::from_secs(1)), "still behind");
+    assert_eq!(started.elapsed(), Duration::from_secs(2), "waited that long");
+    assert_eq!(h.reads(), 0);
+
+    // A watch silent past the bound is behind too; it comes back while the create waits.
+    h.freshness.heard(Following::Watching);
+    tokio::time::sleep(SILENCE + Duration::from_secs(1)).await;
+    let follower = h.freshness.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        follower.heard(Following::Watching);
+    });
+    let action = h.reconcile(at.clone()).await.unwrap();
+    assert_eq!(action, Action::requeue(Duration::from_millis(10)), "decided again soon");
+    let metrics = h.metrics.encode();
+    assert_eq!(counted(&metrics, "cnat_pod_creates_deferred_total"), 2, "{metrics}");
+
+    // Caught up: created.
+    h.reconcile(at).await.unwrap();
+    assert_eq!(h.reads(), 1);
+    h.finish(3).await;
 }
 
 #[tokio::test(start_paused = true)]

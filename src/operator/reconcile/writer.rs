@@ -263,7 +263,14 @@ impl Writer {
             .patch_status(target.key.name(), &params, &Patch::Merge(&patch))
             .await
         {
-            Ok(_) => Written::Done,
+            Ok(written) => {
+                if let (Phase::Pending, Some(version)) =
+                    (status.phase, written.metadata.resource_version.as_deref())
+                {
+                    self.ledger.pending_written(&target.key, version);
+                }
+                Written::Done
+            }
             Err(kube::Error::Api(s)) if s.is_conflict() => {
                 debug!(at = %target.key, "status changed meanwhile; waiting for the newer version");
                 Written::Conflict
@@ -285,6 +292,7 @@ impl Writer {
     /// Our status write of `phase` replaces the version of `target` decided on.
     fn remember(&self, target: &Target, phase: Phase) {
         if let Some(rv) = &target.resource_version {
+            self.ledger.replaced(&target.key, rv);
             self.ledger.written(target.key.clone(), rv.clone(), phase);
         }
     }
