@@ -28,6 +28,8 @@ mod lifecycle;
 mod list_shards;
 #[path = "e2e/mass_deletion.rs"]
 mod mass_deletion;
+#[path = "e2e/never_twice.rs"]
+mod never_twice;
 #[path = "e2e/rbac.rs"]
 mod rbac;
 #[path = "e2e/release.rs"]

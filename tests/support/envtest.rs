@@ -592,35 +592,39 @@ impl Target {
     /// Plays the kubelet where there is none: pod `name` ran and its command exited with
     /// `exit_code`. On a real cluster, waits for the pod to end by itself.
     pub async fn finish_pod(&self, namespace: &str, name: &str, exit_code: i32, message: &str) {
-        let pods: Api<k8s_openapi::api::core::v1::Pod> =
-            Api::namespaced(self.client.clone(), namespace);
-        if self.kubelet {
-            return;
+        if !self.kubelet {
+            finish_pod(&self.client, namespace, name, exit_code, message).await;
         }
-        let now = jiff::Timestamp::now().to_string();
-        let phase = if exit_code == 0 {
-            "Succeeded"
-        } else {
-            "Failed"
-        };
-        let patch = serde_json::json!({"status": {
-            "phase": phase,
-            "containerStatuses": [{
-                "name": "command", "image": "busybox", "imageID": "", "ready": false,
-                "restartCount": 0,
-                "state": {"terminated": {"exitCode": exit_code,
-                    "reason": if exit_code == 0 { "Completed" } else { "Error" },
-                    "message": message, "startedAt": now, "finishedAt": now}},
-            }],
-        }});
-        pods.patch_status(
-            name,
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(&patch),
-        )
-        .await
-        .expect("pod status written");
     }
+}
+
+/// Plays the kubelet: pod `name` in `namespace` ended with `exit_code`, its container's
+/// termination message `message`.
+pub async fn finish_pod(client: &Client, namespace: &str, name: &str, exit_code: i32, message: &str) {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), namespace);
+    let now = jiff::Timestamp::now().to_string();
+    let phase = if exit_code == 0 {
+        "Succeeded"
+    } else {
+        "Failed"
+    };
+    let patch = serde_json::json!({"status": {
+        "phase": phase,
+        "containerStatuses": [{
+            "name": "command", "image": "busybox", "imageID": "", "ready": false,
+            "restartCount": 0,
+            "state": {"terminated": {"exitCode": exit_code,
+                "reason": if exit_code == 0 { "Completed" } else { "Error" },
+                "message": message, "startedAt": now, "finishedAt": now}},
+        }],
+    }});
+    pods.patch_status(
+        name,
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(&patch),
+    )
+    .await
+    .expect("pod status written");
 }
 
 /// Creates namespace `name` with `labels`.
@@ -721,6 +725,23 @@ impl ControlPlane {
         assert!(
             yaml.contains(&format!("as: {user}")),
             "impersonation not set: {yaml}"
+        );
+        std::fs::write(&kubeconfig, yaml).expect("a kubeconfig");
+        self.start_replica(identity, lease_namespace, extra, &kubeconfig)
+    }
+
+    /// `replica`, talking to the API server through `proxy` (plain HTTP to it; see `proxy`).
+    pub fn replica_through(
+        &self,
+        identity: &str,
+        lease_namespace: &str,
+        extra: &[&str],
+        proxy: &super::proxy::Proxy,
+    ) -> Replica {
+        let kubeconfig = self.dir.join(format!("{identity}-proxied.kubeconfig"));
+        let yaml = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: proxy\n  cluster:\n    server: {}\nusers:\n- name: admin\n  user:\n    token: {ADMIN_TOKEN}\ncontexts:\n- name: proxy\n  context:\n    cluster: proxy\n    user: admin\n    namespace: default\ncurrent-context: proxy\n",
+            proxy.url
         );
         std::fs::write(&kubeconfig, yaml).expect("a kubeconfig");
         self.start_replica(identity, lease_namespace, extra, &kubeconfig)

@@ -8,6 +8,7 @@ pub mod https;
 pub mod otlp;
 pub mod ports;
 pub mod process;
+pub mod proxy;
 pub mod service;
 
 use cnat::observability::metrics::Metrics;

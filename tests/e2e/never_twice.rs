@@ -1,0 +1,344 @@
+//! Never twice, on the real control plane, with a replica's At cache made stale on purpose (a
+//! proxy between it and the API server holds its At watch, or ends it and holds the relist):
+//! the replica leads after the old leader ran the Ats, and creates no pod again; and a handover
+//! in the middle of a burst creates each At's pod exactly once.
+
+use crate::support::envtest::{finish_pod, install_crd, lease_holder, ControlPlane, Replica};
+use crate::support::process::{get, probe};
+use crate::support::proxy::Proxy;
+use cnat::api::{At, Phase};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{DeleteParams, PostParams};
+use kube::runtime::watcher;
+use kube::{Api, Client, ResourceExt};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Polls `check` every 50 ms for `within`; the first value it gives.
+async fn until<T>(within: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> Option<T> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(found) = check().await {
+            return Some(found);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Every pod ever created in a namespace, by name: the uid of each object by that name (two
+/// uids: created twice), from a watch that runs until dropped.
+struct Creations {
+    seen: Arc<Mutex<BTreeMap<String, BTreeSet<String>>>>,
+    _watch: tokio_util::task::AbortOnDropHandle<()>,
+}
+
+impl Creations {
+    async fn watch(client: &Client, namespace: &str) -> Creations {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+        let seen: Arc<Mutex<BTreeMap<String, BTreeSet<String>>>> = Arc::default();
+        let (noted, started) = (seen.clone(), tokio::sync::oneshot::channel::<()>());
+        let (ready, listed) = started;
+        let task = tokio::spawn(async move {
+            let mut ready = Some(ready);
+            let mut events = watcher(pods, watcher::Config::default()).boxed();
+            while let Some(event) = events.next().await {
+                let pod = match event {
+                    Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => pod,
+                    Ok(watcher::Event::InitDone) => {
+                        if let Some(ready) = ready.take() {
+                            let _ = ready.send(());
+                        }
+                        continue;
+                    }
+                    _ => continue,
+                };
+                let uid = pod.uid().unwrap_or_default();
+                noted
+                    .lock()
+                    .unwrap()
+                    .entry(pod.name_any())
+                    .or_default()
+                    .insert(uid);
+            }
+        });
+        listed.await.expect("the pod watch lists");
+        Creations {
+            seen,
+            _watch: tokio_util::task::AbortOnDropHandle::new(task),
+        }
+    }
+
+    fn of(&self, pod: &str) -> usize {
+        self.seen.lock().unwrap().get(pod).map_or(0, BTreeSet::len)
+    }
+
+    fn pods(&self) -> usize {
+        self.seen.lock().unwrap().len()
+    }
+
+    /// Pods created more than once, with their uids.
+    fn twice(&self) -> Vec<(String, BTreeSet<String>)> {
+        let seen = self.seen.lock().unwrap();
+        let twice = seen.iter().filter(|(_, uids)| uids.len() > 1);
+        twice.map(|(n, u)| (n.clone(), u.clone())).collect()
+    }
+}
+
+/// The value of sample `name` (labels included) on a replica's `/metrics`.
+fn metric(replica: &Replica, name: &str) -> u64 {
+    let (_, body) = get(replica.admin, "/metrics").unwrap_or_default();
+    body.lines()
+        .find_map(|line| line.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+const UNCONFIRMED: &str = "cnat_pod_creates_unconfirmed_total";
+const DEFERRED: &str = "cnat_pod_creates_deferred_total";
+const READ: &str = "cnat_pod_create_confirmations_total{by=\"read\"}";
+
+/// An At running `true` when due.
+fn at(name: &str, due: chrono::DateTime<chrono::Utc>, ttl: Option<i32>) -> At {
+    let mut at = crate::lifecycle::at(name, due, "true");
+    at.spec.ttl_seconds_after_finished = ttl;
+    at
+}
+
+/// Two replicas in `ns` (their Lease in `lease_ns`): `a` leading, talking to the API server
+/// directly, and `b`, through `proxy` if there is one, a ready standby.
+async fn replicas(
+    plane: &ControlPlane,
+    admin: &Client,
+    lease_ns: &str,
+    ns: &str,
+    proxy: Option<&Proxy>,
+) -> (Replica, Replica) {
+    let flags = [format!("--namespace={ns}"), "--webhooks=false".into()];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let a = plane.replica("a", lease_ns, &flags);
+    let leads = until(Duration::from_secs(30), async || {
+        (lease_holder(admin, lease_ns, "cnat").await.as_deref() == Some("a")).then_some(())
+    });
+    assert!(leads.await.is_some(), "a never led: {}", a.log_text());
+    let b = match proxy {
+        Some(proxy) => plane.replica_through("b", lease_ns, &flags, proxy),
+        None => plane.replica("b", lease_ns, &flags),
+    };
+    let ready = until(Duration::from_secs(30), async || {
+        (probe(b.admin, "/readyz") == Some(200)).then_some(())
+    });
+    assert!(ready.await.is_some(), "b never ready: {}", b.log_text());
+    (a, b)
+}
+
+/// Stops `a` as a rolling update does and waits until `b` leads.
+async fn hand_over(admin: &Client, lease_ns: &str, a: &mut Replica, b: &Replica) {
+    a.terminate();
+    let leads = until(Duration::from_secs(30), async || {
+        (lease_holder(admin, lease_ns, "cnat").await.as_deref() == Some("b")).then_some(())
+    });
+    assert!(leads.await.is_some(), "b never led: {}", b.log_text());
+}
+
+/// Whether the At watch events `proxy` passed on showed At `name` in `phase`.
+fn saw(proxy: &Proxy, name: &str, phase: &str) -> bool {
+    proxy.forwarded().lines().any(|line| {
+        serde_json::from_str::<serde_json::Value>(line).is_ok_and(|event| {
+            event["object"]["metadata"]["name"] == name
+                && event["object"]["status"]["phase"] == phase
+        })
+    })
+}
+
+/// The pod of At `name` is created; then it ends, as the kubelet would say.
+async fn run(admin: &Client, ns: &str, name: &str) {
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), ns);
+    let pod = format!("{name}-pod");
+    let created = until(Duration::from_secs(30), async || {
+        pods.get_opt(&pod).await.unwrap()
+    });
+    assert!(created.await.is_some(), "{pod} never created");
+    finish_pod(admin, ns, &pod, 0, "").await;
+}
+
+/// A standby whose At watch is stuck still shows two Ats as PENDING that ran meanwhile: one
+/// deleted by its `ttlSecondsAfterFinished: 0` (its pod by the garbage collector), one DONE
+/// whose pod was deleted by hand. It leads, decides to create both pods from that cache, and the
+/// quorum read before each create stops it.
+#[tokio::test]
+async fn a_new_leader_whose_at_watch_is_stuck_runs_nothing_again() {
+    let plane = crate::real_control_plane!();
+    assert!(plane.has_controller_manager(), "the garbage collector runs");
+    let admin = plane.admin().await;
+    install_crd(&admin, &cnat::api::crd_yaml()).await;
+    let lease_ns = plane.namespace("stuck-watch-lease", &[]).await;
+    let ns = plane.namespace("stuck-watch", &[]).await;
+    let creations = Creations::watch(&admin, &ns).await;
+    let proxy = Proxy::start(admin.clone()).await;
+    let (mut a, b) = replicas(plane, &admin, &lease_ns, &ns, Some(&proxy)).await;
+
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    let due = chrono::Utc::now() + chrono::Duration::seconds(3);
+    for (name, ttl) in [("deleted", Some(0)), ("kept", None)] {
+        let new = at(name, due, ttl);
+        ats.create(&PostParams::default(), &new).await.unwrap();
+    }
+    // b's cache holds both as PENDING; from then on its watch passes nothing on.
+    let seen = until(Duration::from_secs(30), async || {
+        (saw(&proxy, "deleted", "Pending") && saw(&proxy, "kept", "Pending")).then_some(())
+    });
+    assert!(seen.await.is_some(), "b never saw them PENDING");
+    proxy.hold_watches(true);
+
+    run(&admin, &ns, "deleted").await;
+    run(&admin, &ns, "kept").await;
+    let gone = until(Duration::from_secs(60), async || {
+        let at = ats.get_opt("deleted").await.unwrap();
+        let pod = pods.get_opt("deleted-pod").await.unwrap();
+        (at.is_none() && pod.is_none()).then_some(())
+    });
+    assert!(gone.await.is_some(), "the TTL At and its pod never went");
+    let done = until(Duration::from_secs(30), async || {
+        let at = ats.get("kept").await.unwrap();
+        at.status.is_some_and(|s| s.phase == Phase::Done).then_some(())
+    });
+    assert!(done.await.is_some(), "kept never DONE");
+    pods.delete("kept-pod", &DeleteParams::default())
+        .await
+        .unwrap();
+    let deleted = until(Duration::from_secs(30), async || {
+        pods.get_opt("kept-pod").await.unwrap().is_none().then_some(())
+    });
+    assert!(deleted.await.is_some(), "kept-pod never went");
+
+    hand_over(&admin, &lease_ns, &mut a, &b).await;
+    // b decides on its stale cache: both creates stopped by the API server's answer, or made.
+    let pods_of = ["deleted-pod", "kept-pod"];
+    let decided = until(Duration::from_secs(30), async || {
+        let again = pods_of.iter().any(|pod| creations.of(pod) > 1);
+        (again || metric(&b, UNCONFIRMED) >= 2).then_some(())
+    });
+    let decided = decided.await;
+    for pod in pods_of {
+        assert_eq!(creations.of(pod), 1, "{pod} created once");
+        assert!(pods.get_opt(pod).await.unwrap().is_none(), "{pod} again");
+    }
+    assert!(decided.is_some(), "b never tried: {}", b.log_text());
+    proxy.hold_watches(false);
+    let kept = ats.get("kept").await.unwrap();
+    assert_eq!(kept.status.map(|s| s.phase), Some(Phase::Done));
+}
+
+/// A standby whose At watch expired is listing again when it leads (its list held): its store
+/// still shows as PENDING an At that ran meanwhile. It creates nothing while it lists (not even
+/// a read), and nothing once the list shows the At DONE.
+#[tokio::test]
+async fn a_new_leader_that_is_listing_creates_nothing_until_its_cache_caught_up() {
+    let plane = crate::real_control_plane!();
+    let admin = plane.admin().await;
+    install_crd(&admin, &cnat::api::crd_yaml()).await;
+    let lease_ns = plane.namespace("relisting-lease", &[]).await;
+    let ns = plane.namespace("relisting", &[]).await;
+    let creations = Creations::watch(&admin, &ns).await;
+    let proxy = Proxy::start(admin.clone()).await;
+    let (mut a, b) = replicas(plane, &admin, &lease_ns, &ns, Some(&proxy)).await;
+
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    let due = chrono::Utc::now() + chrono::Duration::seconds(3);
+    let new = at("ran", due, None);
+    ats.create(&PostParams::default(), &new).await.unwrap();
+    let seen = until(Duration::from_secs(30), async || {
+        saw(&proxy, "ran", "Pending").then_some(())
+    });
+    assert!(seen.await.is_some(), "b never saw it PENDING");
+    // b's watch ends with 410 Expired; its list waits.
+    proxy.hold_lists(true);
+    proxy.expire_watches();
+
+    run(&admin, &ns, "ran").await;
+    let done = until(Duration::from_secs(30), async || {
+        let at = ats.get("ran").await.unwrap();
+        at.status.is_some_and(|s| s.phase == Phase::Done).then_some(())
+    });
+    assert!(done.await.is_some(), "never DONE");
+    pods.delete("ran-pod", &DeleteParams::default())
+        .await
+        .unwrap();
+    let deleted = until(Duration::from_secs(30), async || {
+        pods.get_opt("ran-pod").await.unwrap().is_none().then_some(())
+    });
+    assert!(deleted.await.is_some(), "ran-pod never went");
+
+    hand_over(&admin, &lease_ns, &mut a, &b).await;
+    let deferred = until(Duration::from_secs(30), async || {
+        (metric(&b, DEFERRED) >= 1).then_some(())
+    });
+    assert!(deferred.await.is_some(), "b never put a create off: {}", b.log_text());
+    assert_eq!(metric(&b, READ), 0, "not even a read while listing");
+    assert_eq!(creations.of("ran-pod"), 1);
+
+    // The list ends: b's cache shows the At DONE, and nothing is created.
+    proxy.hold_lists(false);
+    let caught_up = until(Duration::from_secs(30), async || {
+        let (_, body) = get(b.admin, "/metrics").unwrap_or_default();
+        body.contains("\ncnat_ats{phase=\"DONE\"} 1\n").then_some(())
+    });
+    assert!(caught_up.await.is_some(), "b never caught up: {}", b.log_text());
+    let recreated = until(Duration::from_secs(3), async || {
+        pods.get_opt("ran-pod").await.unwrap()
+    });
+    assert!(recreated.await.is_none(), "ran-pod created again");
+    assert_eq!(creations.of("ran-pod"), 1);
+    assert_eq!(metric(&b, UNCONFIRMED), 0, "decided on the caught-up cache");
+}
+
+/// A leader stopped (as by a rolling update) while 400 Ats fall due at once: the old leader
+/// and the new one together create each At's pod exactly once.
+#[tokio::test]
+async fn a_handover_in_the_middle_of_a_burst_creates_each_pod_once() {
+    const ATS: usize = 400;
+    let plane = crate::real_control_plane!();
+    let admin = plane.admin().await;
+    install_crd(&admin, &cnat::api::crd_yaml()).await;
+    let lease_ns = plane.namespace("burst-handover-lease", &[]).await;
+    let ns = plane.namespace("burst-handover", &[]).await;
+    let creations = Creations::watch(&admin, &ns).await;
+    let (mut a, b) = replicas(plane, &admin, &lease_ns, &ns, None).await;
+
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let due = chrono::Utc::now() + chrono::Duration::seconds(8);
+    futures::stream::iter(0..ATS)
+        .for_each_concurrent(8, |i| {
+            let ats = ats.clone();
+            async move {
+                let at = at(&format!("at-{i}"), due, None);
+                ats.create(&PostParams::default(), &at).await.unwrap();
+            }
+        })
+        .await;
+    let started = until(Duration::from_secs(30), async || {
+        (creations.pods() >= 20).then_some(())
+    });
+    assert!(started.await.is_some(), "the burst never started: {}", a.log_text());
+    hand_over(&admin, &lease_ns, &mut a, &b).await;
+    let all = until(Duration::from_secs(60), async || {
+        (creations.pods() >= ATS).then_some(())
+    });
+    assert!(all.await.is_some(), "{} of {ATS} pods", creations.pods());
+    assert_eq!(creations.twice(), vec![], "pods created twice");
+    assert_eq!(creations.pods(), ATS);
+    // The new leader created some of them (it read each At first: not its own write).
+    assert!(metric(&b, READ) >= 1, "the handover came after the burst");
+    let running = until(Duration::from_secs(60), async || {
+        let list = ats.list(&Default::default()).await.unwrap();
+        let phases = list.items.iter().filter_map(|at| at.status.as_ref());
+        (phases.filter(|s| s.phase == Phase::Running).count() == ATS).then_some(())
+    });
+    assert!(running.await.is_some(), "not every At RUNNING");
+}

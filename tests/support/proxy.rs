@@ -1,0 +1,191 @@
+//! A proxy between one replica and the real API server that makes the replica's At cache
+//! stale on purpose: it can hold the events of the replica's At watches (the watch stays open
+//! and says nothing, as behind a stuck proxy or a half-open connection), end them with 410
+//! Expired (a forced relist), and hold the answers to its At lists (a relist that takes long).
+//! Every other request (the Lease, pods, reads of one At) goes through at once. The replica
+//! talks plain HTTP to it (`url`); it talks to the API server as the admin.
+
+use bytes::Bytes;
+use futures::StreamExt;
+use http_body_util::{combinators::UnsyncBoxBody, BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use std::sync::{Arc, Mutex};
+use tokio::sync::watch;
+use tokio_util::task::AbortOnDropHandle;
+
+const ATS: &str = "/apis/cnat.programming-kubernetes.info/";
+
+/// What the API server says when a watch's version is too old: the follower lists again.
+const EXPIRED: &str = r#"{"type":"ERROR","object":{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure","message":"too old resource version (the test's proxy)","reason":"Expired","code":410}}"#;
+
+type ProxyBody = UnsyncBoxBody<Bytes, std::io::Error>;
+
+/// The proxy; stops when dropped.
+pub struct Proxy {
+    /// Where the replica finds it (`http://127.0.0.1:PORT`).
+    pub url: String,
+    state: Arc<State>,
+    _task: AbortOnDropHandle<()>,
+}
+
+#[derive(Debug)]
+struct State {
+    /// While true, events of At watches are held.
+    hold_watches: watch::Sender<bool>,
+    /// Raised to end every open At watch with 410 Expired.
+    expiries: watch::Sender<u64>,
+    /// While true, answers to At lists are held.
+    hold_lists: watch::Sender<bool>,
+    /// The At watch events passed to the replica so far (what its cache saw).
+    forwarded: Mutex<String>,
+}
+
+impl Proxy {
+    /// Starts a proxy to the API server `upstream` speaks to.
+    pub async fn start(upstream: kube::Client) -> Proxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a port for the proxy");
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let state = Arc::new(State {
+            hold_watches: watch::Sender::new(false),
+            expiries: watch::Sender::new(0),
+            hold_lists: watch::Sender::new(false),
+            forwarded: Mutex::default(),
+        });
+        let shared = state.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let (upstream, state) = (upstream.clone(), shared.clone());
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |request| {
+                        forward(request, upstream.clone(), state.clone())
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Proxy {
+            url,
+            state,
+            _task: AbortOnDropHandle::new(task),
+        }
+    }
+
+    /// Holds (true) or lets through (false) the events of the replica's At watches.
+    pub fn hold_watches(&self, hold: bool) {
+        self.state.hold_watches.send_replace(hold);
+    }
+
+    /// Ends every open At watch of the replica with 410 Expired: it lists again.
+    pub fn expire_watches(&self) {
+        self.state.expiries.send_modify(|n| *n += 1);
+    }
+
+    /// Holds (true) or lets through (false) the answers to the replica's At lists.
+    pub fn hold_lists(&self, hold: bool) {
+        self.state.hold_lists.send_replace(hold);
+    }
+
+    /// The At watch events the replica was given so far.
+    pub fn forwarded(&self) -> String {
+        self.state.forwarded.lock().unwrap().clone()
+    }
+}
+
+async fn forward(
+    request: Request<Incoming>,
+    upstream: kube::Client,
+    state: Arc<State>,
+) -> Result<Response<ProxyBody>, std::convert::Infallible> {
+    let (parts, body) = request.into_parts();
+    let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let ats = parts.uri.path().starts_with(ATS) && parts.uri.path().ends_with("/ats");
+    let watching = parts
+        .uri
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .any(|pair| pair == "watch=true" || pair == "watch=1");
+    let (watch, list) = (
+        ats && watching,
+        ats && !watching && parts.method == http::Method::GET,
+    );
+    if list {
+        let mut held = state.hold_lists.subscribe();
+        let _ = held.wait_for(|hold| !hold).await;
+    }
+    let mut outgoing = http::Request::builder()
+        .method(parts.method.clone())
+        .uri(parts.uri.path_and_query().map_or("/", |p| p.as_str()));
+    for (name, value) in &parts.headers {
+        if name != http::header::AUTHORIZATION && name != http::header::HOST {
+            outgoing = outgoing.header(name, value);
+        }
+    }
+    let outgoing = outgoing
+        .body(kube::client::Body::from(body.to_vec()))
+        .unwrap();
+    let answer = match upstream.send(outgoing).await {
+        Ok(answer) => answer,
+        Err(error) => {
+            let body = Bytes::from(format!("the test's proxy: {error}"));
+            let failed = http_body_util::Full::new(body).map_err(|never| match never {});
+            let mut response = Response::new(failed.boxed_unsync());
+            *response.status_mut() = http::StatusCode::BAD_GATEWAY;
+            return Ok(response);
+        }
+    };
+    let (mut parts, body) = answer.into_parts();
+    let body = if watch {
+        parts.headers.remove(http::header::CONTENT_LENGTH);
+        gated(body, state)
+    } else {
+        body.map_err(std::io::Error::other).boxed_unsync()
+    };
+    Ok(Response::from_parts(parts, body))
+}
+
+/// A watch's body, passed on while its events are not held, ended with 410 Expired when asked.
+fn gated(body: kube::client::Body, state: Arc<State>) -> ProxyBody {
+    let start = *state.expiries.borrow();
+    let chunks = body.into_data_stream().boxed();
+    let frames = futures::stream::unfold(Some(chunks), move |chunks| {
+        let state = state.clone();
+        async move {
+            let mut chunks = chunks?;
+            let mut expiries = state.expiries.subscribe();
+            let expired = async move {
+                let _ = expiries.wait_for(|n| *n > start).await;
+            };
+            let mut held = state.hold_watches.subscribe();
+            let next = async move {
+                let chunk = chunks.next().await;
+                let _ = held.wait_for(|hold| !hold).await;
+                (chunk, chunks)
+            };
+            tokio::select! {
+                () = expired => {
+                    let line = Bytes::from(format!("{EXPIRED}\n"));
+                    Some((Ok(Frame::data(line)), None))
+                }
+                (chunk, chunks) = next => match chunk? {
+                    Ok(bytes) => {
+                        state
+                            .forwarded
+                            .lock()
+                            .unwrap()
+                            .push_str(&String::from_utf8_lossy(&bytes));
+                        Some((Ok(Frame::data(bytes)), Some(chunks)))
+                    }
+                    Err(error) => Some((Err(std::io::Error::other(error)), None)),
+                },
+            }
+        }
+    });
+    BodyExt::boxed_unsync(StreamBody::new(frames))
+}
