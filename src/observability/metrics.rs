@@ -301,7 +301,10 @@ impl Metrics {
 
     /// The API server confirmed a pod create's At, `by` a read or the leader's own write.
     pub fn create_confirmed(&self, by: &'static str) {
-        self.creates.confirmed.get_or_create(&ConfirmLabels { by }).inc();
+        self.creates
+            .confirmed
+            .get_or_create(&ConfirmLabels { by })
+            .inc();
     }
 
     /// A pod create was put off: the At cache was behind.

@@ -11,10 +11,10 @@
 use crate::api::{At, AtSpec, AtStatus, Phase};
 use crate::operator::contain::Quarantine;
 use crate::operator::key::AtKey;
-use freshness::Freshness;
 use crate::schedule;
 use crate::shard;
 use chrono::{DateTime, Utc};
+use freshness::Freshness;
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::NamespaceResourceScope;
@@ -417,55 +417,54 @@ impl AtCache {
             store.clone(),
             freshness.clone(),
         )
-            .backoff(watch_backoff())
-            .reflect(writer)
-            .for_each(move |event| {
-                let change = match event {
-                    // The store was written before this runs, in the same task: its copy is
-                    // this version (shared, not copied again).
-                    Ok(Event::Apply(at)) => Some(Change::At(
-                        cached
-                            .get(&ObjectRef::from_obj(&at))
-                            .unwrap_or_else(|| Arc::new(at)),
-                    )),
-                    // A list goes into the store only whole, at its end.
-                    Ok(Event::InitDone) => {
-                        if !progress.complete.is_cancelled() {
-                            info!(
-                                ats = cached.len(),
-                                took = ?started.elapsed(),
-                                "the At cache holds every At"
-                            );
-                            progress.complete.cancel();
-                        }
-                        Some(Change::Relisted)
+        .backoff(watch_backoff())
+        .reflect(writer)
+        .for_each(move |event| {
+            let change = match event {
+                // The store was written before this runs, in the same task: its copy is
+                // this version (shared, not copied again).
+                Ok(Event::Apply(at)) => Some(Change::At(
+                    cached
+                        .get(&ObjectRef::from_obj(&at))
+                        .unwrap_or_else(|| Arc::new(at)),
+                )),
+                // A list goes into the store only whole, at its end.
+                Ok(Event::InitDone) => {
+                    if !progress.complete.is_cancelled() {
+                        info!(
+                            ats = cached.len(),
+                            took = ?started.elapsed(),
+                            "the At cache holds every At"
+                        );
+                        progress.complete.cancel();
                     }
-                    // The leader drops what it kept for it.
-                    Ok(Event::Delete(at)) => Some(Change::Deleted(AtKey::of(&at))),
-                    Ok(Event::Init) => {
-                        progress.received.store(0, Ordering::Relaxed);
-                        None
-                    }
-                    Ok(Event::InitApply(_)) => {
-                        progress.received.fetch_add(1, Ordering::Relaxed);
-                        None
-                    }
-                    Err(error) => {
-                        warn!(%error, "watching Ats");
-                        if !progress.complete.is_cancelled() {
-                            let mut failed =
-                                progress.failed.lock().unwrap_or_else(|e| e.into_inner());
-                            *failed = Some(error.to_string());
-                        }
-                        None
-                    }
-                };
-                // No leader listening is fine: nothing is kept for it.
-                if let Some(change) = change {
-                    drop(feed.send(change));
+                    Some(Change::Relisted)
                 }
-                std::future::ready(())
-            });
+                // The leader drops what it kept for it.
+                Ok(Event::Delete(at)) => Some(Change::Deleted(AtKey::of(&at))),
+                Ok(Event::Init) => {
+                    progress.received.store(0, Ordering::Relaxed);
+                    None
+                }
+                Ok(Event::InitApply(_)) => {
+                    progress.received.fetch_add(1, Ordering::Relaxed);
+                    None
+                }
+                Err(error) => {
+                    warn!(%error, "watching Ats");
+                    if !progress.complete.is_cancelled() {
+                        let mut failed = progress.failed.lock().unwrap_or_else(|e| e.into_inner());
+                        *failed = Some(error.to_string());
+                    }
+                    None
+                }
+            };
+            // No leader listening is fine: nothing is kept for it.
+            if let Some(change) = change {
+                drop(feed.send(change));
+            }
+            std::future::ready(())
+        });
         let watch = async move {
             let _alive = alive;
             watch.await;

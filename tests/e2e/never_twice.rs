@@ -205,14 +205,20 @@ async fn a_new_leader_whose_at_watch_is_stuck_runs_nothing_again() {
     assert!(gone.await.is_some(), "the TTL At and its pod never went");
     let done = until(Duration::from_secs(30), async || {
         let at = ats.get("kept").await.unwrap();
-        at.status.is_some_and(|s| s.phase == Phase::Done).then_some(())
+        at.status
+            .is_some_and(|s| s.phase == Phase::Done)
+            .then_some(())
     });
     assert!(done.await.is_some(), "kept never DONE");
     pods.delete("kept-pod", &DeleteParams::default())
         .await
         .unwrap();
     let deleted = until(Duration::from_secs(30), async || {
-        pods.get_opt("kept-pod").await.unwrap().is_none().then_some(())
+        pods.get_opt("kept-pod")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
     });
     assert!(deleted.await.is_some(), "kept-pod never went");
 
@@ -264,14 +270,20 @@ async fn a_new_leader_that_is_listing_creates_nothing_until_its_cache_caught_up(
     run(&admin, &ns, "ran").await;
     let done = until(Duration::from_secs(30), async || {
         let at = ats.get("ran").await.unwrap();
-        at.status.is_some_and(|s| s.phase == Phase::Done).then_some(())
+        at.status
+            .is_some_and(|s| s.phase == Phase::Done)
+            .then_some(())
     });
     assert!(done.await.is_some(), "never DONE");
     pods.delete("ran-pod", &DeleteParams::default())
         .await
         .unwrap();
     let deleted = until(Duration::from_secs(30), async || {
-        pods.get_opt("ran-pod").await.unwrap().is_none().then_some(())
+        pods.get_opt("ran-pod")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
     });
     assert!(deleted.await.is_some(), "ran-pod never went");
 
@@ -279,7 +291,11 @@ async fn a_new_leader_that_is_listing_creates_nothing_until_its_cache_caught_up(
     let deferred = until(Duration::from_secs(30), async || {
         (metric(&b, DEFERRED) >= 1).then_some(())
     });
-    assert!(deferred.await.is_some(), "b never put a create off: {}", b.log_text());
+    assert!(
+        deferred.await.is_some(),
+        "b never put a create off: {}",
+        b.log_text()
+    );
     assert_eq!(metric(&b, READ), 0, "not even a read while listing");
     assert_eq!(creations.of("ran-pod"), 1);
 
@@ -287,9 +303,14 @@ async fn a_new_leader_that_is_listing_creates_nothing_until_its_cache_caught_up(
     proxy.hold_lists(false);
     let caught_up = until(Duration::from_secs(30), async || {
         let (_, body) = get(b.admin, "/metrics").unwrap_or_default();
-        body.contains("\ncnat_ats{phase=\"DONE\"} 1\n").then_some(())
+        body.contains("\ncnat_ats{phase=\"DONE\"} 1\n")
+            .then_some(())
     });
-    assert!(caught_up.await.is_some(), "b never caught up: {}", b.log_text());
+    assert!(
+        caught_up.await.is_some(),
+        "b never caught up: {}",
+        b.log_text()
+    );
     let recreated = until(Duration::from_secs(3), async || {
         pods.get_opt("ran-pod").await.unwrap()
     });
@@ -325,7 +346,11 @@ async fn a_handover_in_the_middle_of_a_burst_creates_each_pod_once() {
     let started = until(Duration::from_secs(30), async || {
         (creations.pods() >= 20).then_some(())
     });
-    assert!(started.await.is_some(), "the burst never started: {}", a.log_text());
+    assert!(
+        started.await.is_some(),
+        "the burst never started: {}",
+        a.log_text()
+    );
     hand_over(&admin, &lease_ns, &mut a, &b).await;
     let all = until(Duration::from_secs(60), async || {
         (creations.pods() >= ATS).then_some(())

@@ -600,7 +600,13 @@ impl Target {
 
 /// Plays the kubelet: pod `name` in `namespace` ended with `exit_code`, its container's
 /// termination message `message`.
-pub async fn finish_pod(client: &Client, namespace: &str, name: &str, exit_code: i32, message: &str) {
+pub async fn finish_pod(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    exit_code: i32,
+    message: &str,
+) {
     let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), namespace);
     let now = jiff::Timestamp::now().to_string();
     let phase = if exit_code == 0 {

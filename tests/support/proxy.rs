@@ -103,7 +103,11 @@ async fn forward(
     state: Arc<State>,
 ) -> Result<Response<ProxyBody>, std::convert::Infallible> {
     let (parts, body) = request.into_parts();
-    let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let body = body
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
     let ats = parts.uri.path().starts_with(ATS) && parts.uri.path().ends_with("/ats");
     let watching = parts
         .uri

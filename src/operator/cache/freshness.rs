@@ -115,14 +115,20 @@ mod tests {
     #[test]
     fn only_a_live_watch_past_its_lists_heard_from_within_the_bound_is_caught_up() {
         let start = Instant::now();
-        let heard = |following| Heard { following, at: start };
+        let heard = |following| Heard {
+            following,
+            at: start,
+        };
         for following in [Following::Listing, Following::Replaying] {
             assert!(!caught_up(heard(following), start), "{following:?}");
         }
         let watching = heard(Following::Watching);
         assert!(caught_up(watching, start));
         assert!(caught_up(watching, start + SILENCE));
-        assert!(!caught_up(watching, start + SILENCE + Duration::from_millis(1)));
+        assert!(!caught_up(
+            watching,
+            start + SILENCE + Duration::from_millis(1)
+        ));
         // A clock that went back (no such Instant, but the function must not panic).
         assert!(caught_up(
             Heard {
@@ -148,7 +154,11 @@ mod tests {
         });
         let waited = Instant::now();
         assert!(freshness.caught_up_within(Duration::from_secs(10)).await);
-        assert_eq!(waited.elapsed(), Duration::from_secs(3), "as soon as it is back");
+        assert_eq!(
+            waited.elapsed(),
+            Duration::from_secs(3),
+            "as soon as it is back"
+        );
         back.await.unwrap();
 
         // Silent past the bound: behind, until the watch says something again.

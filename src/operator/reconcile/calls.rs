@@ -37,7 +37,8 @@ impl Context {
     /// The pods in the pod cache that wait for cnat's finalizer to go while `owner_gone` says
     /// their At is gone.
     pub fn held_pods(&self, owner_gone: impl Fn(&Pod) -> bool) -> Vec<ObjectRef<Pod>> {
-        self.caches.pods
+        self.caches
+            .pods
             .state()
             .iter()
             .filter(|found| pod::awaits_release(found) && owner_gone(found))
@@ -53,7 +54,11 @@ impl Context {
 
     pub(super) fn cached_pod(&self, at: &At) -> PodObservation {
         let name = pod::name_for(&at.name_any());
-        match self.caches.pods.get(&ObjectRef::new(&name).within(&namespace(at))) {
+        match self
+            .caches
+            .pods
+            .get(&ObjectRef::new(&name).within(&namespace(at)))
+        {
             Some(found) => observe(&found, at),
             None => PodObservation::NotCached,
         }
@@ -76,7 +81,8 @@ impl Context {
     pub fn held_pod_of(&self, at: &AtKey) -> Option<ObjectRef<Pod>> {
         let name = pod::name_for(at.name());
         let key = ObjectRef::new(&name).within(at.namespace());
-        self.caches.pods
+        self.caches
+            .pods
             .get(&key)
             .filter(|found| pod::awaits_release(found))
             .map(|_| key)
@@ -151,7 +157,10 @@ impl Context {
         let api = self.pod_api(at);
         // The cached copy first (its resourceVersion guards the patch); read only if it is
         // missing or stale.
-        let cached = self.caches.pods.get(&ObjectRef::new(&name).within(&namespace(at)));
+        let cached = self
+            .caches
+            .pods
+            .get(&ObjectRef::new(&name).within(&namespace(at)));
         let mut found = match cached {
             Some(found) => Pod::clone(&found),
             None => match api.get_opt(&name).await.map_err(fail)? {
@@ -322,7 +331,9 @@ pub(super) enum Created {
     /// Not created: the API server's copy of the At is not the one decided on.
     Unconfirmed,
     /// Not created: the At cache is behind; decide again after this long.
-    Behind { caught_up: Duration },
+    Behind {
+        caught_up: Duration,
+    },
 }
 
 fn observe(found: &Pod, at: &At) -> PodObservation {

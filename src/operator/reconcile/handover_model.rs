@@ -2,21 +2,41 @@
 //! interleaving of reconciles by whichever replica leads (with the real `decide` and
 //! `confirms_create`), the kubelet ending the pod, a pod deleted by hand, TTL deletion (an At
 //! with and one without `ttlSecondsAfterFinished: 0`), the garbage collector and orphan release,
-//! caches catching up (or not) and Lease handovers at any moment. It checks that an At's command
-//! never runs twice: with the quorum read before each pod create there is no such interleaving;
-//! without it, the search finds the one of issue 39 (a new leader whose cache still shows as
-//! PENDING an At that ran). What it abstracts: one reconcile is one step (its pod create and
-//! status write land together; a write the leader queued and lost is not modelled), one leader
-//! at a time, and a replica's At and pod caches catch up together.
+//! caches catching up (or not), time passing (the At falls due) and Lease handovers at any
+//! moment. It checks that an At's command never runs twice: with the quorum read before each pod
+//! create there is no such interleaving, nor when the read is skipped for a version the
+//! leader's own PENDING write made in this leadership (`Ledger::pending_written`); without the
+//! read, the search finds the one of issue 39 (a new leader whose cache still shows as PENDING
+//! an At that ran). What it abstracts: one reconcile is one step (its pod create and status
+//! write land together; a write the leader queued and lost is not modelled), one leader at a
+//! time, a replica's At and pod caches catch up together, and a stuck watch is not noticed (the
+//! cache counts as caught up: `cache::freshness` notices only after 75 s).
 
 use super::decide::{confirms_create, decide, Call, PodObservation};
-use crate::api::{At, AtPodTemplate, AtSpec, AtStatus};
+use crate::api::{At, AtPodTemplate, AtSpec, AtStatus, Phase};
 use crate::operator::pod::{PodEnd, PodView};
 use crate::operator::policy::RunPolicy;
 use chrono::{DateTime, Utc};
 use std::collections::{HashSet, VecDeque};
 
+/// The time before and after the At falls due (it is due at 11:00).
+const BEFORE: &str = "2026-11-25T10:00:00Z";
 const NOW: &str = "2026-11-25T12:00:00Z";
+
+/// How the leader makes sure of the At before creating its pod.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Confirm {
+    /// It does not: it trusts its cache.
+    Never,
+    /// A quorum read before every create.
+    Read,
+    /// A quorum read, unless the cached version is one its own PENDING write made in this
+    /// leadership (what cnat does).
+    ReadUnlessOwnWrite,
+    /// The same with a ledger kept across leaderships (a defect: what it wrote before another
+    /// leader acted proves nothing).
+    ReadUnlessOwnWriteEver,
+}
 
 /// The At as the API server holds it: its version, whether it has `ttlSecondsAfterFinished:
 /// 0`, and its status (as JSON, to be hashed).
@@ -46,12 +66,23 @@ struct State {
     server: World,
     caches: [World; 2],
     leader: usize,
+    /// Whether the At's time has come.
+    due: bool,
+    /// Per replica, the version its own PENDING write made in its current leadership, if it is
+    /// still the last one it decided on (its ledger; a new leadership starts a new one).
+    own: [Option<u8>; 2],
     /// Pods created for the At (each runs its command once).
     runs: u8,
+    /// Whether a pod was created without a read, on the leader's own write.
+    trusted_own_write: bool,
 }
 
 fn now() -> DateTime<Utc> {
     NOW.parse().unwrap()
+}
+
+fn time(due: bool) -> DateTime<Utc> {
+    if due { NOW } else { BEFORE }.parse().unwrap()
 }
 
 fn at_of(state: &AtState) -> At {
@@ -98,7 +129,7 @@ fn observe(pod: Option<PodState>, missing: PodObservation) -> PodObservation {
 }
 
 /// The leader's reconcile on what its cache shows, carried out against the server.
-fn reconcile(state: &State, confirm: bool) -> State {
+fn reconcile(state: &State, confirm: Confirm) -> State {
     let mut next = state.clone();
     let cache = &state.caches[state.leader];
     let Some(cached) = &cache.at else {
@@ -107,7 +138,7 @@ fn reconcile(state: &State, confirm: bool) -> State {
     let at = at_of(cached);
     let mut observation = observe(cache.pod, PodObservation::NotCached);
     for _ in 0..3 {
-        let decision = decide(&at, &observation, now(), &RunPolicy::default());
+        let decision = decide(&at, &observation, time(state.due), &RunPolicy::default());
         let server = &mut next.server;
         match decision.call {
             Call::LookUpPod => {
@@ -116,8 +147,18 @@ fn reconcile(state: &State, confirm: bool) -> State {
             }
             Call::CreatePod => {
                 let fresh = server.at.as_ref().map(at_of);
-                if confirm && !confirms_create(&at, fresh.as_ref()) {
+                let trusts_own = matches!(
+                    confirm,
+                    Confirm::ReadUnlessOwnWrite | Confirm::ReadUnlessOwnWriteEver
+                );
+                let own = trusts_own && state.own[state.leader] == Some(cached.rv);
+                let read = confirm != Confirm::Never && !own;
+                if read && !confirms_create(&at, fresh.as_ref()) {
                     return next;
+                }
+                // No later create relies on this version.
+                if state.own[state.leader] == Some(cached.rv) {
+                    next.own[state.leader] = None;
                 }
                 if server.pod.is_some() {
                     // Already exists: looked up and decided again.
@@ -130,6 +171,7 @@ fn reconcile(state: &State, confirm: bool) -> State {
                     deleting: false,
                 });
                 next.runs += 1;
+                next.trusted_own_write |= own;
             }
             Call::ReleasePod => {
                 if let Some(pod) = &mut server.pod {
@@ -148,12 +190,18 @@ fn reconcile(state: &State, confirm: bool) -> State {
         }
         // The status write, guarded by the version decided on.
         if let (Some(status), Some(stored)) = (&decision.status, &mut server.at) {
+            if next.own[state.leader] == Some(cached.rv) {
+                next.own[state.leader] = None;
+            }
             if stored.rv == cached.rv {
                 *stored = AtState {
                     rv: stored.rv + 1,
                     ttl: stored.ttl,
                     status: Some(serde_json::to_string::<AtStatus>(status).unwrap()),
                 };
+                if status.phase == Phase::Pending {
+                    next.own[state.leader] = Some(stored.rv);
+                }
             }
         }
         return next;
@@ -162,7 +210,7 @@ fn reconcile(state: &State, confirm: bool) -> State {
 }
 
 /// Every state one step from `state`.
-fn successors(state: &State, confirm: bool) -> Vec<State> {
+fn successors(state: &State, confirm: Confirm) -> Vec<State> {
     let mut next = vec![reconcile(state, confirm)];
     let mut change = |apply: &dyn Fn(&mut State)| {
         let mut changed = state.clone();
@@ -198,17 +246,24 @@ fn successors(state: &State, confirm: bool) -> Vec<State> {
     for replica in 0..2 {
         change(&|s| s.caches[replica] = s.server.clone());
     }
-    change(&|s| s.leader = 1 - s.leader);
+    change(&|s| {
+        s.leader = 1 - s.leader;
+        // A new leadership, a new ledger.
+        if confirm != Confirm::ReadUnlessOwnWriteEver {
+            s.own[s.leader] = None;
+        }
+    });
+    change(&|s| s.due = true);
     next.retain(|n| n != state);
     next
 }
 
 /// Every state reached from an At just created (with and without `ttlSecondsAfterFinished: 0`),
 /// and the first in which the command ran twice, if any.
-fn explore(confirm: bool) -> (Option<State>, HashSet<State>) {
+fn explore(confirm: Confirm) -> (Option<State>, HashSet<State>) {
     let mut seen = HashSet::new();
     let mut queue = VecDeque::new();
-    for ttl in [false, true] {
+    for (ttl, due) in [(false, false), (false, true), (true, false), (true, true)] {
         let created = World {
             at: Some(AtState {
                 rv: 1,
@@ -221,7 +276,10 @@ fn explore(confirm: bool) -> (Option<State>, HashSet<State>) {
             server: created.clone(),
             caches: [created.clone(), created],
             leader: 0,
+            due,
+            own: [None, None],
             runs: 0,
+            trusted_own_write: false,
         };
         seen.insert(start.clone());
         queue.push_back(start);
@@ -257,11 +315,38 @@ fn done(world: &World) -> bool {
 
 #[test]
 fn with_the_quorum_read_no_interleaving_runs_the_command_twice() {
-    let (twice, seen) = explore(true);
+    let (twice, seen) = explore(Confirm::Read);
     assert_eq!(twice, None);
-    // Not vacuous: the dangerous situations were reached, each with a stale cache that could
-    // lead: the At deleted after it ran (TTL); its pod let go once DONE and deleted by hand;
-    // its pod gone while the At is DONE and kept.
+    dangers_reached(&seen);
+}
+
+#[test]
+fn skipping_the_read_on_the_leader_s_own_pending_write_runs_nothing_twice_either() {
+    let (twice, seen) = explore(Confirm::ReadUnlessOwnWrite);
+    assert_eq!(twice, None);
+    dangers_reached(&seen);
+    assert!(
+        seen.iter().any(|s| s.trusted_own_write),
+        "never created a pod on its own write"
+    );
+    // Not vacuous: a pod created on the leader's own write while the other replica's cache is
+    // stale, and a handover after it.
+    assert!(seen
+        .iter()
+        .any(|s| s.trusted_own_write && stale_cache(s) && s.runs == 1));
+}
+
+#[test]
+fn a_ledger_kept_across_leaderships_would_run_it_twice() {
+    let (twice, _) = explore(Confirm::ReadUnlessOwnWriteEver);
+    let twice = twice.expect("a leader trusting a write from before another leader acted");
+    assert!(twice.trusted_own_write, "{twice:?}");
+}
+
+/// The dangerous situations were reached, each with a stale cache that could lead: the At
+/// deleted after it ran (TTL); its pod let go once DONE and deleted by hand; its pod gone while
+/// the At is DONE and kept.
+fn dangers_reached(seen: &HashSet<State>) {
     let reached = |what: &str, holds: &dyn Fn(&State) -> bool| {
         assert!(seen.iter().any(holds), "never reached: {what}");
     };
@@ -285,7 +370,7 @@ fn with_the_quorum_read_no_interleaving_runs_the_command_twice() {
 
 #[test]
 fn without_it_a_new_leader_with_a_stale_cache_runs_it_again() {
-    let (twice, _) = explore(false);
+    let (twice, _) = explore(Confirm::Never);
     let twice = twice.expect("the issue's interleaving");
     // The leader that ran it again decided on a cache behind the server.
     let cache = &twice.caches[twice.leader];

@@ -12,8 +12,8 @@ pub mod writer;
 
 use crate::api::{At, Phase};
 use crate::observability::metrics::Metrics;
-use crate::operator::contain::{Panicked, Quarantine};
 use crate::operator::cache::freshness::Freshness;
+use crate::operator::contain::{Panicked, Quarantine};
 use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;

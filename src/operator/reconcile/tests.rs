@@ -331,8 +331,14 @@ impl Harness {
             .count();
         let reads = reads.load(std::sync::atomic::Ordering::SeqCst);
         let metrics = self.metrics.encode();
-        let own = counted(&metrics, "cnat_pod_create_confirmations_total{by=\"own_write\"}");
-        assert!(reads + own >= creates, "{creates} pod creates, {reads} reads, {own} own writes");
+        let own = counted(
+            &metrics,
+            "cnat_pod_create_confirmations_total{by=\"own_write\"}",
+        );
+        assert!(
+            reads + own >= creates,
+            "{creates} pod creates, {reads} reads, {own} own writes"
+        );
         sent
     }
 }
@@ -589,8 +595,16 @@ async fn no_pod_is_created_from_an_at_cache_that_is_behind() {
     let at = example_at(None);
     let started = tokio::time::Instant::now();
     let action = h.reconcile(at.clone()).await.unwrap();
-    assert_eq!(action, Action::requeue(Duration::from_secs(1)), "still behind");
-    assert_eq!(started.elapsed(), Duration::from_secs(2), "waited that long");
+    assert_eq!(
+        action,
+        Action::requeue(Duration::from_secs(1)),
+        "still behind"
+    );
+    assert_eq!(
+        started.elapsed(),
+        Duration::from_secs(2),
+        "waited that long"
+    );
     assert_eq!(h.reads(), 0);
 
     // A watch silent past the bound is behind too; it comes back while the create waits.
@@ -602,9 +616,17 @@ async fn no_pod_is_created_from_an_at_cache_that_is_behind() {
         follower.heard(Following::Watching);
     });
     let action = h.reconcile(at.clone()).await.unwrap();
-    assert_eq!(action, Action::requeue(Duration::from_millis(10)), "decided again soon");
+    assert_eq!(
+        action,
+        Action::requeue(Duration::from_millis(10)),
+        "decided again soon"
+    );
     let metrics = h.metrics.encode();
-    assert_eq!(counted(&metrics, "cnat_pod_creates_deferred_total"), 2, "{metrics}");
+    assert_eq!(
+        counted(&metrics, "cnat_pod_creates_deferred_total"),
+        2,
+        "{metrics}"
+    );
 
     // Caught up: created.
     h.reconcile(at).await.unwrap();
