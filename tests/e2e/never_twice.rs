@@ -6,6 +6,7 @@
 use crate::support::envtest::{finish_pod, install_crd, lease_holder, ControlPlane, Replica};
 use crate::support::process::{get, probe};
 use crate::support::proxy::Proxy;
+use crate::support::until_some as until;
 use cnat::api::{At, Phase};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -15,20 +16,6 @@ use kube::{Api, Client, ResourceExt};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// Polls `check` every 50 ms for `within`; the first value it gives.
-async fn until<T>(within: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> Option<T> {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        if let Some(found) = check().await {
-            return Some(found);
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 /// Every pod ever created in a namespace, by name: the uid of each object by that name (two
 /// uids: created twice), from a watch that runs until dropped.
@@ -108,40 +95,89 @@ fn at(name: &str, due: chrono::DateTime<chrono::Utc>, ttl: Option<i32>) -> At {
     at
 }
 
-/// Two replicas in `ns` (their Lease in `lease_ns`): `a` leading, talking to the API server
-/// directly, and `b`, through `proxy` if there is one, a ready standby.
-async fn replicas(
-    plane: &ControlPlane,
-    admin: &Client,
-    lease_ns: &str,
-    ns: &str,
-    proxy: Option<&Proxy>,
-) -> (Replica, Replica) {
-    let flags = [format!("--namespace={ns}"), "--webhooks=false".into()];
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let a = plane.replica("a", lease_ns, &flags);
-    let leads = until(Duration::from_secs(30), async || {
-        (lease_holder(admin, lease_ns, "cnat").await.as_deref() == Some("a")).then_some(())
-    });
-    assert!(leads.await.is_some(), "a never led: {}", a.log_text());
-    let b = match proxy {
-        Some(proxy) => plane.replica_through("b", lease_ns, &flags, proxy),
-        None => plane.replica("b", lease_ns, &flags),
-    };
-    let ready = until(Duration::from_secs(30), async || {
-        (probe(b.admin, "/readyz") == Some(200)).then_some(())
-    });
-    assert!(ready.await.is_some(), "b never ready: {}", b.log_text());
-    (a, b)
+/// One test's cluster: its namespace (the Lease in one of its own), every pod created there,
+/// and two replicas: `a` leading, talking to the API server directly, and `b`, a ready standby,
+/// through `proxy` if there is one.
+struct Scene {
+    admin: Client,
+    ns: String,
+    lease_ns: String,
+    creations: Creations,
+    proxy: Option<Proxy>,
+    a: Replica,
+    b: Replica,
 }
 
-/// Stops `a` as a rolling update does and waits until `b` leads.
-async fn hand_over(admin: &Client, lease_ns: &str, a: &mut Replica, b: &Replica) {
-    a.terminate();
-    let leads = until(Duration::from_secs(30), async || {
-        (lease_holder(admin, lease_ns, "cnat").await.as_deref() == Some("b")).then_some(())
-    });
-    assert!(leads.await.is_some(), "b never led: {}", b.log_text());
+impl Scene {
+    async fn start(plane: &ControlPlane, test: &str, proxied: bool) -> Scene {
+        let admin = plane.admin().await;
+        install_crd(&admin, &cnat::api::crd_yaml()).await;
+        let lease_ns = plane.namespace(&format!("{test}-lease"), &[]).await;
+        let ns = plane.namespace(test, &[]).await;
+        let creations = Creations::watch(&admin, &ns).await;
+        let proxy = match proxied {
+            true => Some(Proxy::start(admin.clone()).await),
+            false => None,
+        };
+        let flags = [format!("--namespace={ns}"), "--webhooks=false".into()];
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let a = plane.replica("a", &lease_ns, &flags);
+        let leads = until(Duration::from_secs(30), async || {
+            let holder = lease_holder(&admin, &lease_ns, "cnat").await;
+            (holder.as_deref() == Some("a")).then_some(())
+        });
+        assert!(leads.await.is_some(), "a never led: {}", a.log_text());
+        let b = match &proxy {
+            Some(proxy) => plane.replica_through("b", &lease_ns, &flags, &proxy.url),
+            None => plane.replica("b", &lease_ns, &flags),
+        };
+        let ready = until(Duration::from_secs(30), async || {
+            (probe(b.admin, "/readyz") == Some(200)).then_some(())
+        });
+        assert!(ready.await.is_some(), "b never ready: {}", b.log_text());
+        Scene {
+            admin,
+            ns,
+            lease_ns,
+            creations,
+            proxy,
+            a,
+            b,
+        }
+    }
+
+    fn ats(&self) -> Api<At> {
+        Api::namespaced(self.admin.clone(), &self.ns)
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.admin.clone(), &self.ns)
+    }
+
+    fn proxy(&self) -> &Proxy {
+        self.proxy.as_ref().expect("a proxied scene")
+    }
+
+    /// Creates Ats running `true` at `due`, each with its `ttlSecondsAfterFinished`.
+    async fn create(&self, due: chrono::DateTime<chrono::Utc>, ats: &[(&str, Option<i32>)]) {
+        for (name, ttl) in ats {
+            let new = at(name, due, *ttl);
+            self.ats()
+                .create(&PostParams::default(), &new)
+                .await
+                .unwrap();
+        }
+    }
+
+    /// Stops `a` as a rolling update does and waits until `b` leads.
+    async fn hand_over(&mut self) {
+        self.a.terminate();
+        let leads = until(Duration::from_secs(30), async || {
+            let holder = lease_holder(&self.admin, &self.lease_ns, "cnat").await;
+            (holder.as_deref() == Some("b")).then_some(())
+        });
+        assert!(leads.await.is_some(), "b never led: {}", self.b.log_text());
+    }
 }
 
 /// Whether the At watch events `proxy` passed on showed At `name` in `phase`.
@@ -165,6 +201,25 @@ async fn run(admin: &Client, ns: &str, name: &str) {
     finish_pod(admin, ns, &pod, 0, "").await;
 }
 
+/// At `name` ran and is DONE; then its pod (let go of by cnat once DONE) is deleted by hand.
+async fn done_then_pod_deleted_by_hand(admin: &Client, ns: &str, name: &str) {
+    let ats: Api<At> = Api::namespaced(admin.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), ns);
+    let done = until(Duration::from_secs(30), async || {
+        let at = ats.get(name).await.unwrap();
+        at.status
+            .is_some_and(|s| s.phase == Phase::Done)
+            .then_some(())
+    });
+    assert!(done.await.is_some(), "{name} never DONE");
+    let pod = format!("{name}-pod");
+    pods.delete(&pod, &DeleteParams::default()).await.unwrap();
+    let deleted = until(Duration::from_secs(30), async || {
+        pods.get_opt(&pod).await.unwrap().is_none().then_some(())
+    });
+    assert!(deleted.await.is_some(), "{pod} never went");
+}
+
 /// A standby whose At watch is stuck still shows two Ats as PENDING that ran meanwhile: one
 /// deleted by its `ttlSecondsAfterFinished: 0` (its pod by the garbage collector), one DONE
 /// whose pod was deleted by hand. It leads, decides to create both pods from that cache, and the
@@ -173,69 +228,44 @@ async fn run(admin: &Client, ns: &str, name: &str) {
 async fn a_new_leader_whose_at_watch_is_stuck_runs_nothing_again() {
     let plane = crate::real_control_plane!();
     assert!(plane.has_controller_manager(), "the garbage collector runs");
-    let admin = plane.admin().await;
-    install_crd(&admin, &cnat::api::crd_yaml()).await;
-    let lease_ns = plane.namespace("stuck-watch-lease", &[]).await;
-    let ns = plane.namespace("stuck-watch", &[]).await;
-    let creations = Creations::watch(&admin, &ns).await;
-    let proxy = Proxy::start(admin.clone()).await;
-    let (mut a, b) = replicas(plane, &admin, &lease_ns, &ns, Some(&proxy)).await;
-
-    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    let mut scene = Scene::start(plane, "stuck-watch", true).await;
+    let (admin, ns, proxy) = (scene.admin.clone(), scene.ns.clone(), scene.proxy());
     let due = chrono::Utc::now() + chrono::Duration::seconds(3);
-    for (name, ttl) in [("deleted", Some(0)), ("kept", None)] {
-        let new = at(name, due, ttl);
-        ats.create(&PostParams::default(), &new).await.unwrap();
-    }
+    scene
+        .create(due, &[("deleted", Some(0)), ("kept", None)])
+        .await;
     // b's cache holds both as PENDING; from then on its watch passes nothing on.
     let seen = until(Duration::from_secs(30), async || {
-        (saw(&proxy, "deleted", "Pending") && saw(&proxy, "kept", "Pending")).then_some(())
+        (saw(proxy, "deleted", "Pending") && saw(proxy, "kept", "Pending")).then_some(())
     });
     assert!(seen.await.is_some(), "b never saw them PENDING");
     proxy.hold_watches(true);
 
     run(&admin, &ns, "deleted").await;
     run(&admin, &ns, "kept").await;
+    let (ats, pods) = (scene.ats(), scene.pods());
     let gone = until(Duration::from_secs(60), async || {
         let at = ats.get_opt("deleted").await.unwrap();
         let pod = pods.get_opt("deleted-pod").await.unwrap();
         (at.is_none() && pod.is_none()).then_some(())
     });
     assert!(gone.await.is_some(), "the TTL At and its pod never went");
-    let done = until(Duration::from_secs(30), async || {
-        let at = ats.get("kept").await.unwrap();
-        at.status
-            .is_some_and(|s| s.phase == Phase::Done)
-            .then_some(())
-    });
-    assert!(done.await.is_some(), "kept never DONE");
-    pods.delete("kept-pod", &DeleteParams::default())
-        .await
-        .unwrap();
-    let deleted = until(Duration::from_secs(30), async || {
-        pods.get_opt("kept-pod")
-            .await
-            .unwrap()
-            .is_none()
-            .then_some(())
-    });
-    assert!(deleted.await.is_some(), "kept-pod never went");
+    done_then_pod_deleted_by_hand(&admin, &ns, "kept").await;
 
-    hand_over(&admin, &lease_ns, &mut a, &b).await;
+    scene.hand_over().await;
     // b decides on its stale cache: both creates stopped by the API server's answer, or made.
     let pods_of = ["deleted-pod", "kept-pod"];
     let decided = until(Duration::from_secs(30), async || {
-        let again = pods_of.iter().any(|pod| creations.of(pod) > 1);
-        (again || metric(&b, UNCONFIRMED) >= 2).then_some(())
+        let again = pods_of.iter().any(|pod| scene.creations.of(pod) > 1);
+        (again || metric(&scene.b, UNCONFIRMED) >= 2).then_some(())
     });
     let decided = decided.await;
     for pod in pods_of {
-        assert_eq!(creations.of(pod), 1, "{pod} created once");
+        assert_eq!(scene.creations.of(pod), 1, "{pod} created once");
         assert!(pods.get_opt(pod).await.unwrap().is_none(), "{pod} again");
     }
-    assert!(decided.is_some(), "b never tried: {}", b.log_text());
-    proxy.hold_watches(false);
+    assert!(decided.is_some(), "b never tried: {}", scene.b.log_text());
+    scene.proxy().hold_watches(false);
     let kept = ats.get("kept").await.unwrap();
     assert_eq!(kept.status.map(|s| s.phase), Some(Phase::Done));
 }
@@ -246,21 +276,12 @@ async fn a_new_leader_whose_at_watch_is_stuck_runs_nothing_again() {
 #[tokio::test]
 async fn a_new_leader_that_is_listing_creates_nothing_until_its_cache_caught_up() {
     let plane = crate::real_control_plane!();
-    let admin = plane.admin().await;
-    install_crd(&admin, &cnat::api::crd_yaml()).await;
-    let lease_ns = plane.namespace("relisting-lease", &[]).await;
-    let ns = plane.namespace("relisting", &[]).await;
-    let creations = Creations::watch(&admin, &ns).await;
-    let proxy = Proxy::start(admin.clone()).await;
-    let (mut a, b) = replicas(plane, &admin, &lease_ns, &ns, Some(&proxy)).await;
-
-    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    let mut scene = Scene::start(plane, "relisting", true).await;
+    let (admin, ns, proxy) = (scene.admin.clone(), scene.ns.clone(), scene.proxy());
     let due = chrono::Utc::now() + chrono::Duration::seconds(3);
-    let new = at("ran", due, None);
-    ats.create(&PostParams::default(), &new).await.unwrap();
+    scene.create(due, &[("ran", None)]).await;
     let seen = until(Duration::from_secs(30), async || {
-        saw(&proxy, "ran", "Pending").then_some(())
+        saw(proxy, "ran", "Pending").then_some(())
     });
     assert!(seen.await.is_some(), "b never saw it PENDING");
     // b's watch ends with 410 Expired; its list waits.
@@ -268,39 +289,23 @@ async fn a_new_leader_that_is_listing_creates_nothing_until_its_cache_caught_up(
     proxy.expire_watches();
 
     run(&admin, &ns, "ran").await;
-    let done = until(Duration::from_secs(30), async || {
-        let at = ats.get("ran").await.unwrap();
-        at.status
-            .is_some_and(|s| s.phase == Phase::Done)
-            .then_some(())
-    });
-    assert!(done.await.is_some(), "never DONE");
-    pods.delete("ran-pod", &DeleteParams::default())
-        .await
-        .unwrap();
-    let deleted = until(Duration::from_secs(30), async || {
-        pods.get_opt("ran-pod")
-            .await
-            .unwrap()
-            .is_none()
-            .then_some(())
-    });
-    assert!(deleted.await.is_some(), "ran-pod never went");
+    done_then_pod_deleted_by_hand(&admin, &ns, "ran").await;
 
-    hand_over(&admin, &lease_ns, &mut a, &b).await;
+    scene.hand_over().await;
+    let b = &scene.b;
     let deferred = until(Duration::from_secs(30), async || {
-        (metric(&b, DEFERRED) >= 1).then_some(())
+        (metric(b, DEFERRED) >= 1).then_some(())
     });
     assert!(
         deferred.await.is_some(),
         "b never put a create off: {}",
         b.log_text()
     );
-    assert_eq!(metric(&b, READ), 0, "not even a read while listing");
-    assert_eq!(creations.of("ran-pod"), 1);
+    assert_eq!(metric(b, READ), 0, "not even a read while listing");
+    assert_eq!(scene.creations.of("ran-pod"), 1);
 
     // The list ends: b's cache shows the At DONE, and nothing is created.
-    proxy.hold_lists(false);
+    scene.proxy().hold_lists(false);
     let caught_up = until(Duration::from_secs(30), async || {
         let (_, body) = get(b.admin, "/metrics").unwrap_or_default();
         body.contains("\ncnat_ats{phase=\"DONE\"} 1\n")
@@ -311,12 +316,13 @@ async fn a_new_leader_that_is_listing_creates_nothing_until_its_cache_caught_up(
         "b never caught up: {}",
         b.log_text()
     );
+    let pods = scene.pods();
     let recreated = until(Duration::from_secs(3), async || {
         pods.get_opt("ran-pod").await.unwrap()
     });
     assert!(recreated.await.is_none(), "ran-pod created again");
-    assert_eq!(creations.of("ran-pod"), 1);
-    assert_eq!(metric(&b, UNCONFIRMED), 0, "decided on the caught-up cache");
+    assert_eq!(scene.creations.of("ran-pod"), 1);
+    assert_eq!(metric(b, UNCONFIRMED), 0, "decided on the caught-up cache");
 }
 
 /// A leader stopped (as by a rolling update) while 400 Ats fall due at once: the old leader
@@ -325,14 +331,8 @@ async fn a_new_leader_that_is_listing_creates_nothing_until_its_cache_caught_up(
 async fn a_handover_in_the_middle_of_a_burst_creates_each_pod_once() {
     const ATS: usize = 400;
     let plane = crate::real_control_plane!();
-    let admin = plane.admin().await;
-    install_crd(&admin, &cnat::api::crd_yaml()).await;
-    let lease_ns = plane.namespace("burst-handover-lease", &[]).await;
-    let ns = plane.namespace("burst-handover", &[]).await;
-    let creations = Creations::watch(&admin, &ns).await;
-    let (mut a, b) = replicas(plane, &admin, &lease_ns, &ns, None).await;
-
-    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let mut scene = Scene::start(plane, "burst-handover", false).await;
+    let ats = scene.ats();
     let due = chrono::Utc::now() + chrono::Duration::seconds(8);
     futures::stream::iter(0..ATS)
         .for_each_concurrent(8, |i| {
@@ -343,15 +343,17 @@ async fn a_handover_in_the_middle_of_a_burst_creates_each_pod_once() {
             }
         })
         .await;
+    let creations = &scene.creations;
     let started = until(Duration::from_secs(30), async || {
         (creations.pods() >= 20).then_some(())
     });
     assert!(
         started.await.is_some(),
         "the burst never started: {}",
-        a.log_text()
+        scene.a.log_text()
     );
-    hand_over(&admin, &lease_ns, &mut a, &b).await;
+    scene.hand_over().await;
+    let creations = &scene.creations;
     let all = until(Duration::from_secs(60), async || {
         (creations.pods() >= ATS).then_some(())
     });
@@ -359,7 +361,10 @@ async fn a_handover_in_the_middle_of_a_burst_creates_each_pod_once() {
     assert_eq!(creations.twice(), vec![], "pods created twice");
     assert_eq!(creations.pods(), ATS);
     // The new leader created some of them (it read each At first: not its own write).
-    assert!(metric(&b, READ) >= 1, "the handover came after the burst");
+    assert!(
+        metric(&scene.b, READ) >= 1,
+        "the handover came after the burst"
+    );
     let running = until(Duration::from_secs(60), async || {
         let list = ats.list(&Default::default()).await.unwrap();
         let phases = list.items.iter().filter_map(|at| at.status.as_ref());

@@ -3,25 +3,12 @@
 //! still RUNNING, so that a namespace deleted while no replica runs goes.
 
 use crate::lifecycle::{at, start_operator};
+use crate::support::until_some as until;
 use cnat::api::{At, Phase};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, ResourceExt};
 use std::time::Duration;
-
-/// Polls `check` every 100 ms for `within`; the last value.
-async fn until<T>(within: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> Option<T> {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        if let Some(found) = check().await {
-            return Some(found);
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 fn held(pod: &Pod) -> bool {
     pod.finalizers()

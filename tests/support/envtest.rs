@@ -736,18 +736,18 @@ impl ControlPlane {
         self.start_replica(identity, lease_namespace, extra, &kubeconfig)
     }
 
-    /// `replica`, talking to the API server through `proxy` (plain HTTP to it; see `proxy`).
+    /// `replica`, talking to the API server through the proxy at `url` (plain HTTP to it; see
+    /// `support::proxy`).
     pub fn replica_through(
         &self,
         identity: &str,
         lease_namespace: &str,
         extra: &[&str],
-        proxy: &super::proxy::Proxy,
+        url: &str,
     ) -> Replica {
         let kubeconfig = self.dir.join(format!("{identity}-proxied.kubeconfig"));
         let yaml = format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: proxy\n  cluster:\n    server: {}\nusers:\n- name: admin\n  user:\n    token: {ADMIN_TOKEN}\ncontexts:\n- name: proxy\n  context:\n    cluster: proxy\n    user: admin\n    namespace: default\ncurrent-context: proxy\n",
-            proxy.url
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: proxy\n  cluster:\n    server: {url}\nusers:\n- name: admin\n  user:\n    token: {ADMIN_TOKEN}\ncontexts:\n- name: proxy\n  context:\n    cluster: proxy\n    user: admin\n    namespace: default\ncurrent-context: proxy\n"
         );
         std::fs::write(&kubeconfig, yaml).expect("a kubeconfig");
         self.start_replica(identity, lease_namespace, extra, &kubeconfig)

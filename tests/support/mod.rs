@@ -65,3 +65,20 @@ pub async fn until(timeout: Duration, check: impl Fn() -> bool) -> bool {
     }
     check()
 }
+
+/// Polls `check` every 50 ms for `within`: the first value it gives, or `None`.
+pub async fn until_some<T>(
+    within: Duration,
+    mut check: impl AsyncFnMut() -> Option<T>,
+) -> Option<T> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(found) = check().await {
+            return Some(found);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
