@@ -154,7 +154,7 @@ impl PodCreates {
         let (unconfirmed, deferred) = (Counter::default(), Counter::default());
         registry.register(
             "cnat_pod_create_confirmations",
-            "Pod creates whose At the API server confirmed as the cache showed it (it exists with that uid and has not started), by how: read (a quorum read of the At just before) or own_write (the cached version is one this leader's own status write made, no request)",
+            "Pod creates whose At the API server confirmed as the cache showed it, by how: read (a quorum read of the At just before: it exists with that uid and spec, not being deleted, not started) or own_write (the cached version is the one this leader's own last status write left Pending: no request)",
             confirmed.clone(),
         );
         registry.register(
@@ -164,7 +164,7 @@ impl PodCreates {
         );
         registry.register(
             "cnat_pod_creates_deferred",
-            "Pod creates put off because the At cache was behind the API server (listing, replaying what its lists held, or its watch silent for over 75 s); decided again once it caught up",
+            "Pod create attempts put off because the At cache was behind the API server (listing, no watch open, or its watch silent for 75 s); the At is decided again as soon as the cache has caught up, or after 1 s",
             deferred.clone(),
         );
         PodCreates {

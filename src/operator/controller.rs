@@ -183,6 +183,13 @@ fn spawn_tasks(
     });
     tasks.spawn({
         let ctx = ctx.clone();
+        async move {
+            ctx.wake_deferred().await;
+            "deferred pod creates"
+        }
+    });
+    tasks.spawn({
+        let ctx = ctx.clone();
         let orphaned = futures::stream::unfold(orphaned, |mut rx| async {
             rx.recv().await.map(|found| (found, rx))
         });

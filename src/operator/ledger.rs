@@ -11,7 +11,7 @@ use crate::operator::contain::Quarantine;
 use crate::operator::key::AtKey;
 use crate::operator::reconcile::wakeups::Wakeups;
 use crate::operator::spare::shrink_if_sparse;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex};
 
@@ -27,15 +27,20 @@ pub struct Ledger {
     quarantine: Arc<Quarantine>,
     /// Ats a look found work for, as it decoded them, until their reconcile takes them.
     decoded: Mutex<HashMap<AtKey, Arc<At>>>,
-    /// The versions this leadership's status writes made (or, for a write that changed nothing,
-    /// found) while leaving the At PENDING, each as one hash of the At's key and resourceVersion
-    /// (8 bytes, not a key and a string: 100,000 pending Ats cost about 1.6 MB, not 8).
-    pending_written: Mutex<HashMap<u64, ()>>,
+    /// Per At, the version this leadership's last status write made (or, for a write that
+    /// changed nothing, found) while leaving the At PENDING: a hash of the At's key, to a hash of
+    /// that resourceVersion (16 bytes, not a key and a string: 100,000 pending Ats cost about 3
+    /// MB, not 10).
+    pending_written: Mutex<HashMap<u64, u64>>,
     hasher: RandomState,
+    /// Ats whose pod create was put off because the At cache was behind: reconciled again as
+    /// soon as it has caught up.
+    deferred: Mutex<HashSet<AtKey>>,
 }
 
-/// Versions kept in `pending_written` at most; past this they are dropped all at once (pod
-/// creates from those versions then read the At first, as for any other version).
+/// Ats kept in `pending_written` at most; past this they are dropped all at once (pod creates
+/// from those versions then read the At first, as for any other version). Entries go with
+/// `forget`; those of Ats a relist found gone stay until then, or until the leadership ends.
 pub const MAX_PENDING_WRITTEN: usize = 1 << 20;
 
 /// Decoded Ats kept for their reconcile at most; past this a reconcile decodes its At again
@@ -52,6 +57,7 @@ impl Ledger {
             decoded: Mutex::default(),
             pending_written: Mutex::default(),
             hasher: RandomState::new(),
+            deferred: Mutex::default(),
         }
     }
 
@@ -70,6 +76,8 @@ impl Ledger {
         remove(&self.failures, at);
         remove(&self.superseded, at);
         remove(&self.decoded, at);
+        self.forget_pending_written(at);
+        lock(&self.deferred).remove(at);
         self.quarantine.remove(at);
         self.wakeups.clear(at);
     }
@@ -122,33 +130,50 @@ impl Ledger {
 
     /// This leadership's status write left `at` PENDING at `resource_version`: the API server
     /// held that version, with that status, when the write's precondition passed, and this
-    /// leader has led since, so no pod was created from it by anyone (`pending_confirmed`).
+    /// leader has led since, so nobody else created a pod from it (`pending_confirmed`).
     pub fn pending_written(&self, at: &AtKey, resource_version: &str) {
+        let (key, version) = (self.hasher.hash_one(at), self.hasher.hash_one(resource_version));
         let mut written = lock(&self.pending_written);
-        if written.len() >= MAX_PENDING_WRITTEN {
+        if written.len() >= MAX_PENDING_WRITTEN && !written.contains_key(&key) {
             written.clear();
             written.shrink_to_fit();
         }
-        written.insert(self.hasher.hash_one((at, resource_version)), ());
+        written.insert(key, version);
     }
 
-    /// Whether `resource_version` of `at` is one this leadership's own write left PENDING (and
-    /// nothing has been decided on it since: `replaced`).
+    /// Whether `resource_version` of `at` is the one this leadership's own last write left
+    /// PENDING (and nothing has been decided on it since: `replaced`).
     pub fn pending_confirmed(&self, at: &AtKey, resource_version: Option<&str>) -> bool {
         resource_version.is_some_and(|version| {
-            let hash = self.hasher.hash_one((at, version));
-            lock(&self.pending_written).contains_key(&hash)
+            let key = self.hasher.hash_one(at);
+            let version = self.hasher.hash_one(version);
+            lock(&self.pending_written).get(&key) == Some(&version)
         })
     }
 
     /// A write or a pod create was decided on `resource_version` of `at`: that version no longer
     /// confirms anything.
     pub fn replaced(&self, at: &AtKey, resource_version: &str) {
-        let hash = self.hasher.hash_one((at, resource_version));
+        if self.pending_confirmed(at, Some(resource_version)) {
+            self.forget_pending_written(at);
+        }
+    }
+
+    fn forget_pending_written(&self, at: &AtKey) {
         let mut written = lock(&self.pending_written);
-        if written.remove(&hash).is_some() {
+        if written.remove(&self.hasher.hash_one(at)).is_some() {
             shrink_if_sparse(&mut written);
         }
+    }
+
+    /// `at`'s pod create was put off: the At cache was behind.
+    pub fn deferred(&self, at: AtKey) {
+        lock(&self.deferred).insert(at);
+    }
+
+    /// The Ats whose pod create was put off, now to be reconciled again.
+    pub fn take_deferred(&self) -> Vec<AtKey> {
+        lock(&self.deferred).drain().collect()
     }
 
     /// The write recorded for `at` did not land.
@@ -219,6 +244,29 @@ mod tests {
         at.metadata.namespace = Some("default".into());
         at.metadata.resource_version = Some(version.into());
         Arc::new(at)
+    }
+
+    #[test]
+    fn a_pending_write_confirms_its_version_until_a_decision_on_it_or_the_at_is_forgotten() {
+        let ledger = Ledger::new(Arc::default());
+        let (a, b) = (AtKey::new("default", "a"), AtKey::new("default", "b"));
+        ledger.pending_written(&a, "7");
+        assert!(ledger.pending_confirmed(&a, Some("7")));
+        assert!(!ledger.pending_confirmed(&a, Some("8")), "another version");
+        assert!(!ledger.pending_confirmed(&a, None));
+        assert!(!ledger.pending_confirmed(&b, Some("7")), "another At");
+        ledger.replaced(&a, "6");
+        assert!(ledger.pending_confirmed(&a, Some("7")), "an older version replaced");
+        ledger.replaced(&a, "7");
+        assert!(!ledger.pending_confirmed(&a, Some("7")), "decided on once");
+        // A newer write replaces the older one; forgetting the At drops it.
+        ledger.pending_written(&a, "7");
+        ledger.pending_written(&a, "9");
+        assert!(!ledger.pending_confirmed(&a, Some("7")));
+        assert!(ledger.pending_confirmed(&a, Some("9")));
+        ledger.forget(&a);
+        assert!(!ledger.pending_confirmed(&a, Some("9")));
+        assert!(lock(&ledger.pending_written).is_empty());
     }
 
     #[test]

@@ -600,13 +600,20 @@ impl Target {
 
 /// Plays the kubelet: pod `name` in `namespace` ended with `exit_code`, its container's
 /// termination message `message`.
-pub async fn finish_pod(
+pub async fn finish_pod(client: &Client, namespace: &str, name: &str, exit_code: i32, message: &str) {
+    end_pod(client, namespace, name, exit_code, message)
+        .await
+        .expect("pod status written");
+}
+
+/// `finish_pod`, saying whether the API server took it (the pod may be gone meanwhile).
+pub async fn end_pod(
     client: &Client,
     namespace: &str,
     name: &str,
     exit_code: i32,
     message: &str,
-) {
+) -> kube::Result<k8s_openapi::api::core::v1::Pod> {
     let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), namespace);
     let now = jiff::Timestamp::now().to_string();
     let phase = if exit_code == 0 {
@@ -630,7 +637,6 @@ pub async fn finish_pod(
         &kube::api::Patch::Merge(&patch),
     )
     .await
-    .expect("pod status written");
 }
 
 /// Creates namespace `name` with `labels`.

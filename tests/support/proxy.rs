@@ -34,10 +34,12 @@ pub struct Proxy {
 struct State {
     /// While true, events of At watches are held.
     hold_watches: watch::Sender<bool>,
-    /// Raised to end every open At watch with 410 Expired.
-    expiries: watch::Sender<u64>,
+    /// While true, every At watch (open or new) ends with 410 Expired, until the replica lists.
+    expiring: watch::Sender<bool>,
     /// While true, answers to At lists are held.
     hold_lists: watch::Sender<bool>,
+    /// At lists held now.
+    lists_held: std::sync::atomic::AtomicUsize,
     /// The At watch events passed to the replica so far (what its cache saw).
     forwarded: Mutex<String>,
 }
@@ -51,8 +53,9 @@ impl Proxy {
         let url = format!("http://{}", listener.local_addr().unwrap());
         let state = Arc::new(State {
             hold_watches: watch::Sender::new(false),
-            expiries: watch::Sender::new(0),
+            expiring: watch::Sender::new(false),
             hold_lists: watch::Sender::new(false),
+            lists_held: Default::default(),
             forwarded: Mutex::default(),
         });
         let shared = state.clone();
@@ -81,14 +84,20 @@ impl Proxy {
         self.state.hold_watches.send_replace(hold);
     }
 
-    /// Ends every open At watch of the replica with 410 Expired: it lists again.
+    /// Ends the replica's At watch with 410 Expired (an open one, or the next), so that it
+    /// lists again.
     pub fn expire_watches(&self) {
-        self.state.expiries.send_modify(|n| *n += 1);
+        self.state.expiring.send_replace(true);
     }
 
     /// Holds (true) or lets through (false) the answers to the replica's At lists.
     pub fn hold_lists(&self, hold: bool) {
         self.state.hold_lists.send_replace(hold);
+    }
+
+    /// At lists of the replica held now.
+    pub fn lists_held(&self) -> usize {
+        self.state.lists_held.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The At watch events the replica was given so far.
@@ -120,8 +129,13 @@ async fn forward(
         ats && !watching && parts.method == http::Method::GET,
     );
     if list {
+        // The replica lists: what expired it is over.
+        state.expiring.send_replace(false);
+        let counted = &state.lists_held;
+        counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let mut held = state.hold_lists.subscribe();
         let _ = held.wait_for(|hold| !hold).await;
+        counted.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
     let mut outgoing = http::Request::builder()
         .method(parts.method.clone())
@@ -154,41 +168,55 @@ async fn forward(
     Ok(Response::from_parts(parts, body))
 }
 
-/// A watch's body, passed on while its events are not held, ended with 410 Expired when asked.
+/// A watch's body, passed on whole lines at a time while its events are not held, ended with
+/// 410 Expired (after the last whole line) when asked.
 fn gated(body: kube::client::Body, state: Arc<State>) -> ProxyBody {
-    let start = *state.expiries.borrow();
-    let chunks = body.into_data_stream().boxed();
-    let frames = futures::stream::unfold(Some(chunks), move |chunks| {
-        let state = state.clone();
-        async move {
-            let mut chunks = chunks?;
-            let mut expiries = state.expiries.subscribe();
-            let expired = async move {
-                let _ = expiries.wait_for(|n| *n > start).await;
+    struct Gate {
+        chunks: futures::stream::BoxStream<'static, Result<Bytes, kube::Error>>,
+        /// Bytes of a line not yet ended.
+        partial: Vec<u8>,
+        state: Arc<State>,
+    }
+    let gate = Gate {
+        chunks: body.into_data_stream().boxed(),
+        partial: Vec::new(),
+        state,
+    };
+    let frames = futures::stream::unfold(Some(gate), |gate| async move {
+        let mut gate = gate?;
+        loop {
+            let mut expiring = gate.state.expiring.subscribe();
+            let mut held = gate.state.hold_watches.subscribe();
+            let next = tokio::select! {
+                _ = expiring.wait_for(|expire| *expire) => None,
+                chunk = gate.chunks.next() => Some(chunk),
             };
-            let mut held = state.hold_watches.subscribe();
-            let next = async move {
-                let chunk = chunks.next().await;
-                let _ = held.wait_for(|hold| !hold).await;
-                (chunk, chunks)
-            };
-            tokio::select! {
-                () = expired => {
+            let chunk = match next {
+                None => {
                     let line = Bytes::from(format!("{EXPIRED}\n"));
-                    Some((Ok(Frame::data(line)), None))
+                    return Some((Ok(Frame::data(line)), None));
                 }
-                (chunk, chunks) = next => match chunk? {
-                    Ok(bytes) => {
-                        state
-                            .forwarded
-                            .lock()
-                            .unwrap()
-                            .push_str(&String::from_utf8_lossy(&bytes));
-                        Some((Ok(Frame::data(bytes)), Some(chunks)))
-                    }
-                    Err(error) => Some((Err(std::io::Error::other(error)), None)),
-                },
+                Some(None) => return None,
+                Some(Some(Err(error))) => {
+                    return Some((Err(std::io::Error::other(error)), None));
+                }
+                Some(Some(Ok(chunk))) => chunk,
+            };
+            gate.partial.extend_from_slice(&chunk);
+            let Some(end) = gate.partial.iter().rposition(|b| *b == b'\n') else {
+                continue;
+            };
+            let lines: Vec<u8> = gate.partial.drain(..=end).collect();
+            tokio::select! {
+                _ = expiring.wait_for(|expire| *expire) => {
+                    let line = Bytes::from(format!("{EXPIRED}\n"));
+                    return Some((Ok(Frame::data(line)), None));
+                }
+                _ = held.wait_for(|hold| !hold) => {}
             }
+            let text = String::from_utf8_lossy(&lines).into_owned();
+            gate.state.forwarded.lock().unwrap().push_str(&text);
+            return Some((Ok(Frame::data(Bytes::from(lines))), Some(gate)));
         }
     });
     BodyExt::boxed_unsync(StreamBody::new(frames))

@@ -30,9 +30,9 @@
 //!   (bookmarks keep that fresh). A watch silent for `freshness::SILENCE` (75 s), a list body
 //!   silent for `IDLE`, or an answer that does not start within `IDLE`, is taken for a dead
 //!   connection (kube-client sets no read timeout): the watch is started again, the list failed.
-//! - After each step the follower tells `freshness` where it is (listing, replaying, watching)
-//!   and whether its watch just said something: pods are created only from a cache that is
-//!   caught up.
+//! - After each step the follower tells `freshness` where it is (listing, connecting, watching)
+//!   and whether its watch just opened or said something: pods are created only from a cache
+//!   that is caught up.
 //! - Errors are yielded as `watcher::Error`s for the caller's backoff; the next poll retries.
 //!   A watch whose version expired (410) is yielded as an error too (then listed again), as
 //!   kube-runtime does, so a relist is logged and backed off.
@@ -141,10 +141,13 @@ async fn step(state: State, follower: &mut Follower) -> Stepped {
             read_watched(version, events, replay, follower).await
         }
     };
+    // A watch replaying what the lists held counts as watching: the events between the lists
+    // come at once when it opens (the API server has them at hand), while the end of the replay
+    // may wait for the next change of an At (a quiet API server sends no bookmark to end it).
     let following = match &next {
         State::List(_) | State::Listing(_) => Following::Listing,
-        State::Watch(..) | State::Watching(_, _, Some(_)) => Following::Replaying,
-        State::Watching(_, _, None) => Following::Watching,
+        State::Watch(..) => Following::Connecting,
+        State::Watching(..) => Following::Watching,
     };
     let heard = matches!(next, State::Watching(..));
     follower.freshness.set(following, heard);

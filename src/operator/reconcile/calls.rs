@@ -17,12 +17,8 @@ use tracing::{debug, info, warn};
 
 /// Attempts to release the pod of a deleted At before leaving it to the next relist or leader.
 const ORPHAN_ATTEMPTS: u32 = 6;
-/// How long a pod create waits for an At cache that is behind before its reconcile ends (a
-/// reconcile holds one of the loop's slots, and a leader stepping down waits for it).
-const CATCH_UP_WAIT: Duration = Duration::from_secs(2);
-/// When an At whose create waited is reconciled again: the cache caught up meanwhile (so it
-/// is decided again on what the cache holds now), or not yet.
-const RECHECK_SOON: Duration = Duration::from_millis(10);
+/// When an At whose pod create was put off (the At cache behind) is reconciled again at the
+/// latest; normally sooner, as soon as the cache has caught up (`Context::wake_deferred`).
 const RECHECK_BEHIND: Duration = Duration::from_secs(1);
 
 impl Context {
@@ -203,7 +199,7 @@ impl Context {
             ..PostParams::default()
         };
         if !self.caches.ats.is_caught_up() {
-            return Ok(self.behind().await);
+            return Ok(self.behind(at));
         }
         let creating = self.writer.pods_first().creating.enter();
         if !self.confirm(at).await? {
@@ -244,23 +240,40 @@ impl Context {
         }
     }
 
-    /// A pod create put off because the At cache is behind (`cache::freshness`): waits a little
-    /// for it to catch up, then says when to decide again.
-    async fn behind(&self) -> Created {
+    /// A pod create put off because the At cache is behind (`cache::freshness`): the At is
+    /// reconciled again once it has caught up, and after `RECHECK_BEHIND` at the latest.
+    fn behind(&self, at: &At) -> Created {
         self.metrics.create_deferred();
-        let back = self.caches.ats.caught_up_within(CATCH_UP_WAIT).await;
-        debug!(back, "the At cache is behind the API server (listing, replaying, or its watch silent); the pod create waits for it");
+        debug!(at = %key(at), "the At cache is behind the API server (listing, or its watch not open or silent); the pod create waits for it");
+        self.writer.ledger().deferred(key(at));
         Created::Behind {
-            caught_up: if back { RECHECK_SOON } else { RECHECK_BEHIND },
+            recheck: RECHECK_BEHIND,
         }
+    }
+
+    /// Runs until dropped: each time the At cache has caught up, reconciles the Ats whose pod
+    /// create was put off meanwhile.
+    pub async fn wake_deferred(&self) {
+        let mut words = self.caches.ats.subscribe();
+        while words.changed().await.is_ok() {
+            if self.caches.ats.is_caught_up() {
+                for at in self.writer.ledger().take_deferred() {
+                    self.wake_up(at);
+                }
+            }
+        }
+        // The follower is gone (its replica is stopping): nothing catches up any more.
+        std::future::pending::<()>().await;
     }
 
     /// Whether the API server confirms `at` as the cache showed it: a cache that is behind
     /// (relisting, a stuck watch, a new leader's) may still show an At as PENDING that is DONE,
     /// deleted, or another At by that name, and its pod must not run again. Confirmed without a
-    /// request when the cached version is one this leadership's own status write left PENDING
-    /// (the API server answered that write, and no pod was created from it since:
-    /// `Ledger::pending_written`); otherwise by a quorum read of the At.
+    /// request when the cached version is the one this leadership's own last status write left
+    /// PENDING (the API server answered that write, and nobody else created a pod from it since:
+    /// `Ledger::pending_written`); otherwise by a quorum read of the At. The first way does not
+    /// see an edit or deletion of the At after that write which the cache has not shown yet
+    /// (normally milliseconds): as if it had come just after the create.
     async fn confirm(&self, at: &At) -> Result<bool, Error> {
         let version = at.metadata.resource_version.as_deref();
         if self.writer.ledger().pending_confirmed(&key(at), version) {

@@ -10,7 +10,8 @@
 //! an At that ran). What it abstracts: one reconcile is one step (its pod create and status
 //! write land together; a write the leader queued and lost is not modelled), one leader at a
 //! time, a replica's At and pod caches catch up together, and a stuck watch is not noticed (the
-//! cache counts as caught up: `cache::freshness` notices only after 75 s).
+//! cache counts as caught up, as `cache::freshness` trusts a watch that reopens and passes
+//! nothing on).
 
 use super::decide::{confirms_create, decide, Call, PodObservation};
 use crate::api::{At, AtPodTemplate, AtSpec, AtStatus, Phase};
