@@ -132,7 +132,10 @@ impl Ledger {
     /// held that version, with that status, when the write's precondition passed, and this
     /// leader has led since, so nobody else created a pod from it (`pending_confirmed`).
     pub fn pending_written(&self, at: &AtKey, resource_version: &str) {
-        let (key, version) = (self.hasher.hash_one(at), self.hasher.hash_one(resource_version));
+        let (key, version) = (
+            self.hasher.hash_one(at),
+            self.hasher.hash_one(resource_version),
+        );
         let mut written = lock(&self.pending_written);
         if written.len() >= MAX_PENDING_WRITTEN && !written.contains_key(&key) {
             written.clear();
@@ -256,7 +259,10 @@ mod tests {
         assert!(!ledger.pending_confirmed(&a, None));
         assert!(!ledger.pending_confirmed(&b, Some("7")), "another At");
         ledger.replaced(&a, "6");
-        assert!(ledger.pending_confirmed(&a, Some("7")), "an older version replaced");
+        assert!(
+            ledger.pending_confirmed(&a, Some("7")),
+            "an older version replaced"
+        );
         ledger.replaced(&a, "7");
         assert!(!ledger.pending_confirmed(&a, Some("7")), "decided on once");
         // A newer write replaces the older one; forgetting the At drops it.

@@ -328,7 +328,11 @@ async fn a_new_leader_that_is_listing_creates_nothing_until_its_cache_caught_up(
     });
     assert!(recreated.await.is_none(), "ran-pod created again");
     assert_eq!(scene.creations.of("ran-pod"), 1);
-    assert_eq!(metric(b, UNCONFIRMED), Some(0), "decided on the caught-up cache");
+    assert_eq!(
+        metric(b, UNCONFIRMED),
+        Some(0),
+        "decided on the caught-up cache"
+    );
 }
 
 /// A leader stopped (as by a rolling update) while 500 Ats fall due at once, each deleted by
@@ -357,12 +361,22 @@ async fn a_handover_in_the_middle_of_a_burst_creates_each_pod_once() {
     let started = until(Duration::from_secs(30), async || {
         (creations.pods() >= 1).then_some(())
     });
-    assert!(started.await.is_some(), "the burst never started: {}", scene.a.log_text());
+    assert!(
+        started.await.is_some(),
+        "the burst never started: {}",
+        scene.a.log_text()
+    );
     scene.hand_over().await;
     let at_handover = scene.creations.pods();
     let gone = until(Duration::from_secs(120), async || {
         let left = ats.list(&Default::default()).await.unwrap().items.len();
-        let pods = scene.pods().list(&Default::default()).await.unwrap().items.len();
+        let pods = scene
+            .pods()
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .len();
         (left == 0 && pods == 0).then_some(())
     });
     assert!(gone.await.is_some(), "not every At and pod went");
@@ -376,10 +390,10 @@ async fn a_handover_in_the_middle_of_a_burst_creates_each_pod_once() {
 
 /// Plays the kubelet in a namespace until dropped: every pod ends (exit 0) as soon as it is
 /// created.
-struct Kubelet(tokio_util::task::AbortOnDropHandle<()>);
+struct Kubelet;
 
 impl Kubelet {
-    fn start(client: &Client, ns: &str) -> Kubelet {
+    fn start(client: &Client, ns: &str) -> tokio_util::task::AbortOnDropHandle<()> {
         let (client, ns) = (client.clone(), ns.to_owned());
         let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
         let task = tokio::spawn(async move {
@@ -399,6 +413,6 @@ impl Kubelet {
                 })
                 .await;
         });
-        Kubelet(tokio_util::task::AbortOnDropHandle::new(task))
+        tokio_util::task::AbortOnDropHandle::new(task)
     }
 }

@@ -600,7 +600,13 @@ impl Target {
 
 /// Plays the kubelet: pod `name` in `namespace` ended with `exit_code`, its container's
 /// termination message `message`.
-pub async fn finish_pod(client: &Client, namespace: &str, name: &str, exit_code: i32, message: &str) {
+pub async fn finish_pod(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    exit_code: i32,
+    message: &str,
+) {
     end_pod(client, namespace, name, exit_code, message)
         .await
         .expect("pod status written");

@@ -97,7 +97,9 @@ impl Proxy {
 
     /// At lists of the replica held now.
     pub fn lists_held(&self) -> usize {
-        self.state.lists_held.load(std::sync::atomic::Ordering::SeqCst)
+        self.state
+            .lists_held
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The At watch events the replica was given so far.

@@ -343,9 +343,10 @@ pub(super) enum Created {
     Found(PodObservation),
     /// Not created: the API server's copy of the At is not the one decided on.
     Unconfirmed,
-    /// Not created: the At cache is behind; decide again after this long.
+    /// Not created: the At cache is behind; decided again once it has caught up, or after
+    /// `recheck`.
     Behind {
-        caught_up: Duration,
+        recheck: Duration,
     },
 }
 

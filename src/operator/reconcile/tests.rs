@@ -601,7 +601,11 @@ async fn no_pod_is_created_from_an_at_cache_that_is_behind() {
     for behind in [Following::Listing, Following::Connecting] {
         h.freshness.set(behind, false);
         let action = h.reconcile(at.clone()).await.unwrap();
-        assert_eq!(action, Action::requeue(Duration::from_secs(1)), "{behind:?}");
+        assert_eq!(
+            action,
+            Action::requeue(Duration::from_secs(1)),
+            "{behind:?}"
+        );
         assert_eq!(h.reads(), 0);
     }
     // A watch silent past the bound is behind too.
@@ -609,7 +613,11 @@ async fn no_pod_is_created_from_an_at_cache_that_is_behind() {
     tokio::time::sleep(SILENCE + Duration::from_secs(1)).await;
     h.reconcile(at.clone()).await.unwrap();
     let metrics = h.metrics.encode();
-    assert_eq!(counted(&metrics, "cnat_pod_creates_deferred_total"), 3, "{metrics}");
+    assert_eq!(
+        counted(&metrics, "cnat_pod_creates_deferred_total"),
+        3,
+        "{metrics}"
+    );
 
     // The watch says something: the At is reconciled again at once, and its pod created.
     h.freshness.heard(Following::Watching);
