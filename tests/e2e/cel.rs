@@ -1,7 +1,8 @@
-//! The CRD's CEL transition rule (`status.phase` never goes back) on kube-apiserver v1.24. CEL
-//! validation is alpha in 1.24 (feature gate `CustomResourceValidationExpressions`, off by
-//! default; on in this control plane, as `../shared/envtest` recommends); with the gate on, 1.24
-//! evaluates transition rules (`oldSelf`) too. What 1.24 does is recorded here, so a change
+//! The CRD's CEL transition rule (`status.phase` never goes back) on each supported
+//! kube-apiserver. CEL validation is alpha in 1.24 (feature gate
+//! `CustomResourceValidationExpressions`, off by default; on in the 1.24 control plane here, as
+//! `../shared/envtest` recommends), beta and on by default from 1.25, GA in 1.29; with it,
+//! transition rules (`oldSelf`) hold. What each server does is recorded here, so a change
 //! shows.
 
 use crate::lifecycle::at;
@@ -11,7 +12,7 @@ use kube::Api;
 use serde_json::json;
 
 #[tokio::test]
-async fn on_1_24_with_the_cel_gate_on_the_transition_rule_is_enforced() {
+async fn the_transition_rule_is_enforced_by_the_api_server() {
     let plane = crate::real_control_plane!();
     let admin = plane.admin().await;
     crate::support::envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
@@ -31,8 +32,9 @@ async fn on_1_24_with_the_cel_gate_on_the_transition_rule_is_enforced() {
     let back = ats
         .patch_status("once", &params, &Patch::Merge(&status("Pending")))
         .await;
-    // The control plane here runs with the gate on (as `../shared/envtest` recommends): the rule
-    // holds. A 1.24 server with the gate off (the default) accepts the write instead; the
+    // Every control plane here runs with CEL on (1.24 with its gate on, as `../shared/envtest`
+    // recommends): the rule holds. A 1.24 server with the gate off (its default) accepts the
+    // write instead; the
     // validating webhook's status rule does not cover it either (ats/status is not in its rules,
     // so the operator never depends on the webhook), which leaves the operator's own
     // resourceVersion-guarded writes as the guarantee there.

@@ -455,17 +455,18 @@ async fn the_upgrade_to_v1_keeps_every_at_runs_each_once_and_fails_no_create() {
         .contains_key(cnat::conversion::CARRIED_ANNOTATION));
 
     // Every replica stops at once (the whole Deployment restarted) while Ats from before are
-    // still stored as v1alpha1. A list from etcd (a quorum read) then needs the conversion
-    // webhook, which the Service sends only to ready replicas, and fails with the message
-    // the At cache looks for (it then says ready so that conversions can reach it). The
-    // cache's own lists come from the API server's watch cache, which holds the Ats in the
+    // still stored as v1alpha1. A read from etcd (a GET: quorum) of one then needs the
+    // conversion webhook, which the Service sends only to ready replicas, and fails with the
+    // message the At cache looks for (it then says ready so that conversions can reach it); so
+    // does a list from etcd on 1.24 (newer servers serve a quorum list from their watch cache).
+    // The cache's own lists come from the API server's watch cache, which holds the Ats in the
     // storage version already: new replicas list, turn ready and lead.
     for replica in &mut new {
         replica.kill();
         service.remove(replica);
     }
     let quorum = v1_api
-        .list(&kube::api::ListParams::default())
+        .get("done-0")
         .await
         .expect_err("Ats stored as v1alpha1 remain, and no replica answers");
     assert!(

@@ -41,7 +41,37 @@ pub struct ControlPlane {
     pub dir: PathBuf,
     /// An admin kubeconfig file (token auth, the apiserver's own CA).
     pub kubeconfig: PathBuf,
+    /// The Kubernetes version its kube-apiserver says (`v1.24.0+0`, `v1.37.2`).
+    pub version: String,
     ca: Vec<u8>,
+}
+
+impl ControlPlane {
+    /// The minor version of its kube-apiserver (24 for v1.24.0).
+    pub fn minor(&self) -> u32 {
+        minor_of(&self.version)
+    }
+}
+
+fn minor_of(version: &str) -> u32 {
+    version
+        .trim_start_matches("v1.")
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or_else(|| panic!("not a Kubernetes version: {version:?}"))
+}
+
+/// The version `kube-apiserver --version` says, and its minor number.
+fn apiserver_version(binary: &Path) -> (String, u32) {
+    let out = Command::new(binary)
+        .arg("--version")
+        .output()
+        .expect("kube-apiserver --version runs");
+    let said = String::from_utf8_lossy(&out.stdout);
+    let version = said.trim().trim_start_matches("Kubernetes ").to_owned();
+    let minor = minor_of(&version);
+    (version, minor)
 }
 
 /// What is running (processes and folder of each control plane), for the exit handler.
@@ -415,6 +445,7 @@ fn start(assets: &Path) -> ControlPlane {
     let unstarted = Unstarted(dir.clone());
 
     let d = |file: &str| dir.join(file).to_str().unwrap().to_owned();
+    let (version, minor) = apiserver_version(&assets.join("kube-apiserver"));
     let mut apiserver = Command::new(assets.join("kube-apiserver"));
     apiserver.args([
         format!("--etcd-servers={etcd_url}"),
@@ -429,8 +460,16 @@ fn start(assets: &Path) -> ControlPlane {
         format!("--service-account-signing-key-file={}", d("sa.key")),
         "--service-cluster-ip-range=10.96.0.0/16".into(),
         "--enable-admission-plugins=NamespaceLifecycle,ServiceAccount,MutatingAdmissionWebhook,ValidatingAdmissionWebhook,ResourceQuota".into(),
-        "--feature-gates=CustomResourceValidationExpressions=true".into(),
     ]);
+    // CRD validation rules (CEL) are behind a gate before 1.25 (beta, on by default, from 1.25;
+    // GA in 1.29, the gate gone since).
+    if minor < 25 {
+        apiserver.arg("--feature-gates=CustomResourceValidationExpressions=true");
+    } else {
+        // Newer servers refuse a loopback advertise address for the Endpoints of the
+        // `kubernetes` Service, which nothing here uses.
+        apiserver.arg("--endpoint-reconciler-type=none");
+    }
     running(&dir, spawn(apiserver, &dir.join("kube-apiserver.log")).id());
 
     // The serving certificate appears in the cert dir; it is its own CA.
@@ -459,6 +498,7 @@ fn start(assets: &Path) -> ControlPlane {
         server: format!("https://127.0.0.1:{api_port}"),
         kubeconfig: dir.join("kubeconfig"),
         dir: dir.clone(),
+        version,
         ca,
     };
     std::fs::write(&plane.kubeconfig, plane.kubeconfig_yaml()).unwrap();
