@@ -39,8 +39,8 @@ async fn wait_event(client: &kube::Client, ns: &str, name: &str, reason: &str) -
     }
 }
 
-/// The CRD as it was before it bounded the numbers (no `maximum`, and no `format: int32`, which
-/// servers since 1.24 check and 1.24 did not): what let the poison At in.
+/// The CRD as it was before it bounded the numbers (no `maximum`), and without `format: int32`,
+/// which kube-apiserver checks from 1.36 on (1.24 did not): what let the poison At in.
 pub(crate) fn unbounded_crd() -> String {
     let yaml = cnat::api::crd_yaml();
     let body = yaml.split_once("---\n").unwrap().1;
@@ -102,9 +102,8 @@ async fn no_at_stops_a_replica_and_each_extreme_at_shows_a_phase_or_a_reason() {
     create("poison", poison.clone())
         .await
         .expect("stored before the bounds");
-    // Without the bounds (and on 1.24, which does not check `format: int32`, even with them), a
-    // status writer could store an exit code no i32 holds. Such an At must not stop the list of
-    // every At.
+    // Without the bounds (and, from 1.36 on, without `format: int32`), a status writer could
+    // store an exit code no i32 holds. Such an At must not stop the list of every At.
     create(
         "exit-code-beyond-int32",
         spec("2020-01-01T00:00:00Z", json!({})),
@@ -118,7 +117,7 @@ async fn no_at_stops_a_replica_and_each_extreme_at_shows_a_phase_or_a_reason() {
         &kube::api::Patch::Merge(&beyond),
     )
     .await
-    .expect("stored: the server does not check int32");
+    .expect("stored: the CRD of before bounds no integer");
     install_crd(&admin, &cnat::api::crd_yaml()).await;
     // The server takes a new schema asynchronously: wait until it refuses.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);

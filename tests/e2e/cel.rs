@@ -34,8 +34,7 @@ async fn the_transition_rule_is_enforced_by_the_api_server() {
         .await;
     // Every control plane here runs with CEL on (1.24 with its gate on, as `../shared/envtest`
     // recommends): the rule holds. A 1.24 server with the gate off (its default) accepts the
-    // write instead; the
-    // validating webhook's status rule does not cover it either (ats/status is not in its rules,
+    // write instead; the validating webhook's status rule does not cover it either (ats/status is not in its rules,
     // so the operator never depends on the webhook), which leaves the operator's own
     // resourceVersion-guarded writes as the guarantee there.
     let refused = back.expect_err("Done -> Pending is refused by the transition rule");

@@ -10,8 +10,9 @@
 //! Upgrading): the new CRD (both versions, `v1` stored, conversion by cnat), a rolling
 //! replacement of the two old replicas by new ones (one at a time, the old one stopped once the
 //! new one is ready), and a rolling restart of a new one. Then every replica stops at once and
-//! two new ones start while Ats are still stored as `v1alpha1` (their lists need the conversion
-//! webhook, which the Service sends only to ready replicas); last `cnat migrate-storage`.
+//! two new ones start while Ats are still stored as `v1alpha1` (reading one from etcd needs the
+//! conversion webhook, which the Service sends only to ready replicas; on 1.24 a quorum list
+//! does too); last `cnat migrate-storage`.
 
 use crate::support::envtest::{
     install_crd, own_control_plane, register_webhooks, ControlPlane, Replica,
@@ -469,6 +470,17 @@ async fn the_upgrade_to_v1_keeps_every_at_runs_each_once_and_fails_no_create() {
         .get("done-0")
         .await
         .expect_err("Ats stored as v1alpha1 remain, and no replica answers");
+    let listed = v1_api.list(&kube::api::ListParams::default()).await;
+    if plane.minor() < 31 {
+        let refused = listed.expect_err("a quorum list from etcd needs the webhook too");
+        assert!(
+            refused.to_string().contains("conversion webhook"),
+            "{refused}"
+        );
+    } else {
+        // Served from the watch cache (ConsistentListFromCache, on by default since 1.31).
+        assert!(listed.is_ok(), "{listed:?}");
+    }
     assert!(
         quorum.to_string().contains(
             "conversion webhook for cnat.programming-kubernetes.info/v1alpha1, Kind=At failed"

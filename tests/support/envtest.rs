@@ -1,7 +1,9 @@
 //! A private, real Kubernetes control plane for tests, the envtest way: `KUBEBUILDER_ASSETS`
 //! names a folder with `etcd`, `kube-apiserver`, `kubectl` and (here) `kube-controller-manager`,
 //! as controller-runtime's `setup-envtest` lays it out; `scripts/envtest` prepares one in
-//! `.tools/envtest` from `../shared/envtest`.
+//! `.tools/envtest` from `../shared/envtest` (v1.24), and `scripts/envtest 1.37` one in
+//! `.tools/envtest-1.37` (built from the Go module proxy). The flags follow the version
+//! `kube-apiserver --version` says (`ControlPlane::minor`).
 //!
 //! `control_plane()` starts etcd, kube-apiserver and kube-controller-manager once per test
 //! process on free loopback ports in a temporary folder, waits for `/readyz`, and hands out
@@ -55,7 +57,8 @@ impl ControlPlane {
 
 fn minor_of(version: &str) -> u32 {
     version
-        .trim_start_matches("v1.")
+        .trim_start_matches('v')
+        .trim_start_matches("1.")
         .split(|c: char| !c.is_ascii_digit())
         .next()
         .and_then(|m| m.parse().ok())
@@ -68,6 +71,12 @@ fn apiserver_version(binary: &Path) -> (String, u32) {
         .arg("--version")
         .output()
         .expect("kube-apiserver --version runs");
+    assert!(
+        out.status.success(),
+        "{} --version failed: {}",
+        binary.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
     let said = String::from_utf8_lossy(&out.stdout);
     let version = said.trim().trim_start_matches("Kubernetes ").to_owned();
     let minor = minor_of(&version);
@@ -461,13 +470,14 @@ fn start(assets: &Path) -> ControlPlane {
         "--service-cluster-ip-range=10.96.0.0/16".into(),
         "--enable-admission-plugins=NamespaceLifecycle,ServiceAccount,MutatingAdmissionWebhook,ValidatingAdmissionWebhook,ResourceQuota".into(),
     ]);
-    // CRD validation rules (CEL) are behind a gate before 1.25 (beta, on by default, from 1.25;
-    // GA in 1.29, the gate gone since).
+    // CRD validation rules (CEL) are behind a gate before 1.25 (beta and on by default from
+    // 1.25, GA and locked on in 1.29; the gate is gone from newer servers, which refuse it).
     if minor < 25 {
         apiserver.arg("--feature-gates=CustomResourceValidationExpressions=true");
-    } else {
-        // Newer servers refuse a loopback advertise address for the Endpoints of the
-        // `kubernetes` Service, which nothing here uses.
+    }
+    // 1.37 refuses a loopback advertise address with the Endpoints reconciler of the
+    // `kubernetes` Service, which nothing here uses; 1.24 runs as it always did here.
+    if minor > 24 {
         apiserver.arg("--endpoint-reconciler-type=none");
     }
     running(&dir, spawn(apiserver, &dir.join("kube-apiserver.log")).id());
