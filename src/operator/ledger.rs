@@ -157,8 +157,14 @@ impl Ledger {
     /// A write or a pod create was decided on `resource_version` of `at`: that version no longer
     /// confirms anything.
     pub fn replaced(&self, at: &AtKey, resource_version: &str) {
-        if self.pending_confirmed(at, Some(resource_version)) {
-            self.forget_pending_written(at);
+        let (key, version) = (
+            self.hasher.hash_one(at),
+            self.hasher.hash_one(resource_version),
+        );
+        let mut written = lock(&self.pending_written);
+        if written.get(&key) == Some(&version) {
+            written.remove(&key);
+            shrink_if_sparse(&mut written);
         }
     }
 

@@ -72,13 +72,16 @@ impl Default for Freshness {
 }
 
 impl Freshness {
-    /// The follower is now `following`, and heard from its watch if `heard`.
+    /// The follower is now `following`, and heard from its watch if `heard`. Subscribers are
+    /// woken only when that may change whether the cache is caught up (where the follower is,
+    /// or a word after a silence past `SILENCE`), not for every event of a busy watch.
     pub fn set(&self, following: Following, heard: bool) {
+        let now = Instant::now();
         self.heard.send_if_modified(|last| {
-            let changed = last.following != following || heard;
+            let changed = last.following != following || (heard && !caught_up(*last, now));
             last.following = following;
             if heard {
-                last.at = Instant::now();
+                last.at = now;
             }
             changed
         });
@@ -152,11 +155,23 @@ mod tests {
         words.borrow_and_update();
         freshness.set(Following::Watching, false);
         assert!(!words.has_changed().unwrap(), "nothing new: no wakeup");
+        tokio::time::sleep(SILENCE / 2).await;
+        freshness.heard(Following::Watching);
+        assert!(
+            !words.has_changed().unwrap(),
+            "an event of a watch already caught up: no wakeup"
+        );
+        assert_eq!(freshness.last().at, Instant::now(), "but its time is kept");
 
         // Silent past the bound: behind, until the watch says something again.
         tokio::time::sleep(SILENCE + Duration::from_secs(1)).await;
         assert!(!freshness.is_caught_up());
+        words.borrow_and_update();
         freshness.heard(Following::Watching);
+        assert!(
+            words.has_changed().unwrap(),
+            "caught up again: waiters hear of it"
+        );
         assert!(freshness.is_caught_up());
     }
 }

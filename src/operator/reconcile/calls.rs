@@ -19,7 +19,7 @@ use tracing::{debug, info, warn};
 const ORPHAN_ATTEMPTS: u32 = 6;
 /// When an At whose pod create was put off (the At cache behind) is reconciled again at the
 /// latest; normally sooner, as soon as the cache has caught up (`Context::wake_deferred`).
-const RECHECK_BEHIND: Duration = Duration::from_secs(1);
+pub(super) const RECHECK_BEHIND: Duration = Duration::from_secs(1);
 
 impl Context {
     fn at_api(&self, at: &At) -> Api<At> {
@@ -246,9 +246,7 @@ impl Context {
         self.metrics.create_deferred();
         debug!(at = %key(at), "the At cache is behind the API server (listing, or its watch not open or silent); the pod create waits for it");
         self.writer.ledger().deferred(key(at));
-        Created::Behind {
-            recheck: RECHECK_BEHIND,
-        }
+        Created::Behind
     }
 
     /// Runs until dropped: each time the At cache has caught up, reconciles the Ats whose pod
@@ -344,10 +342,8 @@ pub(super) enum Created {
     /// Not created: the API server's copy of the At is not the one decided on.
     Unconfirmed,
     /// Not created: the At cache is behind; decided again once it has caught up, or after
-    /// `recheck`.
-    Behind {
-        recheck: Duration,
-    },
+    /// `RECHECK_BEHIND`.
+    Behind,
 }
 
 fn observe(found: &Pod, at: &At) -> PodObservation {

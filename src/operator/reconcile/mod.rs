@@ -268,7 +268,7 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
                 // The watch brings the API server's version; the decision is made on that.
                 Created::Unconfirmed => return Ok(Action::await_change()),
                 // Decided again on what the cache holds once it caught up.
-                Created::Behind { recheck } => return Ok(Action::requeue(recheck)),
+                Created::Behind => return Ok(Action::requeue(calls::RECHECK_BEHIND)),
             },
         };
     }
