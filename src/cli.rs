@@ -172,6 +172,12 @@ pub struct RunArgs {
     #[arg(long, env = "CNAT_ADMIN_ADDR", default_value = "[::]:8080")]
     pub admin_addr: SocketAddr,
 
+    /// List the Ats by a streaming watch (`sendInitialEvents`, the WatchList feature of
+    /// kube-apiserver 1.32 and 1.34+) where the API server offers one; `false`: by paged lists,
+    /// as on servers that do not (a refusal switches to those by itself).
+    #[arg(long, env = "CNAT_WATCH_LIST", default_value_t = true, action = ArgAction::Set)]
+    pub watch_list: bool,
+
     /// Serve the admission webhooks (every replica does, leader or not).
     #[arg(long, env = "CNAT_WEBHOOKS", default_value_t = true, action = ArgAction::Set)]
     pub webhooks: bool,

@@ -309,7 +309,11 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), R
     let metrics = Arc::new(Metrics::new(leadership.clone()));
     // Every replica caches the Ats, so the next leader starts with all of them. Ready, and a
     // candidate for the Lease, only with every At cached (required before `/readyz` answers).
-    let cache = cnat::operator::cache::AtCache::start(&client, args.namespace.as_deref());
+    let cache = cnat::operator::cache::AtCache::start_listing(
+        &client,
+        args.namespace.as_deref(),
+        args.watch_list,
+    );
     let health = Arc::new(Health::new(
         leadership.clone(),
         timing.lease_duration,

@@ -757,6 +757,10 @@ async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
         support::until(WAIT, || cache.store().state().len() == 50).await,
         "the candidate never cached the Ats"
     );
+    assert!(
+        !cache.streams_lists(),
+        "this server, as kube-apiserver v1.24, refuses streaming lists: the cache lists"
+    );
     server.create(
         Resource::Ats,
         at_json("due", "2019-04-12T10:12:00Z", "true"),

@@ -1,4 +1,5 @@
-//! `cargo bench --bench due -- --real [SIZES]`: the burst scenario on a real kube-apiserver v1.24
+//! `cargo bench --bench due -- --real [SIZES]`: the burst scenario on a real kube-apiserver (the
+//! version `KUBEBUILDER_ASSETS` holds: `scripts/envtest 1.24` or `scripts/envtest 1.37`)
 //! with etcd and kube-controller-manager (the control plane of `tests/support/envtest.rs`,
 //! `KUBEBUILDER_ASSETS`), the `cnat run` release binary as its own process. For each size `n`,
 //! in the same run:
@@ -41,11 +42,30 @@ pub async fn start(header: &str) -> (&'static ControlPlane, Client) {
     }
     // The server rebuilds its OpenAPI and discovery for new CRDs: let that pass before timing.
     tokio::time::sleep(Duration::from_secs(10)).await;
-    println!("On a real kube-apiserver v1.24 + etcd 3.4 + kube-controller-manager (envtest), this machine:");
+    println!(
+        "On a real kube-apiserver {} + etcd {} + kube-controller-manager (envtest), this machine:",
+        plane.version,
+        etcd_version()
+    );
     println!();
     println!("{header}");
     println!("{}|", "|---".repeat(header.matches('|').count() - 1));
     (plane, admin)
+}
+
+/// What `etcd --version` of the control plane says (its first line's version).
+fn etcd_version() -> String {
+    let assets = std::env::var("KUBEBUILDER_ASSETS").unwrap_or_default();
+    std::process::Command::new(std::path::Path::new(&assets).join("etcd"))
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|out| {
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            let first = text.lines().next()?.to_owned();
+            first.rsplit(' ').next().map(str::to_owned)
+        })
+        .unwrap_or_else(|| "(version unknown)".into())
 }
 
 pub async fn run(sizes: &[usize]) {
@@ -573,40 +593,26 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
         .load(std::sync::atomic::Ordering::SeqCst)
         .max(old_settled);
 
-    // 2. A cold replica, and what every process spent meanwhile (CPU seconds).
+    // 2. Cold replicas, one after another: by paged lists (`--watch-list=false`) and by a
+    //    streaming list where the server offers one, twice each in turn; the last one stays for
+    //    the rolling step.
     let mut busy: Vec<(String, u32)> = crate::rss::processes_under(&plane.dir);
     busy.push(("old leader".into(), old.child.id()));
-    let before: Vec<f64> = busy
-        .iter()
-        .map(|(_, pid)| crate::rss::cpu_seconds(*pid))
-        .collect();
-    let spawned = Instant::now();
-    let mut new = plane.replica(&format!("new-{n}"), &ns, &flags);
-    wait_ready(&new, Duration::from_secs(600)).await;
-    let cached_after = spawned.elapsed();
-    let spent: Vec<String> = busy
-        .iter()
-        .zip(&before)
-        .map(|((name, pid), before)| {
-            format!("{name} {:.1} s", crate::rss::cpu_seconds(*pid) - before)
-        })
-        .chain([format!(
-            "new replica {:.1} s",
-            crate::rss::cpu_seconds(new.child.id())
-        )])
-        .collect();
-    eprintln!(
-        "CPU while the cold replica listed ({cached_after:.1?}): {}",
-        spent.join(", ")
-    );
-    let new_ready_rss = rss(&new);
-    let logged = new
-        .log_text()
-        .lines()
-        .find(|l| l.contains("the At cache holds every At"))
-        .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .and_then(|v| v["took"].as_str().map(str::to_owned))
-        .unwrap_or_else(|| "not logged".into());
+    let mut colds = Vec::new();
+    let mut new = None;
+    for (round, streaming) in [false, true, false, true].into_iter().enumerate() {
+        if let Some(mut before) = new.take() {
+            envtest::Replica::kill(&mut before);
+        }
+        // The API server settles after the last replica's requests.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let cold = cold_replica(plane, &ns, n, round, streaming, &busy).await;
+        colds.push(cold.0);
+        new = Some(cold.1);
+    }
+    let mut new = new.expect("a cold replica");
+    let (cached_after, new_ready_rss, logged) =
+        colds.last().cloned().expect("a cold replica").summary;
 
     // 3. The rolling step.
     let pod_seen = tokio::spawn(watch_pods(pods.clone(), 1));
@@ -641,6 +647,79 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
     );
     new.kill();
     old.kill();
+    println!();
+    println!("| Ats | cold replica lists by | every At cached after (its log) | its RSS then | CPU meanwhile |");
+    println!("|---|---|---|---|---|");
+    for cold in colds {
+        println!("| {n} | {} |", cold.row);
+    }
+    println!();
+}
+
+/// One cold replica's figures: its table row (after the count) and, for the main table, when it
+/// had every At cached, its RSS then (KiB), and what its log said.
+#[derive(Clone)]
+struct Cold {
+    row: String,
+    summary: (Duration, u64, String),
+}
+
+/// Starts a cold replica listing by a streaming list (where the server offers one) or by paged
+/// lists, and times it until ready (every At cached), with the CPU `busy` spent meanwhile.
+async fn cold_replica(
+    plane: &'static ControlPlane,
+    ns: &str,
+    n: usize,
+    round: usize,
+    streaming: bool,
+    busy: &[(String, u32)],
+) -> (Cold, envtest::Replica) {
+    let flags = [
+        format!("--namespace={ns}"),
+        "--log=info".to_owned(),
+        format!("--watch-list={streaming}"),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let before: Vec<f64> = busy
+        .iter()
+        .map(|(_, pid)| crate::rss::cpu_seconds(*pid))
+        .collect();
+    let spawned = Instant::now();
+    let new = plane.replica(&format!("new-{n}-{round}"), ns, &flags);
+    wait_ready(&new, Duration::from_secs(600)).await;
+    let cached_after = spawned.elapsed();
+    let spent: Vec<String> = busy
+        .iter()
+        .zip(&before)
+        .map(|((name, pid), before)| {
+            format!("{name} {:.1} s", crate::rss::cpu_seconds(*pid) - before)
+        })
+        .chain([format!(
+            "the replica {:.1} s",
+            crate::rss::cpu_seconds(new.child.id())
+        )])
+        .collect();
+    let rss = crate::rss::rss_kib(&new.child.id().to_string());
+    let line = new
+        .log_text()
+        .lines()
+        .find(|l| l.contains("the At cache holds every At"))
+        .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .unwrap_or_default();
+    let logged = line["took"].as_str().unwrap_or("not logged").to_owned();
+    let by = match line["streamed"].as_bool() {
+        Some(true) => "a streaming list",
+        Some(false) if streaming => "paged lists (the server refused a streaming list)",
+        Some(false) => "paged lists (`--watch-list=false`)",
+        None => "not logged",
+    };
+    let row = format!(
+        "{by} | {cached_after:.1?} ({logged}) | {:.0} MiB | {} |",
+        rss as f64 / 1024.0,
+        spent.join(", ")
+    );
+    let summary = (cached_after, rss, logged);
+    (Cold { row, summary }, new)
 }
 
 /// Until the replica's `/readyz` answers 200.

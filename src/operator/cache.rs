@@ -366,6 +366,8 @@ pub struct AtCache {
     listing: Arc<ListProgress>,
     /// Whether the store is caught up with the API server now.
     freshness: Freshness,
+    /// Whether it lists by a streaming watch (`follow`).
+    streams: Arc<std::sync::atomic::AtomicBool>,
     _watch: Arc<AbortOnDropHandle<()>>,
 }
 
@@ -399,8 +401,15 @@ fn needs_conversion_webhook(error: &str) -> bool {
 }
 
 impl AtCache {
-    /// Starts watching Ats (in `namespace`, or all) on the current runtime, until dropped.
+    /// Starts watching Ats (in `namespace`, or all) on the current runtime, until dropped;
+    /// every At listed by a streaming watch where the API server offers one.
     pub fn start(client: &Client, namespace: Option<&str>) -> Self {
+        Self::start_listing(client, namespace, true)
+    }
+
+    /// As `start`; `streaming`: whether to list by a streaming watch where the API server
+    /// offers one (`false`: by lists, as on a server that does not).
+    pub fn start_listing(client: &Client, namespace: Option<&str>, streaming: bool) -> Self {
         let (store, writer) = reflector::store();
         let (changes, _) = broadcast::channel(CHANGES);
         let (feed, cached) = (changes.clone(), store.clone());
@@ -411,11 +420,14 @@ impl AtCache {
         // Dropped when the task ends, by a panic too (unwinding drops it).
         let alive = stopped.clone().drop_guard();
         let freshness = Freshness::default();
+        let streams = Arc::new(std::sync::atomic::AtomicBool::new(streaming));
+        let streamed = streams.clone();
         let watch = follow::follow(
             client.clone(),
             namespace.map(str::to_owned),
             store.clone(),
             freshness.clone(),
+            streamed.clone(),
         )
         .backoff(watch_backoff())
         .reflect(writer)
@@ -434,6 +446,7 @@ impl AtCache {
                         info!(
                             ats = cached.len(),
                             took = ?started.elapsed(),
+                            streamed = streamed.load(Ordering::Relaxed),
                             "the At cache holds every At"
                         );
                         progress.complete.cancel();
@@ -475,6 +488,7 @@ impl AtCache {
             quarantine: Arc::default(),
             stopped,
             listing,
+            streams,
             freshness,
             _watch: Arc::new(AbortOnDropHandle::new(tokio::spawn(watch))),
         }
@@ -489,6 +503,12 @@ impl AtCache {
     /// Completes once the cache holds a complete list of the Ats (at once if it did).
     pub fn listed(&self) -> tokio_util::sync::WaitForCancellationFutureOwned {
         self.listing.complete.clone().cancelled_owned()
+    }
+
+    /// Whether the cache lists by a streaming watch: it was asked to, and the API server has
+    /// not refused one.
+    pub fn streams_lists(&self) -> bool {
+        self.streams.load(Ordering::Relaxed)
     }
 
     /// `Ok` once the cache holds a complete list; else how far the first list has come, for

@@ -720,6 +720,15 @@ impl ApiServer {
     }
 
     fn watch(&self, route: &Route, query: &BTreeMap<String, String>) -> Response<Body> {
+        // As kube-apiserver v1.24 (whose answers this server models): no streaming lists.
+        if query.contains_key("resourceVersionMatch") {
+            return status(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Invalid",
+                "ListOptions.meta.k8s.io \"\" is invalid: resourceVersionMatch: Forbidden: resourceVersionMatch is forbidden for watch",
+                Some(""),
+            );
+        }
         let since: u64 = query
             .get("resourceVersion")
             .and_then(|rv| rv.parse().ok())

@@ -1,7 +1,9 @@
 //! A proxy between one replica and the real API server that makes the replica's At cache
 //! stale on purpose: it can hold the events of the replica's At watches (the watch stays open
 //! and says nothing, as behind a stuck proxy or a half-open connection), end them with 410
-//! Expired (a forced relist), and hold the answers to its At lists (a relist that takes long).
+//! Expired (a forced relist), and hold the answers to its At lists (a relist that takes long;
+//! a streaming list, a watch that first sends every At, is held as a list, then gated as a
+//! watch).
 //! Every other request (the Lease, pods, reads of one At) goes through at once. The replica
 //! talks plain HTTP to it (`url`); it talks to the API server as the admin.
 
@@ -120,15 +122,14 @@ async fn forward(
         .map(|b| b.to_bytes())
         .unwrap_or_default();
     let ats = parts.uri.path().starts_with(ATS) && parts.uri.path().ends_with("/ats");
-    let watching = parts
-        .uri
-        .query()
-        .unwrap_or_default()
-        .split('&')
-        .any(|pair| pair == "watch=true" || pair == "watch=1");
+    let query = parts.uri.query().unwrap_or_default();
+    let has = |wanted: &[&str]| query.split('&').any(|pair| wanted.contains(&pair));
+    let watching = has(&["watch=true", "watch=1"]);
+    // A streaming list (a watch that first sends every At) is a list, then the watch.
+    let streaming = watching && has(&["sendInitialEvents=true"]);
     let (watch, list) = (
         ats && watching,
-        ats && !watching && parts.method == http::Method::GET,
+        ats && (!watching || streaming) && parts.method == http::Method::GET,
     );
     if list {
         // The replica lists: what expired it is over.

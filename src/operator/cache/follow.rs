@@ -10,6 +10,13 @@
 //! it arrives, on a blocking thread of its own, and each At is compacted into a `CachedAt` at
 //! once: the list costs what its Ats cost cached, not three copies of their JSON.
 //!
+//! - Where the API server streams lists (WatchList: on by default in kube-apiserver 1.32 and
+//!   from 1.34; measured against the lists below in the README, "Streaming lists"), every At
+//!   comes as a watch that first sends each At (`sendInitialEvents`), then a bookmark that says
+//!   they are all out, and goes on as the watch: one request, served from the API server's watch
+//!   cache, and no gap between list and watch. A server that refuses it (kube-apiserver before
+//!   1.27 forbids `resourceVersionMatch` on a watch, later ones refuse `sendInitialEvents` with
+//!   the feature off: 422 Invalid, or 400) gets the lists below from then on.
 //! - A list is five lists at once, one per shard of the Ats (`crate::shard`: the mutating
 //!   webhook labels each At with one of four shards; the fifth list has every other At):
 //!   kube-apiserver encodes each response on one core, so on two cores the lists arrive sooner
@@ -49,11 +56,16 @@ use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor
 use std::collections::VecDeque;
 use std::fmt;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::timeout;
 use tokio_util::task::AbortOnDropHandle;
+use tracing::info;
 
+/// The annotation of the bookmark that ends a streaming list's initial events.
+const INITIAL_EVENTS_END: &str = "k8s.io/initial-events-end";
 /// Seconds a watch asks to last (kube-runtime's watcher asks the same).
 const WATCH_TIMEOUT: u32 = 290;
 /// A watch with no event (bookmarks included) for this long is taken for dead and started
@@ -78,6 +90,9 @@ type Stepped = (State, Vec<Result<Event<CachedAt>, Error>>);
 enum State {
     /// To list, at any version (`None`: the first list) or not older than this one.
     List(Option<String>),
+    /// A streaming list in progress (asked at that version): a watch sending every At, until
+    /// the bookmark that ends them.
+    Streaming(Option<String>, EventStream),
     /// Lists in progress: their decoded Ats, then their resourceVersions.
     Listing(Listing),
     /// To watch from this version (and what the lists held, while the watch replays it).
@@ -94,18 +109,23 @@ struct Follower {
     /// List the shards at once (`false` after an API server gave a resourceVersion that is not
     /// a number, which the replay needs to compare).
     sharded: bool,
+    /// List by a streaming watch (`false` when not wanted, or after the API server refused
+    /// it); shared with whoever asks how the cache lists.
+    streaming: Arc<AtomicBool>,
     /// Where it is, for those who must not act on a cache that is behind.
     freshness: Freshness,
 }
 
 /// Follows the Ats (of `namespace`, or all) with `client`, as kube-runtime's `watcher` does
 /// (see the module docs for the difference); `held` is the store its events go into, and
-/// `freshness` hears where the follower is after each step.
+/// `freshness` hears where the follower is after each step. `streaming`: list by a streaming
+/// watch where the API server offers one (set to `false` when the server refuses it).
 pub fn follow(
     client: Client,
     namespace: Option<String>,
     held: Store<CachedAt>,
     freshness: Freshness,
+    streaming: Arc<AtomicBool>,
 ) -> impl Stream<Item = Result<Event<CachedAt>, Error>> + Send {
     let url = CachedAt::url_path(&(), namespace.as_deref());
     let follower = Follower {
@@ -113,6 +133,7 @@ pub fn follow(
         url,
         held,
         sharded: true,
+        streaming,
         freshness,
     };
     futures::stream::unfold(
@@ -134,7 +155,11 @@ pub fn follow(
 /// store is; it is `Watching` only when the watch just started or said something.
 async fn step(state: State, follower: &mut Follower) -> Stepped {
     let (next, events) = match state {
+        State::List(version) if follower.streaming.load(Ordering::Relaxed) => {
+            stream(version, follower).await
+        }
         State::List(version) => list(version, follower).await,
+        State::Streaming(asked, events) => read_streamed(asked, events).await,
         State::Listing(listing) => read_listed(listing, follower).await,
         State::Watch(version, replay) => watch(version, replay, follower).await,
         State::Watching(version, events, replay) => {
@@ -145,13 +170,139 @@ async fn step(state: State, follower: &mut Follower) -> Stepped {
     // come at once when it opens (the API server has them at hand), while the end of the replay
     // may wait for the next change of an At (a quiet API server sends no bookmark to end it).
     let following = match &next {
-        State::List(_) | State::Listing(_) => Following::Listing,
+        State::List(_) | State::Listing(_) | State::Streaming(..) => Following::Listing,
         State::Watch(..) => Following::Connecting,
         State::Watching(..) => Following::Watching,
     };
     let heard = matches!(next, State::Watching(..));
     follower.freshness.set(following, heard);
     (next, events)
+}
+
+/// Lists every At by a watch that sends each first (`sendInitialEvents`), at any version
+/// (`None`) or not older than `version`; a server that refuses it gets lists from then on.
+async fn stream(version: Option<String>, follower: &mut Follower) -> Stepped {
+    let (client, url) = (&follower.client, follower.url.as_str());
+    let params = WatchParams::default()
+        .initial_events()
+        .timeout(WATCH_TIMEOUT);
+    let request = match Request::new(url).watch(&params, version.as_deref().unwrap_or("0")) {
+        Ok(request) => request,
+        Err(error) => {
+            return (
+                State::List(version),
+                vec![Err(Error::InitialListFailed(kube::Error::BuildRequest(
+                    error,
+                )))],
+            )
+        }
+    };
+    // A refusal comes as the answer's status (which `request_events` would yield as lines that
+    // are not events): read it here, then the body line by line as a watch.
+    let answer = timeout(IDLE, client.request_stream(request))
+        .await
+        .unwrap_or_else(|_| Err(silent()));
+    match answer {
+        Ok(body) => (
+            State::Streaming(version, Box::pin(events_of(body))),
+            vec![Ok(Event::Init)],
+        ),
+        Err(kube::Error::Api(status)) if not_streaming(status.code) => {
+            follower.streaming.store(false, Ordering::Relaxed);
+            info!(code = status.code, reason = %status.reason, message = %status.message, "the API server does not stream lists (WatchList); listing the Ats instead");
+            (State::List(version), vec![])
+        }
+        Err(error) => (
+            State::List(version),
+            vec![Err(Error::InitialListFailed(error))],
+        ),
+    }
+}
+
+/// Whether an answer with this code to a streaming list says the server does not offer one
+/// (422 Invalid: `resourceVersionMatch` or `sendInitialEvents` forbidden for a watch; 400).
+fn not_streaming(code: u16) -> bool {
+    matches!(code, 400 | 422)
+}
+
+/// A watch body's events, line by line.
+fn events_of(
+    body: impl futures::AsyncBufRead + Send + Unpin + 'static,
+) -> impl Stream<Item = kube::Result<WatchEvent<CachedAt>>> + Send {
+    body.lines().map(|line| match line {
+        Ok(line) => serde_json::from_str(&line).map_err(kube::Error::SerdeError),
+        Err(error) => Err(kube::Error::ReadEvents(error)),
+    })
+}
+
+/// The next At of a streaming list, or its end: the bookmark that ends the initial events
+/// turns it into the watch that follows them.
+async fn read_streamed(asked: Option<String>, mut events: EventStream) -> Stepped {
+    let failed = |asked, error| {
+        (
+            State::List(asked),
+            vec![Err(Error::InitialListFailed(error))],
+        )
+    };
+    match timeout(IDLE, events.next()).await {
+        Ok(Some(Ok(event))) => match initial(event) {
+            Initial::At(at) => (
+                State::Streaming(asked, events),
+                vec![Ok(Event::InitApply(at))],
+            ),
+            Initial::Mark => (State::Streaming(asked, events), vec![]),
+            Initial::End(version) => (
+                State::Watching(version, events, None),
+                vec![Ok(Event::InitDone)],
+            ),
+            Initial::Refused(status) => (State::List(asked), vec![Err(Error::WatchError(status))]),
+            Initial::Unexpected(what) => failed(
+                asked,
+                kube::Error::Service(
+                    format!("a streaming list sent {what} before the end of its initial events")
+                        .into(),
+                ),
+            ),
+        },
+        Ok(Some(Err(error))) => failed(asked, error),
+        Ok(None) => failed(
+            asked,
+            kube::Error::Service("a streaming list ended before all its initial events".into()),
+        ),
+        Err(_) => failed(asked, silent()),
+    }
+}
+
+/// What a streaming list's event is, before the end of its initial events. Pure.
+#[derive(Debug)]
+enum Initial {
+    At(CachedAt),
+    /// A bookmark that does not end them.
+    Mark,
+    /// The bookmark that ends them: the version the watch goes on from.
+    End(String),
+    Refused(Box<kube::core::Status>),
+    /// A change of an At, which the initial events do not bring.
+    Unexpected(&'static str),
+}
+
+fn initial(event: WatchEvent<CachedAt>) -> Initial {
+    match event {
+        WatchEvent::Added(at) => Initial::At(at),
+        WatchEvent::Bookmark(mark)
+            if mark
+                .metadata
+                .annotations
+                .get(INITIAL_EVENTS_END)
+                .is_some_and(|end| end == "true") =>
+        {
+            Initial::End(mark.metadata.resource_version)
+        }
+        WatchEvent::Bookmark(_) => Initial::Mark,
+        WatchEvent::Error(status) => Initial::Refused(status),
+        WatchEvent::Modified(_) => Initial::Unexpected("a change"),
+        WatchEvent::Deleted(_) => Initial::Unexpected("a deletion"),
+    }
 }
 
 /// Lists every At (the shard lists at once) at any version (`None`) or not older than

@@ -390,3 +390,127 @@ proptest::proptest! {
         }
     }
 }
+
+/// A streaming list's body as kube-apiserver v1.37 sent it (the shape captured with curl,
+/// 2026-11-26): each At ADDED, then the bookmark that ends the initial events.
+fn streamed(extra: &[serde_json::Value]) -> Vec<u8> {
+    let mut lines: Vec<serde_json::Value> = vec![
+        json!({"type": "ADDED", "object": at("a")}),
+        json!({"type": "BOOKMARK", "object": {"kind": "At", "apiVersion": "cnat.programming-kubernetes.info/v1",
+               "metadata": {"resourceVersion": "8", "creationTimestamp": null}}}),
+        json!({"type": "ADDED", "object": at("b")}),
+    ];
+    lines.extend_from_slice(extra);
+    let mut body = Vec::new();
+    for line in lines {
+        serde_json::to_writer(&mut body, &line).unwrap();
+        body.push(b'\n');
+    }
+    body
+}
+
+fn end_mark(version: &str, end: &str) -> serde_json::Value {
+    json!({"type": "BOOKMARK", "object": {"kind": "At", "apiVersion": "cnat.programming-kubernetes.info/v1",
+           "metadata": {"resourceVersion": version, "creationTimestamp": null,
+                        "annotations": {"k8s.io/initial-events-end": end}}}})
+}
+
+/// Steps a streaming list read from `body` (in pieces of `piece` bytes) until it leaves the
+/// streaming state: the names of the Ats it gave, and the state it ended in.
+async fn read_stream(body: Vec<u8>, piece: usize) -> (Vec<String>, State, Vec<String>) {
+    let pieces = futures::io::BufReader::new(Pieces { body, at: 0, piece });
+    let mut state = State::Streaming(Some("5".into()), Box::pin(events_of(pieces)));
+    let (mut names, mut other) = (Vec::new(), Vec::new());
+    loop {
+        let State::Streaming(asked, events) = state else {
+            return (names, state, other);
+        };
+        let (next, out) = read_streamed(asked, events).await;
+        state = next;
+        for event in out {
+            match event {
+                Ok(Event::InitApply(at)) => names.push(at.name_any()),
+                Ok(Event::InitDone) => other.push("done".into()),
+                Ok(_) => other.push("other event".into()),
+                Err(error) => other.push(format!("error: {error}")),
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_streaming_list_gives_each_at_and_becomes_the_watch_at_the_bookmark_that_ends_it() {
+    for piece in [1, 7, 1 << 16] {
+        let body = streamed(&[
+            end_mark("9", "false"),
+            end_mark("10", "true"),
+            json!({"type": "MODIFIED", "object": at("a")}),
+        ]);
+        let (names, state, other) = read_stream(body, piece).await;
+        assert_eq!(names, ["a", "b"], "piece {piece}");
+        assert_eq!(other, ["done"], "piece {piece}");
+        let State::Watching(version, mut events, replay) = state else {
+            panic!("piece {piece}: not watching");
+        };
+        assert_eq!(version, "10", "the watch goes on from the end's version");
+        assert!(replay.is_none());
+        // The same connection goes on as the watch.
+        assert!(matches!(
+            events.next().await,
+            Some(Ok(WatchEvent::Modified(_)))
+        ));
+    }
+}
+
+#[tokio::test]
+async fn a_streaming_list_cut_short_or_changing_an_at_is_listed_again_from_the_version_asked() {
+    let modified = streamed(&[json!({"type": "MODIFIED", "object": at("a")})]);
+    let deleted = streamed(&[json!({"type": "DELETED", "object": at("a")})]);
+    let expired = streamed(&[
+        json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1",
+        "status": "Failure", "reason": "Expired", "code": 410, "message": "too old"}}),
+    ]);
+    let mut cut = streamed(&[end_mark("10", "true")]);
+    cut.truncate(cut.len() - 20);
+    let garbled = [
+        streamed(&[]),
+        b"{\"type\": \"RENAMED\", \"object\": {}}\n".to_vec(),
+    ]
+    .concat();
+    for (what, body, says) in [
+        ("modified", modified, "a change"),
+        ("deleted", deleted, "a deletion"),
+        ("expired", expired, "too old"),
+        ("cut", cut, "EOF while parsing"),
+        ("ended", streamed(&[]), "ended before"),
+        ("garbled", garbled, "unknown variant"),
+    ] {
+        let (names, state, other) = read_stream(body, 5).await;
+        assert_eq!(names, ["a", "b"], "{what}");
+        let State::List(Some(asked)) = state else {
+            panic!("{what}: not listed again");
+        };
+        assert_eq!(asked, "5", "{what}: never back in time");
+        assert_eq!(other.len(), 1, "{what}: {other:?}");
+        assert!(other[0].contains(says), "{what}: {other:?}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_streaming_list_silent_past_the_bound_is_listed_again() {
+    let events: EventStream = Box::pin(futures::stream::pending());
+    let (state, out) = read_streamed(None, events).await;
+    assert!(matches!(state, State::List(None)));
+    assert!(matches!(&out[..], [Err(Error::InitialListFailed(_))]));
+}
+
+#[test]
+fn only_an_invalid_or_bad_request_says_the_server_does_not_stream_lists() {
+    for code in [400, 422] {
+        assert!(not_streaming(code), "{code}");
+    }
+    // Not about streaming: refused rights, expired, throttled, the server's own failures.
+    for code in [401, 403, 404, 410, 429, 500, 503, 504] {
+        assert!(!not_streaming(code), "{code}");
+    }
+}
