@@ -248,7 +248,7 @@ async fn read_streamed(asked: Option<String>, mut events: EventStream) -> Steppe
         Ok(Some(Ok(event))) => match initial(event) {
             Initial::At(at) => (
                 State::Streaming(asked, events),
-                vec![Ok(Event::InitApply(at))],
+                vec![Ok(Event::InitApply(*at))],
             ),
             Initial::Mark => (State::Streaming(asked, events), vec![]),
             Initial::End(version) => (
@@ -276,7 +276,7 @@ async fn read_streamed(asked: Option<String>, mut events: EventStream) -> Steppe
 /// What a streaming list's event is, before the end of its initial events. Pure.
 #[derive(Debug)]
 enum Initial {
-    At(CachedAt),
+    At(Box<CachedAt>),
     /// A bookmark that does not end them.
     Mark,
     /// The bookmark that ends them: the version the watch goes on from.
@@ -288,7 +288,7 @@ enum Initial {
 
 fn initial(event: WatchEvent<CachedAt>) -> Initial {
     match event {
-        WatchEvent::Added(at) => Initial::At(at),
+        WatchEvent::Added(at) => Initial::At(Box::new(at)),
         WatchEvent::Bookmark(mark)
             if mark
                 .metadata
