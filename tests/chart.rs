@@ -44,8 +44,14 @@ fn render(sets: &[&str]) -> Result<Vec<Value>, String> {
 }
 
 fn render_with(helm: &std::path::Path, sets: &[&str]) -> Result<Vec<Value>, String> {
+    render_args(helm, &[], sets)
+}
+
+/// `helm template` with `args` besides the `--set` values.
+fn render_args(helm: &std::path::Path, args: &[&str], sets: &[&str]) -> Result<Vec<Value>, String> {
     let mut command = Command::new(helm);
     command.args(["template", "cnat", CHART, "--namespace", "cnat-system"]);
+    command.args(args);
     for set in sets {
         command.args(["--set", set]);
     }
@@ -655,6 +661,45 @@ fn the_default_install_renders_exactly_these_objects() {
         "ValidatingWebhookConfiguration",
     ];
     assert_eq!(Rendered::new(&[]).kinds(), expected);
+}
+
+/// The ValidatingAdmissionPolicy (and its binding) come where the cluster serves the API, unless
+/// told not to; `helm template` without `--api-versions` leaves them out.
+#[test]
+fn the_admission_policy_is_rendered_where_the_cluster_serves_it() {
+    const SERVED: &str = "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy";
+    let kinds = |args: &[&str], sets: &[&str]| -> Vec<String> {
+        render_args(&helm(), args, sets)
+            .unwrap()
+            .iter()
+            .filter_map(|d| d["kind"].as_str())
+            .filter(|kind| kind.starts_with("ValidatingAdmissionPolicy"))
+            .map(str::to_owned)
+            .collect()
+    };
+    assert!(kinds(&[], &[]).is_empty());
+    assert_eq!(
+        kinds(&["--api-versions", SERVED], &[]),
+        [
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding"
+        ]
+    );
+    assert!(kinds(
+        &["--api-versions", SERVED],
+        &["admissionPolicy.enabled=false"]
+    )
+    .is_empty());
+    let rendered = render_args(&helm(), &["--api-versions", SERVED], &[]).unwrap();
+    let binding = rendered
+        .iter()
+        .find(|d| d["kind"] == "ValidatingAdmissionPolicyBinding")
+        .unwrap();
+    assert_eq!(binding["spec"]["policyName"], "cnat-at-rules");
+    assert_eq!(
+        binding["spec"]["validationActions"],
+        serde_json::json!(["Deny"])
+    );
 }
 
 /// The CRD comes with the release unless told not to, and survives its uninstall.

@@ -651,7 +651,7 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
     println!("| Ats | cold replica lists by | every At cached after (its log) | its RSS then | CPU meanwhile |");
     println!("|---|---|---|---|---|");
     for cold in colds {
-        println!("| {n} | {} |", cold.row);
+        println!("| {n} | {}", cold.row);
     }
     println!();
 }

@@ -285,3 +285,192 @@ async fn the_chart_installs_with_three_replicas() {
         1
     );
 }
+
+/// One At of the policy test: its spec as given, with an image (the webhook's rules need one).
+fn sample(name: &str, schedule: &str, zone: Option<&str>, command: &str) -> cnat::api::At {
+    cnat::api::At::new(
+        name,
+        cnat::api::AtSpec {
+            schedule: schedule.into(),
+            time_zone: zone.map(str::to_owned),
+            command: command.into(),
+            template: cnat::api::AtPodTemplate {
+                image: "busybox:1.36".into(),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+}
+
+/// The chart's ValidatingAdmissionPolicy, rendered where the server serves it (1.30 and
+/// later), refuses malformed Ats while no replica answers (`webhook.failurePolicy=Ignore`, no
+/// pod runs here); on older servers it is not rendered and such Ats are admitted (the operator
+/// then says `InvalidSpec`). Every sample is judged by the webhook's own rules too: the policy
+/// refuses only what the webhook refuses.
+#[tokio::test]
+async fn the_admission_policy_refuses_malformed_ats_while_no_replica_answers() {
+    use kube::api::{Patch, PatchParams, PostParams};
+    // Its webhooks are cluster-wide: a control plane of its own.
+    let Some(plane) = crate::support::envtest::own_control_plane() else {
+        return;
+    };
+    let admin = plane.admin().await;
+    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/cnat");
+    helm(
+        &plane.kubeconfig,
+        &[
+            "install",
+            "cnat",
+            chart,
+            "--namespace",
+            "cnat-system",
+            "--create-namespace",
+            "--set",
+            "webhook.failurePolicy=Ignore",
+        ],
+    );
+    let manifest = helm(
+        &plane.kubeconfig,
+        &["get", "manifest", "cnat", "--namespace", "cnat-system"],
+    );
+    let served = plane.minor() >= 30;
+    for kind in [
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ] {
+        assert_eq!(
+            manifest.contains(&format!("kind: {kind}\n")),
+            served,
+            "{kind} on {}",
+            plane.version
+        );
+    }
+    let ats: Api<cnat::api::At> = Api::namespaced(admin.clone(), "default");
+    let post = PostParams::default();
+    let webhook_refuses =
+        |at: &cnat::api::At| !cnat::admission::validation::spec_problems(at, None).is_empty();
+    // The API server loads a new policy asynchronously: until it refuses the first bad At.
+    let first_bad = sample("first-bad", "tomorrow noon", None, "true");
+    assert!(webhook_refuses(&first_bad));
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    let refused = loop {
+        match ats.create(&post, &first_bad).await {
+            Err(kube::Error::Api(status)) => break Some(status),
+            Ok(_) if !served => break None,
+            Ok(_) => {
+                ats.delete("first-bad", &Default::default()).await.unwrap();
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the policy never applied"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            Err(other) => panic!("{other}"),
+        }
+    };
+    if let Some(status) = refused {
+        assert_eq!(status.code, 422, "{status:?}");
+        assert!(
+            status.message.contains("cnat-at-rules")
+                && status.message.contains("At default/first-bad is invalid: spec.schedule: \"tomorrow noon\" is not a date and time"),
+            "{}",
+            status.message
+        );
+    }
+
+    // What the webhook admits, the policy admits.
+    let good = [
+        ("2030-01-01T00:00:00Z", None, "true"),
+        ("2030-01-01t00:00:00.5z", None, "true"),
+        ("2030-01-01 10:00:00+05:30", None, "echo YAY"),
+        ("2030-01-01T10:00:00\u{2212}05:00", None, "true"),
+        ("2030-06-01T09:00:00", Some("Europe/Berlin"), "true"),
+        (
+            " 2030-6-1T9:00:00",
+            Some("America/Argentina/Buenos_Aires"),
+            "true",
+        ),
+        ("2030-01-01T00:00:00.25", Some("Etc/GMT+5"), "\u{a0}x"),
+    ];
+    for (i, (schedule, zone, command)) in good.into_iter().enumerate() {
+        let at = sample(&format!("good-{i}"), schedule, zone, command);
+        assert!(!webhook_refuses(&at), "{schedule:?} {zone:?}");
+        ats.create(&post, &at)
+            .await
+            .unwrap_or_else(|e| panic!("{schedule:?} {zone:?} {command:?}: {e}"));
+    }
+    // What the policy refuses (the webhook too), by field.
+    let bad = [
+        ("2030-01-01", None, "true", "spec.schedule: \"2030-01-01\""),
+        ("10:12", None, "true", "spec.schedule: \"10:12\""),
+        ("", None, "true", "spec.schedule: \"\""),
+        (
+            "2030-06-01T09:00:00",
+            Some("Berlin time"),
+            "true",
+            "spec.timeZone: \"Berlin time\" is not a time zone name",
+        ),
+        (
+            "2030-01-01T00:00:00Z",
+            None,
+            " \t\n",
+            "spec.command is blank (3 whitespace characters)",
+        ),
+        // A value with a line break: the rule's message, without the value.
+        (
+            "2030-01-01\nT00:00:00Z",
+            None,
+            "true",
+            "denied request: spec.schedule is not a date and time",
+        ),
+    ];
+    for (i, (schedule, zone, command, says)) in bad.into_iter().enumerate() {
+        let at = sample(&format!("bad-{i}"), schedule, zone, command);
+        assert!(webhook_refuses(&at), "{schedule:?} {zone:?} {command:?}");
+        match ats.create(&post, &at).await {
+            Err(kube::Error::Api(status)) if served => {
+                assert!(status.message.contains(says), "{says}: {}", status.message)
+            }
+            Ok(_) if !served => {}
+            other => panic!(
+                "{schedule:?} {zone:?} {command:?} on {}: {other:?}",
+                plane.version
+            ),
+        }
+    }
+
+    // A spec is frozen once RUNNING; other changes are not.
+    ats.patch_status(
+        "good-0",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"status": {"phase": "Running"}})),
+    )
+    .await
+    .unwrap();
+    let changed = ats
+        .patch(
+            "good-0",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"command": "echo again"}})),
+        )
+        .await;
+    match changed {
+        Err(kube::Error::Api(status)) if served => assert!(
+            status
+                .message
+                .contains("spec: cannot change once the At is Running"),
+            "{}",
+            status.message
+        ),
+        Ok(_) if !served => {}
+        other => panic!("on {}: {other:?}", plane.version),
+    }
+    ats.patch(
+        "good-0",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"metadata": {"labels": {"team": "a"}}})),
+    )
+    .await
+    .expect("a label on a RUNNING At");
+}
