@@ -97,7 +97,7 @@ impl Rendered {
     /// The operator Deployment's pod template.
     fn pod_template(&self) -> PodTemplateSpec {
         let deployment: Deployment = self.one("Deployment");
-        deployment.spec.expect("a Deployment spec").template
+        deployment.spec.template
     }
 
     fn kinds(&self) -> Vec<String> {
@@ -143,7 +143,7 @@ fn the_chart_crd_is_the_generated_crd() {
 fn defaults_run_two_replicas_that_upgrade_without_losing_one() {
     let rendered = Rendered::new(&[]);
     let deployment: Deployment = rendered.one("Deployment");
-    let spec = deployment.spec.unwrap();
+    let spec = deployment.spec;
     assert_eq!(spec.replicas, Some(2));
     let rolling = spec.strategy.unwrap().rolling_update.unwrap();
     assert_eq!(serde_json::to_value(rolling.max_unavailable).unwrap(), 0);
@@ -219,7 +219,7 @@ fn defaults_run_two_replicas_that_upgrade_without_losing_one() {
 fn a_replica_listing_many_ats_is_started_by_readiness_and_not_killed_by_liveness() {
     let probe = |sets: &[&str]| {
         let deployment: Deployment = Rendered::new(sets).one("Deployment");
-        let pod = deployment.spec.unwrap().template.spec.unwrap();
+        let pod = deployment.spec.template.spec.unwrap();
         pod.containers[0].startup_probe.clone().unwrap()
     };
     let startup = probe(&[]);
@@ -424,10 +424,7 @@ fn the_webhooks_trust_the_certificate_the_pods_serve() {
 #[test]
 fn replica_count_scales_and_a_single_replica_has_no_pdb() {
     let three = Rendered::new(&["replicaCount=3"]);
-    assert_eq!(
-        three.one::<Deployment>("Deployment").spec.unwrap().replicas,
-        Some(3)
-    );
+    assert_eq!(three.one::<Deployment>("Deployment").spec.replicas, Some(3));
     assert_eq!(three.all::<Value>("PodDisruptionBudget").len(), 1);
     let one = Rendered::new(&["replicaCount=1"]);
     assert!(

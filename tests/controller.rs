@@ -919,6 +919,55 @@ async fn the_at_cache_lists_once_follows_every_change_and_relists_no_older_after
     assert_eq!(relists, 2 * (cnat::shard::SHARDS + 1));
 }
 
+/// A watch resumed from a compacted version may be refused with 410 as the answer's status
+/// (kube-client 5 returns that as the watch request's error, not as its first event): the cache
+/// lists again, as after a 410 event, instead of resuming from that version forever.
+#[tokio::test]
+async fn a_watch_refused_with_410_as_its_answer_s_status_lists_again() {
+    let server = ApiServer::new();
+    server.expire_by_status();
+    server.create(
+        Resource::Ats,
+        at_json("at-0", "2999-01-01T00:00:00Z", "true"),
+    );
+    let cache = cnat::operator::cache::AtCache::start(&server.client(), None);
+    tokio::time::timeout(WAIT, cache.listed())
+        .await
+        .expect("never listed");
+    let command = |name: &str| {
+        let key = kube::runtime::reflector::ObjectRef::new(name).within("default");
+        cache
+            .store()
+            .get(&key)
+            .map(|at| at.at().unwrap().spec.command)
+    };
+    let lists = || {
+        server
+            .queries("GET ats")
+            .into_iter()
+            .filter(|q| !q.contains("watch=true"))
+            .count()
+    };
+    let listed = lists();
+    assert!(
+        support::until(WAIT, || server
+            .queries("GET ats")
+            .iter()
+            .any(|q| q.contains("watch=true") && !q.contains("sendInitialEvents")))
+        .await,
+        "never watched"
+    );
+    server.change_unseen(Resource::Ats, "default", "at-0", |at| {
+        at["spec"]["command"] = json!("unseen");
+    });
+    server.expire_watches(Resource::Ats);
+    assert!(
+        support::until(WAIT, || command("at-0").as_deref() == Some("unseen")).await,
+        "never listed again"
+    );
+    assert_eq!(lists(), 2 * listed, "one relist");
+}
+
 /// The message of a real kube-apiserver v1.24 for a list it could not convert because no
 /// conversion webhook answered (captured by the upgrade test, tests/e2e/upgrade.rs).
 const CONVERSION_FAILED: &str = "conversion webhook for cnat.programming-kubernetes.info/v1alpha1, Kind=At failed: Post \"https://127.0.0.1:46531/convert?timeout=30s\": EOF";

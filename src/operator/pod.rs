@@ -165,6 +165,12 @@ pub fn trim(pod: &mut Pod) {
         status.pod_ips = None;
         status.host_ip = None;
         status.pod_ip = None;
+        status.resources = None;
+        status.allocated_resources = None;
+        status.resource_claim_statuses = None;
+        status.extended_resource_claim_status = None;
+        status.node_allocatable_resource_claim_statuses = None;
+        status.volume_health = None;
         for container in status.container_statuses.iter_mut().flatten() {
             container.last_state = None;
             container.image = String::new();

@@ -85,7 +85,6 @@ async fn replicas(client: &kube::Client) -> i32 {
         .await
         .unwrap()
         .spec
-        .unwrap()
         .replicas
         .unwrap()
 }

@@ -110,6 +110,9 @@ struct State {
     no_pods: std::collections::BTreeSet<(String, String)>,
     /// Watches of a resource that resume from a resourceVersion below this get 410 Expired.
     compacted: BTreeMap<Resource, u64>,
+    /// Watches are ended quietly and a watch from a compacted version is refused with the
+    /// answer's status 410 (not an ERROR event in a 200 answer), as an API server may.
+    expire_by_status: bool,
     /// What each pod's container wrote (`pods/NAME/log`).
     pod_logs: BTreeMap<(String, String), String>,
 }
@@ -242,6 +245,18 @@ impl ApiServer {
     /// compaction does: those watchers must re-list, and learn of nothing that vanished meanwhile.
     pub fn expire_watches(&self, resource: Resource) {
         let mut state = self.lock();
+        if state.expire_by_status {
+            let now = state.rv;
+            state.compacted.insert(resource, now);
+            // Ends them without a word: their watchers resume, from a version now compacted.
+            let _ = self.changes.send(Change {
+                rv: u64::MAX,
+                resource,
+                type_: "END",
+                object: Value::Null,
+            });
+            return;
+        }
         // A watch from the current version (what a list now answers) is fine; older is gone.
         let now = state.rv;
         state.compacted.insert(resource, now);
@@ -251,6 +266,12 @@ impl ApiServer {
             type_: "ERROR",
             object: expired(),
         });
+    }
+
+    /// From now on `expire_watches` ends the watches quietly, and a watch resumed from a
+    /// compacted version gets 410 as the answer's status.
+    pub fn expire_by_status(&self) {
+        self.lock().expire_by_status = true;
     }
 
     /// Makes writes cost what they cost on a real API server: each write (POST, PATCH, DELETE)
@@ -734,6 +755,7 @@ impl ApiServer {
             .and_then(|rv| rv.parse().ok())
             .unwrap_or(0);
         let compacted = self.lock().compacted.get(&route.resource).copied();
+        let route_resource = route.resource;
         let route = route.clone();
         let query = query.clone();
         let wanted = move |c: &Change| {
@@ -742,6 +764,9 @@ impl ApiServer {
                     || route.matches_ns(c.object["metadata"]["namespace"].as_str().unwrap_or(""))
                         && selects(&query, &c.object))
         };
+        if since != 0 && compacted.is_some_and(|c| since < c) && self.lock().expire_by_status {
+            return ok(StatusCode::GONE, &expired());
+        }
         if since != 0 && compacted.is_some_and(|c| since < c) {
             let line = serde_json::to_vec(&json!({"type": "ERROR", "object": expired()})).unwrap();
             let frame = Ok(Frame::data(Bytes::from([line, b"\n".to_vec()].concat())));
@@ -760,13 +785,16 @@ impl ApiServer {
             (replay, receiver)
         };
         let last = replay.last().map_or(since, |c| c.rv);
-        let live = stream::unfold((receiver, last), |(mut receiver, last)| async move {
+        let live = stream::unfold((receiver, last), move |(mut receiver, last)| async move {
             if last == u64::MAX {
                 return None; // ended by an ERROR
             }
             loop {
                 match receiver.recv().await {
-                    Ok(change) if change.rv > last => {
+                    Ok(change) if change.type_ == "END" && change.resource == route_resource => {
+                        return None
+                    }
+                    Ok(change) if change.rv > last && change.type_ != "END" => {
                         return Some((change.clone(), (receiver, change.rv)))
                     }
                     Ok(_) => continue,

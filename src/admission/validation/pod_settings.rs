@@ -355,6 +355,11 @@ mod tests {
                 json!({"env": [{"name": "A", "valueFrom": {}}]}),
                 "needs exactly one of secretKeyRef",
             ),
+            // A source of a newer Kubernetes (1.34+, behind a gate) than the oldest supported.
+            (
+                json!({"env": [{"name": "A", "valueFrom": {"fileKeyRef": {"key": "k", "path": "p", "volumeName": "v"}}}]}),
+                "needs exactly one of secretKeyRef, configMapKeyRef, fieldRef or resourceFieldRef, it has 0",
+            ),
             (
                 json!({"serviceAccountName": "Backup_Runner"}),
                 r#"spec.template.serviceAccountName: "Backup_Runner" is not a valid service account name"#,

@@ -387,12 +387,17 @@ async fn watch(version: String, replay: Option<Replay>, follower: &Follower) -> 
             )
         }
     };
-    // A refusal (410 too) comes as the stream's first event.
+    // A refusal comes as the answer's status (kube-client 5 returns it here), or, within a
+    // 200 answer, as the stream's first event (`read_watched`); 410 both ways lists again.
     let started = timeout(IDLE, client.request_events::<CachedAt>(request))
         .await
         .unwrap_or_else(|_| Err(silent()));
     match started {
         Ok(events) => (State::Watching(version, Box::pin(events), replay), vec![]),
+        Err(kube::Error::Api(status)) if status.code == 410 => (
+            State::List(Some(relist_from(version, replay))),
+            vec![Err(Error::WatchError(status))],
+        ),
         Err(error) => (
             State::Watch(version, replay),
             vec![Err(Error::WatchStartFailed(error))],
