@@ -919,6 +919,60 @@ async fn the_at_cache_lists_once_follows_every_change_and_relists_no_older_after
     assert_eq!(relists, 2 * (cnat::shard::SHARDS + 1));
 }
 
+/// On a server that streams lists (kube-apiserver 1.34+), the cache lists by one streaming
+/// list, no paged list, and follows changes on the same watch; after a 410 it streams again
+/// from the version it last saw (never older), and holds what changed meanwhile.
+#[tokio::test]
+async fn a_streaming_list_fills_the_cache_and_after_a_410_streams_again_no_older() {
+    let server = ApiServer::new();
+    server.streams_lists();
+    for name in ["at-0", "at-1"] {
+        server.create(Resource::Ats, at_json(name, "2999-01-01T00:00:00Z", "true"));
+    }
+    let cache = cnat::operator::cache::AtCache::start(&server.client(), None);
+    tokio::time::timeout(WAIT, cache.listed())
+        .await
+        .expect("never listed");
+    assert!(cache.streams_lists());
+    let command = |name: &str| {
+        let key = kube::runtime::reflector::ObjectRef::new(name).within("default");
+        cache
+            .store()
+            .get(&key)
+            .map(|at| at.at().unwrap().spec.command)
+    };
+    assert_eq!(cache.store().state().len(), 2);
+    server.create(
+        Resource::Ats,
+        at_json("at-2", "2999-01-01T00:00:00Z", "new"),
+    );
+    assert!(support::until(WAIT, || command("at-2").as_deref() == Some("new")).await);
+    let queries = server.queries("GET ats");
+    assert_eq!(queries.len(), 1, "one request, no page, no second watch: {queries:?}");
+    assert!(queries[0].contains("sendInitialEvents=true"), "{queries:?}");
+
+    server.change_unseen(Resource::Ats, "default", "at-0", |at| {
+        at["spec"]["command"] = json!("unseen");
+    });
+    server.expire_watches(Resource::Ats);
+    assert!(
+        support::until(WAIT, || command("at-0").as_deref() == Some("unseen")).await,
+        "never listed again"
+    );
+    let queries = server.queries("GET ats");
+    assert_eq!(queries.len(), 2, "{queries:?}");
+    let relist = &queries[1];
+    assert!(
+        relist.contains("sendInitialEvents=true")
+            && relist.contains("resourceVersionMatch=NotOlderThan")
+            && !relist.contains("resourceVersion=0&")
+            && !relist.ends_with("resourceVersion=0"),
+        "{relist}"
+    );
+    assert_eq!(cache.store().state().len(), 3);
+    assert_eq!(cache.readiness(), Ok(()));
+}
+
 /// A watch resumed from a compacted version may be refused with 410 as the answer's status
 /// (kube-client 5 returns that as the watch request's error, not as its first event): the cache
 /// lists again, as after a 410 event, instead of resuming from that version forever.

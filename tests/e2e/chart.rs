@@ -439,6 +439,23 @@ async fn the_admission_policy_refuses_malformed_ats_while_no_replica_answers() {
         }
     }
 
+    // An explicit null (kept by the CRD for nullable fields) is no value, as for the webhook.
+    let dynamic: Api<DynamicObject> = Api::namespaced_with(
+        admin.clone(),
+        "default",
+        &kube::core::ApiResource::erase::<cnat::api::At>(&()),
+    );
+    let with_null: DynamicObject = serde_json::from_value(serde_json::json!({
+        "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
+        "metadata": {"name": "null-zone"},
+        "spec": {"schedule": "2030-01-01T00:00:00Z", "timeZone": null, "command": "true",
+                 "template": {"image": "busybox:1.36"}}}))
+    .unwrap();
+    dynamic
+        .create(&post, &with_null)
+        .await
+        .expect("an At whose timeZone is null");
+
     // A spec is frozen once RUNNING; other changes are not.
     ats.patch_status(
         "good-0",
@@ -472,4 +489,13 @@ async fn the_admission_policy_refuses_malformed_ats_while_no_replica_answers() {
     )
     .await
     .expect("a label on a RUNNING At");
+    // Nulls where nothing was: the same spec to the webhook, so to the policy.
+    let nulls: json_patch::Patch = serde_json::from_value(serde_json::json!([
+        {"op": "add", "path": "/spec/timeZone", "value": null},
+        {"op": "add", "path": "/spec/activeDeadlineSeconds", "value": null}
+    ]))
+    .unwrap();
+    ats.patch("good-0", &PatchParams::default(), &Patch::Json::<()>(nulls))
+        .await
+        .expect("nulls in the spec of a RUNNING At");
 }

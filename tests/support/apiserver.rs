@@ -113,6 +113,9 @@ struct State {
     /// Watches are ended quietly and a watch from a compacted version is refused with the
     /// answer's status 410 (not an ERROR event in a 200 answer), as an API server may.
     expire_by_status: bool,
+    /// Watches with `sendInitialEvents=true` are streaming lists, as on kube-apiserver 1.34+;
+    /// otherwise refused, as by v1.24.
+    streams_lists: bool,
     /// What each pod's container wrote (`pods/NAME/log`).
     pod_logs: BTreeMap<(String, String), String>,
 }
@@ -266,6 +269,13 @@ impl ApiServer {
             type_: "ERROR",
             object: expired(),
         });
+    }
+
+    /// From now on watches with `sendInitialEvents=true` are streaming lists (as on
+    /// kube-apiserver 1.34 and later): every object as ADDED at the current version, then the
+    /// bookmark that ends them, then the changes after.
+    pub fn streams_lists(&self) {
+        self.lock().streams_lists = true;
     }
 
     /// From now on `expire_watches` ends the watches quietly, and a watch resumed from a
@@ -741,14 +751,19 @@ impl ApiServer {
     }
 
     fn watch(&self, route: &Route, query: &BTreeMap<String, String>) -> Response<Body> {
-        // As kube-apiserver v1.24 (whose answers this server models): no streaming lists.
-        if query.contains_key("resourceVersionMatch") {
+        let streaming = query.get("sendInitialEvents").is_some_and(|s| s == "true");
+        // As kube-apiserver v1.24 (whose answers this server models): no streaming lists,
+        // unless told.
+        if query.contains_key("resourceVersionMatch") && !(streaming && self.lock().streams_lists) {
             return status(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "Invalid",
                 "ListOptions.meta.k8s.io \"\" is invalid: resourceVersionMatch: Forbidden: resourceVersionMatch is forbidden for watch",
                 Some(""),
             );
+        }
+        if streaming {
+            return self.streaming_list(route, query);
         }
         let since: u64 = query
             .get("resourceVersion")
@@ -761,6 +776,7 @@ impl ApiServer {
         let wanted = move |c: &Change| {
             c.resource == route.resource
                 && (c.type_ == "ERROR"
+                    || c.type_ == "BOOKMARK"
                     || route.matches_ns(c.object["metadata"]["namespace"].as_str().unwrap_or(""))
                         && selects(&query, &c.object))
         };
@@ -772,17 +788,72 @@ impl ApiServer {
             let frame = Ok(Frame::data(Bytes::from([line, b"\n".to_vec()].concat())));
             return streaming(stream::iter([frame]));
         }
-        // Subscribe and replay under one lock, so no change falls between the two.
-        let (replay, receiver) = {
-            let state = self.lock();
-            let receiver = self.changes.subscribe();
-            let replay: Vec<Change> = state
-                .log
-                .iter()
-                .filter(|c| c.rv > since && wanted(c))
-                .cloned()
-                .collect();
-            (replay, receiver)
+        self.stream_changes(route_resource, wanted, since, None)
+    }
+
+    /// A streaming list (any version asked is served from now): each object as ADDED, the
+    /// bookmark that ends them, then the changes after, as a watch.
+    fn streaming_list(&self, route: &Route, query: &BTreeMap<String, String>) -> Response<Body> {
+        let (route, query) = (route.clone(), query.clone());
+        let route_resource = route.resource;
+        let state = self.lock();
+        let now = state.rv;
+        let mut initial: Vec<Change> = state
+            .objects
+            .iter()
+            .filter(|((r, ns, _), v)| *r == route.resource && route.matches_ns(ns) && selects(&query, v))
+            .map(|(_, object)| Change {
+                rv: now,
+                resource: route.resource,
+                type_: "ADDED",
+                object: object.clone(),
+            })
+            .collect();
+        initial.push(Change {
+            rv: now,
+            resource: route.resource,
+            type_: "BOOKMARK",
+            object: json!({"kind": route.resource.kind(), "apiVersion": route.resource.api_version(),
+                           "metadata": {"resourceVersion": now.to_string(),
+                                        "annotations": {"k8s.io/initial-events-end": "true"}}}),
+        });
+        // Taken under the same lock as the objects: no change falls between the two.
+        let receiver = self.changes.subscribe();
+        drop(state);
+        let wanted = move |c: &Change| {
+            c.resource == route.resource
+                && (c.type_ == "ERROR"
+                    || c.type_ == "BOOKMARK"
+                    || route.matches_ns(c.object["metadata"]["namespace"].as_str().unwrap_or(""))
+                        && selects(&query, &c.object))
+        };
+        self.stream_changes(route_resource, wanted, now, Some((initial, receiver)))
+    }
+
+    /// The changes of `resource` after version `since` that are `wanted`, as a watch's body;
+    /// `initial`: what to send first instead of the log's changes, with the receiver of the
+    /// changes after it.
+    fn stream_changes(
+        &self,
+        route_resource: Resource,
+        wanted: impl Fn(&Change) -> bool + Send + Sync + Clone + 'static,
+        since: u64,
+        initial: Option<(Vec<Change>, broadcast::Receiver<Change>)>,
+    ) -> Response<Body> {
+        let (replay, receiver) = match initial {
+            Some(initial) => initial,
+            None => {
+                // Subscribe and replay under one lock, so no change falls between the two.
+                let state = self.lock();
+                let receiver = self.changes.subscribe();
+                let replay: Vec<Change> = state
+                    .log
+                    .iter()
+                    .filter(|c| c.rv > since && wanted(c))
+                    .cloned()
+                    .collect();
+                (replay, receiver)
+            }
         };
         let last = replay.last().map_or(since, |c| c.rv);
         let live = stream::unfold((receiver, last), move |(mut receiver, last)| async move {

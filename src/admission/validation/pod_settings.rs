@@ -111,6 +111,9 @@ fn env_problem(i: usize, var: &EnvVar) -> Option<String> {
         (Some(_), Some(_)) => Some(format!(
             "{field} ({name}): has both value and valueFrom; keep one"
         )),
+        (_, Some(from)) if from.file_key_ref.is_some() => Some(format!(
+            "{field} ({name}): valueFrom.fileKeyRef needs the EnvFiles feature gate (alpha since Kubernetes 1.34), which cnat does not support; use secretKeyRef or configMapKeyRef"
+        )),
         (_, Some(from)) => {
             let sources = [
                 from.secret_key_ref.is_some(),
@@ -358,7 +361,11 @@ mod tests {
             // A source of a newer Kubernetes (1.34+, behind a gate) than the oldest supported.
             (
                 json!({"env": [{"name": "A", "valueFrom": {"fileKeyRef": {"key": "k", "path": "p", "volumeName": "v"}}}]}),
-                "needs exactly one of secretKeyRef, configMapKeyRef, fieldRef or resourceFieldRef, it has 0",
+                "spec.template.env[0] (A): valueFrom.fileKeyRef needs the EnvFiles feature gate",
+            ),
+            (
+                json!({"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}, "fileKeyRef": {"key": "k", "path": "p", "volumeName": "v"}}}]}),
+                "spec.template.env[0] (A): valueFrom.fileKeyRef needs the EnvFiles feature gate",
             ),
             (
                 json!({"serviceAccountName": "Backup_Runner"}),

@@ -197,14 +197,13 @@ async fn stream(version: Option<String>, follower: &mut Follower) -> Stepped {
             )
         }
     };
-    // A refusal comes as the answer's status (which `request_events` would yield as lines that
-    // are not events): read it here, then the body line by line as a watch.
-    let answer = timeout(IDLE, client.request_stream(request))
+    // A refusal comes as the answer's status, which kube-client returns here.
+    let answer = timeout(IDLE, client.request_events::<CachedAt>(request))
         .await
         .unwrap_or_else(|_| Err(silent()));
     match answer {
-        Ok(body) => (
-            State::Streaming(version, Box::pin(events_of(body))),
+        Ok(events) => (
+            State::Streaming(version, Box::pin(events)),
             vec![Ok(Event::Init)],
         ),
         Err(kube::Error::Api(status)) if not_streaming(status.code) => {
@@ -228,16 +227,6 @@ async fn stream(version: Option<String>, follower: &mut Follower) -> Stepped {
 /// (422 Invalid: `resourceVersionMatch` or `sendInitialEvents` forbidden for a watch; 400).
 fn not_streaming(code: u16) -> bool {
     matches!(code, 400 | 422)
-}
-
-/// A watch body's events, line by line.
-fn events_of(
-    body: impl futures::AsyncBufRead + Send + Unpin + 'static,
-) -> impl Stream<Item = kube::Result<WatchEvent<CachedAt>>> + Send {
-    body.lines().map(|line| match line {
-        Ok(line) => serde_json::from_str(&line).map_err(kube::Error::SerdeError),
-        Err(error) => Err(kube::Error::ReadEvents(error)),
-    })
 }
 
 /// The next At of a streaming list, or its end: the bookmark that ends the initial events

@@ -246,6 +246,12 @@ impl Context {
         self.metrics.create_deferred();
         debug!(at = %key(at), "the At cache is behind the API server (listing, or its watch not open or silent); the pod create waits for it");
         self.writer.ledger().deferred(key(at));
+        // Caught up since the look that put it off: `wake_deferred` may have found nothing.
+        if self.caches.ats.is_caught_up() {
+            for at in self.writer.ledger().take_deferred() {
+                self.wake_up(at);
+            }
+        }
         Created::Behind
     }
 
