@@ -131,7 +131,10 @@ async fn main() {
         // let that pass, so the first round measures cnat's first requests, not that.
         tokio::time::sleep(Duration::from_secs(10)).await;
         plane_processes = rss::processes_under(&plane.dir);
-        println!("The escalation guard asks a real kube-apiserver v1.24 (envtest).");
+        println!(
+            "The escalation guard asks a real kube-apiserver {} (envtest).",
+            plane.version
+        );
     } else {
         std::fs::write(
             &kubeconfig,

@@ -948,7 +948,11 @@ async fn a_streaming_list_fills_the_cache_and_after_a_410_streams_again_no_older
     );
     assert!(support::until(WAIT, || command("at-2").as_deref() == Some("new")).await);
     let queries = server.queries("GET ats");
-    assert_eq!(queries.len(), 1, "one request, no page, no second watch: {queries:?}");
+    assert_eq!(
+        queries.len(),
+        1,
+        "one request, no page, no second watch: {queries:?}"
+    );
     assert!(queries[0].contains("sendInitialEvents=true"), "{queries:?}");
 
     server.change_unseen(Resource::Ats, "default", "at-0", |at| {

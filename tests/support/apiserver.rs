@@ -751,10 +751,12 @@ impl ApiServer {
     }
 
     fn watch(&self, route: &Route, query: &BTreeMap<String, String>) -> Response<Body> {
-        let streaming = query.get("sendInitialEvents").is_some_and(|s| s == "true");
+        let initial_events = query.get("sendInitialEvents").is_some_and(|s| s == "true");
         // As kube-apiserver v1.24 (whose answers this server models): no streaming lists,
         // unless told.
-        if query.contains_key("resourceVersionMatch") && !(streaming && self.lock().streams_lists) {
+        if query.contains_key("resourceVersionMatch")
+            && !(initial_events && self.lock().streams_lists)
+        {
             return status(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "Invalid",
@@ -762,7 +764,7 @@ impl ApiServer {
                 Some(""),
             );
         }
-        if streaming {
+        if initial_events {
             return self.streaming_list(route, query);
         }
         let since: u64 = query
@@ -801,7 +803,9 @@ impl ApiServer {
         let mut initial: Vec<Change> = state
             .objects
             .iter()
-            .filter(|((r, ns, _), v)| *r == route.resource && route.matches_ns(ns) && selects(&query, v))
+            .filter(|((r, ns, _), v)| {
+                *r == route.resource && route.matches_ns(ns) && selects(&query, v)
+            })
             .map(|(_, object)| Change {
                 rv: now,
                 resource: route.resource,
