@@ -804,6 +804,34 @@ async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
     leader.abort();
 }
 
+/// At `default/NAME` changes without a watch telling, then the At watches expire: `cache` must
+/// list again and hold the change.
+async fn changed_unseen_then_expired(
+    server: &ApiServer,
+    cache: &cnat::operator::cache::AtCache,
+    name: &str,
+) {
+    server.change_unseen(Resource::Ats, "default", name, |at| {
+        at["spec"]["command"] = json!("unseen");
+    });
+    server.expire_watches(Resource::Ats);
+    assert!(
+        support::until(WAIT, || cached_command(cache, name).as_deref()
+            == Some("unseen"))
+        .await,
+        "never listed again"
+    );
+}
+
+/// The command of At `default/NAME` as `cache` holds it, if it does.
+fn cached_command(cache: &cnat::operator::cache::AtCache, name: &str) -> Option<String> {
+    let key = kube::runtime::reflector::ObjectRef::new(name).within("default");
+    cache
+        .store()
+        .get(&key)
+        .map(|at| at.at().unwrap().spec.command)
+}
+
 #[tokio::test]
 async fn the_at_cache_lists_once_follows_every_change_and_relists_no_older_after_a_410() {
     let server = ApiServer::new();
@@ -862,13 +890,7 @@ async fn the_at_cache_lists_once_follows_every_change_and_relists_no_older_after
         cnat::shard::selectors().into_iter().collect(),
         "{lists:?}"
     );
-    let command = |name: &str| {
-        let key = kube::runtime::reflector::ObjectRef::new(name).within("default");
-        cache
-            .store()
-            .get(&key)
-            .map(|at| at.at().unwrap().spec.command)
-    };
+    let command = |name: &str| cached_command(&cache, name);
     // Watched: a new At, a deleted one.
     server.create(
         Resource::Ats,
@@ -882,14 +904,7 @@ async fn the_at_cache_lists_once_follows_every_change_and_relists_no_older_after
     );
     // A change no watch told, then the watch expires: the cache lists again, at a version not
     // older than the last one it saw, and has the change.
-    server.change_unseen(Resource::Ats, "default", "at-2", |at| {
-        at["spec"]["command"] = json!("unseen");
-    });
-    server.expire_watches(Resource::Ats);
-    assert!(
-        support::until(WAIT, || command("at-2").as_deref() == Some("unseen")).await,
-        "never listed again"
-    );
+    changed_unseen_then_expired(&server, &cache, "at-2").await;
     let lists: Vec<String> = server
         .queries("GET ats")
         .into_iter()
@@ -934,13 +949,7 @@ async fn a_streaming_list_fills_the_cache_and_after_a_410_streams_again_no_older
         .await
         .expect("never listed");
     assert!(cache.streams_lists());
-    let command = |name: &str| {
-        let key = kube::runtime::reflector::ObjectRef::new(name).within("default");
-        cache
-            .store()
-            .get(&key)
-            .map(|at| at.at().unwrap().spec.command)
-    };
+    let command = |name: &str| cached_command(&cache, name);
     assert_eq!(cache.store().state().len(), 2);
     server.create(
         Resource::Ats,
@@ -955,14 +964,7 @@ async fn a_streaming_list_fills_the_cache_and_after_a_410_streams_again_no_older
     );
     assert!(queries[0].contains("sendInitialEvents=true"), "{queries:?}");
 
-    server.change_unseen(Resource::Ats, "default", "at-0", |at| {
-        at["spec"]["command"] = json!("unseen");
-    });
-    server.expire_watches(Resource::Ats);
-    assert!(
-        support::until(WAIT, || command("at-0").as_deref() == Some("unseen")).await,
-        "never listed again"
-    );
+    changed_unseen_then_expired(&server, &cache, "at-0").await;
     let queries = server.queries("GET ats");
     assert_eq!(queries.len(), 2, "{queries:?}");
     let relist = &queries[1];
@@ -992,13 +994,6 @@ async fn a_watch_refused_with_410_as_its_answer_s_status_lists_again() {
     tokio::time::timeout(WAIT, cache.listed())
         .await
         .expect("never listed");
-    let command = |name: &str| {
-        let key = kube::runtime::reflector::ObjectRef::new(name).within("default");
-        cache
-            .store()
-            .get(&key)
-            .map(|at| at.at().unwrap().spec.command)
-    };
     let lists = || {
         server
             .queries("GET ats")
@@ -1015,14 +1010,7 @@ async fn a_watch_refused_with_410_as_its_answer_s_status_lists_again() {
         .await,
         "never watched"
     );
-    server.change_unseen(Resource::Ats, "default", "at-0", |at| {
-        at["spec"]["command"] = json!("unseen");
-    });
-    server.expire_watches(Resource::Ats);
-    assert!(
-        support::until(WAIT, || command("at-0").as_deref() == Some("unseen")).await,
-        "never listed again"
-    );
+    changed_unseen_then_expired(&server, &cache, "at-0").await;
     assert_eq!(lists(), 2 * listed, "one relist");
 }
 

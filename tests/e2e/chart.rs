@@ -44,6 +44,23 @@ fn helm(kubeconfig: &std::path::Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
+/// `helm install` of the chart as release `cnat` in `cnat-system`, with `--set` values.
+fn install(kubeconfig: &std::path::Path, sets: &[&str]) {
+    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/cnat");
+    let mut args = vec![
+        "install",
+        "cnat",
+        chart,
+        "--namespace",
+        "cnat-system",
+        "--create-namespace",
+    ];
+    for set in sets {
+        args.extend(["--set", set]);
+    }
+    helm(kubeconfig, &args);
+}
+
 fn kubectl(kubeconfig: &std::path::Path, args: &[&str]) {
     let output = Command::new("kubectl")
         .args(args)
@@ -129,17 +146,7 @@ async fn the_chart_installs_upgrades_rolls_back_and_uninstalls_on_a_real_server(
         kubeconfig,
         &["label", crd, "app.kubernetes.io/managed-by=Helm"],
     );
-    helm(
-        kubeconfig,
-        &[
-            "install",
-            "cnat",
-            chart,
-            "--namespace",
-            "cnat-system",
-            "--create-namespace",
-        ],
-    );
+    install(kubeconfig, &[]);
     let discovery = Discovery::new(admin.clone()).run().await.unwrap();
     let default_replicas = replicas(&admin).await;
     let cluster_scoped = [
@@ -262,20 +269,7 @@ async fn the_chart_installs_with_three_replicas() {
         return;
     };
     let admin = plane.admin().await;
-    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/cnat");
-    helm(
-        &plane.kubeconfig,
-        &[
-            "install",
-            "cnat",
-            chart,
-            "--namespace",
-            "cnat-system",
-            "--create-namespace",
-            "--set",
-            "replicaCount=3",
-        ],
-    );
+    install(&plane.kubeconfig, &["replicaCount=3"]);
     assert_eq!(replicas(&admin).await, 3);
     let budgets: Api<k8s_openapi::api::policy::v1::PodDisruptionBudget> =
         Api::namespaced(admin.clone(), "cnat-system");
@@ -315,20 +309,7 @@ async fn the_admission_policy_refuses_malformed_ats_while_no_replica_answers() {
         return;
     };
     let admin = plane.admin().await;
-    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/cnat");
-    helm(
-        &plane.kubeconfig,
-        &[
-            "install",
-            "cnat",
-            chart,
-            "--namespace",
-            "cnat-system",
-            "--create-namespace",
-            "--set",
-            "webhook.failurePolicy=Ignore",
-        ],
-    );
+    install(&plane.kubeconfig, &["webhook.failurePolicy=Ignore"]);
     let manifest = helm(
         &plane.kubeconfig,
         &["get", "manifest", "cnat", "--namespace", "cnat-system"],

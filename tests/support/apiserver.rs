@@ -248,26 +248,21 @@ impl ApiServer {
     /// compaction does: those watchers must re-list, and learn of nothing that vanished meanwhile.
     pub fn expire_watches(&self, resource: Resource) {
         let mut state = self.lock();
-        if state.expire_by_status {
-            let now = state.rv;
-            state.compacted.insert(resource, now);
-            // Ends them without a word: their watchers resume, from a version now compacted.
-            let _ = self.changes.send(Change {
-                rv: u64::MAX,
-                resource,
-                type_: "END",
-                object: Value::Null,
-            });
-            return;
-        }
         // A watch from the current version (what a list now answers) is fine; older is gone.
         let now = state.rv;
         state.compacted.insert(resource, now);
+        // With `expire_by_status`, they end without a word: their watchers resume, from a
+        // version now compacted.
+        let (type_, object) = if state.expire_by_status {
+            ("END", Value::Null)
+        } else {
+            ("ERROR", expired())
+        };
         let _ = self.changes.send(Change {
             rv: u64::MAX,
             resource,
-            type_: "ERROR",
-            object: expired(),
+            type_,
+            object,
         });
     }
 
@@ -773,15 +768,7 @@ impl ApiServer {
             .unwrap_or(0);
         let compacted = self.lock().compacted.get(&route.resource).copied();
         let route_resource = route.resource;
-        let route = route.clone();
-        let query = query.clone();
-        let wanted = move |c: &Change| {
-            c.resource == route.resource
-                && (c.type_ == "ERROR"
-                    || c.type_ == "BOOKMARK"
-                    || route.matches_ns(c.object["metadata"]["namespace"].as_str().unwrap_or(""))
-                        && selects(&query, &c.object))
-        };
+        let wanted = wanted_by(route, query);
         if since != 0 && compacted.is_some_and(|c| since < c) && self.lock().expire_by_status {
             return ok(StatusCode::GONE, &expired());
         }
@@ -824,13 +811,7 @@ impl ApiServer {
         // Taken under the same lock as the objects: no change falls between the two.
         let receiver = self.changes.subscribe();
         drop(state);
-        let wanted = move |c: &Change| {
-            c.resource == route.resource
-                && (c.type_ == "ERROR"
-                    || c.type_ == "BOOKMARK"
-                    || route.matches_ns(c.object["metadata"]["namespace"].as_str().unwrap_or(""))
-                        && selects(&query, &c.object))
-        };
+        let wanted = wanted_by(&route, &query);
         self.stream_changes(route_resource, wanted, now, Some((initial, receiver)))
     }
 
@@ -1247,6 +1228,22 @@ fn changed(
     object["metadata"]["resourceVersion"] = state.rv.to_string().into();
     state.objects.insert(key, object.clone());
     object
+}
+
+/// Which changes a watch of `route` with `query` (its selectors) is sent: its resource's, in its
+/// namespaces, selected, and every ERROR and BOOKMARK.
+fn wanted_by(
+    route: &Route,
+    query: &BTreeMap<String, String>,
+) -> impl Fn(&Change) -> bool + Send + Sync + Clone + 'static {
+    let (route, query) = (route.clone(), query.clone());
+    move |c: &Change| {
+        c.resource == route.resource
+            && (c.type_ == "ERROR"
+                || c.type_ == "BOOKMARK"
+                || route.matches_ns(c.object["metadata"]["namespace"].as_str().unwrap_or(""))
+                    && selects(&query, &c.object))
+    }
 }
 
 fn expired() -> Value {
