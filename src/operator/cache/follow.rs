@@ -182,30 +182,13 @@ async fn step(state: State, follower: &mut Follower) -> Stepped {
 /// Lists every At by a watch that sends each first (`sendInitialEvents`), at any version
 /// (`None`) or not older than `version`; a server that refuses it gets lists from then on.
 async fn stream(version: Option<String>, follower: &mut Follower) -> Stepped {
-    let (client, url) = (&follower.client, follower.url.as_str());
     let params = WatchParams::default()
         .initial_events()
         .timeout(WATCH_TIMEOUT);
-    let request = match Request::new(url).watch(&params, version.as_deref().unwrap_or("0")) {
-        Ok(request) => request,
-        Err(error) => {
-            return (
-                State::List(version),
-                vec![Err(Error::InitialListFailed(kube::Error::BuildRequest(
-                    error,
-                )))],
-            )
-        }
-    };
+    let from = version.as_deref().unwrap_or("0");
     // A refusal comes as the answer's status, which kube-client returns here.
-    let answer = timeout(IDLE, client.request_events::<CachedAt>(request))
-        .await
-        .unwrap_or_else(|_| Err(silent()));
-    match answer {
-        Ok(events) => (
-            State::Streaming(version, Box::pin(events)),
-            vec![Ok(Event::Init)],
-        ),
+    match open_watch(follower, &params, from).await {
+        Ok(events) => (State::Streaming(version, events), vec![Ok(Event::Init)]),
         Err(kube::Error::Api(status)) if not_streaming(status.code) => {
             follower.streaming.store(false, Ordering::Relaxed);
             // Its own message names forbidden fields: not for the log, which says what it means.
@@ -367,27 +350,12 @@ async fn read_listed(mut listing: Listing, follower: &mut Follower) -> Stepped {
 
 /// Starts a watch from `version`.
 async fn watch(version: String, replay: Option<Replay>, follower: &Follower) -> Stepped {
-    let (client, url) = (&follower.client, follower.url.as_str());
     // Bookmarks are on by default.
     let params = WatchParams::default().timeout(WATCH_TIMEOUT);
-    let request = match Request::new(url).watch(&params, &version) {
-        Ok(request) => request,
-        Err(error) => {
-            return (
-                State::Watch(version, replay),
-                vec![Err(Error::WatchStartFailed(kube::Error::BuildRequest(
-                    error,
-                )))],
-            )
-        }
-    };
     // A refusal comes as the answer's status (kube-client 5 returns it here), or, within a
     // 200 answer, as the stream's first event (`read_watched`); 410 both ways lists again.
-    let started = timeout(IDLE, client.request_events::<CachedAt>(request))
-        .await
-        .unwrap_or_else(|_| Err(silent()));
-    match started {
-        Ok(events) => (State::Watching(version, Box::pin(events), replay), vec![]),
+    match open_watch(follower, &params, &version).await {
+        Ok(events) => (State::Watching(version, events, replay), vec![]),
         Err(kube::Error::Api(status)) if status.code == 410 => (
             State::List(Some(relist_from(version, replay))),
             vec![Err(Error::WatchError(status))],
@@ -397,6 +365,22 @@ async fn watch(version: String, replay: Option<Replay>, follower: &Follower) -> 
             vec![Err(Error::WatchStartFailed(error))],
         ),
     }
+}
+
+/// Opens a watch of the Ats with `params` from `version`: its events, once the answer started
+/// within `IDLE`.
+async fn open_watch(
+    follower: &Follower,
+    params: &WatchParams,
+    version: &str,
+) -> kube::Result<EventStream> {
+    let request = Request::new(follower.url.as_str())
+        .watch(params, version)
+        .map_err(kube::Error::BuildRequest)?;
+    let events = timeout(IDLE, follower.client.request_events::<CachedAt>(request))
+        .await
+        .unwrap_or_else(|_| Err(silent()))?;
+    Ok(Box::pin(events))
 }
 
 /// The next event of the watch, or its end.
