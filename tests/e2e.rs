@@ -23,6 +23,8 @@ mod bad_input;
 mod cel;
 #[path = "e2e/chart.rs"]
 mod chart;
+#[path = "e2e/demo.rs"]
+mod demo;
 #[path = "e2e/hostile.rs"]
 mod hostile;
 #[path = "e2e/lifecycle.rs"]

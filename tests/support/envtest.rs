@@ -101,8 +101,21 @@ pub fn cnat_binary() -> PathBuf {
             });
             PathBuf::from(other)
         }
-        None => PathBuf::from(env!("CARGO_BIN_EXE_cnat")),
+        None => this_build(),
     }
+}
+
+/// This build's `cnat` binary. An example (`scripts/demo`) has no `CARGO_BIN_EXE_*`: there it
+/// is the one beside the example's folder (`target/PROFILE/examples/demo` -> `target/PROFILE/cnat`).
+pub fn this_build() -> PathBuf {
+    option_env!("CARGO_BIN_EXE_cnat").map_or_else(
+        || {
+            let exe = std::env::current_exe().expect("the running executable");
+            let profile = exe.parent().and_then(Path::parent).expect("target/PROFILE");
+            profile.join("cnat")
+        },
+        PathBuf::from,
+    )
 }
 
 /// The folder with the binaries, if `KUBEBUILDER_ASSETS` names one that has them all.
@@ -136,7 +149,7 @@ pub fn control_plane() -> Option<&'static ControlPlane> {
 
 /// The binaries' folder; or, without one, `None` after saying how to get them (a failure in CI
 /// where they should be).
-fn assets_or_skip() -> Option<PathBuf> {
+pub fn assets_or_skip() -> Option<PathBuf> {
     if let Some(dir) = assets() {
         return Some(dir);
     }

@@ -22,7 +22,7 @@ pub fn free_port() -> SocketAddr {
 }
 
 pub fn cnat(args: &[&str], kubeconfig: &std::path::Path) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_cnat"));
+    let mut command = Command::new(super::envtest::this_build());
     command
         .arg("run")
         .args(args)
@@ -71,7 +71,7 @@ pub fn sigterm(child: &Child) {
 /// --tls-key flags.
 pub fn dev_certs(name: &str) -> (PathBuf, [String; 2]) {
     let dir = std::env::temp_dir().join(format!("cnat-certs-{name}-{}", std::process::id()));
-    let output = Command::new(env!("CARGO_BIN_EXE_cnat"))
+    let output = Command::new(super::envtest::this_build())
         .args(["certs", "--out-dir", dir.to_str().unwrap()])
         .output()
         .unwrap();
