@@ -1,0 +1,370 @@
+//! The book (`docs/`, an mdBook) against itself and the code: it builds, every link in it leads
+//! to a page and heading that exist, and its reference pages name exactly the flags, `CNAT_*`
+//! variables, metrics, chart values and alerts the code has.
+
+use clap::CommandFactory;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn page(name: &str) -> String {
+    let path = root().join("docs/src").join(name);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The words of `text` in backticks (inline code spans; fenced blocks' lines are skipped).
+fn code_spans(text: &str) -> Vec<&str> {
+    let mut spans = Vec::new();
+    let mut fenced = false;
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            continue;
+        }
+        spans.extend(line.split('`').skip(1).step_by(2));
+    }
+    spans
+}
+
+/// The `--flag`s and `CNAT_*` variables named in code spans of `text`.
+fn flags_and_variables(text: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let (mut flags, mut variables) = (BTreeSet::new(), BTreeSet::new());
+    let word = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+            .collect()
+    };
+    for span in code_spans(text) {
+        for token in span.split_whitespace() {
+            if let Some(flag) = token.strip_prefix("--") {
+                let flag = word(flag);
+                if !flag.is_empty() {
+                    flags.insert(format!("--{flag}"));
+                }
+            } else if token.starts_with("CNAT_") {
+                // `CNAT_*` stands for all of them.
+                let variable = word(token);
+                if variable.len() > "CNAT_".len() {
+                    variables.insert(variable);
+                }
+            }
+        }
+    }
+    (flags, variables)
+}
+
+/// Each `## heading` of `text` with the text under it.
+fn sections(text: &str) -> BTreeMap<String, String> {
+    let mut sections = BTreeMap::new();
+    let mut current: Option<(String, String)> = None;
+    for line in text.lines() {
+        if let Some(heading) = line.strip_prefix("## ") {
+            sections.extend(current.take());
+            current = Some((heading.trim().to_owned(), String::new()));
+        } else if let Some((_, body)) = current.as_mut() {
+            body.push_str(line);
+            body.push('\n');
+        }
+    }
+    sections.extend(current);
+    sections
+}
+
+/// The long flags and environment variables of `command` (not `--help`/`--version`).
+fn of_command(command: &clap::Command) -> (BTreeSet<String>, BTreeSet<String>) {
+    let (mut flags, mut variables) = (BTreeSet::new(), BTreeSet::new());
+    for arg in command.get_arguments() {
+        if let Some(long) = arg.get_long() {
+            if long != "help" && long != "version" {
+                flags.insert(format!("--{long}"));
+            }
+        }
+        if let Some(env) = arg.get_env() {
+            variables.insert(env.to_string_lossy().into_owned());
+        }
+    }
+    (flags, variables)
+}
+
+#[test]
+fn the_cli_reference_names_every_flag_and_variable_and_no_other() {
+    let cli = cnat::cli::Cli::command();
+    let plugin = cnat::kubectl_at::Args::command();
+    let mut commands: BTreeMap<String, clap::Command> = cli
+        .get_subcommands()
+        .filter(|c| c.get_name() != "help")
+        .map(|c| (format!("cnat {}", c.get_name()), c.clone()))
+        .collect();
+    commands.insert("kubectl at".into(), plugin);
+    let text = page("reference/cli.md");
+    let sections = sections(&text);
+    let mut wrong = Vec::new();
+    let mut all_flags = BTreeSet::new();
+    for (name, command) in &commands {
+        let (flags, variables) = of_command(command);
+        all_flags.extend(flags.iter().cloned());
+        let Some(section) = sections.get(name) else {
+            wrong.push(format!("no section `## {name}`"));
+            continue;
+        };
+        let (documented, documented_variables) = flags_and_variables(section);
+        for flag in flags.difference(&documented) {
+            wrong.push(format!("{name}: {flag} is not in its section"));
+        }
+        for flag in documented.difference(&flags) {
+            wrong.push(format!("{name}: {flag} is documented but no flag of it"));
+        }
+        for variable in variables.difference(&documented_variables) {
+            wrong.push(format!("{name}: {variable} is not in its section"));
+        }
+        for variable in documented_variables.difference(&variables) {
+            wrong.push(format!(
+                "{name}: {variable} is documented but no variable of it"
+            ));
+        }
+    }
+    for heading in sections.keys() {
+        let command_like = heading.starts_with("cnat ") || heading == "kubectl at";
+        if command_like && !commands.contains_key(heading) {
+            wrong.push(format!("section `## {heading}` names no command"));
+        }
+    }
+    // The configuration page may name flags of any command, but only real ones.
+    let (flags, variables) = flags_and_variables(&page("reference/configuration.md"));
+    let all_variables: BTreeSet<String> = commands
+        .values()
+        .flat_map(|c| of_command(c).1)
+        .collect();
+    for flag in flags.difference(&all_flags) {
+        wrong.push(format!("configuration.md: {flag} is no flag"));
+    }
+    for variable in variables.difference(&all_variables) {
+        wrong.push(format!("configuration.md: {variable} is no variable"));
+    }
+    assert!(wrong.is_empty(), "docs/src/reference/cli.md:\n{}", wrong.join("\n"));
+}
+
+/// Every metric a replica exposes, as a scrape names it (counters with `_total`).
+fn exposed_metrics() -> BTreeSet<String> {
+    let leadership = std::sync::Arc::new(cnat::leader::Leadership::default());
+    let metrics = cnat::observability::metrics::Metrics::new(leadership);
+    // The leader's At counts appear once it has a cache.
+    let writer = kube::runtime::reflector::store::Writer::<cnat::operator::cache::CachedAt>::default();
+    metrics.count_ats(writer.as_reader());
+    // A family with labels shows once it has a sample.
+    let took = std::time::Duration::from_millis(1);
+    metrics.reconciled(true, took);
+    metrics.admitted(
+        cnat::observability::metrics::AdmissionLabels {
+            webhook: "validating",
+            operation: "CREATE",
+            allowed: true,
+        },
+        took,
+    );
+    metrics.access_reviewed("request", "allowed", took);
+    metrics
+        .encode()
+        .lines()
+        .filter_map(|line| {
+            let (name, kind) = line.strip_prefix("# TYPE ")?.split_once(' ')?;
+            Some(match kind {
+                "counter" => format!("{name}_total"),
+                _ => name.to_owned(),
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn the_metrics_reference_names_every_metric_and_no_other() {
+    let exposed = exposed_metrics();
+    assert!(exposed.len() > 10, "metrics found: {exposed:?}");
+    let text = page("reference/metrics.md");
+    let documented: BTreeSet<String> = code_spans(&text)
+        .into_iter()
+        .filter(|span| span.starts_with("cnat_"))
+        .map(|span| {
+            span.chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect::<String>()
+        })
+        // A histogram's series are its name with a suffix.
+        .filter(|name| {
+            !["_bucket", "_sum", "_count"]
+                .iter()
+                .any(|s| name.strip_suffix(s).is_some_and(|base| exposed.contains(base)))
+        })
+        .collect();
+    let missing: Vec<_> = exposed.difference(&documented).collect();
+    let unknown: Vec<_> = documented.difference(&exposed).collect();
+    assert!(
+        missing.is_empty() && unknown.is_empty(),
+        "docs/src/reference/metrics.md: not documented {missing:?}; documented but not exposed {unknown:?}"
+    );
+}
+
+/// The leaves of the chart's values schema as dotted paths: properties without properties of
+/// their own (maps, arrays and `$ref`s to definitions are leaves).
+fn schema_leaves(schema: &serde_json::Value, prefix: &str, leaves: &mut BTreeSet<String>) {
+    let Some(properties) = schema.get("properties").and_then(|p| p.as_object()) else {
+        leaves.insert(prefix.to_owned());
+        return;
+    };
+    for (name, property) in properties {
+        let path = if prefix.is_empty() {
+            name.clone()
+        } else {
+            format!("{prefix}.{name}")
+        };
+        schema_leaves(property, &path, leaves);
+    }
+}
+
+#[test]
+fn the_chart_values_reference_names_every_value_and_no_other() {
+    let schema: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("charts/cnat/values.schema.json")).unwrap(),
+    )
+    .unwrap();
+    let mut leaves = BTreeSet::new();
+    schema_leaves(&schema, "", &mut leaves);
+    let text = page("reference/chart-values.md");
+    // The first cell of each table row, in backticks.
+    let documented: BTreeSet<String> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("| `"))
+        .filter_map(|rest| rest.split_once('`').map(|(value, _)| value.to_owned()))
+        .collect();
+    let missing: Vec<_> = leaves.difference(&documented).collect();
+    let unknown: Vec<_> = documented.difference(&leaves).collect();
+    assert!(
+        missing.is_empty() && unknown.is_empty(),
+        "docs/src/reference/chart-values.md: not documented {missing:?}; documented but not in values.schema.json {unknown:?}"
+    );
+}
+
+#[test]
+fn the_runbook_has_a_section_for_every_alert_and_no_other() {
+    let rules =
+        std::fs::read_to_string(root().join("charts/cnat/templates/prometheusrule.yaml")).unwrap();
+    let alerts: BTreeSet<String> = rules
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("- alert: "))
+        .map(|name| name.trim().to_owned())
+        .collect();
+    assert!(alerts.len() > 5, "alerts found: {alerts:?}");
+    let headings: BTreeSet<String> = sections(&page("operating/runbook.md"))
+        .into_keys()
+        .filter(|heading| heading.starts_with("Cnat"))
+        .collect();
+    assert_eq!(alerts, headings, "alerts in the chart vs runbook sections");
+}
+
+/// The value of every `name="..."` attribute in `html`, `&amp;` decoded.
+fn attributes(html: &str, name: &str) -> Vec<String> {
+    let needle = format!(" {name}=\"");
+    html.match_indices(&needle)
+        .filter_map(|(at, _)| {
+            let rest = &html[at + needle.len()..];
+            rest.split_once('"').map(|(value, _)| value.replace("&amp;", "&"))
+        })
+        .collect()
+}
+
+fn html_files(dir: &Path, found: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            html_files(&path, found);
+        } else if path.extension().is_some_and(|e| e == "html") {
+            found.push(path);
+        }
+    }
+}
+
+#[test]
+fn the_book_builds_and_every_link_leads_to_a_page_and_heading() {
+    let built = std::env::temp_dir().join(format!("cnat-book-{}", std::process::id()));
+    let output = match std::process::Command::new("mdbook")
+        .arg("build")
+        .arg(root().join("docs"))
+        .arg("--dest-dir")
+        .arg(&built)
+        .output()
+    {
+        Ok(output) => output,
+        Err(e) => {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "CI=true but mdbook does not run ({e}): scripts/test installs it"
+            );
+            eprintln!("skipped: no mdbook ({e}); `cargo install --locked mdbook` (scripts/test does)");
+            return;
+        }
+    };
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "mdbook build failed:\n{log}");
+    assert!(
+        !log.contains("WARN") && !log.contains("ERROR"),
+        "mdbook build warned:\n{log}"
+    );
+
+    let mut pages = Vec::new();
+    html_files(&built, &mut pages);
+    let ids: BTreeMap<PathBuf, BTreeSet<String>> = pages
+        .iter()
+        .map(|page| {
+            let html = std::fs::read_to_string(page).unwrap();
+            let path = page.canonicalize().unwrap();
+            (path, attributes(&html, "id").into_iter().collect())
+        })
+        .collect();
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for page in &pages {
+        let name = page.file_name().unwrap().to_string_lossy();
+        // The whole book on one page and the table of contents repeat the pages' own links.
+        if name == "print.html" || name == "toc.html" || name == "404.html" {
+            continue;
+        }
+        let html = std::fs::read_to_string(page).unwrap();
+        for link in attributes(&html, "href") {
+            if link.contains("://") || link.starts_with("mailto:") {
+                continue;
+            }
+            let (file, fragment) = link.split_once('#').unwrap_or((&link, ""));
+            let target = if file.is_empty() {
+                page.canonicalize().unwrap()
+            } else {
+                let joined = page.parent().unwrap().join(file);
+                match joined.canonicalize() {
+                    Ok(path) => path,
+                    Err(_) => {
+                        broken.push(format!("{}: {link}: no such file", page.display()));
+                        continue;
+                    }
+                }
+            };
+            checked += 1;
+            if fragment.is_empty() || target.extension().is_none_or(|e| e != "html") {
+                continue;
+            }
+            if !ids.get(&target).is_some_and(|ids| ids.contains(fragment)) {
+                broken.push(format!(
+                    "{}: {link}: no heading #{fragment} there",
+                    page.strip_prefix(&built).unwrap_or(page).display()
+                ));
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&built);
+    assert!(checked > 100, "only {checked} links checked");
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
