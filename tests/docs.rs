@@ -368,3 +368,30 @@ fn the_book_builds_and_every_link_leads_to_a_page_and_heading() {
     assert!(checked > 100, "only {checked} links checked");
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
 }
+
+#[test]
+fn the_readme_is_short_and_its_links_lead_to_files_that_exist() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let lines = readme.lines().count();
+    assert!(lines <= 250, "README.md has {lines} lines: the rest goes into the book");
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for (_, rest) in readme.match_indices("](").map(|(at, _)| readme.split_at(at + 2)) {
+        let Some((link, _)) = rest.split_once(')') else {
+            continue;
+        };
+        if link.contains("://") {
+            continue;
+        }
+        checked += 1;
+        let (file, fragment) = link.split_once('#').unwrap_or((link, ""));
+        let path = root().join(file);
+        if !path.is_file() {
+            broken.push(format!("{link}: no such file"));
+        } else if !fragment.is_empty() {
+            broken.push(format!("{link}: link the page, not a heading of it"));
+        }
+    }
+    assert!(checked >= 10, "only {checked} links in README.md");
+    assert!(broken.is_empty(), "README.md:\n{}", broken.join("\n"));
+}
