@@ -21,7 +21,7 @@
 //! in the same start (the first six starts run the six orders of the three admission targets, so
 //! that each of cnat's webhooks is the first to load a fresh cnat three times). One 10 s round
 //! per server is a single sample of a p99 that moves by half from second to second with the
-//! control plane's background work (README, "The first round, over seven starts"). The last start
+//! control plane's background work (docs/src/performance/changelog.md). The last start
 //! then runs eleven rounds of every target, conversion included.
 //!
 //! Each round also prints roughly what else ran on the servers' CPU meanwhile (its busy time in
@@ -270,7 +270,7 @@ async fn main() {
     };
 
     // The first round after start, over several starts: one 10 s round per server is a single
-    // sample of a noisy figure (see the README), so each start gets fresh processes, and the
+    // sample of a noisy figure (docs/src/performance/changelog.md), so each start gets fresh processes, and the
     // goal's first round is the median over the starts of cnat's first round against the
     // example's. The orders: `FIRST_ROUND_ORDERS`.
     let mut firsts: Vec<[[f64; 3]; 2]> = Vec::new();

@@ -26,8 +26,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 /// mimalloc instead of the C library's allocator, so every build (glibc here, the image's static
-/// musl) allocates with the allocator the benches measure; README "Allocator" says what it
-/// changed.
+/// musl) allocates with the allocator the benches measure; docs/src/design/decisions.md, "The
+/// allocator", says what it changed.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -3,8 +3,8 @@
 //! the At cache (which lists each shard, and the Ats without a shard, at the same time).
 //!
 //! Why: kube-apiserver encodes a list response on one goroutine. Measured on v1.24 with
-//! 100,000 PENDING Ats on this project's 2-core machine (README, "How the first list got
-//! fast"), one list at `resourceVersion=0` took 8.0-9.3 s to arrive, the five lists of four
+//! 100,000 PENDING Ats on this project's 2-core machine (docs/src/design/decisions.md,
+//! "List shards"), one list at `resourceVersion=0` took 8.0-9.3 s to arrive, the five lists of four
 //! shards at once 4.8-7.1 s: the server encodes them on both cores.
 //!
 //! The lists together hold every At exactly once whatever the labels say: one list per shard

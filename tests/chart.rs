@@ -772,6 +772,27 @@ fn run_defaults_become_the_operators_default_flags() {
     }
 }
 
+/// A values file's numbers reach Helm as floats: a large one must not render as `1e+06`, which
+/// the operator would refuse at start.
+#[test]
+fn run_defaults_from_a_values_file_render_as_whole_seconds() {
+    let dir = std::env::temp_dir().join(format!("cnat-chart-values-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("values.yaml");
+    std::fs::write(
+        &file,
+        "runDefaults:\n  activeDeadlineSeconds: 2000000\n  startingDeadlineSeconds: 1000000\n  ttlSecondsAfterFinished: 31536000\n",
+    )
+    .unwrap();
+    let rendered = render_args(&helm(), &["-f", file.to_str().unwrap()], &[])
+        .unwrap_or_else(|e| panic!("helm template -f: {e}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let env = plain_env(&Rendered(rendered));
+    assert_eq!(env["CNAT_DEFAULT_ACTIVE_DEADLINE_SECONDS"], "2000000");
+    assert_eq!(env["CNAT_DEFAULT_STARTING_DEADLINE_SECONDS"], "1000000");
+    assert_eq!(env["CNAT_DEFAULT_TTL_SECONDS_AFTER_FINISHED"], "31536000");
+}
+
 #[test]
 fn by_default_metrics_have_a_service_and_no_traces_are_exported() {
     let rendered = Rendered::new(&[]);
@@ -817,7 +838,7 @@ fn the_prometheus_rule_is_off_by_default_and_takes_labels_thresholds_and_a_runbo
     let rendered = Rendered::new(&[
         "metrics.prometheusRule.enabled=true",
         "metrics.prometheusRule.labels.release=prometheus",
-        "metrics.prometheusRule.runbookUrl=https://docs.example.com/cnat/README.md",
+        "metrics.prometheusRule.runbookUrl=https://docs.example.com/cnat/operating/runbook.html",
         "metrics.prometheusRule.runsLate.seconds=120",
         "metrics.prometheusRule.overdue.for=15m",
     ]);
@@ -851,13 +872,13 @@ fn the_prometheus_rule_is_off_by_default_and_takes_labels_thresholds_and_a_runbo
             annotations["description"]
                 .as_str()
                 .unwrap()
-                .contains(&format!("\"Operating cnat\", {name}")),
+                .contains(&format!("\"Alerts and runbook\", {name}")),
             "{name}"
         );
         assert_eq!(
             annotations["runbook_url"],
             format!(
-                "https://docs.example.com/cnat/README.md#{}",
+                "https://docs.example.com/cnat/operating/runbook.html#{}",
                 name.to_lowercase()
             ),
         );

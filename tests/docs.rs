@@ -137,17 +137,18 @@ fn the_cli_reference_names_every_flag_and_variable_and_no_other() {
     }
     // The configuration page may name flags of any command, but only real ones.
     let (flags, variables) = flags_and_variables(&page("reference/configuration.md"));
-    let all_variables: BTreeSet<String> = commands
-        .values()
-        .flat_map(|c| of_command(c).1)
-        .collect();
+    let all_variables: BTreeSet<String> = commands.values().flat_map(|c| of_command(c).1).collect();
     for flag in flags.difference(&all_flags) {
         wrong.push(format!("configuration.md: {flag} is no flag"));
     }
     for variable in variables.difference(&all_variables) {
         wrong.push(format!("configuration.md: {variable} is no variable"));
     }
-    assert!(wrong.is_empty(), "docs/src/reference/cli.md:\n{}", wrong.join("\n"));
+    assert!(
+        wrong.is_empty(),
+        "docs/src/reference/cli.md:\n{}",
+        wrong.join("\n")
+    );
 }
 
 /// Every metric a replica exposes, as a scrape names it (counters with `_total`).
@@ -155,7 +156,8 @@ fn exposed_metrics() -> BTreeSet<String> {
     let leadership = std::sync::Arc::new(cnat::leader::Leadership::default());
     let metrics = cnat::observability::metrics::Metrics::new(leadership);
     // The leader's At counts appear once it has a cache.
-    let writer = kube::runtime::reflector::store::Writer::<cnat::operator::cache::CachedAt>::default();
+    let writer =
+        kube::runtime::reflector::store::Writer::<cnat::operator::cache::CachedAt>::default();
     metrics.count_ats(writer.as_reader());
     // A family with labels shows once it has a sample.
     let took = std::time::Duration::from_millis(1);
@@ -197,9 +199,10 @@ fn the_metrics_reference_names_every_metric_and_no_other() {
         })
         // A histogram's series are its name with a suffix.
         .filter(|name| {
-            !["_bucket", "_sum", "_count"]
-                .iter()
-                .any(|s| name.strip_suffix(s).is_some_and(|base| exposed.contains(base)))
+            !["_bucket", "_sum", "_count"].iter().any(|s| {
+                name.strip_suffix(s)
+                    .is_some_and(|base| exposed.contains(base))
+            })
         })
         .collect();
     let missing: Vec<_> = exposed.difference(&documented).collect();
@@ -273,7 +276,8 @@ fn attributes(html: &str, name: &str) -> Vec<String> {
     html.match_indices(&needle)
         .filter_map(|(at, _)| {
             let rest = &html[at + needle.len()..];
-            rest.split_once('"').map(|(value, _)| value.replace("&amp;", "&"))
+            rest.split_once('"')
+                .map(|(value, _)| value.replace("&amp;", "&"))
         })
         .collect()
 }
@@ -305,7 +309,9 @@ fn the_book_builds_and_every_link_leads_to_a_page_and_heading() {
                 std::env::var("CI").as_deref() != Ok("true"),
                 "CI=true but mdbook does not run ({e}): scripts/test installs it"
             );
-            eprintln!("skipped: no mdbook ({e}); `cargo install --locked mdbook` (scripts/test does)");
+            eprintln!(
+                "skipped: no mdbook ({e}); `cargo install --locked mdbook` (scripts/test does)"
+            );
             return;
         }
     };
@@ -373,10 +379,16 @@ fn the_book_builds_and_every_link_leads_to_a_page_and_heading() {
 fn the_readme_is_short_and_its_links_lead_to_files_that_exist() {
     let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
     let lines = readme.lines().count();
-    assert!(lines <= 250, "README.md has {lines} lines: the rest goes into the book");
+    assert!(
+        lines <= 250,
+        "README.md has {lines} lines: the rest goes into the book"
+    );
     let mut broken = Vec::new();
     let mut checked = 0;
-    for (_, rest) in readme.match_indices("](").map(|(at, _)| readme.split_at(at + 2)) {
+    for (_, rest) in readme
+        .match_indices("](")
+        .map(|(at, _)| readme.split_at(at + 2))
+    {
         let Some((link, _)) = rest.split_once(')') else {
             continue;
         };

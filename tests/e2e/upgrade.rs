@@ -6,8 +6,8 @@
 //! within the minute, some with pod settings, some `DONE`, some far off) and two old replicas
 //! leading and answering the webhooks behind a stand-in for the chart's webhook Service (ready
 //! replicas only; admission and conversion alike). Then, under a steady load of `kubectl apply`
-//! (as `v1alpha1` throughout; as `v1` too once no old replica is left, see the README's
-//! Upgrading): the new CRD (both versions, `v1` stored, conversion by cnat), a rolling
+//! (as `v1alpha1` throughout; as `v1` too once no old replica is left, see
+//! docs/src/operating/upgrading.md): the new CRD (both versions, `v1` stored, conversion by cnat), a rolling
 //! replacement of the two old replicas by new ones (one at a time, the old one stopped once the
 //! new one is ready), and a rolling restart of a new one. Then every replica stops at once and
 //! two new ones start while Ats are still stored as `v1alpha1` (reading one from etcd needs the

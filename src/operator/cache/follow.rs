@@ -3,7 +3,7 @@
 //! take them unchanged.
 //!
 //! Why not kube-runtime's watcher: measured on kube-apiserver v1.24 with 100,000 Ats (see the
-//! README, "Performance"), its list in pages of 500 is served from etcd and takes about 38 s; a
+//! book, docs/src/performance/changelog.md), its list in pages of 500 is served from etcd and takes about 38 s; a
 //! list at `resourceVersion=0` is served from the API server's watch cache in about 7 s, but
 //! v1.24 then ignores `limit` and answers with one body of about 136 MB, which kube-client
 //! collects and copies (twice) before decoding it. Here each body is decoded item by item while
@@ -11,7 +11,7 @@
 //! once: the list costs what its Ats cost cached, not three copies of their JSON.
 //!
 //! - Where the API server streams lists (WatchList: on by default in kube-apiserver 1.32 and
-//!   from 1.34; measured against the lists below in the README, "Streaming lists"), every At
+//!   from 1.34; measured against the lists below in docs/src/performance/measurements.md), every At
 //!   comes as a watch that first sends each At (`sendInitialEvents`), then a bookmark that says
 //!   they are all out, and goes on as the watch: one request, served from the API server's watch
 //!   cache, and no gap between list and watch. A server that refuses it (kube-apiserver before
@@ -20,7 +20,7 @@
 //! - A list is five lists at once, one per shard of the Ats (`crate::shard`: the mutating
 //!   webhook labels each At with one of four shards; the fifth list has every other At):
 //!   kube-apiserver encodes each response on one core, so on two cores the lists arrive sooner
-//!   together than one list of everything (README, "How the first list got fast"). Their Ats go
+//!   together than one list of everything (docs/src/design/decisions.md, "List shards"). Their Ats go
 //!   into the store as one list; a list that fails fails them all. Each list has its own
 //!   resourceVersion; the watch starts from the oldest, and until it passes the newest it skips
 //!   what the lists already held (`Replay`), so once it is past, the store is exactly what the

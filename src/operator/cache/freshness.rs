@@ -23,8 +23,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// A watch that said nothing (not even a bookmark) for this long is not trusted, and is
-/// started again: v1.37 bookmarks a quiet watch every 60 s; v1.24 sent none in 290 s (README,
-/// "Never twice"), so there a quiet watch is started again every 75 s: one cheap request.
+/// started again: v1.37 bookmarks a quiet watch every 60 s; v1.24 sent none in 290 s
+/// (docs/src/design/decisions.md, "Freshness"), so there a quiet watch is started again every 75 s: one cheap request.
 pub const SILENCE: Duration = Duration::from_secs(75);
 
 /// Where the follower is.

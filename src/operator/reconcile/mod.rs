@@ -339,7 +339,7 @@ impl Context {
     /// Resets the backoff and sets when to look again, shortened by the time spent since
     /// `decided_at`, in the wake-up index: not as a requeue of the runtime, whose queue would
     /// hold an entry per waiting At (about 400 bytes each, its tables never shrinking) beside
-    /// the index's (README "Where the old leader's extra memory was").
+    /// the index's (docs/src/performance/changelog.md).
     fn succeeded(&self, at: &At, decision: &Decision, decided_at: DateTime<Utc>) -> Action {
         self.writer.ledger().succeeded(&key(at));
         self.settled(at, decision, decided_at)
