@@ -7,11 +7,47 @@ use k8s_openapi::api::admissionregistration::v1::{
 
 fn load<T: serde::de::DeserializeOwned>(name: &str) -> T {
     let path = format!("{}/webhooks/{name}", env!("CARGO_MANIFEST_DIR"));
-    // As the README's sed step does: CA_BUNDLE becomes the base64 of the CA.
+    // As the sed step of webhooks/README.md does: CA_BUNDLE becomes the base64 of the CA.
     let text = std::fs::read_to_string(path)
         .unwrap()
         .replace("CA_BUNDLE", "Q0E=");
     serde_saphyr::from_str(&text).unwrap()
+}
+
+/// The `sed` lines of webhooks/README.md (and the book's install page), run as written with a
+/// CA whose base64 has the characters that would end a `s/.../.../` expression early.
+#[test]
+fn the_documented_sed_step_fills_in_any_ca() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let ca = "LS0t+/ab/cd==";
+    for doc in ["webhooks/README.md", "docs/src/operating/install.md"] {
+        let text = std::fs::read_to_string(format!("{root}/{doc}")).unwrap();
+        let lines: Vec<&str> = text
+            .lines()
+            .map(str::trim_start)
+            .filter(|l| l.starts_with("sed ") && l.contains("CA_BUNDLE"))
+            .collect();
+        assert_eq!(lines.len(), 2, "{doc}: the two sed lines");
+        for line in lines {
+            let command = line.split(" | kubectl").next().unwrap();
+            let output = std::process::Command::new("bash")
+                .args(["-c", command])
+                .env("CA", ca)
+                .current_dir(root)
+                .output()
+                .unwrap();
+            assert!(
+                output.status.success(),
+                "{doc}: {command}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            let filled = String::from_utf8_lossy(&output.stdout);
+            assert!(
+                filled.contains(&format!("caBundle: {ca}")) && !filled.contains("CA_BUNDLE"),
+                "{doc}: {command}:\n{filled}"
+            );
+        }
+    }
 }
 
 /// What both webhooks must be, read from the typed object (which proved the file parses).
