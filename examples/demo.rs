@@ -11,7 +11,7 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::WebhookClientConfig;
 use kube::api::PostParams;
 use kube::{Api, Client};
@@ -70,11 +70,14 @@ async fn main() -> ExitCode {
 /// every process of the control plane and the replicas, and removes their folder.
 fn stop_on_signal() {
     tokio::spawn(async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("a SIGTERM handler");
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).expect("a SIGTERM handler");
+        // The terminal closed.
+        let mut hangup = signal(SignalKind::hangup()).expect("a SIGHUP handler");
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
+            _ = hangup.recv() => {}
         }
         // Not println!: with nobody reading any more, it would panic and nothing would stop.
         use std::io::Write;
@@ -82,10 +85,8 @@ fn stop_on_signal() {
             std::io::stdout(),
             "\nStopping: the replicas, kube-controller-manager, kube-apiserver and etcd; removing their folder."
         );
-        if let Some(pidfile) = pidfile() {
-            let _ = std::fs::remove_file(pidfile);
-        }
-        // `exit` runs the exit handler that stops everything this process started.
+        // `exit` runs the exit handlers: the one that stops everything this process started,
+        // and `forget_pidfile`.
         std::process::exit(0);
     });
 }
@@ -93,6 +94,14 @@ fn stop_on_signal() {
 /// The file `scripts/demo stop` reads this process's id from.
 fn pidfile() -> Option<PathBuf> {
     std::env::var_os("CNAT_DEMO_PIDFILE").map(PathBuf::from)
+}
+
+/// Removes the pidfile however the process exits (a signal, an error, a panic in `main`'s
+/// thread): a stale one would name a process id that may come to be another's.
+extern "C" fn forget_pidfile() {
+    if let Some(pidfile) = pidfile() {
+        let _ = std::fs::remove_file(pidfile);
+    }
 }
 
 /// What must live while the demo waits: the replicas (dropping one kills it) and the address
@@ -106,11 +115,22 @@ async fn run() -> Result<Running, String> {
     if let Some(pidfile) = pidfile() {
         std::fs::write(&pidfile, format!("{}\n", std::process::id()))
             .map_err(|e| format!("writing {}: {e}", pidfile.display()))?;
+        // SAFETY: registering a plain extern "C" function, once.
+        unsafe {
+            libc::atexit(forget_pidfile);
+        }
     }
+    let Some(assets) = envtest::assets() else {
+        return Err("no control plane binaries: KUBEBUILDER_ASSETS must name a folder with etcd and kube-apiserver (scripts/demo prepares one with scripts/envtest)".into());
+    };
     say("Starting a local control plane (etcd, kube-apiserver, kube-controller-manager)");
-    let plane = envtest::control_plane().ok_or(
-        "no control plane binaries: KUBEBUILDER_ASSETS must name a folder with etcd and kube-apiserver (scripts/demo prepares one with scripts/envtest)",
-    )?;
+    let plane = envtest::own_control_plane().ok_or("the control plane did not start")?;
+    if !assets.join("kubectl").exists() {
+        println!(
+            "(no kubectl in {}: the one on PATH is used)",
+            assets.display()
+        );
+    }
     println!(
         "kube-apiserver {} at {}, its files in {}",
         plane.version,
@@ -156,7 +176,8 @@ async fn run() -> Result<Running, String> {
         service.wait_ready(replica).await;
     }
     envtest::register_webhooks(&client, address, &ca, NAMESPACE).await;
-    let leader = wait_for(Duration::from_secs(30), "a leader", || {
+    default_service_account(plane, &client).await?;
+    let leader = wait_for(Duration::from_secs(30), "leader", || {
         envtest::lease_holder(&client, LEASE_NAMESPACE, LEASE)
     })
     .await?;
@@ -175,7 +196,7 @@ async fn run() -> Result<Running, String> {
         .await
         .map_err(|e| format!("ending pod example-at-pod: {e}"))?;
     println!("(pod example-at-pod: phase Succeeded, exit code 0)");
-    wait_for_phase(plane, "example-at", "Done").await?;
+    wait_for_done(&client, "example-at").await?;
     kubectl(plane, &["get", "ats", "-o", "wide"], None);
 
     say("An At whose command fails: its output (the pod's termination message) shows in the At");
@@ -187,9 +208,14 @@ async fn run() -> Result<Running, String> {
         .await
         .map_err(|e| format!("ending pod fails-pod: {e}"))?;
     println!("(pod fails-pod: phase Failed, exit code 3, termination message \"about to fail\")");
-    wait_for_phase(plane, "fails", "Done").await?;
+    wait_for_done(&client, "fails").await?;
     kubectl(plane, &["get", "at", "fails", "-o", "wide"], None);
 
+    // Leadership may have moved meanwhile (a loaded machine): stop the one leading now.
+    let leader = wait_for(Duration::from_secs(30), "leader", || {
+        envtest::lease_holder(&client, LEASE_NAMESPACE, LEASE)
+    })
+    .await?;
     say(&format!(
         "A handover: stopping the leader {leader} (SIGTERM, as a rolling upgrade does)"
     ));
@@ -200,7 +226,7 @@ async fn run() -> Result<Running, String> {
         .ok_or_else(|| format!("the leader {leader} is none of this demo's replicas"))?;
     service.remove(&replicas[index]);
     replicas[index].terminate();
-    let next = wait_for(Duration::from_secs(30), "a new leader", || async {
+    let next = wait_for(Duration::from_secs(30), "new leader", || async {
         envtest::lease_holder(&client, LEASE_NAMESPACE, LEASE)
             .await
             .filter(|holder| *holder != leader)
@@ -219,7 +245,7 @@ async fn run() -> Result<Running, String> {
     envtest::end_pod(&client, NAMESPACE, "after-handover-pod", 0, "")
         .await
         .map_err(|e| format!("ending pod after-handover-pod: {e}"))?;
-    wait_for_phase(plane, "after-handover", "Done").await?;
+    wait_for_done(&client, "after-handover").await?;
     kubectl(plane, &["get", "ats"], None);
 
     say("Go on by hand");
@@ -320,19 +346,42 @@ async fn wait_for_pod(client: &Client, name: &str) -> Result<Pod, String> {
     .await
 }
 
-/// Waits until `kubectl get at NAME` shows `phase`.
-async fn wait_for_phase(plane: &ControlPlane, name: &str, phase: &str) -> Result<(), String> {
+/// Waits until At `name` is `Done`.
+async fn wait_for_done(client: &Client, name: &str) -> Result<(), String> {
+    let ats: Api<cnat::api::At> = Api::namespaced(client.clone(), NAMESPACE);
     wait_for(
         Duration::from_secs(60),
-        &format!("phase {phase} of At {name}"),
+        &format!("phase Done of At {name}"),
         || async {
-            let output = plane
-                .kubectl()
-                .args(["get", "at", name, "-o", "jsonpath={.status.phase}"])
-                .output()
-                .ok()?;
-            (String::from_utf8_lossy(&output.stdout) == phase).then_some(())
+            let at = ats.get_opt(name).await.ok().flatten()?;
+            (at.status?.phase == cnat::api::Phase::Done).then_some(())
         },
     )
     .await
+}
+
+/// Waits for the `default` ServiceAccount of the Ats' namespace, which pods need: the
+/// controller manager makes it (or, without one, this does).
+async fn default_service_account(plane: &ControlPlane, client: &Client) -> Result<(), String> {
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), NAMESPACE);
+    if !plane.has_controller_manager() {
+        let account = ServiceAccount {
+            metadata: kube::api::ObjectMeta {
+                name: Some("default".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        accounts
+            .create(&PostParams::default(), &account)
+            .await
+            .map_err(|e| format!("creating ServiceAccount {NAMESPACE}/default: {e}"))?;
+    }
+    wait_for(
+        Duration::from_secs(90),
+        &format!("ServiceAccount {NAMESPACE}/default"),
+        || async { accounts.get_opt("default").await.ok().flatten() },
+    )
+    .await
+    .map(drop)
 }

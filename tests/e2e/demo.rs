@@ -29,18 +29,37 @@ fn processes_using(folder: &Path) -> Vec<u32> {
         .collect()
 }
 
-/// The demo's process: stopped as Ctrl-C would (SIGINT) if the test ends early.
+/// A folder removed however the test ends.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The demo's process group (`scripts/demo`, cargo, the demo): if the test ends early, stopped
+/// as Ctrl-C in a terminal would (SIGINT to the group), then killed after 20 s.
 struct Demo(std::process::Child);
 
 impl Drop for Demo {
     fn drop(&mut self) {
+        let group = self.0.id().cast_signed();
         if self.0.try_wait().ok().flatten().is_none() {
-            // SAFETY: signalling our own child, not yet reaped.
+            // SAFETY: signalling the process group our child leads.
             unsafe {
-                libc::kill(self.0.id().cast_signed(), libc::SIGINT);
+                libc::kill(-group, libc::SIGINT);
             }
-            let _ = self.0.wait();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while self.0.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(100));
+            }
         }
+        // SAFETY: as above; whatever of the group is left.
+        unsafe {
+            libc::kill(-group, libc::SIGKILL);
+        }
+        let _ = self.0.wait();
     }
 }
 
@@ -50,13 +69,17 @@ fn the_demo_shows_cnat_working_and_stop_leaves_nothing_running() {
         return;
     };
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let scratch = std::env::temp_dir().join(format!("cnat-demo-test-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch).unwrap();
+    let scratch =
+        Scratch(std::env::temp_dir().join(format!("cnat-demo-test-{}", std::process::id())));
+    std::fs::create_dir_all(&scratch.0).unwrap();
+    let scratch = &scratch.0;
     let pidfile = scratch.join("demo.pid");
     let stderr = scratch.join("demo.stderr");
+    use std::os::unix::process::CommandExt;
     let mut demo = Demo(
         Command::new(root.join("scripts/demo"))
             .current_dir(root)
+            .process_group(0)
             .env("KUBEBUILDER_ASSETS", &assets)
             .env("CNAT_DEMO_PIDFILE", &pidfile)
             .stdin(Stdio::null())
@@ -82,6 +105,9 @@ fn the_demo_shows_cnat_working_and_stop_leaves_nothing_running() {
         let left = deadline.saturating_duration_since(Instant::now());
         match inbox.recv_timeout(left) {
             Ok(line) => {
+                // Shown as it comes, so that a test ended by the runner's timeout says how far
+                // the demo got.
+                eprintln!("demo: {line}");
                 output.push_str(&line);
                 output.push('\n');
                 if line.starts_with(READY_LINE) {
@@ -181,5 +207,4 @@ fn the_demo_shows_cnat_working_and_stop_leaves_nothing_running() {
     assert!(left.is_empty(), "still running after stop: {left:?}");
     assert!(!folder.exists(), "{} not removed", folder.display());
     assert!(!pidfile.exists(), "{} not removed", pidfile.display());
-    let _ = std::fs::remove_dir_all(&scratch);
 }

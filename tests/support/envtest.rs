@@ -286,6 +286,9 @@ impl ControlPlane {
         };
         let mut command = Command::new(kubectl);
         command.env("KUBECONFIG", &self.kubeconfig);
+        // Its discovery cache in the control plane's folder (removed with it), not in
+        // ~/.kube/cache, where each control plane's port would leave a folder behind.
+        command.env("KUBECACHEDIR", self.dir.join("kube-cache"));
         command
     }
 }
