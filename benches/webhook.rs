@@ -45,6 +45,8 @@ mod apiserver;
 #[allow(dead_code)] // the benches use part of it
 #[path = "../tests/support/envtest.rs"]
 mod envtest;
+#[path = "support/hot.rs"]
+mod hot;
 #[path = "support/kube_admission_example.rs"]
 mod kube_admission_example;
 #[allow(dead_code)] // the benches use part of it
@@ -738,21 +740,8 @@ fn body(fixture: &str) -> String {
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
     };
     if fixture != CONVERSION {
-        let mut review = capture(fixture)["review"].clone();
-        let request = &mut review["request"];
-        for field in ["kind", "resource", "requestKind", "requestResource"] {
-            if request[field].is_object() {
-                request[field]["version"] = "v1".into();
-            }
-        }
-        for field in ["object", "oldObject"] {
-            if request[field].is_object() {
-                request[field] =
-                    cnat::conversion::convert(0, request[field].take(), cnat::conversion::V1)
-                        .unwrap();
-            }
-        }
-        return serde_json::to_string(&review).unwrap();
+        let text = serde_json::to_string(&capture(fixture)).unwrap();
+        return String::from_utf8(hot::review(&text, "v1")).unwrap();
     }
     let at = capture("validating-create.json")["review"]["request"]["object"].clone();
     let objects: Vec<serde_json::Value> = (0..CONVERTED_PER_REVIEW)

@@ -250,10 +250,7 @@ impl Writer {
 
     /// The status subresource only, guarded by the resourceVersion decided on.
     async fn write(&self, target: &Target, status: &AtStatus, decision: &Decision) -> Written {
-        let patch = json!({
-            "metadata": { "resourceVersion": target.resource_version },
-            "status": status,
-        });
+        let patch = status_patch(target.resource_version.as_deref(), status);
         let params = PatchParams {
             field_manager: Some(FIELD_MANAGER.into()),
             ..PatchParams::default()
@@ -421,6 +418,15 @@ impl Writer {
         };
         self.tell(at, regarding, event, Some(&self.pods_first));
     }
+}
+
+/// The merge patch of one status write: `status` whole, and `resource_version` (the version
+/// it was decided on) as a precondition, so that a write over a newer version is refused (409).
+pub fn status_patch(resource_version: Option<&str>, status: &AtStatus) -> serde_json::Value {
+    json!({
+        "metadata": { "resourceVersion": resource_version },
+        "status": status,
+    })
 }
 
 /// Delay before retry number `attempt` (1-based): 0.5 s doubling to 5 minutes, with jitter.
