@@ -1,107 +1,123 @@
 //! Instruction counts of the hot paths, under valgrind's callgrind (through gungraun): what a
-//! replica does per admission review, per conversion, per reconcile decision, per cache event
-//! and per status write. Counts are exact and repeat run after run on the same build, so a rise
-//! is the code's, not noise: `scripts/perf-guard` compares them with the baselines committed in
-//! `benches/baselines/` and fails on a rise over 5% (`scripts/test` runs it).
+//! replica does to judge an admission review, to convert, to decide a reconcile, per cache event
+//! and per status write. For one build (the same code, toolchain and dependencies) on one machine
+//! (the same valgrind, C library and CPU) the counts repeat exactly, so a rise is the code's, not
+//! noise: `scripts/perf-guard` compares them with the baselines committed in
+//! `benches/baselines/hot_paths.json` and fails on a change over 5% (`scripts/test` runs it).
 //!
-//!     cargo bench --bench hot_paths      # the counts (needs valgrind and gungraun-runner)
-//!     scripts/perf-guard                 # the same and the allocations, against the baselines
+//!     scripts/perf-guard                                      # against the baselines
+//!     cargo bench --profile perf-guard --bench hot_paths      # gungraun's own report
 //!
-//! Inputs come from setup functions (`support/hot.rs`), which callgrind does not count; each
-//! runs the operation once first, so one-time work is not counted either.
+//! (`--profile perf-guard`: the release build with its symbols; callgrind counts from the
+//! benchmark function's, which the stripped release build has not.) Inputs come from setup
+//! functions (`support/hot.rs`), which callgrind does not count; each runs its operation once
+//! first and checks it took the path it stands for, so one-time work is not counted and an error
+//! path is never what is guarded. Each benchmark hands its input back, so that freeing it is not
+//! counted either. Allocations go through mimalloc, as in `cnat run`.
 
 #[path = "support/hot.rs"]
 mod hot;
 
-use cnat::api::{At, AtStatus};
+use cnat::api::AtStatus;
 use cnat::operator::cache::CachedAt;
 use gungraun::{library_benchmark, library_benchmark_group, main};
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn validating_review(version: &str) -> Vec<u8> {
     let body = hot::validating_review(version);
-    hot::validate(&body);
+    let verdict = hot::validate(&body).expect("a validating review");
+    assert!(verdict.response.allowed, "validating {version}: denied");
     body
 }
 
 fn mutating_review(version: &str) -> Vec<u8> {
     let body = hot::mutating_review(version);
-    hot::mutate(&body);
+    let verdict = hot::mutate(&body).expect("a mutating review");
+    assert!(verdict.response.allowed && verdict.response.patch.is_some());
     body
 }
 
 fn conversion_review(n: usize) -> Vec<u8> {
     let body = hot::conversion_review(n);
-    hot::convert(&body);
+    let (answered, _) = hot::convert(&body);
+    assert_eq!(answered.expect("a conversion"), hot::Answered::Converted(n));
     body
 }
 
-fn pending_at() -> At {
-    let at = hot::pending_at();
-    hot::decide_pending(&at);
-    at
+fn decide_input() -> hot::Decide {
+    let input = hot::decide_input();
+    let decision = hot::decide_pending(&input);
+    assert_eq!(decision.call, hot::Call::CreatePod, "{decision:?}");
+    input
 }
 
 fn at_text() -> String {
     let text = hot::at_text();
-    hot::cache_insert(&text);
+    assert!(hot::cache_insert(&text).unreadable().is_none());
     text
 }
 
 fn cached_at() -> CachedAt {
     let cached = hot::cached_at();
-    hot::cache_read(&cached);
+    assert!(hot::cache_read(&cached).is_ok());
     cached
 }
 
 fn decided_status() -> (String, AtStatus) {
     let (version, status) = hot::decided_status();
-    hot::status_patch(&version, &status);
+    assert!(!hot::status_patch(&version, &status).is_empty());
     (version, status)
 }
 
 #[library_benchmark]
 #[bench::v1(args = ("v1"), setup = validating_review)]
 #[bench::v1alpha1(args = ("v1alpha1"), setup = validating_review)]
-fn validating(body: Vec<u8>) -> bool {
-    hot::validate(&body)
+fn validating(body: Vec<u8>) -> (bool, Vec<u8>) {
+    let allowed = hot::validate(&body).is_ok_and(|v| v.response.allowed);
+    (allowed, body)
 }
 
 #[library_benchmark]
 #[bench::v1(args = ("v1"), setup = mutating_review)]
 #[bench::v1alpha1(args = ("v1alpha1"), setup = mutating_review)]
-fn mutating(body: Vec<u8>) -> bool {
-    hot::mutate(&body)
+fn mutating(body: Vec<u8>) -> (bool, Vec<u8>) {
+    let allowed = hot::mutate(&body).is_ok_and(|v| v.response.allowed);
+    (allowed, body)
 }
 
 #[library_benchmark]
 #[bench::one_at(args = (1), setup = conversion_review)]
 #[bench::page_of_500(args = (500), setup = conversion_review)]
-fn conversion(body: Vec<u8>) -> usize {
-    hot::convert(&body)
+fn conversion(body: Vec<u8>) -> (usize, Vec<u8>) {
+    let (_, out) = hot::convert(&body);
+    (out.len(), body)
 }
 
 #[library_benchmark]
-#[bench::pending_due(setup = pending_at)]
-fn decide(at: At) -> bool {
-    hot::decide_pending(&at)
+#[bench::pending_due(setup = decide_input)]
+fn decide(input: hot::Decide) -> (bool, hot::Decide) {
+    let creates = hot::decide_pending(&input).call == hot::Call::CreatePod;
+    (creates, input)
 }
 
 #[library_benchmark]
 #[bench::one_at(setup = at_text)]
-fn cache_insert(text: String) -> CachedAt {
-    hot::cache_insert(&text)
+fn cache_insert(text: String) -> (CachedAt, String) {
+    (hot::cache_insert(&text), text)
 }
 
 #[library_benchmark]
 #[bench::one_at(setup = cached_at)]
-fn cache_read(cached: CachedAt) -> bool {
-    hot::cache_read(&cached)
+fn cache_read(cached: CachedAt) -> (bool, CachedAt) {
+    (hot::cache_read(&cached).is_ok(), cached)
 }
 
 #[library_benchmark]
 #[bench::running(setup = decided_status)]
-fn status_patch(input: (String, AtStatus)) -> usize {
-    hot::status_patch(&input.0, &input.1)
+fn status_patch(input: (String, AtStatus)) -> (usize, (String, AtStatus)) {
+    (hot::status_patch(&input.0, &input.1).len(), input)
 }
 
 library_benchmark_group!(

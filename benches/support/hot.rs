@@ -3,12 +3,16 @@
 //! measured, and each `setup` runs its operation once first, so that one-time work (lazily
 //! built tables) is not counted as the operation's. (`webhook` uses `review` alone.)
 
-#![allow(dead_code)] // each bench uses a part
+#![allow(dead_code, unused_imports)] // each bench uses a part
 
+use cnat::admission::review::ReviewError;
+use cnat::admission::webhook::Verdict;
 use cnat::api::{At, AtStatus};
-use cnat::operator::cache::CachedAt;
+pub use cnat::conversion::streaming::{Answered, Broken};
+use cnat::operator::cache::{CacheError, CachedAt};
 use cnat::operator::policy::RunPolicy;
-use cnat::operator::reconcile::decide::{self, PodObservation};
+pub use cnat::operator::reconcile::decide::Call;
+use cnat::operator::reconcile::decide::{self, Decision, PodObservation};
 use serde_json::Value;
 use std::hint::black_box;
 
@@ -92,62 +96,72 @@ pub fn cached_at() -> CachedAt {
     CachedAt::decode_text(&at_text())
 }
 
-/// The instant the decisions are made at (the captured At is long due then).
-fn now() -> chrono::DateTime<chrono::Utc> {
-    chrono::DateTime::parse_from_rfc3339("2026-11-26T00:00:00Z")
-        .expect("a time")
-        .to_utc()
+/// A decision's input: the At, the instant, and the operator's defaults.
+pub struct Decide {
+    pub at: At,
+    pub now: chrono::DateTime<chrono::Utc>,
+    pub policy: RunPolicy,
+}
+
+/// A due, pending At with no pod yet, decided on 2026-11-26 (the captured At is long due).
+pub fn decide_input() -> Decide {
+    Decide {
+        at: pending_at(),
+        now: chrono::DateTime::parse_from_rfc3339("2026-11-26T00:00:00Z")
+            .expect("a time")
+            .to_utc(),
+        policy: RunPolicy::default(),
+    }
 }
 
 /// The status a due, pending At's decision writes (its pod to be created), and the version it
 /// was decided on.
 pub fn decided_status() -> (String, AtStatus) {
-    let at = pending_at();
-    let decision = decide::decide(&at, &PodObservation::Missing, now(), &RunPolicy::default());
+    let input = decide_input();
+    let decision = decide_pending(&input);
     let status = decision
         .status
         .expect("a due At's decision writes a status");
-    (at.metadata.resource_version.unwrap_or_default(), status)
+    (
+        input.at.metadata.resource_version.unwrap_or_default(),
+        status,
+    )
 }
 
-pub fn validate(body: &[u8]) -> bool {
-    black_box(cnat::admission::webhook::validating(black_box(body)).is_ok())
+pub fn validate(body: &[u8]) -> Result<Verdict, ReviewError> {
+    black_box(cnat::admission::webhook::validating(black_box(body)))
 }
 
-pub fn mutate(body: &[u8]) -> bool {
-    black_box(cnat::admission::webhook::mutating(black_box(body)).is_ok())
+pub fn mutate(body: &[u8]) -> Result<Verdict, ReviewError> {
+    black_box(cnat::admission::webhook::mutating(black_box(body)))
 }
 
-pub fn convert(body: &[u8]) -> usize {
+/// The answer to a ConversionReview, and what was written.
+pub fn convert(body: &[u8]) -> (Result<Answered, Broken>, Vec<u8>) {
     let mut out = Vec::with_capacity(body.len() + 4096);
     let answered = cnat::conversion::streaming::answer(black_box(body), &mut out);
-    black_box(answered.is_ok());
-    black_box(out.len())
+    black_box((answered, out))
 }
 
-pub fn decide_pending(at: &At) -> bool {
-    let decision = decide::decide(
-        black_box(at),
+pub fn decide_pending(input: &Decide) -> Decision {
+    black_box(decide::decide(
+        black_box(&input.at),
         &PodObservation::Missing,
-        now(),
-        &RunPolicy::default(),
-    );
-    black_box(decision.status.is_some())
+        input.now,
+        &input.policy,
+    ))
 }
 
 pub fn cache_insert(text: &str) -> CachedAt {
     black_box(CachedAt::decode_text(black_box(text)))
 }
 
-pub fn cache_read(cached: &CachedAt) -> bool {
-    black_box(black_box(cached).at().is_ok())
+pub fn cache_read(cached: &CachedAt) -> Result<At, CacheError> {
+    black_box(black_box(cached).at())
 }
 
-pub fn status_patch(version: &str, status: &AtStatus) -> usize {
+/// The patch of one status write, serialized as it is sent.
+pub fn status_patch(version: &str, status: &AtStatus) -> Vec<u8> {
     let patch = cnat::operator::reconcile::writer::status_patch(Some(version), black_box(status));
-    black_box(
-        serde_json::to_vec(&patch)
-            .map(|b| b.len())
-            .unwrap_or_default(),
-    )
+    black_box(serde_json::to_vec(&patch).expect("a JSON patch"))
 }
