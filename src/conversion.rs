@@ -225,9 +225,13 @@ fn pod_metadata_shape(value: &Value) -> bool {
 /// Respells `status.phase` by `PHASES`, to v1's spelling when `to_v1`, else to v1alpha1's; a
 /// value not in the table stays as it is.
 fn phase(object: &mut Map<String, Value>, to_v1: bool) {
-    let Some(Value::Object(status)) = object.get_mut("status") else {
-        return;
-    };
+    if let Some(Value::Object(status)) = object.get_mut("status") {
+        respell(status, to_v1);
+    }
+}
+
+/// [`phase`], on the status itself.
+fn respell(status: &mut Map<String, Value>, to_v1: bool) {
     let Some(Value::String(phase)) = status.get_mut("phase") else {
         return;
     };
@@ -319,6 +323,7 @@ pub fn review(body: &[u8]) -> ConversionReview {
 }
 
 pub mod streaming;
+pub mod typed;
 
 #[cfg(test)]
 mod tests;

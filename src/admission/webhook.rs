@@ -12,6 +12,7 @@ use crate::admission::review::{Envelope, ReviewError};
 use crate::admission::validating_review;
 use crate::admission::validation;
 use crate::api::{At, GROUP};
+use crate::conversion::typed::AtV1alpha1;
 use crate::observability::metrics::{AdmissionLabels, Metrics};
 use crate::serving::drain::{self, Draining};
 use crate::serving::guard::{self, Slot, Slots};
@@ -29,6 +30,7 @@ use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
 use kube::core::{GroupVersionKind, Resource};
 use opentelemetry::trace::Status;
 use opentelemetry_http::HeaderExtractor;
+use serde::Deserialize;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -389,26 +391,79 @@ fn encode(mut response: AdmissionResponse) -> Vec<u8> {
 /// The validating webhook for an AdmissionReview body: denies an invalid At, a spec change
 /// after it started, and a status phase that goes back; says whose permission to create pods a
 /// create or spec change needs (the escalation guard). A `v1` At decodes straight into kube's
-/// request (the fast path); every other review is decoded once within bounds
-/// (`validating_review`) and judged by the same rules, an At whose stored copy cnat cannot read
-/// included.
+/// request (the fast path), a `v1alpha1` one straight into typed fields converted to `v1` as
+/// they are read (`conversion::typed`): each costs about what the other does. Every other
+/// review (larger than `FAST_PATH_BODY`, not an At, or an object these paths do not take) is
+/// decoded once within bounds (`validating_review`) and judged by the same rules, an At whose
+/// stored copy cnat cannot read included.
 pub fn validating(body: &[u8]) -> Result<Verdict, ReviewError> {
-    let typed = (body.len() <= FAST_PATH_BODY)
-        .then(|| Envelope::<AdmissionRequest<At>>::from_slice(body))
-        .and_then(|envelope| envelope.and_then(Envelope::admission_request).ok())
-        .filter(|r| r.kind.version != "v1alpha1" && concerns_ats(&r.kind));
-    if let Some(request) = typed {
-        return Ok(judge(&request, false));
+    let small = body.len() <= FAST_PATH_BODY;
+    if small && names_v1alpha1(body) {
+        if let Some(request) = typed_v1alpha1(body) {
+            return Ok(judge(&request, true));
+        }
+    } else if small {
+        let typed = Envelope::<AdmissionRequest<At>>::from_slice(body)
+            .and_then(Envelope::admission_request)
+            .ok()
+            .filter(|r| r.kind.version != "v1alpha1" && concerns_ats(&r.kind));
+        if let Some(request) = typed {
+            return Ok(judge(&request, false));
+        }
     }
     let (types, request) = validating_review::decode(body)?;
     Ok(judge_lean(types, request))
+}
+
+/// A review of a `v1alpha1` At, its objects decoded typed and converted to `v1` as they are
+/// read (`conversion::typed`); `None` for any other review, or an object that path does not
+/// take.
+fn typed_v1alpha1(body: &[u8]) -> Option<AdmissionRequest<At>> {
+    let request = Envelope::<AdmissionRequest<AtV1alpha1>>::from_slice(body)
+        .and_then(Envelope::admission_request)
+        .ok()
+        .filter(|r| r.kind.version == "v1alpha1" && concerns_ats(&r.kind))?;
+    let v1 = |object: Option<AtV1alpha1>| match object {
+        None => Some(None),
+        Some(object) => object.into_v1().map(Some),
+    };
+    Some(AdmissionRequest {
+        object: v1(request.object)?,
+        old_object: v1(request.old_object)?,
+        types: request.types,
+        uid: request.uid,
+        kind: request.kind,
+        resource: request.resource,
+        sub_resource: request.sub_resource,
+        request_kind: request.request_kind,
+        request_resource: request.request_resource,
+        request_sub_resource: request.request_sub_resource,
+        name: request.name,
+        namespace: request.namespace,
+        operation: request.operation,
+        user_info: request.user_info,
+        dry_run: request.dry_run,
+        options: request.options,
+    })
+}
+
+/// Whether `body` looks like a review of a `v1alpha1` object: kube-apiserver writes the
+/// request's `kind` as `{"group":...,"version":"v1alpha1","kind":"At"}`, without spaces. Only a
+/// choice of path, not a judgement: the fast path would decode such a body in vain (a
+/// `v1alpha1` At is not a `v1` one), and the lean path judges every review by the same rules,
+/// so a body that says this elsewhere (in an annotation) or spaced differently is judged the
+/// same either way.
+fn names_v1alpha1(body: &[u8]) -> bool {
+    static FINDER: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(br#""version":"v1alpha1""#));
+    FINDER.find(body).is_some()
 }
 
 /// The verdict on a decoded At review; `older` for a `v1alpha1` one (messages then name its
 /// fields).
 fn judge(request: &AdmissionRequest<At>, older: bool) -> Verdict {
     let mut response = validate(request);
-    if older {
+    if older && !response.result.message.is_empty() {
         // The rules name v1's fields; a v1alpha1 writer has them in `spec` itself.
         response.result.message = crate::conversion::in_v1alpha1_terms(&response.result.message);
     }
@@ -418,7 +473,7 @@ fn judge(request: &AdmissionRequest<At>, older: bool) -> Verdict {
 }
 
 /// The verdict on a review the fast path could not take.
-fn judge_lean(types: kube::core::TypeMeta, request: validating_review::Request) -> Verdict {
+fn judge_lean(types: kube::core::TypeMeta, mut request: validating_review::Request) -> Verdict {
     let mut response = allowed(&request.uid);
     response.types = types.clone();
     let about = |response| {
@@ -435,15 +490,15 @@ fn judge_lean(types: kube::core::TypeMeta, request: validating_review::Request) 
     if !writes(&request.operation) {
         return about(response);
     }
-    let Some(object) = request.object.clone() else {
+    let Some(object) = request.object.take() else {
         return about(response.deny("the AdmissionReview has no object to review"));
     };
     let older = request.kind.version == "v1alpha1";
-    let old = request.old_object.clone().map(as_at);
+    let old = request.old_object.as_ref().map(at_of);
     if let (Operation::Update, Some(Err(_))) = (&request.operation, &old) {
         return judge_unreadable_update(&request, &object, response, older);
     }
-    let at = match as_at(object.clone()) {
+    let at = match as_at(object) {
         Ok(at) => at,
         Err(why) => return about(response.deny(why)),
     };
@@ -698,6 +753,16 @@ fn as_at(object: serde_json::Value) -> Result<At, String> {
     let value = crate::conversion::convert(0, object, crate::conversion::V1)
         .map_err(|e| format!("the object is not a valid At: {e}"))?;
     serde_json::from_value(value).map_err(|e| format!("the object is not a valid At: {e}"))
+}
+
+/// As [`as_at`], for an object kept as it is (read in place when it is a v1 one).
+fn at_of(object: &serde_json::Value) -> Result<At, String> {
+    match object.get("apiVersion").and_then(serde_json::Value::as_str) {
+        Some(crate::conversion::V1) => {
+            At::deserialize(object).map_err(|e| format!("the object is not a valid At: {e}"))
+        }
+        _ => as_at(object.clone()),
+    }
 }
 
 #[cfg(test)]

@@ -133,6 +133,29 @@ fn pod_fields() -> impl Strategy<Value = Map<String, Value>> {
     })
 }
 
+/// The pod fields, each absent or holding what a pod's field of that name takes, or anything.
+fn typed_pod_fields() -> impl Strategy<Value = Map<String, Value>> {
+    let valid = [
+        json!("registry.example/tools:1"),
+        json!({"limits": {"cpu": "100m"}, "requests": {"memory": "16Mi"}}),
+        json!([{"name": "A", "value": "b"}, {"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]),
+        json!("runner"),
+        json!({"disk": "ssd"}),
+        json!([{"key": "k", "operator": "Exists", "effect": "NoSchedule"}]),
+        json!([{"name": "pull"}]),
+    ];
+    let each = valid.map(|value| {
+        prop_oneof![3 => Just(None), 6 => Just(Some(value)), 1 => prop::option::of(any_json())]
+    });
+    each.prop_map(|values| {
+        POD_FIELDS
+            .iter()
+            .zip(values)
+            .filter_map(|(field, value)| Some((field.to_string(), value?)))
+            .collect()
+    })
+}
+
 /// The fields both versions hold in `spec` itself.
 fn common_spec() -> impl Strategy<Value = Map<String, Value>> {
     (
@@ -163,7 +186,7 @@ fn common_spec() -> impl Strategy<Value = Map<String, Value>> {
 }
 
 /// A status as either version spells it (`phases` picks the spelling), or none.
-fn status(phases: [&'static str; 3]) -> impl Strategy<Value = Option<Value>> {
+fn status<const N: usize>(phases: [&'static str; N]) -> impl Strategy<Value = Option<Value>> {
     prop::option::of(
         (
             prop::sample::select(phases.to_vec()),
@@ -264,6 +287,29 @@ proptest! {
     fn converting_to_the_same_version_changes_nothing(at in prop_oneof![v1alpha1_at(), v1_at()]) {
         let version = at["apiVersion"].as_str().unwrap().to_owned();
         prop_assert_eq!(convert(3, at.clone(), &version).unwrap(), at);
+    }
+
+    #[test]
+    fn the_typed_path_gives_the_at_that_converting_and_decoding_gives(
+        (meta, mut spec, pod, status) in (
+            metadata(),
+            common_spec(),
+            typed_pod_fields(),
+            status(["PENDING", "RUNNING", "DONE", "Pending"]),
+        )
+    ) {
+        spec.extend(pod);
+        let at = object(V1ALPHA1, meta, spec, status);
+        let slow = convert(0, at.clone(), V1)
+            .map_err(|e| e.to_string())
+            .and_then(|v1| serde_json::from_value::<crate::api::At>(v1).map_err(|e| e.to_string()));
+        let text = serde_json::to_vec(&at).unwrap();
+        let typed = serde_json::from_slice::<typed::AtV1alpha1>(&text).ok().and_then(typed::AtV1alpha1::into_v1);
+        match (slow, typed) {
+            (Ok(slow), Some(typed)) => prop_assert_eq!((slow.metadata, slow.spec, slow.status), (typed.metadata, typed.spec, typed.status)),
+            (Err(_), None) => {}
+            (slow, typed) => prop_assert!(false, "{:?} but {:?} for {}", slow, typed, at),
+        }
     }
 
     #[test]

@@ -159,3 +159,49 @@ fn a_made_up_create_with_an_unreadable_old_object_is_judged_as_a_create() {
         "a create always asks the escalation guard"
     );
 }
+
+/// The verdict of the bounded path (`validating_review`, `judge_lean`) on `body`.
+fn judged_lean(body: &[u8]) -> Verdict {
+    let (types, request) = validating_review::decode(body).unwrap();
+    judge_lean(types, request)
+}
+
+#[test]
+fn a_v1alpha1_review_takes_the_typed_path_and_gets_the_bounded_path_s_verdict() {
+    let mut reviews = Vec::new();
+    for name in crate::admission::CAPTURED_REVIEWS {
+        if name.starts_with("validating") {
+            reviews.push(crate::admission::captured_review(name));
+        }
+    }
+    let update = crate::admission::captured_review("validating-update.json");
+    // A bad schedule, in v1alpha1's words; the spec changed once Running; the phase taken back.
+    let mut bad = update.clone();
+    bad["request"]["object"]["spec"]["schedule"] = json!("tomorrow");
+    let mut started = update.clone();
+    started["request"]["oldObject"]["status"] = json!({"phase": "RUNNING"});
+    started["request"]["object"]["spec"]["image"] = json!("alpine");
+    let mut back = crate::admission::captured_review("validating-update-status.json");
+    back["request"]["oldObject"]["status"] = json!({"phase": "DONE"});
+    back["request"]["object"]["status"] = json!({"phase": "PENDING"});
+    let captured = reviews.len();
+    reviews.extend([bad, started, back]);
+    for (i, review) in reviews.into_iter().enumerate() {
+        assert_eq!(review["request"]["kind"]["version"], "v1alpha1");
+        let body = serde_json::to_vec(&review).unwrap();
+        assert!(names_v1alpha1(&body));
+        assert!(typed_v1alpha1(&body).is_some(), "{review}");
+        let (typed, lean) = (validating(&body).unwrap(), judged_lean(&body));
+        assert_eq!(typed.response.uid, lean.response.uid);
+        assert_eq!(typed.response.allowed, lean.response.allowed, "{review}");
+        assert_eq!(typed.response.result.message, lean.response.result.message);
+        assert_eq!(typed.access, lean.access);
+        assert_eq!((typed.operation, &typed.kind), (lean.operation, &lean.kind));
+        assert!(i < captured || !typed.response.allowed, "{review}");
+        if !typed.response.allowed {
+            // In v1alpha1's words: the fields in `spec` itself, the phases in capitals.
+            let message = &typed.response.result.message;
+            assert!(!message.contains("spec.template"), "{message}");
+        }
+    }
+}

@@ -1,0 +1,162 @@
+//! A `v1alpha1` At decoded straight into typed fields and converted to the `v1` [`At`] without
+//! a JSON tree in between: the validating webhook's path for `v1alpha1` reviews, which otherwise
+//! decode the object as JSON, convert it ([`super::convert`]) and decode that again.
+//!
+//! It gives the very `At` that `convert` and a decode of its result give (property test in
+//! `conversion/tests.rs`), or fails: an object this does not take (a field of the wrong type, a
+//! key twice, a spec that is not an object) is left to that slower path, which says why it is not
+//! an At in its own words. Only the status, small and rare in a review, goes through JSON, to
+//! respell its phase.
+
+use super::{envelope, respell, Envelope, CARRIED_ANNOTATION};
+use crate::api::{At, AtPodTemplate, AtSpec, AtStatus, PodMetadata};
+use k8s_openapi::api::core::v1::{EnvVar, LocalObjectReference, ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::core::{NamespaceResourceScope, Resource};
+use serde::{Deserialize, Deserializer};
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+/// An At as `v1alpha1` writes it: the pod's settings in `spec` itself, the phase in capitals.
+#[derive(Debug, Deserialize)]
+pub struct AtV1alpha1 {
+    pub metadata: ObjectMeta,
+    pub spec: SpecV1alpha1,
+    #[serde(default, deserialize_with = "status_in_v1_spelling")]
+    pub status: Option<AtStatus>,
+}
+
+/// `v1alpha1`'s spec: `v1`'s, with the fields of `v1`'s `spec.template` (but its `metadata`) in
+/// it. The serde attributes are `AtSpec`'s and `AtPodTemplate`'s.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SpecV1alpha1 {
+    schedule: String,
+    #[serde(default)]
+    time_zone: Option<String>,
+    command: String,
+    #[serde(default)]
+    starting_deadline_seconds: Option<i64>,
+    #[serde(default)]
+    active_deadline_seconds: Option<i64>,
+    #[serde(default)]
+    ttl_seconds_after_finished: Option<i32>,
+    #[serde(default = "default_image")]
+    image: String,
+    #[serde(default)]
+    resources: Option<ResourceRequirements>,
+    #[serde(default)]
+    env: Option<Vec<EnvVar>>,
+    #[serde(default)]
+    service_account_name: Option<String>,
+    #[serde(default)]
+    node_selector: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    tolerations: Option<Vec<Toleration>>,
+    #[serde(default)]
+    image_pull_secrets: Option<Vec<LocalObjectReference>>,
+}
+
+fn default_image() -> String {
+    AtPodTemplate::default().image
+}
+
+/// The status with its phase respelled as `v1` spells it, or `None` for none or `null`.
+fn status_in_v1_spelling<'de, D: Deserializer<'de>>(d: D) -> Result<Option<AtStatus>, D::Error> {
+    use serde::de::Error;
+    let Some(mut status) = Option::<serde_json::Value>::deserialize(d)? else {
+        return Ok(None);
+    };
+    if let serde_json::Value::Object(status) = &mut status {
+        respell(status, true);
+    }
+    AtStatus::deserialize(status)
+        .map(Some)
+        .map_err(D::Error::custom)
+}
+
+impl AtV1alpha1 {
+    /// The `v1` At, or `None` where the carried `v1` fields are not what `v1` can hold (the slow
+    /// path then says so).
+    pub fn into_v1(self) -> Option<At> {
+        let AtV1alpha1 {
+            mut metadata,
+            spec,
+            status,
+        } = self;
+        let mut template = AtPodTemplate {
+            metadata: None,
+            image: spec.image,
+            resources: spec.resources,
+            env: spec.env,
+            service_account_name: spec.service_account_name,
+            node_selector: spec.node_selector,
+            tolerations: spec.tolerations,
+            image_pull_secrets: spec.image_pull_secrets,
+        };
+        let carried = metadata
+            .annotations
+            .as_ref()
+            .and_then(|annotations| annotations.get(CARRIED_ANNOTATION))
+            .and_then(|text| envelope(text));
+        if let Some(Envelope {
+            pod_metadata,
+            annotation,
+        }) = carried
+        {
+            if let Some(pod_metadata) = pod_metadata {
+                template.metadata = Option::<PodMetadata>::deserialize(pod_metadata).ok()?;
+            }
+            let annotations = metadata.annotations.get_or_insert_default();
+            match annotation {
+                Some(annotation) => {
+                    annotations.insert(CARRIED_ANNOTATION.to_owned(), annotation);
+                }
+                None => {
+                    annotations.remove(CARRIED_ANNOTATION);
+                    if annotations.is_empty() {
+                        metadata.annotations = None;
+                    }
+                }
+            }
+        }
+        Some(At {
+            metadata,
+            spec: AtSpec {
+                schedule: spec.schedule,
+                time_zone: spec.time_zone,
+                command: spec.command,
+                starting_deadline_seconds: spec.starting_deadline_seconds,
+                active_deadline_seconds: spec.active_deadline_seconds,
+                ttl_seconds_after_finished: spec.ttl_seconds_after_finished,
+                template,
+            },
+            status,
+        })
+    }
+}
+
+/// What kube's `AdmissionRequest` needs of an object type.
+impl Resource for AtV1alpha1 {
+    type DynamicType = ();
+    type Scope = NamespaceResourceScope;
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        At::kind(&())
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        At::group(&())
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        "v1alpha1".into()
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        At::plural(&())
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
