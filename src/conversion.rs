@@ -322,6 +322,7 @@ pub fn review(body: &[u8]) -> ConversionReview {
     }
 }
 
+pub mod parts;
 pub mod streaming;
 pub mod typed;
 

@@ -313,6 +313,34 @@ proptest! {
     }
 
     #[test]
+    fn the_answer_holds_what_convert_makes_of_each_object(
+        objects in prop::collection::vec(prop_oneof![4 => v1alpha1_at(), 4 => v1_at(), 1 => any_json()], 0..6),
+        desired in prop::sample::select(vec![V1, V1ALPHA1]),
+        pretty in any::<bool>(),
+    ) {
+        let body = json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
+            "request": {"uid": "u-p", "desiredAPIVersion": desired, "objects": objects}});
+        let body = if pretty { serde_json::to_vec_pretty(&body) } else { serde_json::to_vec(&body) }.unwrap();
+        let response = review(&body).response.unwrap();
+        let expected: Result<Vec<Value>, ConversionError> = objects
+            .into_iter()
+            .enumerate()
+            .map(|(i, object)| convert(i, object, desired))
+            .collect();
+        match expected {
+            Ok(expected) => {
+                prop_assert_eq!(response.result.message, "");
+                prop_assert_eq!(response.uid, "u-p");
+                prop_assert_eq!(response.converted_objects, expected);
+            }
+            Err(error) => {
+                prop_assert!(response.converted_objects.is_empty());
+                prop_assert!(response.result.message.contains(&error.to_string()), "{} / {}", response.result.message, error);
+            }
+        }
+    }
+
+    #[test]
     fn any_review_body_gets_an_answer(body in prop::collection::vec(any::<u8>(), 0..256)) {
         let answer = review(&body);
         prop_assert!(answer.response.is_some());
@@ -519,4 +547,29 @@ fn messages_to_v1alpha1_writers_name_their_own_fields_and_phases() {
         in_v1alpha1_terms(r#"spec.command: "Done" runs nothing"#),
         r#"spec.command: "Done" runs nothing"#
     );
+}
+
+#[test]
+fn keys_given_twice_escapes_and_spacing_read_as_json_readers_read_them() {
+    let texts = [
+        // `spec` twice (the last counts), a pod field twice, a phase spelled with an escape.
+        r#"{"apiVersion":"cnat.programming-kubernetes.info/v1alpha1","spec":{"image":"a"},"spec":{"image":"b","image":"c","schedule":"s"},"status":{"phase":"\u0050ENDING"}}"#,
+        // Keys with escapes, spaces and line breaks everywhere, a template twice.
+        "{ \"api\\u0056ersion\" : \"cnat.programming-kubernetes.info/v1\" ,\n \"metadata\" : { \"name\" : \"x\" } ,\r\n \"spec\" : { \"template\" : 7 , \"template\" : { \"image\" : \"i\" , \"metadata\" : { \"labels\" : { \"a\" : \"b\" } } } } }",
+        // The carried annotation twice (the last counts), an array where a spec would be.
+        r#"{"apiVersion":"cnat.programming-kubernetes.info/v1alpha1","metadata":{"annotations":{"cnat.programming-kubernetes.info/v1-fields":"x","cnat.programming-kubernetes.info/v1-fields":"{\"podMetadata\":{\"labels\":{\"a\":\"b\"}}}"}},"spec":[1, 2]}"#,
+        r#"{"apiVersion":"cnat.programming-kubernetes.info/v1alpha1","metadata":{"annotations":{"cnat.programming-kubernetes.info/v1-fields":"x","cnat.programming-kubernetes.info/v1-fields":"{\"podMetadata\":{\"labels\":{\"a\":\"b\"}}}"}},"spec":{"command":"c"}}"#,
+    ];
+    for text in texts {
+        for desired in [V1, V1ALPHA1] {
+            let body = format!(
+                r#"{{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview","request":{{"uid":"u","desiredAPIVersion":"{desired}","objects":[ {text} , {text} ]}}}}"#
+            );
+            let object: Value = serde_json::from_str(text).unwrap();
+            let expected = convert(0, object, desired).unwrap();
+            let response = review(body.as_bytes()).response.unwrap();
+            assert_eq!(response.result.message, "", "{text}");
+            assert_eq!(response.converted_objects, vec![expected.clone(), expected]);
+        }
+    }
 }

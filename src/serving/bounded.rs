@@ -43,6 +43,11 @@ impl Budget {
         }
     }
 
+    /// Charges `bytes` held by something else decoded within this budget.
+    pub fn charge<E: de::Error>(&self, bytes: usize) -> Result<(), E> {
+        self.spend(bytes)
+    }
+
     /// A seed that decodes one value within what is left of this budget.
     pub fn value(&self) -> Bounded<'_> {
         Bounded(self)
