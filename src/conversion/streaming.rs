@@ -5,7 +5,7 @@
 //! however large a body a caller makes up. Pure: bytes in (`Read`), bytes out (`Write`).
 //!
 //! The review's fields are parsed from the stream (serde_json, within [`MAX_TOKEN`]); each
-//! object's text is cut out of it by [`next_object`] (a scan for where the object ends, which
+//! object's text is cut out of it by `next_object` (a scan for where the object ends, which
 //! jumps through strings with `memchr`) and parsed once, from that slice, into the parts the
 //! conversion moves (`parts`), the rest of it kept as the text it came as. That costs about a
 //! third of decoding each object into a `serde_json::Value`, converting and encoding it again
