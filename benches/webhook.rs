@@ -39,6 +39,8 @@
 //!     cargo bench --bench webhook -- --real        # the escalation guard asks a real
 //!                                                  # kube-apiserver (KUBEBUILDER_ASSETS)
 //!     cargo bench --bench webhook -- --unpinned    # every process on every CPU
+//!     cargo bench --bench webhook -- --v1alpha1    # reviews of v1alpha1 writes (the capture
+//!                                                  # as it is), not of v1 ones
 
 #[path = "../tests/support/apiserver.rs"]
 mod apiserver;
@@ -105,7 +107,8 @@ async fn main() {
     let extra: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| {
-            a.starts_with('-') && !["--bench", "--real", "--unpinned"].contains(&a.as_str())
+            a.starts_with('-')
+                && !["--bench", "--real", "--unpinned", "--v1alpha1"].contains(&a.as_str())
         })
         .collect();
     // `taskset -c CPU` before a command, when pinned (taskset execs it: the pid stays).
@@ -728,7 +731,8 @@ fn millis(latency: &str) -> f64 {
 }
 
 /// The body a target posts: the captured AdmissionReview `fixture` as the API server sends it
-/// for a `v1` write (the capture is of `v1alpha1`: its kind, resource and objects converted),
+/// for a `v1` write (the capture is of `v1alpha1`: its kind, resource and objects converted;
+/// with `--v1alpha1`, as captured),
 /// or for `CONVERSION` a ConversionReview of `CONVERTED_PER_REVIEW` copies of the captured At,
 /// each with a status.
 fn body(fixture: &str) -> String {
@@ -741,7 +745,11 @@ fn body(fixture: &str) -> String {
     };
     if fixture != CONVERSION {
         let text = serde_json::to_string(&capture(fixture)).unwrap();
-        return String::from_utf8(hot::review(&text, "v1")).unwrap();
+        let version = match std::env::args().any(|a| a == "--v1alpha1") {
+            true => "v1alpha1",
+            false => "v1",
+        };
+        return String::from_utf8(hot::review(&text, version)).unwrap();
     }
     let at = capture("validating-create.json")["review"]["request"]["object"].clone();
     let objects: Vec<serde_json::Value> = (0..CONVERTED_PER_REVIEW)
