@@ -56,6 +56,8 @@ pub enum ConversionError {
     },
     #[error("object {index} is not a JSON object but {found}")]
     NotAnObject { index: usize, found: &'static str },
+    #[error("object {index}: {why}")]
+    TooLarge { index: usize, why: String },
 }
 
 /// `message` (about a `v1` object, as cnat's rules word it) as a `v1alpha1` writer reads it:
@@ -168,6 +170,11 @@ pub(crate) fn down(object: &mut Map<String, Value>) {
     phase(object, false);
 }
 
+/// The longest value of [`CARRIED_ANNOTATION`] opened as an envelope: more than an At's pod
+/// metadata can hold (etcd keeps objects of at most 1.5 MiB), as long as the longest string a
+/// ConversionReview's fields may hold (`streaming::MAX_TOKEN`).
+const MAX_ENVELOPE: usize = 2 << 20;
+
 /// Keys of the envelope in [`CARRIED_ANNOTATION`].
 const POD_METADATA: &str = "podMetadata";
 const ANNOTATION: &str = "annotation";
@@ -185,6 +192,11 @@ struct Envelope {
 /// that are maps of strings, as the v1 schema allows) and/or `annotation` (a string that is an
 /// envelope itself when there is no `podMetadata`: `down` only wraps such a value).
 fn envelope(text: &str) -> Option<Envelope> {
+    // A made-up value longer than any envelope would otherwise be read into a tree many times
+    // its size; an envelope is an object.
+    if text.len() > MAX_ENVELOPE || !text.starts_with('{') {
+        return None;
+    }
     let value: Value = serde_json::from_str(text).ok()?;
     if serde_json::to_string(&value).ok()? != text {
         return None;

@@ -60,8 +60,9 @@ impl Plan {
     }
 }
 
-/// What one member costs beside its text: the entry, the key's and the text's allocations.
-const ENTRY: usize = 64;
+/// What one member costs beside its text: its entry (56 bytes) with the spare room of a vector
+/// that doubles, and the key's and the text's allocations.
+const ENTRY: usize = 128;
 
 /// One element of `objects` from its text, what it keeps charged to `budget`: the parts borrow
 /// the text.
@@ -236,18 +237,13 @@ fn get_mut<'m, 'a>(members: &'m mut Members<'a>, key: &str) -> Option<&'m mut Pa
         .map(|(_, part)| part)
 }
 
-/// Removes every member named `key`, giving the last one's value.
+/// Removes every member named `key`, giving the last one's value. Linear in the members
+/// however often the key comes (a made-up object may give one key a hundred thousand times).
 fn remove<'a>(members: &mut Members<'a>, key: &str) -> Option<Part<'a>> {
-    let mut last = None;
-    let mut i = 0;
-    while i < members.len() {
-        if members[i].0 == key {
-            last = Some(members.remove(i).1);
-        } else {
-            i += 1;
-        }
-    }
-    last
+    let at = members.iter().rposition(|(k, _)| k == key)?;
+    let (_, last) = members.remove(at);
+    members.retain(|(k, _)| k != key);
+    Some(last)
 }
 
 /// Sets `key` to `part`, in place of every member of that name.
@@ -268,11 +264,13 @@ fn as_string(part: &Part) -> Option<String> {
     }
 }
 
-/// `element` (the `index`th of a request) as `desired` (`V1ALPHA1` or `V1`).
+/// `element` (the `index`th of a request) as `desired` (`V1ALPHA1` or `V1`); what it decodes
+/// (pod metadata moved into the carried annotation) is charged to `budget`.
 pub fn convert<'a>(
     index: usize,
     element: Element<'a>,
     desired: &str,
+    budget: &Budget,
 ) -> Result<Members<'a>, ConversionError> {
     if desired != V1 && desired != V1ALPHA1 {
         return Err(ConversionError::UnknownTarget(desired.to_owned()));
@@ -285,7 +283,7 @@ pub fn convert<'a>(
     match version.as_deref().unwrap_or_default() {
         v if v == desired => {}
         V1ALPHA1 => up(&mut object),
-        V1 => down(&mut object),
+        V1 => down(&mut object, budget).map_err(|why| ConversionError::TooLarge { index, why })?,
         other => {
             return Err(ConversionError::UnknownSource {
                 index,
@@ -328,7 +326,7 @@ fn up(object: &mut Members) {
 }
 
 /// `v1` to `v1alpha1`, as `super::down`.
-fn down(object: &mut Members) {
+fn down(object: &mut Members, budget: &Budget) -> Result<(), String> {
     let mut pod_metadata = None;
     if let Some(Part::Object(spec)) = get_mut(object, "spec") {
         if let Some(Part::Object(mut template)) = remove(spec, "template") {
@@ -342,14 +340,17 @@ fn down(object: &mut Members) {
     if wrap {
         let mut carried = serde_json::Map::new();
         if let Some(pod_metadata) = pod_metadata {
-            // Read as JSON to be written as `super::down` writes it (canonical, as `envelope`
-            // wants it back); `template.metadata` is only labels and annotations.
-            let value = match pod_metadata {
-                Part::Raw(text) => serde_json::from_str(&text).unwrap_or_default(),
-                Part::Object(members) => {
-                    serde_json::from_str(&text_of(&members)).unwrap_or_default()
-                }
+            // Read as JSON, within the object's budget, to be written as `super::down` writes
+            // it (canonical, as `envelope` wants it back).
+            let text = match pod_metadata {
+                Part::Raw(text) => text,
+                Part::Object(members) => Cow::Owned(text_of(&members)),
             };
+            let mut deserializer = serde_json::Deserializer::from_str(&text);
+            let value = budget
+                .value()
+                .deserialize(&mut deserializer)
+                .map_err(|e| e.to_string())?;
             carried.insert(POD_METADATA.into(), value);
         }
         if let Some(annotation) = annotation {
@@ -359,6 +360,7 @@ fn down(object: &mut Members) {
         set_annotation(object, Some(text));
     }
     phase(object, false);
+    Ok(())
 }
 
 /// Respells `status.phase` as `super::phase` does.

@@ -439,7 +439,7 @@ impl<'de, W: Write> Visitor<'de> for Objects<'_, '_, W> {
                 }
             };
             let desired = state.desired.clone().unwrap_or_default();
-            let converted = parts::convert(index, object, &desired);
+            let converted = parts::convert(index, object, &desired, &budget);
             let written = match &converted {
                 Ok(object) => Ok(state.out.object(object)),
                 Err(error) => Err(error.to_string()),
@@ -564,6 +564,11 @@ fn next_object(body: &mut dyn BufRead, first: bool, text: &mut Vec<u8>) -> io::R
                 OBJECT_BUDGET >> 10
             )));
         }
+        if text.len() + taken > text.capacity() {
+            // Room doubled as a vector does, but never past the bound.
+            let room = (text.capacity() * 2).clamp(text.len() + taken, OBJECT_BUDGET);
+            text.reserve_exact(room - text.len());
+        }
         text.extend_from_slice(&chunk[..taken]);
         body.consume(taken);
         if end.is_some() {
@@ -686,7 +691,7 @@ mod tests {
                 let n = buf.len().min(4096);
                 for (i, byte) in buf[..n].iter_mut().enumerate() {
                     *byte = head.as_bytes().get(self.given + i).copied().unwrap_or(b',');
-                    if self.given + i >= head.len() && (self.given + i) % 2 == 0 {
+                    if self.given + i >= head.len() && (self.given + i).is_multiple_of(2) {
                         *byte = b'0';
                     }
                 }

@@ -8,7 +8,7 @@
 //! an At in its own words. Only the status, small and rare in a review, goes through JSON, to
 //! respell its phase.
 
-use super::{envelope, respell, Envelope, CARRIED_ANNOTATION};
+use super::{envelope, respell, Envelope, CARRIED_ANNOTATION, V1ALPHA1};
 use crate::api::{At, AtPodTemplate, AtSpec, AtStatus, PodMetadata};
 use k8s_openapi::api::core::v1::{EnvVar, LocalObjectReference, ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -20,6 +20,10 @@ use std::collections::BTreeMap;
 /// An At as `v1alpha1` writes it: the pod's settings in `spec` itself, the phase in capitals.
 #[derive(Debug, Deserialize)]
 pub struct AtV1alpha1 {
+    /// The object's own version: anything but `v1alpha1` is left to the slower path, which
+    /// reads the object as that version says (or refuses it).
+    #[serde(rename = "apiVersion")]
+    pub api_version: String,
     pub metadata: ObjectMeta,
     pub spec: SpecV1alpha1,
     #[serde(default, deserialize_with = "status_in_v1_spelling")]
@@ -80,10 +84,14 @@ impl AtV1alpha1 {
     /// path then says so).
     pub fn into_v1(self) -> Option<At> {
         let AtV1alpha1 {
+            api_version,
             mut metadata,
             spec,
             status,
         } = self;
+        if api_version != V1ALPHA1 {
+            return None;
+        }
         let mut template = AtPodTemplate {
             metadata: None,
             image: spec.image,
