@@ -12,7 +12,9 @@
 //!   each ADDED event arrives here), the last as a ratio to the create floor;
 //! - then a kubelet stand-in ends all `n` pods at once (their status written over 8
 //!   connections): how long after the last pod ended every At said DONE, and as a ratio to the
-//!   status-patch floor;
+//!   status-patch floor; and when a reader listing the Ats every 50 ms (each list read from
+//!   etcd) first saw every At done, as `v1` and as `v1alpha1` (each of those lists converted by
+//!   the operator's conversion webhook, to which the CRD points for the run);
 //! - the operator's resident memory at the end.
 
 use crate::envtest::{self, ControlPlane};
@@ -69,7 +71,7 @@ fn etcd_version() -> String {
 }
 
 pub async fn run(sizes: &[usize]) {
-    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | the same without the CEL rule / with a minimal schema | every At DONE after the last pod ended | DONE / floor | every Succeeded event after the last DONE | every pod let go of cnat's finalizer after the last DONE | operator RSS |").await;
+    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | the same without the CEL rule / with a minimal schema | every At DONE after the last pod ended | DONE / floor | the same as a reader listing every 50 ms sees it, v1 / v1alpha1 (one list once all is quiet) | every Succeeded event after the last DONE | every pod let go of cnat's finalizer after the last DONE | operator RSS |").await;
     for &n in sizes {
         burst(plane, &admin, n).await;
     }
@@ -160,6 +162,23 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     );
     let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
     let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    // The CRD's conversion webhook: this operator (a Service's work, for one replica).
+    while !ready(operator.admin).await {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let crd = cnat::api::crd_with(
+        k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::WebhookClientConfig {
+            url: Some(format!(
+                "https://127.0.0.1:{}/convert",
+                operator.webhook.port()
+            )),
+            ca_bundle: Some(k8s_openapi::ByteString(
+                std::fs::read(operator.ca()).unwrap(),
+            )),
+            service: None,
+        },
+    );
+    envtest::install_crd(admin, &cnat::api::crd_to_yaml(&crd)).await;
     // Time to create them and let their PENDING writes settle before they fall due.
     let lead = Duration::from_secs(5) + create_floor * 4;
     let due_instant = Instant::now() + lead;
@@ -191,6 +210,8 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     let released_seen = tokio::spawn(watch_released(pods.clone(), n));
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(admin.clone(), &ns);
     let told = tokio::spawn(watch_succeeded_events(events, n));
+    let read_v1 = tokio::spawn(list_until_done(admin.clone(), ns.clone(), "v1", n));
+    let read_v1alpha1 = tokio::spawn(list_until_done(admin.clone(), ns.clone(), "v1alpha1", n));
     let ended = concurrently(n, |i| {
         let pods = pods.clone();
         async move {
@@ -217,6 +238,14 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         .expect("every At DONE within two minutes")
         .unwrap();
     let all_done = done.saturating_duration_since(last_ended);
+    let mut readers = Vec::new();
+    for reader in [read_v1, read_v1alpha1] {
+        let seen = tokio::time::timeout(Duration::from_secs(120), reader)
+            .await
+            .expect("every At done in a list within two minutes")
+            .unwrap();
+        readers.push(seen.saturating_duration_since(last_ended));
+    }
     // Events follow the status writes they describe: when the last `Succeeded` one is out
     // (seen by a watch started before the pods ended, not by lists that would load the server).
     let told = tokio::time::timeout(Duration::from_secs(300), told)
@@ -231,16 +260,33 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         _ => "never".to_owned(),
     };
     let rss = crate::rss::rss_kib(&operator.child.id().to_string());
+    // What one list takes once the server is quiet again: the readers' floor.
+    let mut quiet = Vec::new();
+    for version in ["v1", "v1alpha1"] {
+        let ats = dynamic_ats(admin.clone(), &ns, version);
+        let mut took = Vec::new();
+        for _ in 0..3 {
+            let start = Instant::now();
+            ats.list(&Default::default()).await.unwrap();
+            took.push(start.elapsed());
+        }
+        took.sort();
+        quiet.push(took[1]);
+    }
     let created = pods.list(&Default::default()).await.unwrap().items.len();
     assert_eq!(created, n, "one pod per At");
     let q = |p: f64| after[((after.len() - 1) as f64 * p).round() as usize];
     println!(
-        "| {n} | {create_floor:.2?} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {events_after:.2?} | {released} | {:.0} MiB |",
+        "| {n} | {create_floor:.2?} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {:.2?} / {:.2?} ({:.0?} / {:.0?}) | {events_after:.2?} | {released} | {:.0} MiB |",
         q(0.0),
         q(0.5),
         q(1.0),
         q(1.0).as_secs_f64() / create_floor.as_secs_f64(),
         all_done.as_secs_f64() / patch_floor.as_secs_f64(),
+        readers[0],
+        readers[1],
+        quiet[0],
+        quiet[1],
         rss as f64 / 1024.0
     );
     operator.kill();
@@ -405,6 +451,38 @@ async fn watch_pods(pods: Api<Pod>, n: usize) -> HashMap<String, Instant> {
         }
     }
     seen
+}
+
+/// When a reader listing the Ats of `namespace` as `version` (`v1` or `v1alpha1`), every 50 ms
+/// from the end of one list to the start of the next, each read from etcd, first had a list in
+/// which all `n` said done.
+async fn list_until_done(admin: Client, namespace: String, version: &str, n: usize) -> Instant {
+    let ats = dynamic_ats(admin, &namespace, version);
+    let done = if version == "v1" { "Done" } else { "DONE" };
+    loop {
+        if let Ok(list) = ats.list(&Default::default()).await {
+            let seen = list
+                .items
+                .iter()
+                .filter(|at| at.data["status"]["phase"] == done);
+            if seen.count() >= n {
+                return Instant::now();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The Ats of `namespace` as `version` (`v1` or `v1alpha1`), as JSON.
+fn dynamic_ats(admin: Client, namespace: &str, version: &str) -> Api<kube::api::DynamicObject> {
+    let resource = kube::api::ApiResource {
+        group: cnat::api::GROUP.to_owned(),
+        version: version.to_owned(),
+        api_version: format!("{}/{version}", cnat::api::GROUP),
+        kind: "At".to_owned(),
+        plural: "ats".to_owned(),
+    };
+    Api::namespaced_with(admin, namespace, &resource)
 }
 
 /// When the last of `n` Ats was seen DONE.
