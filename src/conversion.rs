@@ -247,13 +247,19 @@ fn respell(status: &mut Map<String, Value>, to_v1: bool) {
     let Some(Value::String(phase)) = status.get_mut("phase") else {
         return;
     };
-    if let Some((_, to)) = PHASES
-        .into_iter()
-        .map(|(old, new)| if to_v1 { (old, new) } else { (new, old) })
-        .find(|(from, _)| from == phase)
-    {
+    if let Some(to) = respelled(phase, to_v1) {
         *phase = to.to_owned();
     }
+}
+
+/// `phase` in v1's spelling when `to_v1`, else in v1alpha1's, by `PHASES`; `None` for a value
+/// not in the table.
+fn respelled(phase: &str, to_v1: bool) -> Option<&'static str> {
+    PHASES
+        .into_iter()
+        .map(|(old, new)| if to_v1 { (old, new) } else { (new, old) })
+        .find(|(from, _)| *from == phase)
+        .map(|(_, to)| to)
 }
 
 /// The value of the carried annotation on `object`, if it has one.

@@ -8,7 +8,7 @@
 //! back, are what `convert` makes of the same objects (property test in `conversion/tests.rs`),
 //! with a key given twice read as JSON readers read it, the last one winning.
 
-use super::{envelope, ConversionError, Envelope, CARRIED_ANNOTATION, PHASES, POD_FIELDS};
+use super::{envelope, respelled, ConversionError, Envelope, CARRIED_ANNOTATION, POD_FIELDS};
 use super::{ANNOTATION, POD_METADATA, V1, V1ALPHA1};
 use crate::serving::bounded::Budget;
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -374,11 +374,7 @@ fn phase(object: &mut Members, to_v1: bool) {
     let Some(spelled) = as_string(phase) else {
         return;
     };
-    if let Some((_, to)) = PHASES
-        .into_iter()
-        .map(|(old, new)| if to_v1 { (old, new) } else { (new, old) })
-        .find(|(from, _)| *from == spelled)
-    {
+    if let Some(to) = respelled(&spelled, to_v1) {
         *phase = string(to);
     }
 }
