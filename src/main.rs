@@ -432,6 +432,7 @@ fn elect(
     };
     let controller_settings = controller::Settings {
         namespace: args.namespace.clone(),
+        selector: None,
         concurrency: args.concurrency,
         policy: args.policy(),
     };

@@ -1,49 +1,123 @@
-//! Ats split into list shards by a label, so that a replica that starts lists them with several
-//! requests at once. Pure; shared by the mutating webhook (which labels each At it admits) and
-//! the At cache (which lists each shard, and the Ats without a shard, at the same time).
+//! Ats split by a label, for two things. Pure; shared by the mutating webhook (which labels
+//! each At it admits), the At cache and the leader.
 //!
-//! Why: kube-apiserver encodes a list response on one goroutine. Measured on v1.24 with
-//! 100,000 PENDING Ats on this project's 2-core machine (docs/src/design/decisions.md,
-//! "List shards"), one list at `resourceVersion=0` took 8.0-9.3 s to arrive, the five lists of four
-//! shards at once 4.8-7.1 s: the server encodes them on both cores.
+//! - **List shards**: a replica that starts lists the Ats with several requests at once.
+//!   kube-apiserver encodes a list response on one goroutine; measured on v1.24 with 100,000
+//!   PENDING Ats on this project's 2-core machine (docs/src/design/decisions.md, "List
+//!   shards"), one list at `resourceVersion=0` took 8.0-9.3 s to arrive, the five lists of four
+//!   shards at once 4.8-7.1 s: the server encodes them on both cores.
+//! - **Lease shards** (`cnat run --shards N`, `Shards`): the Ats are split among N Leases, and
+//!   each replica caches and reconciles only the Ats of the Leases it holds.
 //!
-//! The lists together hold every At exactly once whatever the labels say: one list per shard
-//! value `0`..`SHARDS-1`, and one of every At whose label is missing or anything else (Ats
-//! stored before the webhook labelled them, created while it was not called, or labelled by
-//! hand). So a wrong or missing label makes the list slower, never incomplete.
+//! The label's value is one of `VALUES` numbers, `0`..`59`, from a hash of the At's name: list
+//! shard `value % SHARDS`, Lease shard `value % N`. 60 splits evenly into 1, 2, 3, 4, 5, 6, 10,
+//! 12, 15, 20, 30 and 60 Lease shards (others within one value of even). Ats labelled by
+//! releases before 0.9 have values `0`..`3`, which read the same way.
+//!
+//! The lists together hold every At exactly once whatever the labels say: one list per list
+//! shard, and one of every At whose label is missing or anything else (Ats stored before the
+//! webhook labelled them, created while it was not called, or labelled by hand). So a wrong or
+//! missing label makes the list slower, never incomplete. Likewise every At is in exactly one
+//! Lease shard: such Ats are in shard 0.
 
 use std::collections::BTreeMap;
 
-/// The label that names an At's list shard.
+/// The label that names an At's shard (and, copied by the leader, its pod's).
 pub const LABEL: &str = "cnat.programming-kubernetes.info/shard";
 
-/// How many shards the mutating webhook spreads Ats over.
+/// How many list shards the cache lists at once (`selectors()`).
 pub const SHARDS: usize = 4;
 
-/// The shard for an At, from `seed`: its `namespace/name`, or anything unique to it when it has
-/// no name yet (a create with `generateName`). The same seed always gets the same shard (XXH3,
-/// whose output its specification fixes), and names that differ in one character spread over
-/// every shard.
+/// How many values the label takes: the most Lease shards there can be.
+pub const VALUES: usize = 60;
+
+/// The shard label's value for an At, from `seed`: its `namespace/name`, or anything unique to
+/// it when it has no name yet (a create with `generateName`). The same seed always gets the same
+/// value (XXH3, whose output its specification fixes), and names that differ in one character
+/// spread over every shard.
 pub fn assign(seed: &str) -> String {
-    (xxhash_rust::xxh3::xxh3_64(seed.as_bytes()) % SHARDS as u64).to_string()
+    (xxhash_rust::xxh3::xxh3_64(seed.as_bytes()) % VALUES as u64).to_string()
 }
 
-/// The label selectors of the lists that together return every At once: shard `i` for `i` in
-/// `0..SHARDS`, then every other At.
+/// The shard label's value in these labels, when it is one `assign` gives (`"7"`, not `"07"`).
+pub fn value_of(labels: Option<&BTreeMap<String, String>>) -> Option<u8> {
+    let text = labels?.get(LABEL)?;
+    let value: u8 = text.parse().ok()?;
+    (usize::from(value) < VALUES && value.to_string() == *text).then_some(value)
+}
+
+/// `label in (values)`.
+fn in_values(values: impl Iterator<Item = usize>) -> String {
+    let values: Vec<String> = values.map(|v| v.to_string()).collect();
+    format!("{LABEL} in ({})", values.join(","))
+}
+
+/// `label notin (values)`.
+fn not_in_values(values: impl Iterator<Item = usize>) -> String {
+    let values: Vec<String> = values.map(|v| v.to_string()).collect();
+    format!("{LABEL} notin ({})", values.join(","))
+}
+
+/// The label selectors of the lists that together return every At once: list shard `i` for
+/// `i` in `0..SHARDS`, then every other At.
 pub fn selectors() -> Vec<String> {
-    let values: Vec<String> = (0..SHARDS).map(|i| i.to_string()).collect();
     (0..SHARDS)
-        .map(|i| format!("{LABEL}={i}"))
-        .chain([format!("{LABEL} notin ({})", values.join(","))])
+        .map(|i| in_values((i..VALUES).step_by(SHARDS)))
+        .chain([not_in_values(0..VALUES)])
         .collect()
 }
 
 /// Which of `selectors()` selects an At with these labels.
 pub fn list_of(labels: Option<&BTreeMap<String, String>>) -> usize {
-    labels
-        .and_then(|labels| labels.get(LABEL))
-        .and_then(|value| (0..SHARDS).find(|i| *value == i.to_string()))
-        .unwrap_or(SHARDS)
+    list_of_value(value_of(labels))
+}
+
+/// Which of `selectors()` selects an At whose label has this value (`value_of`).
+pub fn list_of_value(value: Option<u8>) -> usize {
+    value.map_or(SHARDS, |value| usize::from(value) % SHARDS)
+}
+
+/// The Ats split among `count` Leases (`cnat run --shards`): shard `i` holds the Ats whose
+/// label value is `i` modulo `count`, and shard 0 also every At without such a value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shards {
+    count: usize,
+}
+
+/// `--shards` out of range.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("--shards {0}: give 1 (one Lease, the default) to {VALUES} (the values of the label {LABEL}); 2-6 fit most clusters")]
+pub struct ShardCountError(pub usize);
+
+impl Shards {
+    pub fn new(count: usize) -> Result<Shards, ShardCountError> {
+        if (1..=VALUES).contains(&count) {
+            Ok(Shards { count })
+        } else {
+            Err(ShardCountError(count))
+        }
+    }
+
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// The shard an At with these labels is in.
+    pub fn of(&self, labels: Option<&BTreeMap<String, String>>) -> usize {
+        value_of(labels).map_or(0, |value| usize::from(value) % self.count)
+    }
+
+    /// The label selector of shard `shard`'s Ats, and of their pods (which carry the At's
+    /// label): `None` for one shard (every At). Shard 0's names the other shards' values, so it
+    /// also selects every At without a value.
+    pub fn selector(&self, shard: usize) -> Option<String> {
+        let theirs = |of: usize| (0..VALUES).filter(move |v| v % self.count == of);
+        match shard {
+            _ if self.count == 1 => None,
+            0 => Some(not_in_values((0..VALUES).filter(|v| v % self.count != 0))),
+            shard => Some(in_values(theirs(shard))),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -58,14 +132,37 @@ mod tests {
         labels
     }
 
+    /// Whether `selector` (one `in`/`notin` requirement on `LABEL`, as this module writes them)
+    /// selects these labels, read as kube-apiserver reads it.
+    fn selects(selector: &str, labels: &BTreeMap<String, String>) -> bool {
+        let (negated, rest) = match selector.strip_prefix(&format!("{LABEL} notin (")) {
+            Some(rest) => (true, rest),
+            None => (
+                false,
+                selector
+                    .strip_prefix(&format!("{LABEL} in ("))
+                    .expect("an in or notin requirement"),
+            ),
+        };
+        let values: Vec<&str> = rest.strip_suffix(')').unwrap().split(',').collect();
+        let listed = labels
+            .get(LABEL)
+            .is_some_and(|v| values.contains(&v.as_str()));
+        listed != negated
+    }
+
+    fn odd_values() -> Vec<Option<&'static str>> {
+        vec![None, Some(""), Some("60"), Some("00"), Some("07"), Some(" 1"), Some("x"), Some("-1"), Some("255"), Some("1000")]
+    }
+
     #[test]
     fn every_assigned_shard_is_listed_by_its_own_selector() {
         let mut seen = [0usize; SHARDS];
         for i in 0..10_000 {
-            let shard = assign(&format!("default/at-{i:06}"));
-            let list = list_of(Some(&labels(Some(&shard))));
-            assert!(list < SHARDS, "{shard}");
-            assert_eq!(selectors()[list], format!("{LABEL}={shard}"));
+            let value = assign(&format!("default/at-{i:06}"));
+            let list = list_of(Some(&labels(Some(&value))));
+            assert!(list < SHARDS, "{value}");
+            assert!(selects(&selectors()[list], &labels(Some(&value))), "{value}");
             seen[list] += 1;
         }
         // Spread evenly enough to list in parallel (each within 10% of a quarter).
@@ -75,12 +172,25 @@ mod tests {
     }
 
     #[test]
-    fn the_same_seed_gets_the_same_shard_in_every_release() {
-        // Fixed (the reference xxhash library gives the same): a change would move new Ats to
-        // other shards than their like after an upgrade.
+    fn every_value_and_every_odd_label_is_in_exactly_one_list() {
+        let values: Vec<String> = (0..VALUES).map(|v| v.to_string()).collect();
+        let all = values.iter().map(|v| Some(v.as_str())).chain(odd_values());
+        for value in all {
+            let labels = labels(value);
+            let selecting: Vec<usize> = (0..=SHARDS)
+                .filter(|i| selects(&selectors()[*i], &labels))
+                .collect();
+            assert_eq!(selecting, vec![list_of(Some(&labels))], "{value:?}");
+        }
+    }
+
+    #[test]
+    fn the_same_seed_gets_the_same_value_in_every_release() {
+        // Fixed (Python's xxhash gives the same: `xxh3_64_intdigest(seed) % 60`): a change would
+        // move new Ats to other shards than their like after an upgrade.
         assert_eq!(
             ["a", "default/x", "", "ns/at-1"].map(assign),
-            ["3", "0", "2", "2"]
+            ["19", "44", "58", "58"]
         );
     }
 
@@ -100,15 +210,64 @@ mod tests {
     }
 
     #[test]
-    fn ats_without_a_shard_or_with_another_value_go_to_the_last_list() {
+    fn ats_without_a_value_go_to_the_last_list_and_lease_shard_0() {
         assert_eq!(list_of(None), SHARDS);
-        for value in [None, Some(""), Some("4"), Some("00"), Some(" 1"), Some("x")] {
+        let shards = Shards::new(3).unwrap();
+        for value in odd_values() {
             assert_eq!(list_of(Some(&labels(value))), SHARDS, "{value:?}");
+            assert_eq!(shards.of(Some(&labels(value))), 0, "{value:?}");
         }
-        assert_eq!(
-            selectors().last().unwrap(),
-            &format!("{LABEL} notin (0,1,2,3)")
-        );
         assert_eq!(selectors().len(), SHARDS + 1);
+        // Values of releases before 0.9 (0-3) read as they did.
+        for old in 0..4 {
+            let labels = labels(Some(&old.to_string()));
+            assert_eq!(list_of(Some(&labels)), old);
+        }
+    }
+
+    #[test]
+    fn each_at_is_in_exactly_the_lease_shard_whose_selector_selects_it() {
+        let values: Vec<String> = (0..VALUES).map(|v| v.to_string()).collect();
+        for count in 1..=VALUES {
+            let shards = Shards::new(count).unwrap();
+            let all = values.iter().map(|v| Some(v.as_str())).chain(odd_values());
+            for value in all {
+                let labels = labels(value);
+                let selecting: Vec<usize> = (0..count)
+                    .filter(|i| shards.selector(*i).is_none_or(|s| selects(&s, &labels)))
+                    .collect();
+                assert_eq!(selecting, vec![shards.of(Some(&labels))], "{count} {value:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn lease_shards_split_the_values_within_one_of_even() {
+        for count in 1..=VALUES {
+            let shards = Shards::new(count).unwrap();
+            let mut sizes = vec![0usize; count];
+            for value in 0..VALUES {
+                sizes[shards.of(Some(&labels(Some(&value.to_string()))))] += 1;
+            }
+            let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+            assert!(max - min <= 1, "{count}: {sizes:?}");
+            if VALUES % count == 0 {
+                assert_eq!(min, max, "{count}: {sizes:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn shard_counts_outside_1_to_60_are_refused_with_the_range() {
+        for bad in [0, 61, 1000] {
+            let error = Shards::new(bad).unwrap_err().to_string();
+            assert!(error.starts_with(&format!("--shards {bad}: give 1")), "{error}");
+            assert!(error.contains("to 60"), "{error}");
+        }
+        assert_eq!(Shards::new(1).unwrap().selector(0), None);
+        assert_eq!(
+            Shards::new(2).unwrap().selector(1).unwrap(),
+            format!("{LABEL} in (1,3,5,7,9,11,13,15,17,19,21,23,25,27,29,31,33,35,37,39,41,43,45,47,49,51,53,55,57,59)")
+        );
     }
 }

@@ -773,6 +773,7 @@ async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
     // ones.
     let settings = cnat::operator::controller::Settings {
         namespace: None,
+        selector: None,
         concurrency: 32,
         policy: Default::default(),
     };

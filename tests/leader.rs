@@ -466,6 +466,7 @@ async fn stop_a_busy_leader(after: Duration, list: Duration) -> usize {
         move |client: kube::Client, stop: CancellationToken| {
             let settings = cnat::operator::controller::Settings {
                 namespace: None,
+                selector: None,
                 concurrency: 32,
                 policy: Default::default(),
             };
@@ -884,6 +885,7 @@ fn caching_replica(server: &ApiServer, id: &str) -> CachingReplica {
         move |stop| {
             let settings = cnat::operator::controller::Settings {
                 namespace: None,
+                selector: None,
                 concurrency: 8,
                 policy: Default::default(),
             };

@@ -358,14 +358,21 @@ impl Metrics {
         self.lateness.observe(late.as_secs_f64());
     }
 
-    /// Counts Ats by phase from `store` (the leader's cache) until `forget_ats`.
-    pub fn count_ats(&self, store: Store<CachedAt>) {
-        *self.ats.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(store);
+    /// Counts Ats by phase from `store` (the leader's cache; with Lease shards, one of the
+    /// caches of the shards this replica leads) until `forget_ats` with the number returned.
+    pub fn count_ats(&self, store: Store<CachedAt>) -> u64 {
+        let mut counted = self.ats.0.lock().unwrap_or_else(|e| e.into_inner());
+        counted.next += 1;
+        let id = counted.next;
+        counted.stores.push((id, store));
+        id
     }
 
-    /// Stops counting Ats: a replica that does not lead has no cache to count.
-    pub fn forget_ats(&self) {
-        *self.ats.0.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    /// Stops counting the Ats of the store `count_ats` numbered `id`: a replica that does not
+    /// lead has no cache to count.
+    pub fn forget_ats(&self, id: u64) {
+        let mut counted = self.ats.0.lock().unwrap_or_else(|e| e.into_inner());
+        counted.stores.retain(|(counted, _)| *counted != id);
     }
 
     /// The OpenMetrics text of every metric.
@@ -403,7 +410,14 @@ impl Collector for LeaderCollector {
 
 /// The leader's At cache, when there is one.
 #[derive(Debug, Default)]
-struct AtCount(Mutex<Option<Store<CachedAt>>>);
+struct AtCount(Mutex<CountedStores>);
+
+/// The caches whose Ats are counted, each with the number `count_ats` gave it.
+#[derive(Debug, Default)]
+struct CountedStores {
+    next: u64,
+    stores: Vec<(u64, Store<CachedAt>)>,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct PhaseLabels {
@@ -418,10 +432,14 @@ struct NamespaceLabels {
 
 impl Collector for AtCount {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let Some(store) = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
-            return Ok(());
+        let stores: Vec<Store<CachedAt>> = {
+            let counted = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            counted.stores.iter().map(|(_, store)| store.clone()).collect()
         };
-        let ats = store.state();
+        if stores.is_empty() {
+            return Ok(());
+        }
+        let ats: Vec<_> = stores.iter().flat_map(Store::state).collect();
         let mut family = encoder.encode_descriptor(
             "cnat_ats",
             "Ats by phase, as the leader sees them (only the leader reports this)",

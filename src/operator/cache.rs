@@ -41,9 +41,10 @@ pub struct CachedAt {
     /// `packed`.
     metadata: ObjectMeta,
     phase: Phase,
-    /// Which of the shard lists (`shard::selectors()`) its labels put it in: a watch that
-    /// follows several lists uses it to tell what they already held.
-    list: u8,
+    /// Its shard label's value (`shard::value_of`), `NO_VALUE` when it has none: which of the
+    /// shard lists holds it (a watch that follows several lists uses that to tell what they
+    /// already held), and the label itself, which is not kept twice.
+    label: u8,
     /// The instant the schedule names; `None` when it does not parse.
     due: Option<DateTime<Utc>>,
     /// The rest of the trimmed At (`Rest`), as JSON compressed with LZ4, which takes out the
@@ -117,7 +118,7 @@ impl CachedAt {
 
     fn undecodable(meta: ObjectMeta, why: String) -> CachedAt {
         CachedAt {
-            list: list_of(&meta),
+            label: label_of(&meta),
             metadata: ObjectMeta {
                 name: meta.name,
                 namespace: meta.namespace,
@@ -139,14 +140,21 @@ impl CachedAt {
 
     /// Which of the shard lists (`shard::selectors()`) holds this At.
     pub fn list(&self) -> usize {
-        usize::from(self.list)
+        shard::list_of_value(self.value())
+    }
+
+    /// Its shard label's value, when it is one the webhook gives.
+    fn value(&self) -> Option<u8> {
+        (self.label != NO_VALUE).then_some(self.label)
     }
 }
 
-/// Which of the shard lists selects an At with this metadata.
-fn list_of(meta: &ObjectMeta) -> u8 {
-    // At most `shard::SHARDS`, which is small.
-    u8::try_from(shard::list_of(meta.labels.as_ref())).unwrap_or(u8::MAX)
+/// `CachedAt::label` of an At without a shard label value.
+const NO_VALUE: u8 = u8::MAX;
+
+/// `CachedAt::label` of an At with this metadata.
+fn label_of(meta: &ObjectMeta) -> u8 {
+    shard::value_of(meta.labels.as_ref()).unwrap_or(NO_VALUE)
 }
 
 impl From<At> for CachedAt {
@@ -167,10 +175,10 @@ impl From<At> for CachedAt {
         };
         metadata.managed_fields = None;
         metadata.annotations = None;
-        let list = list_of(&metadata);
-        // A shard label that names a shard is `list` again: not kept twice (at 100,000 Ats its
-        // text would be 5 MB more, before allocation size classes).
-        if usize::from(list) < shard::SHARDS {
+        let label = label_of(&metadata);
+        // A shard label with a value is `label` again: not kept twice (at 100,000 Ats its text
+        // would be 5 MB more, before allocation size classes).
+        if label != NO_VALUE {
             if let Some(labels) = &mut metadata.labels {
                 labels.remove(shard::LABEL);
                 if labels.is_empty() {
@@ -190,7 +198,7 @@ impl From<At> for CachedAt {
             Vec::new()
         });
         CachedAt {
-            list,
+            label,
             metadata: key,
             phase,
             due,
@@ -234,9 +242,9 @@ impl CachedAt {
             resource_version: self.metadata.resource_version.clone(),
             ..rest.metadata
         };
-        if self.list() < shard::SHARDS {
+        if let Some(value) = self.value() {
             let labels = at.metadata.labels.get_or_insert_with(Default::default);
-            labels.insert(shard::LABEL.to_owned(), self.list().to_string());
+            labels.insert(shard::LABEL.to_owned(), value.to_string());
         }
         at.status = rest.status;
         Ok(at)
@@ -410,6 +418,17 @@ impl AtCache {
     /// As `start`; `streaming`: whether to list by a streaming watch where the API server
     /// offers one (`false`: by lists, as on a server that does not).
     pub fn start_listing(client: &Client, namespace: Option<&str>, streaming: bool) -> Self {
+        Self::start_selected(client, namespace, None, streaming)
+    }
+
+    /// As `start_listing`, caching only the Ats `selector` selects (a Lease shard's,
+    /// `shard::Shards::selector`; `None`: every At).
+    pub fn start_selected(
+        client: &Client,
+        namespace: Option<&str>,
+        selector: Option<String>,
+        streaming: bool,
+    ) -> Self {
         let (store, writer) = reflector::store();
         let (changes, _) = broadcast::channel(CHANGES);
         let (feed, cached) = (changes.clone(), store.clone());
@@ -425,6 +444,7 @@ impl AtCache {
         let watch = follow::follow(
             client.clone(),
             namespace.map(str::to_owned),
+            selector,
             store.clone(),
             freshness.clone(),
             streamed.clone(),

@@ -30,6 +30,9 @@ use tracing::{debug, error, info, warn};
 pub struct Settings {
     /// Watch this namespace only; `None` watches all.
     pub namespace: Option<String>,
+    /// Only the Ats of this Lease shard, and their pods (`shard::Shards::selector`); `None`:
+    /// every At.
+    pub selector: Option<String>,
     /// Most reconciles at once; 0 means no limit.
     pub concurrency: u16,
     /// Defaults for what Ats leave out, and the RUNNING re-check interval.
@@ -44,7 +47,12 @@ pub async fn run(
     metrics: Arc<Metrics>,
     stop: CancellationToken,
 ) {
-    let cache = AtCache::start(&client, settings.namespace.as_deref());
+    let cache = AtCache::start_selected(
+        &client,
+        settings.namespace.as_deref(),
+        settings.selector.clone(),
+        true,
+    );
     run_with_cache(cache, client, settings, events, metrics, stop).await
 }
 
@@ -77,11 +85,20 @@ pub async fn run_with_cache(
     let at_store = cache.store().clone();
     // Pods of deleted Ats that wait for cnat's finalizer to go.
     let (orphans, orphaned) = mpsc::unbounded_channel();
-    let pod_events = pod_events(pods, pod_writer, at_store.clone(), orphans.clone());
+    let pod_selector = match &settings.selector {
+        Some(shard) => format!("{},{shard}", pod::SELECTOR),
+        None => pod::SELECTOR.to_owned(),
+    };
+    let pod_events = pod_events(
+        pods,
+        &pod_selector,
+        pod_writer,
+        at_store.clone(),
+        orphans.clone(),
+    );
     // Subscribed before the first look at the cache, so no change falls between the two.
     let at_events = triggers::at_events(cache.subscribe(), ctx.clone(), at_store.clone(), orphans);
-    metrics.count_ats(at_store.clone());
-    let _forget = ForgetAts(metrics.clone());
+    let _forget = ForgetAts(metrics.clone(), metrics.count_ats(at_store.clone()));
     info!(
         namespace = settings.namespace.as_deref().unwrap_or("<all>"),
         "reconciling Ats"
@@ -115,11 +132,12 @@ pub async fn run_with_cache(
 /// finalizer goes to `orphans`. Deletions too: a pod that vanishes must end its At.
 fn pod_events(
     pods: Api<Pod>,
+    selector: &str,
     writer: reflector::store::Writer<Pod>,
     ats: Store<CachedAt>,
     orphans: mpsc::UnboundedSender<ObjectRef<Pod>>,
 ) -> impl futures::Stream<Item = Result<Pod, watcher::Error>> + Send {
-    watcher(pods, watcher::Config::default().labels(pod::SELECTOR))
+    watcher(pods, watcher::Config::default().labels(selector))
         .backoff(cache::watch_backoff())
         .modify(pod::trim)
         .reflect(writer)
@@ -280,11 +298,11 @@ fn error_policy_cached(
 }
 
 /// Stops the At count when the loop ends, also when it is aborted on lost leadership.
-struct ForgetAts(Arc<Metrics>);
+struct ForgetAts(Arc<Metrics>, u64);
 
 impl Drop for ForgetAts {
     fn drop(&mut self) {
-        self.0.forget_ats();
+        self.0.forget_ats(self.1);
     }
 }
 

@@ -97,6 +97,11 @@ pub fn build(at: &At, policy: &RunPolicy) -> Pod {
         (MANAGED_BY_LABEL.to_owned(), MANAGED_BY.to_owned()),
         (AT_LABEL.to_owned(), at_name.clone()),
     ]);
+    // The At's shard, so a Lease shard's pod watch selects its Ats' pods (and only them).
+    match crate::shard::value_of(at.metadata.labels.as_ref()) {
+        Some(value) => labels.insert(crate::shard::LABEL.to_owned(), value.to_string()),
+        None => labels.remove(crate::shard::LABEL),
+    };
     Pod {
         metadata: ObjectMeta {
             name: Some(name_for(&at_name)),
@@ -329,6 +334,33 @@ mod tests {
         at.metadata.namespace = Some("team-a".into());
         at.metadata.uid = Some("uid-1".into());
         at
+    }
+
+    #[test]
+    fn the_pod_carries_its_ats_shard_value_and_no_other() {
+        use crate::shard::LABEL;
+        for (at_label, template_label, expected) in [
+            (Some("7"), None, Some("7")),
+            (Some("7"), Some("3"), Some("7")),
+            (None, Some("3"), None),
+            (Some("x"), Some("3"), None),
+            (Some("07"), None, None),
+        ] {
+            let mut at = at("example-at");
+            if let Some(value) = at_label {
+                at.metadata.labels = Some([(LABEL.to_owned(), value.to_owned())].into());
+            }
+            if let Some(value) = template_label {
+                let metadata = at.spec.template.metadata.get_or_insert_with(Default::default);
+                metadata.labels = Some([(LABEL.to_owned(), value.to_owned())].into());
+            }
+            let labels = build_default(&at).metadata.labels.unwrap();
+            assert_eq!(
+                labels.get(LABEL).map(String::as_str),
+                expected,
+                "{at_label:?} {template_label:?}"
+            );
+        }
     }
 
     #[test]

@@ -31,6 +31,7 @@ pub fn at(name: &str, schedule: chrono::DateTime<chrono::Utc>, command: &str) ->
 pub fn start_operator(client: &Client, ns: &str) -> tokio_util::task::AbortOnDropHandle<()> {
     let settings = cnat::operator::controller::Settings {
         namespace: Some(ns.to_owned()),
+        selector: None,
         concurrency: 32,
         policy: Default::default(),
     };

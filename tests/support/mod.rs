@@ -40,6 +40,7 @@ pub fn run_controller_with(
 ) -> JoinHandle<()> {
     let settings = cnat::operator::controller::Settings {
         namespace: None,
+        selector: None,
         concurrency: 32,
         policy,
     };

@@ -106,6 +106,9 @@ struct Follower {
     url: String,
     /// The store the events go into, as far as they went: what a replaying watch compares with.
     held: Store<CachedAt>,
+    /// Only the Ats this label selector selects (a Lease shard's, `shard::Shards::selector`);
+    /// `None`: every At.
+    selector: Option<String>,
     /// List the shards at once (`false` after an API server gave a resourceVersion that is not
     /// a number, which the replay needs to compare).
     sharded: bool,
@@ -116,13 +119,15 @@ struct Follower {
     freshness: Freshness,
 }
 
-/// Follows the Ats (of `namespace`, or all) with `client`, as kube-runtime's `watcher` does
-/// (see the module docs for the difference); `held` is the store its events go into, and
+/// Follows the Ats (of `namespace`, or all; only those `selector` selects, if given) with
+/// `client`, as kube-runtime's `watcher` does (see the module docs for the difference); `held`
+/// is the store its events go into, and
 /// `freshness` hears where the follower is after each step. `streaming`: list by a streaming
 /// watch where the API server offers one (set to `false` when the server refuses it).
 pub fn follow(
     client: Client,
     namespace: Option<String>,
+    selector: Option<String>,
     held: Store<CachedAt>,
     freshness: Freshness,
     streaming: Arc<AtomicBool>,
@@ -131,6 +136,7 @@ pub fn follow(
     let follower = Follower {
         client,
         url,
+        selector,
         held,
         sharded: true,
         streaming,
@@ -149,6 +155,16 @@ pub fn follow(
             }
         },
     )
+}
+
+impl Follower {
+    /// `params` limited to the Ats this follower follows.
+    fn selected(&self, params: WatchParams) -> WatchParams {
+        match &self.selector {
+            Some(selector) => params.labels(selector),
+            None => params,
+        }
+    }
 }
 
 /// One step: the next state, and what it yields. The state it ends in says how fresh the
@@ -182,9 +198,11 @@ async fn step(state: State, follower: &mut Follower) -> Stepped {
 /// Lists every At by a watch that sends each first (`sendInitialEvents`), at any version
 /// (`None`) or not older than `version`; a server that refuses it gets lists from then on.
 async fn stream(version: Option<String>, follower: &mut Follower) -> Stepped {
-    let params = WatchParams::default()
-        .initial_events()
-        .timeout(WATCH_TIMEOUT);
+    let params = follower.selected(
+        WatchParams::default()
+            .initial_events()
+            .timeout(WATCH_TIMEOUT),
+    );
     let from = version.as_deref().unwrap_or("0");
     // A refusal comes as the answer's status, which kube-client returns here.
     match open_watch(follower, &params, from).await {
@@ -286,10 +304,16 @@ fn initial(event: WatchEvent<CachedAt>) -> Initial {
 /// `version`; the lists' bodies are decoded as they stream in (`Listing`).
 async fn list(version: Option<String>, follower: &Follower) -> Stepped {
     let (client, url) = (&follower.client, follower.url.as_str());
+    // A Lease shard's lists: each list shard's requirement and the Lease shard's (both must
+    // hold).
+    let base = follower.selector.as_deref();
     let selectors: Vec<Option<String>> = if follower.sharded {
-        crate::shard::selectors().into_iter().map(Some).collect()
+        crate::shard::selectors()
+            .into_iter()
+            .map(|list| Some(base.map_or_else(|| list.clone(), |base| format!("{base},{list}"))))
+            .collect()
     } else {
-        vec![None]
+        vec![base.map(str::to_owned)]
     };
     let answers = futures::future::join_all(selectors.into_iter().map(|selector| {
         let mut params = match &version {
@@ -351,7 +375,7 @@ async fn read_listed(mut listing: Listing, follower: &mut Follower) -> Stepped {
 /// Starts a watch from `version`.
 async fn watch(version: String, replay: Option<Replay>, follower: &Follower) -> Stepped {
     // Bookmarks are on by default.
-    let params = WatchParams::default().timeout(WATCH_TIMEOUT);
+    let params = follower.selected(WatchParams::default().timeout(WATCH_TIMEOUT));
     // A refusal comes as the answer's status (kube-client 5 returns it here), or, within a
     // 200 answer, as the stream's first event (`read_watched`); 410 both ways lists again.
     match open_watch(follower, &params, &version).await {

@@ -112,12 +112,15 @@ fn reads_back_the_at_it_cached_without_what_the_operator_never_reads() {
 }
 
 #[test]
-fn reads_back_the_shard_label_it_kept_as_the_list_whatever_the_other_labels() {
+fn reads_back_the_shard_label_it_kept_as_its_value_whatever_the_other_labels() {
     let other = ("team".to_owned(), "a".to_owned());
     for (shard, others) in [
         ("0", false),
         ("3", true),
         ("7", false),
+        ("59", true),
+        ("60", false),
+        ("07", true),
         ("", true),
         ("x", false),
     ] {
