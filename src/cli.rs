@@ -233,6 +233,13 @@ pub struct RunArgs {
     #[arg(long, env = "CNAT_LEASE_NAME", default_value = "cnat")]
     pub lease_name: String,
 
+    /// Split the Ats among this many Leases (1-60): each replica leads some of them, caching and
+    /// reconciling only their Ats, so memory and work spread over the replicas. With 1 (the
+    /// default) one replica leads every At. Shard I's Lease is LEASE_NAME-I; each replica also
+    /// renews a membership Lease, LEASE_NAME-member-HASH, to count the replicas.
+    #[arg(long, env = "CNAT_SHARDS", default_value = "1", value_parser = shards)]
+    pub shards: crate::shard::Shards,
+
     /// Namespace of the Lease [default: $POD_NAMESPACE, else the namespace of the in-cluster or
     /// kubeconfig context].
     #[arg(long, env = "CNAT_LEASE_NAMESPACE")]
@@ -306,6 +313,17 @@ impl RunArgs {
 }
 
 /// Parses durations such as `15s`, `500ms` or `1m 30s`.
+/// `--shards`: a whole number from 1 to `shard::VALUES`.
+fn shards(raw: &str) -> Result<crate::shard::Shards, String> {
+    let count: usize = raw.parse().map_err(|_| {
+        format!(
+            "{raw:?} is not a whole number of shards; give 1 to {}",
+            crate::shard::VALUES
+        )
+    })?;
+    crate::shard::Shards::new(count).map_err(|error| error.to_string())
+}
+
 fn duration(raw: &str) -> Result<Duration, String> {
     let parsed: jiff::SignedDuration = raw
         .parse()
@@ -436,12 +454,32 @@ mod tests {
     }
 
     #[test]
+    fn shards_take_1_to_60_and_say_so_otherwise() {
+        for (raw, count) in [("1", 1), ("3", 3), ("60", 60)] {
+            let Command::Run(args) = Cli::try_parse_from(["cnat", "run", "--shards", raw])
+                .unwrap()
+                .command
+            else {
+                panic!("run")
+            };
+            assert_eq!(args.shards.count(), count);
+        }
+        for bad in ["0", "61", "-1", "two", ""] {
+            let err = Cli::try_parse_from(["cnat", "run", &format!("--shards={bad}")])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("give 1") && err.contains("60"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
     fn ha_defaults_are_client_go_defaults() {
         let Command::Run(args) = Cli::try_parse_from(["cnat", "run"]).unwrap().command else {
             panic!("run")
         };
         assert_eq!(args.timing(), Timing::default());
         assert_eq!(args.lease_name, "cnat");
+        assert_eq!(args.shards.count(), 1);
         assert!(args.shutdown_delay < args.shutdown_timeout);
         assert!(args.shutdown_timeout < Duration::from_secs(30));
     }

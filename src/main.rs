@@ -307,27 +307,47 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), R
     tokio::spawn(on_signal(shutdown.clone()));
     let leadership = Arc::new(Leadership::default());
     let metrics = Arc::new(Metrics::new(leadership.clone()));
-    // Every replica caches the Ats, so the next leader starts with all of them. Ready, and a
-    // candidate for the Lease, only with every At cached (required before `/readyz` answers).
-    let cache = cnat::operator::cache::AtCache::start_listing(
-        &client,
-        args.namespace.as_deref(),
-        args.watch_list,
-    );
     let health = Arc::new(Health::new(
         leadership.clone(),
         timing.lease_duration,
         args.webhooks,
     ));
-    health.require({
-        let cache = cache.clone();
-        move || cache.readiness().map_err(Into::into)
+    // With one Lease, every replica caches the Ats, so the next leader starts with all of them.
+    // Ready, and a candidate for the Lease, only with every At cached (required before
+    // `/readyz` answers). With Lease shards, a replica caches the Ats of the shards it leads
+    // only, from when it leads them.
+    let cache = (args.shards.count() == 1).then(|| {
+        cnat::operator::cache::AtCache::start_listing(
+            &client,
+            args.namespace.as_deref(),
+            args.watch_list,
+        )
     });
+    if let Some(cache) = &cache {
+        let cache = cache.clone();
+        health.require(move || cache.readiness().map_err(Into::into));
+    }
     let (serving, admin_addr) = start_servers(&args, &client, &metrics, health).await?;
-    let cache_stopped = cache.stopped();
-    let election = elect(
-        &args, client, identity, timing, leadership, metrics, cache, &shutdown,
-    );
+    let cache_stopped = {
+        let stopped = cache.as_ref().map(|cache| cache.stopped());
+        async move {
+            match stopped {
+                Some(stopped) => stopped.await,
+                None => std::future::pending().await,
+            }
+        }
+    };
+    let elected = Elected {
+        client,
+        identity,
+        timing,
+        leadership,
+        metrics,
+    };
+    let election = match cache {
+        Some(cache) => elect(&args, elected, cache, &shutdown),
+        None => elect_shards(&args, elected, &shutdown),
+    };
     info!(admin = %admin_addr, exporting_traces = exporting, "cnat started");
     let failed = tokio::select! {
         _ = shutdown.cancelled() => None,
@@ -397,45 +417,74 @@ async fn start_servers(
     Ok((serving, admin_addr))
 }
 
-/// Competes for the Lease; while this replica holds it, it reconciles.
-#[allow(clippy::too_many_arguments)] // each is one thing the election needs, moved in
-fn elect(
-    args: &RunArgs,
+/// What an election (of the one Lease, or of each shard's) is run with.
+struct Elected {
     client: kube::Client,
     identity: String,
     timing: leader::Timing,
     leadership: Arc<Leadership>,
     metrics: Arc<Metrics>,
+}
+
+impl Elected {
+    /// The election's settings for the Lease `--lease-name` (`balance`: with shards), and the
+    /// replica's event queue.
+    fn settings(
+        &self,
+        args: &RunArgs,
+        balance: Option<Arc<leader::balance::Balance>>,
+    ) -> (leader::Settings, EventSink) {
+        let namespace = args
+            .lease_namespace
+            .clone()
+            .or_else(|| {
+                std::env::var("POD_NAMESPACE")
+                    .ok()
+                    .filter(|ns| !ns.is_empty())
+            })
+            .unwrap_or_else(|| self.client.default_namespace().to_owned());
+        let reporter = Reporter {
+            controller: "cnat".into(),
+            instance: Some(self.identity.clone()),
+        };
+        let events = EventSink::start(self.client.clone(), reporter);
+        let settings = leader::Settings {
+            lease_name: args.lease_name.clone(),
+            namespace,
+            identity: self.identity.clone(),
+            timing: self.timing,
+            clock: leader::WallClock::system(),
+            balance,
+        };
+        (settings, events)
+    }
+}
+
+/// The reconcile loop's settings for the Ats `selector` selects (`None`: every At).
+fn controller_settings(args: &RunArgs, selector: Option<String>) -> controller::Settings {
+    controller::Settings {
+        namespace: args.namespace.clone(),
+        selector,
+        concurrency: args.concurrency,
+        policy: args.policy(),
+    }
+}
+
+/// Competes for the Lease; while this replica holds it, it reconciles.
+fn elect(
+    args: &RunArgs,
+    elected: Elected,
     cache: cnat::operator::cache::AtCache,
     shutdown: &CancellationToken,
 ) -> JoinHandle<()> {
-    let namespace = args
-        .lease_namespace
-        .clone()
-        .or_else(|| {
-            std::env::var("POD_NAMESPACE")
-                .ok()
-                .filter(|ns| !ns.is_empty())
-        })
-        .unwrap_or_else(|| client.default_namespace().to_owned());
-    let reporter = Reporter {
-        controller: "cnat".into(),
-        instance: Some(identity.clone()),
-    };
-    let events = EventSink::start(client.clone(), reporter);
-    let election_settings = leader::Settings {
-        lease_name: args.lease_name.clone(),
-        namespace,
-        identity,
-        timing,
-        clock: leader::WallClock::system(),
-    };
-    let controller_settings = controller::Settings {
-        namespace: args.namespace.clone(),
-        selector: None,
-        concurrency: args.concurrency,
-        policy: args.policy(),
-    };
+    let (election_settings, events) = elected.settings(args, None);
+    let Elected {
+        client,
+        leadership,
+        metrics,
+        ..
+    } = elected;
+    let controller_settings = controller_settings(args, None);
     let (work_client, work_events) = (client.clone(), events.clone());
     let listed = cache.listed();
     tokio::spawn(leader::run(
@@ -456,6 +505,108 @@ fn elect(
         },
         shutdown.clone(),
     ))
+}
+
+/// Competes for each shard's Lease (`--shards`), keeping to this replica's share of them; while
+/// it holds one, it caches that shard's Ats and reconciles them.
+fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) -> JoinHandle<()> {
+    let shards = args.shards;
+    let balance = Arc::new(leader::balance::Balance::new(
+        shards.count(),
+        elected.leadership.clone(),
+        elected.timing.lease_duration,
+    ));
+    let (base, events) = elected.settings(args, Some(balance.clone()));
+    let members = tokio::spawn(leader::members::run(
+        elected.client.clone(),
+        base.clone(),
+        balance.clone(),
+        shutdown.clone(),
+    ));
+    let (namespace, streaming) = (args.namespace.clone(), args.watch_list);
+    let elections: Vec<JoinHandle<()>> = (0..shards.count())
+        .map(|shard| {
+            let settings = leader::Settings {
+                lease_name: format!("{}-{shard}", base.lease_name),
+                ..base.clone()
+            };
+            let controller_settings = controller_settings(args, shards.selector(shard));
+            let (client, work_events, metrics) = (
+                elected.client.clone(),
+                events.clone(),
+                elected.metrics.clone(),
+            );
+            let namespace = namespace.clone();
+            let work = move |stop: CancellationToken| {
+                let (client, settings, events, metrics) = (
+                    client.clone(),
+                    controller_settings.clone(),
+                    work_events.clone(),
+                    metrics.clone(),
+                );
+                let namespace = namespace.clone();
+                async move {
+                    lead_shard(
+                        client, namespace, streaming, settings, events, metrics, stop,
+                    )
+                    .await
+                }
+            };
+            // Competes once the replicas were counted (or a lease duration passed), so that a
+            // replica that starts first does not take every shard to give most back.
+            let able = {
+                let counted = balance.counted();
+                let wait = elected.timing.lease_duration;
+                async move {
+                    let _ = timeout(wait, counted).await;
+                }
+            };
+            tokio::spawn(leader::run(
+                elected.client.clone(),
+                settings,
+                elected.leadership.clone(),
+                events.clone(),
+                able,
+                work,
+                shutdown.clone(),
+            ))
+        })
+        .collect();
+    tokio::spawn(async move {
+        for election in elections {
+            let _ = election.await;
+        }
+        let _ = members.await;
+    })
+}
+
+/// Leads one shard: lists its Ats, then reconciles them until `stop`; ends early (so the Lease
+/// is released and competed for again) if its cache stops following them.
+async fn lead_shard(
+    client: kube::Client,
+    namespace: Option<String>,
+    streaming: bool,
+    settings: controller::Settings,
+    events: EventSink,
+    metrics: Arc<Metrics>,
+    stop: CancellationToken,
+) {
+    let cache = cnat::operator::cache::AtCache::start_selected(
+        &client,
+        namespace.as_deref(),
+        settings.selector.clone(),
+        streaming,
+    );
+    tokio::select! {
+        _ = stop.cancelled() => return,
+        _ = cache.stopped() => return,
+        _ = cache.listed() => {}
+    }
+    let stopped = cache.stopped();
+    tokio::select! {
+        _ = controller::run_with_cache(cache, client, settings, events, metrics, stop) => {}
+        _ = stopped => error!("the At cache of a shard stopped following its Ats (its task panicked); giving the shard up"),
+    }
 }
 
 /// Not ready at once; then: stop reconciling and release the Lease, so another replica takes

@@ -152,7 +152,18 @@ mod tests {
     }
 
     fn odd_values() -> Vec<Option<&'static str>> {
-        vec![None, Some(""), Some("60"), Some("00"), Some("07"), Some(" 1"), Some("x"), Some("-1"), Some("255"), Some("1000")]
+        vec![
+            None,
+            Some(""),
+            Some("60"),
+            Some("00"),
+            Some("07"),
+            Some(" 1"),
+            Some("x"),
+            Some("-1"),
+            Some("255"),
+            Some("1000"),
+        ]
     }
 
     #[test]
@@ -162,7 +173,10 @@ mod tests {
             let value = assign(&format!("default/at-{i:06}"));
             let list = list_of(Some(&labels(Some(&value))));
             assert!(list < SHARDS, "{value}");
-            assert!(selects(&selectors()[list], &labels(Some(&value))), "{value}");
+            assert!(
+                selects(&selectors()[list], &labels(Some(&value))),
+                "{value}"
+            );
             seen[list] += 1;
         }
         // Spread evenly enough to list in parallel (each within 10% of a quarter).
@@ -236,7 +250,11 @@ mod tests {
                 let selecting: Vec<usize> = (0..count)
                     .filter(|i| shards.selector(*i).is_none_or(|s| selects(&s, &labels)))
                     .collect();
-                assert_eq!(selecting, vec![shards.of(Some(&labels))], "{count} {value:?}");
+                assert_eq!(
+                    selecting,
+                    vec![shards.of(Some(&labels))],
+                    "{count} {value:?}"
+                );
             }
         }
     }
@@ -251,7 +269,7 @@ mod tests {
             }
             let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
             assert!(max - min <= 1, "{count}: {sizes:?}");
-            if VALUES % count == 0 {
+            if VALUES.is_multiple_of(count) {
                 assert_eq!(min, max, "{count}: {sizes:?}");
             }
         }
@@ -261,7 +279,10 @@ mod tests {
     fn shard_counts_outside_1_to_60_are_refused_with_the_range() {
         for bad in [0, 61, 1000] {
             let error = Shards::new(bad).unwrap_err().to_string();
-            assert!(error.starts_with(&format!("--shards {bad}: give 1")), "{error}");
+            assert!(
+                error.starts_with(&format!("--shards {bad}: give 1")),
+                "{error}"
+            );
             assert!(error.contains("to 60"), "{error}");
         }
         assert_eq!(Shards::new(1).unwrap().selector(0), None);

@@ -105,6 +105,7 @@ struct Replica {
 fn settings(id: &str, skew_ms: i64) -> leader::Settings {
     leader::Settings {
         lease_name: "cnat".into(),
+        balance: None,
         namespace: "cnat-system".into(),
         identity: id.into(),
         timing: TIMING,

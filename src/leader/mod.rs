@@ -14,6 +14,8 @@
 //! Leases give no fencing, so correctness never rests on this alone: pods have fixed names and
 //! status writes carry resourceVersion preconditions.
 
+pub mod balance;
+pub mod members;
 pub mod record;
 pub mod store;
 pub mod timing;
@@ -32,7 +34,7 @@ use record::{Held, Known, Next, Reread, Seen};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use store::{holder_name, LeaseApi, LeaseError, Written};
@@ -88,12 +90,17 @@ pub struct Settings {
     pub identity: String,
     pub timing: Timing,
     pub clock: WallClock,
+    /// With Lease shards: the share of shards this replica aims at, which this shard's election
+    /// keeps to (`None`: the one Lease, always competed for).
+    pub balance: Option<Arc<balance::Balance>>,
 }
 
-/// What health checks and metrics can read about this replica's leadership.
+/// What health checks and metrics can read about this replica's leadership: of the one Lease,
+/// or with Lease shards of every shard's.
 #[derive(Debug)]
 pub struct Leadership {
-    leading: AtomicBool,
+    /// How many Leases this replica holds.
+    leading: AtomicUsize,
     transitions: AtomicU64,
     last_renewal: Mutex<Option<Instant>>,
     handovers: Histogram,
@@ -102,7 +109,7 @@ pub struct Leadership {
 impl Default for Leadership {
     fn default() -> Self {
         Leadership {
-            leading: AtomicBool::new(false),
+            leading: AtomicUsize::new(0),
             transitions: AtomicU64::new(0),
             last_renewal: Mutex::new(None),
             // 10 ms to about 82 s.
@@ -112,16 +119,22 @@ impl Default for Leadership {
 }
 
 impl Leadership {
+    /// Whether this replica holds a Lease (the Lease; with shards, any of them).
     pub fn is_leader(&self) -> bool {
+        self.leading() > 0
+    }
+
+    /// How many Leases this replica holds.
+    pub fn leading(&self) -> usize {
         self.leading.load(Ordering::SeqCst)
     }
 
-    /// How many times this replica became or stopped being leader.
+    /// How many times this replica became or stopped being leader (of any Lease).
     pub fn transitions(&self) -> u64 {
         self.transitions.load(Ordering::SeqCst)
     }
 
-    /// While leading, the time since the last successful renewal.
+    /// While leading, the time since the last successful renewal (of any Lease it holds).
     pub fn since_renewal(&self) -> Option<Duration> {
         let last = *self.last_renewal.lock().unwrap_or_else(|e| e.into_inner());
         last.filter(|_| self.is_leader()).map(|t| t.elapsed())
@@ -132,13 +145,18 @@ impl Leadership {
         &self.handovers
     }
 
+    /// One Lease more (`true`) or less (`false`) held; each tenure calls it once each way.
     pub(crate) fn set_leading(&self, leading: bool) {
-        if self.leading.swap(leading, Ordering::SeqCst) != leading {
-            self.transitions.fetch_add(1, Ordering::SeqCst);
-        }
         if leading {
+            self.leading.fetch_add(1, Ordering::SeqCst);
             self.renewed();
+        } else {
+            // Never below zero, whatever the calls.
+            let _ = self
+                .leading
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
         }
+        self.transitions.fetch_add(1, Ordering::SeqCst);
     }
 
     fn renewed(&self) {
@@ -199,6 +217,9 @@ enum Ended {
 #[derive(Debug)]
 enum Why {
     Shutdown,
+    /// This replica leads more than its share of shards: this one goes to another (one at a
+    /// time: the next once this is dropped).
+    Yielded(balance::Yielding),
     LoopEnded(String),
     Deadline,
     Taken(Option<String>),
@@ -233,6 +254,8 @@ struct Campaign {
     watch_failing: bool,
     /// A watcher stream does not end; if it ever did, it is not polled again (it would spin).
     watch_open: bool,
+    /// When the campaign started (how long a missing Lease has been free, for the balance).
+    started: Instant,
 }
 
 struct Elector {
@@ -279,10 +302,11 @@ impl Elector {
             failures: 0,
             watch_failing: false,
             watch_open: true,
+            started: Instant::now(),
         };
         loop {
             let now = Instant::now();
-            let step = record::next(&c.known, self.me(), now);
+            let step = self.balanced(record::next(&c.known, self.me(), now), &c, now);
             let waiting = matches!(step, Next::Wait { .. });
             let attempt: Result<Option<Won>, LeaseError> = match step {
                 Next::Read => self.leases.get().await.map(|lease| {
@@ -315,6 +339,32 @@ impl Elector {
                         _ = sleep(pause) => {}
                     }
                 }
+            }
+        }
+    }
+
+    /// `step`, unless it takes a free Lease that this replica's share of shards leaves to
+    /// others for now: then waits a retry period (or for news) and decides again.
+    fn balanced(&self, step: Next, c: &Campaign, now: Instant) -> Next {
+        let Some(balance) = &self.settings.balance else {
+            return step;
+        };
+        let free_for = match (&step, &c.known) {
+            // Ours already (this identity held it): no one else's to take.
+            (Next::Take { .. }, Known::Seen(seen)) if seen.holder.as_deref() == Some(self.me()) => {
+                return step
+            }
+            (Next::Take { .. }, Known::Seen(seen)) => {
+                now.saturating_duration_since(seen.free_since())
+            }
+            (Next::Create, _) => now.saturating_duration_since(c.started),
+            _ => return step,
+        };
+        if balance.may_take(free_for) {
+            step
+        } else {
+            Next::Wait {
+                until: now + self.settings.timing.retry_period,
             }
         }
     }
@@ -505,6 +555,9 @@ impl Elector {
                             renew_at = renewed.sent + timing.retry_period;
                             held = renewed;
                             self.leadership.renewed();
+                            if let Some(yielding) = self.settings.balance.as_ref().and_then(|b| b.try_yield()) {
+                                break Why::Yielded(yielding);
+                            }
                         }
                         Renewal::StillOurs(version) => {
                             held.resource_version = version;
@@ -559,7 +612,7 @@ impl Elector {
             return;
         }
         let timing = self.settings.timing;
-        if matches!(why, Why::Shutdown) {
+        if matches!(why, Why::Shutdown | Why::Yielded(_)) {
             stop.cancel();
             let until =
                 (Instant::now() + timing.step_down_grace).min(held.deadline(timing.renew_deadline));
@@ -584,6 +637,16 @@ impl Elector {
                     "released the lease on shutdown",
                 );
                 return Ended::Released;
+            }
+            Why::Yielded(yielding) => {
+                self.release(held).await;
+                self.tell(
+                    EventType::Normal,
+                    "LeaderYielded",
+                    "released the lease: this replica leads more than its share of shards",
+                );
+                drop(yielding);
+                return Ended::Lost;
             }
             Why::Deadline => format!(
                 "no renewal within the renew deadline {:?}",
@@ -719,7 +782,7 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn transitions_count_changes_only() {
+    async fn leadership_counts_the_leases_held_and_each_change() {
         let leadership = Leadership::default();
         assert_eq!(
             (leadership.is_leader(), leadership.since_renewal()),
@@ -727,13 +790,17 @@ mod tests {
         );
         leadership.set_leading(true);
         leadership.set_leading(true);
-        assert!(leadership.is_leader());
+        assert_eq!((leadership.is_leader(), leadership.leading()), (true, 2));
         assert!(leadership.since_renewal().unwrap() < Duration::from_secs(1));
         leadership.set_leading(false);
+        assert!(leadership.is_leader());
+        leadership.set_leading(false);
+        leadership.set_leading(false);
         assert_eq!(
-            (leadership.transitions(), leadership.since_renewal()),
-            (2, None)
+            (leadership.leading(), leadership.since_renewal()),
+            (0, None)
         );
+        assert_eq!(leadership.transitions(), 5);
     }
 
     #[test]

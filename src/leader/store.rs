@@ -127,7 +127,7 @@ impl LeaseApi {
     }
 }
 
-async fn within<T>(
+pub(crate) async fn within<T>(
     limit: Duration,
     call: impl Future<Output = Result<T, kube::Error>>,
 ) -> Result<T, LeaseError> {

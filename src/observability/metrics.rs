@@ -389,10 +389,10 @@ struct LeaderCollector(Arc<Leadership>);
 
 impl Collector for LeaderCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let leader = ConstGauge::new(i64::from(self.0.is_leader()));
+        let leader = ConstGauge::new(i64::try_from(self.0.leading()).unwrap_or(i64::MAX));
         let metric = encoder.encode_descriptor(
             "cnat_leader",
-            "1 while this replica holds the Lease and runs the reconcile loop",
+            "1 while this replica holds the Lease and runs the reconcile loop (with --shards: how many shards' Leases it holds)",
             None,
             leader.metric_type(),
         )?;
@@ -434,7 +434,11 @@ impl Collector for AtCount {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let stores: Vec<Store<CachedAt>> = {
             let counted = self.0.lock().unwrap_or_else(|e| e.into_inner());
-            counted.stores.iter().map(|(_, store)| store.clone()).collect()
+            counted
+                .stores
+                .iter()
+                .map(|(_, store)| store.clone())
+                .collect()
         };
         if stores.is_empty() {
             return Ok(());

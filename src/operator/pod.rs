@@ -351,7 +351,11 @@ mod tests {
                 at.metadata.labels = Some([(LABEL.to_owned(), value.to_owned())].into());
             }
             if let Some(value) = template_label {
-                let metadata = at.spec.template.metadata.get_or_insert_with(Default::default);
+                let metadata = at
+                    .spec
+                    .template
+                    .metadata
+                    .get_or_insert_with(Default::default);
                 metadata.labels = Some([(LABEL.to_owned(), value.to_owned())].into());
             }
             let labels = build_default(&at).metadata.labels.unwrap();
