@@ -27,6 +27,8 @@ mod chart;
 mod demo;
 #[path = "e2e/hostile.rs"]
 mod hostile;
+#[path = "e2e/lease_shards.rs"]
+mod lease_shards;
 #[path = "e2e/lifecycle.rs"]
 mod lifecycle;
 #[path = "e2e/list_shards.rs"]

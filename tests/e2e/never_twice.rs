@@ -21,13 +21,13 @@ use std::time::Duration;
 
 /// Every pod ever created in a namespace, by name: the uid of each object by that name (two
 /// uids: created twice), from a watch that runs until dropped.
-struct Creations {
+pub(crate) struct Creations {
     seen: Arc<Mutex<BTreeMap<String, BTreeSet<String>>>>,
     _watch: tokio_util::task::AbortOnDropHandle<()>,
 }
 
 impl Creations {
-    async fn watch(client: &Client, namespace: &str) -> Creations {
+    pub(crate) async fn watch(client: &Client, namespace: &str) -> Creations {
         let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
         let seen: Arc<Mutex<BTreeMap<String, BTreeSet<String>>>> = Arc::default();
         let (noted, started) = (seen.clone(), tokio::sync::oneshot::channel::<()>());
@@ -62,16 +62,16 @@ impl Creations {
         }
     }
 
-    fn of(&self, pod: &str) -> usize {
+    pub(crate) fn of(&self, pod: &str) -> usize {
         self.seen.lock().unwrap().get(pod).map_or(0, BTreeSet::len)
     }
 
-    fn pods(&self) -> usize {
+    pub(crate) fn pods(&self) -> usize {
         self.seen.lock().unwrap().len()
     }
 
     /// Pods created more than once, with their uids.
-    fn twice(&self) -> Vec<(String, BTreeSet<String>)> {
+    pub(crate) fn twice(&self) -> Vec<(String, BTreeSet<String>)> {
         let seen = self.seen.lock().unwrap();
         let twice = seen.iter().filter(|(_, uids)| uids.len() > 1);
         twice.map(|(n, u)| (n.clone(), u.clone())).collect()
@@ -80,7 +80,7 @@ impl Creations {
 
 /// The value of sample `name` (labels included) on a replica's `/metrics`; `None` if the
 /// replica did not answer or does not export it.
-fn metric(replica: &Replica, name: &str) -> Option<u64> {
+pub(crate) fn metric(replica: &Replica, name: &str) -> Option<u64> {
     let (_, body) = get(replica.admin, "/metrics")?;
     body.lines()
         .find_map(|line| line.strip_prefix(name)?.trim().parse().ok())
@@ -390,10 +390,10 @@ async fn a_handover_in_the_middle_of_a_burst_creates_each_pod_once() {
 
 /// Plays the kubelet in a namespace until dropped: every pod ends (exit 0) as soon as it is
 /// created.
-struct Kubelet;
+pub(crate) struct Kubelet;
 
 impl Kubelet {
-    fn start(client: &Client, ns: &str) -> tokio_util::task::AbortOnDropHandle<()> {
+    pub(crate) fn start(client: &Client, ns: &str) -> tokio_util::task::AbortOnDropHandle<()> {
         let (client, ns) = (client.clone(), ns.to_owned());
         let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
         let task = tokio::spawn(async move {

@@ -1,0 +1,221 @@
+//! Lease shards (`cnat run --shards`) on the real control plane: the replicas split the shards'
+//! Leases evenly, each caches and reconciles only its shards' Ats, shards move to a replica that
+//! joins (in the middle of a burst), from one that stops and from one that dies, and every At's
+//! pod is created exactly once through it all.
+
+use crate::never_twice::{metric, Creations, Kubelet};
+use crate::support::envtest::{install_crd, lease_holder, ControlPlane, Replica};
+use crate::support::until_some as until;
+use cnat::api::{At, Phase};
+use cnat::shard::{self, Shards, LABEL};
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{ListParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+const SHARDS: usize = 6;
+
+/// Who holds each shard's Lease (`cnat-0` ...).
+async fn holders(admin: &Client, lease_ns: &str) -> Vec<Option<String>> {
+    let mut holders = Vec::new();
+    for shard in 0..SHARDS {
+        holders.push(lease_holder(admin, lease_ns, &format!("cnat-{shard}")).await);
+    }
+    holders
+}
+
+/// Waits until the replicas hold exactly these numbers of shards (and no shard is free).
+async fn settle(admin: &Client, lease_ns: &str, expected: &[(&str, usize)], replicas: &[&Replica]) {
+    let settled = until(Duration::from_secs(60), async || {
+        let holders = holders(admin, lease_ns).await;
+        let held = |id: &str| holders.iter().filter(|h| h.as_deref() == Some(id)).count();
+        let all = expected.iter().map(|(_, n)| n).sum::<usize>() == SHARDS;
+        (all && expected.iter().all(|(id, n)| held(id) == *n)).then_some(())
+    })
+    .await;
+    if settled.is_none() {
+        let logs: Vec<String> = replicas.iter().map(|r| r.log_text()).collect();
+        panic!(
+            "never settled on {expected:?}: {:?}\n{}",
+            holders(admin, lease_ns).await,
+            logs.join("\n---\n")
+        );
+    }
+}
+
+/// An At running `true` at `due`, labelled with its shard as the mutating webhook labels it
+/// (the replicas here serve no webhooks); `unlabelled`: without one, as created while the
+/// webhook was not called (shard 0's).
+fn at(ns: &str, name: &str, due: chrono::DateTime<chrono::Utc>, unlabelled: bool) -> At {
+    let mut at = crate::lifecycle::at(name, due, "true");
+    if !unlabelled {
+        let value = shard::assign(&format!("{ns}/{name}"));
+        at.metadata.labels = Some([(LABEL.to_owned(), value)].into());
+    }
+    at
+}
+
+/// Creates Ats `prefix-0` .. due at `due`, the first two without a shard label.
+async fn create(
+    ats: &Api<At>,
+    ns: &str,
+    prefix: &str,
+    count: usize,
+    due: chrono::DateTime<chrono::Utc>,
+) {
+    futures::stream::iter(0..count)
+        .for_each_concurrent(8, |i| {
+            let ats = ats.clone();
+            async move {
+                let new = at(ns, &format!("{prefix}-{i}"), due, i < 2);
+                ats.create(&PostParams::default(), &new).await.unwrap();
+            }
+        })
+        .await;
+}
+
+/// Waits until `count` Ats are DONE.
+async fn all_done(ats: &Api<At>, count: usize, replicas: &[&Replica]) {
+    let done = until(Duration::from_secs(120), async || {
+        let list = ats.list(&ListParams::default()).await.unwrap();
+        let done = list
+            .items
+            .iter()
+            .filter(|at| at.status.as_ref().is_some_and(|s| s.phase == Phase::Done))
+            .count();
+        (done == count).then_some(())
+    })
+    .await;
+    if done.is_none() {
+        let logs: Vec<String> = replicas.iter().map(|r| r.log_text()).collect();
+        panic!("not every At DONE\n{}", logs.join("\n---\n"));
+    }
+}
+
+/// The Ats a replica's `/metrics` counts (it counts the caches of the shards it leads).
+fn counted(replica: &Replica) -> u64 {
+    ["PENDING", "RUNNING", "DONE"]
+        .iter()
+        .filter_map(|phase| metric(replica, &format!("cnat_ats{{phase=\"{phase}\"}}")))
+        .sum()
+}
+
+/// Whether replica `identity`'s membership Lease exists.
+async fn member(admin: &Client, lease_ns: &str, identity: &str) -> bool {
+    let leases: Api<Lease> = Api::namespaced(admin.clone(), lease_ns);
+    let name = cnat::leader::members::lease_name("cnat", identity);
+    leases.get_opt(&name).await.unwrap().is_some()
+}
+
+#[tokio::test]
+async fn shards_spread_over_the_replicas_and_each_at_runs_once_as_they_come_and_go() {
+    let plane: &ControlPlane = crate::real_control_plane!();
+    let admin = plane.admin().await;
+    install_crd(&admin, &cnat::api::crd_yaml()).await;
+    let lease_ns = plane.namespace("lease-shards-lease", &[]).await;
+    let ns = plane.namespace("lease-shards", &[]).await;
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    let creations = Creations::watch(&admin, &ns).await;
+    let _kubelet = Kubelet::start(&admin, &ns);
+    let flags = [
+        format!("--namespace={ns}"),
+        "--webhooks=false".into(),
+        format!("--shards={SHARDS}"),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+
+    // Two replicas: three shards each.
+    let a = plane.replica("a", &lease_ns, &flags);
+    let mut b = plane.replica("b", &lease_ns, &flags);
+    settle(&admin, &lease_ns, &[("a", 3), ("b", 3)], &[&a, &b]).await;
+
+    // 300 Ats fall due at once; a third replica joins as their pods are being created, and
+    // shards move to it one at a time, in the middle of the burst.
+    let due = chrono::Utc::now() + chrono::Duration::seconds(6);
+    create(&ats, &ns, "burst", 300, due).await;
+    let started = until(Duration::from_secs(30), async || {
+        (creations.pods() >= 1).then_some(())
+    });
+    assert!(
+        started.await.is_some(),
+        "the burst never started: {}",
+        a.log_text()
+    );
+    let mut c = plane.replica("c", &lease_ns, &flags);
+    settle(
+        &admin,
+        &lease_ns,
+        &[("a", 2), ("b", 2), ("c", 2)],
+        &[&a, &b, &c],
+    )
+    .await;
+    all_done(&ats, 300, &[&a, &b, &c]).await;
+    assert_eq!(creations.twice(), vec![], "pods created twice");
+    assert_eq!(creations.pods(), 300);
+    // Not vacuous: c took shards before the burst was over, and ran some of it.
+    assert!(
+        c.log_text().contains("became leader"),
+        "c never led a shard: {}",
+        c.log_text()
+    );
+
+    // Every pod carries its At's shard, and each replica caches only its shards' Ats: the
+    // counts of the three add up to the Ats, none holds them all.
+    let shards = Shards::new(SHARDS).unwrap();
+    let mut per_shard = BTreeMap::<usize, usize>::new();
+    for at in ats.list(&ListParams::default()).await.unwrap() {
+        let pod = pods.get(&format!("{}-pod", at.name_any())).await.unwrap();
+        assert_eq!(
+            pod.labels().get(LABEL),
+            at.labels().get(LABEL),
+            "{}",
+            at.name_any()
+        );
+        *per_shard.entry(shards.of(Some(at.labels()))).or_default() += 1;
+    }
+    assert_eq!(
+        per_shard.len(),
+        SHARDS,
+        "every shard had Ats: {per_shard:?}"
+    );
+    let counts = until(Duration::from_secs(30), async || {
+        let counts = [counted(&a), counted(&b), counted(&c)];
+        (counts.iter().sum::<u64>() == 300).then_some(counts)
+    })
+    .await;
+    let counts = counts.expect("the replicas' counts add up to the Ats");
+    assert!(counts.iter().all(|n| *n > 0 && *n < 300), "{counts:?}");
+
+    // c stops, as at the end of a rolling update: its shards go back to a and b, its
+    // membership Lease is deleted, and new Ats run once each.
+    c.terminate();
+    settle(&admin, &lease_ns, &[("a", 3), ("b", 3)], &[&a, &b]).await;
+    let left = until(Duration::from_secs(10), async || {
+        (!member(&admin, &lease_ns, "c").await).then_some(())
+    });
+    assert!(left.await.is_some(), "c's membership Lease stayed");
+    let due = chrono::Utc::now() + chrono::Duration::seconds(2);
+    create(&ats, &ns, "after-c", 60, due).await;
+    all_done(&ats, 360, &[&a, &b]).await;
+
+    // b dies: its shards expire and a takes every one; b's membership Lease is deleted once
+    // it has been still for four lease durations (3 s each here).
+    b.kill();
+    settle(&admin, &lease_ns, &[("a", SHARDS)], &[&a]).await;
+    let due = chrono::Utc::now() + chrono::Duration::seconds(2);
+    create(&ats, &ns, "after-b", 30, due).await;
+    all_done(&ats, 390, &[&a]).await;
+    let forgotten = until(Duration::from_secs(30), async || {
+        (!member(&admin, &lease_ns, "b").await).then_some(())
+    });
+    assert!(
+        forgotten.await.is_some(),
+        "b's membership Lease was never deleted"
+    );
+    assert_eq!(creations.twice(), vec![], "pods created twice");
+    assert_eq!(creations.pods(), 390);
+}
