@@ -841,7 +841,7 @@ async fn the_at_cache_lists_once_follows_every_change_and_relists_no_older_after
     let names = ["at-0", "at-1", "at-2", "at-odd"];
     for (name, shard) in names
         .into_iter()
-        .zip([Some("0"), Some("2"), None, Some("9")])
+        .zip([Some("0"), Some("2"), None, Some("99")])
     {
         let mut at = at_json(name, "2999-01-01T00:00:00Z", "true");
         if let Some(shard) = shard {

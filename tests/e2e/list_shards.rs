@@ -65,9 +65,9 @@ async fn the_shard_lists_select_every_at_once_and_the_cache_lists_them_all_at_on
         "{value:?}"
     );
     let mut odd = at("odd", later, "true");
-    odd.metadata.labels = Some([(LABEL.to_owned(), "7".to_owned())].into());
+    odd.metadata.labels = Some([(LABEL.to_owned(), "77".to_owned())].into());
     let odd = ats.create(&post, &odd).await.unwrap();
-    assert_eq!(odd.labels().get(LABEL).map(String::as_str), Some("7"));
+    assert_eq!(odd.labels().get(LABEL).map(String::as_str), Some("77"));
     // An update that drops the label gets it back.
     let reapplied = ats
         .patch(

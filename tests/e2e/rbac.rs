@@ -69,10 +69,11 @@ pub async fn apply(client: &Client, namespace: &str, objects: &[Value]) {
     }
 }
 
-/// The chart's RBAC objects for a release in `ns`, applied, with its ServiceAccount.
-async fn chart_rbac(plane: &ControlPlane, ns: &str) {
+/// The chart's RBAC objects for a release in `ns` (with `sets`), applied, with its
+/// ServiceAccount.
+async fn chart_rbac(plane: &ControlPlane, ns: &str, sets: &[&str]) {
     let admin = plane.admin().await;
-    let rbac: Vec<Value> = render(ns, &[])
+    let rbac: Vec<Value> = render(ns, sets)
         .into_iter()
         .filter(|o| {
             let kind = o["kind"].as_str().unwrap_or_default();
@@ -128,7 +129,7 @@ async fn the_chart_s_rbac_is_all_the_operator_needs() {
     let admin = plane.admin().await;
     crate::support::envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
     let ns = plane.namespace("rbac", &[]).await;
-    chart_rbac(plane, &ns).await;
+    chart_rbac(plane, &ns, &[]).await;
     let replica = as_chart_account(plane, "cnat-0", &ns);
     let holder = wait_holder(&admin, &ns, |h| h.is_some()).await;
     assert_eq!(holder.as_deref(), Some("cnat-0"), "{}", replica.log_text());
@@ -169,6 +170,94 @@ async fn the_chart_s_rbac_is_all_the_operator_needs() {
     let log = replica.log_text();
     assert!(!log.to_lowercase().contains("forbidden"), "{log}");
     assert!(!log.contains("cannot watch the lease"), "{log}");
+
+    with_shards(plane).await;
+}
+
+/// With `leaderElection.shards=2`: two replicas as the chart's ServiceAccount lead a shard
+/// each (the shards' Leases, and each its membership Lease: created, renewed, listed), run an
+/// At of each shard, and one that stops deletes its membership Lease; nothing refused.
+async fn with_shards(plane: &'static ControlPlane) {
+    let admin = plane.admin().await;
+    let ns = plane.namespace("rbac-shards", &[]).await;
+    chart_rbac(plane, &ns, &["leaderElection.shards=2"]).await;
+    let user = format!("system:serviceaccount:{ns}:cnat");
+    let flags = [format!("--namespace={ns}"), "--shards=2".to_owned()];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let first = plane.replica_as("cnat-a", &ns, &flags, &user);
+    let mut second = plane.replica_as("cnat-b", &ns, &flags, &user);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let holders = [
+            lease_holder(&admin, &ns, "cnat-0").await,
+            lease_holder(&admin, &ns, "cnat-1").await,
+        ];
+        let mut held: Vec<&str> = holders.iter().flatten().map(String::as_str).collect();
+        held.sort();
+        if held == ["cnat-a", "cnat-b"] {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "shards never split: {holders:?}\n{}\n{}",
+            first.log_text(),
+            second.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // An At in each shard (labelled with the value the webhook would give).
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let shards = cnat::shard::Shards::new(2).unwrap();
+    let due = chrono::Utc::now() + chrono::Duration::seconds(1);
+    let mut names = Vec::new();
+    for i in 0.. {
+        let name = format!("at-{i}");
+        let value = cnat::shard::assign(&format!("{ns}/{name}"));
+        let labels = [(cnat::shard::LABEL.to_owned(), value)].into();
+        if names.len() == shards.of(Some(&labels)) {
+            let mut new = at(&name, due, "true");
+            new.metadata.labels = Some(labels);
+            ats.create(&PostParams::default(), &new).await.unwrap();
+            names.push(name);
+        }
+        if names.len() == 2 {
+            break;
+        }
+    }
+    for name in &names {
+        wait_at(&ats, name, Duration::from_secs(30), |at| {
+            at.status
+                .as_ref()
+                .is_some_and(|s| s.phase == Phase::Running)
+        })
+        .await;
+        plane_kubelet(plane, &ns, &format!("{name}-pod"), 0).await;
+        wait_at(&ats, name, Duration::from_secs(30), |at| {
+            at.status.as_ref().is_some_and(|s| s.phase == Phase::Done)
+        })
+        .await;
+    }
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(admin.clone(), &ns);
+    let member = cnat::leader::members::lease_name("cnat", "cnat-b");
+    assert!(leases.get_opt(&member).await.unwrap().is_some());
+    second.terminate();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while leases.get_opt(&member).await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "membership Lease kept: {}",
+            second.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for log in [first.log_text(), second.log_text()] {
+        assert!(!log.to_lowercase().contains("forbidden"), "{log}");
+        assert!(
+            !log.contains("cannot renew or list the membership"),
+            "{log}"
+        );
+    }
 }
 
 async fn plane_kubelet(plane: &'static ControlPlane, ns: &str, pod: &str, exit_code: i32) {
@@ -192,7 +281,7 @@ async fn three_replicas_elect_one_leader_and_hand_over() {
     let admin = plane.admin().await;
     crate::support::envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
     let ns = plane.namespace("election", &[]).await;
-    chart_rbac(plane, &ns).await;
+    chart_rbac(plane, &ns, &[]).await;
     let mut replicas: Vec<Replica> = (0..3)
         .map(|i| as_chart_account(plane, &format!("cnat-{i}"), &ns))
         .collect();

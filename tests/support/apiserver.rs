@@ -1081,8 +1081,8 @@ impl Route {
     }
 }
 
-/// Label selectors as cnat uses them (`a=b,c=d`, `a`, `a notin (x,y)`), and the field selector
-/// `metadata.name=<name>` (a Lease watch).
+/// Label selectors as cnat uses them (`a=b,c=d`, `a`, `a in (x,y)`, `a notin (x,y)`), and the
+/// field selector `metadata.name=<name>` (a Lease watch).
 fn selects(query: &BTreeMap<String, String>, object: &Value) -> bool {
     if let Some(fields) = query.get("fieldSelector") {
         let by_name =
@@ -1107,6 +1107,12 @@ fn selects(query: &BTreeMap<String, String>, object: &Value) -> bool {
             return labels[key]
                 .as_str()
                 .is_none_or(|value| !values.split(',').any(|v| v == value));
+        }
+        if let Some((key, values)) = term.split_once(" in ") {
+            let values = values.trim_matches(|c| c == '(' || c == ')');
+            return labels[key]
+                .as_str()
+                .is_some_and(|value| values.split(',').any(|v| v == value));
         }
         match term.split_once('=') {
             Some((k, v)) => labels[k] == v,
