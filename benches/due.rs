@@ -21,6 +21,7 @@
 //!     cargo bench --bench due -- --real  # the same burst on a real kube-apiserver (KUBEBUILDER_ASSETS)
 //!     cargo bench --bench due -- --real 100000  # pending Ats and a rolling step on it
 //!     cargo bench --bench due -- --real --rolling 50000  # a rolling replacement of 3 replicas
+//!     cargo bench --bench due -- --real --shards=6 100000 300000  # Lease shards, 3 replicas
 //!     cargo bench --bench due -- 5000    # any sizes (no outages)
 //!     cargo bench --bench due -- 100000  # 100,000 pending Ats
 
@@ -41,6 +42,8 @@ mod rolling;
 mod rss;
 #[path = "../tests/support/service.rs"]
 mod service;
+#[path = "support/shards.rs"]
+mod shards;
 
 use apiserver::{ApiServer, Resource};
 use futures::StreamExt;
@@ -67,6 +70,16 @@ async fn main() {
         .collect();
     if std::env::args().any(|a| a == "--rolling") {
         rolling::run(sizes.first().copied().unwrap_or(50_000)).await;
+        return;
+    }
+    let shards = std::env::args().find_map(|a| a.strip_prefix("--shards=")?.parse().ok());
+    if let Some(shards) = shards {
+        let sizes = if sizes.is_empty() {
+            vec![100_000]
+        } else {
+            sizes
+        };
+        shards::run(shards, &sizes).await;
         return;
     }
     if std::env::args().any(|a| a == "--real") {

@@ -77,7 +77,7 @@ pub async fn run(sizes: &[usize]) {
     }
 }
 
-fn bare_pod(name: &str) -> Pod {
+pub fn bare_pod(name: &str) -> Pod {
     serde_json::from_value(json!({
         "metadata": {"name": name},
         "spec": {"containers": [{"name": "c", "image": "busybox"}]},
@@ -438,7 +438,7 @@ fn strip(value: &mut serde_json::Value, key: &str) {
 }
 
 /// When each of `n` pods was first seen (ADDED), here.
-async fn watch_pods(pods: Api<Pod>, n: usize) -> HashMap<String, Instant> {
+pub async fn watch_pods(pods: Api<Pod>, n: usize) -> HashMap<String, Instant> {
     let mut seen = HashMap::new();
     let stream = watcher(pods, watcher::Config::default()).applied_objects();
     futures::pin_mut!(stream);
@@ -801,7 +801,7 @@ async fn cold_replica(
 }
 
 /// Until the replica's `/readyz` answers 200.
-async fn wait_ready(replica: &envtest::Replica, timeout: Duration) {
+pub async fn wait_ready(replica: &envtest::Replica, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     loop {
         if ready(replica.admin).await {

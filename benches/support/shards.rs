@@ -1,0 +1,257 @@
+//! `cargo bench --bench due -- --real --shards S [SIZES]`: Lease shards (`cnat run --shards S`)
+//! on a real kube-apiserver (`KUBEBUILDER_ASSETS`), the `cnat run` release binary as its own
+//! processes. For each size `n`, in one run:
+//!
+//! - `n` Ats created over 16 connections, due in two hours, each labelled with its shard as the
+//!   mutating webhook labels it (no webhooks run: the replicas here serve none);
+//! - three replicas with `--shards S` start: how long until every At has its `Pending` status
+//!   (each shard's leader lists its Ats and writes them), and each replica's RSS 10 s later (the
+//!   share of shards it leads);
+//! - beside them, one replica with one Lease (`--shards 1`, another Lease name) starts cold:
+//!   how long until it caches every At, and its RSS 10 s later: the floor a replica holds
+//!   without shards;
+//! - a replica stopped (SIGTERM, as by a rolling update) 100 ms before 60 Ats fall due: how late
+//!   each pod is, for the Ats of the shards it led (taken over: the new leader lists the shard
+//!   first) and for the others;
+//! - with three replicas again, 10,000 Ats due at once: the last pod after due, as a ratio to
+//!   10,000 bare pod creates over 16 connections (the floor, measured in the same run).
+
+use crate::envtest::{self, ControlPlane, Replica};
+use crate::real;
+use cnat::api::At;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::PostParams;
+use kube::{Api, Client};
+use std::time::{Duration, Instant};
+
+/// Connections creating the Ats and the floor's pods.
+const CONNECTIONS: usize = 16;
+/// Ats due at once in the burst.
+const BURST: usize = 10_000;
+/// Ats due just after a replica is stopped.
+const TAKEN_OVER: usize = 60;
+
+pub async fn run(shards: usize, sizes: &[usize]) {
+    let header = format!("| Ats pending | created in | 3 replicas, --shards {shards}: every PENDING status after | their RSS 10 s later | one replica, one Lease: every At cached after / RSS 10 s later | a replica stopped 100 ms before {TAKEN_OVER} Ats are due: pod after due, its shards' (max) / the others' (max) | {BURST} Ats due at once: bare pod creates (floor) / last pod after due / ratio |");
+    let (plane, admin) = real::start(&header).await;
+    for &n in sizes {
+        scenario(plane, &admin, shards, n).await;
+    }
+}
+
+/// An At running `true` at `due`, labelled with its shard as the webhook labels it.
+fn labelled(ns: &str, name: &str, due: chrono::DateTime<chrono::Utc>) -> At {
+    let mut at = real::at(name, due);
+    let value = cnat::shard::assign(&format!("{ns}/{name}"));
+    at.metadata.labels = Some([(cnat::shard::LABEL.to_owned(), value)].into());
+    at
+}
+
+/// Creates Ats `{prefix}-0` ..., all due at `due`, `CONNECTIONS` at once; how long it took.
+async fn create(
+    ats: &Api<At>,
+    ns: &str,
+    prefix: &str,
+    n: usize,
+    due: chrono::DateTime<chrono::Utc>,
+) -> Duration {
+    let started = Instant::now();
+    futures::stream::iter(0..n)
+        .for_each_concurrent(CONNECTIONS, |i| {
+            let ats = ats.clone();
+            async move {
+                let name = format!("{prefix}-{i:07}");
+                // A create that got no answer may have been stored: AlreadyExists is success.
+                for attempt in 1.. {
+                    match ats
+                        .create(&PostParams::default(), &labelled(ns, &name, due))
+                        .await
+                    {
+                        Ok(_) => return,
+                        Err(kube::Error::Api(s)) if s.code == 409 && attempt > 1 => return,
+                        Err(error) => assert!(attempt < 5, "{name}: {error}"),
+                    }
+                }
+            }
+        })
+        .await;
+    started.elapsed()
+}
+
+fn rss_mib(replica: &Replica) -> f64 {
+    crate::rss::rss_kib(&replica.child.id().to_string()) as f64 / 1024.0
+}
+
+/// Who holds each shard's Lease (`cnat-0` ...).
+async fn holders(admin: &Client, ns: &str, shards: usize) -> Vec<Option<String>> {
+    let mut holders = Vec::new();
+    for shard in 0..shards {
+        holders.push(envtest::lease_holder(admin, ns, &format!("cnat-{shard}")).await);
+    }
+    holders
+}
+
+/// Until every shard is led and no replica leads more than its share.
+async fn balanced(admin: &Client, ns: &str, shards: usize, replicas: &[&Replica]) {
+    let share = shards.div_ceil(replicas.len());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let holders = holders(admin, ns, shards).await;
+        let led = holders.iter().all(Option::is_some);
+        let even = replicas.iter().all(|r| {
+            holders
+                .iter()
+                .filter(|h| h.as_deref() == Some(r.identity.as_str()))
+                .count()
+                <= share
+        });
+        if led && even {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "shards never balanced: {holders:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn start(plane: &'static ControlPlane, ns: &str, id: &str, shards: usize) -> Replica {
+    let flags = [
+        format!("--namespace={ns}"),
+        format!("--shards={shards}"),
+        "--webhooks=false".to_owned(),
+        "--log=warn".to_owned(),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let timings = [
+        "--lease-duration=15s",
+        "--renew-deadline=10s",
+        "--retry-period=2s",
+        "--shutdown-delay=1s",
+        "--shutdown-timeout=25s",
+    ];
+    let flags: Vec<&str> = flags.into_iter().chain(timings).collect();
+    plane.replica(id, ns, &flags)
+}
+
+async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n: usize) {
+    let ns = plane.namespace(&format!("shards-{n}"), &[]).await;
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    let later = chrono::Utc::now() + chrono::Duration::hours(2);
+    let created = create(&ats, &ns, "at", n, later).await;
+
+    // Three replicas with shards: every PENDING status written, then their RSS.
+    let started = Instant::now();
+    let settled = tokio::spawn(real::watch_statuses(ats.clone(), n));
+    let mut replicas: Vec<Replica> = (0..3)
+        .map(|i| start(plane, &ns, &format!("r{i}"), shards))
+        .collect();
+    tokio::time::timeout(Duration::from_secs(1800), settled)
+        .await
+        .expect("every PENDING status within 30 minutes")
+        .unwrap();
+    let statuses_after = started.elapsed();
+    balanced(admin, &ns, shards, &replicas.iter().collect::<Vec<_>>()).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let sharded_rss: Vec<String> = replicas
+        .iter()
+        .map(|r| format!("{:.0}", rss_mib(r)))
+        .collect();
+
+    // One replica with one Lease of its own, cold: the floor without shards.
+    let started = Instant::now();
+    let flags = [
+        format!("--namespace={ns}"),
+        "--lease-name=single".to_owned(),
+        "--webhooks=false".to_owned(),
+        "--log=warn".to_owned(),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let mut single = plane.replica("single", &ns, &flags);
+    real::wait_ready(&single, Duration::from_secs(900)).await;
+    let single_cached = started.elapsed();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let single_rss = rss_mib(&single);
+    single.kill();
+
+    // A replica stopped just before Ats fall due: those of its shards wait for a new leader.
+    let before = holders(admin, &ns, shards).await;
+    let stopped = replicas.remove(2);
+    let its_shards: Vec<usize> = (0..shards)
+        .filter(|s| before[*s].as_deref() == Some(stopped.identity.as_str()))
+        .collect();
+    let lead = Duration::from_secs(4);
+    let due_instant = Instant::now() + lead;
+    let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
+    let pod_seen = tokio::spawn(real::watch_pods(pods.clone(), TAKEN_OVER));
+    create(&ats, &ns, "due", TAKEN_OVER, due).await;
+    tokio::time::sleep_until((due_instant - Duration::from_millis(100)).into()).await;
+    let mut stopped = stopped;
+    stopped.terminate();
+    let seen = tokio::time::timeout(Duration::from_secs(300), pod_seen)
+        .await
+        .expect("every pod within five minutes")
+        .unwrap();
+    let split = cnat::shard::Shards::new(shards).unwrap();
+    let (mut theirs, mut others) = (Duration::ZERO, Duration::ZERO);
+    for (pod, at) in &seen {
+        let name = pod.trim_end_matches("-pod");
+        let value = cnat::shard::assign(&format!("{ns}/{name}"));
+        let labels = [(cnat::shard::LABEL.to_owned(), value)].into();
+        let late = at.saturating_duration_since(due_instant);
+        if its_shards.contains(&split.of(Some(&labels))) {
+            theirs = theirs.max(late);
+        } else {
+            others = others.max(late);
+        }
+    }
+    let _ = stopped.child.wait();
+
+    // Three replicas again; then 10,000 Ats due at once, against the bare-create floor.
+    replicas.push(start(plane, &ns, "r3", shards));
+    balanced(admin, &ns, shards, &replicas.iter().collect::<Vec<_>>()).await;
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let floor_ns = plane.namespace(&format!("shards-floor-{n}"), &[]).await;
+    let floor_pods: Api<Pod> = Api::namespaced(admin.clone(), &floor_ns);
+    let floor_started = Instant::now();
+    futures::stream::iter(0..BURST)
+        .for_each_concurrent(CONNECTIONS, |i| {
+            let pods = floor_pods.clone();
+            async move {
+                pods.create(
+                    &PostParams::default(),
+                    &real::bare_pod(&format!("bare-{i}")),
+                )
+                .await
+                .unwrap();
+            }
+        })
+        .await;
+    let floor = floor_started.elapsed();
+    let lead = Duration::from_secs(10) + floor * 4;
+    let due_instant = Instant::now() + lead;
+    let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
+    let pod_seen = tokio::spawn(real::watch_pods(pods.clone(), TAKEN_OVER + BURST));
+    create(&ats, &ns, "burst", BURST, due).await;
+    let seen = tokio::time::timeout(lead + Duration::from_secs(300), pod_seen)
+        .await
+        .expect("every pod within five minutes of due")
+        .unwrap();
+    let last = seen
+        .iter()
+        .filter(|(pod, _)| pod.starts_with("burst-"))
+        .map(|(_, at)| at.saturating_duration_since(due_instant))
+        .max()
+        .unwrap_or_default();
+    println!(
+        "| {n} | {created:.0?} | {statuses_after:.1?} | {} MiB | {single_cached:.1?} / {single_rss:.0} MiB | {theirs:.2?} / {others:.2?} | {floor:.1?} / {last:.1?} / {:.2}x |",
+        sharded_rss.join(", "),
+        last.as_secs_f64() / floor.as_secs_f64()
+    );
+    for mut replica in replicas {
+        replica.kill();
+    }
+}
