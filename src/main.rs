@@ -262,6 +262,8 @@ enum RunError {
     WebhookAddr { addr: SocketAddr, why: String },
     #[error("the At cache stopped following the Ats")]
     CacheStopped,
+    #[error("--lease-name {0:?} is {len} characters; with --shards it names the membership Leases by the label {label}, whose value may have at most 63: use a shorter name", len = .0.len(), label = leader::members::LABEL)]
+    LeaseNameTooLong(String),
 }
 
 /// Every replica serves the admin endpoints and the webhooks; the Lease holder also reconciles.
@@ -296,6 +298,9 @@ type WebhookServer = (
 async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), RunError> {
     let timing = args.timing();
     timing.validate()?;
+    if args.shards.count() > 1 && args.lease_name.len() > 63 {
+        return Err(RunError::LeaseNameTooLong(args.lease_name.clone()));
+    }
     if args.shutdown_delay >= args.shutdown_timeout {
         return Err(RunError::ShutdownDelay {
             delay: args.shutdown_delay,
@@ -520,6 +525,7 @@ fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) 
     let members = tokio::spawn(leader::members::run(
         elected.client.clone(),
         base.clone(),
+        shards.count(),
         balance.clone(),
         shutdown.clone(),
     ));
@@ -527,7 +533,11 @@ fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) 
     let elections: Vec<JoinHandle<()>> = (0..shards.count())
         .map(|shard| {
             let settings = leader::Settings {
-                lease_name: format!("{}-{shard}", base.lease_name),
+                lease_name: leader::members::shard_lease_name(
+                    &base.lease_name,
+                    shard,
+                    shards.count(),
+                ),
                 ..base.clone()
             };
             let controller_settings = controller_settings(args, shards.selector(shard));
@@ -537,6 +547,10 @@ fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) 
                 elected.metrics.clone(),
             );
             let namespace = namespace.clone();
+            // Shared by each leadership of the shard: an At whose handling panicked stays
+            // skipped when the shard is led again (each time with a new cache).
+            let quarantine = Arc::new(cnat::operator::contain::Quarantine::default());
+            let list_limit = elected.timing.lease_duration * LIST_LEASES;
             let work = move |stop: CancellationToken| {
                 let (client, settings, events, metrics) = (
                     client.clone(),
@@ -544,13 +558,14 @@ fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) 
                     work_events.clone(),
                     metrics.clone(),
                 );
-                let namespace = namespace.clone();
-                async move {
-                    lead_shard(
-                        client, namespace, streaming, settings, events, metrics, stop,
-                    )
-                    .await
-                }
+                let shard = Shard {
+                    client,
+                    namespace: namespace.clone(),
+                    streaming,
+                    quarantine: quarantine.clone(),
+                    list_limit,
+                };
+                async move { lead_shard(shard, settings, events, metrics, stop).await }
             };
             // Competes once the replicas were counted (or a lease duration passed), so that a
             // replica that starts first does not take every shard to give most back.
@@ -580,28 +595,47 @@ fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) 
     })
 }
 
-/// Leads one shard: lists its Ats, then reconciles them until `stop`; ends early (so the Lease
-/// is released and competed for again) if its cache stops following them.
-async fn lead_shard(
+/// A led shard's cache lists its Ats within this many lease durations, or the shard is given
+/// up (a shard held by a replica whose list keeps failing would run nothing, unseen).
+const LIST_LEASES: u32 = 8;
+
+/// What leading a shard needs besides the reconcile loop's settings.
+struct Shard {
     client: kube::Client,
     namespace: Option<String>,
     streaming: bool,
+    quarantine: Arc<cnat::operator::contain::Quarantine>,
+    list_limit: Duration,
+}
+
+/// Leads one shard: lists its Ats, then reconciles them until `stop`; ends early (so the Lease
+/// is released and competed for again) if the list does not complete within `list_limit`, or
+/// its cache stops following the Ats.
+async fn lead_shard(
+    shard: Shard,
     settings: controller::Settings,
     events: EventSink,
     metrics: Arc<Metrics>,
     stop: CancellationToken,
 ) {
     let cache = cnat::operator::cache::AtCache::start_selected(
-        &client,
-        namespace.as_deref(),
+        &shard.client,
+        shard.namespace.as_deref(),
         settings.selector.clone(),
-        streaming,
-    );
+        shard.streaming,
+    )
+    .with_quarantine(shard.quarantine);
     tokio::select! {
         _ = stop.cancelled() => return,
         _ = cache.stopped() => return,
+        _ = tokio::time::sleep(shard.list_limit) => {
+            let progress = cache.readiness().err().map(|e| e.to_string()).unwrap_or_default();
+            warn!(selector = settings.selector.as_deref().unwrap_or_default(), limit = ?shard.list_limit, %progress, "the shard's Ats were not listed in time; giving the shard up");
+            return;
+        }
         _ = cache.listed() => {}
     }
+    let client = shard.client;
     let stopped = cache.stopped();
     tokio::select! {
         _ = controller::run_with_cache(cache, client, settings, events, metrics, stop) => {}

@@ -83,11 +83,15 @@ fn rules_dir(sets: &[&str]) -> PathBuf {
         serde_saphyr::to_string(&groups).unwrap(),
     )
     .unwrap();
-    std::fs::copy(
-        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/alerts/cnat.test.yaml"),
-        dir.join("cnat.test.yaml"),
-    )
-    .unwrap();
+    for tests in ["cnat.test.yaml", "cnat-shards.test.yaml"] {
+        std::fs::copy(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/alerts")
+                .join(tests),
+            dir.join(tests),
+        )
+        .unwrap();
+    }
     dir
 }
 
@@ -100,6 +104,20 @@ fn the_rules_are_valid_and_every_alert_fires_when_it_should_and_only_then() {
     assert!(ok && said.contains("SUCCESS: 9 rules found"), "{said}");
     let mut test = promtool();
     test.args(["test", "rules"]).arg(dir.join("cnat.test.yaml"));
+    let (ok, said) = run(test, "");
+    assert!(ok && said.contains("SUCCESS"), "{said}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// With `leaderElection.shards=3`: a shard without a leader fires `CnatNoLeader` (whatever the
+/// sum of `cnat_leader` says), a shard led twice fires `CnatManyLeaders`
+/// (`tests/alerts/cnat-shards.test.yaml`).
+#[test]
+fn with_shards_the_leader_alerts_count_each_shard() {
+    let dir = rules_dir(&["leaderElection.shards=3"]);
+    let mut test = promtool();
+    test.args(["test", "rules"])
+        .arg(dir.join("cnat-shards.test.yaml"));
     let (ok, said) = run(test, "");
     assert!(ok && said.contains("SUCCESS"), "{said}");
     let _ = std::fs::remove_dir_all(dir);

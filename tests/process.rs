@@ -159,6 +159,7 @@ fn run_to_exit(args: &[&str], kubeconfig: &std::path::Path) -> Output {
 #[test]
 fn invalid_timing_is_refused_before_anything_starts() {
     let nowhere = std::path::Path::new("/nonexistent");
+    let long_name = format!("--lease-name={}", "a".repeat(64));
     for (args, message) in [
         (
             vec!["--lease-duration=10s", "--renew-deadline=10s"],
@@ -179,6 +180,10 @@ fn invalid_timing_is_refused_before_anything_starts() {
         (
             vec!["--lease-duration=1500ms"],
             "must be a whole number of seconds",
+        ),
+        (
+            vec!["--shards=3", &long_name],
+            "with --shards it names the membership Leases by the label cnat.programming-kubernetes.info/member-of, whose value may have at most 63: use a shorter name",
         ),
     ] {
         let output = run_to_exit(&args, nowhere);

@@ -87,7 +87,8 @@ fn rss_mib(replica: &Replica) -> f64 {
 async fn holders(admin: &Client, ns: &str, shards: usize) -> Vec<Option<String>> {
     let mut holders = Vec::new();
     for shard in 0..shards {
-        holders.push(envtest::lease_holder(admin, ns, &format!("cnat-{shard}")).await);
+        let name = cnat::leader::members::shard_lease_name("cnat", shard, shards);
+        holders.push(envtest::lease_holder(admin, ns, &name).await);
     }
     holders
 }
@@ -234,8 +235,11 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     let lead = Duration::from_secs(10) + floor * 4;
     let due_instant = Instant::now() + lead;
     let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
-    let pod_seen = tokio::spawn(real::watch_pods(pods.clone(), TAKEN_OVER + BURST));
     create(&ats, &ns, "burst", BURST, due).await;
+    // Watching from a second before due (a watch silent for longer than the client's read
+    // timeout fails); its list brings the pods already there.
+    tokio::time::sleep_until((due_instant - Duration::from_secs(1)).into()).await;
+    let pod_seen = tokio::spawn(real::watch_pods(pods.clone(), TAKEN_OVER + BURST));
     let seen = tokio::time::timeout(lead + Duration::from_secs(300), pod_seen)
         .await
         .expect("every pod within five minutes of due")

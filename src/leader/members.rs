@@ -1,15 +1,17 @@
-//! Who competes for the Lease shards (`cnat run --shards N`): each replica holds a Lease of its
-//! own, named for it and labelled with the election's name, and renews it every retry period;
-//! every replica lists them to count the live replicas, which sets its share of shards
-//! (`balance`).
+//! Who competes for the Lease shards (`cnat run --shards N`), and what the Leases of the
+//! election say: each replica holds a membership Lease of its own, named for it, labelled with
+//! the election's name and annotated with its N, and renews it every retry period; every
+//! replica lists the Leases of its namespace as often, and from them sees (`View`) how many
+//! replicas of its layout live, how many shards each leads, how many are free, and whether a
+//! Lease of another layout (the one Lease, or shards of another N) is held.
 //!
-//! A member is live while its Lease changed (its resourceVersion) within a lease duration of this
+//! A Lease is live while it changes (its resourceVersion) within a lease duration of this
 //! replica's own clock, as the election judges the shards' Leases: clock skew between nodes
-//! does not matter. A replica that shuts down deletes its own; one that died is counted until
-//! its Lease stops changing for a lease duration, and the Lease is deleted (with its version as
-//! a precondition) once it has been still for `FORGET_AFTER` lease durations.
+//! does not matter. A replica that shuts down deletes its membership Lease; one that died is
+//! counted until its Lease has been still for a lease duration, and the Lease is deleted (with
+//! its version as a precondition) once it has been still for `FORGET_AFTER` lease durations.
 
-use super::balance::Balance;
+use super::balance::{Balance, View};
 use super::store::{within, LeaseError};
 use super::Settings;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -21,10 +23,14 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::{interval, Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 /// The label that names the election a membership Lease is of (its value: `--lease-name`).
 pub const LABEL: &str = "cnat.programming-kubernetes.info/member-of";
+
+/// The annotation of a membership Lease that says how many shards its replica splits the Ats
+/// into.
+pub const SHARDS_ANNOTATION: &str = "cnat.programming-kubernetes.info/shards";
 
 /// Lease durations a member's Lease stays still before it is deleted.
 const FORGET_AFTER: u32 = 4;
@@ -38,21 +44,65 @@ pub fn lease_name(election: &str, identity: &str) -> String {
     )
 }
 
-/// The label selector of the election's membership Leases.
-pub fn selector(election: &str) -> String {
-    format!("{LABEL}={election}")
+/// The Lease of shard `index` of `count` in the election `election`: `ELECTION-INDEX-of-COUNT`,
+/// so that replicas that split the Ats differently (during a change of `--shards`) never
+/// compete for the same Lease, and each can tell the other's.
+pub fn shard_lease_name(election: &str, index: usize, count: usize) -> String {
+    format!("{election}-{index}-of-{count}")
 }
 
-/// The membership Leases as this replica saw them: each one's version, and since when it has
+/// What a Lease of the namespace is to the election `election`. Pure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// The one Lease (`--shards 1`).
+    Single,
+    /// Shard `index` of `count`.
+    Shard { index: usize, count: usize },
+    /// A replica's membership Lease, of a replica splitting the Ats into `shards`.
+    Member { shards: Option<usize> },
+    /// Not the election's.
+    Other,
+}
+
+/// What `lease` is to the election `election`.
+pub fn role(election: &str, lease: &Lease) -> Role {
+    let name = lease.metadata.name.as_deref().unwrap_or_default();
+    let labels = lease.metadata.labels.as_ref();
+    if labels.and_then(|l| l.get(LABEL)).map(String::as_str) == Some(election) {
+        let shards = lease
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(SHARDS_ANNOTATION))
+            .and_then(|n| n.parse().ok());
+        return Role::Member { shards };
+    }
+    if name == election {
+        return Role::Single;
+    }
+    let shard = name
+        .strip_prefix(election)
+        .and_then(|rest| rest.strip_prefix('-'))
+        .and_then(|rest| rest.split_once("-of-"))
+        .and_then(|(index, count)| {
+            let (index, count): (usize, usize) = (index.parse().ok()?, count.parse().ok()?);
+            // Only names this module writes ("3", not "03").
+            (name == shard_lease_name(election, index, count) && index < count)
+                .then_some(Role::Shard { index, count })
+        });
+    shard.unwrap_or(Role::Other)
+}
+
+/// The election's Leases as this replica saw them: each one's version, and since when it has
 /// had it. Pure.
 #[derive(Debug, Default)]
-pub struct Members {
+pub struct Observed {
     seen: HashMap<String, (String, Instant)>,
 }
 
-impl Members {
-    /// Takes in a list of every membership Lease (name and resourceVersion) at `now`; those not
-    /// in it are gone.
+impl Observed {
+    /// Takes in a list of the Leases (name and resourceVersion) at `now`; those not in it are
+    /// gone.
     pub fn observe<'a>(
         &mut self,
         leases: impl IntoIterator<Item = (&'a str, &'a str)>,
@@ -69,33 +119,87 @@ impl Members {
         self.seen = seen;
     }
 
-    /// The members whose Lease changed within `lease_duration` of `now`.
-    pub fn live(&self, now: Instant, lease_duration: Duration) -> usize {
+    /// Whether the Lease `name` changed within `lease_duration` of `now`.
+    pub fn live(&self, name: &str, now: Instant, lease_duration: Duration) -> bool {
         self.seen
-            .values()
-            .filter(|(_, since)| now.saturating_duration_since(*since) < lease_duration)
-            .count()
+            .get(name)
+            .is_some_and(|(_, since)| now.saturating_duration_since(*since) < lease_duration)
     }
 
-    /// The Leases still for `FORGET_AFTER` lease durations: name and the version to delete.
-    pub fn forgotten(&self, now: Instant, lease_duration: Duration) -> Vec<(String, String)> {
-        self.seen
-            .iter()
-            .filter(|(_, (_, since))| {
-                now.saturating_duration_since(*since) >= lease_duration * FORGET_AFTER
+    /// The Leases among `names` still for `FORGET_AFTER` lease durations: name and the version
+    /// to delete.
+    pub fn forgotten<'a>(
+        &self,
+        names: impl IntoIterator<Item = &'a str>,
+        now: Instant,
+        lease_duration: Duration,
+    ) -> Vec<(String, String)> {
+        names
+            .into_iter()
+            .filter_map(|name| {
+                let (version, since) = self.seen.get(name)?;
+                let still = now.saturating_duration_since(*since) >= lease_duration * FORGET_AFTER;
+                still.then(|| (name.to_owned(), version.clone()))
             })
-            .map(|(name, (version, _))| (name.clone(), version.clone()))
             .collect()
     }
 }
 
+/// What the Leases of the namespace say to replica `me` of the election `election` splitting
+/// the Ats into `shards`, its Leases observed live or not in `observed`. Pure.
+pub fn view(
+    election: &str,
+    shards: usize,
+    me: &str,
+    leases: &[Lease],
+    live: impl Fn(&str) -> bool,
+) -> View {
+    let held_by = |lease: &Lease| {
+        let name = lease.metadata.name.as_deref().unwrap_or_default();
+        let holder = lease.spec.as_ref()?.holder_identity.as_deref()?;
+        (!holder.is_empty() && live(name)).then_some(holder.to_owned())
+    };
+    let mut members: HashMap<String, usize> = HashMap::from([(me.to_owned(), 0)]);
+    let mut held: Vec<String> = Vec::new();
+    let mut foreign = false;
+    for lease in leases {
+        let name = lease.metadata.name.as_deref().unwrap_or_default();
+        match role(election, lease) {
+            Role::Member { shards: Some(n) } if n == shards && live(name) => {
+                let holder = lease.spec.as_ref().and_then(|s| s.holder_identity.clone());
+                members.entry(holder.unwrap_or_default()).or_default();
+            }
+            Role::Shard { count, .. } if count == shards => held.extend(held_by(lease)),
+            Role::Shard { .. } | Role::Single => foreign |= held_by(lease).is_some(),
+            Role::Member { .. } | Role::Other => {}
+        }
+    }
+    for holder in &held {
+        if let Some(count) = members.get_mut(holder) {
+            *count += 1;
+        }
+    }
+    let others: Vec<usize> = members
+        .iter()
+        .filter(|(id, _)| id.as_str() != me)
+        .map(|(_, n)| *n)
+        .collect();
+    View {
+        replicas: members.len(),
+        fewest_of_others: others.iter().min().copied(),
+        free: shards.saturating_sub(held.len()),
+        foreign,
+    }
+}
+
 /// This replica's membership Lease, holding `identity`, renewed at `wall`.
-fn membership(settings: &Settings, name: &str, wall: jiff::Timestamp) -> Lease {
+fn membership(settings: &Settings, name: &str, shards: usize, wall: jiff::Timestamp) -> Lease {
     Lease {
         metadata: ObjectMeta {
             name: Some(name.to_owned()),
             namespace: Some(settings.namespace.clone()),
             labels: Some([(LABEL.to_owned(), settings.lease_name.clone())].into()),
+            annotations: Some([(SHARDS_ANNOTATION.to_owned(), shards.to_string())].into()),
             ..ObjectMeta::default()
         },
         spec: Some(LeaseSpec {
@@ -107,75 +211,81 @@ fn membership(settings: &Settings, name: &str, wall: jiff::Timestamp) -> Lease {
     }
 }
 
-/// Renews this replica's membership Lease and counts the live members into `balance`, every
-/// retry period until `shutdown`; then deletes its Lease.
+/// Renews this replica's membership Lease and tells `balance` what the election's Leases say,
+/// every retry period until `shutdown`; then deletes its membership Lease. `settings` names
+/// the election (`lease_name`), not a shard.
 pub async fn run(
     client: Client,
     settings: Settings,
+    shards: usize,
     balance: Arc<Balance>,
     shutdown: CancellationToken,
 ) {
     let api: Api<Lease> = Api::namespaced(client, &settings.namespace);
     let timing = settings.timing;
-    let name = lease_name(&settings.lease_name, &settings.identity);
+    let election = settings.lease_name.as_str();
+    let name = lease_name(election, &settings.identity);
     let apply = PatchParams::apply("cnat").force();
-    let mut members = Members::default();
+    let mut observed = Observed::default();
     let mut failing = false;
     let mut tick = interval(timing.retry_period);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    info!(lease = %name, "a member of the shards' election");
+    info!(lease = %name, shards, "a member of the shards' election");
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = tick.tick() => {}
         }
-        let lease = membership(&settings, &name, settings.clock.now());
+        let lease = membership(&settings, &name, shards, settings.clock.now());
         let renewed = within(
             timing.retry_period,
             api.patch(&name, &apply, &Patch::Apply(&lease)),
         )
         .await;
         let listed = match renewed {
-            Ok(_) => {
-                let params = ListParams::default().labels(&selector(&settings.lease_name));
-                within(timing.retry_period, api.list(&params)).await
-            }
+            Ok(_) => within(timing.retry_period, api.list(&ListParams::default())).await,
             Err(error) => Err(error),
         };
-        match listed {
-            Ok(list) => {
-                if failing {
-                    info!(lease = %name, "counting the members again");
-                    failing = false;
+        let leases = match listed {
+            Ok(list) => list.items,
+            Err(error) => {
+                if !failing {
+                    warn!(lease = %name, %error, "cannot renew the membership Lease or list the Leases; the share of shards stays as last counted");
+                    failing = true;
                 }
-                let now = Instant::now();
-                members.observe(
-                    list.items.iter().map(|lease| {
-                        (
-                            lease.metadata.name.as_deref().unwrap_or_default(),
-                            lease
-                                .metadata
-                                .resource_version
-                                .as_deref()
-                                .unwrap_or_default(),
-                        )
-                    }),
-                    now,
-                );
-                let live = members.live(now, timing.lease_duration).max(1);
-                if live != balance.standing().replicas {
-                    info!(replicas = live, "live members of the shards' election");
-                }
-                balance.set_replicas(live);
-                for (gone, version) in members.forgotten(now, timing.lease_duration) {
-                    forget(&api, &gone, version, timing.retry_period).await;
-                }
+                continue;
             }
-            Err(error) if !failing => {
-                warn!(lease = %name, %error, "cannot renew or list the membership Leases; the share of shards stays as last counted");
-                failing = true;
-            }
-            Err(_) => {}
+        };
+        if failing {
+            info!(lease = %name, "renewing the membership Lease and listing the Leases again");
+            failing = false;
+        }
+        let now = Instant::now();
+        let mine = |lease: &&Lease| role(election, lease) != Role::Other;
+        observed.observe(
+            leases.iter().filter(mine).map(|lease| {
+                let meta = &lease.metadata;
+                let name = meta.name.as_deref().unwrap_or_default();
+                (name, meta.resource_version.as_deref().unwrap_or_default())
+            }),
+            now,
+        );
+        let live = |name: &str| observed.live(name, now, timing.lease_duration);
+        let seen = view(election, shards, &settings.identity, &leases, live);
+        if seen.replicas != balance.view().replicas || seen.foreign != balance.view().foreign {
+            info!(
+                replicas = seen.replicas,
+                another_layout_leads = seen.foreign,
+                "the shards' election changed"
+            );
+        }
+        balance.set_view(seen);
+        let members = leases.iter().filter_map(|lease| {
+            let is_member = matches!(role(election, lease), Role::Member { .. });
+            is_member.then_some(lease.metadata.name.as_deref()?)
+        });
+        for (gone, version) in observed.forgotten(members, now, timing.lease_duration) {
+            forget(&api, &gone, version, timing.retry_period).await;
         }
     }
     let deleted = within(
@@ -186,7 +296,7 @@ pub async fn run(
     match deleted {
         Ok(_) => info!(lease = %name, "left the shards' election"),
         Err(error) => {
-            debug!(lease = %name, %error, "could not delete the membership Lease; the others forget it")
+            warn!(lease = %name, %error, "could not delete the membership Lease; the others forget it")
         }
     }
 }
@@ -203,54 +313,9 @@ async fn forget(api: &Api<Lease>, name: &str, version: String, limit: Duration) 
     match within(limit, api.delete(name, &params)).await {
         Ok(_) => info!(lease = %name, "deleted the membership Lease of a replica gone"),
         Err(LeaseError::Api(kube::Error::Api(status))) if matches!(status.code, 404 | 409) => {}
-        Err(error) => debug!(lease = %name, %error, "could not delete a dead member's Lease"),
+        Err(error) => warn!(lease = %name, %error, "could not delete a dead member's Lease"),
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const LEASE: Duration = Duration::from_secs(15);
-
-    #[test]
-    fn a_member_is_live_while_its_lease_changes_and_forgotten_long_after() {
-        let t0 = Instant::now();
-        let mut members = Members::default();
-        members.observe([("a", "1"), ("b", "7")], t0);
-        assert_eq!(members.live(t0, LEASE), 2);
-        // b renews, a does not.
-        let t1 = t0 + Duration::from_secs(10);
-        members.observe([("a", "1"), ("b", "8")], t1);
-        assert_eq!(members.live(t1, LEASE), 2);
-        let t2 = t0 + LEASE;
-        members.observe([("a", "1"), ("b", "8")], t2);
-        assert_eq!(members.live(t2, LEASE), 1);
-        assert!(members.forgotten(t2, LEASE).is_empty());
-        let t3 = t0 + LEASE * FORGET_AFTER;
-        assert_eq!(
-            members.forgotten(t3, LEASE),
-            vec![("a".to_owned(), "1".to_owned())]
-        );
-        // a comes back (a new version): live again, not forgotten.
-        members.observe([("a", "2"), ("b", "9")], t3);
-        assert_eq!(members.live(t3, LEASE), 2);
-        assert!(members.forgotten(t3, LEASE).is_empty());
-        // Deleted: gone at once.
-        members.observe([("b", "9")], t3);
-        assert_eq!(members.live(t3, LEASE), 1);
-    }
-
-    #[test]
-    fn membership_lease_names_are_valid_whatever_the_identity() {
-        for identity in ["cnat-7d9f-abcde", "Host_Name:1234", "", "ü"] {
-            let name = lease_name("cnat", identity);
-            assert!(name.starts_with("cnat-member-"), "{name}");
-            assert_eq!(name.len(), "cnat-member-".len() + 16);
-            assert!(name
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'));
-        }
-        assert_ne!(lease_name("cnat", "a"), lease_name("cnat", "b"));
-    }
-}
+mod tests;

@@ -31,10 +31,11 @@ use kube::runtime::watcher;
 use kube::{Api, Client, Resource};
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use record::{Held, Known, Next, Reread, Seen};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use store::{holder_name, LeaseApi, LeaseError, Written};
@@ -99,19 +100,17 @@ pub struct Settings {
 /// or with Lease shards of every shard's.
 #[derive(Debug)]
 pub struct Leadership {
-    /// How many Leases this replica holds.
-    leading: AtomicUsize,
+    /// The Leases this replica holds, each with when it was last renewed.
+    held: Mutex<BTreeMap<String, Instant>>,
     transitions: AtomicU64,
-    last_renewal: Mutex<Option<Instant>>,
     handovers: Histogram,
 }
 
 impl Default for Leadership {
     fn default() -> Self {
         Leadership {
-            leading: AtomicUsize::new(0),
+            held: Mutex::default(),
             transitions: AtomicU64::new(0),
-            last_renewal: Mutex::new(None),
             // 10 ms to about 82 s.
             handovers: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
         }
@@ -119,6 +118,10 @@ impl Default for Leadership {
 }
 
 impl Leadership {
+    fn held(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Instant>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Whether this replica holds a Lease (the Lease; with shards, any of them).
     pub fn is_leader(&self) -> bool {
         self.leading() > 0
@@ -126,7 +129,12 @@ impl Leadership {
 
     /// How many Leases this replica holds.
     pub fn leading(&self) -> usize {
-        self.leading.load(Ordering::SeqCst)
+        self.held().len()
+    }
+
+    /// The names of the Leases this replica holds.
+    pub fn leases(&self) -> Vec<String> {
+        self.held().keys().cloned().collect()
     }
 
     /// How many times this replica became or stopped being leader (of any Lease).
@@ -134,10 +142,10 @@ impl Leadership {
         self.transitions.load(Ordering::SeqCst)
     }
 
-    /// While leading, the time since the last successful renewal (of any Lease it holds).
+    /// While leading, the time since the last successful renewal of the Lease renewed longest
+    /// ago (with shards, one stuck shard is not hidden by the others' renewals).
     pub fn since_renewal(&self) -> Option<Duration> {
-        let last = *self.last_renewal.lock().unwrap_or_else(|e| e.into_inner());
-        last.filter(|_| self.is_leader()).map(|t| t.elapsed())
+        self.held().values().map(|renewed| renewed.elapsed()).max()
     }
 
     /// Seconds from the Lease being seen free (released) or expired until this replica led.
@@ -145,22 +153,24 @@ impl Leadership {
         &self.handovers
     }
 
-    /// One Lease more (`true`) or less (`false`) held; each tenure calls it once each way.
-    pub(crate) fn set_leading(&self, leading: bool) {
-        if leading {
-            self.leading.fetch_add(1, Ordering::SeqCst);
-            self.renewed();
+    /// Lease `lease` held (`true`) or no more (`false`).
+    pub(crate) fn set_leading(&self, lease: &str, leading: bool) {
+        let changed = if leading {
+            self.held()
+                .insert(lease.to_owned(), Instant::now())
+                .is_none()
         } else {
-            // Never below zero, whatever the calls.
-            let _ = self
-                .leading
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+            self.held().remove(lease).is_some()
+        };
+        if changed {
+            self.transitions.fetch_add(1, Ordering::SeqCst);
         }
-        self.transitions.fetch_add(1, Ordering::SeqCst);
     }
 
-    fn renewed(&self) {
-        *self.last_renewal.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+    fn renewed(&self, lease: &str) {
+        if let Some(renewed) = self.held().get_mut(lease) {
+            *renewed = Instant::now();
+        }
     }
 }
 
@@ -229,6 +239,8 @@ enum Why {
 struct Won {
     held: Held,
     free_since: Option<Instant>,
+    /// With shards: this shard's place among those the replica leads, until it is counted.
+    reserved: Option<balance::Reservation>,
 }
 
 /// What one renewal attempt came to.
@@ -256,6 +268,8 @@ struct Campaign {
     watch_open: bool,
     /// When the campaign started (how long a missing Lease has been free, for the balance).
     started: Instant,
+    /// With shards: the place reserved for the take under way.
+    reserved: Option<balance::Reservation>,
 }
 
 struct Elector {
@@ -303,10 +317,11 @@ impl Elector {
             watch_failing: false,
             watch_open: true,
             started: Instant::now(),
+            reserved: None,
         };
         loop {
             let now = Instant::now();
-            let step = self.balanced(record::next(&c.known, self.me(), now), &c, now);
+            let step = self.balanced(record::next(&c.known, self.me(), now), &mut c, now);
             let waiting = matches!(step, Next::Wait { .. });
             let attempt: Result<Option<Won>, LeaseError> = match step {
                 Next::Read => self.leases.get().await.map(|lease| {
@@ -327,7 +342,10 @@ impl Elector {
                 }
             };
             match attempt {
-                Ok(Some(won)) => return Some(won),
+                Ok(Some(mut won)) => {
+                    won.reserved = c.reserved.take();
+                    return Some(won);
+                }
                 // Only a settled state (someone else holds it) ends a streak of failures: a
                 // read that works before a write that fails is no recovery.
                 Ok(None) if waiting => c.failures = 0,
@@ -345,7 +363,9 @@ impl Elector {
 
     /// `step`, unless it takes a free Lease that this replica's share of shards leaves to
     /// others for now: then waits a retry period (or for news) and decides again.
-    fn balanced(&self, step: Next, c: &Campaign, now: Instant) -> Next {
+    fn balanced(&self, step: Next, c: &mut Campaign, now: Instant) -> Next {
+        // A place reserved for an earlier attempt is not this one's.
+        c.reserved = None;
         let Some(balance) = &self.settings.balance else {
             return step;
         };
@@ -360,12 +380,14 @@ impl Elector {
             (Next::Create, _) => now.saturating_duration_since(c.started),
             _ => return step,
         };
-        if balance.may_take(free_for) {
-            step
-        } else {
-            Next::Wait {
-                until: now + self.settings.timing.retry_period,
+        match balance.try_reserve(free_for) {
+            Some(reserved) => {
+                c.reserved = Some(reserved);
+                step
             }
+            None => Next::Wait {
+                until: now + self.settings.timing.retry_period,
+            },
         }
     }
 
@@ -383,6 +405,7 @@ impl Elector {
             Ok(Written::Done(created)) => Ok(Some(Won {
                 held: held(&created, now),
                 free_since: None,
+                reserved: None,
             })),
             Ok(Written::Conflict) => {
                 c.known = Known::Unknown;
@@ -415,6 +438,7 @@ impl Elector {
             Ok(Written::Done(taken)) => Ok(Some(Won {
                 held: held(&taken, now),
                 free_since,
+                reserved: None,
             })),
             // Someone wrote first; read what they wrote.
             Ok(Written::Conflict) => {
@@ -514,7 +538,9 @@ impl Elector {
         // Dropping the election (e.g. its task is aborted) aborts the work too: no reconcile
         // loop may outlive the leadership that started it.
         let mut task = AbortOnDropHandle::new(tokio::spawn(work(stop.clone())));
-        self.leadership.set_leading(true);
+        self.leadership.set_leading(&self.settings.lease_name, true);
+        // Counted as led now: its reserved place is no longer needed.
+        drop(won.reserved);
         if let Some(free) = won.free_since {
             let took = Instant::now().saturating_duration_since(free);
             self.leadership.handovers.observe(took.as_secs_f64());
@@ -527,7 +553,8 @@ impl Elector {
         );
         let (why, held) = self.hold(won.held, &mut task, shutdown).await;
         self.stop_work(&why, &mut task, &stop, &held).await;
-        self.leadership.set_leading(false);
+        self.leadership
+            .set_leading(&self.settings.lease_name, false);
         self.step_down(why, &held).await
     }
 
@@ -554,7 +581,7 @@ impl Elector {
                         Renewal::Renewed(renewed) => {
                             renew_at = renewed.sent + timing.retry_period;
                             held = renewed;
-                            self.leadership.renewed();
+                            self.leadership.renewed(&self.settings.lease_name);
                             if let Some(yielding) = self.settings.balance.as_ref().and_then(|b| b.try_yield()) {
                                 break Why::Yielded(yielding);
                             }
@@ -788,19 +815,34 @@ mod tests {
             (leadership.is_leader(), leadership.since_renewal()),
             (false, None)
         );
-        leadership.set_leading(true);
-        leadership.set_leading(true);
+        leadership.set_leading("a", true);
+        leadership.set_leading("a", true);
+        leadership.set_leading("b", true);
         assert_eq!((leadership.is_leader(), leadership.leading()), (true, 2));
+        assert_eq!(leadership.leases(), ["a", "b"]);
         assert!(leadership.since_renewal().unwrap() < Duration::from_secs(1));
-        leadership.set_leading(false);
+        leadership.set_leading("a", false);
         assert!(leadership.is_leader());
-        leadership.set_leading(false);
-        leadership.set_leading(false);
+        leadership.set_leading("b", false);
+        leadership.set_leading("b", false);
         assert_eq!(
             (leadership.leading(), leadership.since_renewal()),
             (0, None)
         );
-        assert_eq!(leadership.transitions(), 5);
+        assert_eq!(leadership.transitions(), 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_lease_renewed_longest_ago_is_the_one_liveness_sees() {
+        let leadership = Leadership::default();
+        leadership.set_leading("stuck", true);
+        leadership.set_leading("fine", true);
+        tokio::time::advance(Duration::from_secs(20)).await;
+        leadership.renewed("fine");
+        let since = leadership.since_renewal().unwrap();
+        assert!(since >= Duration::from_secs(20), "{since:?}");
+        leadership.set_leading("stuck", false);
+        assert!(leadership.since_renewal().unwrap() < Duration::from_secs(1));
     }
 
     #[test]

@@ -404,8 +404,23 @@ impl Collector for LeaderCollector {
             None,
             transitions.metric_type(),
         )?;
-        transitions.encode(metric)
+        transitions.encode(metric)?;
+        let mut family = encoder.encode_descriptor(
+            "cnat_lease_held",
+            "1 for each Lease this replica holds, by its name (with --shards, one per shard it leads)",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for lease in self.0.leases() {
+            ConstGauge::new(1).encode(family.encode_family(&LeaseLabels { lease })?)?;
+        }
+        Ok(())
     }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct LeaseLabels {
+    lease: String,
 }
 
 /// The leader's At cache, when there is one.

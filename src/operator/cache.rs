@@ -566,6 +566,13 @@ impl AtCache {
         &self.quarantine
     }
 
+    /// This cache, with `quarantine` as the At versions it skips: one that outlives the cache
+    /// (a shard's, shared by each of its leaderships, each with a cache of its own).
+    pub fn with_quarantine(mut self, quarantine: Arc<Quarantine>) -> Self {
+        self.quarantine = quarantine;
+        self
+    }
+
     /// The cached Ats.
     pub fn store(&self) -> &Store<CachedAt> {
         &self.store

@@ -85,6 +85,15 @@ pub async fn run_with_cache(
     let at_store = cache.store().clone();
     // Pods of deleted Ats that wait for cnat's finalizer to go.
     let (orphans, orphaned) = mpsc::unbounded_channel();
+    // With Lease shards, pods started before them (no shard label) are in shard 0's pod watch
+    // only: its leader labels each with its At's shard.
+    let (unlabelled, to_label) = match &settings.selector {
+        Some(_) => {
+            let (sender, receiver) = mpsc::unbounded_channel();
+            (Some(sender), Some(receiver))
+        }
+        None => (None, None),
+    };
     let pod_selector = match &settings.selector {
         Some(shard) => format!("{},{shard}", pod::SELECTOR),
         None => pod::SELECTOR.to_owned(),
@@ -94,7 +103,10 @@ pub async fn run_with_cache(
         &pod_selector,
         pod_writer,
         at_store.clone(),
-        orphans.clone(),
+        Notify {
+            orphans: orphans.clone(),
+            unlabelled,
+        },
     );
     // Subscribed before the first look at the cache, so no change falls between the two.
     let at_events = triggers::at_events(cache.subscribe(), ctx.clone(), at_store.clone(), orphans);
@@ -107,7 +119,7 @@ pub async fn run_with_cache(
     let Some(retriggers) = ctx.retriggers() else {
         unreachable!("a new context hands out its retriggers");
     };
-    let tasks = spawn_tasks(&ctx, &at_store, orphaned);
+    let tasks = spawn_tasks(&ctx, &at_store, orphaned, to_label);
     let fatal = ctx.fatal().clone();
     let controller = Controller::for_shared_stream(at_events, at_store)
         .owns_stream(pod_events)
@@ -128,15 +140,28 @@ pub async fn run_with_cache(
     info!("reconcile loop stopped");
 }
 
-/// The leader's pod watch, into its pod cache; a pod of a gone At that waits for cnat's
-/// finalizer goes to `orphans`. Deletions too: a pod that vanishes must end its At.
+/// Where the pod watch sends the pods someone must act on.
+struct Notify {
+    /// Pods of gone Ats that wait for cnat's finalizer to go.
+    orphans: mpsc::UnboundedSender<ObjectRef<Pod>>,
+    /// With Lease shards: pods without a shard value, once each.
+    unlabelled: Option<mpsc::UnboundedSender<ObjectRef<Pod>>>,
+}
+
+/// Pods without a shard value told once each, at most this many remembered (then forgotten).
+const UNLABELLED_REMEMBERED: usize = 10_000;
+
+/// The leader's pod watch (the pods `selector` selects), into its pod cache; a pod of a gone At
+/// that waits for cnat's finalizer goes to `notify.orphans`. Deletions too: a pod that vanishes
+/// must end its At.
 fn pod_events(
     pods: Api<Pod>,
     selector: &str,
     writer: reflector::store::Writer<Pod>,
     ats: Store<CachedAt>,
-    orphans: mpsc::UnboundedSender<ObjectRef<Pod>>,
+    notify: Notify,
 ) -> impl futures::Stream<Item = Result<Pod, watcher::Error>> + Send {
+    let mut told = std::collections::HashSet::new();
     watcher(pods, watcher::Config::default().labels(selector))
         .backoff(cache::watch_backoff())
         .modify(pod::trim)
@@ -144,7 +169,16 @@ fn pod_events(
         .touched_objects()
         .inspect_ok(move |found: &Pod| {
             if pod::awaits_release(found) && triggers::owner_gone(found, &ats) {
-                let _ = orphans.send(ObjectRef::from_obj(found));
+                let _ = notify.orphans.send(ObjectRef::from_obj(found));
+            }
+            if let Some(unlabelled) = &notify.unlabelled {
+                let value = crate::shard::value_of(found.metadata.labels.as_ref());
+                if value.is_none() && told.insert(found.uid().unwrap_or_default()) {
+                    if told.len() > UNLABELLED_REMEMBERED {
+                        told.clear();
+                    }
+                    let _ = unlabelled.send(ObjectRef::from_obj(found));
+                }
             }
         })
 }
@@ -158,6 +192,7 @@ fn spawn_tasks(
     ctx: &Arc<Context>,
     store: &Store<CachedAt>,
     orphaned: mpsc::UnboundedReceiver<ObjectRef<Pod>>,
+    unlabelled: Option<mpsc::UnboundedReceiver<ObjectRef<Pod>>>,
 ) -> JoinSet<&'static str> {
     let mut tasks: JoinSet<&'static str> = JoinSet::new();
     // Every At already cached. A cache still listing says `Relisted` when it has them all.
@@ -221,6 +256,21 @@ fn spawn_tasks(
             "orphan release"
         }
     });
+    if let Some(unlabelled) = unlabelled {
+        let ctx = ctx.clone();
+        let unlabelled = futures::stream::unfold(unlabelled, |mut rx| async {
+            rx.recv().await.map(|found| (found, rx))
+        });
+        tasks.spawn(async move {
+            unlabelled
+                .for_each_concurrent(ORPHAN_RELEASES, |found| {
+                    let ctx = ctx.clone();
+                    async move { ctx.label_pod_with_shard(&found).await }
+                })
+                .await;
+            "shard labels of pods"
+        });
+    }
     tasks
 }
 

@@ -214,7 +214,7 @@ mod tests {
             get(&health, "/healthz").await,
             (StatusCode::OK, "ok\n".into())
         );
-        health.leadership.set_leading(true);
+        health.leadership.set_leading("cnat", true);
         tokio::time::advance(Duration::from_secs(15)).await;
         assert_eq!(get(&health, "/healthz").await.0, StatusCode::OK);
         tokio::time::advance(Duration::from_secs(1)).await;
@@ -226,7 +226,7 @@ mod tests {
         );
         // Readiness does not depend on leadership.
         assert_eq!(get(&health, "/readyz").await.0, StatusCode::OK);
-        health.leadership.set_leading(false);
+        health.leadership.set_leading("cnat", false);
         assert_eq!(get(&health, "/healthz").await.0, StatusCode::OK);
     }
 
@@ -314,7 +314,7 @@ mod tests {
             "{body}"
         );
         assert!(!body.contains("# EOF"), "{body}");
-        health.leadership.set_leading(true);
+        health.leadership.set_leading("cnat", true);
         let body = get(&health, "/metrics").await.1;
         assert!(body.contains("\ncnat_leader 1\n"), "{body}");
         assert!(

@@ -1,7 +1,8 @@
 //! Lease shards (`cnat run --shards`) on the real control plane: the replicas split the shards'
 //! Leases evenly, each caches and reconciles only its shards' Ats, shards move to a replica that
 //! joins (in the middle of a burst), from one that stops and from one that dies, and every At's
-//! pod is created exactly once through it all.
+//! pod is created exactly once through it all; a pod started before Lease shards (no shard
+//! label) gets its At's label from shard 0's leader.
 
 use crate::never_twice::{metric, Creations, Kubelet};
 use crate::support::envtest::{install_crd, lease_holder, ControlPlane, Replica};
@@ -18,11 +19,12 @@ use std::time::Duration;
 
 const SHARDS: usize = 6;
 
-/// Who holds each shard's Lease (`cnat-0` ...).
+/// Who holds each shard's Lease (`cnat-0-of-6` ...).
 async fn holders(admin: &Client, lease_ns: &str) -> Vec<Option<String>> {
     let mut holders = Vec::new();
     for shard in 0..SHARDS {
-        holders.push(lease_holder(admin, lease_ns, &format!("cnat-{shard}")).await);
+        let name = cnat::leader::members::shard_lease_name("cnat", shard, SHARDS);
+        holders.push(lease_holder(admin, lease_ns, &name).await);
     }
     holders
 }
@@ -120,7 +122,9 @@ async fn shards_spread_over_the_replicas_and_each_at_runs_once_as_they_come_and_
     let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
     let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
     let creations = Creations::watch(&admin, &ns).await;
-    let _kubelet = Kubelet::start(&admin, &ns);
+    // An At running in a pod started before Lease shards: the pod has no shard label, so only
+    // shard 0's pod watch sees it, and its At is in another shard.
+    let old = old_at_in_another_shard(&ats, &pods, &ns).await;
     let flags = [
         format!("--namespace={ns}"),
         "--webhooks=false".into(),
@@ -132,6 +136,38 @@ async fn shards_spread_over_the_replicas_and_each_at_runs_once_as_they_come_and_
     let a = plane.replica("a", &lease_ns, &flags);
     let mut b = plane.replica("b", &lease_ns, &flags);
     settle(&admin, &lease_ns, &[("a", 3), ("b", 3)], &[&a, &b]).await;
+    // Shard 0's leader gives the old pod its At's label, so the At's leader sees it end at once
+    // (not at its RUNNING re-check, a minute on).
+    let value = old.labels()[LABEL].clone();
+    let labelled = until(Duration::from_secs(20), async || {
+        let pod = pods.get(&format!("{}-pod", old.name_any())).await.unwrap();
+        (pod.labels().get(LABEL) == Some(&value)).then_some(())
+    });
+    assert!(
+        labelled.await.is_some(),
+        "the old pod never got its label: {}",
+        a.log_text()
+    );
+    let running = until(Duration::from_secs(20), async || {
+        let at = ats.get(&old.name_any()).await.unwrap();
+        at.status
+            .is_some_and(|s| s.phase == Phase::Running)
+            .then_some(())
+    });
+    assert!(running.await.is_some(), "the old At never ran");
+    crate::support::envtest::finish_pod(&admin, &ns, &format!("{}-pod", old.name_any()), 0, "")
+        .await;
+    let done = until(Duration::from_secs(20), async || {
+        let at = ats.get(&old.name_any()).await.unwrap();
+        at.status
+            .is_some_and(|s| s.phase == Phase::Done)
+            .then_some(())
+    });
+    assert!(
+        done.await.is_some(),
+        "the old At was not DONE within 20 s of its pod's end"
+    );
+    let _kubelet = Kubelet::start(&admin, &ns);
 
     // 300 Ats fall due at once; a third replica joins as their pods are being created, and
     // shards move to it one at a time, in the middle of the burst.
@@ -153,15 +189,15 @@ async fn shards_spread_over_the_replicas_and_each_at_runs_once_as_they_come_and_
         &[&a, &b, &c],
     )
     .await;
-    all_done(&ats, 300, &[&a, &b, &c]).await;
+    all_done(&ats, 301, &[&a, &b, &c]).await;
     assert_eq!(creations.twice(), vec![], "pods created twice");
-    assert_eq!(creations.pods(), 300);
-    // Not vacuous: c took shards before the burst was over, and ran some of it.
-    assert!(
-        c.log_text().contains("became leader"),
-        "c never led a shard: {}",
-        c.log_text()
-    );
+    assert_eq!(creations.pods(), 301);
+    // Not vacuous: c took shards before the burst was over, and ran some of it (a pod's
+    // lateness is observed by the replica that created it).
+    let ran = |r: &Replica| metric(r, "cnat_run_lateness_seconds_count").unwrap_or(0);
+    let by = [ran(&a), ran(&b), ran(&c)];
+    assert!(by[2] > 0, "c ran none of the burst: {by:?}");
+    assert!(by.iter().sum::<u64>() >= 300, "{by:?}");
 
     // Every pod carries its At's shard, and each replica caches only its shards' Ats: the
     // counts of the three add up to the Ats, none holds them all.
@@ -184,11 +220,11 @@ async fn shards_spread_over_the_replicas_and_each_at_runs_once_as_they_come_and_
     );
     let counts = until(Duration::from_secs(30), async || {
         let counts = [counted(&a), counted(&b), counted(&c)];
-        (counts.iter().sum::<u64>() == 300).then_some(counts)
+        (counts.iter().sum::<u64>() == 301).then_some(counts)
     })
     .await;
     let counts = counts.expect("the replicas' counts add up to the Ats");
-    assert!(counts.iter().all(|n| *n > 0 && *n < 300), "{counts:?}");
+    assert!(counts.iter().all(|n| *n > 0 && *n < 301), "{counts:?}");
 
     // c stops, as at the end of a rolling update: its shards go back to a and b, its
     // membership Lease is deleted, and new Ats run once each.
@@ -200,7 +236,7 @@ async fn shards_spread_over_the_replicas_and_each_at_runs_once_as_they_come_and_
     assert!(left.await.is_some(), "c's membership Lease stayed");
     let due = chrono::Utc::now() + chrono::Duration::seconds(2);
     create(&ats, &ns, "after-c", 60, due).await;
-    all_done(&ats, 360, &[&a, &b]).await;
+    all_done(&ats, 361, &[&a, &b]).await;
 
     // b dies: its shards expire and a takes every one; b's membership Lease is deleted once
     // it has been still for four lease durations (3 s each here).
@@ -208,7 +244,7 @@ async fn shards_spread_over_the_replicas_and_each_at_runs_once_as_they_come_and_
     settle(&admin, &lease_ns, &[("a", SHARDS)], &[&a]).await;
     let due = chrono::Utc::now() + chrono::Duration::seconds(2);
     create(&ats, &ns, "after-b", 30, due).await;
-    all_done(&ats, 390, &[&a]).await;
+    all_done(&ats, 391, &[&a]).await;
     let forgotten = until(Duration::from_secs(30), async || {
         (!member(&admin, &lease_ns, "b").await).then_some(())
     });
@@ -217,5 +253,126 @@ async fn shards_spread_over_the_replicas_and_each_at_runs_once_as_they_come_and_
         "b's membership Lease was never deleted"
     );
     assert_eq!(creations.twice(), vec![], "pods created twice");
-    assert_eq!(creations.pods(), 390);
+    assert_eq!(creations.pods(), 391);
+}
+
+/// An At (labelled for a shard other than 0) due now, and its pod as a release before Lease
+/// shards made it: cnat's labels but no shard label, cnat's finalizer, controlled by the At.
+async fn old_at_in_another_shard(ats: &Api<At>, pods: &Api<Pod>, ns: &str) -> At {
+    let shards = Shards::new(SHARDS).unwrap();
+    let due = chrono::Utc::now();
+    let name = (0..)
+        .map(|i| format!("old-{i}"))
+        .find(|name| shards.of(at(ns, name, due, false).metadata.labels.as_ref()) != 0)
+        .unwrap();
+    let created = ats
+        .create(&PostParams::default(), &at(ns, &name, due, false))
+        .await
+        .unwrap();
+    let mut pod = cnat::operator::pod::build(&created, &Default::default());
+    if let Some(labels) = pod.metadata.labels.as_mut() {
+        labels.remove(LABEL);
+    }
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    created
+}
+
+/// Whether any shard Lease of `count` is held.
+async fn any_shard_held(admin: &Client, lease_ns: &str, count: usize) -> bool {
+    for shard in 0..count {
+        let name = cnat::leader::members::shard_lease_name("cnat", shard, count);
+        if lease_holder(admin, lease_ns, &name).await.is_some() {
+            return true;
+        }
+    }
+    false
+}
+
+/// A change of layout, as a rollout that changes `--shards` makes it: replicas of the new
+/// layout take no shard while a Lease of the old one is held, and replicas of the old layout
+/// give theirs up once the new one holds a Lease; Ats run once through both changes.
+#[tokio::test]
+async fn a_change_of_layout_hands_over_without_two_layouts_leading() {
+    let plane: &ControlPlane = crate::real_control_plane!();
+    let admin = plane.admin().await;
+    install_crd(&admin, &cnat::api::crd_yaml()).await;
+    let lease_ns = plane.namespace("layouts-lease", &[]).await;
+    let ns = plane.namespace("layouts", &[]).await;
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let creations = Creations::watch(&admin, &ns).await;
+    let _kubelet = Kubelet::start(&admin, &ns);
+    let flags = |shards: usize| {
+        vec![
+            format!("--namespace={ns}"),
+            "--webhooks=false".to_owned(),
+            format!("--shards={shards}"),
+        ]
+    };
+    let start = |id: &str, shards: usize| {
+        let flags = flags(shards);
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        plane.replica(id, &lease_ns, &flags)
+    };
+
+    // One Lease to two shards: the sharded replicas wait while the one Lease is held.
+    let mut single = start("single", 1);
+    let led = until(Duration::from_secs(30), async || {
+        lease_holder(&admin, &lease_ns, "cnat").await
+    });
+    assert_eq!(
+        led.await.as_deref(),
+        Some("single"),
+        "{}",
+        single.log_text()
+    );
+    let (p, q) = (start("p", 2), start("q", 2));
+    let waited = until(Duration::from_secs(6), async || {
+        any_shard_held(&admin, &lease_ns, 2).await.then_some(())
+    });
+    assert!(
+        waited.await.is_none(),
+        "a shard was taken while the one Lease was held"
+    );
+    create(&ats, &ns, "one", 10, chrono::Utc::now()).await;
+    all_done(&ats, 10, &[&single, &p, &q]).await;
+    single.terminate();
+    settle2(&admin, &lease_ns, &[&p, &q]).await;
+    create(&ats, &ns, "two", 10, chrono::Utc::now()).await;
+    all_done(&ats, 20, &[&p, &q]).await;
+
+    // Two shards to one Lease: the new replica takes it, the sharded ones give theirs up.
+    let single = start("single-again", 1);
+    let given_up = until(Duration::from_secs(30), async || {
+        let held = any_shard_held(&admin, &lease_ns, 2).await;
+        let single_leads =
+            lease_holder(&admin, &lease_ns, "cnat").await.as_deref() == Some("single-again");
+        (!held && single_leads).then_some(())
+    });
+    assert!(
+        given_up.await.is_some(),
+        "the shards were kept: {}\n{}",
+        p.log_text(),
+        q.log_text()
+    );
+    create(&ats, &ns, "three", 10, chrono::Utc::now()).await;
+    all_done(&ats, 30, &[&single, &p, &q]).await;
+    assert_eq!(creations.twice(), vec![], "pods created twice");
+    assert_eq!(creations.pods(), 30);
+}
+
+/// Until the two shards of `--shards 2` are led, one by each replica.
+async fn settle2(admin: &Client, lease_ns: &str, replicas: &[&Replica]) {
+    let settled = until(Duration::from_secs(30), async || {
+        let mut held = Vec::new();
+        for shard in 0..2 {
+            let name = cnat::leader::members::shard_lease_name("cnat", shard, 2);
+            held.push(lease_holder(admin, lease_ns, &name).await?);
+        }
+        held.sort();
+        (held == ["p", "q"]).then_some(())
+    });
+    if settled.await.is_none() {
+        let logs: Vec<String> = replicas.iter().map(|r| r.log_text()).collect();
+        panic!("the two shards never split\n{}", logs.join("\n---\n"));
+    }
 }

@@ -1,12 +1,13 @@
 //! The executor's API calls besides status writes (`writer`): looking up, creating and
-//! releasing an At's pod, releasing the pod of a deleted At, and deleting a finished At.
+//! releasing an At's pod, releasing the pod of a deleted At, labelling a pod with its At's
+//! shard, and deleting a finished At.
 
 use super::decide::{self, PodObservation};
 use super::{key, namespace, uid, Context, Error, FIELD_MANAGER};
 use crate::api::{At, Phase};
 use crate::operator::key::AtKey;
 use crate::operator::reconcile::writer::retry_delay;
-use crate::{operator::pod, schedule};
+use crate::{operator::pod, schedule, shard};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
@@ -108,6 +109,56 @@ impl Context {
                     debug!(pod = %found, %error, attempt, "removing cnat's finalizer failed; retrying");
                     tokio::time::sleep(retry_delay(attempt)).await;
                 }
+            }
+        }
+    }
+
+    /// Gives a pod without a shard value (started before Lease shards) its At's, so that the
+    /// leader of the At's shard, whose pod watch selects by that label, sees it. The pod and
+    /// the At are read from the API server; a pod of another At (by uid), or of an At without a
+    /// value, is left as it is.
+    pub async fn label_pod_with_shard(&self, found: &ObjectRef<Pod>) {
+        let namespace = found.namespace.as_deref().unwrap_or_default();
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let ats: Api<At> = Api::namespaced(self.client.clone(), namespace);
+        let labelled = async {
+            let Some(current) = pods.get_opt(&found.name).await? else {
+                return Ok(None);
+            };
+            if shard::value_of(current.metadata.labels.as_ref()).is_some() {
+                return Ok(None);
+            }
+            let Some(owner) = current
+                .owner_references()
+                .iter()
+                .find(|o| o.controller == Some(true))
+            else {
+                return Ok(None);
+            };
+            let at = ats.get_opt(&owner.name).await?;
+            let Some(at) = at.filter(|at| at.uid().as_deref() == Some(owner.uid.as_str())) else {
+                return Ok(None);
+            };
+            let Some(value) = shard::value_of(at.metadata.labels.as_ref()) else {
+                return Ok(None);
+            };
+            let patch =
+                serde_json::json!({"metadata": {"labels": {shard::LABEL: value.to_string()}}});
+            let params = PatchParams {
+                field_manager: Some(FIELD_MANAGER.into()),
+                ..PatchParams::default()
+            };
+            pods.patch(&found.name, &params, &Patch::Merge(patch))
+                .await?;
+            Ok::<_, kube::Error>(Some(value))
+        };
+        match labelled.await {
+            Ok(Some(value)) => {
+                info!(pod = %found, shard = value, "gave a pod started before Lease shards its At's shard label")
+            }
+            Ok(None) => {}
+            Err(error) => {
+                warn!(pod = %found, %error, "could not give a pod its At's shard label; its At notices its end at the RUNNING re-check")
             }
         }
     }
