@@ -235,8 +235,8 @@ pub struct RunArgs {
 
     /// Split the Ats among this many Leases (1-60): each replica leads some of them, caching and
     /// reconciling only their Ats, so memory and work spread over the replicas. With 1 (the
-    /// default) one replica leads every At. Shard I's Lease is LEASE_NAME-I; each replica also
-    /// renews a membership Lease, LEASE_NAME-member-HASH, to count the replicas.
+    /// default) one replica leads every At. Shard I's Lease is LEASE_NAME-I-of-N; each replica
+    /// also renews a membership Lease, LEASE_NAME-member-HASH, to count the replicas.
     #[arg(long, env = "CNAT_SHARDS", default_value = "1", value_parser = shards)]
     pub shards: crate::shard::Shards,
 

@@ -12,7 +12,7 @@
 //! The label's value is one of `VALUES` numbers, `0`..`59`, from a hash of the At's name: list
 //! shard `value % SHARDS`, Lease shard `value % N`. 60 splits evenly into 1, 2, 3, 4, 5, 6, 10,
 //! 12, 15, 20, 30 and 60 Lease shards (others within one value of even). Ats labelled by
-//! 0.2.0 and earlier have values `0`..`3`, which read the same way.
+//! builds before Lease shards have values `0`..`3`, which read the same way.
 //!
 //! The lists together hold every At exactly once whatever the labels say: one list per list
 //! shard, and one of every At whose label is missing or anything else (Ats stored before the
@@ -232,7 +232,7 @@ mod tests {
             assert_eq!(shards.of(Some(&labels(value))), 0, "{value:?}");
         }
         assert_eq!(selectors().len(), SHARDS + 1);
-        // Values 0.2.0 and earlier gave (0-3) read as they did.
+        // Values builds before Lease shards gave (0-3) read as they did.
         for old in 0..4 {
             let labels = labels(Some(&old.to_string()));
             assert_eq!(list_of(Some(&labels)), old);
