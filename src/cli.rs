@@ -312,7 +312,6 @@ impl RunArgs {
     }
 }
 
-/// Parses durations such as `15s`, `500ms` or `1m 30s`.
 /// `--shards`: a whole number from 1 to `shard::VALUES`.
 fn shards(raw: &str) -> Result<crate::shard::Shards, String> {
     let count: usize = raw.parse().map_err(|_| {
@@ -324,6 +323,7 @@ fn shards(raw: &str) -> Result<crate::shard::Shards, String> {
     crate::shard::Shards::new(count).map_err(|error| error.to_string())
 }
 
+/// Parses durations such as `15s`, `500ms` or `1m 30s`.
 fn duration(raw: &str) -> Result<Duration, String> {
     let parsed: jiff::SignedDuration = raw
         .parse()

@@ -5,14 +5,20 @@
 //! membership Lease is live (`members`). It takes a free or expired shard only while it leads
 //! fewer than its share (counting the shards it is taking), so the replicas under theirs take
 //! a free shard first, and one replica never takes every free shard at once. It gives up one
-//! shard at a time (then the next, once that one is let go) while no shard is free and it leads
-//! more than its share, or two more than the replica that leads fewest. No shard waits for long
-//! whatever the counts say: a shard free for a whole lease duration is taken by anyone, and
-//! nobody gives a shard up while one is free, so a replica whose count of replicas is wrong or
-//! stale (one that died is counted until its membership expires) never leaves a shard without
-//! a leader. While a Lease of another layout is held (the one Lease, or shards of another N:
-//! replicas of an older or newer configuration during a rollout), a replica takes no shard and
-//! gives up those it leads, so that two layouts never reconcile the same Ats for long.
+//! shard at a time, and the next only after a newer look at the Leases, while no shard is free
+//! and it leads more than its share, or two more than the replica that leads fewest; a shard it
+//! gave up it takes again only as a rescue. No shard waits for long whatever the counts say: a
+//! shard free for a whole lease duration is taken by anyone (a rescue: its taker then gives
+//! none up for `KEEP_AFTER_RESCUE` lease durations), and nobody gives a shard up while one is
+//! free, so a replica whose count of replicas is wrong or stale never leaves a shard without a
+//! leader.
+//!
+//! Layouts: while a Lease of another layout is held (the one Lease, or shards of another N:
+//! replicas of an older or newer configuration during a rollout), a replica takes no shard;
+//! and it gives up those it leads when that layout outranks its own (the one Lease outranks
+//! shards, more shards outrank fewer). So during a rollout the new layout waits until the old
+//! one has stopped (or takes over at once where it outranks it), and two layouts started
+//! together settle on the higher.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,14 +38,10 @@ pub struct View {
     /// Shards of this layout no live holder leads.
     pub free: usize,
     /// A Lease of another layout is held.
-    pub foreign: bool,
+    pub another_layout_leads: bool,
+    /// A Lease of a layout that outranks this one is held.
+    pub outranked: bool,
 }
-
-/// How long after taking a shard that had been free for a whole lease duration (so the counts
-/// were wrong: nobody under its share took it) a replica gives none up, in lease durations: a
-/// replica counted but not leading (stuck) would otherwise have the shard given up and taken
-/// back over and over.
-const KEEP_AFTER_RESCUE: u32 = 10;
 
 impl Default for View {
     /// Before the first list: alone, nothing known.
@@ -48,10 +50,21 @@ impl Default for View {
             replicas: 1,
             fewest_of_others: None,
             free: 0,
-            foreign: false,
+            another_layout_leads: false,
+            outranked: false,
         }
     }
 }
+
+/// How long after taking a shard that had been free for a whole lease duration (so the counts
+/// were wrong: nobody under its share took it) a replica gives none up, in lease durations: a
+/// replica counted but not leading (stuck) would otherwise have the shard given up and taken
+/// back over and over.
+const KEEP_AFTER_RESCUE: u32 = 10;
+
+/// Lease durations after giving a shard up during which this replica takes it again only as a
+/// rescue (so that another replica takes it first).
+pub const RESCUE_ONLY_AFTER_GIVING_UP: u32 = 2;
 
 /// One replica's standing: how many shards it leads (and is taking), of how many, and what the
 /// Leases say.
@@ -73,12 +86,13 @@ impl Standing {
     /// Whether to take a shard's Lease that has been free (released, expired or missing) for
     /// `free_for`.
     pub fn may_take(&self, free_for: Duration, lease_duration: Duration) -> bool {
-        !self.view.foreign && (self.leading < self.share() || free_for >= lease_duration)
+        !self.view.another_layout_leads
+            && (self.leading < self.share() || free_for >= lease_duration)
     }
 
     /// Whether to give one shard up (see the module docs).
     pub fn gives_one_up(&self) -> bool {
-        if self.view.foreign {
+        if self.view.outranked {
             return self.leading > 0;
         }
         let uneven = self
@@ -99,16 +113,24 @@ pub struct Balance {
     lease_duration: Duration,
     state: Mutex<State>,
     yielding: AtomicBool,
-    /// Cancelled once the Leases were first seen.
+    /// Cancelled once two looks at the Leases in a row counted the same replicas.
     counted: CancellationToken,
+    /// Asks for a look at the Leases now: an election was refused a free shard, and the count
+    /// it was refused on may be stale (a replica that stopped deleted its membership Lease just
+    /// before releasing its shards).
+    look: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
 struct State {
     view: View,
+    /// Looks at the Leases so far (`set_view`).
+    views: u64,
+    /// `views` when the last shard given up was let go: the next waits for a newer look.
+    yielded_at_view: u64,
     /// Shards being taken: won campaigns not yet counted as led.
     taking: usize,
-    /// When it last took a shard free for a whole lease duration.
+    /// When it last led a shard taken as a rescue.
     rescued_at: Option<Instant>,
     /// When the Leases last said another layout leads: a shard left free meanwhile was not
     /// free for this layout.
@@ -131,7 +153,13 @@ impl Balance {
             state: Mutex::default(),
             yielding: AtomicBool::new(false),
             counted: CancellationToken::new(),
+            look: tokio::sync::Notify::new(),
         }
+    }
+
+    /// Completes when an election asks for a look at the Leases (`try_reserve` refused).
+    pub async fn look_asked(&self) {
+        self.look.notified().await
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -141,26 +169,30 @@ impl Balance {
     /// What the election's Leases said last.
     pub fn set_view(&self, view: View) {
         let mut state = self.state();
-        // Another layout led until this view, if the last one said so.
-        if view.foreign || state.view.foreign {
+        // Another layout led until this look, if the last one said so.
+        if view.another_layout_leads || state.view.another_layout_leads {
             state.foreign_at = Some(Instant::now());
         }
+        let settled = state.views > 0 && state.view.replicas == view.replicas;
         state.view = view;
+        state.views += 1;
         drop(state);
-        self.counted.cancel();
+        if settled {
+            self.counted.cancel();
+        }
     }
 
     pub fn view(&self) -> View {
         self.state().view
     }
 
-    /// Completes once the Leases were seen (at once if they were).
+    /// Completes once two looks at the Leases in a row counted the same replicas (at once if
+    /// they did): replicas that start together see each other before any takes a shard.
     pub fn counted(&self) -> WaitForCancellationFutureOwned {
         self.counted.clone().cancelled_owned()
     }
 
-    pub fn standing(&self) -> Standing {
-        let state = self.state();
+    fn standing_of(&self, state: &State) -> Standing {
         Standing {
             leading: self.leadership.leading() + state.taking,
             shards: self.shards,
@@ -169,41 +201,54 @@ impl Balance {
         }
     }
 
+    pub fn standing(&self) -> Standing {
+        self.standing_of(&self.state())
+    }
+
     /// A place among the shards this replica leads, for a shard free for `free_for`, if it may
-    /// take one now; held until the shard is led (or the take failed).
-    pub fn try_reserve(self: &Arc<Self>, free_for: Duration) -> Option<Reservation> {
+    /// take one now (`rescue_only`: only as a rescue, free for a whole lease duration); held
+    /// until the shard is led (`Reservation::led`) or the take failed.
+    pub fn try_reserve(
+        self: &Arc<Self>,
+        free_for: Duration,
+        rescue_only: bool,
+    ) -> Option<Reservation> {
         let mut state = self.state();
         let free_for = match state.foreign_at {
             Some(at) => free_for.min(at.elapsed()),
             None => free_for,
         };
-        let standing = Standing {
-            leading: self.leadership.leading() + state.taking,
-            shards: self.shards,
-            view: state.view,
-            rescued: state.rescued(self.lease_duration),
-        };
-        if !standing.may_take(free_for, self.lease_duration) {
+        let standing = self.standing_of(&state);
+        if !standing.may_take(free_for, self.lease_duration)
+            || (rescue_only && free_for < self.lease_duration)
+        {
+            drop(state);
+            self.look.notify_one();
             return None;
         }
-        if standing.leading >= standing.share() {
-            state.rescued_at = Some(Instant::now());
-        }
         state.taking += 1;
-        Some(Reservation(self.clone()))
+        Some(Reservation {
+            balance: self.clone(),
+            rescue: standing.leading >= standing.share(),
+        })
     }
 
-    /// Whether the caller is to give its shard up: `Some` for one shard at a time (every shard
-    /// at once while another layout leads); the shard is given up when the `Yielding` is
-    /// dropped.
+    /// Whether the caller is to give its shard up: `Some` for one shard at a time, after a look
+    /// at the Leases newer than the last one given up (every shard at once while an outranking
+    /// layout leads); the shard is given up when the `Yielding` is dropped.
     pub fn try_yield(self: &Arc<Self>) -> Option<Yielding> {
-        let standing = self.standing();
+        let state = self.state();
+        let standing = self.standing_of(&state);
         if !standing.gives_one_up() {
             return None;
         }
-        if standing.view.foreign {
+        if standing.view.outranked {
             return Some(Yielding(None));
         }
+        if state.views <= state.yielded_at_view {
+            return None;
+        }
+        drop(state);
         self.yielding
             .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
             .ok()
@@ -214,23 +259,47 @@ impl Balance {
 /// A shard being taken (`Balance::try_reserve`), counted among those this replica leads until
 /// dropped (once the shard is counted as led, or the take failed).
 #[derive(Debug)]
-pub struct Reservation(Arc<Balance>);
+pub struct Reservation {
+    balance: Arc<Balance>,
+    /// Taken beyond the share: a rescue.
+    rescue: bool,
+}
+
+impl Reservation {
+    /// The shard is led (and counted): a rescue starts the time it keeps its shards.
+    pub fn led(self) {
+        if self.rescue {
+            self.balance.state().rescued_at = Some(Instant::now());
+        }
+    }
+}
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        let mut state = self.0.state();
+        let mut state = self.balance.state();
         state.taking = state.taking.saturating_sub(1);
     }
 }
 
 /// One shard being given up (`Balance::try_yield`); the next may be once it is dropped, after
-/// the shard's Lease was released and the replica no longer counts it.
+/// the shard's Lease was released and the replica no longer counts it, and a newer look at the
+/// Leases.
 #[derive(Debug)]
 pub struct Yielding(Option<Arc<Balance>>);
+
+impl Yielding {
+    /// Given up because an outranking layout leads, not for the balance.
+    pub fn outranked(&self) -> bool {
+        self.0.is_none()
+    }
+}
 
 impl Drop for Yielding {
     fn drop(&mut self) {
         if let Some(balance) = &self.0 {
+            let mut state = balance.state();
+            state.yielded_at_view = state.views;
+            drop(state);
             balance.yielding.store(false, Ordering::SeqCst);
         }
     }

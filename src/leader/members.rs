@@ -119,6 +119,14 @@ impl Observed {
         self.seen = seen;
     }
 
+    /// Counts every Lease as changed at `now`: after a gap in the lists (an API server outage),
+    /// a Lease still since before the gap may have been renewed unseen.
+    pub fn seen_again(&mut self, now: Instant) {
+        for (_, since) in self.seen.values_mut() {
+            *since = now;
+        }
+    }
+
     /// Whether the Lease `name` changed within `lease_duration` of `now`.
     pub fn live(&self, name: &str, now: Instant, lease_duration: Duration) -> bool {
         self.seen
@@ -161,7 +169,7 @@ pub fn view(
     };
     let mut members: HashMap<String, usize> = HashMap::from([(me.to_owned(), 0)]);
     let mut held: Vec<String> = Vec::new();
-    let mut foreign = false;
+    let (mut another_layout_leads, mut outranked) = (false, false);
     for lease in leases {
         let name = lease.metadata.name.as_deref().unwrap_or_default();
         match role(election, lease) {
@@ -170,8 +178,15 @@ pub fn view(
                 members.entry(holder.unwrap_or_default()).or_default();
             }
             Role::Shard { count, .. } if count == shards => held.extend(held_by(lease)),
-            Role::Shard { .. } | Role::Single => foreign |= held_by(lease).is_some(),
-            Role::Member { .. } | Role::Other => {}
+            // The one Lease outranks shards; more shards outrank fewer.
+            Role::Single | Role::Shard { .. } if held_by(lease).is_some() => {
+                another_layout_leads = true;
+                outranked |= match role(election, lease) {
+                    Role::Shard { count, .. } => count > shards,
+                    _ => true,
+                };
+            }
+            Role::Single | Role::Shard { .. } | Role::Member { .. } | Role::Other => {}
         }
     }
     for holder in &held {
@@ -188,7 +203,8 @@ pub fn view(
         replicas: members.len(),
         fewest_of_others: others.iter().min().copied(),
         free: shards.saturating_sub(held.len()),
-        foreign,
+        another_layout_leads,
+        outranked,
     }
 }
 
@@ -228,6 +244,7 @@ pub async fn run(
     let apply = PatchParams::apply("cnat").force();
     let mut observed = Observed::default();
     let mut failing = false;
+    let mut listed_at: Option<Instant> = None;
     let mut tick = interval(timing.retry_period);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     info!(lease = %name, shards, "a member of the shards' election");
@@ -235,6 +252,14 @@ pub async fn run(
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = tick.tick() => {}
+            // An election refused a free shard: look again now, not a retry period on, at most
+            // four times a retry period.
+            _ = async {
+                balance.look_asked().await;
+                if let Some(at) = listed_at {
+                    tokio::time::sleep_until(at + timing.retry_period / 4).await;
+                }
+            } => {}
         }
         let lease = membership(&settings, &name, shards, settings.clock.now());
         let renewed = within(
@@ -261,6 +286,13 @@ pub async fn run(
             failing = false;
         }
         let now = Instant::now();
+        // A gap since the last list (an outage): what did not change meanwhile was not seen,
+        // not still; judged afresh from now (else a replica back first would find every other
+        // one dead, and take every shard).
+        if listed_at.is_some_and(|at| now.saturating_duration_since(at) > timing.retry_period * 2) {
+            observed.seen_again(now);
+        }
+        listed_at = Some(now);
         let mine = |lease: &&Lease| role(election, lease) != Role::Other;
         observed.observe(
             leases.iter().filter(mine).map(|lease| {
@@ -272,10 +304,13 @@ pub async fn run(
         );
         let live = |name: &str| observed.live(name, now, timing.lease_duration);
         let seen = view(election, shards, &settings.identity, &leases, live);
-        if seen.replicas != balance.view().replicas || seen.foreign != balance.view().foreign {
+        let last = balance.view();
+        if seen.replicas != last.replicas || seen.another_layout_leads != last.another_layout_leads
+        {
             info!(
                 replicas = seen.replicas,
-                another_layout_leads = seen.foreign,
+                another_layout_leads = seen.another_layout_leads,
+                outranked = seen.outranked,
                 "the shards' election changed"
             );
         }

@@ -200,12 +200,21 @@ pub async fn run<W, F, A>(
         _ = able => {}
     }
     debug!(waited = ?waiting.elapsed(), lease = %elector.name(), "competing for the Lease");
+    // Until then, a shard this replica gave up it takes again only as a rescue.
+    let mut rescue_only_until = None;
     loop {
-        let Some(won) = elector.campaign(&shutdown).await else {
+        let Some(won) = elector.campaign(&shutdown, rescue_only_until).await else {
             return;
         };
-        if elector.lead(won, &work, &shutdown).await == Ended::Released {
-            return;
+        match elector.lead(won, &work, &shutdown).await {
+            Ended::Released => return,
+            Ended::Lost { gave_up: true } => {
+                let timing = elector.settings.timing;
+                rescue_only_until = Some(
+                    Instant::now() + timing.lease_duration * balance::RESCUE_ONLY_AFTER_GIVING_UP,
+                );
+            }
+            Ended::Lost { gave_up: false } => rescue_only_until = None,
         }
         // Leadership was lost: give the others a retry period before competing again.
         tokio::select! {
@@ -219,8 +228,9 @@ pub async fn run<W, F, A>(
 enum Ended {
     /// Shutdown: the work stopped and the Lease was released.
     Released,
-    /// Leadership lost or given up: compete again.
-    Lost,
+    /// Leadership lost or given up (`gave_up`: this replica let it go, a shard to another
+    /// replica or after its loop ended): compete again.
+    Lost { gave_up: bool },
 }
 
 /// Why leading ended.
@@ -270,6 +280,8 @@ struct Campaign {
     started: Instant,
     /// With shards: the place reserved for the take under way.
     reserved: Option<balance::Reservation>,
+    /// Until then (a shard this replica gave up), it takes this shard only as a rescue.
+    rescue_only_until: Option<Instant>,
 }
 
 struct Elector {
@@ -306,7 +318,11 @@ impl Elector {
     /// Competes until this replica holds the Lease (`None` on shutdown). The watch brings every
     /// change at once; after a retry period without news the Lease is read again, so a broken
     /// watch only slows a handover to an expiry, never stops one.
-    async fn campaign(&self, shutdown: &CancellationToken) -> Option<Won> {
+    async fn campaign(
+        &self,
+        shutdown: &CancellationToken,
+        rescue_only_until: Option<Instant>,
+    ) -> Option<Won> {
         let watch = self.leases.watch().fuse();
         tokio::pin!(watch);
         let mut c = Campaign {
@@ -318,6 +334,7 @@ impl Elector {
             watch_open: true,
             started: Instant::now(),
             reserved: None,
+            rescue_only_until,
         };
         loop {
             let now = Instant::now();
@@ -380,7 +397,8 @@ impl Elector {
             (Next::Create, _) => now.saturating_duration_since(c.started),
             _ => return step,
         };
-        match balance.try_reserve(free_for) {
+        let rescue_only = c.rescue_only_until.is_some_and(|until| now < until);
+        match balance.try_reserve(free_for, rescue_only) {
             Some(reserved) => {
                 c.reserved = Some(reserved);
                 step
@@ -540,7 +558,9 @@ impl Elector {
         let mut task = AbortOnDropHandle::new(tokio::spawn(work(stop.clone())));
         self.leadership.set_leading(&self.settings.lease_name, true);
         // Counted as led now: its reserved place is no longer needed.
-        drop(won.reserved);
+        if let Some(reserved) = won.reserved {
+            reserved.led();
+        }
         if let Some(free) = won.free_since {
             let took = Instant::now().saturating_duration_since(free);
             self.leadership.handovers.observe(took.as_secs_f64());
@@ -667,13 +687,14 @@ impl Elector {
             }
             Why::Yielded(yielding) => {
                 self.release(held).await;
-                self.tell(
-                    EventType::Normal,
-                    "LeaderYielded",
-                    "released the lease: this replica leads more than its share of shards",
-                );
+                let why = if yielding.outranked() {
+                    "released the lease: replicas of another layout of shards lead (a change of --shards)"
+                } else {
+                    "released the lease: this replica leads more than its share of shards"
+                };
+                self.tell(EventType::Normal, "LeaderYielded", why);
                 drop(yielding);
-                return Ended::Lost;
+                return Ended::Lost { gave_up: true };
             }
             Why::Deadline => format!(
                 "no renewal within the renew deadline {:?}",
@@ -684,16 +705,23 @@ impl Elector {
             Why::LoopEnded(result) => {
                 // Let another replica (or this one, after a pause) start afresh.
                 self.release(held).await;
-                format!("the reconcile loop ended unexpectedly: {result}")
+                let reason = format!("the reconcile loop ended unexpectedly: {result}");
+                self.lost(&reason);
+                return Ended::Lost { gave_up: true };
             }
         };
+        self.lost(&reason);
+        Ended::Lost { gave_up: false }
+    }
+
+    /// Logs and tells that leading ended without a shutdown, and why.
+    fn lost(&self, reason: &str) {
         warn!(lease = %self.name(), identity = %self.me(), reason = %reason, "lost leadership: reconciling stopped");
         self.tell(
             EventType::Warning,
             "LeaderLost",
             &format!("stopped leading: {reason}"),
         );
-        Ended::Lost
     }
 
     /// One renewal on `version`; on a conflict the Lease is read again to tell a foreign write

@@ -16,7 +16,8 @@ fn view(replicas: usize, fewest_of_others: Option<usize>, free: usize) -> View {
         replicas,
         fewest_of_others,
         free,
-        foreign: false,
+        another_layout_leads: false,
+        outranked: false,
     }
 }
 
@@ -70,14 +71,28 @@ fn two_more_than_the_fewest_is_uneven_even_within_the_share() {
 }
 
 #[test]
-fn another_layout_leading_means_taking_nothing_and_giving_everything_up() {
-    let foreign = View {
-        foreign: true,
-        ..view(2, Some(0), 3)
+fn another_layout_leading_means_taking_nothing_and_if_it_outranks_giving_everything_up() {
+    let leads = View {
+        another_layout_leads: true,
+        ..view(2, Some(1), 3)
     };
-    assert!(!standing(0, 6, foreign).may_take(LEASE * 10, LEASE));
-    assert!(standing(1, 6, foreign).gives_one_up());
-    assert!(!standing(0, 6, foreign).gives_one_up());
+    assert!(!standing(0, 6, leads).may_take(LEASE * 10, LEASE));
+    // Outranked by nothing: keeps what it leads (the other layout gives way).
+    assert!(!standing(1, 6, leads).gives_one_up());
+    let outranked = View {
+        outranked: true,
+        ..leads
+    };
+    assert!(standing(1, 6, outranked).gives_one_up());
+    assert!(!standing(0, 6, outranked).gives_one_up());
+    let rescued = Standing {
+        rescued: true,
+        ..standing(1, 6, outranked)
+    };
+    assert!(
+        rescued.gives_one_up(),
+        "a rescue does not hold out against a layout that outranks"
+    );
 }
 
 /// A small deterministic generator (xorshift), so that every run checks the same orders.
@@ -169,20 +184,68 @@ async fn places_are_reserved_so_concurrent_takes_keep_to_the_share() {
     balance.set_view(view(3, Some(0), 6));
     // Six elections see their shard free at once: two may take (the share).
     let reserved: Vec<Reservation> = (0..6)
-        .filter_map(|_| balance.try_reserve(Duration::ZERO))
+        .filter_map(|_| balance.try_reserve(Duration::ZERO, false))
         .collect();
     assert_eq!(reserved.len(), 2);
     // One take failed (its place freed), the other led.
     drop(reserved);
     leadership.set_leading("x", true);
-    assert!(balance.try_reserve(Duration::ZERO).is_some());
-    let second = balance.try_reserve(Duration::ZERO);
+    assert!(balance.try_reserve(Duration::ZERO, false).is_some());
+    let second = balance.try_reserve(Duration::ZERO, false);
     assert!(second.is_some());
-    assert!(balance.try_reserve(Duration::ZERO).is_none());
-    // A shard free for a lease duration is taken anyway, and then kept for a while.
-    let rescue = balance.try_reserve(LEASE);
+    assert!(balance.try_reserve(Duration::ZERO, false).is_none());
+    // A shard free for a lease duration is taken anyway, and kept for a while once led (not
+    // when the take fails).
+    let rescue = balance.try_reserve(LEASE, false);
     assert!(rescue.is_some());
+    drop(rescue);
+    assert!(!balance.standing().rescued);
+    let rescue = balance.try_reserve(LEASE, false).unwrap();
+    leadership.set_leading("y", true);
+    rescue.led();
     assert!(balance.standing().rescued);
+    // A shard given up is taken again only as a rescue.
+    drop(second);
+    leadership.set_leading("y", false);
+    assert!(balance.try_reserve(Duration::ZERO, true).is_none());
+    assert!(balance.try_reserve(LEASE, true).is_some());
+}
+
+#[tokio::test]
+async fn the_next_shard_is_given_up_only_after_a_newer_look_at_the_leases() {
+    let leadership = Arc::new(Leadership::default());
+    let balance = Arc::new(Balance::new(4, leadership.clone(), LEASE));
+    for lease in ["a", "b", "c", "d"] {
+        leadership.set_leading(lease, true);
+    }
+    balance.set_view(view(2, Some(0), 0));
+    let first = balance.try_yield().expect("4 > 2");
+    leadership.set_leading("d", false);
+    drop(first);
+    // The view still says the other leads none (it took the shard since): wait for a new one.
+    assert!(balance.try_yield().is_none());
+    balance.set_view(view(2, Some(1), 0));
+    let second = balance.try_yield().expect("3 > 2");
+    leadership.set_leading("c", false);
+    drop(second);
+    balance.set_view(view(2, Some(2), 0));
+    assert!(balance.try_yield().is_none(), "at its share");
+}
+
+#[tokio::test]
+async fn replicas_count_once_two_looks_agree() {
+    let balance = Balance::new(4, Arc::new(Leadership::default()), LEASE);
+    let counted = balance.counted();
+    tokio::pin!(counted);
+    balance.set_view(view(1, None, 4));
+    assert!(futures::poll!(&mut counted).is_pending());
+    balance.set_view(view(3, Some(0), 4));
+    assert!(
+        futures::poll!(&mut counted).is_pending(),
+        "two replicas appeared"
+    );
+    balance.set_view(view(3, Some(0), 4));
+    assert!(futures::poll!(&mut counted).is_ready());
 }
 
 #[tokio::test(start_paused = true)]
@@ -190,18 +253,18 @@ async fn time_another_layout_led_does_not_count_as_free() {
     let leadership = Arc::new(Leadership::default());
     let balance = Arc::new(Balance::new(2, leadership.clone(), LEASE));
     balance.set_view(View {
-        foreign: true,
+        another_layout_leads: true,
         ..view(2, Some(0), 2)
     });
     tokio::time::advance(LEASE * 2).await;
     balance.set_view(view(2, Some(0), 2));
     // Free (missing) for two lease durations, but another layout led until now: only the share.
-    let first = balance.try_reserve(LEASE * 2);
+    let first = balance.try_reserve(LEASE * 2, false);
     assert!(first.is_some());
-    assert!(balance.try_reserve(LEASE * 2).is_none());
+    assert!(balance.try_reserve(LEASE * 2, false).is_none());
     tokio::time::advance(LEASE).await;
     assert!(
-        balance.try_reserve(LEASE * 2).is_some(),
+        balance.try_reserve(LEASE * 2, false).is_some(),
         "free for a lease duration since"
     );
 }

@@ -120,25 +120,33 @@ fn the_view_counts_live_members_of_this_layout_their_shards_and_free_ones() {
             fewest_of_others: Some(0),
             // 3 (expired), 4 (released), 5 (missing).
             free: 3,
-            foreign: false,
+            another_layout_leads: false,
+            outranked: false,
         }
     );
 }
 
 #[test]
-fn a_held_lease_of_another_layout_is_foreign_a_released_or_expired_one_is_not() {
-    for (other, holder, live, foreign) in [
-        ("cnat", Some("old"), true, true),
-        ("cnat", Some("old"), false, false),
-        ("cnat", None, true, false),
-        ("cnat", Some(""), true, false),
-        ("cnat-1-of-3", Some("old"), true, true),
-        ("cnat-1-of-6", Some("me"), true, false),
-        ("other", Some("old"), true, false),
+fn a_held_lease_of_another_layout_leads_a_released_or_expired_one_does_not() {
+    // (the other Lease, its holder, live, another layout leads, it outranks 6 shards)
+    for (other, holder, live, leads, outranks) in [
+        ("cnat", Some("old"), true, true, true),
+        ("cnat", Some("old"), false, false, false),
+        ("cnat", None, true, false, false),
+        ("cnat", Some(""), true, false, false),
+        ("cnat-1-of-3", Some("old"), true, true, false),
+        ("cnat-1-of-12", Some("new"), true, true, true),
+        ("cnat-1-of-12", Some("new"), false, false, false),
+        ("cnat-1-of-6", Some("me"), true, false, false),
+        ("other", Some("old"), true, false, false),
     ] {
         let leases = [member("me", Some(6)), lease(other, holder)];
         let seen = view("cnat", 6, "me", &leases, |_| live);
-        assert_eq!(seen.foreign, foreign, "{other} {holder:?} {live}");
+        assert_eq!(
+            (seen.another_layout_leads, seen.outranked),
+            (leads, outranks),
+            "{other} {holder:?} {live}"
+        );
     }
     // Alone and nothing seen: one replica, every shard free.
     assert_eq!(
@@ -147,7 +155,21 @@ fn a_held_lease_of_another_layout_is_foreign_a_released_or_expired_one_is_not() 
             replicas: 1,
             fewest_of_others: None,
             free: 4,
-            foreign: false
+            another_layout_leads: false,
+            outranked: false,
         }
     );
+}
+
+#[test]
+fn after_a_gap_every_lease_counts_as_seen_afresh() {
+    let t0 = Instant::now();
+    let mut observed = Observed::default();
+    observed.observe([("a", "1")], t0);
+    // An outage: no list for a long while; a's Lease was renewed meanwhile, or not.
+    let t1 = t0 + LEASE * 5;
+    observed.seen_again(t1);
+    observed.observe([("a", "1")], t1);
+    assert!(observed.live("a", t1, LEASE));
+    assert!(observed.forgotten(["a"], t1, LEASE).is_empty());
 }
