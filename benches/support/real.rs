@@ -826,7 +826,10 @@ pub async fn wait_ready(replica: &envtest::Replica, timeout: Duration) {
 /// Until `n` Ats have a status.
 pub async fn watch_statuses(ats: Api<At>, n: usize) {
     let mut with_status = std::collections::HashSet::new();
-    let stream = watcher(ats, watcher::Config::default()).applied_objects();
+    // From the API server's watch cache (any version): a list of 300,000 in pages from etcd
+    // outlives its continue token (410 Expired) while the replicas write.
+    let config = watcher::Config::default().any_semantic();
+    let stream = watcher(ats, config).applied_objects();
     futures::pin_mut!(stream);
     while with_status.len() < n {
         let Some(at) = stream.try_next().await.unwrap() else {
