@@ -241,37 +241,44 @@ fn spawn_tasks(
             "deferred pod creates"
         }
     });
-    tasks.spawn({
-        let ctx = ctx.clone();
-        let orphaned = futures::stream::unfold(orphaned, |mut rx| async {
-            rx.recv().await.map(|found| (found, rx))
-        });
-        async move {
-            orphaned
-                .for_each_concurrent(ORPHAN_RELEASES, |found| {
-                    let ctx = ctx.clone();
-                    async move { ctx.release_orphan(&found).await }
-                })
-                .await;
-            "orphan release"
-        }
-    });
+    tasks.spawn(each_pod(
+        orphaned,
+        ctx.clone(),
+        "orphan release",
+        |ctx, found| async move { ctx.release_orphan(&found).await },
+    ));
     if let Some(unlabelled) = unlabelled {
-        let ctx = ctx.clone();
-        let unlabelled = futures::stream::unfold(unlabelled, |mut rx| async {
-            rx.recv().await.map(|found| (found, rx))
-        });
-        tasks.spawn(async move {
-            unlabelled
-                .for_each_concurrent(ORPHAN_RELEASES, |found| {
-                    let ctx = ctx.clone();
-                    async move { ctx.label_pod_with_shard(&found).await }
-                })
-                .await;
-            "shard labels of pods"
-        });
+        let label = |ctx: Arc<Context>, found: ObjectRef<Pod>| async move {
+            ctx.label_pod_with_shard(&found).await
+        };
+        tasks.spawn(each_pod(
+            unlabelled,
+            ctx.clone(),
+            "shard labels of pods",
+            label,
+        ));
     }
     tasks
+}
+
+/// Runs `act` on each pod `received` brings, `ORPHAN_RELEASES` at once, until the sender goes;
+/// then says it was `task`.
+async fn each_pod<F, Fut>(
+    received: mpsc::UnboundedReceiver<ObjectRef<Pod>>,
+    ctx: Arc<Context>,
+    task: &'static str,
+    act: F,
+) -> &'static str
+where
+    F: Fn(Arc<Context>, ObjectRef<Pod>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    futures::stream::unfold(received, |mut rx| async {
+        rx.recv().await.map(|found| (found, rx))
+    })
+    .for_each_concurrent(ORPHAN_RELEASES, |found| act(ctx.clone(), found))
+    .await;
+    task
 }
 
 /// Runs `controller` until it ends, a reconcile panicked (`fatal`), or one of `tasks` ended or
