@@ -567,13 +567,16 @@ fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) 
                 };
                 async move { lead_shard(shard, settings, events, metrics, stop).await }
             };
-            // Competes once the replicas were counted (or a lease duration passed), so that a
-            // replica that starts first does not take every shard to give most back.
+            // Competes once the replicas were counted (or a lease duration passed, and the
+            // Leases were looked at once at least), so that a replica that starts first does not
+            // take every shard to give most back, nor one that never saw the Leases take any.
             let able = {
-                let counted = balance.counted();
+                let (counted, looked) = (balance.counted(), balance.looked());
                 let wait = elected.timing.lease_duration;
                 async move {
-                    let _ = timeout(wait, counted).await;
+                    if timeout(wait, counted).await.is_err() {
+                        looked.await;
+                    }
                 }
             };
             tokio::spawn(leader::run(

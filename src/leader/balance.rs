@@ -5,9 +5,10 @@
 //! membership Lease is live (`members`). It takes a free or expired shard only while it leads
 //! fewer than its share (counting the shards it is taking), so the replicas under theirs take
 //! a free shard first, and one replica never takes every free shard at once. It gives up one
-//! shard at a time, and the next only after a newer look at the Leases, while no shard is free
-//! and it leads more than its share, or two more than the replica that leads fewest; a shard it
-//! gave up it takes again only as a rescue. No shard waits for long whatever the counts say: a
+//! shard at a time, and the next only after a look at the Leases sent after that, while no
+//! shard is free and it leads more than its share, or (the one leading most, first by identity)
+//! two more than the replica that leads fewest; a shard it gave up it takes again only as a
+//! rescue. No shard waits for long whatever the counts say: a
 //! shard free for a whole lease duration is taken by anyone (a rescue: its taker then gives
 //! none up for `KEEP_AFTER_RESCUE` lease durations), and nobody gives a shard up while one is
 //! free, so a replica whose count of replicas is wrong or stale never leaves a shard without a
@@ -17,8 +18,8 @@
 //! replicas of an older or newer configuration during a rollout), a replica takes no shard;
 //! and it gives up those it leads when that layout outranks its own (the one Lease outranks
 //! shards, more shards outrank fewer). So during a rollout the new layout waits until the old
-//! one has stopped (or takes over at once where it outranks it), and two layouts started
-//! together settle on the higher.
+//! one has stopped (a replica with the one Lease takes it at once, and the sharded ones give
+//! theirs up), and two layouts started together settle on the higher.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -35,6 +36,9 @@ pub struct View {
     pub replicas: usize,
     /// The fewest shards another live replica leads (`None`: no other replica).
     pub fewest_of_others: Option<usize>,
+    /// This replica is the one to give a shard up for evenness: it leads most, and of those
+    /// that do, its identity sorts first (so one gives up, not all of them at once).
+    pub first_to_give: bool,
     /// Shards of this layout no live holder leads.
     pub free: usize,
     /// A Lease of another layout is held.
@@ -49,6 +53,7 @@ impl Default for View {
         View {
             replicas: 1,
             fewest_of_others: None,
+            first_to_give: true,
             free: 0,
             another_layout_leads: false,
             outranked: false,
@@ -95,10 +100,11 @@ impl Standing {
         if self.view.outranked {
             return self.leading > 0;
         }
-        let uneven = self
-            .view
-            .fewest_of_others
-            .is_some_and(|fewest| self.leading >= fewest + 2);
+        let uneven = self.view.first_to_give
+            && self
+                .view
+                .fewest_of_others
+                .is_some_and(|fewest| self.leading >= fewest + 2);
         !self.rescued && self.view.free == 0 && (self.leading > self.share() || uneven)
     }
 }
@@ -115,6 +121,8 @@ pub struct Balance {
     yielding: AtomicBool,
     /// Cancelled once two looks at the Leases in a row counted the same replicas.
     counted: CancellationToken,
+    /// Cancelled once the Leases were looked at.
+    looked: CancellationToken,
     /// Asks for a look at the Leases now: an election was refused a free shard, and the count
     /// it was refused on may be stale (a replica that stopped deleted its membership Lease just
     /// before releasing its shards).
@@ -124,10 +132,10 @@ pub struct Balance {
 #[derive(Debug, Default)]
 struct State {
     view: View,
-    /// Looks at the Leases so far (`set_view`).
-    views: u64,
-    /// `views` when the last shard given up was let go: the next waits for a newer look.
-    yielded_at_view: u64,
+    /// When the look at the Leases that `view` is of was sent (`None`: none yet).
+    view_sent: Option<Instant>,
+    /// When the last shard given up was let go: the next waits for a look sent after it.
+    yielded_at: Option<Instant>,
     /// Shards being taken: won campaigns not yet counted as led.
     taking: usize,
     /// When it last led a shard taken as a rescue.
@@ -153,6 +161,7 @@ impl Balance {
             state: Mutex::default(),
             yielding: AtomicBool::new(false),
             counted: CancellationToken::new(),
+            looked: CancellationToken::new(),
             look: tokio::sync::Notify::new(),
         }
     }
@@ -166,20 +175,26 @@ impl Balance {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// What the election's Leases said last.
-    pub fn set_view(&self, view: View) {
+    /// What the election's Leases said last, in a look sent at `sent`.
+    pub fn set_view(&self, view: View, sent: Instant) {
         let mut state = self.state();
         // Another layout led until this look, if the last one said so.
         if view.another_layout_leads || state.view.another_layout_leads {
             state.foreign_at = Some(Instant::now());
         }
-        let settled = state.views > 0 && state.view.replicas == view.replicas;
+        let settled = state.view_sent.is_some() && state.view.replicas == view.replicas;
         state.view = view;
-        state.views += 1;
+        state.view_sent = Some(sent);
         drop(state);
+        self.looked.cancel();
         if settled {
             self.counted.cancel();
         }
+    }
+
+    /// Completes once the Leases were looked at (at once if they were).
+    pub fn looked(&self) -> WaitForCancellationFutureOwned {
+        self.looked.clone().cancelled_owned()
     }
 
     pub fn view(&self) -> View {
@@ -229,7 +244,8 @@ impl Balance {
         state.taking += 1;
         Some(Reservation {
             balance: self.clone(),
-            rescue: standing.leading >= standing.share(),
+            // Beyond its share, or a shard it gave up: the counts were wrong.
+            rescue: rescue_only || standing.leading >= standing.share(),
         })
     }
 
@@ -245,7 +261,12 @@ impl Balance {
         if standing.view.outranked {
             return Some(Yielding(None));
         }
-        if state.views <= state.yielded_at_view {
+        let newer = match (state.view_sent, state.yielded_at) {
+            (Some(sent), Some(yielded)) => sent > yielded,
+            (sent, None) => sent.is_some(),
+            (None, Some(_)) => false,
+        };
+        if !newer {
             return None;
         }
         drop(state);
@@ -297,9 +318,7 @@ impl Yielding {
 impl Drop for Yielding {
     fn drop(&mut self) {
         if let Some(balance) = &self.0 {
-            let mut state = balance.state();
-            state.yielded_at_view = state.views;
-            drop(state);
+            balance.state().yielded_at = Some(Instant::now());
             balance.yielding.store(false, Ordering::SeqCst);
         }
     }

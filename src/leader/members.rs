@@ -199,9 +199,15 @@ pub fn view(
         .filter(|(id, _)| id.as_str() != me)
         .map(|(_, n)| *n)
         .collect();
+    // Of the replicas leading most, the first by identity (`me` included).
+    let first_to_give = members
+        .iter()
+        .max_by(|(a, n), (b, m)| n.cmp(m).then_with(|| b.cmp(a)))
+        .is_none_or(|(id, _)| id.as_str() == me);
     View {
         replicas: members.len(),
         fewest_of_others: others.iter().min().copied(),
+        first_to_give,
         free: shards.saturating_sub(held.len()),
         another_layout_leads,
         outranked,
@@ -245,6 +251,7 @@ pub async fn run(
     let mut observed = Observed::default();
     let mut failing = false;
     let mut listed_at: Option<Instant> = None;
+    let mut looked_at: Option<Instant> = None;
     let mut tick = interval(timing.retry_period);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     info!(lease = %name, shards, "a member of the shards' election");
@@ -256,11 +263,13 @@ pub async fn run(
             // four times a retry period.
             _ = async {
                 balance.look_asked().await;
-                if let Some(at) = listed_at {
+                if let Some(at) = looked_at {
                     tokio::time::sleep_until(at + timing.retry_period / 4).await;
                 }
             } => {}
         }
+        let sent = Instant::now();
+        looked_at = Some(sent);
         let lease = membership(&settings, &name, shards, settings.clock.now());
         let renewed = within(
             timing.retry_period,
@@ -314,7 +323,7 @@ pub async fn run(
                 "the shards' election changed"
             );
         }
-        balance.set_view(seen);
+        balance.set_view(seen, sent);
         let members = leases.iter().filter_map(|lease| {
             let is_member = matches!(role(election, lease), Role::Member { .. });
             is_member.then_some(lease.metadata.name.as_deref()?)

@@ -228,8 +228,8 @@ pub async fn run<W, F, A>(
 enum Ended {
     /// Shutdown: the work stopped and the Lease was released.
     Released,
-    /// Leadership lost or given up (`gave_up`: this replica let it go, a shard to another
-    /// replica or after its loop ended): compete again.
+    /// Leadership lost or given up (`gave_up`: this replica let a shard go to another one):
+    /// compete again.
     Lost { gave_up: bool },
 }
 
@@ -688,7 +688,7 @@ impl Elector {
             Why::Yielded(yielding) => {
                 self.release(held).await;
                 let why = if yielding.outranked() {
-                    "released the lease: replicas of another layout of shards lead (a change of --shards)"
+                    "released the lease: replicas of another layout lead (the one Lease, or more shards: a change of --shards)"
                 } else {
                     "released the lease: this replica leads more than its share of shards"
                 };
@@ -707,7 +707,7 @@ impl Elector {
                 self.release(held).await;
                 let reason = format!("the reconcile loop ended unexpectedly: {result}");
                 self.lost(&reason);
-                return Ended::Lost { gave_up: true };
+                return Ended::Lost { gave_up: false };
             }
         };
         self.lost(&reason);

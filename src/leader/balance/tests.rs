@@ -11,10 +11,16 @@ fn standing(leading: usize, shards: usize, view: View) -> Standing {
     }
 }
 
+/// A look at the Leases sent now, saying `view`.
+fn look(balance: &Balance, view: View) {
+    balance.set_view(view, tokio::time::Instant::now());
+}
+
 fn view(replicas: usize, fewest_of_others: Option<usize>, free: usize) -> View {
     View {
         replicas,
         fewest_of_others,
+        first_to_give: true,
         free,
         another_layout_leads: false,
         outranked: false,
@@ -64,8 +70,14 @@ fn nothing_is_given_up_while_a_shard_is_free_or_after_a_rescue() {
 
 #[test]
 fn two_more_than_the_fewest_is_uneven_even_within_the_share() {
-    // 4 shards on 3 replicas: 2, 2, 0 is within everyone's share (2) but leaves one idle.
+    // 4 shards on 3 replicas: 2, 2, 0 is within everyone's share (2) but leaves one idle; the
+    // first of the two leading most gives one up, not both.
     assert!(standing(2, 4, view(3, Some(0), 0)).gives_one_up());
+    let second = View {
+        first_to_give: false,
+        ..view(3, Some(0), 0)
+    };
+    assert!(!standing(2, 4, second).gives_one_up());
     assert!(!standing(2, 4, view(3, Some(1), 0)).gives_one_up());
     assert!(!standing(1, 4, view(3, Some(1), 0)).gives_one_up());
 }
@@ -113,11 +125,16 @@ fn true_view(me: usize, leading: &[usize], shards: usize) -> View {
         .filter(|r| *r != me)
         .map(|r| leading[r])
         .min();
-    view(
-        leading.len(),
-        fewest,
-        shards - leading.iter().sum::<usize>(),
-    )
+    let most = leading.iter().max().copied().unwrap_or_default();
+    View {
+        // The first of those leading most gives up for evenness.
+        first_to_give: leading.iter().position(|n| *n == most) == Some(me),
+        ..view(
+            leading.len(),
+            fewest,
+            shards - leading.iter().sum::<usize>(),
+        )
+    }
 }
 
 /// Replicas that follow the rules, each knowing the true counts and acting in any order (one
@@ -166,7 +183,7 @@ async fn one_shard_is_given_up_at_a_time_and_only_over_the_share() {
     }
     // Alone: its share is every shard.
     assert!(balance.try_yield().is_none());
-    balance.set_view(view(2, Some(1), 0));
+    look(&balance, view(2, Some(1), 0));
     let first = balance.try_yield().expect("over its share of 2");
     assert!(
         balance.try_yield().is_none(),
@@ -181,7 +198,7 @@ async fn one_shard_is_given_up_at_a_time_and_only_over_the_share() {
 async fn places_are_reserved_so_concurrent_takes_keep_to_the_share() {
     let leadership = Arc::new(Leadership::default());
     let balance = Arc::new(Balance::new(6, leadership.clone(), LEASE));
-    balance.set_view(view(3, Some(0), 6));
+    look(&balance, view(3, Some(0), 6));
     // Six elections see their shard free at once: two may take (the share).
     let reserved: Vec<Reservation> = (0..6)
         .filter_map(|_| balance.try_reserve(Duration::ZERO, false))
@@ -211,24 +228,31 @@ async fn places_are_reserved_so_concurrent_takes_keep_to_the_share() {
     assert!(balance.try_reserve(LEASE, true).is_some());
 }
 
-#[tokio::test]
-async fn the_next_shard_is_given_up_only_after_a_newer_look_at_the_leases() {
+#[tokio::test(start_paused = true)]
+async fn the_next_shard_is_given_up_only_after_a_look_sent_after_the_last() {
     let leadership = Arc::new(Leadership::default());
     let balance = Arc::new(Balance::new(4, leadership.clone(), LEASE));
     for lease in ["a", "b", "c", "d"] {
         leadership.set_leading(lease, true);
     }
-    balance.set_view(view(2, Some(0), 0));
+    look(&balance, view(2, Some(0), 0));
     let first = balance.try_yield().expect("4 > 2");
+    let sent_before = tokio::time::Instant::now();
+    tokio::time::advance(Duration::from_millis(10)).await;
     leadership.set_leading("d", false);
     drop(first);
-    // The view still says the other leads none (it took the shard since): wait for a new one.
+    // The view still says the other leads none (it took the shard since): wait for a new one;
+    // a look sent before the shard was let go, answered after, is no newer.
     assert!(balance.try_yield().is_none());
-    balance.set_view(view(2, Some(1), 0));
+    balance.set_view(view(2, Some(0), 0), sent_before);
+    assert!(balance.try_yield().is_none());
+    tokio::time::advance(Duration::from_millis(10)).await;
+    look(&balance, view(2, Some(1), 0));
     let second = balance.try_yield().expect("3 > 2");
     leadership.set_leading("c", false);
     drop(second);
-    balance.set_view(view(2, Some(2), 0));
+    tokio::time::advance(Duration::from_millis(10)).await;
+    look(&balance, view(2, Some(2), 0));
     assert!(balance.try_yield().is_none(), "at its share");
 }
 
@@ -237,14 +261,14 @@ async fn replicas_count_once_two_looks_agree() {
     let balance = Balance::new(4, Arc::new(Leadership::default()), LEASE);
     let counted = balance.counted();
     tokio::pin!(counted);
-    balance.set_view(view(1, None, 4));
+    look(&balance, view(1, None, 4));
     assert!(futures::poll!(&mut counted).is_pending());
-    balance.set_view(view(3, Some(0), 4));
+    look(&balance, view(3, Some(0), 4));
     assert!(
         futures::poll!(&mut counted).is_pending(),
         "two replicas appeared"
     );
-    balance.set_view(view(3, Some(0), 4));
+    look(&balance, view(3, Some(0), 4));
     assert!(futures::poll!(&mut counted).is_ready());
 }
 
@@ -252,12 +276,15 @@ async fn replicas_count_once_two_looks_agree() {
 async fn time_another_layout_led_does_not_count_as_free() {
     let leadership = Arc::new(Leadership::default());
     let balance = Arc::new(Balance::new(2, leadership.clone(), LEASE));
-    balance.set_view(View {
-        another_layout_leads: true,
-        ..view(2, Some(0), 2)
-    });
+    look(
+        &balance,
+        View {
+            another_layout_leads: true,
+            ..view(2, Some(0), 2)
+        },
+    );
     tokio::time::advance(LEASE * 2).await;
-    balance.set_view(view(2, Some(0), 2));
+    look(&balance, view(2, Some(0), 2));
     // Free (missing) for two lease durations, but another layout led until now: only the share.
     let first = balance.try_reserve(LEASE * 2, false);
     assert!(first.is_some());

@@ -118,6 +118,8 @@ fn the_view_counts_live_members_of_this_layout_their_shards_and_free_ones() {
             // me, b, c (dead is still, older is of another layout and leads nothing).
             replicas: 3,
             fewest_of_others: Some(0),
+            // b leads most.
+            first_to_give: false,
             // 3 (expired), 4 (released), 5 (missing).
             free: 3,
             another_layout_leads: false,
@@ -154,6 +156,7 @@ fn a_held_lease_of_another_layout_leads_a_released_or_expired_one_does_not() {
         View {
             replicas: 1,
             fewest_of_others: None,
+            first_to_give: true,
             free: 4,
             another_layout_leads: false,
             outranked: false,
@@ -172,4 +175,22 @@ fn after_a_gap_every_lease_counts_as_seen_afresh() {
     observed.observe([("a", "1")], t1);
     assert!(observed.live("a", t1, LEASE));
     assert!(observed.forgotten(["a"], t1, LEASE).is_empty());
+}
+
+#[test]
+fn of_the_replicas_leading_most_the_first_by_identity_gives_up() {
+    let leases = |a: usize, b: usize| {
+        let mut leases = vec![member("a", Some(4)), member("b", Some(4))];
+        for shard in 0..a {
+            leases.push(lease(&shard_lease_name("cnat", shard, 4), Some("a")));
+        }
+        for shard in a..a + b {
+            leases.push(lease(&shard_lease_name("cnat", shard, 4), Some("b")));
+        }
+        leases
+    };
+    let first = |me: &str, a: usize, b: usize| view("cnat", 4, me, &leases(a, b), |_| true).first_to_give;
+    assert!(first("a", 2, 2) && !first("b", 2, 2));
+    assert!(!first("a", 1, 3) && first("b", 1, 3));
+    assert!(first("a", 3, 1) && !first("b", 3, 1));
 }
