@@ -175,7 +175,15 @@ async fn shards_spread_over_the_replicas_and_each_at_runs_once_as_they_come_and_
     // 300 Ats fall due over 9 s; a third replica joins as their pods are being created, and
     // shards move to it one at a time, in the middle of the burst.
     let due = chrono::Utc::now() + chrono::Duration::seconds(6);
-    create(&ats, &ns, "burst", 300, due, chrono::Duration::milliseconds(30)).await;
+    create(
+        &ats,
+        &ns,
+        "burst",
+        300,
+        due,
+        chrono::Duration::milliseconds(30),
+    )
+    .await;
     let started = until(Duration::from_secs(30), async || {
         (creations.pods() >= 1).then_some(())
     });
@@ -316,7 +324,15 @@ async fn a_change_of_layout_hands_over_without_two_layouts_leading() {
     };
     let mut ran = 0;
     let mut run = async |prefix: &str, replicas: &[&Replica]| {
-        create(&ats, &ns, prefix, 10, chrono::Utc::now(), chrono::Duration::zero()).await;
+        create(
+            &ats,
+            &ns,
+            prefix,
+            10,
+            chrono::Utc::now(),
+            chrono::Duration::zero(),
+        )
+        .await;
         ran += 10;
         all_done(&ats, ran, replicas).await;
     };

@@ -163,9 +163,16 @@ async fn the_chart_s_rbac_is_all_the_operator_needs() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(event_reasons(&admin, &ns, "ran")
-        .await
-        .contains(&"Succeeded".to_owned()));
+    // Events go out after the writes, at a lower priority: wait for it.
+    let told = crate::support::until_some(Duration::from_secs(30), async || {
+        let reasons = event_reasons(&admin, &ns, "ran").await;
+        reasons.contains(&"Succeeded".to_owned()).then_some(())
+    });
+    assert!(
+        told.await.is_some(),
+        "no Succeeded event: {}",
+        replica.log_text()
+    );
     // Nothing was refused (403 Forbidden) in the log, the Lease watch by name among them.
     let log = replica.log_text();
     assert!(!log.to_lowercase().contains("forbidden"), "{log}");

@@ -189,7 +189,8 @@ fn of_the_replicas_leading_most_the_first_by_identity_gives_up() {
         }
         leases
     };
-    let first = |me: &str, a: usize, b: usize| view("cnat", 4, me, &leases(a, b), |_| true).first_to_give;
+    let first =
+        |me: &str, a: usize, b: usize| view("cnat", 4, me, &leases(a, b), |_| true).first_to_give;
     assert!(first("a", 2, 2) && !first("b", 2, 2));
     assert!(!first("a", 1, 3) && first("b", 1, 3));
     assert!(first("a", 3, 1) && !first("b", 3, 1));
