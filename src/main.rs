@@ -460,6 +460,7 @@ impl Elected {
             timing: self.timing,
             clock: leader::WallClock::system(),
             balance,
+            handover: None,
         };
         (settings, events)
     }
@@ -530,27 +531,41 @@ fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) 
         shutdown.clone(),
     ));
     let (namespace, streaming) = (args.namespace.clone(), args.watch_list);
+    // A holder waits this long for a ready successor before it releases a shard: on shutdown,
+    // within half of `--shutdown-timeout`, so that a release still fits.
+    let handover_limit = elected.timing.renew_deadline.min(args.shutdown_timeout / 2);
     let elections: Vec<JoinHandle<()>> = (0..shards.count())
         .map(|shard| {
+            let selector = shards.selector(shard);
+            let cache = Arc::new(ShardCache {
+                client: elected.client.clone(),
+                namespace: namespace.clone(),
+                selector: selector.clone(),
+                streaming,
+                // Shared by each leadership of the shard: an At whose handling panicked stays
+                // skipped when the shard is led again (each time with a new cache).
+                quarantine: Arc::default(),
+                list_limit: elected.timing.lease_duration * LIST_LEASES,
+                readied: std::sync::Mutex::default(),
+            });
             let settings = leader::Settings {
                 lease_name: leader::members::shard_lease_name(
                     &base.lease_name,
                     shard,
                     shards.count(),
                 ),
+                handover: Some(leader::handover::Handover {
+                    prepare: cache.clone(),
+                    limit: handover_limit,
+                }),
                 ..base.clone()
             };
-            let controller_settings = controller_settings(args, shards.selector(shard));
+            let controller_settings = controller_settings(args, selector);
             let (client, work_events, metrics) = (
                 elected.client.clone(),
                 events.clone(),
                 elected.metrics.clone(),
             );
-            let namespace = namespace.clone();
-            // Shared by each leadership of the shard: an At whose handling panicked stays
-            // skipped when the shard is led again (each time with a new cache).
-            let quarantine = Arc::new(cnat::operator::contain::Quarantine::default());
-            let list_limit = elected.timing.lease_duration * LIST_LEASES;
             let work = move |stop: CancellationToken| {
                 let (client, settings, events, metrics) = (
                     client.clone(),
@@ -558,14 +573,8 @@ fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) 
                     work_events.clone(),
                     metrics.clone(),
                 );
-                let shard = Shard {
-                    client,
-                    namespace: namespace.clone(),
-                    streaming,
-                    quarantine: quarantine.clone(),
-                    list_limit,
-                };
-                async move { lead_shard(shard, settings, events, metrics, stop).await }
+                let cache = cache.clone();
+                async move { lead_shard(&cache, client, settings, events, metrics, stop).await }
             };
             // Competes once the replicas were counted (or a lease duration passed, and the
             // Leases were looked at once at least), so that a replica that starts first does not
@@ -602,32 +611,72 @@ fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) 
 /// up (a shard held by a replica whose list keeps failing would run nothing, unseen).
 const LIST_LEASES: u32 = 8;
 
-/// What leading a shard needs besides the reconcile loop's settings.
-struct Shard {
+/// One shard's At cache: a leadership of the shard lists it anew, unless the shard was handed
+/// over to this replica, which listed it while the holder still led (`readied`).
+struct ShardCache {
     client: kube::Client,
     namespace: Option<String>,
+    selector: Option<String>,
     streaming: bool,
     quarantine: Arc<cnat::operator::contain::Quarantine>,
+    /// How long a list may take (readying, or leading).
     list_limit: Duration,
+    /// Listed (or listing) for a handover of the shard to this replica.
+    readied: std::sync::Mutex<Option<cnat::operator::cache::AtCache>>,
 }
 
-/// Leads one shard: lists its Ats, then reconciles them until `stop`; ends early (so the Lease
-/// is released and competed for again) if the list does not complete within `list_limit`, or
-/// its cache stops following the Ats.
+impl ShardCache {
+    fn readied(&self) -> std::sync::MutexGuard<'_, Option<cnat::operator::cache::AtCache>> {
+        self.readied.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn start(&self) -> cnat::operator::cache::AtCache {
+        cnat::operator::cache::AtCache::start_selected(
+            &self.client,
+            self.namespace.as_deref(),
+            self.selector.clone(),
+            self.streaming,
+        )
+        .with_quarantine(self.quarantine.clone())
+    }
+
+    /// The cache a leadership of the shard uses: the one readied for it, or a new one.
+    fn lead(&self) -> cnat::operator::cache::AtCache {
+        let readied = self.readied().take();
+        readied.unwrap_or_else(|| self.start())
+    }
+}
+
+impl leader::handover::Prepare for ShardCache {
+    fn prepare(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send>> {
+        let cache = self.readied().get_or_insert_with(|| self.start()).clone();
+        let limit = self.list_limit;
+        Box::pin(async move {
+            tokio::select! {
+                _ = cache.listed() => true,
+                _ = cache.stopped() => false,
+                _ = tokio::time::sleep(limit) => false,
+            }
+        })
+    }
+
+    fn discard(&self) {
+        self.readied().take();
+    }
+}
+
+/// Leads one shard: lists its Ats (unless they were listed for a handover), then reconciles
+/// them until `stop`; ends early (so the Lease is released and competed for again) if the list
+/// does not complete within the list limit, or the cache stops following the Ats.
 async fn lead_shard(
-    shard: Shard,
+    shard: &ShardCache,
+    client: kube::Client,
     settings: controller::Settings,
     events: EventSink,
     metrics: Arc<Metrics>,
     stop: CancellationToken,
 ) {
-    let cache = cnat::operator::cache::AtCache::start_selected(
-        &shard.client,
-        shard.namespace.as_deref(),
-        settings.selector.clone(),
-        shard.streaming,
-    )
-    .with_quarantine(shard.quarantine);
+    let cache = shard.lead();
     tokio::select! {
         _ = stop.cancelled() => return,
         _ = cache.stopped() => return,
@@ -638,7 +687,6 @@ async fn lead_shard(
         }
         _ = cache.listed() => {}
     }
-    let client = shard.client;
     let stopped = cache.stopped();
     tokio::select! {
         _ = controller::run_with_cache(cache, client, settings, events, metrics, stop) => {}

@@ -106,6 +106,7 @@ fn settings(id: &str, skew_ms: i64) -> leader::Settings {
     leader::Settings {
         lease_name: "cnat".into(),
         balance: None,
+        handover: None,
         namespace: "cnat-system".into(),
         identity: id.into(),
         timing: TIMING,
@@ -1067,4 +1068,288 @@ async fn a_leader_whose_renewals_answer_slower_than_the_retry_period_keeps_leadi
         .filter(|(what, _)| what == "PATCH leases")
         .count();
     assert!(renewals >= 10, "it kept renewing: {renewals}");
+}
+
+/// A candidate's readying for a handover, as `cnat run` lists a shard's Ats: it takes `takes`.
+struct Readying {
+    id: String,
+    takes: Duration,
+    ready: bool,
+    calls: Calls,
+}
+
+impl leader::handover::Prepare for Readying {
+    fn prepare(&self) -> std::pin::Pin<Box<dyn Future<Output = bool> + Send>> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push((self.id.clone(), "prepare", Instant::now()));
+        let (calls, id, takes, ready) =
+            (self.calls.clone(), self.id.clone(), self.takes, self.ready);
+        Box::pin(async move {
+            tokio::time::sleep(takes).await;
+            calls.lock().unwrap().push((id, "ready", Instant::now()));
+            ready
+        })
+    }
+
+    fn discard(&self) {
+        self.calls
+            .lock()
+            .unwrap()
+            .push((self.id.clone(), "discard", Instant::now()));
+    }
+}
+
+type Calls = Arc<Mutex<Vec<(String, &'static str, Instant)>>>;
+
+/// A replica competing for shard 0 of `replicas` x 2 shards, with handovers; its balance
+/// counts `replicas` live replicas.
+fn shard_replica(
+    server: &ApiServer,
+    id: &str,
+    replicas: usize,
+    readying: (Duration, bool),
+    calls: &Calls,
+    activity: &Arc<Activity>,
+) -> Replica {
+    let (client, partition) = server.named_client(id);
+    let shutdown = CancellationToken::new();
+    let leadership = Arc::new(Leadership::default());
+    let balance = Arc::new(leader::balance::Balance::new(
+        2,
+        leadership.clone(),
+        TIMING.lease_duration,
+    ));
+    let view = leader::balance::View {
+        replicas,
+        ..Default::default()
+    };
+    balance.set_view(view, Instant::now());
+    let prepare = Arc::new(Readying {
+        id: id.into(),
+        takes: readying.0,
+        ready: readying.1,
+        calls: calls.clone(),
+    });
+    let settings = leader::Settings {
+        lease_name: "cnat-0-of-2".into(),
+        balance: Some(balance),
+        handover: Some(leader::handover::Handover {
+            prepare,
+            limit: TIMING.renew_deadline,
+        }),
+        ..settings(id, 0)
+    };
+    let (who, log) = (id.to_owned(), activity.clone());
+    let task = tokio::spawn(leader::run(
+        client.clone(),
+        settings,
+        leadership.clone(),
+        support::events(&client, id),
+        std::future::ready(()),
+        move |stop: CancellationToken| {
+            logged(
+                who.clone(),
+                log.clone(),
+                async move { stop.cancelled().await },
+            )
+        },
+        shutdown.clone(),
+    ));
+    Replica {
+        id: id.into(),
+        shutdown,
+        partition,
+        leadership,
+        task,
+    }
+}
+
+fn shard_holder(server: &ApiServer) -> String {
+    let lease = server
+        .get(Resource::Leases, "cnat-system", "cnat-0-of-2")
+        .expect("a lease");
+    lease["spec"]["holderIdentity"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stopping_holder_leads_on_until_a_ready_successor_and_hands_it_the_shard() {
+    let server = ApiServer::new();
+    server.set_latency(LATENCY);
+    let activity = Arc::new(Activity::default());
+    let calls = Calls::default();
+    let list = Duration::from_secs(3);
+    let a = shard_replica(&server, "cnat-a", 3, (list, true), &calls, &activity);
+    assert!(support::until(TIMING.lease_duration, || a.leadership.is_leader()).await);
+    // Two candidates; both may take the shard (each leads none of its share of one).
+    let b = shard_replica(&server, "cnat-b", 3, (list, true), &calls, &activity);
+    let c = shard_replica(&server, "cnat-c", 3, (list, true), &calls, &activity);
+    tokio::time::sleep(TIMING.retry_period * 2).await;
+    assert_eq!(activity.running(), ["cnat-a"]);
+    assert!(
+        calls.lock().unwrap().is_empty(),
+        "nobody readies before asked"
+    );
+    let asked = Instant::now();
+    a.shutdown.cancel();
+    a.task.await.unwrap();
+    let stopped = activity.ended("cnat-a").expect("a stopped");
+    // It led on while a candidate listed (3 s), then stopped.
+    assert!(stopped >= asked + list, "{:?}", stopped - asked);
+    assert!(
+        stopped < asked + list + TIMING.retry_period,
+        "{:?}",
+        stopped - asked
+    );
+    let successor = shard_holder(&server);
+    assert!(
+        ["cnat-b", "cnat-c"].contains(&successor.as_str()),
+        "{successor}"
+    );
+    assert!(
+        support::until(Duration::from_secs(1), || activity.running()
+            == [successor.clone()])
+        .await
+    );
+    let (started_id, started) = activity.started_after(stopped).expect("a successor leads");
+    assert_eq!(started_id, successor);
+    // Led within a few API round trips of the holder's stop (no list, no expiry, no retry).
+    assert!(
+        started - stopped < Duration::from_millis(100),
+        "{:?}",
+        started - stopped
+    );
+    let log = calls.lock().unwrap().clone();
+    let did = |id: &str, what: &str| {
+        log.iter()
+            .filter(|(who, w, _)| who == id && *w == what)
+            .count()
+    };
+    let other = if successor == "cnat-b" {
+        "cnat-c"
+    } else {
+        "cnat-b"
+    };
+    assert_eq!(did(&successor, "prepare"), 1, "{log:?}");
+    assert_eq!(did(&successor, "discard"), 0, "{log:?}");
+    // The other readied too, and let it go once the successor was named.
+    assert_eq!(did(other, "prepare"), 1, "{log:?}");
+    assert_eq!(did(other, "discard"), 1, "{log:?}");
+    let told = |reason: &str| server.event_reasons("cnat-0-of-2").iter().any(|r| r == reason);
+    assert!(
+        support::until(Duration::from_secs(10), || told("LeaderHandedOver")).await,
+        "{:?}",
+        server.event_reasons("cnat-0-of-2")
+    );
+    let reasons = server.event_reasons("cnat-0-of-2");
+    assert!(
+        !reasons.iter().any(|r| r == "LeaderReleased"),
+        "{reasons:?}"
+    );
+    assert_eq!(server.unguarded_lease_writes(), 0);
+    // What the handover wrote on the Lease is gone.
+    let lease = server
+        .get(Resource::Leases, "cnat-system", "cnat-0-of-2")
+        .unwrap();
+    assert!(
+        lease["metadata"]["annotations"]
+            .as_object()
+            .is_none_or(|a| a.is_empty()),
+        "{lease}"
+    );
+    activity.assert_never_overlapped();
+    for r in [b, c] {
+        r.shutdown.cancel();
+        r.task.await.unwrap();
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_holder_without_a_ready_successor_releases_the_shard_after_the_limit() {
+    let server = ApiServer::new();
+    server.set_latency(LATENCY);
+    let activity = Arc::new(Activity::default());
+    let calls = Calls::default();
+    let a = shard_replica(
+        &server,
+        "cnat-a",
+        2,
+        (Duration::ZERO, true),
+        &calls,
+        &activity,
+    );
+    assert!(support::until(TIMING.lease_duration, || a.leadership.is_leader()).await);
+    // The candidate cannot ready itself (its list fails).
+    let b = shard_replica(
+        &server,
+        "cnat-b",
+        2,
+        (Duration::from_secs(1), false),
+        &calls,
+        &activity,
+    );
+    tokio::time::sleep(TIMING.retry_period).await;
+    let asked = Instant::now();
+    a.shutdown.cancel();
+    a.task.await.unwrap();
+    let stopped = activity.ended("cnat-a").expect("a stopped");
+    // It led on for the whole limit, then released the Lease; b takes it as a free shard.
+    assert!(
+        stopped >= asked + TIMING.renew_deadline,
+        "{:?}",
+        stopped - asked
+    );
+    assert!(stopped < asked + TIMING.renew_deadline + TIMING.retry_period);
+    assert!(support::until(TIMING.retry_period * 2, || activity.running() == ["cnat-b"]).await);
+    let told = |reason: &str| server.event_reasons("cnat-0-of-2").iter().any(|r| r == reason);
+    assert!(
+        support::until(Duration::from_secs(10), || told("LeaderReleased")).await,
+        "{:?}",
+        server.event_reasons("cnat-0-of-2")
+    );
+    let reasons = server.event_reasons("cnat-0-of-2");
+    assert!(
+        !reasons.iter().any(|r| r == "LeaderHandedOver"),
+        "{reasons:?}"
+    );
+    let log = calls.lock().unwrap().clone();
+    assert_eq!(
+        log.iter().filter(|(_, w, _)| *w == "prepare").count(),
+        1,
+        "{log:?}"
+    );
+    activity.assert_never_overlapped();
+    b.shutdown.cancel();
+    b.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_holder_alone_releases_at_once() {
+    let server = ApiServer::new();
+    server.set_latency(LATENCY);
+    let activity = Arc::new(Activity::default());
+    let calls = Calls::default();
+    let a = shard_replica(
+        &server,
+        "cnat-a",
+        1,
+        (Duration::ZERO, true),
+        &calls,
+        &activity,
+    );
+    assert!(support::until(TIMING.lease_duration, || a.leadership.is_leader()).await);
+    let asked = Instant::now();
+    a.shutdown.cancel();
+    a.task.await.unwrap();
+    let stopped = activity.ended("cnat-a").expect("a stopped");
+    assert!(
+        stopped - asked <= TIMING.step_down_grace,
+        "{:?}",
+        stopped - asked
+    );
+    assert_eq!(shard_holder(&server), "");
 }

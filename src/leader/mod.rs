@@ -15,6 +15,7 @@
 //! status writes carry resourceVersion preconditions.
 
 pub mod balance;
+pub mod handover;
 pub mod members;
 pub mod record;
 pub mod store;
@@ -94,6 +95,9 @@ pub struct Settings {
     /// With Lease shards: the share of shards this replica aims at, which this shard's election
     /// keeps to (`None`: the one Lease, always competed for).
     pub balance: Option<Arc<balance::Balance>>,
+    /// With Lease shards: how this replica readies itself to be handed a shard, and how long it
+    /// waits for a ready successor before releasing one (`None`: it releases at once).
+    pub handover: Option<handover::Handover>,
 }
 
 /// What health checks and metrics can read about this replica's leadership: of the one Lease,
@@ -236,13 +240,25 @@ enum Ended {
 /// Why leading ended.
 #[derive(Debug)]
 enum Why {
+    /// Shutdown, or a shard given up.
+    Leaving(Leaving),
+    /// A ready successor was found for the Lease given up for `then`.
+    HandOver {
+        successor: handover::Successor,
+        then: Leaving,
+    },
+    LoopEnded(String),
+    Deadline,
+    Taken(Option<String>),
+}
+
+/// Why this replica gives the Lease up by itself.
+#[derive(Debug)]
+enum Leaving {
     Shutdown,
     /// This replica leads more than its share of shards: this one goes to another (one at a
     /// time: the next once this is dropped).
     Yielded(balance::Yielding),
-    LoopEnded(String),
-    Deadline,
-    Taken(Option<String>),
 }
 
 /// A won campaign: our tenure, and since when the Lease was free if we took it from someone.
@@ -255,7 +271,8 @@ struct Won {
 
 /// What one renewal attempt came to.
 enum Renewal {
-    Renewed(Held),
+    /// Renewed (`true`: with the ask for a successor, `record::HANDING_OVER`).
+    Renewed(Held, bool),
     /// A conflict, but the Lease is still ours at this newer version.
     StillOurs(String),
     Gone(Option<String>),
@@ -282,6 +299,8 @@ struct Campaign {
     reserved: Option<balance::Reservation>,
     /// Until then (a shard this replica gave up), it takes this shard only as a rescue.
     rescue_only_until: Option<Instant>,
+    /// Readying to be handed the Lease by its holder (`handover`).
+    readying: Option<handover::Readying>,
 }
 
 struct Elector {
@@ -335,10 +354,14 @@ impl Elector {
             started: Instant::now(),
             reserved: None,
             rescue_only_until,
+            readying: None,
         };
         loop {
             let now = Instant::now();
-            let step = self.balanced(record::next(&c.known, self.me(), now), &mut c, now);
+            let step = match self.readying_step(&mut c, now) {
+                Some(step) => step,
+                None => self.balanced(record::next(&c.known, self.me(), now), &mut c, now),
+            };
             let waiting = matches!(step, Next::Wait { .. });
             let attempt: Result<Option<Won>, LeaseError> = match step {
                 Next::Read => self.leases.get().await.map(|lease| {
@@ -351,6 +374,7 @@ impl Elector {
                     resource_version,
                     transitions,
                 } => self.take(&mut c, &resource_version, transitions, now).await,
+                Next::Offer { resource_version } => self.offer(&mut c, &resource_version).await,
                 Next::Wait { until } => {
                     tokio::select! {
                         _ = shutdown.cancelled() => return None,
@@ -361,6 +385,9 @@ impl Elector {
             match attempt {
                 Ok(Some(mut won)) => {
                     won.reserved = c.reserved.take();
+                    if let Some(readying) = c.readying.take() {
+                        readying.keep();
+                    }
                     return Some(won);
                 }
                 // Only a settled state (someone else holds it) ends a streak of failures: a
@@ -389,7 +416,12 @@ impl Elector {
         let free_for = match (&step, &c.known) {
             // Ours already (this identity held it): no one else's to take.
             (Next::Take { .. }, Known::Seen(seen)) if seen.holder.as_deref() == Some(self.me()) => {
-                return step
+                // Handed over to us: the place reserved when readying is the leadership's.
+                c.reserved = c
+                    .readying
+                    .as_mut()
+                    .and_then(handover::Readying::take_reserved);
+                return step;
             }
             (Next::Take { .. }, Known::Seen(seen)) => {
                 now.saturating_duration_since(seen.free_since())
@@ -397,6 +429,15 @@ impl Elector {
             (Next::Create, _) => now.saturating_duration_since(c.started),
             _ => return step,
         };
+        // Readied for this Lease: its place was reserved then.
+        if let Some(reserved) = c
+            .readying
+            .as_mut()
+            .and_then(handover::Readying::take_reserved)
+        {
+            c.reserved = Some(reserved);
+            return step;
+        }
         let rescue_only = c.rescue_only_until.is_some_and(|until| now < until);
         match balance.try_reserve(free_for, rescue_only) {
             Some(reserved) => {
@@ -485,7 +526,19 @@ impl Elector {
         until: Instant,
     ) {
         let reread_at = c.news_at + self.settings.timing.retry_period;
+        let readying_runs = c
+            .readying
+            .as_ref()
+            .is_some_and(handover::Readying::is_running);
+        let readying = c.readying.as_mut();
         tokio::select! {
+            // Readied (or not): offer to lead, or wait as before.
+            () = async move {
+                match readying {
+                    Some(readying) => readying.finished().await,
+                    None => std::future::pending().await,
+                }
+            }, if readying_runs => {}
             news = watch.next(), if c.watch_open => match news {
                 Some(Ok(lease)) => {
                     if c.watch_failing {
@@ -579,7 +632,8 @@ impl Elector {
     }
 
     /// Renews the Lease every retry period while it is held; returns why holding it ended and
-    /// the last tenure.
+    /// the last tenure. On shutdown or a shard given up, with a handover (`handover`), it goes on
+    /// leading until a successor is ready (or the handover's limit).
     async fn hold(
         &self,
         mut held: Held,
@@ -589,21 +643,52 @@ impl Elector {
         let timing = self.settings.timing;
         let mut renewal: Option<RenewalFuture> = None;
         let mut renew_at = held.sent + timing.retry_period;
+        let mut handing_over: Option<handover::HandingOver> = None;
         let why = loop {
+            let until = handing_over.as_ref().map(|h| h.until);
             tokio::select! {
                 biased;
                 _ = sleep_until(held.deadline(timing.renew_deadline)) => break Why::Deadline,
-                _ = shutdown.cancelled() => break Why::Shutdown,
+                _ = shutdown.cancelled(), if handing_over.is_none() => match self.begin_handover(Leaving::Shutdown) {
+                    Ok(handing) => {
+                        handing_over = Some(handing);
+                        renew_at = Instant::now();
+                    }
+                    Err(leaving) => break Why::Leaving(leaving),
+                },
                 result = &mut *task => break Why::LoopEnded(format!("{result:?}")),
+                news = async { handing_over.as_mut().expect("a handover").news().await }, if handing_over.is_some() => {
+                    if let Some(successor) = news {
+                        let then = handing_over.take().expect("a handover").leaving;
+                        break Why::HandOver { successor, then };
+                    }
+                }
+                _ = sleep_until(until.unwrap_or(renew_at)), if until.is_some() => {
+                    let handing = handing_over.take().expect("a handover");
+                    info!(lease = %self.name(), "no replica was ready to take the lease over in time; releasing it");
+                    break Why::Leaving(handing.leaving);
+                }
                 outcome = async { renewal.as_mut().expect("a renewal").await }, if renewal.is_some() => {
                     renewal = None;
                     match outcome {
-                        Renewal::Renewed(renewed) => {
+                        Renewal::Renewed(renewed, asked) => {
                             renew_at = renewed.sent + timing.retry_period;
                             held = renewed;
                             self.leadership.renewed(&self.settings.lease_name);
-                            if let Some(yielding) = self.settings.balance.as_ref().and_then(|b| b.try_yield()) {
-                                break Why::Yielded(yielding);
+                            if handing_over.is_some() {
+                                // Not yet asked for a successor (a renewal sent before the
+                                // handover began): ask with the next renewal, at once.
+                                if !asked {
+                                    renew_at = Instant::now();
+                                }
+                            } else if let Some(yielding) = self.settings.balance.as_ref().and_then(|b| b.try_yield()) {
+                                match self.begin_handover(Leaving::Yielded(yielding)) {
+                                    Ok(handing) => {
+                                        handing_over = Some(handing);
+                                        renew_at = Instant::now();
+                                    }
+                                    Err(leaving) => break Why::Leaving(leaving),
+                                }
                             }
                         }
                         Renewal::StillOurs(version) => {
@@ -622,7 +707,8 @@ impl Elector {
                     // Lease), but not for all the time left: a connection that hangs must
                     // leave room for another try.
                     let limit = timing.retry_period.max(left / 2);
-                    renewal = Some(Box::pin(self.renew(held.resource_version.clone(), limit)));
+                    let asks = handing_over.is_some();
+                    renewal = Some(Box::pin(self.renew(held.resource_version.clone(), limit, asks)));
                 }
             }
         };
@@ -659,7 +745,7 @@ impl Elector {
             return;
         }
         let timing = self.settings.timing;
-        if matches!(why, Why::Shutdown | Why::Yielded(_)) {
+        if matches!(why, Why::Leaving(_) | Why::HandOver { .. }) {
             stop.cancel();
             let until =
                 (Instant::now() + timing.step_down_grace).min(held.deadline(timing.renew_deadline));
@@ -676,26 +762,14 @@ impl Elector {
     /// Releases the Lease on shutdown or when the loop ended, and tells why leading ended.
     async fn step_down(&self, why: Why, held: &Held) -> Ended {
         let reason = match why {
-            Why::Shutdown => {
-                self.release(held).await;
-                self.tell(
-                    EventType::Normal,
-                    "LeaderReleased",
-                    "released the lease on shutdown",
-                );
-                return Ended::Released;
-            }
-            Why::Yielded(yielding) => {
-                self.release(held).await;
-                let why = if yielding.outranked() {
-                    "released the lease: replicas of another layout lead (the one Lease, or more shards: a change of --shards)"
-                } else {
-                    "released the lease: this replica leads more than its share of shards"
-                };
-                self.tell(EventType::Normal, "LeaderYielded", why);
-                drop(yielding);
-                return Ended::Lost { gave_up: true };
-            }
+            Why::Leaving(leaving) => return self.leave(leaving, held).await,
+            Why::HandOver { successor, then } => match self.hand_over(&successor).await {
+                Ok(()) => return self.handed_over(&successor, then),
+                Err(error) => {
+                    warn!(lease = %self.name(), successor = %successor.identity(), %error, "could not hand the lease over; releasing it");
+                    return self.leave(then, held).await;
+                }
+            },
             Why::Deadline => format!(
                 "no renewal within the renew deadline {:?}",
                 self.settings.timing.renew_deadline
@@ -714,6 +788,49 @@ impl Elector {
         Ended::Lost { gave_up: false }
     }
 
+    /// Releases the Lease on shutdown or a shard given up.
+    async fn leave(&self, leaving: Leaving, held: &Held) -> Ended {
+        self.release(held).await;
+        match leaving {
+            Leaving::Shutdown => {
+                self.tell(
+                    EventType::Normal,
+                    "LeaderReleased",
+                    "released the lease on shutdown",
+                );
+                Ended::Released
+            }
+            Leaving::Yielded(yielding) => {
+                let why = if yielding.outranked() {
+                    "released the lease: replicas of another layout lead (the one Lease, or more shards: a change of --shards)"
+                } else {
+                    "released the lease: this replica leads more than its share of shards"
+                };
+                self.tell(EventType::Normal, "LeaderYielded", why);
+                drop(yielding);
+                Ended::Lost { gave_up: true }
+            }
+        }
+    }
+
+    /// Logs and tells that the Lease went to `successor` on shutdown or a shard given up.
+    fn handed_over(&self, successor: &handover::Successor, leaving: Leaving) -> Ended {
+        let (ended, why) = match leaving {
+            Leaving::Shutdown => (Ended::Released, "shutting down"),
+            Leaving::Yielded(_) => (
+                Ended::Lost { gave_up: true },
+                "this replica leads more than its share of shards",
+            ),
+        };
+        let message = format!(
+            "handed the lease over to {}, ready to lead: {why}",
+            successor.identity()
+        );
+        info!(lease = %self.name(), successor = %successor.identity(), "{message}");
+        self.tell(EventType::Normal, "LeaderHandedOver", &message);
+        ended
+    }
+
     /// Logs and tells that leading ended without a shutdown, and why.
     fn lost(&self, reason: &str) {
         warn!(lease = %self.name(), identity = %self.me(), reason = %reason, "lost leadership: reconciling stopped");
@@ -730,6 +847,7 @@ impl Elector {
         &self,
         version: String,
         limit: Duration,
+        handing_over: bool,
     ) -> impl Future<Output = Renewal> + Send + 'static {
         let (leases, me, wall) = (
             self.leases.clone(),
@@ -738,12 +856,12 @@ impl Elector {
         );
         async move {
             let sent = Instant::now();
-            let patch = record::renew_patch(&version, wall);
+            let patch = record::renew_patch(&version, wall, handing_over);
             match leases
                 .swap_within(&patch, limit.max(MIN_RENEWAL_WAIT))
                 .await
             {
-                Ok(Written::Done(lease)) => Renewal::Renewed(held(&lease, sent)),
+                Ok(Written::Done(lease)) => Renewal::Renewed(held(&lease, sent), handing_over),
                 Ok(Written::Missing) => Renewal::Gone(None),
                 Ok(Written::Conflict) => match leases.get().await {
                     Ok(lease) => match record::reread(lease.as_ref(), &me) {

@@ -24,6 +24,43 @@ pub struct Seen {
     pub resource_version: String,
     /// When this replica first saw this `resourceVersion`.
     pub changed_at: Instant,
+    /// The holder asked for a successor to hand the Lease over to (`HANDING_OVER`).
+    pub handing_over: bool,
+    /// The replica ready to be handed the Lease (`PREFERRED_HOLDER`).
+    pub preferred_holder: Option<String>,
+}
+
+/// Set by a holder about to give the Lease up (shutdown, or a shard given up for the balance):
+/// it asks for a successor that readies itself (lists the shard's Ats) while it still leads.
+pub const HANDING_OVER: &str = "cnat.programming-kubernetes.info/handing-over";
+
+/// Set by the candidate that is ready to lead (its identity): the holder stops reconciling and
+/// writes it as the holder. Kubernetes' coordinated leader election calls this a Lease's
+/// `preferredHolder`; that field is not served before v1.31, so an annotation carries it.
+pub const PREFERRED_HOLDER: &str = "cnat.programming-kubernetes.info/preferred-holder";
+
+/// What a candidate makes of a handover on the Lease (`offer`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Offer {
+    /// No handover asked for (or the Lease is free, or ours).
+    None,
+    /// The holder asks for a successor and nobody is ready yet: ready yourself.
+    Open,
+    /// This replica said it is ready: wait to be made the holder.
+    Ours,
+    /// Another replica said it is ready first.
+    Taken,
+}
+
+/// What the handover on `seen` means for candidate `me`.
+pub fn offer(seen: &Seen, me: &str) -> Offer {
+    let held_by_another = seen.holder.as_deref().is_some_and(|h| h != me);
+    match (&seen.preferred_holder, held_by_another && seen.handing_over) {
+        (_, false) => Offer::None,
+        (None, true) => Offer::Open,
+        (Some(ready), true) if ready == me => Offer::Ours,
+        (Some(_), true) => Offer::Taken,
+    }
 }
 
 impl Seen {
@@ -40,12 +77,23 @@ impl Seen {
             .lease_duration_seconds
             .and_then(|s| u64::try_from(s).ok())
             .map_or(ours, Duration::from_secs);
+        let annotation = |key: &str| {
+            lease
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(key))
+                .filter(|value| !value.is_empty())
+                .cloned()
+        };
         Seen {
             holder: spec.holder_identity.filter(|h| !h.is_empty()),
             lease_duration,
             transitions: spec.lease_transitions.unwrap_or(0),
             resource_version,
             changed_at,
+            handing_over: annotation(HANDING_OVER).is_some(),
+            preferred_holder: annotation(PREFERRED_HOLDER),
         }
     }
 
@@ -87,6 +135,9 @@ pub enum Next {
     },
     /// Someone holds it: wait for news, or until then, when it expires for us.
     Wait { until: Instant },
+    /// Its holder hands it over and we are ready to lead: say so, on this version of the record
+    /// (`handover`).
+    Offer { resource_version: String },
 }
 
 /// What a candidate `me` does at `now` given what it knows.
@@ -165,7 +216,7 @@ pub fn take_patch(
     wall: jiff::Timestamp,
 ) -> Value {
     json!({
-        "metadata": { "resourceVersion": resource_version },
+        "metadata": { "resourceVersion": resource_version, "annotations": no_handover() },
         "spec": {
             "holderIdentity": me,
             "leaseDurationSeconds": lease_seconds,
@@ -176,19 +227,52 @@ pub fn take_patch(
     })
 }
 
-/// Renews our Lease, on the version our last write produced.
-pub fn renew_patch(resource_version: &str, wall: jiff::Timestamp) -> Value {
-    json!({
+/// Removes what a handover left on the Lease (a holder that died while handing it over).
+fn no_handover() -> Value {
+    json!({ HANDING_OVER: null, PREFERRED_HOLDER: null })
+}
+
+/// Renews our Lease, on the version our last write produced; `handing_over`: asks for a
+/// successor as well (`HANDING_OVER`; it stays until the Lease changes hands).
+pub fn renew_patch(resource_version: &str, wall: jiff::Timestamp, handing_over: bool) -> Value {
+    let mut patch = json!({
         "metadata": { "resourceVersion": resource_version },
         "spec": { "renewTime": micro(wall) },
+    });
+    if handing_over {
+        patch["metadata"]["annotations"] = json!({ HANDING_OVER: "true" });
+    }
+    patch
+}
+
+/// Says that candidate `me` is ready to lead (`PREFERRED_HOLDER`), on the version it saw
+/// asking for a successor, so that of two ready candidates one is chosen.
+pub fn prefer_patch(resource_version: &str, me: &str) -> Value {
+    json!({
+        "metadata": {
+            "resourceVersion": resource_version,
+            "annotations": { PREFERRED_HOLDER: me },
+        },
     })
+}
+
+/// Hands our Lease over to `to` (its preferred holder): it holds the Lease from now, as if it
+/// had taken it, on the version that named it.
+pub fn hand_over_patch(
+    resource_version: &str,
+    to: &str,
+    transitions: i32,
+    lease_seconds: i32,
+    wall: jiff::Timestamp,
+) -> Value {
+    take_patch(to, resource_version, transitions, lease_seconds, wall)
 }
 
 /// Gives the Lease up (as client-go does: no holder, a 1 s duration), on the version our last
 /// write produced, so it can never blank a successor's record.
 pub fn release_patch(resource_version: &str, wall: jiff::Timestamp) -> Value {
     json!({
-        "metadata": { "resourceVersion": resource_version },
+        "metadata": { "resourceVersion": resource_version, "annotations": no_handover() },
         "spec": {
             "holderIdentity": "",
             "leaseDurationSeconds": 1,
@@ -400,25 +484,42 @@ mod tests {
     #[test]
     fn every_write_carries_its_precondition() {
         let wall: jiff::Timestamp = "2026-11-22T07:33:01.5Z".parse().unwrap();
+        let no_handover = json!({HANDING_OVER: null, PREFERRED_HOLDER: null});
         let take = take_patch("me", "41", 2, 15, wall);
         assert_eq!(
             take,
             json!({
-                "metadata": {"resourceVersion": "41"},
+                "metadata": {"resourceVersion": "41", "annotations": no_handover},
                 "spec": {"holderIdentity": "me", "leaseDurationSeconds": 15,
                          "acquireTime": "2026-11-22T07:33:01.500000Z",
                          "renewTime": "2026-11-22T07:33:01.500000Z", "leaseTransitions": 2},
             })
         );
         assert_eq!(
-            renew_patch("42", wall),
+            renew_patch("42", wall, false),
             json!({"metadata": {"resourceVersion": "42"},
                    "spec": {"renewTime": "2026-11-22T07:33:01.500000Z"}})
         );
-        // The release matches what the real server showed for one (lease-watch-events.jsonl).
+        assert_eq!(
+            renew_patch("42", wall, true),
+            json!({"metadata": {"resourceVersion": "42", "annotations": {HANDING_OVER: "true"}},
+                   "spec": {"renewTime": "2026-11-22T07:33:01.500000Z"}})
+        );
+        assert_eq!(
+            prefer_patch("44", "cnat-b"),
+            json!({"metadata": {"resourceVersion": "44",
+                                "annotations": {PREFERRED_HOLDER: "cnat-b"}}})
+        );
+        // The successor holds it as if it had taken it; what the handover wrote is gone.
+        assert_eq!(
+            hand_over_patch("45", "cnat-b", 3, 15, wall),
+            take_patch("cnat-b", "45", 3, 15, wall)
+        );
+        // The release matches what the real server showed for one (lease-watch-events.jsonl),
+        // and removes what a handover left.
         assert_eq!(
             release_patch("43", wall),
-            json!({"metadata": {"resourceVersion": "43"},
+            json!({"metadata": {"resourceVersion": "43", "annotations": no_handover},
                    "spec": {"holderIdentity": "", "leaseDurationSeconds": 1,
                             "renewTime": "2026-11-22T07:33:01.500000Z"}})
         );
@@ -426,6 +527,45 @@ mod tests {
         assert_eq!(created["spec"]["holderIdentity"], "me");
         assert_eq!(created["spec"]["leaseTransitions"], 0);
         assert_eq!(created["metadata"]["namespace"], "fx");
+    }
+
+    fn handing_over(holder: &str, preferred: Option<&str>) -> Seen {
+        let mut lease = lease(holder, 15, "9", T);
+        let mut annotations =
+            std::collections::BTreeMap::from([(HANDING_OVER.to_owned(), "true".to_owned())]);
+        if let Some(preferred) = preferred {
+            annotations.insert(PREFERRED_HOLDER.to_owned(), preferred.to_owned());
+        }
+        lease.metadata.annotations = Some(annotations);
+        Seen::observe(&lease, None, OURS, Instant::now())
+    }
+
+    #[test]
+    fn what_a_candidate_makes_of_a_handover() {
+        // Asked for a successor, nobody named: ready yourself.
+        assert_eq!(offer(&handing_over("a", None), "b"), Offer::Open);
+        assert_eq!(offer(&handing_over("a", Some("b")), "b"), Offer::Ours);
+        assert_eq!(offer(&handing_over("a", Some("c")), "b"), Offer::Taken);
+        // The holder itself, a free Lease, and a Lease nobody hands over are no offer.
+        assert_eq!(offer(&handing_over("b", None), "b"), Offer::None);
+        assert_eq!(offer(&handing_over("", None), "b"), Offer::None);
+        let plain = Seen::observe(&lease("a", 15, "9", T), None, OURS, Instant::now());
+        assert!(!plain.handing_over);
+        assert_eq!(plain.preferred_holder, None);
+        assert_eq!(offer(&plain, "b"), Offer::None);
+        // A preferred holder without the ask (left by a holder that died) is no offer either.
+        let mut stale = plain.clone();
+        stale.preferred_holder = Some("b".into());
+        assert_eq!(offer(&stale, "b"), Offer::None);
+        // Empty annotations count as absent.
+        let mut empty = lease("a", 15, "9", T);
+        empty.metadata.annotations = Some(
+            [(HANDING_OVER.to_owned(), String::new())]
+                .into_iter()
+                .collect(),
+        );
+        let seen = Seen::observe(&empty, None, OURS, Instant::now());
+        assert_eq!(offer(&seen, "b"), Offer::None);
     }
 
     #[test]

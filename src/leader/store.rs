@@ -24,6 +24,10 @@ pub enum LeaseError {
         "cannot create Lease {0}: its namespace does not exist; create it or set --lease-namespace"
     )]
     NoNamespace(String),
+    #[error("the Lease was deleted")]
+    Gone,
+    #[error("the Lease changed hands or no longer names the successor")]
+    Changed,
 }
 
 impl LeaseError {
@@ -32,7 +36,7 @@ impl LeaseError {
         match self {
             LeaseError::Api(error) => crate::operator::reachability::unanswered(error),
             LeaseError::Timeout(_) => true,
-            LeaseError::NoNamespace(_) => false,
+            LeaseError::NoNamespace(_) | LeaseError::Gone | LeaseError::Changed => false,
         }
     }
 }

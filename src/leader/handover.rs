@@ -1,0 +1,316 @@
+//! Handing a Lease over to a successor that is ready to lead (with Lease shards: one that has
+//! listed the shard's Ats), instead of releasing it and leaving the Ats without a leader while
+//! the next one lists them.
+//!
+//! 1. The holder, about to give the Lease up (shutdown, or a shard given up for the balance),
+//!    asks for a successor: its renewals carry the annotation `record::HANDING_OVER`. It goes on
+//!    reconciling meanwhile.
+//! 2. A candidate that may take the shard (`balance::Balance::try_reserve`) readies itself
+//!    (`Prepare`), then says so on the Lease (`record::PREFERRED_HOLDER`, a compare-and-swap:
+//!    of two ready candidates one is named).
+//! 3. The holder, watching its Lease, stops reconciling (the step-down grace, as on shutdown)
+//!    and writes the named candidate as the holder (a compare-and-swap on the version that named
+//!    it). The successor, watching the Lease, sees itself named and leads at once.
+//!
+//! A holder that finds no successor within `Handover::limit` (no other replica, or none may take
+//! the shard) releases the Lease as before; so does one whose handover write fails. Only one
+//! replica reconciles at any instant: the holder stops before it names its successor, and the
+//! successor starts only once named.
+
+use super::balance::Reservation;
+use super::record::{self, Known, Next, Offer, Seen};
+use super::store::{holder_name, LeaseError, Written};
+use super::{Campaign, Elector, Leaving, Won};
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::runtime::watcher;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::task::AbortOnDropHandle;
+use tracing::{debug, info};
+
+/// Readies this replica to lead a Lease before it holds it.
+pub trait Prepare: Send + Sync {
+    /// Readies (with Lease shards: lists the shard's Ats into the cache its leadership will
+    /// use); completes with `true` once ready, `false` if it could not be.
+    fn prepare(&self) -> Pin<Box<dyn Future<Output = bool> + Send>>;
+
+    /// What `prepare` readied will not be used (another replica was named, or the holder went
+    /// on): let it go.
+    fn discard(&self);
+}
+
+/// How this replica takes part in handovers of a Lease.
+#[derive(Clone)]
+pub struct Handover {
+    pub prepare: Arc<dyn Prepare>,
+    /// The longest a holder goes on reconciling while it waits for a ready successor; then it
+    /// releases the Lease.
+    pub limit: Duration,
+}
+
+impl fmt::Debug for Handover {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Handover")
+            .field("limit", &self.limit)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A candidate readying itself for a Lease whose holder asked for a successor. Dropped without
+/// `keep`, what was readied is discarded.
+pub(super) struct Readying {
+    prepare: Arc<dyn Prepare>,
+    /// Its place among the shards this replica leads (`None` once readying failed).
+    reserved: Option<Reservation>,
+    task: Option<AbortOnDropHandle<bool>>,
+    ready: bool,
+    kept: bool,
+}
+
+impl Readying {
+    pub(super) fn start(handover: &Handover, reserved: Reservation) -> Self {
+        let task = tokio::spawn(handover.prepare.prepare());
+        Readying {
+            prepare: handover.prepare.clone(),
+            reserved: Some(reserved),
+            task: Some(AbortOnDropHandle::new(task)),
+            ready: false,
+            kept: false,
+        }
+    }
+
+    /// Ready to lead: time to say so on the Lease.
+    pub(super) fn is_ready(&self) -> bool {
+        self.ready
+    }
+
+    /// Still readying.
+    pub(super) fn is_running(&self) -> bool {
+        self.task.is_some()
+    }
+
+    /// Completes when readying ends (never, once it has).
+    pub(super) async fn finished(&mut self) {
+        let Some(task) = self.task.as_mut() else {
+            return std::future::pending().await;
+        };
+        let ready = task.await.unwrap_or(false);
+        self.task = None;
+        self.ready = ready;
+        if !ready {
+            // Not ready: it takes no place among the shards (it tries again when the Lease
+            // asks anew, or takes the shard as others would when it is free).
+            self.reserved = None;
+        }
+    }
+
+    /// The reserved place, for the take about to be tried (the balance is not asked again).
+    pub(super) fn take_reserved(&mut self) -> Option<Reservation> {
+        self.reserved.take()
+    }
+
+    /// The Lease is this replica's: what was readied is used (the leadership's work finds it).
+    pub(super) fn keep(mut self) {
+        self.kept = true;
+    }
+}
+
+impl Drop for Readying {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.prepare.discard();
+        }
+    }
+}
+
+/// The candidate a holder hands its Lease over to, as the Lease named it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Successor {
+    identity: String,
+    /// The version that named it: the handover is a compare-and-swap on it.
+    resource_version: String,
+    transitions: i32,
+}
+
+impl Successor {
+    /// The ready candidate `seen` names, if it is held by `me` and asks for a successor.
+    pub(super) fn named(seen: &Seen, me: &str) -> Option<Self> {
+        let ours = seen.holder.as_deref() == Some(me);
+        match &seen.preferred_holder {
+            Some(ready) if ours && seen.handing_over && ready != me => Some(Successor {
+                identity: ready.clone(),
+                resource_version: seen.resource_version.clone(),
+                transitions: seen.transitions,
+            }),
+            _ => None,
+        }
+    }
+
+    pub(super) fn identity(&self) -> &str {
+        &self.identity
+    }
+}
+
+/// A holder handing its Lease over: it reconciles on, and watches its Lease for a ready
+/// successor, until `until`.
+pub(super) struct HandingOver {
+    pub(super) leaving: Leaving,
+    pub(super) until: Instant,
+    watch: Pin<Box<dyn Stream<Item = Result<Option<Lease>, watcher::Error>> + Send>>,
+    watch_open: bool,
+    me: String,
+    lease_duration: Duration,
+}
+
+impl HandingOver {
+    /// The next change of the Lease: the successor it names, if any (never completes once the
+    /// watch has ended).
+    pub(super) async fn news(&mut self) -> Option<Successor> {
+        if !self.watch_open {
+            return std::future::pending().await;
+        }
+        match self.watch.next().await {
+            Some(Ok(Some(lease))) => {
+                let seen = Seen::observe(&lease, None, self.lease_duration, Instant::now());
+                Successor::named(&seen, &self.me)
+            }
+            Some(Ok(None) | Err(_)) => None,
+            None => {
+                self.watch_open = false;
+                None
+            }
+        }
+    }
+}
+
+impl Elector {
+    /// Starts handing the Lease over for `leaving`, unless no successor can be ready: without
+    /// handovers, alone among the replicas, or giving shards up to a layout that outranks ours
+    /// (its replicas compete for other Leases).
+    pub(super) fn begin_handover(&self, leaving: Leaving) -> Result<HandingOver, Leaving> {
+        let Some(handover) = &self.settings.handover else {
+            return Err(leaving);
+        };
+        let alone = self
+            .settings
+            .balance
+            .as_ref()
+            .is_none_or(|balance| balance.view().replicas <= 1);
+        let outranked = matches!(&leaving, Leaving::Yielded(yielding) if yielding.outranked());
+        if alone || outranked {
+            return Err(leaving);
+        }
+        info!(lease = %self.name(), limit = ?handover.limit, "handing the lease over: reconciling on until another replica is ready to lead");
+        Ok(HandingOver {
+            leaving,
+            until: Instant::now() + handover.limit,
+            watch: Box::pin(self.leases.watch()),
+            watch_open: true,
+            me: self.me().to_owned(),
+            lease_duration: self.settings.timing.lease_duration,
+        })
+    }
+
+    /// What a candidate does about a handover of the Lease: ready itself (if it may take the
+    /// shard), and once ready say so (`Next::Offer`); forget what it readied when another was
+    /// named or the holder went on. `None`: compete as without one.
+    pub(super) fn readying_step(&self, c: &mut Campaign, now: Instant) -> Option<Next> {
+        let handover = self.settings.handover.as_ref()?;
+        let Known::Seen(seen) = &c.known else {
+            return None;
+        };
+        match record::offer(seen, self.me()) {
+            Offer::Open => match &c.readying {
+                None => {
+                    let balance = self.settings.balance.as_ref()?;
+                    let rescue_only = c.rescue_only_until.is_some_and(|until| now < until);
+                    if let Some(reserved) = balance.try_reserve(Duration::ZERO, rescue_only) {
+                        info!(lease = %self.name(), holder = holder_name(seen), "the holder hands the lease over: readying to lead");
+                        c.readying = Some(Readying::start(handover, reserved));
+                    }
+                    None
+                }
+                Some(readying) if readying.is_ready() => Some(Next::Offer {
+                    resource_version: seen.resource_version.clone(),
+                }),
+                Some(_) => None,
+            },
+            Offer::Ours => None,
+            Offer::Taken => {
+                if c.readying.take().is_some() {
+                    debug!(lease = %self.name(), successor = seen.preferred_holder.as_deref().unwrap_or_default(), "another replica is to take the lease over");
+                }
+                None
+            }
+            Offer::None => {
+                // Held on by its holder or taken by another: what was readied is not needed.
+                let another_holds = seen.holder.as_deref().is_some_and(|h| h != self.me());
+                if another_holds && now < seen.expires_at() {
+                    c.readying = None;
+                }
+                None
+            }
+        }
+    }
+
+    /// Says on the Lease that this replica is ready to lead (`record::PREFERRED_HOLDER`).
+    pub(super) async fn offer(
+        &self,
+        c: &mut Campaign,
+        resource_version: &str,
+    ) -> Result<Option<Won>, LeaseError> {
+        let patch = record::prefer_patch(resource_version, self.me());
+        match self.leases.swap(&patch).await {
+            Ok(Written::Done(lease)) => {
+                info!(lease = %self.name(), "ready to lead: asked the holder to hand the lease over");
+                c.known = self.observe(Some(&lease), &mut c.last, Instant::now());
+                c.news_at = Instant::now();
+                Ok(None)
+            }
+            Ok(Written::Conflict | Written::Missing) => {
+                c.known = Known::Unknown;
+                Ok(None)
+            }
+            Err(error) => {
+                c.known = Known::Unknown;
+                Err(error)
+            }
+        }
+    }
+
+    /// Writes `successor` as the Lease's holder, on the version that named it (read again once
+    /// if our own renewal changed it since).
+    pub(super) async fn hand_over(&self, successor: &Successor) -> Result<(), LeaseError> {
+        let timing = self.settings.timing;
+        let mut named = successor.clone();
+        for _ in 0..2 {
+            let patch = record::hand_over_patch(
+                &named.resource_version,
+                &named.identity,
+                named.transitions + 1,
+                timing.lease_seconds(),
+                self.settings.clock.now(),
+            );
+            match self.leases.swap(&patch).await? {
+                Written::Done(_) => return Ok(()),
+                Written::Missing => return Err(LeaseError::Gone),
+                Written::Conflict => {
+                    let lease = self.leases.get().await?.ok_or(LeaseError::Gone)?;
+                    let seen = Seen::observe(&lease, None, timing.lease_duration, Instant::now());
+                    match Successor::named(&seen, self.me()) {
+                        Some(now_named) if now_named.identity == successor.identity => {
+                            named = now_named
+                        }
+                        _ => return Err(LeaseError::Changed),
+                    }
+                }
+            }
+        }
+        Err(LeaseError::Changed)
+    }
+}
