@@ -1239,7 +1239,12 @@ async fn a_stopping_holder_leads_on_until_a_ready_successor_and_hands_it_the_sha
     // The other readied too, and let it go once the successor was named.
     assert_eq!(did(other, "prepare"), 1, "{log:?}");
     assert_eq!(did(other, "discard"), 1, "{log:?}");
-    let told = |reason: &str| server.event_reasons("cnat-0-of-2").iter().any(|r| r == reason);
+    let told = |reason: &str| {
+        server
+            .event_reasons("cnat-0-of-2")
+            .iter()
+            .any(|r| r == reason)
+    };
     assert!(
         support::until(Duration::from_secs(10), || told("LeaderHandedOver")).await,
         "{:?}",
@@ -1305,7 +1310,12 @@ async fn a_holder_without_a_ready_successor_releases_the_shard_after_the_limit()
     );
     assert!(stopped < asked + TIMING.renew_deadline + TIMING.retry_period);
     assert!(support::until(TIMING.retry_period * 2, || activity.running() == ["cnat-b"]).await);
-    let told = |reason: &str| server.event_reasons("cnat-0-of-2").iter().any(|r| r == reason);
+    let told = |reason: &str| {
+        server
+            .event_reasons("cnat-0-of-2")
+            .iter()
+            .any(|r| r == reason)
+    };
     assert!(
         support::until(Duration::from_secs(10), || told("LeaderReleased")).await,
         "{:?}",

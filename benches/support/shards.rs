@@ -10,9 +10,9 @@
 //! - beside them, one replica with one Lease (`--shards 1`, another Lease name) starts cold:
 //!   how long until it caches every At, and its RSS 10 s later: the floor a replica holds
 //!   without shards;
-//! - a replica stopped (SIGTERM, as by a rolling update) 100 ms before 60 Ats fall due: how late
-//!   each pod is, for the Ats of the shards it led (taken over: the new leader lists the shard
-//!   first) and for the others;
+//! - a replica stopped (SIGTERM, as by a rolling update) 100 ms before 200 Ats fall due, one
+//!   every 75 ms (over the handovers of its shards, whenever they come): how late each pod is,
+//!   for the Ats of the shards it led and for the others;
 //! - with three replicas again, 10,000 Ats due at once: the last pod after due, as a ratio to
 //!   10,000 bare pod creates over 16 connections (the floor, measured in the same run).
 
@@ -29,11 +29,13 @@ use std::time::{Duration, Instant};
 const CONNECTIONS: usize = 16;
 /// Ats due at once in the burst.
 const BURST: usize = 10_000;
-/// Ats due just after a replica is stopped.
-const TAKEN_OVER: usize = 60;
+/// Ats falling due, one every `SPACING`, from just after a replica is stopped: across its
+/// shards' handovers, whenever they come.
+const TAKEN_OVER: usize = 200;
+const SPACING: Duration = Duration::from_millis(75);
 
 pub async fn run(shards: usize, sizes: &[usize]) {
-    let header = format!("| Ats pending | created in | 3 replicas, --shards {shards}: every PENDING status after | their RSS 10 s later | one replica, one Lease: every At cached after / RSS 10 s later | a replica stopped 100 ms before {TAKEN_OVER} Ats are due: pod after due, its shards' (max) / the others' (max) | {BURST} Ats due at once: bare pod creates (floor) / last pod after due / ratio |");
+    let header = format!("| Ats pending | created in | 3 replicas, --shards {shards}: every PENDING status after | their RSS 10 s later | one replica, one Lease: every At cached after / RSS 10 s later | a replica stopped 100 ms before {TAKEN_OVER} Ats fall due, one every {SPACING:?}: pod after due, its shards' (max) / the others' (max) | {BURST} Ats due at once: bare pod creates (floor) / last pod after due / ratio |");
     let (plane, admin) = real::start(&header).await;
     for &n in sizes {
         scenario(plane, &admin, shards, n).await;
@@ -55,7 +57,9 @@ async fn create(
     prefix: &str,
     n: usize,
     due: chrono::DateTime<chrono::Utc>,
+    spacing: Duration,
 ) -> Duration {
+    let spacing = chrono::Duration::from_std(spacing).unwrap_or_default();
     let started = Instant::now();
     futures::stream::iter(0..n)
         .for_each_concurrent(CONNECTIONS, |i| {
@@ -65,7 +69,10 @@ async fn create(
                 // A create that got no answer may have been stored: AlreadyExists is success.
                 for attempt in 1.. {
                     match ats
-                        .create(&PostParams::default(), &labelled(ns, &name, due))
+                        .create(
+                            &PostParams::default(),
+                            &labelled(ns, &name, due + spacing * i32::try_from(i).unwrap()),
+                        )
                         .await
                     {
                         Ok(_) => return,
@@ -142,7 +149,7 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
     let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
     let later = chrono::Utc::now() + chrono::Duration::hours(2);
-    let created = create(&ats, &ns, "at", n, later).await;
+    let created = create(&ats, &ns, "at", n, later, Duration::ZERO).await;
 
     // Three replicas with shards: every PENDING status written, then their RSS.
     let started = Instant::now();
@@ -188,7 +195,7 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     let due_instant = Instant::now() + lead;
     let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
     let pod_seen = tokio::spawn(real::watch_pods(pods.clone(), TAKEN_OVER));
-    create(&ats, &ns, "due", TAKEN_OVER, due).await;
+    create(&ats, &ns, "due", TAKEN_OVER, due, SPACING).await;
     tokio::time::sleep_until((due_instant - Duration::from_millis(100)).into()).await;
     let mut stopped = stopped;
     stopped.terminate();
@@ -202,7 +209,8 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
         let name = pod.trim_end_matches("-pod");
         let value = cnat::shard::assign(&format!("{ns}/{name}"));
         let labels = [(cnat::shard::LABEL.to_owned(), value)].into();
-        let late = at.saturating_duration_since(due_instant);
+        let index: u32 = name.trim_start_matches("due-").parse().unwrap_or(0);
+        let late = at.saturating_duration_since(due_instant + SPACING * index);
         if its_shards.contains(&split.of(Some(&labels))) {
             theirs = theirs.max(late);
         } else {
@@ -235,7 +243,7 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     let lead = Duration::from_secs(10) + floor * 4;
     let due_instant = Instant::now() + lead;
     let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
-    create(&ats, &ns, "burst", BURST, due).await;
+    create(&ats, &ns, "burst", BURST, due, Duration::ZERO).await;
     // Watching from a second before due (a watch silent for longer than the client's read
     // timeout fails); its list brings the pods already there.
     tokio::time::sleep_until((due_instant - Duration::from_secs(1)).into()).await;

@@ -209,6 +209,11 @@ async fn shards_spread_over_the_replicas_and_each_at_runs_once_as_they_come_and_
     let ran = |r: &Replica| metric(r, "cnat_run_lateness_seconds_count").unwrap_or(0);
     let by = [ran(&a), ran(&b), ran(&c)];
     assert!(by[2] > 0, "c ran none of the burst: {by:?}");
+    // The shards a and b gave up went to c by handovers: c listed each while its holder led on,
+    // and was named holder once ready (a move whose successor is not ready within the limit is
+    // released instead; both moves of this join are, at most, one such).
+    let to_c = handed_over(&a, "c") + handed_over(&b, "c");
+    assert!(to_c >= 1, "no shard handed over to c: {}", a.log_text());
 
     // Every pod carries its At's shard, and each replica caches only its shards' Ats: the
     // counts of the three add up to the Ats, none holds them all.
@@ -241,6 +246,14 @@ async fn shards_spread_over_the_replicas_and_each_at_runs_once_as_they_come_and_
     // membership Lease is deleted, and new Ats run once each.
     c.terminate();
     settle(&admin, &lease_ns, &[("a", 3), ("b", 3)], &[&a, &b]).await;
+    let from_c = until(Duration::from_secs(10), async || {
+        (handed_over(&c, "a") + handed_over(&c, "b") >= 1).then_some(())
+    });
+    assert!(
+        from_c.await.is_some(),
+        "c handed no shard over: {}",
+        c.log_text()
+    );
     let left = until(Duration::from_secs(10), async || {
         (!member(&admin, &lease_ns, "c").await).then_some(())
     });
@@ -265,6 +278,14 @@ async fn shards_spread_over_the_replicas_and_each_at_runs_once_as_they_come_and_
     );
     assert_eq!(creations.twice(), vec![], "pods created twice");
     assert_eq!(creations.pods(), 391);
+}
+
+/// How many Leases `replica` handed over to replica `to` (its log says so once each).
+fn handed_over(replica: &Replica, to: &str) -> usize {
+    replica
+        .log_text()
+        .matches(&format!("handed the lease over to {to},"))
+        .count()
 }
 
 /// An At (labelled for a shard other than 0) due now, and its pod as a release before Lease
