@@ -531,9 +531,15 @@ fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) 
         shutdown.clone(),
     ));
     let (namespace, streaming) = (args.namespace.clone(), args.watch_list);
-    // A holder waits this long for a ready successor before it releases a shard: on shutdown,
-    // within half of `--shutdown-timeout`, so that a release still fits.
-    let handover_limit = elected.timing.renew_deadline.min(args.shutdown_timeout / 2);
+    // A holder waits at most a lease duration for a ready successor (no longer than a replica
+    // that died leaves a shard), and on shutdown leaves room in `--shutdown-timeout` for what
+    // follows: the step-down grace, the handover or the release (a read and a write or two,
+    // each within a retry period). No room: no handover.
+    let timing = elected.timing;
+    let after = timing.step_down_grace + timing.retry_period * 3;
+    let handover_limit = timing
+        .lease_duration
+        .min(args.shutdown_timeout.saturating_sub(after));
     let elections: Vec<JoinHandle<()>> = (0..shards.count())
         .map(|shard| {
             let selector = shards.selector(shard);
@@ -554,7 +560,7 @@ fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) 
                     shard,
                     shards.count(),
                 ),
-                handover: Some(leader::handover::Handover {
+                handover: (!handover_limit.is_zero()).then(|| leader::handover::Handover {
                     prepare: cache.clone(),
                     limit: handover_limit,
                 }),

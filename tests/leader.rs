@@ -1103,8 +1103,8 @@ impl leader::handover::Prepare for Readying {
 
 type Calls = Arc<Mutex<Vec<(String, &'static str, Instant)>>>;
 
-/// A replica competing for shard 0 of `replicas` x 2 shards, with handovers; its balance
-/// counts `replicas` live replicas.
+/// A replica competing for shard 0 of 2, with handovers; its balance counts `replicas` live
+/// replicas.
 fn shard_replica(
     server: &ApiServer,
     id: &str,
@@ -1113,6 +1113,22 @@ fn shard_replica(
     calls: &Calls,
     activity: &Arc<Activity>,
 ) -> Replica {
+    let mut replica = sharded(server, id, replicas, readying, calls, &[activity.clone()]);
+    replica.0.task = replica.2.remove(0);
+    replica.0
+}
+
+/// A replica competing for the first `activities.len()` shards of 2 (each logging its runs
+/// in its own `Activity`), with handovers, its balance counting `replicas` live replicas;
+/// with its balance and one election task per shard (the `Replica`'s own task is a no-op).
+fn sharded(
+    server: &ApiServer,
+    id: &str,
+    replicas: usize,
+    readying: (Duration, bool),
+    calls: &Calls,
+    activities: &[Arc<Activity>],
+) -> (Replica, Arc<leader::balance::Balance>, Vec<JoinHandle<()>>) {
     let (client, partition) = server.named_client(id);
     let shutdown = CancellationToken::new();
     let leadership = Arc::new(Leadership::default());
@@ -1132,38 +1148,45 @@ fn shard_replica(
         ready: readying.1,
         calls: calls.clone(),
     });
-    let settings = leader::Settings {
-        lease_name: "cnat-0-of-2".into(),
-        balance: Some(balance),
-        handover: Some(leader::handover::Handover {
-            prepare,
-            limit: TIMING.renew_deadline,
-        }),
-        ..settings(id, 0)
-    };
-    let (who, log) = (id.to_owned(), activity.clone());
-    let task = tokio::spawn(leader::run(
-        client.clone(),
-        settings,
-        leadership.clone(),
-        support::events(&client, id),
-        std::future::ready(()),
-        move |stop: CancellationToken| {
-            logged(
-                who.clone(),
-                log.clone(),
-                async move { stop.cancelled().await },
-            )
-        },
-        shutdown.clone(),
-    ));
-    Replica {
+    let elections = activities
+        .iter()
+        .enumerate()
+        .map(|(shard, activity)| {
+            let settings = leader::Settings {
+                lease_name: format!("cnat-{shard}-of-2"),
+                balance: Some(balance.clone()),
+                handover: Some(leader::handover::Handover {
+                    prepare: prepare.clone(),
+                    limit: TIMING.renew_deadline,
+                }),
+                ..settings(id, 0)
+            };
+            let (who, log) = (id.to_owned(), activity.clone());
+            tokio::spawn(leader::run(
+                client.clone(),
+                settings,
+                leadership.clone(),
+                support::events(&client, id),
+                std::future::ready(()),
+                move |stop: CancellationToken| {
+                    logged(
+                        who.clone(),
+                        log.clone(),
+                        async move { stop.cancelled().await },
+                    )
+                },
+                shutdown.clone(),
+            ))
+        })
+        .collect();
+    let replica = Replica {
         id: id.into(),
         shutdown,
         partition,
         leadership,
-        task,
-    }
+        task: tokio::spawn(async {}),
+    };
+    (replica, balance, elections)
 }
 
 fn shard_holder(server: &ApiServer) -> String {
@@ -1362,4 +1385,155 @@ async fn a_holder_alone_releases_at_once() {
         stopped - asked
     );
     assert_eq!(shard_holder(&server), "");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_holder_cut_off_while_handing_over_is_replaced_at_its_expiry_not_after_the_offer() {
+    let server = ApiServer::new();
+    server.set_latency(LATENCY);
+    let activity = Arc::new(Activity::default());
+    let calls = Calls::default();
+    let a = shard_replica(
+        &server,
+        "cnat-a",
+        2,
+        (Duration::ZERO, true),
+        &calls,
+        &activity,
+    );
+    assert!(support::until(TIMING.lease_duration, || a.leadership.is_leader()).await);
+    // b takes 6 s to ready itself.
+    let b = shard_replica(
+        &server,
+        "cnat-b",
+        2,
+        (Duration::from_secs(6), true),
+        &calls,
+        &activity,
+    );
+    tokio::time::sleep(TIMING.retry_period).await;
+    a.shutdown.cancel();
+    let asking = || {
+        server
+            .get(Resource::Leases, "cnat-system", "cnat-0-of-2")
+            .is_some_and(|lease| {
+                lease["metadata"]["annotations"][leader::record::HANDING_OVER] == "cnat-a"
+            })
+    };
+    assert!(support::until(TIMING.retry_period, asking).await);
+    // a is cut off from the API server right after it asked: it never sees b's offer, stops at
+    // its renew deadline, and its Lease expires a lease duration after its last renewal.
+    a.partition.cut();
+    let renewed = last_lease_write(&server, "cnat-a");
+    assert!(
+        support::until(TIMING.lease_duration * 2, || activity.running()
+            == ["cnat-b"])
+        .await,
+        "b never led"
+    );
+    let (_, started) = activity.started_after(renewed).expect("b leads");
+    // b's offer (6 s after the ask) changed only an annotation: the expiry stays where a's
+    // renewal put it (counted from when b saw it; b re-reads every retry period).
+    assert!(
+        started <= renewed + TIMING.lease_duration + TIMING.retry_period,
+        "b led {:?} after a's last renewal",
+        started - renewed
+    );
+    let log = calls.lock().unwrap().clone();
+    let did = |what: &str| {
+        log.iter()
+            .filter(|(who, w, _)| who == "cnat-b" && *w == what)
+            .count()
+    };
+    // It led with what it readied.
+    assert_eq!(
+        (did("prepare"), did("ready"), did("discard")),
+        (1, 1, 0),
+        "{log:?}"
+    );
+    activity.assert_never_overlapped();
+    b.shutdown.cancel();
+    b.task.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shard_given_up_for_the_balance_is_handed_over_too() {
+    let server = ApiServer::new();
+    server.set_latency(LATENCY);
+    let shards = [Arc::new(Activity::default()), Arc::new(Activity::default())];
+    let calls = Calls::default();
+    // a alone leads both shards.
+    let (a, a_balance, a_elections) = sharded(
+        &server,
+        "cnat-a",
+        1,
+        (Duration::ZERO, true),
+        &calls,
+        &shards,
+    );
+    assert!(support::until(TIMING.lease_duration, || a.leadership.leading() == 2).await);
+    // b joins; a's next look counts two replicas: its share is one, and it gives one shard up.
+    let (b, _, b_elections) = sharded(
+        &server,
+        "cnat-b",
+        2,
+        (Duration::from_secs(1), true),
+        &calls,
+        &shards,
+    );
+    tokio::time::sleep(TIMING.retry_period).await;
+    assert_eq!(b.leadership.leading(), 0, "b takes no shard a holds");
+    let view = leader::balance::View {
+        replicas: 2,
+        fewest_of_others: Some(0),
+        ..Default::default()
+    };
+    a_balance.set_view(view, Instant::now());
+    assert!(
+        support::until(TIMING.retry_period * 3, || b.leadership.leading() == 1).await,
+        "b was handed no shard"
+    );
+    assert_eq!(a.leadership.leading(), 1);
+    // By a handover: b readied once, and nobody released anything.
+    let log = calls.lock().unwrap().clone();
+    assert_eq!(
+        log.iter()
+            .filter(|(w, what, _)| w == "cnat-b" && *what == "prepare")
+            .count(),
+        1,
+        "{log:?}"
+    );
+    let reasons: Vec<String> = (0..2)
+        .flat_map(|shard| server.event_reasons(&format!("cnat-{shard}-of-2")))
+        .collect();
+    let handed = support::until(Duration::from_secs(10), || {
+        (0..2).any(|shard| {
+            server
+                .event_reasons(&format!("cnat-{shard}-of-2"))
+                .iter()
+                .any(|r| r == "LeaderHandedOver")
+        })
+    });
+    assert!(handed.await, "{reasons:?}");
+    let reasons: Vec<String> = (0..2)
+        .flat_map(|shard| server.event_reasons(&format!("cnat-{shard}-of-2")))
+        .collect();
+    assert!(
+        !reasons
+            .iter()
+            .any(|r| r == "LeaderYielded" || r == "LeaderReleased"),
+        "{reasons:?}"
+    );
+    for shard in &shards {
+        shard.assert_never_overlapped();
+    }
+    // And it stays so: nobody gives a shard up at one each.
+    tokio::time::sleep(TIMING.lease_duration * 2).await;
+    assert_eq!((a.leadership.leading(), b.leadership.leading()), (1, 1));
+    for (replica, elections) in [(a, a_elections), (b, b_elections)] {
+        replica.shutdown.cancel();
+        for election in elections {
+            election.await.unwrap();
+        }
+    }
 }

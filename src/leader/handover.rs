@@ -20,7 +20,7 @@
 use super::balance::Reservation;
 use super::record::{self, Known, Next, Offer, Seen};
 use super::store::{holder_name, LeaseError, Written};
-use super::{Campaign, Elector, Leaving, Won};
+use super::{Campaign, Elector, Leaving, Why, Won};
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::runtime::watcher;
@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 /// Readies this replica to lead a Lease before it holds it.
 pub trait Prepare: Send + Sync {
@@ -69,6 +69,8 @@ pub(super) struct Readying {
     reserved: Option<Reservation>,
     task: Option<AbortOnDropHandle<bool>>,
     ready: bool,
+    /// It named itself on the Lease.
+    offered: bool,
     kept: bool,
 }
 
@@ -80,6 +82,7 @@ impl Readying {
             reserved: Some(reserved),
             task: Some(AbortOnDropHandle::new(task)),
             ready: false,
+            offered: false,
             kept: false,
         }
     }
@@ -103,20 +106,23 @@ impl Readying {
         self.task = None;
         self.ready = ready;
         if !ready {
-            // Not ready: it takes no place among the shards (it tries again when the Lease
-            // asks anew, or takes the shard as others would when it is free).
+            // Not ready: it takes no place among the shards, and nothing it readied is used
+            // (the shard is taken as others would take it when it is free).
             self.reserved = None;
+            self.prepare.discard();
         }
     }
 
-    /// The reserved place, for the take about to be tried (the balance is not asked again).
-    pub(super) fn take_reserved(&mut self) -> Option<Reservation> {
-        self.reserved.take()
+    /// It holds a place among the shards this replica leads (a take need not reserve one).
+    pub(super) fn holds_place(&self) -> bool {
+        self.reserved.is_some()
     }
 
-    /// The Lease is this replica's: what was readied is used (the leadership's work finds it).
-    pub(super) fn keep(mut self) {
+    /// The Lease is this replica's: what was readied is used (the leadership's work finds it),
+    /// and the place reserved goes to the leadership.
+    pub(super) fn keep(mut self) -> Option<Reservation> {
         self.kept = true;
+        self.reserved.take()
     }
 }
 
@@ -151,6 +157,13 @@ impl Successor {
         }
     }
 
+    /// The ready candidate `lease` names, if it is held by `me` and asks for a successor.
+    pub(super) fn named_on(lease: &Lease, me: &str) -> Option<Self> {
+        // Only the annotations and holder are read: the durations do not matter here.
+        let seen = Seen::observe(lease, None, Duration::ZERO, Instant::now());
+        Self::named(&seen, me)
+    }
+
     pub(super) fn identity(&self) -> &str {
         &self.identity
     }
@@ -164,7 +177,6 @@ pub(super) struct HandingOver {
     watch: Pin<Box<dyn Stream<Item = Result<Option<Lease>, watcher::Error>> + Send>>,
     watch_open: bool,
     me: String,
-    lease_duration: Duration,
 }
 
 impl HandingOver {
@@ -175,10 +187,7 @@ impl HandingOver {
             return std::future::pending().await;
         }
         match self.watch.next().await {
-            Some(Ok(Some(lease))) => {
-                let seen = Seen::observe(&lease, None, self.lease_duration, Instant::now());
-                Successor::named(&seen, &self.me)
-            }
+            Some(Ok(Some(lease))) => Successor::named_on(&lease, &self.me),
             Some(Ok(None) | Err(_)) => None,
             None => {
                 self.watch_open = false;
@@ -186,6 +195,19 @@ impl HandingOver {
             }
         }
     }
+}
+
+/// While handing over, a successor the Lease names ends the handover: why leading ends.
+pub(super) fn found(
+    handing_over: &mut Option<HandingOver>,
+    successor: Option<Successor>,
+) -> Option<Why> {
+    let successor = successor?;
+    let handing = handing_over.take()?;
+    Some(Why::HandOver {
+        successor,
+        then: handing.leaving,
+    })
 }
 
 impl Elector {
@@ -201,8 +223,14 @@ impl Elector {
             .balance
             .as_ref()
             .is_none_or(|balance| balance.view().replicas <= 1);
+        // Replicas of another layout compete for other Leases, and those of ours take no shard
+        // while another layout leads.
+        let foreign = self.settings.balance.as_ref().is_some_and(|balance| {
+            let view = balance.view();
+            view.another_layout_leads || view.outranked
+        });
         let outranked = matches!(&leaving, Leaving::Yielded(yielding) if yielding.outranked());
-        if alone || outranked {
+        if alone || foreign || outranked {
             return Err(leaving);
         }
         info!(lease = %self.name(), limit = ?handover.limit, "handing the lease over: reconciling on until another replica is ready to lead");
@@ -212,20 +240,26 @@ impl Elector {
             watch: Box::pin(self.leases.watch()),
             watch_open: true,
             me: self.me().to_owned(),
-            lease_duration: self.settings.timing.lease_duration,
         })
     }
 
     /// What a candidate does about a handover of the Lease: ready itself (if it may take the
     /// shard), and once ready say so (`Next::Offer`); forget what it readied when another was
     /// named or the holder went on. `None`: compete as without one.
-    pub(super) fn readying_step(&self, c: &mut Campaign, now: Instant) -> Option<Next> {
+    pub(super) fn readying_step(
+        &self,
+        c: &mut Campaign,
+        now: Instant,
+        stopping: bool,
+    ) -> Option<Next> {
         let handover = self.settings.handover.as_ref()?;
         let Known::Seen(seen) = &c.known else {
             return None;
         };
         match record::offer(seen, self.me()) {
             Offer::Open => match &c.readying {
+                // A replica stopping readies itself for nothing.
+                None if stopping => None,
                 None => {
                     let balance = self.settings.balance.as_ref()?;
                     let rescue_only = c.rescue_only_until.is_some_and(|until| now < until);
@@ -268,6 +302,9 @@ impl Elector {
         match self.leases.swap(&patch).await {
             Ok(Written::Done(lease)) => {
                 info!(lease = %self.name(), "ready to lead: asked the holder to hand the lease over");
+                if let Some(readying) = c.readying.as_mut() {
+                    readying.offered = true;
+                }
                 c.known = self.observe(Some(&lease), &mut c.last, Instant::now());
                 c.news_at = Instant::now();
                 Ok(None)
@@ -301,8 +338,7 @@ impl Elector {
                 Written::Missing => return Err(LeaseError::Gone),
                 Written::Conflict => {
                     let lease = self.leases.get().await?.ok_or(LeaseError::Gone)?;
-                    let seen = Seen::observe(&lease, None, timing.lease_duration, Instant::now());
-                    match Successor::named(&seen, self.me()) {
+                    match Successor::named_on(&lease, self.me()) {
                         Some(now_named) if now_named.identity == successor.identity => {
                             named = now_named
                         }
@@ -312,5 +348,39 @@ impl Elector {
             }
         }
         Err(LeaseError::Changed)
+    }
+}
+
+impl Elector {
+    /// A candidate that stops after it named itself on the Lease takes its name back (or, if it
+    /// was already handed the Lease, releases it), so that the holder does not hand the shard to
+    /// a replica that will never lead it. Best effort: the Lease expires otherwise.
+    pub(super) async fn withdraw(&self, c: &Campaign) {
+        if !c.readying.as_ref().is_some_and(|readying| readying.offered) {
+            return;
+        }
+        let attempt = async {
+            let Some(lease) = self.leases.get().await? else {
+                return Ok::<_, LeaseError>("the lease is gone");
+            };
+            let seen = Seen::observe(&lease, None, Duration::ZERO, Instant::now());
+            let patch = if seen.holder.as_deref() == Some(self.me()) {
+                record::release_patch(&seen.resource_version, self.settings.clock.now())
+            } else if seen.preferred_holder.as_deref() == Some(self.me()) {
+                record::unprefer_patch(&seen.resource_version)
+            } else {
+                return Ok("not named");
+            };
+            self.leases.swap(&patch).await?;
+            Ok("withdrawn")
+        };
+        match attempt.await {
+            Ok(outcome) => {
+                debug!(lease = %self.name(), outcome, "stopping: withdrew from the handover")
+            }
+            Err(error) => {
+                warn!(lease = %self.name(), %error, "stopping: could not withdraw from the handover; the lease expires instead")
+            }
+        }
     }
 }

@@ -271,10 +271,12 @@ struct Won {
 
 /// What one renewal attempt came to.
 enum Renewal {
-    /// Renewed (`true`: with the ask for a successor, `record::HANDING_OVER`).
-    Renewed(Held, bool),
-    /// A conflict, but the Lease is still ours at this newer version.
-    StillOurs(String),
+    /// Renewed (`true`: with the ask for a successor, `record::HANDING_OVER`), and the ready
+    /// successor the Lease names, if any.
+    Renewed(Held, bool, Option<handover::Successor>),
+    /// A conflict, but the Lease is still ours at this newer version (and the successor it
+    /// names: a candidate's write is a conflict for us).
+    StillOurs(String, Option<handover::Successor>),
     Gone(Option<String>),
     Failed(LeaseError),
 }
@@ -358,7 +360,9 @@ impl Elector {
         };
         loop {
             let now = Instant::now();
-            let step = match self.readying_step(&mut c, now) {
+            // A place reserved for an earlier attempt is not this one's.
+            c.reserved = None;
+            let step = match self.readying_step(&mut c, now, shutdown.is_cancelled()) {
                 Some(step) => step,
                 None => self.balanced(record::next(&c.known, self.me(), now), &mut c, now),
             };
@@ -377,17 +381,18 @@ impl Elector {
                 Next::Offer { resource_version } => self.offer(&mut c, &resource_version).await,
                 Next::Wait { until } => {
                     tokio::select! {
-                        _ = shutdown.cancelled() => return None,
+                        _ = shutdown.cancelled() => {
+                            self.withdraw(&c).await;
+                            return None;
+                        }
                         () = self.wait_for_news(&mut c, &mut watch, until) => Ok(None),
                     }
                 }
             };
             match attempt {
                 Ok(Some(mut won)) => {
-                    won.reserved = c.reserved.take();
-                    if let Some(readying) = c.readying.take() {
-                        readying.keep();
-                    }
+                    let readied = c.readying.take().and_then(handover::Readying::keep);
+                    won.reserved = c.reserved.take().or(readied);
                     return Some(won);
                 }
                 // Only a settled state (someone else holds it) ends a streak of failures: a
@@ -397,7 +402,10 @@ impl Elector {
                 Err(error) => {
                     let pause = self.failed_attempt(&mut c, &error);
                     tokio::select! {
-                        _ = shutdown.cancelled() => return None,
+                        _ = shutdown.cancelled() => {
+                            self.withdraw(&c).await;
+                            return None;
+                        }
                         _ = sleep(pause) => {}
                     }
                 }
@@ -408,19 +416,12 @@ impl Elector {
     /// `step`, unless it takes a free Lease that this replica's share of shards leaves to
     /// others for now: then waits a retry period (or for news) and decides again.
     fn balanced(&self, step: Next, c: &mut Campaign, now: Instant) -> Next {
-        // A place reserved for an earlier attempt is not this one's.
-        c.reserved = None;
         let Some(balance) = &self.settings.balance else {
             return step;
         };
         let free_for = match (&step, &c.known) {
-            // Ours already (this identity held it): no one else's to take.
+            // Ours already (handed over to us, or this identity held it): no one else's to take.
             (Next::Take { .. }, Known::Seen(seen)) if seen.holder.as_deref() == Some(self.me()) => {
-                // Handed over to us: the place reserved when readying is the leadership's.
-                c.reserved = c
-                    .readying
-                    .as_mut()
-                    .and_then(handover::Readying::take_reserved);
                 return step;
             }
             (Next::Take { .. }, Known::Seen(seen)) => {
@@ -429,13 +430,11 @@ impl Elector {
             (Next::Create, _) => now.saturating_duration_since(c.started),
             _ => return step,
         };
-        // Readied for this Lease: its place was reserved then.
-        if let Some(reserved) = c
-            .readying
-            .as_mut()
-            .and_then(handover::Readying::take_reserved)
+        // Readied for this Lease: its place was reserved then (and goes to the leadership).
+        if c.readying
+            .as_ref()
+            .is_some_and(handover::Readying::holds_place)
         {
-            c.reserved = Some(reserved);
             return step;
         }
         let rescue_only = c.rescue_only_until.is_some_and(|until| now < until);
@@ -485,7 +484,12 @@ impl Elector {
         now: Instant,
     ) -> Result<Option<Won>, LeaseError> {
         let timing = self.settings.timing;
-        let free_since = c.last.as_ref().map(Seen::free_since);
+        // Handed over to us: it was never free.
+        let free_since = c
+            .last
+            .as_ref()
+            .filter(|seen| seen.holder.as_deref() != Some(self.me()))
+            .map(Seen::free_since);
         let patch = record::take_patch(
             self.me(),
             resource_version,
@@ -658,9 +662,8 @@ impl Elector {
                 },
                 result = &mut *task => break Why::LoopEnded(format!("{result:?}")),
                 news = async { handing_over.as_mut().expect("a handover").news().await }, if handing_over.is_some() => {
-                    if let Some(successor) = news {
-                        let then = handing_over.take().expect("a handover").leaving;
-                        break Why::HandOver { successor, then };
+                    if let Some(why) = handover::found(&mut handing_over, news) {
+                        break why;
                     }
                 }
                 _ = sleep_until(until.unwrap_or(renew_at)), if until.is_some() => {
@@ -671,10 +674,13 @@ impl Elector {
                 outcome = async { renewal.as_mut().expect("a renewal").await }, if renewal.is_some() => {
                     renewal = None;
                     match outcome {
-                        Renewal::Renewed(renewed, asked) => {
+                        Renewal::Renewed(renewed, asked, successor) => {
                             renew_at = renewed.sent + timing.retry_period;
                             held = renewed;
                             self.leadership.renewed(&self.settings.lease_name);
+                            if let Some(why) = handover::found(&mut handing_over, successor) {
+                                break why;
+                            }
                             if handing_over.is_some() {
                                 // Not yet asked for a successor (a renewal sent before the
                                 // handover began): ask with the next renewal, at once.
@@ -691,9 +697,12 @@ impl Elector {
                                 }
                             }
                         }
-                        Renewal::StillOurs(version) => {
+                        Renewal::StillOurs(version, successor) => {
                             held.resource_version = version;
                             renew_at = Instant::now();
+                            if let Some(why) = handover::found(&mut handing_over, successor) {
+                                break why;
+                            }
                         }
                         Renewal::Gone(holder) => break Why::Taken(holder),
                         Renewal::Failed(error) => renew_at = self.renewal_failed(&held, &error),
@@ -763,7 +772,14 @@ impl Elector {
     async fn step_down(&self, why: Why, held: &Held) -> Ended {
         let reason = match why {
             Why::Leaving(leaving) => return self.leave(leaving, held).await,
-            Why::HandOver { successor, then } => match self.hand_over(&successor).await {
+            Why::HandOver { successor, then } => match timeout(
+                self.settings.timing.retry_period * 2,
+                self.hand_over(&successor),
+            )
+            .await
+            .unwrap_or(Err(LeaseError::Timeout(
+                self.settings.timing.retry_period * 2,
+            ))) {
                 Ok(()) => return self.handed_over(&successor, then),
                 Err(error) => {
                     warn!(lease = %self.name(), successor = %successor.identity(), %error, "could not hand the lease over; releasing it");
@@ -826,7 +842,6 @@ impl Elector {
             "handed the lease over to {}, ready to lead: {why}",
             successor.identity()
         );
-        info!(lease = %self.name(), successor = %successor.identity(), "{message}");
         self.tell(EventType::Normal, "LeaderHandedOver", &message);
         ended
     }
@@ -849,6 +864,7 @@ impl Elector {
         limit: Duration,
         handing_over: bool,
     ) -> impl Future<Output = Renewal> + Send + 'static {
+        let asking = handing_over.then(|| self.me().to_owned());
         let (leases, me, wall) = (
             self.leases.clone(),
             self.me().to_owned(),
@@ -856,17 +872,23 @@ impl Elector {
         );
         async move {
             let sent = Instant::now();
-            let patch = record::renew_patch(&version, wall, handing_over);
+            let patch = record::renew_patch(&version, wall, asking.as_deref());
             match leases
                 .swap_within(&patch, limit.max(MIN_RENEWAL_WAIT))
                 .await
             {
-                Ok(Written::Done(lease)) => Renewal::Renewed(held(&lease, sent), handing_over),
+                Ok(Written::Done(lease)) => {
+                    let successor = handover::Successor::named_on(&lease, &me);
+                    Renewal::Renewed(held(&lease, sent), handing_over, successor)
+                }
                 Ok(Written::Missing) => Renewal::Gone(None),
                 Ok(Written::Conflict) => match leases.get().await {
                     Ok(lease) => match record::reread(lease.as_ref(), &me) {
                         Reread::StillOurs { resource_version } => {
-                            Renewal::StillOurs(resource_version)
+                            let successor = lease
+                                .as_ref()
+                                .and_then(|lease| handover::Successor::named_on(lease, &me));
+                            Renewal::StillOurs(resource_version, successor)
                         }
                         Reread::Gone { holder } => Renewal::Gone(holder),
                     },

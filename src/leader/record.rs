@@ -24,10 +24,14 @@ pub struct Seen {
     pub resource_version: String,
     /// When this replica first saw this `resourceVersion`.
     pub changed_at: Instant,
-    /// The holder asked for a successor to hand the Lease over to (`HANDING_OVER`).
+    /// The holder asked for a successor to hand the Lease over to (`HANDING_OVER`, naming the
+    /// holder: one left by an earlier holder asks nothing).
     pub handing_over: bool,
     /// The replica ready to be handed the Lease (`PREFERRED_HOLDER`).
     pub preferred_holder: Option<String>,
+    /// The Lease's spec as written (holder, duration, times, transitions): only a change of it
+    /// shows its holder alive, as client-go judges (a candidate's annotation does not).
+    record: String,
 }
 
 /// Set by a holder about to give the Lease up (shutdown, or a shard given up for the balance):
@@ -64,13 +68,15 @@ pub fn offer(seen: &Seen, me: &str) -> Offer {
 }
 
 impl Seen {
-    /// The Lease as read or watched at `now`; `previous` keeps `changed_at` when nothing changed,
-    /// so re-reading an unchanged Lease never postpones its expiry.
+    /// The Lease as read or watched at `now`; `previous` keeps `changed_at` when its spec did not
+    /// change, so re-reading an unchanged Lease (or one whose annotations alone changed) never
+    /// postpones its expiry.
     pub fn observe(lease: &Lease, previous: Option<&Seen>, ours: Duration, now: Instant) -> Seen {
         let spec = lease.spec.clone().unwrap_or_default();
         let resource_version = lease.metadata.resource_version.clone().unwrap_or_default();
+        let record = serde_json::to_string(&spec).unwrap_or_default();
         let changed_at = match previous {
-            Some(p) if p.resource_version == resource_version => p.changed_at,
+            Some(p) if p.resource_version == resource_version || p.record == record => p.changed_at,
             _ => now,
         };
         let lease_duration = spec
@@ -86,14 +92,16 @@ impl Seen {
                 .filter(|value| !value.is_empty())
                 .cloned()
         };
+        let holder = spec.holder_identity.filter(|h| !h.is_empty());
         Seen {
-            holder: spec.holder_identity.filter(|h| !h.is_empty()),
+            handing_over: holder.is_some() && annotation(HANDING_OVER) == holder,
+            holder,
             lease_duration,
             transitions: spec.lease_transitions.unwrap_or(0),
             resource_version,
             changed_at,
-            handing_over: annotation(HANDING_OVER).is_some(),
             preferred_holder: annotation(PREFERRED_HOLDER),
+            record,
         }
     }
 
@@ -232,15 +240,19 @@ fn no_handover() -> Value {
     json!({ HANDING_OVER: null, PREFERRED_HOLDER: null })
 }
 
-/// Renews our Lease, on the version our last write produced; `handing_over`: asks for a
-/// successor as well (`HANDING_OVER`; it stays until the Lease changes hands).
-pub fn renew_patch(resource_version: &str, wall: jiff::Timestamp, handing_over: bool) -> Value {
+/// Renews our Lease, on the version our last write produced; `handing_over` (our identity):
+/// asks for a successor as well (`HANDING_OVER`; it stays until the Lease changes hands).
+pub fn renew_patch(
+    resource_version: &str,
+    wall: jiff::Timestamp,
+    handing_over: Option<&str>,
+) -> Value {
     let mut patch = json!({
         "metadata": { "resourceVersion": resource_version },
         "spec": { "renewTime": micro(wall) },
     });
-    if handing_over {
-        patch["metadata"]["annotations"] = json!({ HANDING_OVER: "true" });
+    if let Some(me) = handing_over {
+        patch["metadata"]["annotations"] = json!({ HANDING_OVER: me });
     }
     patch
 }
@@ -252,6 +264,16 @@ pub fn prefer_patch(resource_version: &str, me: &str) -> Value {
         "metadata": {
             "resourceVersion": resource_version,
             "annotations": { PREFERRED_HOLDER: me },
+        },
+    })
+}
+
+/// Takes back a candidate's name (`PREFERRED_HOLDER`): it stops, and will not lead.
+pub fn unprefer_patch(resource_version: &str) -> Value {
+    json!({
+        "metadata": {
+            "resourceVersion": resource_version,
+            "annotations": { PREFERRED_HOLDER: null },
         },
     })
 }
@@ -496,13 +518,13 @@ mod tests {
             })
         );
         assert_eq!(
-            renew_patch("42", wall, false),
+            renew_patch("42", wall, None),
             json!({"metadata": {"resourceVersion": "42"},
                    "spec": {"renewTime": "2026-11-22T07:33:01.500000Z"}})
         );
         assert_eq!(
-            renew_patch("42", wall, true),
-            json!({"metadata": {"resourceVersion": "42", "annotations": {HANDING_OVER: "true"}},
+            renew_patch("42", wall, Some("me")),
+            json!({"metadata": {"resourceVersion": "42", "annotations": {HANDING_OVER: "me"}},
                    "spec": {"renewTime": "2026-11-22T07:33:01.500000Z"}})
         );
         assert_eq!(
@@ -532,12 +554,29 @@ mod tests {
     fn handing_over(holder: &str, preferred: Option<&str>) -> Seen {
         let mut lease = lease(holder, 15, "9", T);
         let mut annotations =
-            std::collections::BTreeMap::from([(HANDING_OVER.to_owned(), "true".to_owned())]);
+            std::collections::BTreeMap::from([(HANDING_OVER.to_owned(), holder.to_owned())]);
         if let Some(preferred) = preferred {
             annotations.insert(PREFERRED_HOLDER.to_owned(), preferred.to_owned());
         }
         lease.metadata.annotations = Some(annotations);
         Seen::observe(&lease, None, OURS, Instant::now())
+    }
+
+    #[test]
+    fn a_change_of_annotations_alone_does_not_postpone_expiry() {
+        let t0 = Instant::now();
+        let held = lease("a", 15, "10", T);
+        let seen = Seen::observe(&held, None, OURS, t0);
+        // A candidate names itself (a new resourceVersion, the same spec): the holder may be dead.
+        let mut offered = held.clone();
+        offered.metadata.resource_version = Some("11".into());
+        offered.metadata.annotations = Some([(PREFERRED_HOLDER.to_owned(), "b".to_owned())].into());
+        let again = Seen::observe(&offered, Some(&seen), OURS, at(t0, 10.0));
+        assert_eq!(again.expires_at(), at(t0, 15.0));
+        // A renewal (a new renewTime) does.
+        let renewed = lease("a", 15, "12", "2026-11-22T07:33:03.146870Z");
+        let after = Seen::observe(&renewed, Some(&again), OURS, at(t0, 11.0));
+        assert_eq!(after.expires_at(), at(t0, 26.0));
     }
 
     #[test]
@@ -557,6 +596,12 @@ mod tests {
         let mut stale = plain.clone();
         stale.preferred_holder = Some("b".into());
         assert_eq!(offer(&stale, "b"), Offer::None);
+        // An ask left by an earlier holder asks nothing of the present one's candidates.
+        let mut lease = lease("c", 15, "10", T);
+        lease.metadata.annotations = Some([(HANDING_OVER.to_owned(), "a".to_owned())].into());
+        let earlier = Seen::observe(&lease, None, OURS, Instant::now());
+        assert!(!earlier.handing_over);
+        assert_eq!(offer(&earlier, "b"), Offer::None);
         // Empty annotations count as absent.
         let mut empty = lease("a", 15, "9", T);
         empty.metadata.annotations = Some(
