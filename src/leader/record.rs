@@ -597,9 +597,9 @@ mod tests {
         stale.preferred_holder = Some("b".into());
         assert_eq!(offer(&stale, "b"), Offer::None);
         // An ask left by an earlier holder asks nothing of the present one's candidates.
-        let mut lease = lease("c", 15, "10", T);
-        lease.metadata.annotations = Some([(HANDING_OVER.to_owned(), "a".to_owned())].into());
-        let earlier = Seen::observe(&lease, None, OURS, Instant::now());
+        let mut left = lease("c", 15, "10", T);
+        left.metadata.annotations = Some([(HANDING_OVER.to_owned(), "a".to_owned())].into());
+        let earlier = Seen::observe(&left, None, OURS, Instant::now());
         assert!(!earlier.handing_over);
         assert_eq!(offer(&earlier, "b"), Offer::None);
         // Empty annotations count as absent.
