@@ -1113,7 +1113,14 @@ fn shard_replica(
     calls: &Calls,
     activity: &Arc<Activity>,
 ) -> Replica {
-    let mut replica = sharded(server, id, replicas, readying, calls, &[activity.clone()]);
+    let mut replica = sharded(
+        server,
+        id,
+        replicas,
+        readying,
+        calls,
+        std::slice::from_ref(activity),
+    );
     replica.0.task = replica.2.remove(0);
     replica.0
 }
