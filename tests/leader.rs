@@ -1196,6 +1196,38 @@ fn sharded(
     (replica, balance, elections)
 }
 
+/// On a new API server: a leading shard 0 of 2 (readying in no time), then b (readying as
+/// `readying` says) beside it; each counts two replicas.
+async fn holder_and_candidate(
+    server: &ApiServer,
+    readying: (Duration, bool),
+) -> (Arc<Activity>, Calls, Replica, Replica) {
+    server.set_latency(LATENCY);
+    let activity = Arc::new(Activity::default());
+    let calls = Calls::default();
+    let a = shard_replica(
+        server,
+        "cnat-a",
+        2,
+        (Duration::ZERO, true),
+        &calls,
+        &activity,
+    );
+    assert!(support::until(TIMING.lease_duration, || a.leadership.is_leader()).await);
+    let b = shard_replica(server, "cnat-b", 2, readying, &calls, &activity);
+    (activity, calls, a, b)
+}
+
+/// Shard 0's Lease gets a `told` event (events wait for quiet), and never a `never` one.
+async fn assert_told(server: &ApiServer, told: &str, never: &str) {
+    let reasons = || server.event_reasons("cnat-0-of-2");
+    let came = support::until(Duration::from_secs(10), || {
+        reasons().iter().any(|r| r == told)
+    });
+    assert!(came.await, "{:?}", reasons());
+    assert!(!reasons().iter().any(|r| r == never), "{:?}", reasons());
+}
+
 fn shard_holder(server: &ApiServer) -> String {
     let lease = server
         .get(Resource::Leases, "cnat-system", "cnat-0-of-2")
@@ -1269,22 +1301,7 @@ async fn a_stopping_holder_leads_on_until_a_ready_successor_and_hands_it_the_sha
     // The other readied too, and let it go once the successor was named.
     assert_eq!(did(other, "prepare"), 1, "{log:?}");
     assert_eq!(did(other, "discard"), 1, "{log:?}");
-    let told = |reason: &str| {
-        server
-            .event_reasons("cnat-0-of-2")
-            .iter()
-            .any(|r| r == reason)
-    };
-    assert!(
-        support::until(Duration::from_secs(10), || told("LeaderHandedOver")).await,
-        "{:?}",
-        server.event_reasons("cnat-0-of-2")
-    );
-    let reasons = server.event_reasons("cnat-0-of-2");
-    assert!(
-        !reasons.iter().any(|r| r == "LeaderReleased"),
-        "{reasons:?}"
-    );
+    assert_told(&server, "LeaderHandedOver", "LeaderReleased").await;
     assert_eq!(server.unguarded_lease_writes(), 0);
     // What the handover wrote on the Lease is gone.
     let lease = server
@@ -1306,27 +1323,9 @@ async fn a_stopping_holder_leads_on_until_a_ready_successor_and_hands_it_the_sha
 #[tokio::test(start_paused = true)]
 async fn a_holder_without_a_ready_successor_releases_the_shard_after_the_limit() {
     let server = ApiServer::new();
-    server.set_latency(LATENCY);
-    let activity = Arc::new(Activity::default());
-    let calls = Calls::default();
-    let a = shard_replica(
-        &server,
-        "cnat-a",
-        2,
-        (Duration::ZERO, true),
-        &calls,
-        &activity,
-    );
-    assert!(support::until(TIMING.lease_duration, || a.leadership.is_leader()).await);
     // The candidate cannot ready itself (its list fails).
-    let b = shard_replica(
-        &server,
-        "cnat-b",
-        2,
-        (Duration::from_secs(1), false),
-        &calls,
-        &activity,
-    );
+    let (activity, calls, a, b) =
+        holder_and_candidate(&server, (Duration::from_secs(1), false)).await;
     tokio::time::sleep(TIMING.retry_period).await;
     let asked = Instant::now();
     a.shutdown.cancel();
@@ -1340,22 +1339,7 @@ async fn a_holder_without_a_ready_successor_releases_the_shard_after_the_limit()
     );
     assert!(stopped < asked + TIMING.renew_deadline + TIMING.retry_period);
     assert!(support::until(TIMING.retry_period * 2, || activity.running() == ["cnat-b"]).await);
-    let told = |reason: &str| {
-        server
-            .event_reasons("cnat-0-of-2")
-            .iter()
-            .any(|r| r == reason)
-    };
-    assert!(
-        support::until(Duration::from_secs(10), || told("LeaderReleased")).await,
-        "{:?}",
-        server.event_reasons("cnat-0-of-2")
-    );
-    let reasons = server.event_reasons("cnat-0-of-2");
-    assert!(
-        !reasons.iter().any(|r| r == "LeaderHandedOver"),
-        "{reasons:?}"
-    );
+    assert_told(&server, "LeaderReleased", "LeaderHandedOver").await;
     let log = calls.lock().unwrap().clone();
     assert_eq!(
         log.iter().filter(|(_, w, _)| *w == "prepare").count(),
@@ -1397,27 +1381,9 @@ async fn a_holder_alone_releases_at_once() {
 #[tokio::test(start_paused = true)]
 async fn a_holder_cut_off_while_handing_over_is_replaced_at_its_expiry_not_after_the_offer() {
     let server = ApiServer::new();
-    server.set_latency(LATENCY);
-    let activity = Arc::new(Activity::default());
-    let calls = Calls::default();
-    let a = shard_replica(
-        &server,
-        "cnat-a",
-        2,
-        (Duration::ZERO, true),
-        &calls,
-        &activity,
-    );
-    assert!(support::until(TIMING.lease_duration, || a.leadership.is_leader()).await);
     // b takes 6 s to ready itself.
-    let b = shard_replica(
-        &server,
-        "cnat-b",
-        2,
-        (Duration::from_secs(6), true),
-        &calls,
-        &activity,
-    );
+    let (activity, calls, a, b) =
+        holder_and_candidate(&server, (Duration::from_secs(6), true)).await;
     tokio::time::sleep(TIMING.retry_period).await;
     a.shutdown.cancel();
     let asking = || {
@@ -1543,4 +1509,41 @@ async fn a_shard_given_up_for_the_balance_is_handed_over_too() {
             election.await.unwrap();
         }
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_named_successor_that_stops_takes_its_name_back() {
+    let server = ApiServer::new();
+    let (_, _, a, b) = holder_and_candidate(&server, (Duration::from_secs(1), true)).await;
+    tokio::time::sleep(TIMING.retry_period).await;
+    let annotation = |key: &str| {
+        server
+            .get(Resource::Leases, "cnat-system", "cnat-0-of-2")
+            .and_then(|lease| {
+                lease["metadata"]["annotations"][key]
+                    .as_str()
+                    .map(str::to_owned)
+            })
+    };
+    a.shutdown.cancel();
+    assert!(
+        support::until(TIMING.retry_period, || annotation(
+            leader::record::HANDING_OVER
+        )
+        .is_some())
+        .await
+    );
+    // a cannot hand over (cut off); b readies, names itself, then stops before it leads.
+    a.partition.cut();
+    assert!(
+        support::until(TIMING.retry_period * 2, || {
+            annotation(leader::record::PREFERRED_HOLDER).as_deref() == Some("cnat-b")
+        })
+        .await
+    );
+    b.shutdown.cancel();
+    b.task.await.unwrap();
+    assert_eq!(annotation(leader::record::PREFERRED_HOLDER), None);
+    // Not handed to b, which will never lead it.
+    assert_eq!(shard_holder(&server), "cnat-a");
 }
