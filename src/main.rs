@@ -532,14 +532,16 @@ fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) 
     ));
     let (namespace, streaming) = (args.namespace.clone(), args.watch_list);
     // A holder waits at most a lease duration for a ready successor (no longer than a replica
-    // that died leaves a shard), and on shutdown leaves room in `--shutdown-timeout` for what
+    // that died leaves a shard). On shutdown it leaves room in `--shutdown-timeout` for what
     // follows: the step-down grace, the handover or the release (a read and a write or two,
-    // each within a retry period). No room: no handover.
+    // each within a retry period), and closing the servers (a retry period more). No room: a
+    // stopping replica releases its shards at once.
     let timing = elected.timing;
-    let after = timing.step_down_grace + timing.retry_period * 3;
-    let handover_limit = timing
-        .lease_duration
-        .min(args.shutdown_timeout.saturating_sub(after));
+    let after = timing.step_down_grace + timing.retry_period * 4;
+    let on_shutdown = args.shutdown_timeout.saturating_sub(after);
+    if on_shutdown.is_zero() {
+        warn!(shutdown_timeout = ?args.shutdown_timeout, needed_above = ?after, "--shutdown-timeout leaves no room to hand shards over on shutdown: a stopping replica releases them, and their next leaders list them first");
+    }
     let elections: Vec<JoinHandle<()>> = (0..shards.count())
         .map(|shard| {
             let selector = shards.selector(shard);
@@ -560,9 +562,10 @@ fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) 
                     shard,
                     shards.count(),
                 ),
-                handover: (!handover_limit.is_zero()).then(|| leader::handover::Handover {
+                handover: Some(leader::handover::Handover {
                     prepare: cache.clone(),
-                    limit: handover_limit,
+                    limit: timing.lease_duration,
+                    on_shutdown,
                 }),
                 ..base.clone()
             };

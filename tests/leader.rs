@@ -1165,6 +1165,7 @@ fn sharded(
                 handover: Some(leader::handover::Handover {
                     prepare: prepare.clone(),
                     limit: TIMING.renew_deadline,
+                    on_shutdown: TIMING.renew_deadline,
                 }),
                 ..settings(id, 0)
             };

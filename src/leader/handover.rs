@@ -51,12 +51,16 @@ pub struct Handover {
     /// The longest a holder goes on reconciling while it waits for a ready successor; then it
     /// releases the Lease.
     pub limit: Duration,
+    /// The same once the replica is shutting down (what its shutdown timeout leaves room for;
+    /// zero: it releases at once).
+    pub on_shutdown: Duration,
 }
 
 impl fmt::Debug for Handover {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Handover")
             .field("limit", &self.limit)
+            .field("on_shutdown", &self.on_shutdown)
             .finish_non_exhaustive()
     }
 }
@@ -174,12 +178,21 @@ impl Successor {
 pub(super) struct HandingOver {
     pub(super) leaving: Leaving,
     pub(super) until: Instant,
+    /// Shutting down: `until` fits the shutdown timeout.
+    pub(super) stopping: bool,
     watch: Pin<Box<dyn Stream<Item = Result<Option<Lease>, watcher::Error>> + Send>>,
     watch_open: bool,
     me: String,
 }
 
 impl HandingOver {
+    /// The replica started shutting down while it hands a shard over for the balance: the
+    /// handover ends within what the shutdown timeout leaves room for.
+    pub(super) fn stop(&mut self, on_shutdown: Duration) {
+        self.until = self.until.min(Instant::now() + on_shutdown);
+        self.stopping = true;
+    }
+
     /// The next change of the Lease: the successor it names, if any (never completes once the
     /// watch has ended).
     pub(super) async fn news(&mut self) -> Option<Successor> {
@@ -230,13 +243,20 @@ impl Elector {
             view.another_layout_leads || view.outranked
         });
         let outranked = matches!(&leaving, Leaving::Yielded(yielding) if yielding.outranked());
-        if alone || foreign || outranked {
+        let stopping = matches!(leaving, Leaving::Shutdown);
+        let limit = if stopping {
+            handover.limit.min(handover.on_shutdown)
+        } else {
+            handover.limit
+        };
+        if alone || foreign || outranked || limit.is_zero() {
             return Err(leaving);
         }
-        info!(lease = %self.name(), limit = ?handover.limit, "handing the lease over: reconciling on until another replica is ready to lead");
+        info!(lease = %self.name(), ?limit, "handing the lease over: reconciling on until another replica is ready to lead");
         Ok(HandingOver {
             leaving,
-            until: Instant::now() + handover.limit,
+            until: Instant::now() + limit,
+            stopping,
             watch: Box::pin(self.leases.watch()),
             watch_open: true,
             me: self.me().to_owned(),
@@ -269,7 +289,8 @@ impl Elector {
                     }
                     None
                 }
-                Some(readying) if readying.is_ready() => Some(Next::Offer {
+                // A replica stopping offers nothing (it would have to take it back).
+                Some(readying) if readying.is_ready() && !stopping => Some(Next::Offer {
                     resource_version: seen.resource_version.clone(),
                 }),
                 Some(_) => None,
@@ -352,27 +373,48 @@ impl Elector {
 }
 
 impl Elector {
+    /// Whether `successor` holds the Lease now (a handover whose answer was lost may have
+    /// landed).
+    pub(super) async fn handed_to(&self, successor: &Successor) -> bool {
+        match self.leases.get().await {
+            Ok(Some(lease)) => {
+                let holder = lease.spec.and_then(|spec| spec.holder_identity);
+                holder.as_deref() == Some(successor.identity())
+            }
+            _ => false,
+        }
+    }
+
     /// A candidate that stops after it named itself on the Lease takes its name back (or, if it
     /// was already handed the Lease, releases it), so that the holder does not hand the shard to
     /// a replica that will never lead it. Best effort: the Lease expires otherwise.
     pub(super) async fn withdraw(&self, c: &Campaign) {
-        if !c.readying.as_ref().is_some_and(|readying| readying.offered) {
+        // Only a candidate that readied can have named itself (an offer whose answer was lost
+        // may have landed).
+        if c.readying.is_none() {
             return;
         }
         let attempt = async {
-            let Some(lease) = self.leases.get().await? else {
-                return Ok::<_, LeaseError>("the lease is gone");
-            };
-            let seen = Seen::observe(&lease, None, Duration::ZERO, Instant::now());
-            let patch = if seen.holder.as_deref() == Some(self.me()) {
-                record::release_patch(&seen.resource_version, self.settings.clock.now())
-            } else if seen.preferred_holder.as_deref() == Some(self.me()) {
-                record::unprefer_patch(&seen.resource_version)
-            } else {
-                return Ok("not named");
-            };
-            self.leases.swap(&patch).await?;
-            Ok("withdrawn")
+            // A conflict (the holder renewed, or just handed the Lease over to us): read again.
+            for _ in 0..3 {
+                let Some(lease) = self.leases.get().await? else {
+                    return Ok::<_, LeaseError>("the lease is gone");
+                };
+                let seen = Seen::observe(&lease, None, Duration::ZERO, Instant::now());
+                let patch = if seen.holder.as_deref() == Some(self.me()) {
+                    record::release_patch(&seen.resource_version, self.settings.clock.now())
+                } else if seen.preferred_holder.as_deref() == Some(self.me()) {
+                    record::unprefer_patch(&seen.resource_version)
+                } else {
+                    return Ok("not named");
+                };
+                match self.leases.swap(&patch).await? {
+                    Written::Done(_) => return Ok("withdrawn"),
+                    Written::Missing => return Ok("the lease is gone"),
+                    Written::Conflict => {}
+                }
+            }
+            Err(LeaseError::Changed)
         };
         match attempt.await {
             Ok(outcome) => {

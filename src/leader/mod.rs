@@ -653,12 +653,16 @@ impl Elector {
             tokio::select! {
                 biased;
                 _ = sleep_until(held.deadline(timing.renew_deadline)) => break Why::Deadline,
-                _ = shutdown.cancelled(), if handing_over.is_none() => match self.begin_handover(Leaving::Shutdown) {
-                    Ok(handing) => {
-                        handing_over = Some(handing);
-                        renew_at = Instant::now();
-                    }
-                    Err(leaving) => break Why::Leaving(leaving),
+                _ = shutdown.cancelled(), if handing_over.as_ref().is_none_or(|h| !h.stopping) => match handing_over.as_mut() {
+                    // Handing a shard over for the balance: within the shutdown's room now.
+                    Some(handing) => handing.stop(self.settings.handover.as_ref().map_or(Duration::ZERO, |h| h.on_shutdown)),
+                    None => match self.begin_handover(Leaving::Shutdown) {
+                        Ok(handing) => {
+                            handing_over = Some(handing);
+                            renew_at = Instant::now();
+                        }
+                        Err(leaving) => break Why::Leaving(leaving),
+                    },
                 },
                 result = &mut *task => break Why::LoopEnded(format!("{result:?}")),
                 news = async { handing_over.as_mut().expect("a handover").news().await }, if handing_over.is_some() => {
@@ -781,6 +785,10 @@ impl Elector {
                 self.settings.timing.retry_period * 2,
             ))) {
                 Ok(()) => return self.handed_over(&successor, then),
+                // The write may have landed though its answer was lost.
+                Err(_) if self.handed_to(&successor).await => {
+                    return self.handed_over(&successor, then)
+                }
                 Err(error) => {
                     warn!(lease = %self.name(), successor = %successor.identity(), %error, "could not hand the lease over; releasing it");
                     return self.leave(then, held).await;
