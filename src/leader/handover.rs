@@ -370,19 +370,16 @@ impl Elector {
         }
         Err(LeaseError::Changed)
     }
-}
 
-impl Elector {
     /// Whether `successor` holds the Lease now (a handover whose answer was lost may have
     /// landed).
     pub(super) async fn handed_to(&self, successor: &Successor) -> bool {
-        match self.leases.get().await {
-            Ok(Some(lease)) => {
-                let holder = lease.spec.and_then(|spec| spec.holder_identity);
-                holder.as_deref() == Some(successor.identity())
-            }
-            _ => false,
-        }
+        self.leases.get().await.is_ok_and(|lease| {
+            matches!(
+                record::reread(lease.as_ref(), successor.identity()),
+                record::Reread::StillOurs { .. }
+            )
+        })
     }
 
     /// A candidate that stops after it named itself on the Lease takes its name back (or, if it
