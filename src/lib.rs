@@ -14,6 +14,7 @@ pub mod cli;
 pub mod conversion;
 pub mod kubectl_at;
 pub mod leader;
+pub mod leading;
 pub mod limits;
 pub mod observability;
 pub mod operator;

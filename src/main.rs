@@ -10,11 +10,10 @@ use cnat::cli::{
 };
 use cnat::leader::{self, Leadership};
 use cnat::observability::metrics::Metrics;
-use cnat::operator::events::EventSink;
+use cnat::leading::Election;
 use cnat::serving::admin::{self, Health};
 use cnat::serving::tls::{self, CertFiles};
 use cnat::{admission::webhook, api, observability::telemetry, operator::controller};
-use kube::runtime::events::Reporter;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -342,16 +341,26 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), R
             }
         }
     };
-    let elected = Elected {
+    let election = Election {
+        lease_namespace: lease_namespace(&args, &client),
+        lease_name: args.lease_name.clone(),
         client,
         identity,
         timing,
         leadership,
         metrics,
+        controller: controller::Settings {
+            namespace: args.namespace.clone(),
+            selector: None,
+            concurrency: args.concurrency,
+            policy: args.policy(),
+        },
+        streaming: args.watch_list,
+        shutdown_timeout: args.shutdown_timeout,
     };
     let election = match cache {
-        Some(cache) => elect(&args, elected, cache, &shutdown),
-        None => elect_shards(&args, elected, &shutdown),
+        Some(cache) => election.run(cache, &shutdown),
+        None => election.run_shards(args.shards, &shutdown),
     };
     info!(admin = %admin_addr, exporting_traces = exporting, "cnat started");
     let failed = tokio::select! {
@@ -422,285 +431,17 @@ async fn start_servers(
     Ok((serving, admin_addr))
 }
 
-/// What an election (of the one Lease, or of each shard's) is run with.
-struct Elected {
-    client: kube::Client,
-    identity: String,
-    timing: leader::Timing,
-    leadership: Arc<Leadership>,
-    metrics: Arc<Metrics>,
-}
-
-impl Elected {
-    /// The election's settings for the Lease `--lease-name` (`balance`: with shards), and the
-    /// replica's event queue.
-    fn settings(
-        &self,
-        args: &RunArgs,
-        balance: Option<Arc<leader::balance::Balance>>,
-    ) -> (leader::Settings, EventSink) {
-        let namespace = args
-            .lease_namespace
-            .clone()
-            .or_else(|| {
-                std::env::var("POD_NAMESPACE")
-                    .ok()
-                    .filter(|ns| !ns.is_empty())
-            })
-            .unwrap_or_else(|| self.client.default_namespace().to_owned());
-        let reporter = Reporter {
-            controller: "cnat".into(),
-            instance: Some(self.identity.clone()),
-        };
-        let events = EventSink::start(self.client.clone(), reporter);
-        let settings = leader::Settings {
-            lease_name: args.lease_name.clone(),
-            namespace,
-            identity: self.identity.clone(),
-            timing: self.timing,
-            clock: leader::WallClock::system(),
-            balance,
-            handover: None,
-        };
-        (settings, events)
-    }
-}
-
-/// The reconcile loop's settings for the Ats `selector` selects (`None`: every At).
-fn controller_settings(args: &RunArgs, selector: Option<String>) -> controller::Settings {
-    controller::Settings {
-        namespace: args.namespace.clone(),
-        selector,
-        concurrency: args.concurrency,
-        policy: args.policy(),
-    }
-}
-
-/// Competes for the Lease; while this replica holds it, it reconciles.
-fn elect(
-    args: &RunArgs,
-    elected: Elected,
-    cache: cnat::operator::cache::AtCache,
-    shutdown: &CancellationToken,
-) -> JoinHandle<()> {
-    let (election_settings, events) = elected.settings(args, None);
-    let Elected {
-        client,
-        leadership,
-        metrics,
-        ..
-    } = elected;
-    let controller_settings = controller_settings(args, None);
-    let (work_client, work_events) = (client.clone(), events.clone());
-    let listed = cache.listed();
-    tokio::spawn(leader::run(
-        client,
-        election_settings,
-        leadership,
-        events,
-        listed,
-        move |stop| {
-            controller::run_with_cache(
-                cache.clone(),
-                work_client.clone(),
-                controller_settings.clone(),
-                work_events.clone(),
-                metrics.clone(),
-                stop,
-            )
-        },
-        shutdown.clone(),
-    ))
-}
-
-/// Competes for each shard's Lease (`--shards`), keeping to this replica's share of them; while
-/// it holds one, it caches that shard's Ats and reconciles them.
-fn elect_shards(args: &RunArgs, elected: Elected, shutdown: &CancellationToken) -> JoinHandle<()> {
-    let shards = args.shards;
-    let balance = Arc::new(leader::balance::Balance::new(
-        shards.count(),
-        elected.leadership.clone(),
-        elected.timing.lease_duration,
-    ));
-    let (base, events) = elected.settings(args, Some(balance.clone()));
-    let members = tokio::spawn(leader::members::run(
-        elected.client.clone(),
-        base.clone(),
-        shards.count(),
-        balance.clone(),
-        shutdown.clone(),
-    ));
-    let (namespace, streaming) = (args.namespace.clone(), args.watch_list);
-    // A holder waits at most a lease duration for a ready successor (no longer than a replica
-    // that died leaves a shard). On shutdown it leaves room in `--shutdown-timeout` for what
-    // follows: the step-down grace, the handover or the release (a read and a write or two,
-    // each within a retry period), and closing the servers (a retry period more). No room: a
-    // stopping replica releases its shards at once.
-    let timing = elected.timing;
-    let after = timing.step_down_grace + timing.retry_period * 4;
-    let on_shutdown = args.shutdown_timeout.saturating_sub(after);
-    if on_shutdown.is_zero() {
-        warn!(shutdown_timeout = ?args.shutdown_timeout, needed_above = ?after, "--shutdown-timeout leaves no room to hand shards over on shutdown: a stopping replica releases them, and their next leaders list them first");
-    }
-    let elections: Vec<JoinHandle<()>> = (0..shards.count())
-        .map(|shard| {
-            let selector = shards.selector(shard);
-            let cache = Arc::new(ShardCache {
-                client: elected.client.clone(),
-                namespace: namespace.clone(),
-                selector: selector.clone(),
-                streaming,
-                // Shared by each leadership of the shard: an At whose handling panicked stays
-                // skipped when the shard is led again (each time with a new cache).
-                quarantine: Arc::default(),
-                list_limit: elected.timing.lease_duration * LIST_LEASES,
-                readied: std::sync::Mutex::default(),
-            });
-            let settings = leader::Settings {
-                lease_name: leader::members::shard_lease_name(
-                    &base.lease_name,
-                    shard,
-                    shards.count(),
-                ),
-                handover: Some(leader::handover::Handover {
-                    prepare: cache.clone(),
-                    limit: timing.lease_duration,
-                    on_shutdown,
-                }),
-                ..base.clone()
-            };
-            let controller_settings = controller_settings(args, selector);
-            let (client, work_events, metrics) = (
-                elected.client.clone(),
-                events.clone(),
-                elected.metrics.clone(),
-            );
-            let work = move |stop: CancellationToken| {
-                let (client, settings, events, metrics) = (
-                    client.clone(),
-                    controller_settings.clone(),
-                    work_events.clone(),
-                    metrics.clone(),
-                );
-                let cache = cache.clone();
-                async move { lead_shard(&cache, client, settings, events, metrics, stop).await }
-            };
-            // Competes once the replicas were counted (or a lease duration passed, and the
-            // Leases were looked at once at least), so that a replica that starts first does not
-            // take every shard to give most back, nor one that never saw the Leases take any.
-            let able = {
-                let (counted, looked) = (balance.counted(), balance.looked());
-                let wait = elected.timing.lease_duration;
-                async move {
-                    if timeout(wait, counted).await.is_err() {
-                        looked.await;
-                    }
-                }
-            };
-            tokio::spawn(leader::run(
-                elected.client.clone(),
-                settings,
-                elected.leadership.clone(),
-                events.clone(),
-                able,
-                work,
-                shutdown.clone(),
-            ))
+/// The Lease's namespace: `--lease-namespace`, else this pod's (downward API), else the
+/// client's default.
+fn lease_namespace(args: &RunArgs, client: &kube::Client) -> String {
+    args.lease_namespace
+        .clone()
+        .or_else(|| {
+            std::env::var("POD_NAMESPACE")
+                .ok()
+                .filter(|ns| !ns.is_empty())
         })
-        .collect();
-    tokio::spawn(async move {
-        for election in elections {
-            let _ = election.await;
-        }
-        let _ = members.await;
-    })
-}
-
-/// A led shard's cache lists its Ats within this many lease durations, or the shard is given
-/// up (a shard held by a replica whose list keeps failing would run nothing, unseen).
-const LIST_LEASES: u32 = 8;
-
-/// One shard's At cache: a leadership of the shard lists it anew, unless the shard was handed
-/// over to this replica, which listed it while the holder still led (`readied`).
-struct ShardCache {
-    client: kube::Client,
-    namespace: Option<String>,
-    selector: Option<String>,
-    streaming: bool,
-    quarantine: Arc<cnat::operator::contain::Quarantine>,
-    /// How long a list may take (readying, or leading).
-    list_limit: Duration,
-    /// Listed (or listing) for a handover of the shard to this replica.
-    readied: std::sync::Mutex<Option<cnat::operator::cache::AtCache>>,
-}
-
-impl ShardCache {
-    fn readied(&self) -> std::sync::MutexGuard<'_, Option<cnat::operator::cache::AtCache>> {
-        self.readied.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn start(&self) -> cnat::operator::cache::AtCache {
-        cnat::operator::cache::AtCache::start_selected(
-            &self.client,
-            self.namespace.as_deref(),
-            self.selector.clone(),
-            self.streaming,
-        )
-        .with_quarantine(self.quarantine.clone())
-    }
-
-    /// The cache a leadership of the shard uses: the one readied for it, or a new one.
-    fn lead(&self) -> cnat::operator::cache::AtCache {
-        let readied = self.readied().take();
-        readied.unwrap_or_else(|| self.start())
-    }
-}
-
-impl leader::handover::Prepare for ShardCache {
-    fn prepare(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send>> {
-        let cache = self.readied().get_or_insert_with(|| self.start()).clone();
-        let limit = self.list_limit;
-        Box::pin(async move {
-            tokio::select! {
-                _ = cache.listed() => true,
-                _ = cache.stopped() => false,
-                _ = tokio::time::sleep(limit) => false,
-            }
-        })
-    }
-
-    fn discard(&self) {
-        self.readied().take();
-    }
-}
-
-/// Leads one shard: lists its Ats (unless they were listed for a handover), then reconciles
-/// them until `stop`; ends early (so the Lease is released and competed for again) if the list
-/// does not complete within the list limit, or the cache stops following the Ats.
-async fn lead_shard(
-    shard: &ShardCache,
-    client: kube::Client,
-    settings: controller::Settings,
-    events: EventSink,
-    metrics: Arc<Metrics>,
-    stop: CancellationToken,
-) {
-    let cache = shard.lead();
-    tokio::select! {
-        _ = stop.cancelled() => return,
-        _ = cache.stopped() => return,
-        _ = tokio::time::sleep(shard.list_limit) => {
-            let progress = cache.readiness().err().map(|e| e.to_string()).unwrap_or_default();
-            warn!(selector = settings.selector.as_deref().unwrap_or_default(), limit = ?shard.list_limit, %progress, "the shard's Ats were not listed in time; giving the shard up");
-            return;
-        }
-        _ = cache.listed() => {}
-    }
-    let stopped = cache.stopped();
-    tokio::select! {
-        _ = controller::run_with_cache(cache, client, settings, events, metrics, stop) => {}
-        _ = stopped => error!("the At cache of a shard stopped following its Ats (its task panicked); giving the shard up"),
-    }
+        .unwrap_or_else(|| client.default_namespace().to_owned())
 }
 
 /// Not ready at once; then: stop reconciling and release the Lease, so another replica takes

@@ -1548,3 +1548,57 @@ async fn a_named_successor_that_stops_takes_its_name_back() {
     // Not handed to b, which will never lead it.
     assert_eq!(shard_holder(&server), "cnat-a");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_holder_whose_other_replicas_all_left_releases_without_waiting_out_the_limit() {
+    let server = ApiServer::new();
+    server.set_latency(LATENCY);
+    let activity = Arc::new(Activity::default());
+    let calls = Calls::default();
+    let (mut a, balance, mut elections) = sharded(
+        &server,
+        "cnat-a",
+        2,
+        (Duration::ZERO, true),
+        &calls,
+        std::slice::from_ref(&activity),
+    );
+    a.task = elections.remove(0);
+    assert!(support::until(TIMING.lease_duration, || a.leadership.is_leader()).await);
+    // b would list for longer than the handover's limit.
+    let b = shard_replica(
+        &server,
+        "cnat-b",
+        2,
+        (TIMING.lease_duration * 4, true),
+        &calls,
+        &activity,
+    );
+    tokio::time::sleep(TIMING.retry_period).await;
+    // Every replica stops at once (helm uninstall): a hands over, b readies for nothing.
+    a.shutdown.cancel();
+    b.shutdown.cancel();
+    b.task.await.unwrap();
+    tokio::time::sleep(TIMING.retry_period).await;
+    assert_eq!(activity.running(), ["cnat-a"], "a leads on, handing over");
+    // a's membership loop, looking on after its shutdown, finds b's membership Lease gone.
+    let left = Instant::now();
+    balance.set_view(
+        leader::balance::View {
+            replicas: 1,
+            ..Default::default()
+        },
+        left,
+    );
+    a.task.await.unwrap();
+    let stopped = activity.ended("cnat-a").expect("a stopped");
+    // At its next renewal (a retry period at most) and the step-down grace, not the limit.
+    assert!(
+        stopped - left <= TIMING.retry_period + TIMING.step_down_grace,
+        "{:?}",
+        stopped - left
+    );
+    assert_eq!(shard_holder(&server), "");
+    assert_told(&server, "LeaderReleased", "LeaderHandedOver").await;
+    activity.assert_never_overlapped();
+}

@@ -231,17 +231,6 @@ impl Elector {
         let Some(handover) = &self.settings.handover else {
             return Err(leaving);
         };
-        let alone = self
-            .settings
-            .balance
-            .as_ref()
-            .is_none_or(|balance| balance.view().replicas <= 1);
-        // Replicas of another layout compete for other Leases, and those of ours take no shard
-        // while another layout leads.
-        let foreign = self.settings.balance.as_ref().is_some_and(|balance| {
-            let view = balance.view();
-            view.another_layout_leads || view.outranked
-        });
         let outranked = matches!(&leaving, Leaving::Yielded(yielding) if yielding.outranked());
         let stopping = matches!(leaving, Leaving::Shutdown);
         let limit = if stopping {
@@ -249,7 +238,7 @@ impl Elector {
         } else {
             handover.limit
         };
-        if alone || foreign || outranked || limit.is_zero() {
+        if self.no_successor() || outranked || limit.is_zero() {
             return Err(leaving);
         }
         info!(lease = %self.name(), ?limit, "handing the lease over: reconciling on until another replica is ready to lead");
@@ -260,6 +249,16 @@ impl Elector {
             watch: Box::pin(self.leases.watch()),
             watch_open: true,
             me: self.me().to_owned(),
+        })
+    }
+
+    /// No replica can take the Lease over: this one is alone among the replicas it counts
+    /// (every other one left, on `helm uninstall` say), or another layout leads (its replicas
+    /// compete for other Leases, and those of ours take no shard meanwhile).
+    pub(super) fn no_successor(&self) -> bool {
+        self.settings.balance.as_ref().is_none_or(|balance| {
+            let view = balance.view();
+            view.replicas <= 1 || view.another_layout_leads || view.outranked
         })
     }
 

@@ -7,7 +7,8 @@
 //!
 //! A Lease is live while it changes (its resourceVersion) within a lease duration of this
 //! replica's own clock, as the election judges the shards' Leases: clock skew between nodes
-//! does not matter. A replica that shuts down deletes its membership Lease; one that died is
+//! does not matter. A replica that shuts down deletes its membership Lease at once (and goes on
+//! looking until its shards are given up); one that died is
 //! counted until its Lease has been still for a lease duration, and the Lease is deleted (with
 //! its version as a precondition) once it has been still for `FORGET_AFTER` lease durations.
 
@@ -234,14 +235,17 @@ fn membership(settings: &Settings, name: &str, shards: usize, wall: jiff::Timest
 }
 
 /// Renews this replica's membership Lease and tells `balance` what the election's Leases say,
-/// every retry period until `shutdown`; then deletes its membership Lease. `settings` names
-/// the election (`lease_name`), not a shard.
+/// every retry period until `shutdown`; then deletes its membership Lease, and goes on telling
+/// `balance` what the Leases say (a holder handing a shard over on shutdown learns that every
+/// other replica left too) until `over`. `settings` names the election (`lease_name`), not a
+/// shard.
 pub async fn run(
     client: Client,
     settings: Settings,
     shards: usize,
     balance: Arc<Balance>,
     shutdown: CancellationToken,
+    over: CancellationToken,
 ) {
     let api: Api<Lease> = Api::namespaced(client, &settings.namespace);
     let timing = settings.timing;
@@ -254,10 +258,15 @@ pub async fn run(
     let mut looked_at: Option<Instant> = None;
     let mut tick = interval(timing.retry_period);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut left = false;
     info!(lease = %name, shards, "a member of the shards' election");
     loop {
         tokio::select! {
-            _ = shutdown.cancelled() => break,
+            _ = over.cancelled() => break,
+            _ = shutdown.cancelled(), if !left => {
+                leave(&api, &name, timing.retry_period).await;
+                left = true;
+            }
             _ = tick.tick() => {}
             // An election refused a free shard: look again now, not a retry period on, at most
             // four times a retry period.
@@ -271,11 +280,17 @@ pub async fn run(
         let sent = Instant::now();
         looked_at = Some(sent);
         let lease = membership(&settings, &name, shards, settings.clock.now());
-        let renewed = within(
-            timing.retry_period,
-            api.patch(&name, &apply, &Patch::Apply(&lease)),
-        )
-        .await;
+        let renewed = match left {
+            // Gone from the election: only looking.
+            true => Ok(lease),
+            false => {
+                within(
+                    timing.retry_period,
+                    api.patch(&name, &apply, &Patch::Apply(&lease)),
+                )
+                .await
+            }
+        };
         let listed = match renewed {
             Ok(_) => within(timing.retry_period, api.list(&ListParams::default())).await,
             Err(error) => Err(error),
@@ -328,16 +343,21 @@ pub async fn run(
             let is_member = matches!(role(election, lease), Role::Member { .. });
             is_member.then_some(lease.metadata.name.as_deref()?)
         });
+        if left {
+            continue;
+        }
         for (gone, version) in observed.forgotten(members, now, timing.lease_duration) {
             forget(&api, &gone, version, timing.retry_period).await;
         }
     }
-    let deleted = within(
-        timing.retry_period,
-        api.delete(&name, &DeleteParams::default()),
-    )
-    .await;
-    match deleted {
+    if !left {
+        leave(&api, &name, timing.retry_period).await;
+    }
+}
+
+/// Deletes this replica's membership Lease: the others count it gone at once.
+async fn leave(api: &Api<Lease>, name: &str, limit: Duration) {
+    match within(limit, api.delete(name, &DeleteParams::default())).await {
         Ok(_) => info!(lease = %name, "left the shards' election"),
         Err(error) => {
             warn!(lease = %name, %error, "could not delete the membership Lease; the others forget it")

@@ -685,7 +685,11 @@ impl Elector {
                             if let Some(why) = handover::found(&mut handing_over, successor) {
                                 break why;
                             }
-                            if handing_over.is_some() {
+                            if handing_over.is_some() && self.no_successor() {
+                                let handing = handing_over.take().expect("a handover");
+                                info!(lease = %self.name(), "no other replica is left to take the lease over; releasing it");
+                                break Why::Leaving(handing.leaving);
+                            } else if handing_over.is_some() {
                                 // Not yet asked for a successor (a renewal sent before the
                                 // handover began): ask with the next renewal, at once.
                                 if !asked {
