@@ -827,16 +827,21 @@ pub async fn wait_ready(replica: &envtest::Replica, timeout: Duration) {
 pub async fn watch_statuses(ats: Api<At>, n: usize) {
     let mut with_status = std::collections::HashSet::new();
     // From the API server's watch cache (any version): a list of 300,000 in pages from etcd
-    // outlives its continue token (410 Expired) while the replicas write.
+    // outlives its continue token (410 Expired) while the replicas write. Still, a watch that
+    // falls behind is ended by the server and its relist may be paged from etcd: an error
+    // only restarts the watcher (after a backoff), which lists again.
     let config = watcher::Config::default().any_semantic();
-    let stream = watcher(ats, config).applied_objects();
+    let stream = watcher(ats, config).default_backoff().applied_objects();
     futures::pin_mut!(stream);
     while with_status.len() < n {
-        let Some(at) = stream.try_next().await.unwrap() else {
-            break;
-        };
-        if at.status.is_some() {
-            with_status.insert(at.metadata.name.unwrap_or_default());
+        match stream.next().await {
+            None => break,
+            Some(Ok(at)) => {
+                if at.status.is_some() {
+                    with_status.insert(at.metadata.name.unwrap_or_default());
+                }
+            }
+            Some(Err(error)) => eprintln!("the At watch failed, listing again: {error}"),
         }
     }
 }
