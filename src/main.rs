@@ -9,8 +9,8 @@ use cnat::cli::{
     SmokeTestArgs,
 };
 use cnat::leader::{self, Leadership};
-use cnat::observability::metrics::Metrics;
 use cnat::leading::Election;
+use cnat::observability::metrics::Metrics;
 use cnat::serving::admin::{self, Health};
 use cnat::serving::tls::{self, CertFiles};
 use cnat::{admission::webhook, api, observability::telemetry, operator::controller};

@@ -397,6 +397,19 @@ async fn a_change_of_layout_hands_over_without_two_layouts_leading() {
     p.terminate();
     q.terminate();
     settle_layout(&admin, &lease_ns, 3, &[&r, &s]).await;
+    // Both stopped at once: each released its shards once it saw the other's membership Lease
+    // gone, without waiting out its handover's limit for a successor.
+    let released = |r: &Replica| {
+        r.log_text()
+            .matches("no other replica is left to take the lease over")
+            .count()
+    };
+    assert!(
+        released(&p) + released(&q) >= 1,
+        "{}\n{}",
+        p.log_text(),
+        q.log_text()
+    );
     run("four", &[&r, &s]).await;
 
     // Three shards to one Lease: the new replica takes it at once, the sharded ones give
