@@ -257,7 +257,9 @@ impl ShardCache {
     /// The cache a leadership of the shard uses (the one readied for it, or a new one), and
     /// the instant its list must be done by.
     fn lead(&self) -> (AtCache, Instant) {
-        let readied = self.readied().take().unwrap_or_else(|| self.start());
+        // Not started under the lock.
+        let readied = self.readied().take();
+        let readied = readied.unwrap_or_else(|| self.start());
         (readied.cache, readied.since + self.list_limit)
     }
 }
@@ -273,8 +275,8 @@ impl leader::handover::Prepare for ShardCache {
             // Listed wins over a limit passed meanwhile.
             tokio::select! {
                 biased;
-                _ = cache.listed() => true,
                 _ = cache.stopped() => false,
+                _ = cache.listed() => true,
                 _ = sleep_until(by) => false,
             }
         })
@@ -305,7 +307,7 @@ async fn lead_shard(
         _ = cache.listed() => {}
         _ = sleep_until(by) => {
             let progress = cache.readiness().err().map(|e| e.to_string()).unwrap_or_default();
-            warn!(selector = settings.selector.as_deref().unwrap_or_default(), limit = ?shard.list_limit, %progress, "the shard's Ats were not listed in time; giving the shard up");
+            warn!(selector = settings.selector.as_deref().unwrap_or_default(), limit = ?shard.list_limit, %progress, "the shard's Ats were not listed within the limit from the list's start; giving the shard up");
             return;
         }
     }

@@ -12,8 +12,9 @@
 //!    and writes the named candidate as the holder (a compare-and-swap on the version that named
 //!    it). The successor, watching the Lease, sees itself named and leads at once.
 //!
-//! A holder that finds no successor within `Handover::limit` (no other replica, or none may take
-//! the shard) releases the Lease as before; so does one whose handover write fails. Only one
+//! A holder that finds no successor within `Handover::limit` (none may take the shard)
+//! releases the Lease as before; so does one whose handover write fails, and one that learns
+//! meanwhile that no other replica is left (`Elector::no_successor`), at once. Only one
 //! replica reconciles at any instant: the holder stops before it names its successor, and the
 //! successor starts only once named.
 

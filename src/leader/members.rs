@@ -8,9 +8,9 @@
 //! A Lease is live while it changes (its resourceVersion) within a lease duration of this
 //! replica's own clock, as the election judges the shards' Leases: clock skew between nodes
 //! does not matter. A replica that shuts down deletes its membership Lease at once (and goes on
-//! looking until its shards are given up); one that died is
-//! counted until its Lease has been still for a lease duration, and the Lease is deleted (with
-//! its version as a precondition) once it has been still for `FORGET_AFTER` lease durations.
+//! looking until its shards are given up); one that died is counted until its Lease has been
+//! still for a lease duration, and the Lease is deleted (with its version as a precondition)
+//! once it has been still for `FORGET_AFTER` lease durations.
 
 use super::balance::{Balance, View};
 use super::store::{within, LeaseError};
@@ -292,7 +292,11 @@ pub async fn run(
             }
         };
         let listed = match renewed {
-            Ok(_) => within(timing.retry_period, api.list(&ListParams::default())).await,
+            // Once gone from the election, a list in flight does not hold up the shutdown.
+            Ok(_) => tokio::select! {
+                listed = within(timing.retry_period, api.list(&ListParams::default())) => listed,
+                _ = over.cancelled(), if left => break,
+            },
             Err(error) => Err(error),
         };
         let leases = match listed {

@@ -637,7 +637,8 @@ impl Elector {
 
     /// Renews the Lease every retry period while it is held; returns why holding it ended and
     /// the last tenure. On shutdown or a shard given up, with a handover (`handover`), it goes on
-    /// leading until a successor is ready (or the handover's limit).
+    /// leading until a successor is ready (or the handover's limit, or no other replica is left
+    /// to take it).
     async fn hold(
         &self,
         mut held: Held,
