@@ -259,6 +259,7 @@ pub async fn run(
     let mut tick = interval(timing.retry_period);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut left = false;
+    let every = ListParams::default();
     info!(lease = %name, shards, "a member of the shards' election");
     loop {
         tokio::select! {
@@ -294,7 +295,7 @@ pub async fn run(
         let listed = match renewed {
             // Once gone from the election, a list in flight does not hold up the shutdown.
             Ok(_) => tokio::select! {
-                listed = within(timing.retry_period, api.list(&ListParams::default())) => listed,
+                listed = within(timing.retry_period, api.list(&every)) => listed,
                 _ = over.cancelled(), if left => break,
             },
             Err(error) => Err(error),
