@@ -280,16 +280,17 @@ pub async fn run(
         }
         let sent = Instant::now();
         looked_at = Some(sent);
-        let lease = membership(&settings, &name, shards, settings.clock.now());
+        // Gone from the election: only looking.
         let renewed = match left {
-            // Gone from the election: only looking.
-            true => Ok(lease),
+            true => Ok(()),
             false => {
+                let lease = membership(&settings, &name, shards, settings.clock.now());
                 within(
                     timing.retry_period,
                     api.patch(&name, &apply, &Patch::Apply(&lease)),
                 )
                 .await
+                .map(drop)
             }
         };
         let listed = match renewed {
