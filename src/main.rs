@@ -398,11 +398,6 @@ async fn start_servers(
     ));
     let draining = cnat::serving::drain::Draining::default();
     let webhooks = if args.webhooks {
-        // Off the runtime's threads, before the server listens.
-        if let Err(error) = tokio::task::spawn_blocking(cnat::admission::validation::warm_up).await
-        {
-            warn!(%error, "warming up the admission rules failed; the first admission builds them");
-        }
         let reviewer = args.access_review().map(|settings| {
             Arc::new(AccessReviewer::new(
                 client.clone(),

@@ -4,10 +4,11 @@
 use crate::api::{At, AtSpec, Phase};
 use crate::{operator::pod, schedule};
 use kube::{Resource, ResourceExt};
-use oci_spec::distribution::Reference;
-use std::str::FromStr;
 
+mod image;
 mod pod_settings;
+
+use image::image_problem;
 
 /// Characters that `generateName` adds to a prefix.
 const GENERATED_SUFFIX: &str = "xxxxx";
@@ -103,63 +104,6 @@ fn name_problem(at: &At) -> Option<String> {
         })
 }
 
-/// Builds the image reference grammar (a regex `oci-spec` compiles on first use: 90-105 ms
-/// measured) so that the first admission does not wait for it; with 16 connections, that wait
-/// held every request of the first round.
-pub fn warm_up() {
-    let _ = image_problem(crate::api::DEFAULT_IMAGE);
-}
-
-fn image_problem(image: &str) -> Option<String> {
-    let fix = "expected e.g. busybox, busybox:1.36 or registry.example.com/team/tools@sha256:<64 hex digits>";
-    if image.trim().is_empty() {
-        return Some(format!(
-            "spec.template.image: {image:?} is empty; remove the field to use busybox ({fix})"
-        ));
-    }
-    if image.trim() != image {
-        return Some(format!(
-            "spec.template.image: {image:?} has surrounding whitespace; remove it"
-        ));
-    }
-    valid_reference(image).err().map(|err| {
-        format!("spec.template.image: {image:?} is not a valid image reference: {err} ({fix})")
-    })
-}
-
-/// How many image references each thread remembers as valid (see `valid_reference`).
-const REMEMBERED_IMAGES: usize = 1024;
-/// The longest reference remembered. The grammar bounds a repository path (255) and a tag
-/// (128) but not a registry's host name, so a valid reference can be megabytes long.
-const REMEMBERED_LENGTH: usize = 512;
-
-thread_local! {
-    static VALID_IMAGES: std::cell::RefCell<std::collections::HashSet<Box<str>>> =
-        std::cell::RefCell::default();
-}
-
-/// Whether `image` is a valid reference, by `oci-spec`'s grammar. The grammar is a regex (4% of
-/// a validating review's CPU in the webhook bench's profile), while Ats name few images: a reference
-/// found valid is remembered (per thread, up to `REMEMBERED_IMAGES` of at most
-/// `REMEMBERED_LENGTH` bytes, then forgotten all at once); an invalid one is parsed every time,
-/// for its message.
-fn valid_reference(image: &str) -> Result<(), oci_spec::distribution::ParseError> {
-    if VALID_IMAGES.with_borrow(|known| known.contains(image)) {
-        return Ok(());
-    }
-    Reference::from_str(image)?;
-    if image.len() > REMEMBERED_LENGTH {
-        return Ok(());
-    }
-    VALID_IMAGES.with_borrow_mut(|known| {
-        if known.len() >= REMEMBERED_IMAGES {
-            known.clear();
-        }
-        known.insert(image.into());
-    });
-    Ok(())
-}
-
 fn immutability_problem(at: &At, old: &At) -> Option<String> {
     let phase = phase(old).filter(|p| *p != Phase::Pending)?;
     (at.spec != old.spec).then(|| {
@@ -204,35 +148,6 @@ mod tests {
     }
 
     #[test]
-    fn valid_images_are_remembered_up_to_a_bound_and_invalid_ones_never() {
-        let remembered = |image: &str| VALID_IMAGES.with_borrow(|known| known.contains(image));
-        assert_eq!(image_problem("registry.example/tools:1.2"), None);
-        assert!(remembered("registry.example/tools:1.2"));
-        // Asked again, the same answer (now from memory).
-        assert_eq!(image_problem("registry.example/tools:1.2"), None);
-        let bad = "Busybox:latest";
-        for _ in 0..2 {
-            let problem = image_problem(bad).expect("upper case is not a valid repository");
-            assert!(
-                problem.starts_with(
-                    "spec.template.image: \"Busybox:latest\" is not a valid image reference: "
-                ),
-                "{problem}"
-            );
-        }
-        assert!(!remembered(bad));
-        for i in 0..REMEMBERED_IMAGES + 10 {
-            assert_eq!(image_problem(&format!("busybox:{i}")), None);
-            assert!(VALID_IMAGES.with_borrow(|known| known.len()) <= REMEMBERED_IMAGES);
-        }
-        assert!(remembered(&format!("busybox:{}", REMEMBERED_IMAGES + 9)));
-        // A valid reference with a long registry name is checked, not remembered.
-        let long = format!("{}.example:5000/tools:1", "a".repeat(REMEMBERED_LENGTH));
-        assert_eq!(image_problem(&long), None);
-        assert!(!remembered(&long));
-    }
-
-    #[test]
     fn the_book_example_is_valid() {
         assert_eq!(spec_problems(&book(), None), Vec::<String>::new());
     }
@@ -258,35 +173,6 @@ mod tests {
                 problems[0].starts_with("spec.command: ") && problems[0].contains("runs nothing")
             );
         }
-    }
-
-    #[test]
-    fn image_references_are_checked() {
-        for good in [
-            "busybox",
-            "busybox:1.36",
-            "docker.io/library/busybox:latest",
-            "registry.example.com:5000/team/tools:v1",
-            "ghcr.io/org/img@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-        ] {
-            assert_eq!(image_problem(good), None, "{good}");
-        }
-        for bad in [
-            "",
-            " ",
-            "busybox ",
-            "Busybox",
-            "busy box",
-            "busybox:",
-            "a@sha256:xyz",
-            "::",
-        ] {
-            let problem = image_problem(bad).unwrap_or_else(|| panic!("{bad:?} accepted"));
-            assert!(problem.starts_with("spec.template.image: "), "{problem}");
-        }
-        assert!(image_problem("Busybox")
-            .unwrap()
-            .contains("expected e.g. busybox"));
     }
 
     #[test]
