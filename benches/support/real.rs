@@ -71,7 +71,7 @@ fn etcd_version() -> String {
 }
 
 pub async fn run(sizes: &[usize]) {
-    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | the same without the CEL rule / with a minimal schema | every At DONE after the last pod ended | DONE / floor | the same as a reader listing every 50 ms sees it, v1 / v1alpha1 (one list once all is quiet) | every Succeeded event after the last DONE | every pod let go of cnat's finalizer after the last DONE | operator RSS |").await;
+    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | the same without the CEL rule / with a minimal schema | every At DONE after the last pod ended | DONE / floor | the same as a reader listing every 50 ms sees it, v1 / v1alpha1 (one list once all is quiet) | every Succeeded event after the last DONE | every pod let go of cnat's finalizer after the last DONE | operator RSS (before any At) |").await;
     for &n in sizes {
         burst(plane, &admin, n).await;
     }
@@ -166,6 +166,9 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     while !ready(operator.admin).await {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // What the operator holds before any At: its start, one empty list and its servers.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss_idle = crate::rss::rss_kib(&operator.child.id().to_string());
     let crd = cnat::api::crd_with(
         k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::WebhookClientConfig {
             url: Some(format!(
@@ -257,7 +260,31 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     // pod or its At is deleted: "never" here).
     let released = match tokio::time::timeout(Duration::from_secs(60), released_seen).await {
         Ok(Ok(released)) => format!("{:.2?}", released.saturating_duration_since(done)),
-        _ => "never".to_owned(),
+        _ => {
+            // Which pods, and what the operator said (its log is gone with the control plane).
+            let held: Vec<String> = pods
+                .list(&Default::default())
+                .await
+                .unwrap()
+                .items
+                .iter()
+                .filter(|p| {
+                    p.finalizers()
+                        .iter()
+                        .any(|f| f == cnat::operator::pod::FINALIZER)
+                })
+                .map(|p| p.name_any())
+                .collect();
+            let kept = std::env::temp_dir().join(format!("cnat-bench-never-{n}.log"));
+            let _ = std::fs::copy(&operator.log, &kept);
+            eprintln!(
+                "{} pods still hold cnat's finalizer 60 s after the last DONE, e.g. {:?}; the operator's log: {}",
+                held.len(),
+                held.iter().take(5).collect::<Vec<_>>(),
+                kept.display()
+            );
+            "never".to_owned()
+        }
     };
     let rss = crate::rss::rss_kib(&operator.child.id().to_string());
     // What one list takes once the server is quiet again: the readers' floor.
@@ -277,7 +304,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     assert_eq!(created, n, "one pod per At");
     let q = |p: f64| after[((after.len() - 1) as f64 * p).round() as usize];
     println!(
-        "| {n} | {create_floor:.2?} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {:.2?} / {:.2?} ({:.0?} / {:.0?}) | {events_after:.2?} | {released} | {:.0} MiB |",
+        "| {n} | {create_floor:.2?} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {:.2?} / {:.2?} ({:.0?} / {:.0?}) | {events_after:.2?} | {released} | {:.0} MiB (idle {:.0} MiB) |",
         q(0.0),
         q(0.5),
         q(1.0),
@@ -287,7 +314,8 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         readers[1],
         quiet[0],
         quiet[1],
-        rss as f64 / 1024.0
+        rss as f64 / 1024.0,
+        rss_idle as f64 / 1024.0
     );
     operator.kill();
 }
