@@ -49,16 +49,22 @@ fn main() -> ExitCode {
 
 /// Turns transparent huge pages off for this process (`PR_SET_THP_DISABLE`), before the
 /// runtime's threads allocate. mimalloc asks for huge pages on its arenas (`MADV_HUGEPAGE`), so
-/// where the kernel's THP mode is `madvise` (Debian's and Ubuntu's default) or `always`, a heap
-/// of a few MiB spread over 2 MiB pages: an idle replica held 64 MiB, 35 MiB of it in huge pages;
-/// without them 30 MiB (docs/src/design/decisions.md, "The allocator"). Where the kernel refuses
-/// (older than 3.15, or a seccomp policy), nothing else changes.
+/// where the kernel's THP mode is `madvise` (this machine's, and Ubuntu's default) or `always`, a
+/// heap of a few MiB spread over 2 MiB pages: an idle replica held 64 MiB, 35 MiB of it in huge
+/// pages; without them 21 MiB (docs/src/design/decisions.md, "The allocator"). Where the kernel
+/// refuses (older than 3.15, or a seccomp policy), nothing else changes.
 fn no_transparent_huge_pages() {
     // SAFETY: prctl(PR_SET_THP_DISABLE) takes integer arguments only and changes a flag of this
     // process; it touches no memory of ours.
     #[cfg(target_os = "linux")]
     unsafe {
-        libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
+        libc::prctl(
+            libc::PR_SET_THP_DISABLE,
+            1 as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+        );
     }
 }
 
