@@ -4,12 +4,15 @@
 //! `KUBEBUILDER_ASSETS`), the `cnat run` release binary as its own process. For each size `n`,
 //! in the same run:
 //!
-//! - floors: `n` bare pod creates over 8 connections, and `n` bare At status merge patches over
+//! - floors: `n` bare pod creates over 8 connections, then over 32 (the operator's default
+//!   `--concurrency`), each with the cores the control plane kept busy meanwhile (its CPU
+//!   seconds over the wall time: 2 is all this machine has), and `n` bare At status merge patches over
 //!   8 connections (both by this process, in namespaces the operator does not watch); the same
 //!   status patches on copies of the CRD without the CEL transition rule and with a minimal
 //!   schema (like kazk/cnat-rs's), to show what our CRD's status writes cost the server;
 //! - `n` Ats due at one instant: the first / median / last pod after due (from a pod watch, as
-//!   each ADDED event arrives here), the last as a ratio to the create floor;
+//!   each ADDED event arrives here), the last as a ratio to the create floor, and the control
+//!   plane's busy cores from due to the last pod;
 //! - then a kubelet stand-in ends all `n` pods at once (their status written over 8
 //!   connections): how long after the last pod ended every At said DONE, and as a ratio to the
 //!   status-patch floor; and when a reader listing the Ats every 50 ms (each list read from
@@ -31,6 +34,9 @@ use std::time::{Duration, Instant};
 
 /// Connections the floors and the kubelet stand-in use, as the operator's own writers.
 const CONNECTIONS: usize = 8;
+/// Connections of the wide create floor: as many creates at once as the operator's default
+/// `--concurrency` allows.
+const WIDE: usize = 32;
 
 /// The control plane with the CRD installed, and the table's header printed.
 pub async fn start(header: &str) -> (&'static ControlPlane, Client) {
@@ -71,7 +77,7 @@ fn etcd_version() -> String {
 }
 
 pub async fn run(sizes: &[usize]) {
-    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | the same without the CEL rule / with a minimal schema | every At DONE after the last pod ended | DONE / floor | the same as a reader listing every 50 ms sees it, v1 / v1alpha1 (one list once all is quiet) | every Succeeded event after the last DONE | every pod let go of cnat's finalizer after the last DONE | operator RSS after the burst (before any At) |").await;
+    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | the same over 32 connections | the server's cores busy: floor / over 32 / burst | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | the same without the CEL rule / with a minimal schema | every At DONE after the last pod ended | DONE / floor | the same as a reader listing every 50 ms sees it, v1 / v1alpha1 (one list once all is quiet) | every Succeeded event after the last DONE | every pod let go of cnat's finalizer after the last DONE | operator RSS after the burst (before any At) |").await;
     for &n in sizes {
         burst(plane, &admin, n).await;
     }
@@ -113,26 +119,54 @@ where
     F: Fn(usize) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
+    concurrently_over(n, CONNECTIONS, each).await
+}
+
+/// Runs `each(i)` for `0..n`, `connections` at once; returns how long it took.
+async fn concurrently_over<F, Fut>(n: usize, connections: usize, each: F) -> Duration
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
     let started = Instant::now();
     futures::stream::iter(0..n)
-        .for_each_concurrent(CONNECTIONS, each)
+        .for_each_concurrent(connections, each)
         .await;
     started.elapsed()
 }
 
 async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
-    // Floor 1: bare pod creates.
+    // The control plane's CPU (kube-apiserver, etcd, kube-controller-manager), to tell how busy
+    // the server is during the floor and the burst: cores used over the wall time.
+    let server = crate::rss::processes_under(&plane.dir);
+    let server_cpu = || -> f64 {
+        server
+            .iter()
+            .map(|(_, pid)| crate::rss::cpu_seconds(*pid))
+            .sum()
+    };
+    // Floor 1: bare pod creates, over `CONNECTIONS`; then over as many as the operator's
+    // reconciles at once (`--concurrency`, 32): whether the server had room for more at once.
     let floor_ns = plane.namespace(&format!("floor-{n}"), &[]).await;
     let pods: Api<Pod> = Api::namespaced(admin.clone(), &floor_ns);
-    let create_floor = concurrently(n, |i| {
+    let bare_creates = |prefix: &'static str, connections: usize| {
         let pods = pods.clone();
         async move {
-            pods.create(&PostParams::default(), &bare_pod(&format!("bare-{i}")))
-                .await
-                .unwrap();
+            let cpu = server_cpu();
+            let took = concurrently_over(n, connections, |i| {
+                let pods = pods.clone();
+                async move {
+                    pods.create(&PostParams::default(), &bare_pod(&format!("{prefix}-{i}")))
+                        .await
+                        .unwrap();
+                }
+            })
+            .await;
+            (took, (server_cpu() - cpu) / took.as_secs_f64())
         }
-    })
-    .await;
+    };
+    let (create_floor, floor_cores) = bare_creates("bare", CONNECTIONS).await;
+    let (wide_floor, wide_cores) = bare_creates("wide", WIDE).await;
     // Floor 2: bare At status patches, on Ats nobody reconciles; and the same on copies of the
     // CRD without the CEL transition rule, and with a schema as small as kazk/cnat-rs's
     // (installed at the start of the run). Each twice, in the order A B C C B A, on Ats of
@@ -188,14 +222,18 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
     let pod_seen = tokio::spawn(watch_pods(pods.clone(), n));
     create_ats(&ats, n, "at", due).await;
+    wait_phases(&ats, n, "Pending").await;
+    assert!(
+        Instant::now() < due_instant,
+        "the Ats' PENDING writes did not settle before due"
+    );
+    tokio::time::sleep_until(due_instant.into()).await;
+    let cpu_at_due = server_cpu();
     let seen = tokio::time::timeout(lead + Duration::from_secs(120), pod_seen)
         .await
         .expect("every pod within two minutes of due")
         .unwrap();
-    assert!(
-        Instant::now() > due_instant,
-        "the Ats' PENDING writes did not settle before due"
-    );
+    let burst_cores = (server_cpu() - cpu_at_due) / due_instant.elapsed().as_secs_f64();
     let mut after: Vec<Duration> = seen
         .values()
         .map(|t| t.saturating_duration_since(due_instant))
@@ -304,7 +342,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     assert_eq!(created, n, "one pod per At");
     let q = |p: f64| after[((after.len() - 1) as f64 * p).round() as usize];
     println!(
-        "| {n} | {create_floor:.2?} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {:.2?} / {:.2?} ({:.0?} / {:.0?}) | {events_after:.2?} | {released} | {:.0} MiB (idle {:.0} MiB) |",
+        "| {n} | {create_floor:.2?} | {wide_floor:.2?} | {floor_cores:.2} / {wide_cores:.2} / {burst_cores:.2} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {:.2?} / {:.2?} ({:.0?} / {:.0?}) | {events_after:.2?} | {released} | {:.0} MiB (idle {:.0} MiB) |",
         q(0.0),
         q(0.5),
         q(1.0),
@@ -611,6 +649,8 @@ async fn wait_phases(ats: &Api<At>, n: usize, phase: &str) {
 /// 3. The rolling step: the old leader gets SIGTERM (as a Deployment does once the new pod is
 ///    ready) and an At falls due 3 s later: how late its pod is (seen here through a pod
 ///    watch), and the new leader's memory once it has led for 10 s.
+/// 4. Five graceful handovers in a row (`handovers`), each with an At due 50 ms after the
+///    SIGTERM.
 pub async fn pending_all(sizes: &[usize]) {
     let (plane, admin) = start("| Ats pending | created in | leader RSS: max while created / settled | cold replica: every At cached after | its RSS then | rolling step: At due 3 s after the SIGTERM, pod after due | new leader RSS after 10 s |").await;
     for &n in sizes {
@@ -743,6 +783,7 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
     let new_rss = rss(&new);
     let created_pods = pods.list(&Default::default()).await.unwrap().items.len();
     assert_eq!(created_pods, 1, "only the due At ran");
+    let handovers = handovers(plane, admin, &ns, n, &flags, &mut new).await;
     let mib = |kib: u64| kib as f64 / 1024.0;
     println!(
         "| {n} | {created:.0?} ({failed} sent again) | {:.0} / {:.0} MiB | {cached_after:.1?} (its log: {logged}) | {:.0} MiB | {late:.0?} | {:.0} MiB |",
@@ -760,6 +801,105 @@ async fn pending(plane: &'static ControlPlane, admin: &Client, n: usize) {
         println!("| {n} | {}", cold.row);
     }
     println!();
+    println!("| Ats | graceful handover: SIGTERM to the successor's Lease | At due 50 ms after the SIGTERM: pod after due |");
+    println!("|---|---|---|");
+    for (round, (handed, late)) in handovers.iter().enumerate() {
+        println!("| {n} | round {}: {handed:.0?} | {late:.0?} |", round + 1);
+    }
+    let worst = |pick: fn(&(Duration, Duration)) -> Duration| {
+        handovers.iter().map(pick).max().unwrap_or_default()
+    };
+    println!(
+        "| {n} | worst of {}: {:.0?} | {:.0?} |",
+        handovers.len(),
+        worst(|h| h.0),
+        worst(|h| h.1)
+    );
+    println!();
+}
+
+/// Graceful handovers in a row.
+const HANDOVERS: usize = 5;
+
+/// `HANDOVERS` graceful handovers, as a rolling upgrade makes them, from `leader` (which leads
+/// the Ats of `ns`, `n` of them): each round a successor starts and has every At cached (its
+/// `/readyz`), the webhooks are pointed at it, an At is created due 50 ms ahead and the leader
+/// gets SIGTERM. For each: from the SIGTERM to the Lease naming the successor (a Lease watch
+/// here), and how late the At's pod came (a pod watch here). `leader` is the last successor
+/// after.
+async fn handovers(
+    plane: &'static ControlPlane,
+    admin: &Client,
+    ns: &str,
+    n: usize,
+    flags: &[&str],
+    leader: &mut envtest::Replica,
+) -> Vec<(Duration, Duration)> {
+    let ats: Api<At> = Api::namespaced(admin.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), ns);
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(admin.clone(), ns);
+    let mut rounds = Vec::new();
+    for round in 0..HANDOVERS {
+        let successor = plane.replica(&format!("next-{n}-{round}"), ns, flags);
+        wait_ready(&successor, Duration::from_secs(600)).await;
+        envtest::register_webhooks(admin, successor.webhook, &successor.ca(), ns).await;
+        // The server settles after the successor's list, and takes the new webhooks.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let existing = pods.list(&Default::default()).await.unwrap().items.len();
+        let pod_seen = tokio::spawn(watch_pods(pods.clone(), existing + 1));
+        let identity = successor.identity.clone();
+        let led = tokio::spawn(watch_holder(leases.clone(), identity));
+        let name = format!("handover-{round}");
+        let due = chrono::Utc::now() + chrono::Duration::milliseconds(50);
+        ats.create(&PostParams::default(), &at(&name, due))
+            .await
+            .unwrap();
+        let signalled = Instant::now();
+        let due_instant = signalled + Duration::from_millis(50);
+        leader.terminate();
+        let led = tokio::time::timeout(Duration::from_secs(120), led)
+            .await
+            .expect("the successor leads within two minutes")
+            .unwrap();
+        let seen = tokio::time::timeout(Duration::from_secs(120), pod_seen)
+            .await
+            .expect("the At due at the handover ran within two minutes")
+            .unwrap();
+        let pod = seen[&format!("{name}-pod")];
+        rounds.push((
+            led.saturating_duration_since(signalled),
+            pod.saturating_duration_since(due_instant),
+        ));
+        let mut stopped = std::mem::replace(leader, successor);
+        let exited = tokio::time::timeout(Duration::from_secs(60), async {
+            while stopped.child.try_wait().ok().flatten().is_none() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        assert!(exited.is_ok(), "a stopped leader exits within a minute");
+        envtest::Replica::kill(&mut stopped);
+    }
+    let created = pods.list(&Default::default()).await.unwrap().items.len();
+    assert_eq!(created, 1 + HANDOVERS, "one pod for each due At, no other");
+    rounds
+}
+
+/// When the Lease `cnat` of the Leases `leases` first names `identity`, here.
+async fn watch_holder(
+    leases: Api<k8s_openapi::api::coordination::v1::Lease>,
+    identity: String,
+) -> Instant {
+    let config = watcher::Config::default().fields("metadata.name=cnat");
+    let stream = watcher(leases, config).applied_objects();
+    futures::pin_mut!(stream);
+    while let Some(lease) = stream.try_next().await.unwrap() {
+        let holder = lease.spec.and_then(|s| s.holder_identity);
+        if holder.as_deref() == Some(identity.as_str()) {
+            break;
+        }
+    }
+    Instant::now()
 }
 
 /// One cold replica's figures: its table row (after the count) and, for the main table, when it
