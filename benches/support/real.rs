@@ -113,6 +113,15 @@ async fn create_ats(ats: &Api<At>, n: usize, prefix: &str, when: chrono::DateTim
     .await;
 }
 
+/// Cores busy: `cpu` seconds over `wall` time, when `wall` is long enough for `/proc`'s 10 ms
+/// ticks (truncated per process: three processes, up to 60 ms off): "-" under 2 s.
+fn cores(cpu: f64, wall: Duration) -> String {
+    if wall < Duration::from_secs(2) {
+        return "-".into();
+    }
+    format!("{:.2}", cpu / wall.as_secs_f64())
+}
+
 /// Runs `each(i)` for `0..n`, `CONNECTIONS` at once; returns how long it took.
 async fn concurrently<F, Fut>(n: usize, each: F) -> Duration
 where
@@ -149,24 +158,27 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     // reconciles at once (`--concurrency`, 32): whether the server had room for more at once.
     let floor_ns = plane.namespace(&format!("floor-{n}"), &[]).await;
     let pods: Api<Pod> = Api::namespaced(admin.clone(), &floor_ns);
-    let bare_creates = |prefix: &'static str, connections: usize| {
-        let pods = pods.clone();
-        async move {
-            let cpu = server_cpu();
-            let took = concurrently_over(n, connections, |i| {
-                let pods = pods.clone();
-                async move {
-                    pods.create(&PostParams::default(), &bare_pod(&format!("{prefix}-{i}")))
-                        .await
-                        .unwrap();
-                }
-            })
-            .await;
-            (took, (server_cpu() - cpu) / took.as_secs_f64())
-        }
-    };
-    let (create_floor, floor_cores) = bare_creates("bare", CONNECTIONS).await;
-    let (wide_floor, wide_cores) = bare_creates("wide", WIDE).await;
+    // Each twice, in the order 8 32 32 8, and averaged, as the status-patch floors below.
+    let mut spent = [(Duration::ZERO, 0.0); 2];
+    for (index, round) in [(0, "a"), (1, "a"), (1, "b"), (0, "b")] {
+        let connections = [CONNECTIONS, WIDE][index];
+        let cpu = server_cpu();
+        let took = concurrently_over(n, connections, |i| {
+            let pods = pods.clone();
+            async move {
+                let name = format!("bare-{connections}-{round}-{i}");
+                pods.create(&PostParams::default(), &bare_pod(&name))
+                    .await
+                    .unwrap();
+            }
+        })
+        .await;
+        spent[index].0 += took / 2;
+        spent[index].1 += server_cpu() - cpu;
+    }
+    let [(create_floor, floor_cpu), (wide_floor, wide_cpu)] = spent;
+    let floor_cores = cores(floor_cpu, create_floor * 2);
+    let wide_cores = cores(wide_cpu, wide_floor * 2);
     // Floor 2: bare At status patches, on Ats nobody reconciles; and the same on copies of the
     // CRD without the CEL transition rule, and with a schema as small as kazk/cnat-rs's
     // (installed at the start of the run). Each twice, in the order A B C C B A, on Ats of
@@ -222,18 +234,17 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
     let pod_seen = tokio::spawn(watch_pods(pods.clone(), n));
     create_ats(&ats, n, "at", due).await;
-    wait_phases(&ats, n, "Pending").await;
     assert!(
-        Instant::now() < due_instant,
+        wait_phases_until(&ats, n, "Pending", due_instant).await,
         "the Ats' PENDING writes did not settle before due"
     );
     tokio::time::sleep_until(due_instant.into()).await;
     let cpu_at_due = server_cpu();
-    let seen = tokio::time::timeout(lead + Duration::from_secs(120), pod_seen)
+    let seen = tokio::time::timeout(Duration::from_secs(120), pod_seen)
         .await
         .expect("every pod within two minutes of due")
         .unwrap();
-    let burst_cores = (server_cpu() - cpu_at_due) / due_instant.elapsed().as_secs_f64();
+    let burst_cores = cores(server_cpu() - cpu_at_due, due_instant.elapsed());
     let mut after: Vec<Duration> = seen
         .values()
         .map(|t| t.saturating_duration_since(due_instant))
@@ -342,7 +353,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     assert_eq!(created, n, "one pod per At");
     let q = |p: f64| after[((after.len() - 1) as f64 * p).round() as usize];
     println!(
-        "| {n} | {create_floor:.2?} | {wide_floor:.2?} | {floor_cores:.2} / {wide_cores:.2} / {burst_cores:.2} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {:.2?} / {:.2?} ({:.0?} / {:.0?}) | {events_after:.2?} | {released} | {:.0} MiB (idle {:.0} MiB) |",
+        "| {n} | {create_floor:.2?} | {wide_floor:.2?} | {floor_cores} / {wide_cores} / {burst_cores} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {:.2?} / {:.2?} ({:.0?} / {:.0?}) | {events_after:.2?} | {released} | {:.0} MiB (idle {:.0} MiB) |",
         q(0.0),
         q(0.5),
         q(1.0),
@@ -505,12 +516,32 @@ fn strip(value: &mut serde_json::Value, key: &str) {
 
 /// When each of `n` pods was first seen (ADDED), here.
 pub async fn watch_pods(pods: Api<Pod>, n: usize) -> HashMap<String, Instant> {
+    watch_pods_from(pods, n, None).await
+}
+
+/// `watch_pods`, saying on `synced` once the watch's first list is in: from then on a new pod is
+/// timed as it comes, not as the list.
+async fn watch_pods_from(
+    pods: Api<Pod>,
+    n: usize,
+    mut synced: Option<tokio::sync::oneshot::Sender<()>>,
+) -> HashMap<String, Instant> {
     let mut seen = HashMap::new();
-    let stream = watcher(pods, watcher::Config::default()).applied_objects();
+    let stream = watcher(pods, watcher::Config::default());
     futures::pin_mut!(stream);
     while seen.len() < n {
-        let Some(pod) = stream.try_next().await.unwrap() else {
-            break;
+        let Some(event) = stream.try_next().await.unwrap() else {
+            panic!("the pod watch ended with {} of {n} pods seen", seen.len());
+        };
+        let pod = match event {
+            watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => pod,
+            watcher::Event::InitDone => {
+                if let Some(synced) = synced.take() {
+                    let _ = synced.send(());
+                }
+                continue;
+            }
+            watcher::Event::Init | watcher::Event::Delete(_) => continue,
         };
         if let Some(name) = pod.metadata.name {
             seen.entry(name).or_insert_with(Instant::now);
@@ -622,6 +653,14 @@ async fn watch_succeeded_events(
 
 async fn wait_phases(ats: &Api<At>, n: usize, phase: &str) {
     let deadline = Instant::now() + Duration::from_secs(120);
+    assert!(
+        wait_phases_until(ats, n, phase, deadline).await,
+        "not every one of {n} Ats {phase} within two minutes"
+    );
+}
+
+/// Whether all `n` Ats of `ats` said `phase` before `deadline`.
+async fn wait_phases_until(ats: &Api<At>, n: usize, phase: &str, deadline: Instant) -> bool {
     loop {
         let list = ats.list(&Default::default()).await.unwrap();
         let count = list
@@ -630,9 +669,12 @@ async fn wait_phases(ats: &Api<At>, n: usize, phase: &str) {
             .filter(|a| a.status.as_ref().is_some_and(|s| s.phase.as_str() == phase))
             .count();
         if count == n {
-            return;
+            return Instant::now() < deadline;
         }
-        assert!(Instant::now() < deadline, "{count} of {n} Ats {phase}");
+        if Instant::now() >= deadline {
+            eprintln!("{count} of {n} Ats {phase} by the deadline");
+            return false;
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -823,8 +865,8 @@ const HANDOVERS: usize = 5;
 
 /// `HANDOVERS` graceful handovers, as a rolling upgrade makes them, from `leader` (which leads
 /// the Ats of `ns`, `n` of them): each round a successor starts and has every At cached (its
-/// `/readyz`), the webhooks are pointed at it, an At is created due 50 ms ahead and the leader
-/// gets SIGTERM. For each: from the SIGTERM to the Lease naming the successor (a Lease watch
+/// `/readyz`), the webhooks are pointed at it, an At is created due 1 s ahead and the leader
+/// gets SIGTERM 50 ms before it is due. For each: from the SIGTERM to the Lease naming the successor (a Lease watch
 /// here), and how late the At's pod came (a pod watch here). `leader` is the last successor
 /// after.
 async fn handovers(
@@ -846,16 +888,33 @@ async fn handovers(
         // The server settles after the successor's list, and takes the new webhooks.
         tokio::time::sleep(Duration::from_secs(3)).await;
         let existing = pods.list(&Default::default()).await.unwrap().items.len();
-        let pod_seen = tokio::spawn(watch_pods(pods.clone(), existing + 1));
+        let (pods_synced, pods_ready) = tokio::sync::oneshot::channel();
+        let pod_seen = tokio::spawn(watch_pods_from(
+            pods.clone(),
+            existing + 1,
+            Some(pods_synced),
+        ));
         let identity = successor.identity.clone();
-        let led = tokio::spawn(watch_holder(leases.clone(), identity));
+        let (lease_synced, lease_ready) = tokio::sync::oneshot::channel();
+        let led = tokio::spawn(watch_holder(leases.clone(), identity, lease_synced));
+        pods_ready.await.expect("the pod watch lists");
+        lease_ready.await.expect("the Lease watch lists");
+        // Due 1 s ahead (both clocks read together); the SIGTERM goes 50 ms before.
         let name = format!("handover-{round}");
-        let due = chrono::Utc::now() + chrono::Duration::milliseconds(50);
+        let (due, due_instant) = (
+            chrono::Utc::now() + chrono::Duration::seconds(1),
+            Instant::now() + Duration::from_secs(1),
+        );
         ats.create(&PostParams::default(), &at(&name, due))
             .await
             .unwrap();
+        let signal_at = due_instant - Duration::from_millis(50);
+        assert!(
+            Instant::now() < signal_at,
+            "creating the At took longer than the lead"
+        );
+        tokio::time::sleep_until(signal_at.into()).await;
         let signalled = Instant::now();
-        let due_instant = signalled + Duration::from_millis(50);
         leader.terminate();
         let led = tokio::time::timeout(Duration::from_secs(120), led)
             .await
@@ -866,6 +925,10 @@ async fn handovers(
             .expect("the At due at the handover ran within two minutes")
             .unwrap();
         let pod = seen[&format!("{name}-pod")];
+        assert!(
+            pod + Duration::from_millis(50) >= due_instant,
+            "the At's pod came before the At was due"
+        );
         rounds.push((
             led.saturating_duration_since(signalled),
             pod.saturating_duration_since(due_instant),
@@ -885,21 +948,34 @@ async fn handovers(
     rounds
 }
 
-/// When the Lease `cnat` of the Leases `leases` first names `identity`, here.
+/// When the Lease `cnat` of the Leases `leases` first names `identity`, here; says on `synced`
+/// once the watch's first list is in.
 async fn watch_holder(
     leases: Api<k8s_openapi::api::coordination::v1::Lease>,
     identity: String,
+    synced: tokio::sync::oneshot::Sender<()>,
 ) -> Instant {
     let config = watcher::Config::default().fields("metadata.name=cnat");
-    let stream = watcher(leases, config).applied_objects();
+    let stream = watcher(leases, config);
     futures::pin_mut!(stream);
-    while let Some(lease) = stream.try_next().await.unwrap() {
+    let mut synced = Some(synced);
+    while let Some(event) = stream.try_next().await.unwrap() {
+        let lease = match event {
+            watcher::Event::Apply(lease) | watcher::Event::InitApply(lease) => lease,
+            watcher::Event::InitDone => {
+                if let Some(synced) = synced.take() {
+                    let _ = synced.send(());
+                }
+                continue;
+            }
+            watcher::Event::Init | watcher::Event::Delete(_) => continue,
+        };
         let holder = lease.spec.and_then(|s| s.holder_identity);
         if holder.as_deref() == Some(identity.as_str()) {
-            break;
+            return Instant::now();
         }
     }
-    Instant::now()
+    panic!("the Lease watch ended before {identity} held the Lease")
 }
 
 /// One cold replica's figures: its table row (after the count) and, for the main table, when it
