@@ -4,15 +4,16 @@
 //! `KUBEBUILDER_ASSETS`), the `cnat run` release binary as its own process. For each size `n`,
 //! in the same run:
 //!
-//! - floors: `n` bare pod creates over 8 connections, then over 32 (the operator's default
-//!   `--concurrency`), each with the cores the control plane kept busy meanwhile (its CPU
-//!   seconds over the wall time: 2 is all this machine has), and `n` bare At status merge patches over
-//!   8 connections (both by this process, in namespaces the operator does not watch); the same
+//! - floors: `n` bare pod creates over 8 connections, and over 32 (the operator's default
+//!   `--concurrency`; 8 32 32 8, averaged), each with the cores the control plane kept busy
+//!   meanwhile (its CPU seconds over the wall time; 2 is all this machine has); `n` bare At
+//!   status merge patches over 8 connections (both by this process, in namespaces the operator
+//!   does not watch); the same
 //!   status patches on copies of the CRD without the CEL transition rule and with a minimal
 //!   schema (like kazk/cnat-rs's), to show what our CRD's status writes cost the server;
 //! - `n` Ats due at one instant: the first / median / last pod after due (from a pod watch, as
 //!   each ADDED event arrives here), the last as a ratio to the create floor, and the control
-//!   plane's busy cores from due to the last pod;
+//!   plane's busy cores (and the operator's) from due to the last pod;
 //! - then a kubelet stand-in ends all `n` pods at once (their status written over 8
 //!   connections): how long after the last pod ended every At said DONE, and as a ratio to the
 //!   status-patch floor; and when a reader listing the Ats every 50 ms (each list read from
@@ -77,7 +78,7 @@ fn etcd_version() -> String {
 }
 
 pub async fn run(sizes: &[usize]) {
-    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | the same over 32 connections | the server's cores busy: floor / over 32 / burst | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | the same without the CEL rule / with a minimal schema | every At DONE after the last pod ended | DONE / floor | the same as a reader listing every 50 ms sees it, v1 / v1alpha1 (one list once all is quiet) | every Succeeded event after the last DONE | every pod let go of cnat's finalizer after the last DONE | operator RSS after the burst (before any At) |").await;
+    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | the same over 32 connections | the server's cores busy: floor / over 32 / burst (cnat's own) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | the same without the CEL rule / with a minimal schema | every At DONE after the last pod ended | DONE / floor | the same as a reader listing every 50 ms sees it, v1 / v1alpha1 (one list once all is quiet) | every Succeeded event after the last DONE | every pod let go of cnat's finalizer after the last DONE | operator RSS after the burst (before any At) |").await;
     for &n in sizes {
         burst(plane, &admin, n).await;
     }
@@ -113,13 +114,14 @@ async fn create_ats(ats: &Api<At>, n: usize, prefix: &str, when: chrono::DateTim
     .await;
 }
 
-/// Cores busy: `cpu` seconds over `wall` time, when `wall` is long enough for `/proc`'s 10 ms
-/// ticks (truncated per process: three processes, up to 60 ms off): "-" under 2 s.
-fn cores(cpu: f64, wall: Duration) -> String {
-    if wall < Duration::from_secs(2) {
+/// Cores busy: `cpu` seconds of `processes` over `wall` time, with how far off `/proc`'s 10 ms
+/// ticks can make it (user and system time each truncated, at both ends); "-" under 0.5 s.
+fn cores(cpu: f64, processes: usize, wall: Duration) -> String {
+    if wall < Duration::from_millis(500) {
         return "-".into();
     }
-    format!("{:.2}", cpu / wall.as_secs_f64())
+    let wall = wall.as_secs_f64();
+    format!("{:.2}±{:.2}", cpu / wall, 0.02 * processes as f64 / wall)
 }
 
 /// Runs `each(i)` for `0..n`, `CONNECTIONS` at once; returns how long it took.
@@ -177,8 +179,8 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         spent[index].1 += server_cpu() - cpu;
     }
     let [(create_floor, floor_cpu), (wide_floor, wide_cpu)] = spent;
-    let floor_cores = cores(floor_cpu, create_floor * 2);
-    let wide_cores = cores(wide_cpu, wide_floor * 2);
+    let floor_cores = cores(floor_cpu, 2 * server.len(), create_floor * 2);
+    let wide_cores = cores(wide_cpu, 2 * server.len(), wide_floor * 2);
     // Floor 2: bare At status patches, on Ats nobody reconciles; and the same on copies of the
     // CRD without the CEL transition rule, and with a schema as small as kazk/cnat-rs's
     // (installed at the start of the run). Each twice, in the order A B C C B A, on Ats of
@@ -239,12 +241,18 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         "the Ats' PENDING writes did not settle before due"
     );
     tokio::time::sleep_until(due_instant.into()).await;
-    let cpu_at_due = server_cpu();
+    let operator_cpu = || crate::rss::cpu_seconds(operator.child.id());
+    let (cpu_at_due, operator_at_due) = (server_cpu(), operator_cpu());
     let seen = tokio::time::timeout(Duration::from_secs(120), pod_seen)
         .await
         .expect("every pod within two minutes of due")
         .unwrap();
-    let burst_cores = cores(server_cpu() - cpu_at_due, due_instant.elapsed());
+    let burst_cores = cores(
+        server_cpu() - cpu_at_due,
+        server.len(),
+        due_instant.elapsed(),
+    );
+    let operator_cores = cores(operator_cpu() - operator_at_due, 1, due_instant.elapsed());
     let mut after: Vec<Duration> = seen
         .values()
         .map(|t| t.saturating_duration_since(due_instant))
@@ -353,7 +361,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     assert_eq!(created, n, "one pod per At");
     let q = |p: f64| after[((after.len() - 1) as f64 * p).round() as usize];
     println!(
-        "| {n} | {create_floor:.2?} | {wide_floor:.2?} | {floor_cores} / {wide_cores} / {burst_cores} | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {:.2?} / {:.2?} ({:.0?} / {:.0?}) | {events_after:.2?} | {released} | {:.0} MiB (idle {:.0} MiB) |",
+        "| {n} | {create_floor:.2?} | {wide_floor:.2?} | {floor_cores} / {wide_cores} / {burst_cores} (cnat {operator_cores}) | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {:.2?} / {:.2?} ({:.0?} / {:.0?}) | {events_after:.2?} | {released} | {:.0} MiB (idle {:.0} MiB) |",
         q(0.0),
         q(0.5),
         q(1.0),
