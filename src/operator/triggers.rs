@@ -134,15 +134,21 @@ pub async fn look_at_all(ctx: &Arc<Context>, store: &Store<CachedAt>) {
     }
 }
 
-/// Where `at` comes in a first look at every At: PENDING and due first, earliest first; then
-/// RUNNING (its pod may have ended); then the rest.
+/// Where `at` comes in a first look at every At: PENDING and due by the time the look is
+/// likely to reach it (`LOOK_AHEAD`), earliest first; then RUNNING (its pod may have ended);
+/// then the rest. A new leader's first look reads every cached At back (about 0.3 s for
+/// 100,000): an At falling due meanwhile would otherwise wait for its turn among them.
 fn first_look_order(at: &CachedAt, now: DateTime<Utc>) -> (u8, Option<DateTime<Utc>>) {
+    let soon = now + LOOK_AHEAD;
     match at.phase() {
-        Phase::Pending if at.due().is_some_and(|due| due <= now) => (0, at.due()),
+        Phase::Pending if at.due().is_some_and(|due| due <= soon) => (0, at.due()),
         Phase::Running => (1, None),
         _ => (2, None),
     }
 }
+
+/// How far ahead a first look counts an At as due: longer than reading 100,000 cached Ats back.
+const LOOK_AHEAD: chrono::TimeDelta = chrono::TimeDelta::seconds(1);
 
 #[cfg(test)]
 mod tests {
@@ -160,14 +166,20 @@ mod tests {
             cached("done", "2026-11-23T11:00:00Z", Phase::Done),
             cached("running", "2026-11-23T11:00:00Z", Phase::Running),
             cached("bad", "soon", Phase::Pending),
+            cached("in-a-second", "2026-11-23T12:00:01Z", Phase::Pending),
+            cached("past-the-look", "2026-11-23T12:00:01.001Z", Phase::Pending),
+            cached("due-soon", "2026-11-23T12:00:00.040Z", Phase::Pending),
             cached("due-now", "2026-11-23T12:00:00Z", Phase::Pending),
             cached("overdue", "2026-11-23T11:00:00Z", Phase::Pending),
         ];
         ats.sort_by_key(|at| first_look_order(at, now));
         let names: Vec<String> = ats.iter().map(|at| at.name_any()).collect();
-        assert_eq!(names[..3], ["overdue", "due-now", "running"]);
-        let mut rest = names[3..].to_vec();
+        assert_eq!(
+            names[..5],
+            ["overdue", "due-now", "due-soon", "in-a-second", "running"]
+        );
+        let mut rest = names[5..].to_vec();
         rest.sort();
-        assert_eq!(rest, ["bad", "done", "later"]);
+        assert_eq!(rest, ["bad", "done", "later", "past-the-look"]);
     }
 }
