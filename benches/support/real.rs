@@ -610,9 +610,8 @@ async fn watch_done(ats: Api<At>, n: usize) -> Instant {
     Instant::now()
 }
 
-/// When the last of `n` pods was seen without cnat's finalizer (having been seen with it).
+/// When the last of `n` pods was seen without cnat's finalizer.
 async fn watch_released(pods: Api<Pod>, n: usize) -> Instant {
-    let mut held = std::collections::HashSet::new();
     let mut released = std::collections::HashSet::new();
     // A watch that fails (its connection idles out while nothing is released) starts again.
     let stream = watcher(pods, watcher::Config::default())
@@ -626,15 +625,16 @@ async fn watch_released(pods: Api<Pod>, n: usize) -> Instant {
         let Ok(pod) = next else {
             continue;
         };
-        let name = pod.metadata.name.clone().unwrap_or_default();
-        if pod
+        // Every pod held the finalizer when this watch was started (every At RUNNING), so one
+        // seen without it was let go, even when its first sighting is the watch's own list,
+        // which a busy server may answer after the first releases. (Counting only pods first
+        // seen held, as before, waited forever for those.)
+        if !pod
             .finalizers()
             .iter()
             .any(|f| f == cnat::operator::pod::FINALIZER)
         {
-            held.insert(name);
-        } else if held.contains(&name) {
-            released.insert(name);
+            released.insert(pod.metadata.name.clone().unwrap_or_default());
         }
     }
     Instant::now()
