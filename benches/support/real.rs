@@ -5,7 +5,8 @@
 //! in the same run:
 //!
 //! - floors: `n` bare pod creates over 8 connections, and over 32 (the operator's default
-//!   `--concurrency`; 8 32 32 8, averaged), each with the cores the control plane kept busy
+//!   `--concurrency`), and `n` of cnat's own pods (`pod::build`) over 32 (A B C C B A,
+//!   averaged), each with the cores the control plane kept busy
 //!   meanwhile (its CPU seconds over the wall time; 2 is all this machine has); `n` bare At
 //!   status merge patches over 8 connections (both by this process, in namespaces the operator
 //!   does not watch); the same
@@ -78,7 +79,7 @@ fn etcd_version() -> String {
 }
 
 pub async fn run(sizes: &[usize]) {
-    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | the same over 32 connections | the server's cores busy: floor / over 32 / burst (cnat's own) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | the same without the CEL rule / with a minimal schema | every At DONE after the last pod ended | DONE / floor | the same as a reader listing every 50 ms sees it, v1 / v1alpha1 (one list once all is quiet) | every Succeeded event after the last DONE | every pod let go of cnat's finalizer after the last DONE | operator RSS after the burst (before any At) |").await;
+    let (plane, admin) = start("| Ats due at once | bare pod creates (floor) | the same over 32 connections | cnat's pods over 32 connections, by this process | the server's cores busy: floor / over 32 / cnat's pods over 32 / burst (cnat's own) | pod after due (first / p50 / last) | last pod / floor | bare status patches (floor) | the same without the CEL rule / with a minimal schema | every At DONE after the last pod ended | DONE / floor | the same as a reader listing every 50 ms sees it, v1 / v1alpha1 (one list once all is quiet) | every Succeeded event after the last DONE | every pod let go of cnat's finalizer after the last DONE | operator RSS after the burst (before any At) |").await;
     for &n in sizes {
         burst(plane, &admin, n).await;
     }
@@ -156,42 +157,74 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
             .map(|(_, pid)| crate::rss::cpu_seconds(*pid))
             .sum()
     };
-    // Floor 1: bare pod creates, over `CONNECTIONS`; then over as many as the operator's
-    // reconciles at once (`--concurrency`, 32): whether the server had room for more at once.
+    // The Ats of the status-patch floors (floor 2, below), on cnat's CRD and on two copies of
+    // it; those on cnat's own own the pods of floor 1's third kind.
     let floor_ns = plane.namespace(&format!("floor-{n}"), &[]).await;
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), &floor_ns);
-    // Each twice, in the order 8 32 32 8, and averaged, as the status-patch floors below.
-    let mut spent = [(Duration::ZERO, 0.0); 2];
-    for (index, round) in [(0, "a"), (1, "a"), (1, "b"), (0, "b")] {
-        let connections = [CONNECTIONS, WIDE][index];
-        let cpu = server_cpu();
-        let took = concurrently_over(n, connections, |i| {
-            let pods = pods.clone();
-            async move {
-                let name = format!("bare-{connections}-{round}-{i}");
-                pods.create(&PostParams::default(), &bare_pod(&name))
-                    .await
-                    .unwrap();
-            }
-        })
-        .await;
-        spent[index].0 += took / 2;
-        spent[index].1 += server_cpu() - cpu;
-    }
-    let [(create_floor, floor_cpu), (wide_floor, wide_cpu)] = spent;
-    let floor_cores = cores(floor_cpu, 2 * server.len(), create_floor * 2);
-    let wide_cores = cores(wide_cpu, 2 * server.len(), wide_floor * 2);
-    // Floor 2: bare At status patches, on Ats nobody reconciles; and the same on copies of the
-    // CRD without the CEL transition rule, and with a schema as small as kazk/cnat-rs's
-    // (installed at the start of the run). Each twice, in the order A B C C B A, on Ats of
-    // their own, and averaged: a server that slows down or speeds up during the run favours
-    // none of them.
     let copies = [CrdCopy::Shipped, CrdCopy::WithoutCel, CrdCopy::Minimal];
     for copy in copies {
         for round in ["a", "b"] {
             create_copies(admin, &floor_ns, n, copy, round).await;
         }
     }
+    // Floor 1: pod creates by this process: bare pods over `CONNECTIONS`; bare pods over as
+    // many as the operator's reconciles at once (`--concurrency`, 32): whether the server had
+    // room for more at once; and cnat's own pods (`pod::build`, owned by Ats of the floor
+    // namespace, which no operator watches) over 32: what its pods cost the server beside bare
+    // ones. Each kind twice, in the order A B C C B A, and averaged, as floor 2.
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &floor_ns);
+    let owners: Vec<At> = Api::<At>::namespaced(admin.clone(), &floor_ns)
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items;
+    let policy = cnat::operator::policy::RunPolicy::default();
+    let cnat_pods = |round: &str| -> Vec<Pod> {
+        let prefix = format!("bare-{round}-");
+        let mut built: Vec<Pod> = owners
+            .iter()
+            .filter(|at| at.name_any().starts_with(&prefix))
+            .map(|at| cnat::operator::pod::build(at, &policy))
+            .collect();
+        built.sort_by_key(|p| p.name_any());
+        assert_eq!(
+            built.len(),
+            n,
+            "an At of cnat's CRD for each of cnat's pods"
+        );
+        built
+    };
+    let mut spent = [(Duration::ZERO, 0.0); 3];
+    for (index, round) in [(0, "a"), (1, "a"), (2, "a"), (2, "b"), (1, "b"), (0, "b")] {
+        let connections = [CONNECTIONS, WIDE, WIDE][index];
+        let cnat_shaped = if index == 2 {
+            cnat_pods(round)
+        } else {
+            Vec::new()
+        };
+        let cpu = server_cpu();
+        let took = concurrently_over(n, connections, |i| {
+            let pods = pods.clone();
+            let pod = match cnat_shaped.get(i) {
+                Some(built) => built.clone(),
+                None => bare_pod(&format!("bare-{connections}-{round}-{i}")),
+            };
+            async move {
+                pods.create(&PostParams::default(), &pod).await.unwrap();
+            }
+        })
+        .await;
+        spent[index].0 += took / 2;
+        spent[index].1 += server_cpu() - cpu;
+    }
+    let [(create_floor, floor_cpu), (wide_floor, wide_cpu), (cnat_floor, cnat_cpu)] = spent;
+    let floor_cores = cores(floor_cpu, 2 * server.len(), create_floor * 2);
+    let wide_cores = cores(wide_cpu, 2 * server.len(), wide_floor * 2);
+    let cnat_cores = cores(cnat_cpu, 2 * server.len(), cnat_floor * 2);
+    // Floor 2: bare At status patches, on Ats nobody reconciles; and the same on copies of the
+    // CRD without the CEL transition rule, and with a schema as small as kazk/cnat-rs's
+    // (installed at the start of the run). Each twice, in the order A B C C B A, on Ats of
+    // their own, and averaged: a server that slows down or speeds up during the run favours
+    // none of them.
     let mut floors = [Duration::ZERO; 3];
     let mut refused = 0;
     for (index, round) in [(0, "a"), (1, "a"), (2, "a"), (2, "b"), (1, "b"), (0, "b")] {
@@ -361,7 +394,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     assert_eq!(created, n, "one pod per At");
     let q = |p: f64| after[((after.len() - 1) as f64 * p).round() as usize];
     println!(
-        "| {n} | {create_floor:.2?} | {wide_floor:.2?} | {floor_cores} / {wide_cores} / {burst_cores} (cnat {operator_cores}) | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {:.2?} / {:.2?} ({:.0?} / {:.0?}) | {events_after:.2?} | {released} | {:.0} MiB (idle {:.0} MiB) |",
+        "| {n} | {create_floor:.2?} | {wide_floor:.2?} | {cnat_floor:.2?} | {floor_cores} / {wide_cores} / {cnat_cores} / {burst_cores} (cnat {operator_cores}) | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {:.2?} / {:.2?} ({:.0?} / {:.0?}) | {events_after:.2?} | {released} | {:.0} MiB (idle {:.0} MiB) |",
         q(0.0),
         q(0.5),
         q(1.0),
