@@ -276,6 +276,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     tokio::time::sleep_until(due_instant.into()).await;
     let operator_cpu = || crate::rss::cpu_seconds(operator.child.id());
     let (cpu_at_due, operator_at_due) = (server_cpu(), operator_cpu());
+    let requests_at_due = requests_answered(admin).await;
     let seen = tokio::time::timeout(Duration::from_secs(120), pod_seen)
         .await
         .expect("every pod within two minutes of due")
@@ -286,6 +287,24 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         due_instant.elapsed(),
     );
     let operator_cores = cores(operator_cpu() - operator_at_due, 1, due_instant.elapsed());
+    let mut requests: Vec<(String, f64)> = requests_answered(admin)
+        .await
+        .into_iter()
+        .map(|(what, count)| {
+            let before = requests_at_due.get(&what).copied().unwrap_or(0.0);
+            (what, count - before)
+        })
+        .filter(|(_, count)| *count >= 1.0)
+        .collect();
+    requests.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let requests: Vec<String> = requests
+        .iter()
+        .map(|(what, count)| format!("{what} {count:.0}"))
+        .collect();
+    eprintln!(
+        "burst of {n}: requests the control plane answered from due to the last pod (every client, watches counted when they end): {}",
+        requests.join(", ")
+    );
     let mut after: Vec<Duration> = seen
         .values()
         .map(|t| t.saturating_duration_since(due_instant))
@@ -408,6 +427,36 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         rss_idle as f64 / 1024.0
     );
     operator.kill();
+}
+
+/// kube-apiserver's count of requests answered so far (`apiserver_request_total`), by verb
+/// and resource (with subresource), every client and code summed.
+async fn requests_answered(admin: &Client) -> HashMap<String, f64> {
+    let request = http::Request::get("/metrics").body(Vec::new()).unwrap();
+    let text = admin.request_text(request).await.unwrap();
+    let mut counts = HashMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("apiserver_request_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        let label = |name: &str| {
+            labels
+                .split("\",")
+                .find_map(|pair| pair.strip_prefix(&format!("{name}=\"")))
+                .map(|v| v.trim_end_matches('"').to_owned())
+                .unwrap_or_default()
+        };
+        let (verb, resource, sub) = (label("verb"), label("resource"), label("subresource"));
+        let what = match sub.as_str() {
+            "" => format!("{verb} {resource}"),
+            _ => format!("{verb} {resource}/{sub}"),
+        };
+        *counts.entry(what).or_insert(0.0) += value.trim().parse::<f64>().unwrap_or(0.0);
+    }
+    counts
 }
 
 /// Which CRD the status-patch floor writes to.
