@@ -49,10 +49,10 @@ fn main() -> ExitCode {
 
 /// Turns transparent huge pages off for this process (`PR_SET_THP_DISABLE`), before the
 /// runtime's threads allocate. mimalloc asks for huge pages on its arenas (`MADV_HUGEPAGE`), so
-/// where the kernel's THP mode is `madvise` (this machine's) or `always`, a
-/// heap of a few MiB spread over 2 MiB pages: an idle replica held 64 MiB, 35 MiB of it in huge
-/// pages; without them 21 MiB (docs/src/design/decisions.md, "The allocator"). Where the kernel
-/// refuses (older than 3.15, or a seccomp policy), nothing else changes.
+/// where the kernel's THP mode is `madvise` (this machine's) or `always`, a heap of a few MiB
+/// spread over 2 MiB pages: an idle replica held 64 MiB, 35 MiB of it in huge pages; without
+/// them 21 MiB (docs/src/design/decisions.md, "The allocator"). Where the kernel refuses (older
+/// than 3.15, or a seccomp policy), nothing else changes.
 fn no_transparent_huge_pages() {
     // SAFETY: prctl(PR_SET_THP_DISABLE) takes integer arguments only and changes a flag of this
     // process; it touches no memory of ours.

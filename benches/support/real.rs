@@ -6,10 +6,9 @@
 //!
 //! - floors: `n` bare pod creates over 8 connections, and over 32 (the operator's default
 //!   `--concurrency`), and `n` of cnat's own pods (`pod::build`) over 32 (A B C C B A,
-//!   averaged), each with the cores the control plane kept busy
-//!   meanwhile (its CPU seconds over the wall time; 2 is all this machine has); `n` bare At
-//!   status merge patches over 8 connections (both by this process, in namespaces the operator
-//!   does not watch); the same
+//!   averaged), each with the cores the control plane kept busy meanwhile (its CPU seconds over
+//!   the wall time; 2 is all this machine has); `n` bare At status merge patches over 8
+//!   connections (both by this process, in namespaces the operator does not watch); the same
 //!   status patches on copies of the CRD without the CEL transition rule and with a minimal
 //!   schema (like kazk/cnat-rs's), to show what our CRD's status writes cost the server;
 //! - `n` Ats due at one instant: the first / median / last pod after due (from a pod watch, as
@@ -631,21 +630,32 @@ async fn watch_pods_from(
         let Some(event) = stream.try_next().await.unwrap() else {
             panic!("the pod watch ended with {} of {n} pods seen", seen.len());
         };
-        let pod = match event {
-            watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => pod,
-            watcher::Event::InitDone => {
-                if let Some(synced) = synced.take() {
-                    let _ = synced.send(());
-                }
-                continue;
-            }
-            watcher::Event::Init | watcher::Event::Delete(_) => continue,
+        let Some(pod) = applied_or_synced(event, &mut synced) else {
+            continue;
         };
         if let Some(name) = pod.metadata.name {
             seen.entry(name).or_insert_with(Instant::now);
         }
     }
     seen
+}
+
+/// The object a watch event brings (applied, or listed), if any; at the end of the first list,
+/// says so on `synced` (once).
+fn applied_or_synced<K>(
+    event: watcher::Event<K>,
+    synced: &mut Option<tokio::sync::oneshot::Sender<()>>,
+) -> Option<K> {
+    match event {
+        watcher::Event::Apply(object) | watcher::Event::InitApply(object) => Some(object),
+        watcher::Event::InitDone => {
+            if let Some(synced) = synced.take() {
+                let _ = synced.send(());
+            }
+            None
+        }
+        watcher::Event::Init | watcher::Event::Delete(_) => None,
+    }
 }
 
 /// When a reader listing the Ats of `namespace` as `version` (`v1` or `v1alpha1`), every 50 ms
@@ -1058,15 +1068,8 @@ async fn watch_holder(
     futures::pin_mut!(stream);
     let mut synced = Some(synced);
     while let Some(event) = stream.try_next().await.unwrap() {
-        let lease = match event {
-            watcher::Event::Apply(lease) | watcher::Event::InitApply(lease) => lease,
-            watcher::Event::InitDone => {
-                if let Some(synced) = synced.take() {
-                    let _ = synced.send(());
-                }
-                continue;
-            }
-            watcher::Event::Init | watcher::Event::Delete(_) => continue,
+        let Some(lease) = applied_or_synced(event, &mut synced) else {
+            continue;
         };
         let holder = lease.spec.and_then(|s| s.holder_identity);
         if holder.as_deref() == Some(identity.as_str()) {

@@ -137,8 +137,9 @@ pub async fn look_at_all(ctx: &Arc<Context>, store: &Store<CachedAt>) {
 
 /// Where `at` comes in a first look at every At: PENDING and due by `soon` (the look's start
 /// plus `LOOK_AHEAD`, by when it is likely to have reached it), earliest first; then RUNNING
-/// (its pod may have ended); then the rest. A new leader's first look reads every cached At back (about 0.3 s for
-/// 100,000): an At falling due meanwhile would otherwise wait for its turn among them.
+/// (its pod may have ended); then the rest. A new leader's first look reads every cached At
+/// back (about 0.3 s for 100,000): an At falling due meanwhile would otherwise wait for its
+/// turn among them.
 fn first_look_order(at: &CachedAt, soon: DateTime<Utc>) -> (u8, Option<DateTime<Utc>>) {
     match at.phase() {
         Phase::Pending if at.due().is_some_and(|due| due <= soon) => (0, at.due()),
