@@ -47,8 +47,8 @@ pub struct CachedAt {
     label: u8,
     /// The instant the schedule names; `None` when it does not parse.
     due: Option<DateTime<Utc>>,
-    /// The rest of the trimmed At (`Rest`), as JSON compressed with LZ4, which takes out the
-    /// repeats (a PENDING At's status names its due time four times).
+    /// The rest of the trimmed At (`Rest`), as JSON compressed with LZ4 against a dictionary of
+    /// what every At repeats (`pack`).
     packed: Box<[u8]>,
     /// Why the At did not decode; `packed` is then empty.
     unreadable: Option<Box<str>>,
@@ -202,7 +202,7 @@ impl From<At> for CachedAt {
             metadata: key,
             phase,
             due,
-            packed: lz4_flex::block::compress_prepend_size(&json).into(),
+            packed: pack::pack(&json),
             unreadable: None,
         }
     }
@@ -232,8 +232,7 @@ impl CachedAt {
             at: AtKey::of(self),
             source,
         };
-        let json = lz4_flex::block::decompress_size_prepended(&self.packed)
-            .map_err(|e| fault(Fault::Lz4(e)))?;
+        let json = pack::unpack(&self.packed).map_err(|e| fault(Fault::Lz4(e)))?;
         let rest: Rest = serde_json::from_slice(&json).map_err(|e| fault(Fault::Json(e)))?;
         let mut at = At::new(&self.name_any(), rest.spec);
         at.metadata = ObjectMeta {
@@ -614,6 +613,7 @@ pub fn read(cached: &CachedAt) -> Option<At> {
 mod follow;
 pub mod freshness;
 mod meta;
+mod pack;
 
 /// Retrying a failed watch (the At cache's and the leader's pod watch): 100 ms doubling to
 /// 500 ms, plus up to as much again of jitter, so never more than 1 s; reset by any event.
