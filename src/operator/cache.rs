@@ -5,8 +5,8 @@
 //! before its strings, each its own allocation) would be most of the operator's memory. It
 //! keeps the name and namespace (all the runtime's store and queue key on), the resourceVersion
 //! (which the watch resumes from), what the metrics read on every scrape (phase, due instant,
-//! namespace), and the rest of the At as its JSON, LZ4-compressed, read back with `at()` when a
-//! reconcile or wake-up needs it. `cargo bench --bench cache` measures what that saves.
+//! namespace), and the rest of the At as its JSON, compressed by LZ4 against a dictionary of what
+//! every At repeats (`pack`), read back with `at()` when a reconcile or wake-up needs it. `cargo bench --bench cache` measures what that saves.
 
 use crate::api::{At, AtSpec, AtStatus, Phase};
 use crate::operator::contain::Quarantine;
