@@ -407,10 +407,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         let mut took = Vec::new();
         let calls = || async {
             let counts = requests_answered(admin).await;
-            counts
-                .get("conversion webhook calls")
-                .copied()
-                .unwrap_or(0.0)
+            counts.get(CONVERSIONS).copied().unwrap_or(0.0)
         };
         let calls_before = calls().await;
         for _ in 0..3 {
@@ -423,7 +420,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         // Where the server converts each At of a list by a call of its own (v1.24) or serves
         // the list from a watch cache that converted each At once, as it was written (v1.37).
         eprintln!(
-            "three quiet lists of {n} Ats as {version}: {:.0} conversion webhook calls",
+            "three quiet lists of {n} Ats as {version}: {:.0} conversions by the webhook (the server's count)",
             calls().await - calls_before
         );
     }
@@ -447,8 +444,12 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     operator.kill();
 }
 
+/// How `requests_answered` names the server's count of conversions by a webhook.
+const CONVERSIONS: &str = "conversions by the webhook (the server's count)";
+
 /// kube-apiserver's count of requests answered so far (`apiserver_request_total`), by verb
-/// and resource (with subresource), every client and code summed.
+/// and resource (with subresource), every client and code summed; and, as "conversions by the
+/// webhook (the server's count)", the conversions it had the CRDs' conversion webhooks make.
 async fn requests_answered(admin: &Client) -> HashMap<String, f64> {
     let request = http::Request::get("/metrics").body(Vec::new()).unwrap();
     let text = admin.request_text(request).await.unwrap();
@@ -462,9 +463,8 @@ async fn requests_answered(admin: &Client) -> HashMap<String, f64> {
                 line.strip_prefix("apiserver_crd_webhook_conversion_duration_seconds_count{")
             });
         if let Some((_, value)) = conversions.and_then(|rest| rest.rsplit_once("} ")) {
-            *counts
-                .entry("conversion webhook calls".to_owned())
-                .or_insert(0.0) += value.trim().parse::<f64>().unwrap_or(0.0);
+            *counts.entry(CONVERSIONS.to_owned()).or_insert(0.0) +=
+                value.trim().parse::<f64>().unwrap_or(0.0);
             continue;
         }
         let Some(rest) = line.strip_prefix("apiserver_request_total{") else {

@@ -6,7 +6,8 @@
 //! keeps the name and namespace (all the runtime's store and queue key on), the resourceVersion
 //! (which the watch resumes from), what the metrics read on every scrape (phase, due instant,
 //! namespace), and the rest of the At as its JSON, compressed by LZ4 against a dictionary of what
-//! every At repeats (`pack`), read back with `at()` when a reconcile or wake-up needs it. `cargo bench --bench cache` measures what that saves.
+//! every At repeats (`pack`), read back with `at()` when a reconcile or wake-up needs it.
+//! `cargo bench --bench cache` measures what that saves.
 
 use crate::api::{At, AtSpec, AtStatus, Phase};
 use crate::operator::contain::Quarantine;
@@ -272,6 +273,13 @@ impl CachedAt {
 
 #[cfg(test)]
 impl CachedAt {
+    /// The bytes its JSON takes packed (`pack`), and what LZ4 alone makes of the same JSON.
+    pub(crate) fn packed_sizes(&self) -> (usize, usize) {
+        let json = pack::unpack(&self.packed).unwrap_or_default();
+        let alone = lz4_flex::block::compress_prepend_size(&json);
+        (self.packed.len(), alone.len())
+    }
+
     /// An At running `true` at `schedule`, in `phase` (`None`: no status yet), as cached.
     pub(crate) fn example(
         name: &str,
