@@ -5,6 +5,7 @@
 //! - `reconcile`: the pure state machine (`reconcile::decide`) and carrying its decisions out.
 //! - `events`: the one queue of Kubernetes Events, in per-object lanes; nothing waits for one.
 //! - `pods_first`: pod creates before status writes before events, when many Ats fall due.
+//! - `slow_start`: the first pod creates of a wave go out few at a time, so the first pods come soon.
 //! - `reachability`: resumes work when an unreachable API server answers again.
 //! - `pod`: the pod an At runs in: name, labels, spec and the summary `decide` reads; pure.
 //! - `policy`: operator-wide run policy (`cnat run --default-*`) for what an At leaves out.
@@ -28,5 +29,6 @@ pub mod policy;
 pub mod reachability;
 pub mod reconcile;
 pub mod release;
+pub mod slow_start;
 pub mod spare;
 pub mod triggers;

@@ -74,8 +74,10 @@ impl InFlight {
 /// The three priorities of writes: pod creates, then status writes, then events.
 #[derive(Clone, Default)]
 pub struct PodsFirst {
-    /// Pod creates in flight.
+    /// Pod creates in flight (queued in `window` too).
     pub creating: InFlight,
+    /// The window pod creates go out in (`slow_start`).
+    pub window: std::sync::Arc<crate::operator::slow_start::SlowStart>,
     /// Status writes queued behind pod creates, or in flight.
     pub writing: InFlight,
 }

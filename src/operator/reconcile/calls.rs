@@ -252,7 +252,9 @@ impl Context {
         if !self.caches.ats.is_caught_up() {
             return Ok(self.behind(at));
         }
-        let creating = self.writer.pods_first().creating.enter();
+        let pods_first = self.writer.pods_first();
+        let creating = pods_first.creating.enter();
+        let window = pods_first.window.enter().await;
         if !self.confirm(at).await? {
             return Ok(Created::Unconfirmed);
         }
@@ -260,7 +262,7 @@ impl Context {
             .pod_api(at)
             .create(&params, &pod::build(at, &self.policy))
             .await;
-        drop(creating);
+        drop((window, creating));
         match created {
             Ok(_) => {
                 // No later create may rely on the version this one was decided on.
