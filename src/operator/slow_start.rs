@@ -19,7 +19,8 @@ pub const FIRST: usize = 2;
 pub const MAX_WAIT: Duration = Duration::from_millis(50);
 /// No create in flight for this long: the next wave starts small again.
 pub const IDLE: Duration = Duration::from_secs(1);
-/// The window grows no further (the reconciles' limit binds long before).
+/// The window grows no further: the reconciles' limit (`--concurrency`) binds long before,
+/// unless it is 0 (none).
 const LIMIT: usize = 4096;
 
 /// The window, and the creates in it.
