@@ -4,6 +4,7 @@
 //! until no pod create is in flight, an event until neither is (`PodsFirst::quiet`). Exactly
 //! once does not depend on this: the pod's deterministic name does.
 
+use crate::operator::slow_start::SlowStart;
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -77,7 +78,7 @@ pub struct PodsFirst {
     /// Pod creates in flight (queued in `window` too).
     pub creating: InFlight,
     /// The window pod creates go out in (`slow_start`).
-    pub window: std::sync::Arc<crate::operator::slow_start::SlowStart>,
+    pub window: Arc<SlowStart>,
     /// Status writes queued behind pod creates, or in flight.
     pub writing: InFlight,
 }

@@ -7,7 +7,7 @@ use super::{key, namespace, uid, Context, Error, FIELD_MANAGER};
 use crate::api::{At, Phase};
 use crate::operator::key::AtKey;
 use crate::operator::reconcile::writer::retry_delay;
-use crate::{operator::pod, schedule, shard};
+use crate::{operator::pod, operator::slow_start, schedule, shard};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
@@ -254,15 +254,16 @@ impl Context {
         }
         let pods_first = self.writer.pods_first();
         let creating = pods_first.creating.enter();
-        let window = pods_first.window.enter().await;
         if !self.confirm(at).await? {
             return Ok(Created::Unconfirmed);
         }
+        let window = pods_first.window.enter().await;
         let created = self
             .pod_api(at)
             .create(&params, &pod::build(at, &self.policy))
             .await;
-        drop((window, creating));
+        window.answered(slow_start::reply(&created));
+        drop(creating);
         match created {
             Ok(_) => {
                 // No later create may rely on the version this one was decided on.

@@ -6,6 +6,7 @@ use crate::api::{AtSpec, AtStatus, Phase};
 use crate::observability::metrics::Metrics;
 use crate::operator::cache::freshness::{Following, SILENCE};
 use crate::operator::policy::RunPolicy;
+use crate::operator::slow_start;
 use decide::PodObservation;
 use futures::StreamExt;
 use http::{Request, Response};
@@ -393,6 +394,13 @@ fn assert_event(sent: &Sent, type_: &str, reason: &str) {
     assert_eq!(sent.body["reportingController"], "cnat");
 }
 
+/// The slow-start window after the reconcile: no create left in it, and `open` wide (`FIRST`, or
+/// one wider after an answer; an overloaded server or a create not sent leaves it at `FIRST`).
+fn assert_window(h: &Harness, open: usize, case: &str) {
+    let window = h.ctx.writer.pods_first().window.window();
+    assert_eq!((window.open, window.in_flight), (open, 0), "{case}");
+}
+
 #[tokio::test]
 async fn a_due_at_creates_its_pod_before_writing_running() {
     let status = running_status();
@@ -485,6 +493,7 @@ async fn a_due_at_s_pod_is_created_only_when_the_api_server_confirms_the_at() {
         let action = h.reconcile(cached.clone()).await.unwrap();
         assert_eq!(action, Action::await_change(), "{case}");
         assert_eq!(h.reads(), 1, "{case}: one quorum read");
+        assert_window(&h, slow_start::FIRST, case);
         let metrics = h.metrics.encode();
         assert!(
             metrics.contains("\ncnat_pod_creates_unconfirmed_total 1\n"),
@@ -640,6 +649,7 @@ async fn an_existing_pod_of_this_at_is_adopted_not_created_twice() {
     let action = h.reconcile(example_at(None)).await.unwrap();
     assert_eq!(action, Action::await_change());
     assert_eq!(h.wakes_in(), Some(RunPolicy::default().running_recheck));
+    assert_window(&h, slow_start::FIRST + 1, "409: an answer");
     let sent = h.finish(4).await;
     let written = assert_status_patch(&sent[2], Phase::Running);
     assert_eq!(written.pod_name.as_deref(), Some("example-at-pod"));
@@ -689,6 +699,7 @@ async fn a_pod_the_api_server_rejects_is_reported_in_status() {
     );
     // No later look: the same pod would be rejected again until the At changes.
     assert_eq!(h.wakes_in(), None);
+    assert_window(&h, slow_start::FIRST + 1, "422: an answer");
     let sent = h.finish(3).await;
     let written = assert_status_patch(&sent[1], Phase::Pending);
     let message = written.message.unwrap();
@@ -721,6 +732,7 @@ async fn a_pod_refused_by_quota_or_policy_is_shown_and_retried_with_backoff() {
             matches!(error, Error::PodRefused { .. }),
             "{file}: backoff, not a plain requeue: {error}"
         );
+        assert_window(&h, slow_start::FIRST + 1, file);
         let metrics = h.metrics.clone();
         let sent = h.finish(3).await;
         let written = assert_status_patch(&sent[1], Phase::Pending);
@@ -877,6 +889,7 @@ async fn api_errors_name_the_at_and_retry_with_growing_backoff() {
     h.store_unless_set(&at);
     let error = reconcile(at.clone(), h.ctx.clone()).await.unwrap_err();
     assert!(matches!(error, Error::CreatePod { .. }));
+    assert_window(&h, slow_start::FIRST, "503: overloaded, no wider");
     let message = error.to_string();
     assert!(
         message.starts_with("At default/example-at: creating pod example-at-pod: "),
