@@ -428,7 +428,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     assert_eq!(created, n, "one pod per At");
     let q = |p: f64| after[((after.len() - 1) as f64 * p).round() as usize];
     println!(
-        "| {n} | {create_floor:.2?} | {wide_floor:.2?} | {cnat_floor:.2?} | {floor_cores} / {wide_cores} / {cnat_cores} / {burst_cores} (cnat {operator_cores}) | {:.0?} / {:.0?} / {:.0?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {:.2?} / {:.2?} ({:.0?} / {:.0?}) | {events_after:.2?} | {released} | {:.0} MiB (idle {:.0} MiB) |",
+        "| {n} | {create_floor:.2?} | {wide_floor:.2?} | {cnat_floor:.2?} | {floor_cores} / {wide_cores} / {cnat_cores} / {burst_cores} (cnat {operator_cores}) | {:.0?} / {:.0?} / {:.2?} | {:.2}x | {patch_floor:.2?} ({refused} refused by the CEL error, sent again) | {no_cel_floor:.2?} / {minimal_floor:.2?} | {all_done:.2?} | {:.2}x | {:.2?} / {:.2?} ({:.0?} / {:.0?}) | {events_after:.2?} | {released} | {:.0} MiB (idle {:.0} MiB) |",
         q(0.0),
         q(0.5),
         q(1.0),
