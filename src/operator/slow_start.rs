@@ -4,18 +4,23 @@
 //! The API server works on the creates it has at once side by side on the same cores: handed 32
 //! at the same instant, it likely answers the first only after about 32 creates' work (17
 //! bursts of 1000 on v1.24 and v1.37 put the first pod at 10-17 ms after due with slow start,
-//! against 21-30 ms in eight bursts before). A create waits at most `MAX_WAIT` for the window, so a create that hangs holds
-//! nothing up for longer than that; after `IDLE` without a create in flight the window starts
-//! small again.
+//! against 21-30 ms in eight bursts on v1.24 before).
 //!
-//! As in TCP (RFC 5681, with RFC 7661's rule for a window not in use), only an answer while at
-//! least half the window was in flight widens it: creates that trickle in one at a time keep it
-//! small, so the next wave starts small even without an idle second. An answer that says the
-//! server is overloaded (429, a 5xx, no answer) halves it; a create given up before it went out
-//! frees its place and changes nothing else.
+//! The window is in use while at least half of it is in flight (as TCP's, RFC 5681, with RFC
+//! 7661's rule for a window not in use): an answer then widens it by one; an answer while it is
+//! not in use narrows it to twice the creates that were in flight (never below `FIRST`), so the
+//! end of a wave, or creates that trickle in one at a time, leave it at two or three, and the
+//! next wave starts small whenever it comes. An answer that says the server is overloaded (429,
+//! a 5xx, no answer) halves the window, once per window of creates in flight (the others sent
+//! before the cut say the same of the same moment); a create given up before it went out frees
+//! its place and changes nothing else.
 //!
-//! The decisions (`admit`, `answered`) are pure and take the time; `SlowStart` holds the window
-//! and wakes waiters.
+//! A create waits at most `MAX_WAIT` for the window, then goes out past it: the window shapes a
+//! wave's start and never holds a create longer than that, so under a lasting overload the creates
+//! in flight are bounded by `--concurrency`, not by the window.
+//!
+//! The decisions (`admit`, `answered`, `reply`) are pure and take the time; `SlowStart` holds
+//! the window and wakes waiters.
 
 use std::time::Duration;
 use tokio::sync::watch;
@@ -25,45 +30,39 @@ use tokio::time::Instant;
 pub const FIRST: usize = 2;
 /// The longest a create waits for the window.
 pub const MAX_WAIT: Duration = Duration::from_millis(50);
-/// No create in flight for this long: the next wave starts small again.
-pub const IDLE: Duration = Duration::from_secs(1);
 /// The window grows no further: the reconciles' limit (`--concurrency`) binds long before,
 /// unless it is 0 (none).
 const LIMIT: usize = 4096;
 
 /// The window, and the creates in it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Window {
     /// How many creates may be in flight.
     pub open: usize,
     /// How many are.
     pub in_flight: usize,
-    /// When the last create in flight was answered (or the window was made).
-    pub idle_since: Instant,
+    /// Creates still in flight that were sent before the window was last halved: their
+    /// overloaded answers do not halve it again.
+    pub sent_before_cut: usize,
+    /// Creates let in since the window was made (in it, or past it after `MAX_WAIT`).
+    pub entered: u64,
 }
 
 impl Window {
-    /// A window of `FIRST`, idle since `now`.
-    pub fn new(now: Instant) -> Self {
+    /// A window of `FIRST`, empty.
+    pub fn new() -> Self {
         Window {
             open: FIRST,
-            in_flight: 0,
-            idle_since: now,
+            ..Window::default()
         }
     }
 }
 
-/// The window once a create is let in at `now`; `None` while it is full. A window idle for
-/// `IDLE` starts again at `FIRST`.
-pub fn admit(window: Window, now: Instant) -> Option<Window> {
-    let open = if window.in_flight == 0 && now.duration_since(window.idle_since) >= IDLE {
-        FIRST
-    } else {
-        window.open
-    };
-    (window.in_flight < open).then_some(Window {
-        open,
+/// The window once a create is let in; `None` while it is full.
+pub fn admit(window: Window) -> Option<Window> {
+    (window.in_flight < window.open).then_some(Window {
         in_flight: window.in_flight + 1,
+        entered: window.entered + 1,
         ..window
     })
 }
@@ -75,7 +74,8 @@ pub enum Reply {
     Answered,
     /// The server is overloaded or did not answer (429, a 5xx, a timeout or a lost connection).
     Overloaded,
-    /// Given up before it went out (not confirmed, or the reconcile ended).
+    /// Given up before it went out (not confirmed, the reconcile ended, or the request could
+    /// not be made).
     NotSent,
 }
 
@@ -86,28 +86,36 @@ pub fn reply<T>(result: &Result<T, kube::Error>) -> Reply {
         Err(kube::Error::Api(status)) if status.code == 429 || status.code >= 500 => {
             Reply::Overloaded
         }
-        Err(kube::Error::Api(_)) => Reply::Answered,
-        Err(_) => Reply::Overloaded,
+        // An answer, if one cnat could not read.
+        Err(kube::Error::Api(_) | kube::Error::SerdeError(_)) => Reply::Answered,
+        // No answer: the connection failed or timed out.
+        Err(kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_)) => {
+            Reply::Overloaded
+        }
+        // Not sent (credentials, the request's own form): says nothing of the server.
+        Err(_) => Reply::NotSent,
     }
 }
 
-/// The window once a create let in (or past it, after `MAX_WAIT`) ended at `now` with `reply`.
-pub fn answered(window: Window, now: Instant, reply: Reply) -> Window {
+/// The window once a create let in (or past it, after `MAX_WAIT`) ended with `reply`.
+pub fn answered(window: Window, reply: Reply) -> Window {
     debug_assert!(window.in_flight > 0, "an answer for a create not in flight");
-    let in_flight = window.in_flight.saturating_sub(1);
+    let in_use = 2 * window.in_flight >= window.open;
     let open = match reply {
-        // The window was in use: widen it. One barely used says nothing about the server.
-        Reply::Answered if 2 * window.in_flight >= window.open => (window.open + 1).min(LIMIT),
-        Reply::Answered | Reply::NotSent => window.open,
-        Reply::Overloaded => (window.open / 2).max(FIRST),
+        Reply::Answered if in_use => (window.open + 1).min(LIMIT),
+        Reply::Answered => (2 * window.in_flight).max(FIRST),
+        Reply::Overloaded if window.sent_before_cut == 0 => (window.open / 2).max(FIRST),
+        Reply::Overloaded | Reply::NotSent => window.open,
     };
+    let in_flight = window.in_flight.saturating_sub(1);
     Window {
         open,
         in_flight,
-        idle_since: if in_flight == 0 {
-            now
+        entered: window.entered,
+        sent_before_cut: if open < window.open && reply == Reply::Overloaded {
+            in_flight
         } else {
-            window.idle_since
+            window.sent_before_cut.saturating_sub(1)
         },
     }
 }
@@ -117,7 +125,7 @@ pub struct SlowStart(watch::Sender<Window>);
 
 impl Default for SlowStart {
     fn default() -> Self {
-        SlowStart(watch::Sender::new(Window::new(Instant::now())))
+        SlowStart(watch::Sender::new(Window::new()))
     }
 }
 
@@ -140,7 +148,7 @@ impl Drop for InWindow<'_> {
         let reply = self.reply;
         self.slow_start
             .0
-            .send_modify(|window| *window = answered(*window, Instant::now(), reply));
+            .send_modify(|window| *window = answered(*window, reply));
     }
 }
 
@@ -154,7 +162,7 @@ impl SlowStart {
             let mut let_in = false;
             // Letting one in frees no room: nobody else is woken for it.
             self.0.send_if_modified(|window| {
-                if let Some(admitted) = admit(*window, Instant::now()) {
+                if let Some(admitted) = admit(*window) {
                     *window = admitted;
                     let_in = true;
                 }
@@ -170,6 +178,7 @@ impl SlowStart {
                 Ok(Err(_)) | Err(_) => {
                     self.0.send_if_modified(|window| {
                         window.in_flight += 1;
+                        window.entered += 1;
                         false
                     });
                     return self.in_window();
@@ -197,98 +206,122 @@ mod tests {
 
     #[test]
     fn a_wave_starts_with_two_and_each_answer_lets_one_more_out() {
-        let start = Instant::now();
-        let mut window = Window::new(start);
-        let now = start + Duration::from_millis(1);
-        window = admit(window, now).unwrap();
-        window = admit(window, now).unwrap();
-        assert_eq!(admit(window, now), None, "a third waits");
-        window = answered(window, now, Reply::Answered);
+        let mut window = admit(admit(Window::new()).unwrap()).unwrap();
+        assert_eq!(admit(window), None, "a third waits");
+        window = answered(window, Reply::Answered);
         assert_eq!((window.open, window.in_flight), (3, 1));
-        window = admit(window, now).unwrap();
-        window = admit(window, now).unwrap();
-        assert_eq!(admit(window, now), None);
-        // Answers while others fly do not count as idle.
-        assert_eq!(window.idle_since, start);
+        window = admit(admit(window).unwrap()).unwrap();
+        assert_eq!(admit(window), None);
     }
 
     /// Admits creates until the window is full.
-    fn fill(mut window: Window, now: Instant) -> Window {
-        while let Some(admitted) = admit(window, now) {
+    fn fill(mut window: Window) -> Window {
+        while let Some(admitted) = admit(window) {
             window = admitted;
+        }
+        window
+    }
+
+    /// The window after a burst: creates answered one by one, each answer letting waiting ones
+    /// in, for `rounds` round trips.
+    fn burst(mut window: Window, rounds: usize) -> Window {
+        window = fill(window);
+        for _ in 0..rounds {
+            for _ in 0..window.open {
+                window = fill(answered(window, Reply::Answered));
+            }
         }
         window
     }
 
     #[test]
     fn while_creates_wait_the_window_doubles_each_round_trip_up_to_its_limit() {
-        let now = Instant::now();
-        let mut window = fill(Window::new(now), now);
+        let mut window = fill(Window::new());
         for round in 0..5 {
-            // The round's creates are answered one by one; each answer lets waiting ones in.
-            for _ in 0..window.open {
-                window = fill(answered(window, now, Reply::Answered), now);
-            }
+            window = burst(window, 1);
             assert_eq!(window.open, FIRST << (round + 1));
             assert_eq!(window.in_flight, window.open);
         }
         window.open = LIMIT;
         window.in_flight = LIMIT;
-        assert_eq!(answered(window, now, Reply::Answered).open, LIMIT);
+        assert_eq!(answered(window, Reply::Answered).open, LIMIT);
     }
 
     #[test]
-    fn creates_that_trickle_in_one_at_a_time_keep_the_window_small() {
-        let mut now = Instant::now();
-        let mut window = Window::new(now);
-        for _ in 0..1000 {
-            // Two a second, each answered before the next: never an idle second.
-            window = admit(window, now).unwrap();
-            now += Duration::from_millis(10);
-            window = answered(window, now, Reply::Answered);
-            now += Duration::from_millis(490);
+    fn a_wave_s_end_and_creates_that_trickle_in_leave_the_window_small() {
+        let mut window = burst(Window::new(), 5);
+        assert_eq!(window.open, 64);
+        // The wave ends: nothing waits, each answer narrows the window.
+        while window.in_flight > 0 {
+            window = answered(window, Reply::Answered);
         }
-        assert_eq!(window.open, FIRST + 1, "{window:?}");
-        // A wave now starts with three at once, not with hundreds.
-        assert_eq!(fill(window, now).in_flight, FIRST + 1);
+        assert_eq!(window.open, FIRST, "{window:?}");
+        // Creates one at a time, each answered before the next.
+        for _ in 0..1000 {
+            window = answered(admit(window).unwrap(), Reply::Answered);
+            assert!(window.open <= FIRST + 1, "{window:?}");
+        }
+        // The next wave starts with at most three at once, not with dozens.
+        assert!(fill(window).in_flight <= FIRST + 1);
+        // A create that hangs through a trickle keeps it small too.
+        window = admit(window).unwrap();
+        for _ in 0..1000 {
+            window = answered(admit(window).unwrap(), Reply::Answered);
+        }
+        assert!(
+            window.open <= 2 * 2 + 1,
+            "twice the two in flight, and one: {window:?}"
+        );
     }
 
     #[test]
-    fn an_overloaded_server_halves_the_window_and_a_create_not_sent_changes_nothing() {
-        let now = Instant::now();
-        let mut window = Window::new(now);
+    fn in_a_long_wave_the_concurrency_limit_holds_the_creates_and_the_window_never_does() {
+        // 32 reconciles at most, so at most 32 creates in flight: once the wave's first round
+        // trips widened the window, it settles at about twice that and lets every reconcile's
+        // create in, however long the wave lasts.
+        let mut window = Window::new();
+        let mut held_after_start = 0;
+        for step in 0..10_000 {
+            while window.in_flight < 32 {
+                match admit(window) {
+                    Some(admitted) => window = admitted,
+                    None => {
+                        held_after_start += usize::from(step >= 100);
+                        break;
+                    }
+                }
+            }
+            window = answered(window, Reply::Answered);
+            // Now and then fewer reconciles are at their create.
+            if step % 7 == 0 {
+                window = answered(window, Reply::Answered);
+            }
+        }
+        assert_eq!(held_after_start, 0);
+        assert!((60..=66).contains(&window.open), "{window:?}");
+    }
+
+    #[test]
+    fn an_overloaded_server_halves_the_window_once_per_window_in_flight() {
+        let mut window = Window::new();
         window.open = 40;
-        window = fill(window, now);
-        let halved = answered(window, now, Reply::Overloaded);
+        window = fill(window);
+        let halved = answered(window, Reply::Overloaded);
         assert_eq!((halved.open, halved.in_flight), (20, 39));
-        let not_sent = answered(window, now, Reply::NotSent);
+        // The 39 sent before the cut saw the same moment: their answers do not cut again.
+        let mut after = halved;
+        for _ in 0..39 {
+            after = answered(after, Reply::Overloaded);
+        }
+        assert_eq!((after.open, after.in_flight), (20, 0));
+        // One sent after the cut that is refused as well halves it again.
+        assert_eq!(answered(admit(after).unwrap(), Reply::Overloaded).open, 10);
+        // A create not sent changes nothing but its place.
+        let not_sent = answered(window, Reply::NotSent);
         assert_eq!((not_sent.open, not_sent.in_flight), (40, 39));
         // Never below where a wave starts.
-        let mut small = fill(Window::new(now), now);
-        small = answered(small, now, Reply::Overloaded);
+        let small = answered(fill(Window::new()), Reply::Overloaded);
         assert_eq!((small.open, small.in_flight), (FIRST, 1));
-    }
-
-    #[test]
-    fn an_idle_second_starts_the_next_wave_small() {
-        let start = Instant::now();
-        let mut window = Window::new(start);
-        window.open = 32;
-        window.in_flight = 16;
-        let last_answer = start + Duration::from_millis(5);
-        for _ in 0..16 {
-            window = answered(window, last_answer, Reply::Answered);
-        }
-        assert_eq!((window.in_flight, window.idle_since), (0, last_answer));
-        // Within a second of the last answer the window stays as wide...
-        let soon = admit(window, last_answer + IDLE - Duration::from_millis(1)).unwrap();
-        assert_eq!(soon.open, 33);
-        // ...after it, the wave starts again at two...
-        let later = admit(window, last_answer + IDLE).unwrap();
-        assert_eq!((later.open, later.in_flight), (FIRST, 1));
-        // ...but not while a create is still in flight, however long ago the last answer was.
-        let flying = admit(soon, last_answer + 10 * IDLE).unwrap();
-        assert_eq!((flying.open, flying.in_flight), (33, 2));
     }
 
     #[test]
@@ -318,6 +351,15 @@ mod tests {
             reply(&Err::<(), _>(kube::Error::Service(refused))),
             Reply::Overloaded
         );
+        let unreadable = serde_json::from_str::<u8>("x").unwrap_err();
+        assert_eq!(
+            reply(&Err::<(), _>(kube::Error::SerdeError(unreadable))),
+            Reply::Answered
+        );
+        assert_eq!(
+            reply(&Err::<(), _>(kube::Error::TlsRequired)),
+            Reply::NotSent
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -341,12 +383,8 @@ mod tests {
         let (waited, ()) = tokio::join!(third, answer);
         assert_eq!(waited, Duration::from_millis(7));
         assert_eq!(
-            slow.window(),
-            Window {
-                open: FIRST + 2,
-                in_flight: 1,
-                idle_since: started
-            },
+            (slow.window().open, slow.window().in_flight),
+            (FIRST + 2, 1),
             "two answers with the window in use: the first and the third"
         );
         // With the window full and nothing answered, a create waits `MAX_WAIT`, then goes.
@@ -354,7 +392,7 @@ mod tests {
         let full = Instant::now();
         let past = slow.enter().await;
         assert_eq!(full.elapsed(), MAX_WAIT);
-        assert_eq!(slow.window().in_flight, 5);
+        assert_eq!((slow.window().in_flight, slow.window().entered), (5, 7));
         // A create given up while it waits takes no place; one given up once in frees its own.
         let gave_up = tokio::time::timeout(MAX_WAIT / 2, slow.enter()).await;
         assert!(gave_up.is_err());

@@ -394,11 +394,15 @@ fn assert_event(sent: &Sent, type_: &str, reason: &str) {
     assert_eq!(sent.body["reportingController"], "cnat");
 }
 
-/// The slow-start window after the reconcile: no create left in it, and `open` wide (`FIRST`, or
-/// one wider after an answer; an overloaded server or a create not sent leaves it at `FIRST`).
-fn assert_window(h: &Harness, open: usize, case: &str) {
+/// The slow-start window after the reconcile: `entered` creates let in, none left in it, and
+/// `open` wide (`FIRST`, one wider after an answer, narrowed after an overloaded one).
+fn assert_window(h: &Harness, open: usize, entered: u64, case: &str) {
     let window = h.ctx.writer.pods_first().window.window();
-    assert_eq!((window.open, window.in_flight), (open, 0), "{case}");
+    assert_eq!(
+        (window.open, window.in_flight, window.entered),
+        (open, 0, entered),
+        "{case}"
+    );
 }
 
 #[tokio::test]
@@ -493,7 +497,12 @@ async fn a_due_at_s_pod_is_created_only_when_the_api_server_confirms_the_at() {
         let action = h.reconcile(cached.clone()).await.unwrap();
         assert_eq!(action, Action::await_change(), "{case}");
         assert_eq!(h.reads(), 1, "{case}: one quorum read");
-        assert_window(&h, slow_start::FIRST, case);
+        assert_window(
+            &h,
+            slow_start::FIRST,
+            0,
+            &format!("{case}: not confirmed, not sent"),
+        );
         let metrics = h.metrics.encode();
         assert!(
             metrics.contains("\ncnat_pod_creates_unconfirmed_total 1\n"),
@@ -649,7 +658,7 @@ async fn an_existing_pod_of_this_at_is_adopted_not_created_twice() {
     let action = h.reconcile(example_at(None)).await.unwrap();
     assert_eq!(action, Action::await_change());
     assert_eq!(h.wakes_in(), Some(RunPolicy::default().running_recheck));
-    assert_window(&h, slow_start::FIRST + 1, "409: an answer");
+    assert_window(&h, slow_start::FIRST + 1, 1, "409: an answer");
     let sent = h.finish(4).await;
     let written = assert_status_patch(&sent[2], Phase::Running);
     assert_eq!(written.pod_name.as_deref(), Some("example-at-pod"));
@@ -699,7 +708,7 @@ async fn a_pod_the_api_server_rejects_is_reported_in_status() {
     );
     // No later look: the same pod would be rejected again until the At changes.
     assert_eq!(h.wakes_in(), None);
-    assert_window(&h, slow_start::FIRST + 1, "422: an answer");
+    assert_window(&h, slow_start::FIRST + 1, 1, "422: an answer");
     let sent = h.finish(3).await;
     let written = assert_status_patch(&sent[1], Phase::Pending);
     let message = written.message.unwrap();
@@ -732,7 +741,7 @@ async fn a_pod_refused_by_quota_or_policy_is_shown_and_retried_with_backoff() {
             matches!(error, Error::PodRefused { .. }),
             "{file}: backoff, not a plain requeue: {error}"
         );
-        assert_window(&h, slow_start::FIRST + 1, file);
+        assert_window(&h, slow_start::FIRST + 1, 1, file);
         let metrics = h.metrics.clone();
         let sent = h.finish(3).await;
         let written = assert_status_patch(&sent[1], Phase::Pending);
@@ -887,9 +896,17 @@ async fn api_errors_name_the_at_and_retry_with_growing_backoff() {
     )]);
     let at = Arc::new(example_at(None));
     h.store_unless_set(&at);
+    // A window of four with one create of another At in it: the 503 halves it.
+    let window = h.ctx.writer.pods_first().window.clone();
+    let (a, b) = (window.enter().await, window.enter().await);
+    a.answered(slow_start::Reply::Answered);
+    let other = window.enter().await;
+    b.answered(slow_start::Reply::Answered);
+    assert_eq!((window.window().open, window.window().in_flight), (4, 1));
     let error = reconcile(at.clone(), h.ctx.clone()).await.unwrap_err();
     assert!(matches!(error, Error::CreatePod { .. }));
-    assert_window(&h, slow_start::FIRST, "503: overloaded, no wider");
+    drop(other);
+    assert_window(&h, slow_start::FIRST, 4, "503: overloaded, halved");
     let message = error.to_string();
     assert!(
         message.starts_with("At default/example-at: creating pod example-at-pod: "),
