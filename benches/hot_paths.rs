@@ -2,7 +2,8 @@
 //! replica does to judge an admission review, to convert, to decide a reconcile, per cache event
 //! and per status write. For one build (the same code, toolchain and dependencies) on one machine
 //! (the same valgrind, C library and CPU) the counts repeat within a fraction of a percent (hash
-//! sets' random keys), so a change over 5% is the code's, not noise: `scripts/perf-guard` compares them with the baselines committed in
+//! sets' random keys; zeroed allocations always cleared, `ZeroingMiMalloc`), so a change over 5%
+//! is the code's, not noise: `scripts/perf-guard` compares them with the baselines committed in
 //! `benches/baselines/hot_paths.json` and fails on a change over 5% (`scripts/test` runs it).
 //!
 //!     scripts/perf-guard                                      # against the baselines

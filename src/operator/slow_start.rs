@@ -6,14 +6,15 @@
 //! bursts of 1000 on v1.24 and v1.37 put the first pod at 10-17 ms after due with slow start,
 //! against 21-30 ms in eight bursts on v1.24 before).
 //!
-//! The window is in use while at least half of it is in flight (as TCP's, RFC 5681, with RFC
-//! 7661's rule for a window not in use): an answer then widens it by one; an answer while it is
-//! not in use narrows it to twice the creates that were in flight (never below `FIRST`), so the
-//! end of a wave, or creates that trickle in one at a time, leave it at two or three, and the
+//! The window is in use while at least half of it is in flight (RFC 7661's test for a window
+//! in use): only an answer then widens it. An answer while it is not in use narrows it to twice
+//! the creates that were in flight (never below `FIRST`; our rule, quicker than RFC 7661's), so
+//! the end of a wave, or creates that trickle in one at a time, leave it at two or three, and the
 //! next wave starts small whenever it comes. An answer that says the server is overloaded (429,
-//! a 5xx, no answer) halves the window, once per window of creates in flight (the others sent
-//! before the cut say the same of the same moment); a create given up before it went out frees
-//! its place and changes nothing else.
+//! a 5xx, no answer) cuts the window to half the creates in flight (RFC 5681's FlightSize / 2),
+//! once: the answers of creates sent before the cut tell of the same moment and neither cut nor
+//! widen it again. No answer to count (the reconcile ended first) frees the create's place and
+//! changes nothing else.
 //!
 //! A create waits at most `MAX_WAIT` for the window, then goes out past it: the window shapes a
 //! wave's start and never holds a create longer than that, so under a lasting overload the creates
@@ -41,9 +42,10 @@ pub struct Window {
     pub open: usize,
     /// How many are.
     pub in_flight: usize,
-    /// Creates still in flight that were sent before the window was last halved: their
-    /// overloaded answers do not halve it again.
-    pub sent_before_cut: usize,
+    /// How often the window was halved: a create remembers the number it entered under, and only
+    /// the answers of creates sent since the last cut change the window's width upwards or cut
+    /// it again (the others tell of the moment it was cut for).
+    pub cuts: u64,
     /// Creates let in since the window was made (in it, or past it after `MAX_WAIT`).
     pub entered: u64,
 }
@@ -74,8 +76,8 @@ pub enum Reply {
     Answered,
     /// The server is overloaded or did not answer (429, a 5xx, a timeout or a lost connection).
     Overloaded,
-    /// Given up before it went out (not confirmed, the reconcile ended, or the request could
-    /// not be made).
+    /// No answer to count: the request could not be made, or the reconcile ended before its
+    /// answer.
     NotSent,
 }
 
@@ -97,27 +99,30 @@ pub fn reply<T>(result: &Result<T, kube::Error>) -> Reply {
     }
 }
 
-/// The window once a create let in (or past it, after `MAX_WAIT`) ended with `reply`.
-pub fn answered(window: Window, reply: Reply) -> Window {
+/// The window once a create let in (or past it, after `MAX_WAIT`) when the window had been cut
+/// `sent_at` times ended with `reply`.
+pub fn answered(window: Window, reply: Reply, sent_at: u64) -> Window {
     debug_assert!(window.in_flight > 0, "an answer for a create not in flight");
     let in_use = 2 * window.in_flight >= window.open;
-    let open = match reply {
-        Reply::Answered if in_use => (window.open + 1).min(LIMIT),
-        Reply::Answered => (2 * window.in_flight).max(FIRST),
-        Reply::Overloaded if window.sent_before_cut == 0 => (window.open / 2).max(FIRST),
-        Reply::Overloaded | Reply::NotSent => window.open,
+    let since_cut = sent_at == window.cuts;
+    let mut after = Window {
+        in_flight: window.in_flight.saturating_sub(1),
+        ..window
     };
-    let in_flight = window.in_flight.saturating_sub(1);
-    Window {
-        open,
-        in_flight,
-        entered: window.entered,
-        sent_before_cut: if open < window.open && reply == Reply::Overloaded {
-            in_flight
-        } else {
-            window.sent_before_cut.saturating_sub(1)
-        },
+    match reply {
+        Reply::Answered if in_use && since_cut => after.open = (window.open + 1).min(LIMIT),
+        // Half the creates in flight (RFC 5681's FlightSize / 2), once for that moment.
+        Reply::Overloaded if since_cut => {
+            after.open = (window.in_flight / 2).max(FIRST);
+            after.cuts += 1;
+        }
+        Reply::Answered | Reply::Overloaded | Reply::NotSent => {}
     }
+    if !in_use {
+        // Not in use: no wider than twice the creates that were in flight.
+        after.open = after.open.min((2 * window.in_flight).max(FIRST));
+    }
+    after
 }
 
 /// The window pod creates share (one per leader).
@@ -134,6 +139,8 @@ impl Default for SlowStart {
 pub struct InWindow<'a> {
     slow_start: &'a SlowStart,
     reply: Reply,
+    /// The window's cuts when this create entered.
+    sent_at: u64,
 }
 
 impl InWindow<'_> {
@@ -145,10 +152,10 @@ impl InWindow<'_> {
 
 impl Drop for InWindow<'_> {
     fn drop(&mut self) {
-        let reply = self.reply;
+        let (reply, sent_at) = (self.reply, self.sent_at);
         self.slow_start
             .0
-            .send_modify(|window| *window = answered(*window, reply));
+            .send_modify(|window| *window = answered(*window, reply, sent_at));
     }
 }
 
@@ -159,38 +166,41 @@ impl SlowStart {
         let deadline = Instant::now() + MAX_WAIT;
         let mut changed = self.0.subscribe();
         loop {
-            let mut let_in = false;
+            let mut let_in = None;
             // Letting one in frees no room: nobody else is woken for it.
             self.0.send_if_modified(|window| {
                 if let Some(admitted) = admit(*window) {
                     *window = admitted;
-                    let_in = true;
+                    let_in = Some(window.cuts);
                 }
                 false
             });
-            if let_in {
-                return self.in_window();
+            if let Some(sent_at) = let_in {
+                return self.in_window(sent_at);
             }
             // Subscribed before the try: an answer since then is seen here.
             match tokio::time::timeout_at(deadline, changed.changed()).await {
                 Ok(Ok(())) => {}
                 // Waited long enough (or, impossibly, the window is gone): in past the window.
                 Ok(Err(_)) | Err(_) => {
+                    let mut sent_at = 0;
                     self.0.send_if_modified(|window| {
                         window.in_flight += 1;
                         window.entered += 1;
+                        sent_at = window.cuts;
                         false
                     });
-                    return self.in_window();
+                    return self.in_window(sent_at);
                 }
             }
         }
     }
 
-    fn in_window(&self) -> InWindow<'_> {
+    fn in_window(&self, sent_at: u64) -> InWindow<'_> {
         InWindow {
             slow_start: self,
             reply: Reply::NotSent,
+            sent_at,
         }
     }
 
@@ -204,11 +214,16 @@ impl SlowStart {
 mod tests {
     use super::*;
 
+    /// The window once a create sent since its last cut ended with `reply`.
+    fn answer(window: Window, reply: Reply) -> Window {
+        answered(window, reply, window.cuts)
+    }
+
     #[test]
     fn a_wave_starts_with_two_and_each_answer_lets_one_more_out() {
         let mut window = admit(admit(Window::new()).unwrap()).unwrap();
         assert_eq!(admit(window), None, "a third waits");
-        window = answered(window, Reply::Answered);
+        window = answer(window, Reply::Answered);
         assert_eq!((window.open, window.in_flight), (3, 1));
         window = admit(admit(window).unwrap()).unwrap();
         assert_eq!(admit(window), None);
@@ -228,7 +243,7 @@ mod tests {
         window = fill(window);
         for _ in 0..rounds {
             for _ in 0..window.open {
-                window = fill(answered(window, Reply::Answered));
+                window = fill(answer(window, Reply::Answered));
             }
         }
         window
@@ -244,7 +259,7 @@ mod tests {
         }
         window.open = LIMIT;
         window.in_flight = LIMIT;
-        assert_eq!(answered(window, Reply::Answered).open, LIMIT);
+        assert_eq!(answer(window, Reply::Answered).open, LIMIT);
     }
 
     #[test]
@@ -253,12 +268,12 @@ mod tests {
         assert_eq!(window.open, 64);
         // The wave ends: nothing waits, each answer narrows the window.
         while window.in_flight > 0 {
-            window = answered(window, Reply::Answered);
+            window = answer(window, Reply::Answered);
         }
         assert_eq!(window.open, FIRST, "{window:?}");
         // Creates one at a time, each answered before the next.
         for _ in 0..1000 {
-            window = answered(admit(window).unwrap(), Reply::Answered);
+            window = answer(admit(window).unwrap(), Reply::Answered);
             assert!(window.open <= FIRST + 1, "{window:?}");
         }
         // The next wave starts with at most three at once, not with dozens.
@@ -266,7 +281,7 @@ mod tests {
         // A create that hangs through a trickle keeps it small too.
         window = admit(window).unwrap();
         for _ in 0..1000 {
-            window = answered(admit(window).unwrap(), Reply::Answered);
+            window = answer(admit(window).unwrap(), Reply::Answered);
         }
         assert!(
             window.open <= 2 * 2 + 1,
@@ -291,10 +306,10 @@ mod tests {
                     }
                 }
             }
-            window = answered(window, Reply::Answered);
+            window = answer(window, Reply::Answered);
             // Now and then fewer reconciles are at their create.
             if step % 7 == 0 {
-                window = answered(window, Reply::Answered);
+                window = answer(window, Reply::Answered);
             }
         }
         assert_eq!(held_after_start, 0);
@@ -302,26 +317,49 @@ mod tests {
     }
 
     #[test]
-    fn an_overloaded_server_halves_the_window_once_per_window_in_flight() {
+    fn an_overloaded_server_cuts_the_window_to_half_the_creates_in_flight_once_per_moment() {
         let mut window = Window::new();
         window.open = 40;
         window = fill(window);
-        let halved = answered(window, Reply::Overloaded);
-        assert_eq!((halved.open, halved.in_flight), (20, 39));
-        // The 39 sent before the cut saw the same moment: their answers do not cut again.
-        let mut after = halved;
-        for _ in 0..39 {
-            after = answered(after, Reply::Overloaded);
+        let sent_before = window.cuts;
+        window = answer(window, Reply::Overloaded);
+        assert_eq!((window.open, window.in_flight, window.cuts), (20, 39, 1));
+        // The others sent before the cut tell of the same moment: no second cut...
+        for _ in 0..19 {
+            window = answered(window, Reply::Overloaded, sent_before);
         }
-        assert_eq!((after.open, after.in_flight), (20, 0));
-        // One sent after the cut that is refused as well halves it again.
-        assert_eq!(answered(admit(after).unwrap(), Reply::Overloaded).open, 10);
-        // A create not sent changes nothing but its place.
-        let not_sent = answered(window, Reply::NotSent);
-        assert_eq!((not_sent.open, not_sent.in_flight), (40, 39));
+        assert_eq!((window.open, window.in_flight), (20, 20));
+        // ...and their quick answers widen nothing.
+        for _ in 0..10 {
+            window = answered(window, Reply::Answered, sent_before);
+        }
+        assert_eq!((window.open, window.in_flight), (20, 10));
+        // A create sent since the cut and refused as well cuts again: to half of 11.
+        window = answer(admit(window).unwrap(), Reply::Overloaded);
+        assert_eq!((window.open, window.in_flight, window.cuts), (5, 10, 2));
+        // A create given up changes nothing but its place.
+        let given_up = answer(window, Reply::NotSent);
+        assert_eq!((given_up.open, given_up.in_flight), (5, 9));
         // Never below where a wave starts.
-        let small = answered(fill(Window::new()), Reply::Overloaded);
+        let small = answer(fill(Window::new()), Reply::Overloaded);
         assert_eq!((small.open, small.in_flight), (FIRST, 1));
+    }
+
+    #[test]
+    fn a_wave_that_ends_in_overloaded_answers_leaves_the_window_small() {
+        let mut window = burst(Window::new(), 5);
+        assert_eq!((window.open, window.in_flight), (64, 64));
+        let sent_at = window.cuts;
+        while window.in_flight > 0 {
+            window = answered(window, Reply::Overloaded, sent_at);
+        }
+        assert_eq!(window.open, FIRST, "{window:?}");
+        // So does one whose last creates were given up or answered before a cut.
+        let mut window = burst(Window::new(), 5);
+        while window.in_flight > 0 {
+            window = answered(window, Reply::NotSent, window.cuts);
+        }
+        assert_eq!(window.open, FIRST, "{window:?}");
     }
 
     #[test]
