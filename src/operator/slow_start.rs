@@ -111,9 +111,10 @@ pub fn answered(window: Window, reply: Reply, sent_at: u64) -> Window {
     };
     match reply {
         Reply::Answered if in_use && since_cut => after.open = (window.open + 1).min(LIMIT),
-        // Half the creates in flight (RFC 5681's FlightSize / 2), once for that moment.
+        // Half the creates in flight (RFC 5681's FlightSize / 2), once for that moment; those
+        // past the window after `MAX_WAIT` do not make it wider.
         Reply::Overloaded if since_cut => {
-            after.open = (window.in_flight / 2).max(FIRST);
+            after.open = (window.in_flight.min(window.open) / 2).max(FIRST);
             after.cuts += 1;
         }
         Reply::Answered | Reply::Overloaded | Reply::NotSent => {}
@@ -340,6 +341,13 @@ mod tests {
         // A create given up changes nothing but its place.
         let given_up = answer(window, Reply::NotSent);
         assert_eq!((given_up.open, given_up.in_flight), (5, 9));
+        // Creates past the window (after `MAX_WAIT`) do not make a cut wider than the window.
+        let past = Window {
+            open: 8,
+            in_flight: 20,
+            ..Window::new()
+        };
+        assert_eq!(answer(past, Reply::Overloaded).open, 4);
         // Never below where a wave starts.
         let small = answer(fill(Window::new()), Reply::Overloaded);
         assert_eq!((small.open, small.in_flight), (FIRST, 1));

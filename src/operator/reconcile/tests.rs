@@ -896,7 +896,8 @@ async fn api_errors_name_the_at_and_retry_with_growing_backoff() {
     )]);
     let at = Arc::new(example_at(None));
     h.store_unless_set(&at);
-    // A window of four with one create of another At in it: the 503 halves it.
+    // A window of four with one create of another At in it: the 503 cuts it to half the two
+    // in flight, never below two.
     let window = h.ctx.writer.pods_first().window.clone();
     let (a, b) = (window.enter().await, window.enter().await);
     a.answered(slow_start::Reply::Answered);
