@@ -1195,7 +1195,8 @@ pub async fn wait_ready(replica: &envtest::Replica, timeout: Duration) {
     }
 }
 
-/// Until `n` Ats have a status.
+/// Until `n` Ats have the `PENDING` status a leader writes (its `scheduledTime`): not merely a
+/// status, which every At shows from its creation on (the CRD's schema default, `Pending`).
 pub async fn watch_statuses(ats: Api<At>, n: usize) {
     let mut with_status = std::collections::HashSet::new();
     // From the API server's watch cache (any version): a list of 300,000 in pages from etcd
@@ -1209,7 +1210,7 @@ pub async fn watch_statuses(ats: Api<At>, n: usize) {
         match stream.next().await {
             None => break,
             Some(Ok(at)) => {
-                if at.status.is_some() {
+                if at.status.is_some_and(|s| s.scheduled_time.is_some()) {
                     with_status.insert(at.metadata.name.unwrap_or_default());
                 }
             }
