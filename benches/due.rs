@@ -146,7 +146,7 @@ async fn outage(n: usize, down: Duration) {
     let pending = poll(&server, LEAD, |s| {
         names.iter().all(|a| {
             s.get(Resource::Ats, "default", a)
-                .is_some_and(|v| v["status"]["phase"] == "Pending")
+                .is_some_and(|v| written_pending(&v))
         })
     })
     .await;
@@ -220,7 +220,7 @@ async fn run(n: usize) {
     let settled = poll(&server, lead, |s| {
         names.iter().all(|a| {
             s.get(Resource::Ats, "default", a)
-                .is_some_and(|v| v["status"]["phase"] == "Pending")
+                .is_some_and(|v| written_pending(&v))
         })
     })
     .await;
@@ -392,6 +392,12 @@ async fn finish(server: &ApiServer, ats: &[String], gap: Duration) -> Vec<Durati
         .collect()
 }
 
+/// Whether an At (as the test server serves it) has the `Pending` status a leader writes: its
+/// `scheduledTime`, not only the schema default every At shows from its creation on.
+fn written_pending(at: &serde_json::Value) -> bool {
+    at["status"]["phase"] == "Pending" && at["status"]["scheduledTime"].is_string()
+}
+
 /// Checks every 20 ms: the server stamps each event as it happens, so polling lazily changes no
 /// measurement and leaves the CPU to the operator.
 async fn poll(server: &ApiServer, timeout: Duration, check: impl Fn(&ApiServer) -> bool) -> bool {
@@ -494,7 +500,7 @@ async fn pending(n: usize) {
         let done = (0..5000).all(|i| {
             server
                 .get(Resource::Ats, "default", &format!("new-{i:04}"))
-                .is_some_and(|v| v["status"]["phase"] == "Pending")
+                .is_some_and(|v| written_pending(&v))
         });
         if done {
             break;

@@ -794,14 +794,20 @@ async fn wait_phases(ats: &Api<At>, n: usize, phase: &str) {
     );
 }
 
-/// Whether all `n` Ats of `ats` said `phase` before `deadline`.
+/// Whether all `n` Ats of `ats` said `phase` before `deadline`, in a status a leader wrote: a
+/// `Pending` one has its `scheduledTime` (every At shows the schema default, `Pending`, from its
+/// creation on).
 async fn wait_phases_until(ats: &Api<At>, n: usize, phase: &str, deadline: Instant) -> bool {
     loop {
         let list = ats.list(&Default::default()).await.unwrap();
         let count = list
             .items
             .iter()
-            .filter(|a| a.status.as_ref().is_some_and(|s| s.phase.as_str() == phase))
+            .filter(|a| {
+                a.status.as_ref().is_some_and(|s| {
+                    s.phase.as_str() == phase && (phase != "Pending" || s.scheduled_time.is_some())
+                })
+            })
             .count();
         if count == n {
             return Instant::now() < deadline;

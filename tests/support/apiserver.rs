@@ -87,7 +87,7 @@ struct State {
     queries: Vec<(String, String)>,
     /// When each pod was created, for lateness measurements.
     pod_created: BTreeMap<(String, String), Instant>,
-    /// When each At's status first said DONE.
+    /// When each At's status first said `Done`.
     at_done: BTreeMap<(String, String), Instant>,
     /// Requests by named clients: who, "METHOD resource[/subresource]", and when (tokio time,
     /// so paused-time tests read virtual time).
@@ -363,7 +363,9 @@ impl ApiServer {
 
     // ---- what tests do directly, as a user or the kubelet would ----
 
-    /// Creates an object as `kubectl create` would (generation 1, no status).
+    /// Creates an object as `kubectl create` would (generation 1; an At without a status shows
+    /// the schema default, `Pending`). Unlike a create over HTTP, a status given here is kept, as
+    /// if an earlier leader had written it.
     pub fn create(&self, resource: Resource, object: Value) -> Value {
         self.insert(resource, object).expect("new object")
     }
@@ -674,6 +676,13 @@ impl ApiServer {
             (&Method::POST, None) => {
                 let mut object: Value = serde_json::from_slice(&bytes).unwrap();
                 object["metadata"]["namespace"] = route.ns().into();
+                // As a real server: the At CRD has a status subresource, so a create's status
+                // is dropped (and the schema default given instead, by `insert`).
+                if route.resource == Resource::Ats {
+                    if let Some(object) = object.as_object_mut() {
+                        object.remove("status");
+                    }
+                }
                 let name = object["metadata"]["name"]
                     .as_str()
                     .unwrap_or_default()
@@ -921,7 +930,7 @@ impl ApiServer {
         }
         state.rv += 1;
         updated["metadata"]["resourceVersion"] = state.rv.to_string().into();
-        if route.resource == Resource::Ats && updated["status"]["phase"] == "DONE" {
+        if route.resource == Resource::Ats && updated["status"]["phase"] == "Done" {
             state
                 .at_done
                 .entry((key.1.clone(), key.2.clone()))
@@ -969,6 +978,11 @@ impl ApiServer {
         }
         if resource == Resource::Ats {
             meta["generation"] = 1.into();
+            // The CRD's schema default, which a real server gives every At it serves that has no
+            // status (so `status.phase` says `Pending` before any leader wrote a status).
+            if object["status"].is_null() {
+                object["status"] = json!({"phase": "Pending"});
+            }
         }
         if resource == Resource::Pods {
             if object["status"].is_null() {
