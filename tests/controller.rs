@@ -178,11 +178,7 @@ async fn a_pod_deleted_before_its_running_write_landed_is_not_created_again() {
     first.abort();
     let _ = first.await;
     server.delete(Resource::Pods, "default", "twice-pod");
-    assert_eq!(
-        phase(&server, "twice"),
-        None,
-        "RUNNING never landed"
-    );
+    assert_eq!(phase(&server, "twice"), None, "RUNNING never landed");
     server.hold_status_writes(false);
 
     let second = start(&server);
