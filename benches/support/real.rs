@@ -1201,8 +1201,9 @@ pub async fn wait_ready(replica: &envtest::Replica, timeout: Duration) {
     }
 }
 
-/// Until `n` Ats have the `PENDING` status a leader writes (its `scheduledTime`): not merely a
-/// status, which every At shows from its creation on (the CRD's schema default, `Pending`).
+/// Until `n` Ats have a status a leader wrote (its `scheduledTime`, which the `Pending` status
+/// sets and later ones keep): not merely a status, which every At shows from its creation on
+/// (the CRD's schema default, `Pending`).
 pub async fn watch_statuses(ats: Api<At>, n: usize) {
     let mut with_status = std::collections::HashSet::new();
     // From the API server's watch cache (any version): a list of 300,000 in pages from etcd

@@ -363,9 +363,9 @@ impl ApiServer {
 
     // ---- what tests do directly, as a user or the kubelet would ----
 
-    /// Creates an object as `kubectl create` would (generation 1; an At without a status shows
-    /// the schema default, `Pending`). Unlike a create over HTTP, a status given here is kept, as
-    /// if an earlier leader had written it.
+    /// Creates an object as a user would (generation 1; an At without a status shows the schema
+    /// default, `Pending`). Unlike a create over HTTP (`kubectl create`), a status given here is
+    /// kept, as if an earlier leader had written it.
     pub fn create(&self, resource: Resource, object: Value) -> Value {
         self.insert(resource, object).expect("new object")
     }
