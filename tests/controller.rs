@@ -381,6 +381,32 @@ async fn many_ats_due_together_each_get_exactly_one_pod() {
     operator.abort();
 }
 
+/// A new leader's first look finds more Ats to write than kube-runtime's queue is handed at once
+/// (`reconcile::backlog::LIMIT`): every one of them still gets its status, once (each leaves the
+/// backlog as its reconcile starts, making room for the next).
+#[tokio::test]
+async fn a_first_look_past_the_backlog_limit_writes_every_status_once() {
+    let server = ApiServer::new();
+    let n = 2 * cnat::operator::reconcile::backlog::LIMIT + 100;
+    let later = (Utc::now() + Span::hours(1)).to_rfc3339();
+    for i in 0..n {
+        server.create(Resource::Ats, at_json(&format!("at-{i}"), &later, "true"));
+    }
+    let operator = start(&server);
+    let all_pending = server
+        .wait_for(Duration::from_secs(20), |s| {
+            (0..n).all(|i| phase(s, &format!("at-{i}")) == Some(Phase::Pending))
+        })
+        .await;
+    let written = (0..n)
+        .filter(|i| phase(&server, &format!("at-{i}")) == Some(Phase::Pending))
+        .count();
+    assert!(all_pending, "{written} of {n} statuses written");
+    assert_eq!(server.count("PATCH ats/status"), n);
+    assert_eq!(server.list(Resource::Pods).len(), 0);
+    operator.abort();
+}
+
 /// A status write never waits behind an event: with every event request hanging (all the
 /// publishers busy), 40 Ats still go PENDING -> RUNNING -> DONE; their events follow once the
 /// server answers again.

@@ -35,6 +35,16 @@ const TAKEN_OVER: usize = 200;
 const SPACING: Duration = Duration::from_millis(75);
 
 pub async fn run(shards: usize, sizes: &[usize]) {
+    if std::env::var_os("CNAT_BENCH_WRITE_MEMORY").is_some() {
+        let (plane, admin) = real::start(
+            "| Ats | writer --shards S RSS | writer one Lease RSS | listing one Lease RSS |",
+        )
+        .await;
+        for &n in sizes {
+            write_memory(plane, &admin, shards, n).await;
+        }
+        return;
+    }
     let header = format!("| Ats pending | created in | 3 replicas, --shards {shards}: every PENDING status after | their RSS 10 s later | one replica, one Lease: every At cached after / RSS 10 s later | a replica stopped 100 ms before {TAKEN_OVER} Ats fall due, one every {SPACING:?}: pod after due, its shards' (max) / the others' (max) | {BURST} Ats due at once: bare pod creates (floor) / last pod after due / ratio |");
     let (plane, admin) = real::start(&header).await;
     for &n in sizes {
@@ -266,4 +276,49 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     for mut replica in replicas {
         replica.kill();
     }
+}
+
+/// One replica writing every status, sharded and not, and one only listing: their RSS.
+async fn write_memory(plane: &'static ControlPlane, admin: &Client, shards: usize, n: usize) {
+    let later = chrono::Utc::now() + chrono::Duration::hours(2);
+    let mut rss = Vec::new();
+    let mut first_ns = String::new();
+    for (i, s) in [shards, 1].into_iter().enumerate() {
+        let ns = plane.namespace(&format!("mem-{i}-{n}"), &[]).await;
+        let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+        create(&ats, &ns, "at", n, later, Duration::ZERO).await;
+        let settled = tokio::spawn(real::watch_statuses(ats.clone(), n));
+        let mut replica = start(plane, &ns, &format!("w{i}"), s);
+        settled.await.unwrap();
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        rss.push(rss_mib(&replica));
+        eprintln!(
+            "writer --shards={s}: {:.0} MiB pid {}",
+            rss_mib(&replica),
+            replica.child.id()
+        );
+        if std::env::var_os("CNAT_BENCH_HOLD").is_some() {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        }
+        replica.kill();
+        if i == 0 {
+            first_ns = ns;
+        }
+    }
+    let flags = [
+        format!("--namespace={first_ns}"),
+        "--lease-name=single".to_owned(),
+        "--webhooks=false".to_owned(),
+        "--log=warn".to_owned(),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let mut single = plane.replica("single", &first_ns, &flags);
+    real::wait_ready(&single, Duration::from_secs(900)).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    rss.push(rss_mib(&single));
+    single.kill();
+    println!(
+        "| {n} | {:.0} MiB | {:.0} MiB | {:.0} MiB |",
+        rss[0], rss[1], rss[2]
+    );
 }

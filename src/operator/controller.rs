@@ -8,6 +8,7 @@ use crate::observability::metrics::Metrics;
 use crate::operator::cache::{self, AtCache, CachedAt};
 use crate::operator::contain;
 use crate::operator::events::EventSink;
+use crate::operator::key::AtKey;
 use crate::operator::pod;
 use crate::operator::policy::RunPolicy;
 use crate::operator::reconcile::{self, error_policy, reconcile, Caches, Context};
@@ -121,20 +122,29 @@ pub async fn run_with_cache(
     };
     let tasks = spawn_tasks(&ctx, &at_store, orphaned, to_label);
     let fatal = ctx.fatal().clone();
+    let dropped = ctx.clone();
     let controller = Controller::for_shared_stream(at_events, at_store)
         .owns_stream(pod_events)
         .reconcile_on(retriggers.map(|at| CachedAt::key_of(&at)))
         .with_config(controller::Config::default().concurrency(settings.concurrency))
         .graceful_shutdown_on(stop.cancelled_owned())
         .run(reconcile_cached, error_policy_cached, ctx)
-        .for_each(|result| async move {
+        .for_each(move |result| {
             // Reconcile failures were logged by the error policy; these are the runtime's own.
             match result {
                 // A pod or wakeup of an At deleted meanwhile: normal, e.g. under mass deletion.
-                Err(error @ controller::Error::ObjectNotFound(_)) => debug!(%error, "controller"),
+                // Its request is dropped, so it no longer waits in the runtime's queue.
+                Err(controller::Error::ObjectNotFound(at)) => {
+                    debug!(at = %at, "controller: the At is gone");
+                    dropped.reconcile_starts(&AtKey::new(
+                        at.namespace.as_deref().unwrap_or_default(),
+                        &at.name,
+                    ));
+                }
                 Err(error @ controller::Error::QueueError(_)) => warn!(%error, "controller"),
                 _ => {}
             }
+            std::future::ready(())
         });
     supervise(controller, fatal, tasks, &metrics).await;
     info!("reconcile loop stopped");
@@ -322,10 +332,12 @@ async fn reconcile_cached(
     cached: Arc<CachedAt>,
     ctx: Arc<Context>,
 ) -> Result<controller::Action, reconcile::Error> {
+    let at_key = CachedAt::key(&cached);
+    ctx.reconcile_starts(&at_key);
     // As the look that found work decoded it, or read back now (a wakeup, a retry).
     let ledger = ctx.writer().ledger();
     let version = cached.resource_version();
-    let decoded = ledger.take_decoded(&CachedAt::key(&cached), version.as_deref());
+    let decoded = ledger.take_decoded(&at_key, version.as_deref());
     let Some(at) = decoded.or_else(|| cache::read(&cached).map(Arc::new)) else {
         // Logged; nothing can be done with it until it changes.
         return Ok(controller::Action::await_change());

@@ -2,6 +2,7 @@
 //! one step at a time (`step`), with the pod calls in `calls` and every status write, event and
 //! retry in `writer`. Each reconcile is a `reconcile` span and is counted in the metrics.
 
+pub mod backlog;
 pub mod calls;
 pub mod decide;
 pub mod error;
@@ -71,6 +72,8 @@ pub struct Context {
     /// Ats to reconcile outside the runtime's own requeues (wakeups, failed queued writes, an
     /// API server that answers again).
     retriggers: Queue<AtKey>,
+    /// The retriggers handed to the runtime whose reconcile has not started.
+    backlog: Arc<backlog::Backlog>,
     /// Cancelled when a reconcile panicked: the loop ends, and with it this leadership.
     fatal: CancellationToken,
 }
@@ -94,6 +97,7 @@ impl Context {
             policy,
             writer: Arc::new(writer),
             retriggers: Queue::default(),
+            backlog: Arc::default(),
             fatal: CancellationToken::new(),
         }
     }
@@ -116,6 +120,18 @@ impl Context {
     /// Drops everything kept for a deleted At: its backoff, its last write, its wakeup.
     pub fn forget(&self, at: &AtKey) {
         self.writer.ledger().forget(at);
+        self.backlog.left(at);
+    }
+
+    /// `at`'s reconcile starts, or the runtime dropped its request (the At was gone): it no
+    /// longer waits in the runtime's queue (`backlog`).
+    pub fn reconcile_starts(&self, at: &AtKey) {
+        self.backlog.left(at);
+    }
+
+    /// Retriggered Ats waiting in the runtime's queue now (`backlog`).
+    pub fn backlog(&self) -> usize {
+        self.backlog.len()
     }
 
     /// Drops what is kept for Ats `known` does not hold any more (deletions a relist or a lagging
@@ -157,9 +173,11 @@ impl Context {
         unreachable.probe(every, ask, |at| self.wake_up(at)).await;
     }
 
-    /// Ats to reconcile again, for `Controller::reconcile_on`; `None` if already taken.
+    /// Ats to reconcile again, for `Controller::reconcile_on`, at most `backlog::LIMIT` of them
+    /// waiting in the runtime's queue at once (each must be passed to `reconcile_starts` when
+    /// its reconcile starts); `None` if already taken.
     pub fn retriggers(&self) -> Option<impl futures::Stream<Item = AtKey> + use<>> {
-        self.retriggers.take()
+        Some(self.backlog.clone().gate(self.retriggers.take()?))
     }
 
     /// The time now, by the injected clock.
