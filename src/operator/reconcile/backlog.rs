@@ -7,8 +7,8 @@
 //! first look handed it 20,000 Ats to write, it held about 290 bytes per At for the rest of the
 //! leadership (heaptrack of a replica, docs/src/performance/measurements.md, "Memory per
 //! cached At"). With at most `LIMIT` handed over and not started, those maps stay at that size;
-//! `LIMIT` is far more than the reconciles that run at once, so the runtime never waits for
-//! work.
+//! `LIMIT` is more than the reconciles that run at once, so the runtime never waits for work.
+//! With Lease shards each shard's leadership has a backlog of its own.
 //!
 //! A key leaves the backlog when its reconcile starts, when the runtime drops its request (the
 //! At was gone from the cache: `controller::Error::ObjectNotFound`) or when the At is forgotten
@@ -24,8 +24,10 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-/// Ats handed to the runtime whose reconcile has not started, at most.
-pub const LIMIT: usize = 1024;
+/// Ats handed to the runtime whose reconcile has not started, at most: eight times the
+/// reconciles that run at once by default (`--concurrency` 32). A reconcile that starts leaves
+/// the backlog, so this bounds what waits, never what runs.
+pub const LIMIT: usize = 256;
 /// A key handed over this long ago counts no more (its reconcile started unseen).
 pub const STALE: Duration = Duration::from_secs(30);
 
