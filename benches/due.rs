@@ -22,6 +22,7 @@
 //!     cargo bench --bench due -- --real 100000  # pending Ats, a rolling step, five handovers
 //!     cargo bench --bench due -- --real --rolling 50000  # a rolling replacement of 3 replicas
 //!     cargo bench --bench due -- --real --shards=6 100000 300000  # Lease shards, 3 replicas
+//!     cargo bench --bench due -- --real --shards=6 --write-memory 30000  # a writing replica's memory
 //!     cargo bench --bench due -- 5000    # any sizes (no outages)
 //!     cargo bench --bench due -- 100000  # 100,000 pending Ats
 

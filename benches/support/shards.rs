@@ -15,6 +15,11 @@
 //!   for the Ats of the shards it led and for the others;
 //! - with three replicas again, 10,000 Ats due at once: the last pod after due, as a ratio to
 //!   10,000 bare pod creates over 16 connections (the floor, measured in the same run).
+//!
+//! `cargo bench --bench due -- --real --shards=S --write-memory [SIZES]`: instead, what one
+//! replica holds once it has written `n` Ats' statuses, leading all `S` shards and with one
+//! Lease, beside a replica that only lists them (`write_memory`). `CNAT_BENCH_BINARY` runs
+//! another binary as the replicas (e.g. one under heaptrack, docs/src/development.md).
 
 use crate::envtest::{self, ControlPlane, Replica};
 use crate::real;
@@ -35,11 +40,9 @@ const TAKEN_OVER: usize = 200;
 const SPACING: Duration = Duration::from_millis(75);
 
 pub async fn run(shards: usize, sizes: &[usize]) {
-    if std::env::var_os("CNAT_BENCH_WRITE_MEMORY").is_some() {
-        let (plane, admin) = real::start(
-            "| Ats | writer --shards S RSS | writer one Lease RSS | listing one Lease RSS |",
-        )
-        .await;
+    if std::env::args().any(|a| a == "--write-memory") {
+        let header = format!("| Ats | one replica with --shards {shards} (leading every shard): RSS once every PENDING status is written, 10 s later | one replica, one Lease: the same | one replica, one Lease, cold (every status written already): RSS 10 s after it cached every At |");
+        let (plane, admin) = real::start(&header).await;
         for &n in sizes {
             write_memory(plane, &admin, shards, n).await;
         }
@@ -278,41 +281,38 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     }
 }
 
-/// One replica writing every status, sharded and not, and one only listing: their RSS.
+/// `--write-memory`: what a replica holds once it has written every At's `Pending` status, with
+/// `shards` Lease shards (all led by it) and with one Lease, each in a namespace of its own with
+/// `n` fresh Ats; then a cold replica with one Lease that only lists the first namespace's Ats
+/// (their statuses written): the floor without the writes.
 async fn write_memory(plane: &'static ControlPlane, admin: &Client, shards: usize, n: usize) {
     let later = chrono::Utc::now() + chrono::Duration::hours(2);
     let mut rss = Vec::new();
-    let mut first_ns = String::new();
-    for (i, s) in [shards, 1].into_iter().enumerate() {
-        let ns = plane.namespace(&format!("mem-{i}-{n}"), &[]).await;
+    let mut written_ns = None;
+    for (i, shards) in [shards, 1].into_iter().enumerate() {
+        let ns = plane.namespace(&format!("written-{i}-{n}"), &[]).await;
         let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
         create(&ats, &ns, "at", n, later, Duration::ZERO).await;
         let settled = tokio::spawn(real::watch_statuses(ats.clone(), n));
-        let mut replica = start(plane, &ns, &format!("w{i}"), s);
-        settled.await.unwrap();
+        let mut replica = start(plane, &ns, &format!("writer-{i}"), shards);
+        tokio::time::timeout(Duration::from_secs(1800), settled)
+            .await
+            .expect("every PENDING status within 30 minutes")
+            .unwrap();
         tokio::time::sleep(Duration::from_secs(10)).await;
         rss.push(rss_mib(&replica));
-        eprintln!(
-            "writer --shards={s}: {:.0} MiB pid {}",
-            rss_mib(&replica),
-            replica.child.id()
-        );
-        if std::env::var_os("CNAT_BENCH_HOLD").is_some() {
-            tokio::time::sleep(Duration::from_secs(60)).await;
-        }
         replica.kill();
-        if i == 0 {
-            first_ns = ns;
-        }
+        written_ns.get_or_insert(ns);
     }
+    let ns = written_ns.unwrap_or_default();
     let flags = [
-        format!("--namespace={first_ns}"),
+        format!("--namespace={ns}"),
         "--lease-name=single".to_owned(),
         "--webhooks=false".to_owned(),
         "--log=warn".to_owned(),
     ];
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let mut single = plane.replica("single", &first_ns, &flags);
+    let mut single = plane.replica("single", &ns, &flags);
     real::wait_ready(&single, Duration::from_secs(900)).await;
     tokio::time::sleep(Duration::from_secs(10)).await;
     rss.push(rss_mib(&single));

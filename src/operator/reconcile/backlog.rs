@@ -1,42 +1,53 @@
-//! How many Ats wait in kube-runtime's queue for a reconcile that has not started, from the
-//! retriggers (wakeups, a first look at every At, failed writes): at most `LIMIT`; the rest wait
-//! in the retrigger queue, at a few bytes each.
+//! How many of the Ats cnat hands to kube-runtime's controller itself (wakeups, a first look at
+//! every At, retried writes: `Context::retriggers`) wait in the runtime's queue for a reconcile
+//! that has not started: at most `LIMIT`; the rest wait in the retrigger queue, a key each.
 //!
 //! The runtime's scheduler takes every request it is handed at once, into a `HashMap`, a
 //! `DelayQueue` and a `HashSet` that never give back what they grew to: after a new leader's
 //! first look handed it 20,000 Ats to write, it held about 290 bytes per At for the rest of the
-//! leadership (heaptrack of a replica, docs/src/performance/measurements.md, "Memory per
-//! cached At"). With at most `LIMIT` handed over and not started, those maps stay at that size;
+//! leadership (heaptrack of a replica: docs/src/performance/measurements.md, "What a writing
+//! replica holds"). With at most `LIMIT` of these waiting, they add no more than that to those
+//! maps (the At watch's changes, pod events and the error policy's requeues are not gated);
 //! `LIMIT` is more than the reconciles that run at once, so the runtime never waits for work.
 //! With Lease shards each shard's leadership has a backlog of its own.
 //!
 //! A key leaves the backlog when its reconcile starts, when the runtime drops its request (the
 //! At was gone from the cache: `controller::Error::ObjectNotFound`) or when the At is forgotten
-//! (deleted). A key already waiting is not handed over again: the runtime would merge the two
-//! requests into one reconcile. Should a key ever not leave (a path not foreseen), it counts no
-//! more after `STALE`: the backlog can slow the retriggers down, never stop them.
+//! (deleted). A key that waits already is passed on at once and not counted again: the runtime
+//! keeps one request per At, so it adds nothing to its maps, and it may be needed (a reconcile
+//! that was starting with an older version of the At). A full backlog from which nothing left
+//! for `STALE` is emptied: the backlog can slow the retriggers down, never stop them.
 
 use crate::operator::key::AtKey;
 use futures::{Stream, StreamExt};
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
+use tracing::warn;
 
 /// Ats handed to the runtime whose reconcile has not started, at most: eight times the
 /// reconciles that run at once by default (`--concurrency` 32). A reconcile that starts leaves
 /// the backlog, so this bounds what waits, never what runs.
 pub const LIMIT: usize = 256;
-/// A key handed over this long ago counts no more (its reconcile started unseen).
-pub const STALE: Duration = Duration::from_secs(30);
+/// A full backlog from which no key left for this long is emptied (keys whose reconcile started
+/// unseen: a path not foreseen); the gate then goes on.
+pub const STALE: Duration = Duration::from_secs(60);
 
-/// The Ats handed to the runtime and not started yet, and when each was handed over.
+/// The Ats handed to the runtime and not started yet.
 pub struct Backlog {
-    waiting: Mutex<HashMap<AtKey, Instant>>,
+    state: Mutex<State>,
     /// Told when a key leaves.
     room: Notify,
     limit: usize,
+}
+
+#[derive(Default)]
+struct State {
+    waiting: HashSet<AtKey>,
+    /// Since when the backlog was full with no key leaving.
+    stuck_since: Option<Instant>,
 }
 
 impl Default for Backlog {
@@ -49,88 +60,83 @@ impl Backlog {
     /// A backlog of at most `limit` Ats (at least one).
     pub fn new(limit: usize) -> Self {
         Backlog {
-            waiting: Mutex::default(),
+            state: Mutex::default(),
             room: Notify::new(),
             limit: limit.max(1),
         }
     }
 
-    fn waiting(&self) -> std::sync::MutexGuard<'_, HashMap<AtKey, Instant>> {
-        self.waiting.lock().unwrap_or_else(|e| e.into_inner())
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// `at`'s reconcile started, the runtime dropped its request, or the At is gone.
     pub fn left(&self, at: &AtKey) {
-        let mut waiting = self.waiting();
-        if waiting.remove(at).is_some() {
-            crate::operator::spare::shrink_if_sparse(&mut waiting);
-            drop(waiting);
+        let mut state = self.state();
+        if state.waiting.remove(at) {
+            state.stuck_since = None;
+            drop(state);
             self.room.notify_one();
         }
     }
 
     /// Ats waiting now.
-    pub fn len(&self) -> usize {
-        self.waiting().len()
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.state().waiting.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// `None` when there is room for one more at `now` (dropping keys older than `STALE`
-    /// first); else the instant the oldest key will be stale.
+    /// `None` when there is room for one more at `now`; else until when it waits for a key to
+    /// leave before it is emptied (`STALE`).
     fn full_until(&self, now: Instant) -> Option<Instant> {
-        let mut waiting = self.waiting();
-        if waiting.len() < self.limit {
+        let mut state = self.state();
+        if state.waiting.len() < self.limit {
             return None;
         }
-        waiting.retain(|_, since| now.saturating_duration_since(*since) < STALE);
-        if waiting.len() < self.limit {
-            return None;
+        let since = *state.stuck_since.get_or_insert(now);
+        if now.saturating_duration_since(since) < STALE {
+            return Some(since + STALE);
         }
-        waiting.values().min().map(|oldest| *oldest + STALE)
+        warn!(
+            waiting = state.waiting.len(),
+            after = ?STALE,
+            "no At handed to the reconcile loop started its reconcile; counting them no more"
+        );
+        *state = State::default();
+        None
     }
 
     /// Until there is room for one more key.
     async fn room(&self) {
         loop {
-            // Registered before looking, so a key leaving meanwhile is not missed.
             let left = self.room.notified();
-            let Some(stale) = self.full_until(Instant::now()) else {
+            tokio::pin!(left);
+            // Registered before looking, so a key leaving meanwhile is not missed.
+            left.as_mut().enable();
+            let Some(stuck) = self.full_until(Instant::now()) else {
                 return;
             };
             tokio::select! {
                 _ = left => {}
-                _ = tokio::time::sleep_until(stale) => {}
+                _ = tokio::time::sleep_until(stuck) => {}
             }
         }
     }
 
-    /// Whether `at` is to be handed over now (it was not waiting already); it then waits.
-    fn admit(&self, at: &AtKey, now: Instant) -> bool {
-        let mut waiting = self.waiting();
-        if waiting.contains_key(at) {
-            return false;
-        }
-        waiting.insert(at.clone(), now);
-        true
-    }
-
-    /// The keys of `keys`, each handed over while fewer than the limit wait; a key waiting
-    /// already is dropped (its waiting request covers it).
+    /// The keys of `keys`, each new one handed over once fewer than the limit wait; one that
+    /// waits already is passed on at once, uncounted (the runtime merges it into the waiting
+    /// request, or, if its reconcile is starting, runs it again after that one).
     pub fn gate(
         self: Arc<Self>,
         keys: impl Stream<Item = AtKey> + Send + 'static,
     ) -> impl Stream<Item = AtKey> + Send + 'static {
         futures::stream::unfold((self, Box::pin(keys)), |(backlog, mut keys)| async move {
-            loop {
+            let at = keys.next().await?;
+            if !backlog.state().waiting.contains(&at) {
                 backlog.room().await;
-                let at = keys.next().await?;
-                if backlog.admit(&at, Instant::now()) {
-                    return Some((at, (backlog, keys)));
-                }
+                backlog.state().waiting.insert(at.clone());
             }
+            Some((at, (backlog, keys)))
         })
     }
 }
@@ -193,21 +199,22 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_key_waiting_already_is_not_handed_over_twice_but_is_once_it_started() {
-        let (backlog, sender, gate) = gated(10);
+    async fn a_key_waiting_already_is_passed_on_at_once_uncounted() {
+        let (backlog, sender, gate) = gated(2);
         let mut gate = Box::pin(gate);
-        for at in [key(1), key(1), key(2), key(1)] {
+        for at in [key(1), key(1), key(2), key(1), key(3), key(2)] {
             sender.send(at).unwrap();
         }
-        assert_eq!(ready(gate.as_mut()).await, [key(1), key(2)]);
+        // Key 3 waits for room; key 2 behind it waits in the queue.
+        assert_eq!(ready(gate.as_mut()).await, [key(1), key(1), key(2), key(1)]);
+        assert_eq!(backlog.len(), 2);
         backlog.left(&key(1));
-        sender.send(key(1)).unwrap();
-        assert_eq!(ready(gate.as_mut()).await, [key(1)]);
+        assert_eq!(ready(gate.as_mut()).await, [key(3), key(2)]);
         assert_eq!(backlog.len(), 2);
     }
 
     #[tokio::test(start_paused = true)]
-    async fn keys_that_never_leave_count_no_more_after_stale() {
+    async fn a_full_backlog_nothing_leaves_is_emptied_after_stale() {
         let (backlog, sender, gate) = gated(2);
         let mut gate = Box::pin(gate);
         for i in 0..5 {
@@ -222,6 +229,27 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_backlog_keys_leave_is_not_emptied_however_long_each_waits() {
+        let (backlog, sender, gate) = gated(2);
+        let mut gate = Box::pin(gate);
+        for i in 0..4 {
+            sender.send(key(i)).unwrap();
+        }
+        assert_eq!(ready(gate.as_mut()).await, [key(0), key(1)]);
+        tokio::time::advance(STALE - Duration::from_secs(10)).await;
+        backlog.left(&key(0));
+        assert_eq!(ready(gate.as_mut()).await, [key(2)]);
+        // Key 1 waited past STALE, but a key left since: nothing is dropped.
+        tokio::time::advance(STALE - Duration::from_secs(10)).await;
+        assert!(ready(gate.as_mut()).await.is_empty());
+        assert_eq!(backlog.len(), 2);
+        // Full with nothing leaving for STALE: emptied.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert_eq!(ready(gate.as_mut()).await, [key(3)]);
+        assert_eq!(backlog.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn the_gate_ends_when_its_keys_end() {
         let (_backlog, sender, gate) = gated(2);
         sender.send(key(0)).unwrap();
@@ -230,11 +258,14 @@ mod tests {
         assert_eq!(all, [key(0)]);
     }
 
-    #[test]
-    fn a_backlog_holds_one_key_at_least() {
-        let backlog = Backlog::new(0);
-        assert!(backlog.full_until(Instant::now()).is_none());
-        assert!(backlog.admit(&key(0), Instant::now()));
-        assert!(backlog.full_until(Instant::now()).is_some());
+    #[tokio::test(start_paused = true)]
+    async fn a_backlog_holds_one_key_at_least() {
+        let (backlog, sender, gate) = gated(0);
+        let mut gate = Box::pin(gate);
+        sender.send(key(0)).unwrap();
+        sender.send(key(1)).unwrap();
+        assert_eq!(ready(gate.as_mut()).await, [key(0)]);
+        backlog.left(&key(0));
+        assert_eq!(ready(gate.as_mut()).await, [key(1)]);
     }
 }

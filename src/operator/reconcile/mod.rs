@@ -129,11 +129,6 @@ impl Context {
         self.backlog.left(at);
     }
 
-    /// Retriggered Ats waiting in the runtime's queue now (`backlog`).
-    pub fn backlog(&self) -> usize {
-        self.backlog.len()
-    }
-
     /// Drops what is kept for Ats `known` does not hold any more (deletions a relist or a lagging
     /// feed did not report one by one).
     pub fn forget_all_but(&self, known: impl Fn(&AtKey) -> bool) {

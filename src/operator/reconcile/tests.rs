@@ -1340,3 +1340,34 @@ async fn a_422_from_the_cel_rule_s_internal_error_is_retried() {
     drop(retriggers);
     h.finish(2).await;
 }
+
+/// The retriggers hand kube-runtime at most `backlog::LIMIT` Ats whose reconcile has not
+/// started; one more for each that starts, and for each deleted (forgotten) meanwhile.
+#[tokio::test(start_paused = true)]
+async fn retriggers_wait_for_room_in_the_backlog_which_starts_and_deletions_make() {
+    let h = harness(vec![]);
+    let mut retriggers = h.ctx.retriggers().unwrap().boxed();
+    let key = |i: usize| AtKey::new("default", &format!("at-{i}"));
+    for i in 0..backlog::LIMIT + 3 {
+        h.ctx.wake_up(key(i));
+    }
+    let mut handed = Vec::new();
+    while let Ok(Some(at)) = tokio::time::timeout(Duration::from_millis(1), retriggers.next()).await
+    {
+        handed.push(at);
+    }
+    assert_eq!(handed.len(), backlog::LIMIT);
+    let wait = Duration::from_millis(1);
+    let full = tokio::time::timeout(wait, retriggers.next()).await;
+    assert!(full.is_err(), "the backlog is full");
+    h.ctx.reconcile_starts(&key(0));
+    let next = tokio::time::timeout(wait, retriggers.next()).await;
+    assert_eq!(next.unwrap(), Some(key(backlog::LIMIT)));
+    h.ctx.forget(&key(1));
+    let next = tokio::time::timeout(wait, retriggers.next()).await;
+    assert_eq!(next.unwrap(), Some(key(backlog::LIMIT + 1)));
+    let full = tokio::time::timeout(wait, retriggers.next()).await;
+    assert!(full.is_err(), "the backlog is full again");
+    drop(retriggers);
+    h.finish(0).await;
+}
