@@ -74,15 +74,18 @@ pub async fn run_with_cache(
         pods: pod_store,
         ats: cache.freshness().clone(),
     };
-    let ctx = Arc::new(Context::new(
-        client,
-        caches,
-        events,
-        Box::new(Utc::now),
-        metrics.clone(),
-        settings.policy.clone(),
-        cache.quarantine().clone(),
-    ));
+    let ctx = Arc::new(
+        Context::new(
+            client,
+            caches,
+            events,
+            Box::new(Utc::now),
+            metrics.clone(),
+            settings.policy.clone(),
+            cache.quarantine().clone(),
+        )
+        .with_backlog_limit(reconcile::backlog::limit_for(settings.concurrency)),
+    );
     let at_store = cache.store().clone();
     // Pods of deleted Ats that wait for cnat's finalizer to go.
     let (orphans, orphaned) = mpsc::unbounded_channel();
@@ -136,7 +139,7 @@ pub async fn run_with_cache(
                 // Its request is dropped, so it no longer waits in the runtime's queue.
                 Err(controller::Error::ObjectNotFound(at)) => {
                     debug!(at = %at, "controller: the At is gone");
-                    dropped.reconcile_starts(&AtKey::new(
+                    dropped.request_dropped(&AtKey::new(
                         at.namespace.as_deref().unwrap_or_default(),
                         &at.name,
                     ));
@@ -333,7 +336,7 @@ async fn reconcile_cached(
     ctx: Arc<Context>,
 ) -> Result<controller::Action, reconcile::Error> {
     let at_key = CachedAt::key(&cached);
-    ctx.reconcile_starts(&at_key);
+    let _running = ctx.reconcile_starts(&at_key);
     // As the look that found work decoded it, or read back now (a wakeup, a retry).
     let ledger = ctx.writer().ledger();
     let version = cached.resource_version();

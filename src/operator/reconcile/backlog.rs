@@ -7,16 +7,18 @@
 //! first look handed it 20,000 Ats to write, it held about 290 bytes per At for the rest of the
 //! leadership (heaptrack of a replica: docs/src/performance/measurements.md, "What a writing
 //! replica holds"). With at most `LIMIT` of these waiting, they add no more than that to those
-//! maps (the At watch's changes, pod events and the error policy's requeues are not gated);
-//! `LIMIT` is more than the reconciles that run at once, so the runtime never waits for work.
+//! maps (the At watch's changes, pod events and the error policy's requeues are not gated). The
+//! limit is eight times the reconciles that run at once (`limit_for`; 256 at least), so the
+//! runtime never waits for work.
 //! With Lease shards each shard's leadership has a backlog of its own.
 //!
-//! A key leaves the backlog when its reconcile starts, when the runtime drops its request (the
-//! At was gone from the cache: `controller::Error::ObjectNotFound`) or when the At is forgotten
-//! (deleted). A key that waits already is passed on at once and not counted again: the runtime
+//! A key leaves the backlog when its reconcile starts, or when the runtime drops its request
+//! (the At was gone from the cache: `controller::Error::ObjectNotFound`; a deleted At's request
+//! stays in the runtime until then, so its deletion alone makes no room). A key that waits already is passed on at once and not counted again: the runtime
 //! keeps one request per At, so it adds nothing to its maps, and it may be needed (a reconcile
 //! that was starting with an older version of the At). A full backlog from which nothing left
-//! for `STALE` is emptied: the backlog can slow the retriggers down, never stop them.
+//! for `STALE` while no reconcile ran is emptied: the backlog can slow the retriggers down, never
+//! stop them.
 
 use crate::operator::key::AtKey;
 use futures::{Stream, StreamExt};
@@ -31,8 +33,17 @@ use tracing::warn;
 /// reconciles that run at once by default (`--concurrency` 32). A reconcile that starts leaves
 /// the backlog, so this bounds what waits, never what runs.
 pub const LIMIT: usize = 256;
-/// A full backlog from which no key left for this long is emptied (keys whose reconcile started
-/// unseen: a path not foreseen); the gate then goes on.
+/// The backlog for a reconcile loop running `concurrency` reconciles at once (0: no limit):
+/// `LIMIT`, or eight times the concurrency where that is more; no limit with none.
+pub fn limit_for(concurrency: u16) -> usize {
+    match concurrency {
+        0 => usize::MAX,
+        n => LIMIT.max(8 * usize::from(n)),
+    }
+}
+
+/// A full backlog from which no key left for this long, while no reconcile ran, is emptied
+/// (keys whose reconcile started unseen: a path not foreseen); the gate then goes on.
 pub const STALE: Duration = Duration::from_secs(60);
 
 /// The Ats handed to the runtime and not started yet.
@@ -46,8 +57,22 @@ pub struct Backlog {
 #[derive(Default)]
 struct State {
     waiting: HashSet<AtKey>,
-    /// Since when the backlog was full with no key leaving.
+    /// Since when the backlog was full with no key leaving and no reconcile ending.
     stuck_since: Option<Instant>,
+    /// Reconciles running now (`Running` guards).
+    running: usize,
+}
+
+/// A reconcile running, from its start (when its key left the backlog) until dropped.
+pub struct Running(Arc<Backlog>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let mut state = self.0.state();
+        state.running = state.running.saturating_sub(1);
+        // A reconcile ended: the loop moves, however slowly.
+        state.stuck_since = None;
+    }
 }
 
 impl Default for Backlog {
@@ -80,6 +105,14 @@ impl Backlog {
         }
     }
 
+    /// `at`'s reconcile starts: it leaves the backlog, and counts as running until the guard is
+    /// dropped.
+    pub fn started(self: &Arc<Self>, at: &AtKey) -> Running {
+        self.left(at);
+        self.state().running += 1;
+        Running(self.clone())
+    }
+
     /// Ats waiting now.
     #[cfg(test)]
     fn len(&self) -> usize {
@@ -94,7 +127,8 @@ impl Backlog {
             return None;
         }
         let since = *state.stuck_since.get_or_insert(now);
-        if now.saturating_duration_since(since) < STALE {
+        if now.saturating_duration_since(since) < STALE || state.running > 0 {
+            // Reconciles that run (slowly: an API server that does not answer) end the wait.
             return Some(since + STALE);
         }
         warn!(
@@ -102,7 +136,8 @@ impl Backlog {
             after = ?STALE,
             "no At handed to the reconcile loop started its reconcile; counting them no more"
         );
-        *state = State::default();
+        state.waiting = HashSet::new();
+        state.stuck_since = None;
         None
     }
 
@@ -247,6 +282,35 @@ mod tests {
         tokio::time::advance(Duration::from_secs(10)).await;
         assert_eq!(ready(gate.as_mut()).await, [key(3)]);
         assert_eq!(backlog.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_backlog_is_not_emptied_while_reconciles_run_however_slowly() {
+        let (backlog, sender, gate) = gated(2);
+        let mut gate = Box::pin(gate);
+        for i in 0..4 {
+            sender.send(key(i)).unwrap();
+        }
+        assert_eq!(ready(gate.as_mut()).await, [key(0), key(1)]);
+        // Key 0's reconcile starts and hangs; key 2 takes its place.
+        let running = backlog.started(&key(0));
+        assert_eq!(ready(gate.as_mut()).await, [key(2)]);
+        tokio::time::advance(3 * STALE).await;
+        assert!(ready(gate.as_mut()).await.is_empty());
+        // It ends: the wait starts over, and is emptied only after STALE with none running.
+        drop(running);
+        tokio::time::advance(STALE - Duration::from_millis(10)).await;
+        assert!(ready(gate.as_mut()).await.is_empty());
+        tokio::time::advance(Duration::from_millis(10)).await;
+        assert_eq!(ready(gate.as_mut()).await, [key(3)]);
+    }
+
+    #[test]
+    fn the_limit_is_eight_times_the_concurrency_256_at_least_none_without_one() {
+        assert_eq!(limit_for(32), LIMIT);
+        assert_eq!(limit_for(1), LIMIT);
+        assert_eq!(limit_for(100), 800);
+        assert_eq!(limit_for(0), usize::MAX);
     }
 
     #[tokio::test(start_paused = true)]

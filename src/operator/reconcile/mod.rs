@@ -120,12 +120,24 @@ impl Context {
     /// Drops everything kept for a deleted At: its backoff, its last write, its wakeup.
     pub fn forget(&self, at: &AtKey) {
         self.writer.ledger().forget(at);
-        self.backlog.left(at);
     }
 
-    /// `at`'s reconcile starts, or the runtime dropped its request (the At was gone): it no
-    /// longer waits in the runtime's queue (`backlog`).
-    pub fn reconcile_starts(&self, at: &AtKey) {
+    /// Retriggered Ats may wait in the runtime's queue `limit` at a time (`backlog::limit_for`
+    /// the loop's concurrency; `backlog::LIMIT` unless set).
+    pub fn with_backlog_limit(mut self, limit: usize) -> Self {
+        self.backlog = Arc::new(backlog::Backlog::new(limit));
+        self
+    }
+
+    /// `at`'s reconcile starts: it no longer waits in the runtime's queue (`backlog`), and runs
+    /// until the guard is dropped.
+    pub fn reconcile_starts(&self, at: &AtKey) -> backlog::Running {
+        self.backlog.started(at)
+    }
+
+    /// The runtime dropped its request for `at` (the At was gone): it no longer waits in the
+    /// runtime's queue (`backlog`).
+    pub fn request_dropped(&self, at: &AtKey) {
         self.backlog.left(at);
     }
 

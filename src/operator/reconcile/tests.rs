@@ -1342,9 +1342,10 @@ async fn a_422_from_the_cel_rule_s_internal_error_is_retried() {
 }
 
 /// The retriggers hand kube-runtime at most `backlog::LIMIT` Ats whose reconcile has not
-/// started; one more for each that starts, and for each deleted (forgotten) meanwhile.
+/// started; one more for each that starts, and for each request the runtime dropped (its At
+/// gone), not for a deletion alone (its request is still in the runtime).
 #[tokio::test(start_paused = true)]
-async fn retriggers_wait_for_room_in_the_backlog_which_starts_and_deletions_make() {
+async fn retriggers_wait_for_room_in_the_backlog_which_starts_and_dropped_requests_make() {
     let h = harness(vec![]);
     let mut retriggers = h.ctx.retriggers().unwrap().boxed();
     let key = |i: usize| AtKey::new("default", &format!("at-{i}"));
@@ -1360,10 +1361,14 @@ async fn retriggers_wait_for_room_in_the_backlog_which_starts_and_deletions_make
     let wait = Duration::from_millis(1);
     let full = tokio::time::timeout(wait, retriggers.next()).await;
     assert!(full.is_err(), "the backlog is full");
-    h.ctx.reconcile_starts(&key(0));
+    let running = h.ctx.reconcile_starts(&key(0));
     let next = tokio::time::timeout(wait, retriggers.next()).await;
     assert_eq!(next.unwrap(), Some(key(backlog::LIMIT)));
+    drop(running);
     h.ctx.forget(&key(1));
+    let full = tokio::time::timeout(wait, retriggers.next()).await;
+    assert!(full.is_err(), "a deletion alone makes no room");
+    h.ctx.request_dropped(&key(1));
     let next = tokio::time::timeout(wait, retriggers.next()).await;
     assert_eq!(next.unwrap(), Some(key(backlog::LIMIT + 1)));
     let full = tokio::time::timeout(wait, retriggers.next()).await;
