@@ -70,8 +70,10 @@ impl Drop for Running {
     fn drop(&mut self) {
         let mut state = self.0.state();
         state.running = state.running.saturating_sub(1);
-        // A reconcile ended: the loop moves, however slowly.
+        // A reconcile ended: the loop moves, however slowly; a full backlog looks again.
         state.stuck_since = None;
+        drop(state);
+        self.0.room.notify_one();
     }
 }
 
@@ -126,9 +128,14 @@ impl Backlog {
         if state.waiting.len() < self.limit {
             return None;
         }
+        if state.running > 0 {
+            // Reconciles run (slowly: an API server that does not answer): the wait starts over
+            // once none does (`Running::drop`), or it is looked at again after `STALE`.
+            state.stuck_since = None;
+            return Some(now + STALE);
+        }
         let since = *state.stuck_since.get_or_insert(now);
-        if now.saturating_duration_since(since) < STALE || state.running > 0 {
-            // Reconciles that run (slowly: an API server that does not answer) end the wait.
+        if now.saturating_duration_since(since) < STALE {
             return Some(since + STALE);
         }
         warn!(
@@ -299,6 +306,7 @@ mod tests {
         assert!(ready(gate.as_mut()).await.is_empty());
         // It ends: the wait starts over, and is emptied only after STALE with none running.
         drop(running);
+        assert!(ready(gate.as_mut()).await.is_empty());
         tokio::time::advance(STALE - Duration::from_millis(10)).await;
         assert!(ready(gate.as_mut()).await.is_empty());
         tokio::time::advance(Duration::from_millis(10)).await;
