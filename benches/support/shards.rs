@@ -183,20 +183,7 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
         .collect();
 
     // One replica with one Lease of its own, cold: the floor without shards.
-    let started = Instant::now();
-    let flags = [
-        format!("--namespace={ns}"),
-        "--lease-name=single".to_owned(),
-        "--webhooks=false".to_owned(),
-        "--log=warn".to_owned(),
-    ];
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let mut single = plane.replica("single", &ns, &flags);
-    real::wait_ready(&single, Duration::from_secs(900)).await;
-    let single_cached = started.elapsed();
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    let single_rss = rss_mib(&single);
-    single.kill();
+    let (single_cached, single_rss) = single_cold(plane, &ns).await;
 
     // A replica stopped just before Ats fall due: those of its shards wait for a new leader.
     let before = holders(admin, &ns, shards).await;
@@ -304,7 +291,17 @@ async fn write_memory(plane: &'static ControlPlane, admin: &Client, shards: usiz
         replica.kill();
         written_ns.get_or_insert(ns);
     }
-    let ns = written_ns.unwrap_or_default();
+    rss.push(single_cold(plane, &written_ns.unwrap_or_default()).await.1);
+    println!(
+        "| {n} | {:.0} MiB | {:.0} MiB | {:.0} MiB |",
+        rss[0], rss[1], rss[2]
+    );
+}
+
+/// Starts one replica with one Lease of its own (`single`) over `ns`, cold; once it caches every
+/// At, waits 10 s, reads its RSS and stops it: how long it took to cache them, and the RSS (MiB).
+async fn single_cold(plane: &'static ControlPlane, ns: &str) -> (Duration, f64) {
+    let started = Instant::now();
     let flags = [
         format!("--namespace={ns}"),
         "--lease-name=single".to_owned(),
@@ -312,13 +309,11 @@ async fn write_memory(plane: &'static ControlPlane, admin: &Client, shards: usiz
         "--log=warn".to_owned(),
     ];
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let mut single = plane.replica("single", &ns, &flags);
+    let mut single = plane.replica("single", ns, &flags);
     real::wait_ready(&single, Duration::from_secs(900)).await;
+    let cached = started.elapsed();
     tokio::time::sleep(Duration::from_secs(10)).await;
-    rss.push(rss_mib(&single));
+    let rss = rss_mib(&single);
     single.kill();
-    println!(
-        "| {n} | {:.0} MiB | {:.0} MiB | {:.0} MiB |",
-        rss[0], rss[1], rss[2]
-    );
+    (cached, rss)
 }
