@@ -1,24 +1,25 @@
 //! How many of the Ats cnat hands to kube-runtime's controller itself (wakeups, a first look at
 //! every At, retried writes: `Context::retriggers`) wait in the runtime's queue for a reconcile
-//! that has not started: at most `LIMIT`; the rest wait in the retrigger queue, a key each.
+//! that has not started: at most the limit (`limit_for`); the rest wait in the retrigger queue,
+//! a key each.
 //!
 //! The runtime's scheduler takes every request it is handed at once, into a `HashMap`, a
 //! `DelayQueue` and a `HashSet` that never give back what they grew to: after a new leader's
 //! first look handed it 20,000 Ats to write, it held about 290 bytes per At for the rest of the
 //! leadership (heaptrack of a replica: docs/src/performance/measurements.md, "What a writing
-//! replica holds"). With at most `LIMIT` of these waiting, they add no more than that to those
+//! replica holds"). With at most the limit of these waiting, they add no more than that to those
 //! maps (the At watch's changes, pod events and the error policy's requeues are not gated). The
-//! limit is eight times the reconciles that run at once (`limit_for`; 256 at least), so the
-//! runtime never waits for work.
-//! With Lease shards each shard's leadership has a backlog of its own.
+//! limit is eight times the reconciles that run at once, 256 at least, so the runtime never
+//! waits for work. With Lease shards each shard's leadership has a backlog of its own.
 //!
 //! A key leaves the backlog when its reconcile starts, or when the runtime drops its request
 //! (the At was gone from the cache: `controller::Error::ObjectNotFound`; a deleted At's request
-//! stays in the runtime until then, so its deletion alone makes no room). A key that waits already is passed on at once and not counted again: the runtime
-//! keeps one request per At, so it adds nothing to its maps, and it may be needed (a reconcile
-//! that was starting with an older version of the At). A full backlog from which nothing left
-//! for `STALE` while no reconcile ran is emptied: the backlog can slow the retriggers down, never
-//! stop them.
+//! stays in the runtime until then, so its deletion alone makes no room). A key that waits
+//! already is passed on at once and not counted again: the runtime keeps one request per At, so
+//! it adds nothing to its maps, and it may be needed (a reconcile that was starting with an
+//! older version of the At). A full backlog from which nothing left for `STALE` while no
+//! reconcile ran is emptied: while the loop is idle the backlog cannot stop the retriggers;
+//! while other reconciles run, a full backlog waits for them.
 
 use crate::operator::key::AtKey;
 use futures::{Stream, StreamExt};
@@ -311,6 +312,37 @@ mod tests {
         assert!(ready(gate.as_mut()).await.is_empty());
         tokio::time::advance(Duration::from_millis(10)).await;
         assert_eq!(ready(gate.as_mut()).await, [key(3)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_backlog_with_a_reconcile_running_waits_for_a_later_instant_never_a_past_one() {
+        let (backlog, sender, gate) = gated(1);
+        let mut gate = Box::pin(gate);
+        sender.send(key(0)).unwrap();
+        assert_eq!(ready(gate.as_mut()).await, [key(0)]);
+        let other = backlog.started(&key(9));
+        for _ in 0..3 {
+            tokio::time::advance(STALE).await;
+            let now = Instant::now();
+            assert!(backlog.full_until(now).is_some_and(|until| until > now));
+        }
+        drop(other);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_reconcile_that_ends_starts_the_wait_over() {
+        let (backlog, sender, gate) = gated(1);
+        let mut gate = Box::pin(gate);
+        sender.send(key(0)).unwrap();
+        sender.send(key(1)).unwrap();
+        assert_eq!(ready(gate.as_mut()).await, [key(0)]);
+        // Another At's reconcile runs and ends just before STALE: the loop moved.
+        tokio::time::advance(STALE - Duration::from_secs(1)).await;
+        drop(backlog.started(&key(9)));
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert!(ready(gate.as_mut()).await.is_empty());
+        tokio::time::advance(STALE).await;
+        assert_eq!(ready(gate.as_mut()).await, [key(1)]);
     }
 
     #[test]

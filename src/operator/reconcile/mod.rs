@@ -180,7 +180,7 @@ impl Context {
         unreachable.probe(every, ask, |at| self.wake_up(at)).await;
     }
 
-    /// Ats to reconcile again, for `Controller::reconcile_on`, at most `backlog::LIMIT` of them
+    /// Ats to reconcile again, for `Controller::reconcile_on`, at most the backlog's limit of them
     /// waiting in the runtime's queue at once (each must be passed to `reconcile_starts` when
     /// its reconcile starts); `None` if already taken.
     pub fn retriggers(&self) -> Option<impl futures::Stream<Item = AtKey> + use<>> {
