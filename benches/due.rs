@@ -467,7 +467,7 @@ async fn pending(n: usize) {
 
     // Settled: every At in the operator's cache, and no write for 3 s.
     let loaded = poll(&server, Duration::from_secs(300), |_| {
-        metric_sum(admin, "cnat_ats{") > n as u64
+        real::metric_sum(admin, "cnat_ats{") > n as u64
     })
     .await;
     assert!(loaded, "the operator never cached every At");
@@ -540,19 +540,4 @@ async fn pending(n: usize) {
         candidate_rss as f64 / 1024.0
     );
     let _ = std::fs::remove_file(kubeconfig);
-}
-
-/// The samples of the metric lines starting with `prefix`, summed, from the admin server.
-fn metric_sum(admin: std::net::SocketAddr, prefix: &str) -> u64 {
-    use std::io::{Read, Write};
-    let Ok(mut stream) = std::net::TcpStream::connect(admin) else {
-        return 0;
-    };
-    let _ = stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: cnat\r\n\r\n");
-    let mut body = String::new();
-    let _ = stream.read_to_string(&mut body);
-    body.lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
 }

@@ -1225,3 +1225,18 @@ pub async fn watch_statuses(ats: Api<At>, n: usize) {
         }
     }
 }
+
+/// The samples of the metric lines starting with `prefix`, summed, from the admin server.
+pub fn metric_sum(admin: std::net::SocketAddr, prefix: &str) -> u64 {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(admin) else {
+        return 0;
+    };
+    let _ = stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: cnat\r\n\r\n");
+    let mut body = String::new();
+    let _ = stream.read_to_string(&mut body);
+    body.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}

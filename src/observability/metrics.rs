@@ -90,6 +90,18 @@ struct RefusalLabels {
     reason: &'static str,
 }
 
+/// The `result` values of `cnat_status_writes_total`, each reported from 0 for every phase.
+const WRITE_RESULTS: [&str; 5] = ["written", "conflict", "gone", "refused", "failed"];
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct StatusWriteLabels {
+    /// `PENDING`, `RUNNING` or `DONE`: the phase written.
+    phase: &'static str,
+    /// `written`, `conflict` (the At changed since the version decided on), `gone` (deleted),
+    /// `refused` (the API server found the status invalid) or `failed` (retried).
+    result: &'static str,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ConversionLabels {
     /// `success`, or `failure` when the review was answered with a Failure.
@@ -123,6 +135,7 @@ pub struct Metrics {
     pods_refused: Family<RefusalLabels, Counter>,
     panics: Family<PanicLabels, Counter>,
     events_dropped: Counter,
+    status_writes: Family<StatusWriteLabels, Counter>,
     creates: PodCreates,
     ats: Arc<AtCount>,
 }
@@ -207,6 +220,13 @@ impl Metrics {
             drop(panics.get_or_create(&PanicLabels { place }));
         }
         let events_dropped = Counter::default();
+        let status_writes: Family<StatusWriteLabels, Counter> = Family::default();
+        for phase in [Phase::Pending, Phase::Running, Phase::Done] {
+            for result in WRITE_RESULTS {
+                let phase = phase.metric_label();
+                drop(status_writes.get_or_create(&StatusWriteLabels { phase, result }));
+            }
+        }
         let ats = Arc::new(AtCount::default());
         let mut registry = Registry::default();
         registry.register(
@@ -259,6 +279,11 @@ impl Metrics {
             "Kubernetes Events not published because the queue of events waiting was full (the At's status holds the same facts)",
             events_dropped.clone(),
         );
+        registry.register(
+            "cnat_status_writes",
+            "At status writes (each a compare-and-swap on the version decided on), by the phase written and result: written, conflict (the At changed since; decided again), gone (deleted), refused (the API server found the status invalid) or failed (retried with backoff)",
+            status_writes.clone(),
+        );
         let creates = PodCreates::register(&mut registry);
         registry.register(
             "cnat_leader_handover_seconds",
@@ -279,6 +304,7 @@ impl Metrics {
             pods_refused,
             panics,
             events_dropped,
+            status_writes,
             creates,
             ats,
         }
@@ -292,6 +318,14 @@ impl Metrics {
     /// An event was dropped: its queue was full.
     pub fn event_dropped(&self) {
         self.events_dropped.inc();
+    }
+
+    /// A status write of `phase` ended with `result` (a `WRITE_RESULTS` value).
+    pub fn status_written(&self, phase: Phase, result: &'static str) {
+        let phase = phase.metric_label();
+        self.status_writes
+            .get_or_create(&StatusWriteLabels { phase, result })
+            .inc();
     }
 
     /// A pod create was not made: the API server's copy of the At was not the cache's.

@@ -841,7 +841,13 @@ async fn a_status_conflict_waits_for_the_newer_version_without_an_event() {
     );
     // No later look: the newer version's watch event brings the next reconcile.
     assert_eq!(h.wakes_in(), None);
+    let metrics = h.metrics.clone();
     h.finish(2).await;
+    let metrics = metrics.encode();
+    let conflict = r#"cnat_status_writes_total{phase="RUNNING",result="conflict"}"#;
+    assert_eq!(counted(&metrics, conflict), 1, "{metrics}");
+    let written = r#"cnat_status_writes_total{phase="RUNNING",result="written"}"#;
+    assert_eq!(counted(&metrics, written), 0, "{metrics}");
 }
 
 #[tokio::test]
@@ -873,9 +879,15 @@ async fn a_future_at_is_written_pending_once_and_requeued_for_the_exact_remainin
     // Its wake-up waits in the index, not in the runtime's queue.
     assert_eq!(action, Action::await_change());
     assert_eq!(h.wakes_in(), Some(Duration::from_millis(42_500)));
+    let metrics = h.metrics.clone();
     let sent = h.finish(2).await;
     let written = assert_status_patch(&sent[0], Phase::Pending);
     assert_event(&sent[1], "Normal", "Scheduled");
+    let metrics = metrics.encode();
+    for (result, count) in [("written", 1), ("conflict", 0), ("failed", 0)] {
+        let series = format!(r#"cnat_status_writes_total{{phase="PENDING",result="{result}"}}"#);
+        assert_eq!(counted(&metrics, &series), count, "{metrics}");
+    }
 
     // The written version comes back through the watch: nothing more to write or say.
     let h = harness(vec![]);

@@ -256,7 +256,7 @@ impl Writer {
             ..PatchParams::default()
         };
         let api: Api<At> = Api::namespaced(self.client.clone(), target.key.namespace());
-        match api
+        let written = match api
             .patch_status(target.key.name(), &params, &Patch::Merge(&patch))
             .await
         {
@@ -283,7 +283,16 @@ impl Writer {
                 Written::Refused
             }
             Err(error) => Written::Failed(error),
-        }
+        };
+        let result = match &written {
+            Written::Done => "written",
+            Written::Conflict => "conflict",
+            Written::Gone => "gone",
+            Written::Refused => "refused",
+            Written::Failed(_) => "failed",
+        };
+        self.metrics.status_written(status.phase, result);
+        written
     }
 
     /// Our status write of `phase` replaces the version of `target` decided on.
