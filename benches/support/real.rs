@@ -1228,14 +1228,28 @@ pub async fn watch_statuses(ats: Api<At>, n: usize) {
 
 /// The samples of the metric lines starting with `prefix`, summed, from the admin server.
 pub fn metric_sum(admin: std::net::SocketAddr, prefix: &str) -> u64 {
+    sum_of(&metrics_text(admin), prefix)
+}
+
+/// The admin server's `/metrics` (classic text format); empty when it does not answer within
+/// five seconds.
+pub fn metrics_text(admin: std::net::SocketAddr) -> String {
     use std::io::{Read, Write};
-    let Ok(mut stream) = std::net::TcpStream::connect(admin) else {
-        return 0;
+    let timeout = Duration::from_secs(5);
+    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&admin, timeout) else {
+        return String::new();
     };
+    let _ = stream.set_read_timeout(Some(timeout));
     let _ = stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: cnat\r\n\r\n");
     let mut body = String::new();
     let _ = stream.read_to_string(&mut body);
-    body.lines()
+    body
+}
+
+/// The samples of the lines of `metrics` starting with `prefix`, summed.
+pub fn sum_of(metrics: &str, prefix: &str) -> u64 {
+    metrics
+        .lines()
         .filter(|l| l.starts_with(prefix))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>() as u64

@@ -169,8 +169,8 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     let mut replicas: Vec<Replica> = (0..3)
         .map(|i| start(plane, &ns, &format!("r{i}"), shards))
         .collect();
-    pending_written(&ats, &replicas.iter().collect::<Vec<_>>(), "at", n).await;
-    let statuses_after = started.elapsed();
+    let written = pending_written(&ats, &replicas.iter().collect::<Vec<_>>(), "at", n).await;
+    let statuses_after = written.saturating_duration_since(started);
     balanced(admin, &ns, shards, &replicas.iter().collect::<Vec<_>>()).await;
     tokio::time::sleep(Duration::from_secs(10)).await;
     let sharded_rss: Vec<String> = replicas
@@ -264,42 +264,93 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     }
 }
 
-/// Until `replicas` wrote `n` `Pending` statuses between them (their
+/// When `replicas` had written `n` `Pending` statuses between them (their
 /// `cnat_status_writes_total`: each write a compare-and-swap on the version decided on, so no At
-/// counts twice), within 30 minutes; then reads 100 of the Ats `{prefix}-…`, spread over the
-/// names, and checks that each has the status a leader writes (its `scheduledTime`). Not a watch
-/// of every At: with 300,000 the bench's own watch, listing again each time the busy server ended
-/// it, failed the run (docs/src/performance/measurements.md).
-async fn pending_written(ats: &Api<At>, replicas: &[&Replica], prefix: &str, n: usize) {
-    const WRITTEN: &str = r#"cnat_status_writes_total{phase="PENDING",result="written"}"#;
+/// counts twice), read every second, within 30 minutes; then reads 100 of the Ats `{prefix}-…`,
+/// spread over the names, and checks that each has the status a leader writes (its
+/// `scheduledTime`). A write the API server stored but whose answer was lost counts as `failed`
+/// and is never written again: when the count stops short for a minute, a list of the Ats (in
+/// pages) says whether all `n` have it, and the instant the count last moved is the answer. Not a
+/// watch of every At: with 300,000 the bench's own watch, listing again each time the busy
+/// server ended it, failed the run (docs/src/performance/measurements.md).
+async fn pending_written(ats: &Api<At>, replicas: &[&Replica], prefix: &str, n: usize) -> Instant {
+    const WRITES: &str = r#"cnat_status_writes_total{phase="PENDING",result="#;
+    const STALLED: Duration = Duration::from_secs(60);
     let admins: Vec<std::net::SocketAddr> = replicas.iter().map(|r| r.admin).collect();
     let deadline = Instant::now() + Duration::from_secs(1800);
-    loop {
+    let (mut written, mut moved, mut looked) = (0, Instant::now(), Instant::now());
+    let done = loop {
         let admins = admins.clone();
-        let written = tokio::task::spawn_blocking(move || {
+        let texts = tokio::task::spawn_blocking(move || {
             admins
                 .iter()
-                .map(|admin| real::metric_sum(*admin, WRITTEN))
-                .sum::<u64>()
+                .map(|a| real::metrics_text(*a))
+                .collect::<Vec<_>>()
         })
         .await
         .unwrap();
+        let count = |result: &str| -> u64 {
+            let prefix = format!("{WRITES}\"{result}\"}}");
+            texts.iter().map(|t| real::sum_of(t, &prefix)).sum()
+        };
+        let now_written = count("written");
+        if now_written != written {
+            (written, moved) = (now_written, Instant::now());
+        }
         if written >= n as u64 {
-            break;
+            break moved;
+        }
+        if moved.elapsed() > STALLED && looked.elapsed() > STALLED {
+            looked = Instant::now();
+            if listed_with_status(ats).await >= n {
+                break moved;
+            }
         }
         assert!(
             Instant::now() < deadline,
-            "{written} of {n} PENDING statuses written within 30 minutes"
+            "{written} of {n} PENDING statuses written within 30 minutes ({} failed, {} conflicts)",
+            count("failed"),
+            count("conflict")
         );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
     for i in (0..n).step_by(n.div_ceil(100).max(1)) {
         let name = format!("{prefix}-{i:07}");
         let at = ats.get(&name).await.unwrap();
         assert!(
             at.status.is_some_and(|s| s.scheduled_time.is_some()),
-            "{name} has no PENDING status written, though the replicas counted {n} written"
+            "{name} has no PENDING status written, though the replicas counted {written} written"
         );
+    }
+    done
+}
+
+/// How many Ats have the status a leader writes, listed in pages of 500 from etcd; 0 when the
+/// list fails (its continue token expired).
+async fn listed_with_status(ats: &Api<At>) -> usize {
+    let mut params = kube::api::ListParams::default().limit(500);
+    let mut count = 0;
+    loop {
+        let page = match ats.list(&params).await {
+            Ok(page) => page,
+            Err(error) => {
+                eprintln!("listing the Ats failed: {error}");
+                return 0;
+            }
+        };
+        count += page
+            .items
+            .iter()
+            .filter(|at| {
+                at.status
+                    .as_ref()
+                    .is_some_and(|s| s.scheduled_time.is_some())
+            })
+            .count();
+        match page.metadata.continue_ {
+            Some(token) if !token.is_empty() => params = params.continue_token(&token),
+            _ => return count,
+        }
     }
 }
 
