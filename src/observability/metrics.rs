@@ -90,15 +90,47 @@ struct RefusalLabels {
     reason: &'static str,
 }
 
-/// The `result` values of `cnat_status_writes_total`, each reported from 0 for every phase.
-const WRITE_RESULTS: [&str; 5] = ["written", "conflict", "gone", "refused", "failed"];
+/// How a status write ended: the `result` of `cnat_status_writes_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteResult {
+    Written,
+    /// The At changed since the version decided on (409): decided again from the newer one.
+    Conflict,
+    /// The At was deleted meanwhile (404).
+    Gone,
+    /// The API server refuses any status for this version: its spec holds a value outside the
+    /// CRD's bounds (told in an event; not retried until the At changes).
+    Refused,
+    /// Any other error, or no answer: retried with backoff.
+    Failed,
+}
+
+impl WriteResult {
+    /// Every result, each reported from 0 for every phase.
+    const ALL: [WriteResult; 5] = [
+        WriteResult::Written,
+        WriteResult::Conflict,
+        WriteResult::Gone,
+        WriteResult::Refused,
+        WriteResult::Failed,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            WriteResult::Written => "written",
+            WriteResult::Conflict => "conflict",
+            WriteResult::Gone => "gone",
+            WriteResult::Refused => "refused",
+            WriteResult::Failed => "failed",
+        }
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct StatusWriteLabels {
     /// `PENDING`, `RUNNING` or `DONE`: the phase written.
     phase: &'static str,
-    /// `written`, `conflict` (the At changed since the version decided on), `gone` (deleted),
-    /// `refused` (the API server found the status invalid) or `failed` (retried).
+    /// `WriteResult::label`.
     result: &'static str,
 }
 
@@ -222,8 +254,8 @@ impl Metrics {
         let events_dropped = Counter::default();
         let status_writes: Family<StatusWriteLabels, Counter> = Family::default();
         for phase in [Phase::Pending, Phase::Running, Phase::Done] {
-            for result in WRITE_RESULTS {
-                let phase = phase.metric_label();
+            for result in WriteResult::ALL {
+                let (phase, result) = (phase.metric_label(), result.label());
                 drop(status_writes.get_or_create(&StatusWriteLabels { phase, result }));
             }
         }
@@ -281,7 +313,7 @@ impl Metrics {
         );
         registry.register(
             "cnat_status_writes",
-            "At status writes (each a compare-and-swap on the version decided on), by the phase written and result: written, conflict (the At changed since; decided again), gone (deleted), refused (the API server found the status invalid) or failed (retried with backoff)",
+            "At status writes (each a compare-and-swap on the version decided on), by the phase written and result: written, conflict (the At changed since; decided again), gone (deleted), refused (the API server refuses any status for this At: a spec value outside the CRD's bounds) or failed (retried with backoff)",
             status_writes.clone(),
         );
         let creates = PodCreates::register(&mut registry);
@@ -320,9 +352,9 @@ impl Metrics {
         self.events_dropped.inc();
     }
 
-    /// A status write of `phase` ended with `result` (a `WRITE_RESULTS` value).
-    pub fn status_written(&self, phase: Phase, result: &'static str) {
-        let phase = phase.metric_label();
+    /// A status write of `phase` ended with `result`.
+    pub fn status_written(&self, phase: Phase, result: WriteResult) {
+        let (phase, result) = (phase.metric_label(), result.label());
         self.status_writes
             .get_or_create(&StatusWriteLabels { phase, result })
             .inc();
@@ -599,5 +631,34 @@ mod tests {
             text.contains("cnat_pods_refused_total{reason=\"pod_security\"} 1\n"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn status_writes_are_counted_by_phase_and_result_every_pair_from_zero() {
+        let metrics = Metrics::new(Arc::new(Leadership::default()));
+        metrics.status_written(Phase::Pending, WriteResult::Written);
+        metrics.status_written(Phase::Pending, WriteResult::Written);
+        metrics.status_written(Phase::Done, WriteResult::Gone);
+        let text = metrics.encode();
+        let mut lines = 0;
+        for phase in ["PENDING", "RUNNING", "DONE"] {
+            for result in ["written", "conflict", "gone", "refused", "failed"] {
+                let count = match (phase, result) {
+                    ("PENDING", "written") => 2,
+                    ("DONE", "gone") => 1,
+                    _ => 0,
+                };
+                let line = format!(
+                    "cnat_status_writes_total{{phase=\"{phase}\",result=\"{result}\"}} {count}\n"
+                );
+                assert!(text.contains(&line), "{line} in {text}");
+                lines += 1;
+            }
+        }
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("cnat_status_writes_total{"))
+            .count();
+        assert_eq!(series, lines, "{text}");
     }
 }

@@ -98,7 +98,8 @@ impl Backlog {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// `at`'s reconcile started, the runtime dropped its request, or the At is gone.
+    /// `at` no longer waits: its reconcile started (`started`) or the runtime dropped its request
+    /// (`Context::request_dropped`). An At deleted meanwhile still waits until one of those.
     pub fn left(&self, at: &AtKey) {
         let mut state = self.state();
         if state.waiting.remove(at) {

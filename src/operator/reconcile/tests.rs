@@ -1349,6 +1349,12 @@ async fn a_422_from_the_cel_rule_s_internal_error_is_retried() {
         h.ctx.writer.ledger().failures.lock().unwrap()["default/example-at"],
         1
     );
+    // Counted as failed (retried), not refused.
+    let metrics = h.metrics.encode();
+    for (result, count) in [("failed", 1), ("refused", 0), ("written", 0)] {
+        let series = format!(r#"cnat_status_writes_total{{phase="RUNNING",result="{result}"}} "#);
+        assert!(metrics.contains(&format!("{series}{count}\n")), "{metrics}");
+    }
     drop(retriggers);
     h.finish(2).await;
 }

@@ -10,7 +10,7 @@ use super::decide::{Decision, Note, Severity};
 use super::queue::Queue;
 use super::{glitch, Error, FIELD_MANAGER};
 use crate::api::{At, AtStatus, Phase};
-use crate::observability::metrics::Metrics;
+use crate::observability::metrics::{Metrics, WriteResult};
 use crate::operator::contain::Quarantine;
 use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
@@ -285,11 +285,11 @@ impl Writer {
             Err(error) => Written::Failed(error),
         };
         let result = match &written {
-            Written::Done => "written",
-            Written::Conflict => "conflict",
-            Written::Gone => "gone",
-            Written::Refused => "refused",
-            Written::Failed(_) => "failed",
+            Written::Done => WriteResult::Written,
+            Written::Conflict => WriteResult::Conflict,
+            Written::Gone => WriteResult::Gone,
+            Written::Refused => WriteResult::Refused,
+            Written::Failed(_) => WriteResult::Failed,
         };
         self.metrics.status_written(status.phase, result);
         written
