@@ -248,6 +248,13 @@ fn spawn_tasks(
         }
     });
     tasks.spawn({
+        let (ctx, store) = (ctx.clone(), store.clone());
+        async move {
+            triggers::look_ahead(&ctx, &store).await;
+            "look-ahead"
+        }
+    });
+    tasks.spawn({
         let ctx = ctx.clone();
         async move {
             ctx.wake_deferred().await;

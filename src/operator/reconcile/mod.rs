@@ -28,7 +28,7 @@ use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 use queue::Queue;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::field::{display, Empty};
 use tracing::{info_span, Instrument, Span};
@@ -43,12 +43,6 @@ pub const FIELD_MANAGER: &str = "cnat";
 
 /// A reconcile never needs more than: look up or create the pod, look it up again, decide.
 const MAX_STEPS: usize = 3;
-
-/// The longest wait a reconcile sets in the wake-up index (an At may be due in 9999). The
-/// watch event of the status it writes then sets the At's whole remaining time (`wake`; an At
-/// due in 9999 stops no replica, tests/e2e `bad_input`); nothing looks at a far-off At before
-/// it is due.
-pub const MAX_REQUEUE: Duration = Duration::from_secs(3600);
 
 /// The wall clock, injected so tests control time.
 pub type Clock = Box<dyn Fn() -> DateTime<Utc> + Send + Sync>;
@@ -220,7 +214,10 @@ impl Context {
                 true
             }
             Wake::After(left) => {
-                wakeups.set(at_key, tokio::time::Instant::now() + left);
+                match tokio::time::Instant::now().checked_add(left) {
+                    Some(when) => wakeups.set(at_key, when),
+                    None => wakeups.clear(&at_key),
+                }
                 false
             }
             Wake::OnChange => {
@@ -378,10 +375,13 @@ impl Context {
         span.record("phase.after", after.as_str());
         let spent = ((self.clock)() - decided_at).to_std().unwrap_or_default();
         if let Some(left) = decision.requeue {
-            let left = left.saturating_sub(spent).min(MAX_REQUEUE);
+            let left = left.saturating_sub(spent);
             span.record("requeue.seconds", left.as_secs_f64());
-            let when = tokio::time::Instant::now() + left;
-            self.wakeups().set_earlier(key(at), when);
+            // Past what an instant holds (an At may be due in 9999, which stops no replica:
+            // tests/e2e `bad_input`) is beyond the horizon too: the look-ahead brings it in.
+            if let Some(when) = tokio::time::Instant::now().checked_add(left) {
+                self.wakeups().set_earlier(key(at), when);
+            }
         }
         Action::await_change()
     }

@@ -15,6 +15,7 @@ use kube::runtime::events::Reporter;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{reflector, watcher};
 use serde_json::Value;
+use std::time::Duration;
 
 const NOW: &str = "2026-11-22T02:10:00Z";
 const AT_UID: &str = "4c4a2a4f-0d1e-4a59-9d0e-6c9d3c2a7a01";
@@ -1393,5 +1394,86 @@ async fn retriggers_wait_for_room_in_the_backlog_which_starts_and_dropped_reques
     let full = tokio::time::timeout(wait, retriggers.next()).await;
     assert!(full.is_err(), "the backlog is full again");
     drop(retriggers);
+    h.finish(0).await;
+}
+
+/// An At due beyond the wake-up index's horizon waits in no index (its cached form is all it
+/// costs) until a look-ahead finds its time within the horizon; Ats with nothing left to do
+/// stay out, and an At a look-ahead finds with work now is reconciled.
+#[tokio::test(start_paused = true)]
+async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
+    use crate::operator::cache::CachedAt;
+    use crate::operator::reconcile::wakeups::{HORIZON, LOOK_AHEAD_EVERY};
+    use crate::operator::triggers::look_ahead_once;
+    let start = DateTime::parse_from_rfc3339(NOW).unwrap().to_utc();
+    let now = Arc::new(std::sync::Mutex::new(start));
+    let clock: Clock = Box::new({
+        let now = now.clone();
+        move || *now.lock().unwrap()
+    });
+    let h = harness_at(vec![], clock);
+    // As a leader leaves them: PENDING with their status written; one DONE for good.
+    let settled = |name: &str, due: DateTime<Utc>| {
+        let mut at = example_at(None);
+        at.metadata.name = Some(name.into());
+        at.spec.schedule = due.to_rfc3339();
+        let decided = decide(
+            &at,
+            &PodObservation::NotCached,
+            start,
+            &RunPolicy::default(),
+        );
+        at.status = decided.status;
+        at
+    };
+    let hours = |n: i64| chrono::Duration::minutes(n * 60);
+    let far = settled("far", start + hours(3));
+    let soon = settled("soon", start + chrono::Duration::minutes(30));
+    let mut done = example_at(Some(AtStatus {
+        phase: Phase::Done,
+        completion_time: Some(start - hours(1)),
+        ..AtStatus::default()
+    }));
+    done.metadata.name = Some("done".into());
+    let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
+    let (store, mut writer) = reflector::store::<CachedAt>();
+    for at in [&far, &soon, &done] {
+        writer.apply_watcher_event(&watcher::Event::Apply(CachedAt::from(at.clone())));
+    }
+    // The watch's first look: only the At due within the hour gets an entry.
+    for at in [&far, &soon, &done] {
+        assert!(!h.ctx.needs_reconcile(at), "{:?}", at.metadata.name);
+    }
+    let (far_key, soon_key) = (AtKey::from(&far), AtKey::from(&soon));
+    let t0 = tokio::time::Instant::now();
+    assert_eq!(h.ctx.wakeups().when(&far_key), None);
+    assert_eq!(
+        h.ctx.wakeups().when(&soon_key),
+        Some(t0 + Duration::from_secs(1800))
+    );
+    assert_eq!(h.ctx.wakeups().len(), 1);
+    look_ahead_once(&h.ctx, &store).await;
+    assert_eq!(h.ctx.wakeups().len(), 1, "nothing new within the hour");
+    let none = tokio::time::timeout(Duration::from_secs(1), retriggers.next()).await;
+    assert!(none.is_err(), "nothing to reconcile: {none:?}");
+
+    // A look-ahead later: `far` is due within the hour and gets its entry, to the instant.
+    tokio::time::advance(LOOK_AHEAD_EVERY * 5).await;
+    *now.lock().unwrap() = start + chrono::Duration::from_std(LOOK_AHEAD_EVERY * 5).unwrap();
+    h.ctx.wakeups().clear(&soon_key);
+    look_ahead_once(&h.ctx, &store).await;
+    let t1 = tokio::time::Instant::now();
+    assert_eq!(
+        h.ctx.wakeups().when(&far_key),
+        Some(t1 + Duration::from_secs(3 * 3600) - LOOK_AHEAD_EVERY * 5)
+    );
+    assert!(t1 + HORIZON >= h.ctx.wakeups().when(&far_key).unwrap());
+    // `soon` is overdue with no entry (say, its wakeup was lost): reconciled now, not indexed.
+    assert_eq!(h.ctx.wakeups().when(&soon_key), None);
+    assert_eq!(h.ctx.wakeups().len(), 1);
+    let woken = tokio::time::timeout(Duration::from_secs(1), retriggers.next()).await;
+    assert_eq!(woken.unwrap(), Some(soon_key));
+    let none = tokio::time::timeout(Duration::from_secs(1), retriggers.next()).await;
+    assert!(none.is_err(), "only `soon`: {none:?}");
     h.finish(0).await;
 }

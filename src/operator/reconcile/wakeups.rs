@@ -6,6 +6,11 @@
 //! an At that is due now waits in the same queue. So the watch stream passes on only the Ats
 //! `wake` says need work now; the others go into `Wakeups` under the instant they fall due
 //! (or nowhere, when nothing will ever be due) and are reconciled then.
+//!
+//! The index holds only the next `HORIZON`: an At whose next reconcile is further off is in no
+//! index (its cached form is all it costs, about 150 bytes less per At than an entry here), and
+//! a look-ahead over the cache every `LOOK_AHEAD_EVERY` (`triggers::look_ahead`) puts it in once
+//! its time comes within the horizon, at least `HORIZON - LOOK_AHEAD_EVERY` before it.
 
 use super::decide::{decide, Call, PodObservation};
 use crate::api::At;
@@ -18,6 +23,18 @@ use std::sync::Mutex;
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
+
+/// How far ahead the index holds Ats.
+pub const HORIZON: Duration = Duration::from_secs(3600);
+
+/// How often the cache is looked through for Ats whose time came within the horizon.
+pub const LOOK_AHEAD_EVERY: Duration = Duration::from_secs(1800);
+
+/// Whether an entry for `when` is kept in the index at `now`: only within the horizon.
+pub fn within_horizon(when: Instant, now: Instant) -> bool {
+    when.checked_duration_since(now)
+        .is_none_or(|left| left <= HORIZON)
+}
 
 /// When a watched At needs its next reconcile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,7 +79,8 @@ struct Index {
 }
 
 impl Wakeups {
-    /// `at` is reconciled at `when` (replacing an earlier entry for it).
+    /// `at` is reconciled at `when` (replacing an earlier entry for it); beyond the horizon it
+    /// waits in no index, for the look-ahead.
     pub fn set(&self, at: AtKey, when: Instant) {
         self.put(at, when, |_| true);
     }
@@ -73,7 +91,8 @@ impl Wakeups {
         self.put(at, when, |set| when < set);
     }
 
-    /// Sets `at`'s entry to `when` unless it has one that `replaces` says to keep.
+    /// Sets `at`'s entry to `when` unless it has one that `replaces` says to keep; a `when`
+    /// beyond the horizon leaves it without one.
     fn put(&self, at: AtKey, when: Instant, replaces: impl Fn(Instant) -> bool) {
         let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(&old) = index.by_at.get(&at) {
@@ -83,6 +102,10 @@ impl Wakeups {
             // Removed first: `insert` would keep the old key, a second copy of the same one.
             index.by_at.remove(&at);
             index.by_time.remove(&old);
+        }
+        if !within_horizon(when, Instant::now()) {
+            shrink_if_sparse(&mut index.by_at);
+            return;
         }
         let id = index.next_id;
         index.next_id += 1;

@@ -156,3 +156,36 @@ async fn a_retry_does_not_put_off_an_earlier_wakeup_but_can_bring_it_forward() {
     wakeups.set_earlier(other.clone(), start + Duration::from_secs(5));
     assert_eq!(wakeups.when(&other), Some(start + Duration::from_secs(5)));
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_index_holds_only_the_next_hour() {
+    let wakeups = Wakeups::default();
+    let start = Instant::now();
+    assert!(within_horizon(start + HORIZON, start));
+    assert!(!within_horizon(
+        start + HORIZON + Duration::from_millis(1),
+        start
+    ));
+    // Past instants are due now: within.
+    tokio::time::advance(Duration::from_secs(10)).await;
+    assert!(within_horizon(start, Instant::now()));
+
+    let (near, far) = (AtKey::new("ns", "near"), AtKey::new("ns", "far"));
+    let now = Instant::now();
+    wakeups.set(near.clone(), now + HORIZON);
+    wakeups.set(far.clone(), now + HORIZON + Duration::from_secs(1));
+    assert_eq!(wakeups.when(&near), Some(now + HORIZON));
+    assert_eq!(wakeups.when(&far), None, "beyond the horizon: no entry");
+    assert_eq!(wakeups.len(), 1);
+    // A later instant beyond the horizon takes the entry away (the look-ahead brings it back).
+    wakeups.set(near.clone(), now + 2 * HORIZON);
+    assert!(wakeups.is_empty());
+    // A retry beyond the horizon keeps an earlier entry, and sets none where there is none.
+    wakeups.set(near.clone(), now + Duration::from_secs(5));
+    wakeups.set_earlier(near.clone(), now + 2 * HORIZON);
+    wakeups.set_earlier(far.clone(), now + 2 * HORIZON);
+    assert_eq!(wakeups.when(&near), Some(now + Duration::from_secs(5)));
+    assert_eq!(wakeups.len(), 1);
+    // Each At due is indexed at least this long before its instant.
+    assert!(HORIZON - LOOK_AHEAD_EVERY >= Duration::from_secs(1800));
+}
