@@ -212,13 +212,35 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     create(&ats, &ns, "due", TAKEN_OVER, due, SPACING).await;
     tokio::time::sleep_until((due_instant - Duration::from_millis(100)).into()).await;
     let mut stopped = stopped;
+    let sigterm = Instant::now();
     stopped.terminate();
+    // When each of its shards named another holder, to tell a late handover from a late list.
+    let moves = tokio::spawn({
+        let (admin, ns, name) = (admin.clone(), ns.clone(), stopped.identity.clone());
+        let its_shards = its_shards.clone();
+        async move {
+            let mut moved: Vec<Option<(String, Duration)>> = vec![None; its_shards.len()];
+            while moved.iter().any(Option::is_none) && sigterm.elapsed() < Duration::from_secs(120)
+            {
+                let now = holders(&admin, &ns, shards).await;
+                for (slot, shard) in moved.iter_mut().zip(&its_shards) {
+                    if let Some(holder) = now[*shard].as_ref().filter(|h| **h != name) {
+                        slot.get_or_insert((holder.clone(), sigterm.elapsed()));
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            moved
+        }
+    });
     let seen = tokio::time::timeout(Duration::from_secs(300), pod_seen)
         .await
         .expect("every pod within five minutes")
         .unwrap();
     let split = cnat::shard::Shards::new(shards).unwrap();
     let (mut theirs, mut others) = (Duration::ZERO, Duration::ZERO);
+    // Its shards' Ats late by more than a second: when each was due, after the SIGTERM.
+    let mut late_ones: Vec<(Duration, Duration)> = Vec::new();
     for (pod, at) in &seen {
         let name = pod.trim_end_matches("-pod");
         let value = cnat::shard::assign(&format!("{ns}/{name}"));
@@ -227,11 +249,27 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
         let late = at.saturating_duration_since(due_instant + SPACING * index);
         if its_shards.contains(&split.of(Some(&labels))) {
             theirs = theirs.max(late);
+            if late > Duration::from_secs(1) {
+                let due = (due_instant + SPACING * index).saturating_duration_since(sigterm);
+                late_ones.push((due, late));
+            }
         } else {
             others = others.max(late);
         }
     }
     let _ = stopped.child.wait();
+    for (shard, moved) in its_shards.iter().zip(moves.await.unwrap_or_default()) {
+        eprintln!("{n} Ats: the stopped replica's shard {shard}: another holder {moved:?} after its SIGTERM");
+    }
+    late_ones.sort();
+    if let (Some(first), Some(last)) = (late_ones.first(), late_ones.last()) {
+        eprintln!(
+            "{n} Ats: {} of its shards' Ats more than 1 s late, due {:.2?} to {:.2?} after the SIGTERM",
+            late_ones.len(),
+            first.0,
+            last.0
+        );
+    }
     eprintln!("{n} Ats: a replica stopped: its shards' Ats at most {theirs:.2?} late, the others' {others:.2?}");
 
     // Three replicas again; then 10,000 Ats due at once, against the bare-create floor.
