@@ -48,6 +48,8 @@ pub struct CachedAt {
     label: u8,
     /// The instant the schedule names; `None` when it does not parse.
     due: Option<DateTime<Utc>>,
+    /// Its spec sets `ttlSecondsAfterFinished` (a DONE At is then deleted some time after).
+    ttl: bool,
     /// The rest of the trimmed At (`Rest`), as JSON compressed with LZ4 against a dictionary of
     /// what every At repeats (`pack`).
     packed: Box<[u8]>,
@@ -129,6 +131,7 @@ impl CachedAt {
             },
             phase: Phase::Pending,
             due: None,
+            ttl: false,
             packed: Box::default(),
             unreadable: Some(why.into()),
         }
@@ -161,6 +164,7 @@ fn label_of(meta: &ObjectMeta) -> u8 {
 impl From<At> for CachedAt {
     fn from(at: At) -> Self {
         let due = schedule::parse(&at.spec.schedule, at.spec.time_zone.as_deref()).ok();
+        let ttl = at.spec.ttl_seconds_after_finished.is_some();
         let phase = at.phase();
         let At {
             mut metadata,
@@ -203,6 +207,7 @@ impl From<At> for CachedAt {
             metadata: key,
             phase,
             due,
+            ttl,
             packed: pack::pack(&json),
             unreadable: None,
         }
@@ -258,6 +263,11 @@ impl CachedAt {
     /// The instant the schedule names, `None` when it does not parse.
     pub fn due(&self) -> Option<DateTime<Utc>> {
         self.due
+    }
+
+    /// Whether its spec sets `ttlSecondsAfterFinished`.
+    pub fn sets_ttl(&self) -> bool {
+        self.ttl
     }
 
     /// The At this cached copy is of, by name and namespace.

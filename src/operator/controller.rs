@@ -1,7 +1,7 @@
 //! Wires the reconciler to the cluster: the Ats every replica caches (`cache::AtCache`), a
 //! watch of only the pods cnat created (by label), and kube-runtime's `Controller` for queueing
-//! and concurrency; each At's next look waits in the wake-up index (`reconcile::wakeups`), not
-//! in the runtime's requeue queue. The pods, usually far fewer than the Ats, are watched by the
+//! and concurrency; each At's next look within the hour waits in the wake-up index
+//! (`reconcile::wakeups`; a look-ahead puts later ones in), not in the runtime's requeue queue. The pods, usually far fewer than the Ats, are watched by the
 //! leader only.
 
 use crate::observability::metrics::Metrics;
@@ -197,7 +197,8 @@ fn pod_events(
 }
 
 /// The loop's tasks beside the runtime: the first look at every cached At, the status
-/// writer, the reachability probe, the wakeups and the release of orphaned pods. They live and
+/// writer, the reachability probe, the wakeups and their look-ahead, deferred pod creates and the
+/// release of orphaned pods. They live and
 /// die with the loop: a stopping leader drops the status writes it has not made, and its
 /// successor makes them from what it observes (the events of writes made still go out: they
 /// wait in the replica's event queue).

@@ -20,7 +20,8 @@ use tokio::sync::{broadcast, mpsc};
 use tracing::warn;
 
 /// The cached Ats with work now, as the cache's changes bring them; settled ones wait in one
-/// ordered index until they fall due (see `reconcile::wakeups`). Deletions are forgotten (and
+/// ordered index until they fall due, or for the look-ahead while that is over an hour off (see
+/// `reconcile::wakeups`). Deletions are forgotten (and
 /// their held pods released), a relist or a lag looks at every At again.
 pub fn at_events(
     changes: broadcast::Receiver<Change>,
@@ -116,12 +117,12 @@ fn needs_reconcile(ctx: &Context, cached: &CachedAt) -> bool {
 }
 
 /// Reconciles every cached At that needs it now; the others go into `wakeups`. Ats due within
-/// `LOOK_AHEAD` come first (reading 100,000 cached Ats back takes about 0.3 s), then those that
+/// `DUE_SOON` come first (reading 100,000 cached Ats back takes about 0.3 s), then those that
 /// run; it yields to other tasks every 1000 Ats.
 pub async fn look_at_all(ctx: &Arc<Context>, store: &Store<CachedAt>) {
     let now = ctx.now();
     let mut ats = store.state();
-    let soon = now + LOOK_AHEAD;
+    let soon = now + DUE_SOON;
     ats.sort_by_key(|at| first_look_order(at, soon));
     for (i, cached) in ats.iter().enumerate() {
         if i % 1000 == 999 {
@@ -148,40 +149,48 @@ pub async fn look_ahead(ctx: &Arc<Context>, store: &Store<CachedAt>) {
     }
 }
 
-/// Looks at every cached At the wake-up index does not hold and that may have work within its
-/// horizon (`may_come_within`): those with work now are reconciled, the others whose time came
-/// within the horizon go into the index. Also a safety net: any such At whose time the index
-/// missed (the wall clock jumped, say) is seen within `LOOK_AHEAD_EVERY`. Reading an At back
-/// takes about 3 µs; it yields to other tasks every 1000 Ats.
+/// Puts into the wake-up index every cached At whose next reconcile came within its horizon
+/// (`Context::look_ahead`), of those it does not hold yet that may have one
+/// (`may_come_within`). Reading an At back takes about 3 µs; it yields to other tasks every
+/// 1000 Ats. A panic deciding an At is caught: the At is quarantined, the loop ends.
 pub async fn look_ahead_once(ctx: &Arc<Context>, store: &Store<CachedAt>) {
     let until = ctx.now() + chrono::TimeDelta::from_std(HORIZON).unwrap_or(chrono::TimeDelta::MAX);
+    let ttl_by_default = ctx.ttl_by_default();
     for (i, cached) in store.state().iter().enumerate() {
         if i % 1000 == 999 {
             tokio::task::yield_now().await;
         }
         // An At that does not decode was reported when it came.
-        if !may_come_within(cached, until) || cached.unreadable().is_some() {
+        if !may_come_within(cached, until, ttl_by_default) || cached.unreadable().is_some() {
             continue;
         }
-        let key = CachedAt::key(cached);
-        if ctx.wakeups().when(&key).is_some() {
+        if ctx.wakeups().when(&CachedAt::key(cached)).is_some() {
             continue;
         }
-        if needs_reconcile(ctx, cached) {
-            ctx.wake_up(key);
+        let Some(at) = cache::read(cached) else {
+            continue;
+        };
+        if let Err(panic) = contain::catch(|| ctx.look_ahead(&at)) {
+            ctx.panicked(&at, "look-ahead", &panic);
         }
     }
 }
 
-/// Whether `at` may need a reconcile by `until`, going by what the cache keeps apart (no At is
-/// read back for this): every At but a PENDING one due after `until` (its status is written,
-/// or its write is retried from the index, so nothing is left to do for it before it is due).
-fn may_come_within(at: &CachedAt, until: DateTime<Utc>) -> bool {
-    !(at.phase() == Phase::Pending && at.due().is_some_and(|due| due > until))
+/// Whether `at` may have a reconcile due by `until` that no index holds, going by what the
+/// cache keeps apart (no At is read back for this): a PENDING At due by then, or a DONE At with
+/// a TTL (its spec's, or `ttl_by_default`). Not a RUNNING At: its next look is never set
+/// further off than the horizon. Not a PENDING At whose schedule does not parse: nothing is
+/// due until it changes.
+fn may_come_within(at: &CachedAt, until: DateTime<Utc>, ttl_by_default: bool) -> bool {
+    match at.phase() {
+        Phase::Pending => at.due().is_some_and(|due| due <= until),
+        Phase::Done => at.sets_ttl() || ttl_by_default,
+        Phase::Running => false,
+    }
 }
 
 /// Where `at` comes in a first look at every At: PENDING and due by `soon` (the look's start
-/// plus `LOOK_AHEAD`, by when it is likely to have reached it), earliest first; then RUNNING
+/// plus `DUE_SOON`, by when it is likely to have reached it), earliest first; then RUNNING
 /// (its pod may have ended); then the rest. A new leader's first look reads every cached At
 /// back (about 0.3 s for 100,000): an At falling due meanwhile would otherwise wait for its
 /// turn among them.
@@ -194,7 +203,7 @@ fn first_look_order(at: &CachedAt, soon: DateTime<Utc>) -> (u8, Option<DateTime<
 }
 
 /// How far ahead a first look counts an At as due: longer than reading 100,000 cached Ats back.
-const LOOK_AHEAD: chrono::TimeDelta = chrono::TimeDelta::seconds(1);
+const DUE_SOON: chrono::TimeDelta = chrono::TimeDelta::seconds(1);
 
 #[cfg(test)]
 mod tests {
@@ -218,7 +227,7 @@ mod tests {
             cached("due-now", "2026-11-23T12:00:00Z", Phase::Pending),
             cached("overdue", "2026-11-23T11:00:00Z", Phase::Pending),
         ];
-        ats.sort_by_key(|at| first_look_order(at, now + LOOK_AHEAD));
+        ats.sort_by_key(|at| first_look_order(at, now + DUE_SOON));
         let names: Vec<String> = ats.iter().map(|at| at.name_any()).collect();
         assert_eq!(
             names[..5],
@@ -230,20 +239,30 @@ mod tests {
     }
 
     #[test]
-    fn a_look_ahead_reads_back_every_at_but_pending_ones_due_past_the_horizon() {
+    fn a_look_ahead_reads_back_only_pending_ats_due_within_the_horizon_and_done_ones_with_a_ttl() {
         let until: DateTime<Utc> = "2026-11-23T13:00:00Z".parse().unwrap();
-        let within = [
-            cached("at-the-end", "2026-11-23T13:00:00Z", Phase::Pending),
-            cached("overdue", "2026-11-23T11:00:00Z", Phase::Pending),
-            cached("bad", "soon", Phase::Pending),
-            cached("running", "2026-11-24T11:00:00Z", Phase::Running),
-            // Its TTL may run out whenever: only its spec says.
-            cached("done", "2026-11-24T11:00:00Z", Phase::Done),
-        ];
-        for at in &within {
-            assert!(may_come_within(at, until), "{}", at.name_any());
+        let mut with_ttl = cached("ttl", "2026-11-23T11:00:00Z", Phase::Done)
+            .at()
+            .unwrap();
+        with_ttl.spec.ttl_seconds_after_finished = Some(7200);
+        let with_ttl = CachedAt::from(with_ttl);
+        for at in [
+            &cached("at-the-end", "2026-11-23T13:00:00Z", Phase::Pending),
+            &cached("overdue", "2026-11-23T11:00:00Z", Phase::Pending),
+            &with_ttl,
+        ] {
+            assert!(may_come_within(at, until, false), "{}", at.name_any());
         }
-        let later = cached("later", "2026-11-23T13:00:00.001Z", Phase::Pending);
-        assert!(!may_come_within(&later, until));
+        let done = cached("done", "2026-11-23T11:00:00Z", Phase::Done);
+        for at in [
+            &cached("later", "2026-11-23T13:00:00.001Z", Phase::Pending),
+            &cached("bad", "soon", Phase::Pending),
+            &cached("running", "2026-11-23T11:00:00Z", Phase::Running),
+            &done,
+        ] {
+            assert!(!may_come_within(at, until, false), "{}", at.name_any());
+        }
+        // With a TTL for every At, every DONE one.
+        assert!(may_come_within(&done, until, true));
     }
 }

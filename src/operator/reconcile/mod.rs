@@ -193,7 +193,7 @@ impl Context {
     }
 
     /// Whether a watched version of `at` needs a reconcile now; if not, `wakeups` holds when it
-    /// does (see `wakeups`).
+    /// does, if that is within its horizon (see `wakeups`).
     pub fn needs_reconcile(&self, at: &At) -> bool {
         if self.is_stale(at).is_some() || self.quarantined(at) {
             return false;
@@ -225,6 +225,25 @@ impl Context {
                 false
             }
         }
+    }
+
+    /// The look-ahead's part (`triggers::look_ahead`): puts `at` into the wake-up index if its
+    /// next reconcile comes within the horizon. Never reconciles it: an At with work now is
+    /// already on its way (woken, queued or running), and a second request would only repeat it.
+    pub fn look_ahead(&self, at: &At) {
+        if self.is_stale(at).is_some() || self.quarantined(at) {
+            return;
+        }
+        if let Wake::After(left) = wakeups::wake(at, (self.clock)(), &self.policy) {
+            if let Some(when) = tokio::time::Instant::now().checked_add(left) {
+                self.wakeups().set_earlier(key(at), when);
+            }
+        }
+    }
+
+    /// Whether Ats end with a TTL by default (`--default-ttl-seconds-after-finished`).
+    pub fn ttl_by_default(&self) -> bool {
+        self.policy.ttl_seconds_after_finished.is_some()
     }
 
     /// The phase we wrote (or queued) over this version of `at`, if we did: the cache has not
@@ -375,13 +394,14 @@ impl Context {
         span.record("phase.after", after.as_str());
         let spent = ((self.clock)() - decided_at).to_std().unwrap_or_default();
         if let Some(left) = decision.requeue {
-            let left = left.saturating_sub(spent);
+            // At most the wake-up index's horizon (an At may be due in 9999): a relative wait
+            // (a RUNNING At's next look) is kept whole only within it; a PENDING At's status
+            // write then sets its whole remaining time (`needs_reconcile`), which beyond the
+            // horizon leaves it to the look-ahead.
+            let left = left.saturating_sub(spent).min(wakeups::HORIZON);
             span.record("requeue.seconds", left.as_secs_f64());
-            // Past what an instant holds (an At may be due in 9999, which stops no replica:
-            // tests/e2e `bad_input`) is beyond the horizon too: the look-ahead brings it in.
-            if let Some(when) = tokio::time::Instant::now().checked_add(left) {
-                self.wakeups().set_earlier(key(at), when);
-            }
+            let when = tokio::time::Instant::now() + left;
+            self.wakeups().set_earlier(key(at), when);
         }
         Action::await_change()
     }

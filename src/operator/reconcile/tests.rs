@@ -1398,8 +1398,8 @@ async fn retriggers_wait_for_room_in_the_backlog_which_starts_and_dropped_reques
 }
 
 /// An At due beyond the wake-up index's horizon waits in no index (its cached form is all it
-/// costs) until a look-ahead finds its time within the horizon; Ats with nothing left to do
-/// stay out, and an At a look-ahead finds with work now is reconciled.
+/// costs) until a look-ahead finds its time within the horizon, to the instant; a DONE At's TTL
+/// likewise. Ats with nothing left to do stay out, and the look-ahead reconciles nothing itself.
 #[tokio::test(start_paused = true)]
 async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
     use crate::operator::cache::CachedAt;
@@ -1412,11 +1412,16 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
         move || *now.lock().unwrap()
     });
     let h = harness_at(vec![], clock);
-    // As a leader leaves them: PENDING with their status written; one DONE for good.
-    let settled = |name: &str, due: DateTime<Utc>| {
+    let hours = |n: i64| chrono::Duration::minutes(n * 60);
+    let named = |name: &str, schedule: DateTime<Utc>| {
         let mut at = example_at(None);
         at.metadata.name = Some(name.into());
-        at.spec.schedule = due.to_rfc3339();
+        at.spec.schedule = schedule.to_rfc3339();
+        at
+    };
+    // As a leader leaves them: PENDING with their status written; DONE an hour ago.
+    let settled = |name: &str, due: DateTime<Utc>| {
+        let mut at = named(name, due);
         let decided = decide(
             &at,
             &PodObservation::NotCached,
@@ -1426,27 +1431,35 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
         at.status = decided.status;
         at
     };
-    let hours = |n: i64| chrono::Duration::minutes(n * 60);
     let far = settled("far", start + hours(3));
     let soon = settled("soon", start + chrono::Duration::minutes(30));
-    let mut done = example_at(Some(AtStatus {
-        phase: Phase::Done,
-        completion_time: Some(start - hours(1)),
-        ..AtStatus::default()
-    }));
-    done.metadata.name = Some("done".into());
-    let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
+    let finished = |name: &str, ttl: Option<i32>| {
+        let mut at = named(name, start - hours(2));
+        at.spec.ttl_seconds_after_finished = ttl;
+        at.status = Some(AtStatus {
+            phase: Phase::Done,
+            completion_time: Some(start - hours(1)),
+            ..AtStatus::default()
+        });
+        at
+    };
+    // Deleted 4 h after it finished, 3 h from now.
+    let expiring = finished("expiring", Some(4 * 3600));
+    let done = finished("done", None);
+    let all = [&far, &soon, &expiring, &done];
     let (store, mut writer) = reflector::store::<CachedAt>();
-    for at in [&far, &soon, &done] {
+    for at in all {
         writer.apply_watcher_event(&watcher::Event::Apply(CachedAt::from(at.clone())));
     }
-    // The watch's first look: only the At due within the hour gets an entry.
-    for at in [&far, &soon, &done] {
+    let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
+    // As the watch brings them: only the At due within the hour gets an entry.
+    for at in all {
         assert!(!h.ctx.needs_reconcile(at), "{:?}", at.metadata.name);
     }
-    let (far_key, soon_key) = (AtKey::from(&far), AtKey::from(&soon));
+    let [far_key, soon_key, expiring_key, done_key] = all.map(AtKey::from);
     let t0 = tokio::time::Instant::now();
     assert_eq!(h.ctx.wakeups().when(&far_key), None);
+    assert_eq!(h.ctx.wakeups().when(&expiring_key), None);
     assert_eq!(
         h.ctx.wakeups().when(&soon_key),
         Some(t0 + Duration::from_secs(1800))
@@ -1454,26 +1467,60 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
     assert_eq!(h.ctx.wakeups().len(), 1);
     look_ahead_once(&h.ctx, &store).await;
     assert_eq!(h.ctx.wakeups().len(), 1, "nothing new within the hour");
-    let none = tokio::time::timeout(Duration::from_secs(1), retriggers.next()).await;
-    assert!(none.is_err(), "nothing to reconcile: {none:?}");
 
-    // A look-ahead later: `far` is due within the hour and gets its entry, to the instant.
+    // Two and a half hours later: `far` and `expiring` are within the hour and get their
+    // entries, to the instant. `soon` is overdue, its entry taken (its reconcile is on its way):
+    // the look-ahead leaves it alone.
+    h.ctx.wakeups().clear(&soon_key);
     tokio::time::advance(LOOK_AHEAD_EVERY * 5).await;
     *now.lock().unwrap() = start + chrono::Duration::from_std(LOOK_AHEAD_EVERY * 5).unwrap();
-    h.ctx.wakeups().clear(&soon_key);
     look_ahead_once(&h.ctx, &store).await;
     let t1 = tokio::time::Instant::now();
-    assert_eq!(
-        h.ctx.wakeups().when(&far_key),
-        Some(t1 + Duration::from_secs(3 * 3600) - LOOK_AHEAD_EVERY * 5)
-    );
-    assert!(t1 + HORIZON >= h.ctx.wakeups().when(&far_key).unwrap());
-    // `soon` is overdue with no entry (say, its wakeup was lost): reconciled now, not indexed.
+    let in_half_an_hour = t1 + Duration::from_secs(1800);
+    assert_eq!(h.ctx.wakeups().when(&far_key), Some(in_half_an_hour));
+    assert_eq!(h.ctx.wakeups().when(&expiring_key), Some(in_half_an_hour));
+    assert!(t1 + HORIZON >= in_half_an_hour);
     assert_eq!(h.ctx.wakeups().when(&soon_key), None);
-    assert_eq!(h.ctx.wakeups().len(), 1);
-    let woken = tokio::time::timeout(Duration::from_secs(1), retriggers.next()).await;
-    assert_eq!(woken.unwrap(), Some(soon_key));
-    let none = tokio::time::timeout(Duration::from_secs(1), retriggers.next()).await;
-    assert!(none.is_err(), "only `soon`: {none:?}");
+    assert_eq!(h.ctx.wakeups().when(&done_key), None);
+    assert_eq!(h.ctx.wakeups().len(), 2);
+    let none = tokio::time::timeout(Duration::from_millis(10), retriggers.next()).await;
+    assert!(none.is_err(), "the look-ahead reconciles nothing: {none:?}");
+    h.finish(0).await;
+}
+
+/// The look-ahead runs every `LOOK_AHEAD_EVERY`, the first time that long after it starts.
+#[tokio::test(start_paused = true)]
+async fn the_look_ahead_runs_every_half_hour() {
+    use crate::operator::cache::CachedAt;
+    use crate::operator::reconcile::wakeups::LOOK_AHEAD_EVERY;
+    let start = DateTime::parse_from_rfc3339(NOW).unwrap().to_utc();
+    let mut far = example_at(None);
+    far.spec.schedule = (start + chrono::Duration::minutes(200)).to_rfc3339();
+    let decided = decide(
+        &far,
+        &PodObservation::NotCached,
+        start,
+        &RunPolicy::default(),
+    );
+    far.status = decided.status;
+    // The wall clock says 150 minutes on: `far` is due within the hour.
+    let later = start + chrono::Duration::minutes(150);
+    let h = harness_at(vec![], Box::new(move || later));
+    let (store, mut writer) = reflector::store::<CachedAt>();
+    writer.apply_watcher_event(&watcher::Event::Apply(CachedAt::from(far.clone())));
+    let looking = tokio::spawn({
+        let (ctx, store) = (h.ctx.clone(), store.clone());
+        async move { crate::operator::triggers::look_ahead(&ctx, &store).await }
+    });
+    let key = AtKey::from(&far);
+    let t0 = tokio::time::Instant::now();
+    tokio::time::sleep(LOOK_AHEAD_EVERY - Duration::from_secs(1)).await;
+    assert_eq!(h.ctx.wakeups().when(&key), None);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        h.ctx.wakeups().when(&key),
+        Some(t0 + LOOK_AHEAD_EVERY + Duration::from_secs(50 * 60))
+    );
+    looking.abort();
     h.finish(0).await;
 }

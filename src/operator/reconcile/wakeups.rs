@@ -5,12 +5,15 @@
 //! their time, or DONE. Reconciling each only to learn that wastes seconds at 100,000 Ats while
 //! an At that is due now waits in the same queue. So the watch stream passes on only the Ats
 //! `wake` says need work now; the others go into `Wakeups` under the instant they fall due
-//! (or nowhere, when nothing will ever be due) and are reconciled then.
+//! (or nowhere, when nothing will ever be due or it is beyond the horizon, below) and are
+//! reconciled then.
 //!
-//! The index holds only the next `HORIZON`: an At whose next reconcile is further off is in no
-//! index (its cached form is all it costs, about 150 bytes less per At than an entry here), and
-//! a look-ahead over the cache every `LOOK_AHEAD_EVERY` (`triggers::look_ahead`) puts it in once
-//! its time comes within the horizon, at least `HORIZON - LOOK_AHEAD_EVERY` before it.
+//! The index holds only the next `HORIZON`: an At whose next reconcile is further off (a
+//! PENDING At's due time, a DONE At's TTL) is in no index (its cached form is all it costs,
+//! about 150 bytes less per At than an entry here), and a look-ahead over the cache every
+//! `LOOK_AHEAD_EVERY` (`triggers::look_ahead`) puts it in once its time comes within the
+//! horizon, at least `HORIZON - LOOK_AHEAD_EVERY` before it. A reconcile's own wait (a RUNNING
+//! At's next look) is never set further off than the horizon.
 
 use super::decide::{decide, Call, PodObservation};
 use crate::api::At;
@@ -29,6 +32,9 @@ pub const HORIZON: Duration = Duration::from_secs(3600);
 
 /// How often the cache is looked through for Ats whose time came within the horizon.
 pub const LOOK_AHEAD_EVERY: Duration = Duration::from_secs(1800);
+
+// Each At is indexed well before its instant: at least half an hour.
+const _: () = assert!(HORIZON.as_secs() >= LOOK_AHEAD_EVERY.as_secs() + 1800);
 
 /// Whether an entry for `when` is kept in the index at `now`: only within the horizon.
 pub fn within_horizon(when: Instant, now: Instant) -> bool {
