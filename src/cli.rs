@@ -156,7 +156,7 @@ pub struct RunArgs {
     pub default_ttl_seconds_after_finished: Option<i32>,
 
     /// How often a Running At checks its pod without being told (the pod watch can miss a
-    /// deletion while it re-lists).
+    /// deletion while it re-lists); more than 1h counts as 1h.
     #[arg(long, env = "CNAT_RUNNING_RECHECK", default_value = "60s", value_parser = duration)]
     pub running_recheck: Duration,
 

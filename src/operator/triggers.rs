@@ -138,23 +138,42 @@ pub async fn look_at_all(ctx: &Arc<Context>, store: &Store<CachedAt>) {
     }
 }
 
-/// Runs until dropped: every `LOOK_AHEAD_EVERY`, `look_ahead_once`.
+/// Runs until dropped: every `LOOK_AHEAD_EVERY`, `look_ahead_once`. Should the wall clock
+/// have passed the end of the horizon the last look covered (it jumped ahead, or the process was
+/// stopped that long), Ats may have fallen due outside the index: a look at every At instead.
 pub async fn look_ahead(ctx: &Arc<Context>, store: &Store<CachedAt>) {
     let start = tokio::time::Instant::now() + LOOK_AHEAD_EVERY;
     let mut every = tokio::time::interval_at(start, LOOK_AHEAD_EVERY);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first look at every At, beside this task, covers the first horizon.
+    let mut covered = horizon_end(ctx.now());
     loop {
         every.tick().await;
-        look_ahead_once(ctx, store).await;
+        let now = ctx.now();
+        if now > covered {
+            warn!(
+                covered_until = %covered,
+                "the wall clock passed the wake-up index's horizon between two looks ahead; looking at every At"
+            );
+            look_at_all(ctx, store).await;
+        } else {
+            look_ahead_once(ctx, store, horizon_end(now)).await;
+        }
+        covered = horizon_end(now);
     }
 }
 
-/// Puts into the wake-up index every cached At whose next reconcile came within its horizon
+/// The end of the wake-up index's horizon at wall-clock `now`.
+fn horizon_end(now: DateTime<Utc>) -> DateTime<Utc> {
+    now + chrono::TimeDelta::from_std(HORIZON).unwrap_or(chrono::TimeDelta::MAX)
+}
+
+/// Puts into the wake-up index every cached At whose next reconcile comes by `until`
 /// (`Context::look_ahead`), of those it does not hold yet that may have one
-/// (`may_come_within`). Reading an At back takes about 3 µs; it yields to other tasks every
-/// 1000 Ats. A panic deciding an At is caught: the At is quarantined, the loop ends.
-pub async fn look_ahead_once(ctx: &Arc<Context>, store: &Store<CachedAt>) {
-    let until = ctx.now() + chrono::TimeDelta::from_std(HORIZON).unwrap_or(chrono::TimeDelta::MAX);
+/// (`may_come_within`); an At changed since this look began is left to its change. Reading an
+/// At back takes about 3 µs; it yields to other tasks every 1000 Ats. A panic deciding an At is
+/// caught: the At is quarantined, the loop ends.
+pub async fn look_ahead_once(ctx: &Arc<Context>, store: &Store<CachedAt>, until: DateTime<Utc>) {
     let ttl_by_default = ctx.ttl_by_default();
     for (i, cached) in store.state().iter().enumerate() {
         if i % 1000 == 999 {
@@ -164,14 +183,19 @@ pub async fn look_ahead_once(ctx: &Arc<Context>, store: &Store<CachedAt>) {
         if !may_come_within(cached, until, ttl_by_default) || cached.unreadable().is_some() {
             continue;
         }
-        if ctx.wakeups().when(&CachedAt::key(cached)).is_some() {
+        let key = CachedAt::key(cached);
+        if ctx.wakeups().when(&key).is_some() {
+            continue;
+        }
+        let now_cached = store.get(&CachedAt::key_of(&key));
+        if !now_cached.is_some_and(|now| Arc::ptr_eq(&now, cached)) {
             continue;
         }
         let Some(at) = cache::read(cached) else {
             continue;
         };
         if let Err(panic) = contain::catch(|| ctx.look_ahead(&at)) {
-            ctx.panicked(&at, "look-ahead", &panic);
+            ctx.panicked(&at, "look", &panic);
         }
     }
 }

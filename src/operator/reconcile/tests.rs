@@ -1465,7 +1465,8 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
         Some(t0 + Duration::from_secs(1800))
     );
     assert_eq!(h.ctx.wakeups().len(), 1);
-    look_ahead_once(&h.ctx, &store).await;
+    let hour = chrono::Duration::from_std(HORIZON).unwrap();
+    look_ahead_once(&h.ctx, &store, start + hour).await;
     assert_eq!(h.ctx.wakeups().len(), 1, "nothing new within the hour");
 
     // Two and a half hours later: `far` and `expiring` are within the hour and get their
@@ -1473,13 +1474,13 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
     // the look-ahead leaves it alone.
     h.ctx.wakeups().clear(&soon_key);
     tokio::time::advance(LOOK_AHEAD_EVERY * 5).await;
-    *now.lock().unwrap() = start + chrono::Duration::from_std(LOOK_AHEAD_EVERY * 5).unwrap();
-    look_ahead_once(&h.ctx, &store).await;
+    let later = start + chrono::Duration::from_std(LOOK_AHEAD_EVERY * 5).unwrap();
+    *now.lock().unwrap() = later;
+    look_ahead_once(&h.ctx, &store, later + hour).await;
     let t1 = tokio::time::Instant::now();
     let in_half_an_hour = t1 + Duration::from_secs(1800);
     assert_eq!(h.ctx.wakeups().when(&far_key), Some(in_half_an_hour));
     assert_eq!(h.ctx.wakeups().when(&expiring_key), Some(in_half_an_hour));
-    assert!(t1 + HORIZON >= in_half_an_hour);
     assert_eq!(h.ctx.wakeups().when(&soon_key), None);
     assert_eq!(h.ctx.wakeups().when(&done_key), None);
     assert_eq!(h.ctx.wakeups().len(), 2);
@@ -1488,39 +1489,85 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
     h.finish(0).await;
 }
 
-/// The look-ahead runs every `LOOK_AHEAD_EVERY`, the first time that long after it starts.
+/// The look-ahead runs every `LOOK_AHEAD_EVERY`, the first time that long after it starts; when
+/// the wall clock jumped past the horizon it last covered, it looks at every At instead, so an
+/// At that fell due outside the index is reconciled.
 #[tokio::test(start_paused = true)]
-async fn the_look_ahead_runs_every_half_hour() {
+async fn the_look_ahead_runs_every_half_hour_and_after_a_clock_jump_looks_at_every_at() {
     use crate::operator::cache::CachedAt;
     use crate::operator::reconcile::wakeups::LOOK_AHEAD_EVERY;
     let start = DateTime::parse_from_rfc3339(NOW).unwrap().to_utc();
-    let mut far = example_at(None);
-    far.spec.schedule = (start + chrono::Duration::minutes(200)).to_rfc3339();
-    let decided = decide(
-        &far,
-        &PodObservation::NotCached,
-        start,
-        &RunPolicy::default(),
-    );
-    far.status = decided.status;
-    // The wall clock says 150 minutes on: `far` is due within the hour.
-    let later = start + chrono::Duration::minutes(150);
-    let h = harness_at(vec![], Box::new(move || later));
+    let minutes = chrono::Duration::minutes;
+    let settled = |name: &str, due: DateTime<Utc>| {
+        let mut at = example_at(None);
+        at.metadata.name = Some(name.into());
+        at.spec.schedule = due.to_rfc3339();
+        let decided = decide(
+            &at,
+            &PodObservation::NotCached,
+            start,
+            &RunPolicy::default(),
+        );
+        at.status = decided.status;
+        at
+    };
+    let first = settled("first", start + minutes(80));
+    let second = settled("second", start + minutes(110));
+    let jumped = settled("jumped", start + minutes(200));
+    let now = Arc::new(std::sync::Mutex::new(start));
+    let clock: Clock = Box::new({
+        let now = now.clone();
+        move || *now.lock().unwrap()
+    });
+    let h = harness_at(vec![], clock);
+    h.wakeups.abort();
     let (store, mut writer) = reflector::store::<CachedAt>();
-    writer.apply_watcher_event(&watcher::Event::Apply(CachedAt::from(far.clone())));
+    for at in [&first, &second, &jumped] {
+        writer.apply_watcher_event(&watcher::Event::Apply(CachedAt::from(at.clone())));
+    }
+    let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
     let looking = tokio::spawn({
         let (ctx, store) = (h.ctx.clone(), store.clone());
         async move { crate::operator::triggers::look_ahead(&ctx, &store).await }
     });
-    let key = AtKey::from(&far);
+    let [first, second, jumped] = [&first, &second, &jumped].map(AtKey::from);
     let t0 = tokio::time::Instant::now();
-    tokio::time::sleep(LOOK_AHEAD_EVERY - Duration::from_secs(1)).await;
-    assert_eq!(h.ctx.wakeups().when(&key), None);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    let step = |n: u32| {
+        let now = now.clone();
+        async move {
+            // The wall clock keeps pace with tokio's.
+            tokio::time::sleep(LOOK_AHEAD_EVERY * n - Duration::from_secs(1)).await;
+            *now.lock().unwrap() += chrono::Duration::from_std(LOOK_AHEAD_EVERY * n).unwrap();
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+    };
+    // At 30 minutes: `first` (due at 80) is within the hour, `second` (110) not yet.
+    step(1).await;
     assert_eq!(
-        h.ctx.wakeups().when(&key),
-        Some(t0 + LOOK_AHEAD_EVERY + Duration::from_secs(50 * 60))
+        h.ctx.wakeups().when(&first),
+        Some(t0 + Duration::from_secs(80 * 60))
     );
+    assert_eq!(h.ctx.wakeups().when(&second), None);
+    // At 60: `second` too.
+    step(1).await;
+    assert_eq!(
+        h.ctx.wakeups().when(&second),
+        Some(t0 + Duration::from_secs(110 * 60))
+    );
+    assert_eq!(h.ctx.wakeups().when(&jumped), None);
+    let none = tokio::time::timeout(Duration::from_millis(10), retriggers.next()).await;
+    assert!(none.is_err(), "nothing reconciled: {none:?}");
+    // The wall clock jumps ahead by three hours (say, the clock was set): at the next look,
+    // at 90 minutes by tokio's clock, `jumped` (due at 200) is overdue and no index holds it.
+    *now.lock().unwrap() += minutes(180);
+    step(1).await;
+    let mut woken = Vec::new();
+    while let Ok(Some(at)) =
+        tokio::time::timeout(Duration::from_millis(10), retriggers.next()).await
+    {
+        woken.push(at);
+    }
+    assert!(woken.contains(&jumped), "{woken:?}");
     looking.abort();
     h.finish(0).await;
 }
