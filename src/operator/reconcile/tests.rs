@@ -1397,44 +1397,58 @@ async fn retriggers_wait_for_room_in_the_backlog_which_starts_and_dropped_reques
     h.finish(0).await;
 }
 
-/// An At due beyond the wake-up index's horizon waits in no index (its cached form is all it
-/// costs) until a look-ahead finds its time within the horizon, to the instant; a DONE At's TTL
-/// likewise. Ats with nothing left to do stay out, and the look-ahead reconciles nothing itself.
-#[tokio::test(start_paused = true)]
-async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
-    use crate::operator::cache::CachedAt;
-    use crate::operator::reconcile::wakeups::{HORIZON, LOOK_AHEAD_EVERY};
-    use crate::operator::triggers::look_ahead_once;
-    let start = DateTime::parse_from_rfc3339(NOW).unwrap().to_utc();
+/// The example At named `name`, due at `due`, as a leader at `start` left it: PENDING with its
+/// status written.
+fn settled_at(name: &str, due: DateTime<Utc>, start: DateTime<Utc>) -> At {
+    let mut at = example_at(None);
+    at.metadata.name = Some(name.into());
+    at.spec.schedule = due.to_rfc3339();
+    let decided = decide(
+        &at,
+        &PodObservation::NotCached,
+        start,
+        &RunPolicy::default(),
+    );
+    at.status = decided.status;
+    at
+}
+
+/// A wall clock at `start` that the test sets, and the cache of `ats` a look-ahead reads.
+fn set_clock_and_cache(
+    start: DateTime<Utc>,
+    ats: &[&At],
+) -> (
+    Arc<std::sync::Mutex<DateTime<Utc>>>,
+    Clock,
+    Store<crate::operator::cache::CachedAt>,
+) {
     let now = Arc::new(std::sync::Mutex::new(start));
     let clock: Clock = Box::new({
         let now = now.clone();
         move || *now.lock().unwrap()
     });
-    let h = harness_at(vec![], clock);
+    let (store, mut writer) = reflector::store();
+    for at in ats {
+        let cached = crate::operator::cache::CachedAt::from((*at).clone());
+        writer.apply_watcher_event(&watcher::Event::Apply(cached));
+    }
+    (now, clock, store)
+}
+
+/// An At due beyond the wake-up index's horizon waits in no index (its cached form is all it
+/// costs) until a look-ahead finds its time within the horizon, to the instant; a DONE At's TTL
+/// likewise. Ats with nothing left to do stay out, and the look-ahead reconciles nothing itself.
+#[tokio::test(start_paused = true)]
+async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
+    use crate::operator::reconcile::wakeups::{HORIZON, LOOK_AHEAD_EVERY};
+    use crate::operator::triggers::look_ahead_once;
+    let start = DateTime::parse_from_rfc3339(NOW).unwrap().to_utc();
     let hours = |n: i64| chrono::Duration::minutes(n * 60);
-    let named = |name: &str, schedule: DateTime<Utc>| {
-        let mut at = example_at(None);
-        at.metadata.name = Some(name.into());
-        at.spec.schedule = schedule.to_rfc3339();
-        at
-    };
-    // As a leader leaves them: PENDING with their status written; DONE an hour ago.
-    let settled = |name: &str, due: DateTime<Utc>| {
-        let mut at = named(name, due);
-        let decided = decide(
-            &at,
-            &PodObservation::NotCached,
-            start,
-            &RunPolicy::default(),
-        );
-        at.status = decided.status;
-        at
-    };
-    let far = settled("far", start + hours(3));
-    let soon = settled("soon", start + chrono::Duration::minutes(30));
+    let far = settled_at("far", start + hours(3), start);
+    let soon = settled_at("soon", start + chrono::Duration::minutes(30), start);
+    // DONE an hour ago.
     let finished = |name: &str, ttl: Option<i32>| {
-        let mut at = named(name, start - hours(2));
+        let mut at = settled_at(name, start - hours(2), start);
         at.spec.ttl_seconds_after_finished = ttl;
         at.status = Some(AtStatus {
             phase: Phase::Done,
@@ -1447,10 +1461,8 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
     let expiring = finished("expiring", Some(4 * 3600));
     let done = finished("done", None);
     let all = [&far, &soon, &expiring, &done];
-    let (store, mut writer) = reflector::store::<CachedAt>();
-    for at in all {
-        writer.apply_watcher_event(&watcher::Event::Apply(CachedAt::from(at.clone())));
-    }
+    let (now, clock, store) = set_clock_and_cache(start, &all);
+    let h = harness_at(vec![], clock);
     let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
     // As the watch brings them: only the At due within the hour gets an entry.
     for at in all {
@@ -1494,37 +1506,15 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
 /// At that fell due outside the index is reconciled.
 #[tokio::test(start_paused = true)]
 async fn the_look_ahead_runs_every_half_hour_and_after_a_clock_jump_looks_at_every_at() {
-    use crate::operator::cache::CachedAt;
     use crate::operator::reconcile::wakeups::LOOK_AHEAD_EVERY;
     let start = DateTime::parse_from_rfc3339(NOW).unwrap().to_utc();
     let minutes = chrono::Duration::minutes;
-    let settled = |name: &str, due: DateTime<Utc>| {
-        let mut at = example_at(None);
-        at.metadata.name = Some(name.into());
-        at.spec.schedule = due.to_rfc3339();
-        let decided = decide(
-            &at,
-            &PodObservation::NotCached,
-            start,
-            &RunPolicy::default(),
-        );
-        at.status = decided.status;
-        at
-    };
-    let first = settled("first", start + minutes(80));
-    let second = settled("second", start + minutes(110));
-    let jumped = settled("jumped", start + minutes(200));
-    let now = Arc::new(std::sync::Mutex::new(start));
-    let clock: Clock = Box::new({
-        let now = now.clone();
-        move || *now.lock().unwrap()
-    });
+    let first = settled_at("first", start + minutes(80), start);
+    let second = settled_at("second", start + minutes(110), start);
+    let jumped = settled_at("jumped", start + minutes(200), start);
+    let (now, clock, store) = set_clock_and_cache(start, &[&first, &second, &jumped]);
     let h = harness_at(vec![], clock);
     h.wakeups.abort();
-    let (store, mut writer) = reflector::store::<CachedAt>();
-    for at in [&first, &second, &jumped] {
-        writer.apply_watcher_event(&watcher::Event::Apply(CachedAt::from(at.clone())));
-    }
     let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
     let looking = tokio::spawn({
         let (ctx, store) = (h.ctx.clone(), store.clone());
