@@ -10,7 +10,7 @@
 //!
 //! The index holds only the next `HORIZON`: an At whose next reconcile is further off (a
 //! PENDING At's due time, a DONE At's TTL) is in no index (its cached form is all it costs,
-//! about 150 bytes less per At than an entry here), and a look-ahead over the cache every
+//! about 170 bytes less per At than an entry here), and a look-ahead over the cache every
 //! `LOOK_AHEAD_EVERY` (`triggers::look_ahead`) puts it in once its time comes within the
 //! horizon, at least `HORIZON - LOOK_AHEAD_EVERY` before it. A reconcile's own wait (a RUNNING
 //! At's next look) is never set further off than the horizon.
