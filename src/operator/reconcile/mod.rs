@@ -214,10 +214,7 @@ impl Context {
                 true
             }
             Wake::After(left) => {
-                match tokio::time::Instant::now().checked_add(left) {
-                    Some(when) => wakeups.set(at_key, when),
-                    None => wakeups.clear(&at_key),
-                }
+                wakeups.set_in(at_key, left);
                 false
             }
             Wake::OnChange => {
@@ -235,9 +232,7 @@ impl Context {
             return;
         }
         if let Wake::After(left) = wakeups::wake(at, (self.clock)(), &self.policy) {
-            if let Some(when) = tokio::time::Instant::now().checked_add(left) {
-                self.wakeups().set_earlier(key(at), when);
-            }
+            self.wakeups().set_earlier_in(key(at), left);
         }
     }
 
@@ -400,8 +395,7 @@ impl Context {
             // horizon leaves it to the look-ahead.
             let left = left.saturating_sub(spent).min(wakeups::HORIZON);
             span.record("requeue.seconds", left.as_secs_f64());
-            let when = tokio::time::Instant::now() + left;
-            self.wakeups().set_earlier(key(at), when);
+            self.wakeups().set_earlier_in(key(at), left);
         }
         Action::await_change()
     }

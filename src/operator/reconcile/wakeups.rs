@@ -97,6 +97,21 @@ impl Wakeups {
         self.put(at, when, |set| when < set);
     }
 
+    /// `set`, `left` from now (a wait past what an instant holds is beyond the horizon too).
+    pub fn set_in(&self, at: AtKey, left: Duration) {
+        match Instant::now().checked_add(left) {
+            Some(when) => self.set(at, when),
+            None => self.clear(&at),
+        }
+    }
+
+    /// `set_earlier`, `left` from now.
+    pub fn set_earlier_in(&self, at: AtKey, left: Duration) {
+        if let Some(when) = Instant::now().checked_add(left) {
+            self.set_earlier(at, when);
+        }
+    }
+
     /// Sets `at`'s entry to `when` unless it has one that `replaces` says to keep; a `when`
     /// beyond the horizon leaves it without one.
     fn put(&self, at: AtKey, when: Instant, replaces: impl Fn(Instant) -> bool) {

@@ -243,7 +243,7 @@ impl Writer {
                 let delay = self.retry(&target.key, &error, "writing status");
                 self.ledger
                     .wakeups()
-                    .set_earlier(target.key.clone(), tokio::time::Instant::now() + delay);
+                    .set_earlier_in(target.key.clone(), delay);
             }
         }
     }
