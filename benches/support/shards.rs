@@ -140,12 +140,35 @@ async fn balanced(admin: &Client, ns: &str, shards: usize, replicas: &[&Replica]
     }
 }
 
+/// The replicas' `--log`: `warn`, or `CNAT_BENCH_LOG` (`info` to see why a run was slow;
+/// `CNAT_BENCH_LOGS` keeps the logs, `keep_logs`).
+fn log_flag() -> String {
+    let level = std::env::var("CNAT_BENCH_LOG").unwrap_or_else(|_| "warn".to_owned());
+    format!("--log={level}")
+}
+
+/// With `CNAT_BENCH_LOGS=DIR`, copies each replica's log there as `{n}-{identity}.log` (the
+/// control plane's folder, and the logs in it, go when the bench ends).
+fn keep_logs(n: usize, replicas: &[&Replica]) {
+    let Ok(dir) = std::env::var("CNAT_BENCH_LOGS") else {
+        return;
+    };
+    let dir = std::path::PathBuf::from(dir);
+    std::fs::create_dir_all(&dir).expect("the folder CNAT_BENCH_LOGS names");
+    for replica in replicas {
+        let to = dir.join(format!("{n}-{}.log", replica.identity));
+        if let Err(error) = std::fs::copy(&replica.log, &to) {
+            eprintln!("{}: not kept: {error}", replica.log.display());
+        }
+    }
+}
+
 fn start(plane: &'static ControlPlane, ns: &str, id: &str, shards: usize) -> Replica {
     let flags = [
         format!("--namespace={ns}"),
         format!("--shards={shards}"),
         "--webhooks=false".to_owned(),
-        "--log=warn".to_owned(),
+        log_flag(),
     ];
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let timings = [
@@ -295,6 +318,9 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     let lead = Duration::from_secs(10) + floor * 4;
     let due_instant = Instant::now() + lead;
     let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
+    // Who leads each shard in the burst: each replica's last pod, to tell a slow replica from a
+    // slow server.
+    let led = holders(admin, &ns, shards).await;
     create(&ats, &ns, "burst", BURST, due, Duration::ZERO).await;
     // Watching from a second before due (a watch silent for longer than the client's read
     // timeout fails); its list brings the pods already there.
@@ -310,6 +336,26 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
         .map(|(_, at)| at.saturating_duration_since(due_instant))
         .max()
         .unwrap_or_default();
+    for replica in &replicas {
+        let theirs: Vec<Duration> = seen
+            .iter()
+            .filter(|(pod, _)| pod.starts_with("burst-"))
+            .filter(|(pod, _)| {
+                let name = pod.trim_end_matches("-pod");
+                let value = cnat::shard::assign(&format!("{ns}/{name}"));
+                let labels = [(cnat::shard::LABEL.to_owned(), value)].into();
+                led[split.of(Some(&labels))].as_deref() == Some(replica.identity.as_str())
+            })
+            .map(|(_, at)| at.saturating_duration_since(due_instant))
+            .collect();
+        eprintln!(
+            "{n} Ats: the burst: {} leads {} of its Ats, its last pod {:.1?} after due",
+            replica.identity,
+            theirs.len(),
+            theirs.iter().max().copied().unwrap_or_default()
+        );
+    }
+    keep_logs(n, &replicas.iter().chain([&stopped]).collect::<Vec<_>>());
     println!(
         "| {n} | {created:.0?} | {statuses_after:.1?} | {} MiB | {single} | {theirs:.2?} / {others:.2?} | {floor:.1?} / {last:.1?} / {:.2}x |",
         sharded_rss.join(", "),
@@ -464,7 +510,7 @@ async fn single_cold(plane: &'static ControlPlane, ns: &str) -> (Duration, f64) 
         format!("--namespace={ns}"),
         "--lease-name=single".to_owned(),
         "--webhooks=false".to_owned(),
-        "--log=warn".to_owned(),
+        log_flag(),
     ];
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let mut single = plane.replica("single", ns, &flags);
