@@ -140,6 +140,50 @@ async fn balanced(admin: &Client, ns: &str, shards: usize, replicas: &[&Replica]
     }
 }
 
+/// CPU seconds used so far by the control plane (kube-apiserver, etcd,
+/// kube-controller-manager), by the replicas and by this process (the bench's creates and
+/// watches): where a burst's CPU goes on a machine whose two cores it keeps busy.
+#[derive(Clone, Copy)]
+struct CpuSplit {
+    server: f64,
+    replicas: f64,
+    bench: f64,
+}
+
+impl CpuSplit {
+    fn since(self, before: CpuSplit) -> CpuSplit {
+        CpuSplit {
+            server: self.server - before.server,
+            replicas: self.replicas - before.replicas,
+            bench: self.bench - before.bench,
+        }
+    }
+}
+
+impl std::fmt::Display for CpuSplit {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(
+            f,
+            "control plane {:.1}, replicas {:.1}, the bench {:.1}",
+            self.server, self.replicas, self.bench
+        )
+    }
+}
+
+fn cpu_split(plane: &ControlPlane, replicas: &[Replica]) -> CpuSplit {
+    let seconds =
+        |pids: &mut dyn Iterator<Item = u32>| -> f64 { pids.map(crate::rss::cpu_seconds).sum() };
+    CpuSplit {
+        server: seconds(
+            &mut crate::rss::processes_under(&plane.dir)
+                .into_iter()
+                .map(|(_, pid)| pid),
+        ),
+        replicas: seconds(&mut replicas.iter().map(|r| r.child.id())),
+        bench: seconds(&mut std::iter::once(std::process::id())),
+    }
+}
+
 /// The replicas' `--log`: `warn`, or `CNAT_BENCH_LOG` (`info` to see why a run was slow;
 /// `CNAT_BENCH_LOGS` keeps the logs, `keep_logs`).
 fn log_flag() -> String {
@@ -300,6 +344,7 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     tokio::time::sleep(Duration::from_secs(15)).await;
     let floor_ns = plane.namespace(&format!("shards-floor-{n}"), &[]).await;
     let floor_pods: Api<Pod> = Api::namespaced(admin.clone(), &floor_ns);
+    let cpu_before_floor = cpu_split(plane, &replicas);
     let floor_started = Instant::now();
     futures::stream::iter(0..BURST)
         .for_each_concurrent(CONNECTIONS, |i| {
@@ -315,6 +360,7 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
         })
         .await;
     let floor = floor_started.elapsed();
+    let cpu_floor = cpu_split(plane, &replicas).since(cpu_before_floor);
     let lead = Duration::from_secs(10) + floor * 4;
     let due_instant = Instant::now() + lead;
     let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
@@ -326,10 +372,16 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     // timeout fails); its list brings the pods already there.
     tokio::time::sleep_until((due_instant - Duration::from_secs(1)).into()).await;
     let pod_seen = tokio::spawn(real::watch_pods(pods.clone(), TAKEN_OVER + BURST));
+    tokio::time::sleep_until(due_instant.into()).await;
+    let cpu_at_due = cpu_split(plane, &replicas);
     let seen = tokio::time::timeout(lead + Duration::from_secs(300), pod_seen)
         .await
         .expect("every pod within five minutes of due")
         .unwrap();
+    let cpu_wave = cpu_split(plane, &replicas).since(cpu_at_due);
+    eprintln!(
+        "{n} Ats: CPU seconds over the floor ({floor:.1?}): {cpu_floor}; from due until the last burst pod was seen: {cpu_wave}"
+    );
     let last = seen
         .iter()
         .filter(|(pod, _)| pod.starts_with("burst-"))
