@@ -187,12 +187,16 @@ fn cpu_split(plane: &ControlPlane, replicas: &[Replica]) -> CpuSplit {
 /// The replicas' `--log`: `warn`, or `CNAT_BENCH_LOG` (`info` to see why a run was slow;
 /// `CNAT_BENCH_LOGS` keeps the logs, `keep_logs`).
 fn log_flag() -> String {
-    let level = std::env::var("CNAT_BENCH_LOG").unwrap_or_else(|_| "warn".to_owned());
+    let level = std::env::var("CNAT_BENCH_LOG")
+        .ok()
+        .filter(|level| !level.is_empty())
+        .unwrap_or_else(|| "warn".to_owned());
     format!("--log={level}")
 }
 
-/// With `CNAT_BENCH_LOGS=DIR`, copies each replica's log there as `{n}-{identity}.log` (the
-/// control plane's folder, and the logs in it, go when the bench ends).
+/// With `CNAT_BENCH_LOGS=DIR`, copies each sharded replica's log there as `{n}-{identity}.log`,
+/// over any copy of an earlier run (the control plane's folder, and the logs in it, go when the
+/// bench ends).
 fn keep_logs(n: usize, replicas: &[&Replica]) {
     let Ok(dir) = std::env::var("CNAT_BENCH_LOGS") else {
         return;
@@ -360,7 +364,8 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
         })
         .await;
     let floor = floor_started.elapsed();
-    let cpu_floor = cpu_split(plane, &replicas).since(cpu_before_floor);
+    let cpu_after_floor = cpu_split(plane, &replicas);
+    let cpu_floor = cpu_after_floor.since(cpu_before_floor);
     let lead = Duration::from_secs(10) + floor * 4;
     let due_instant = Instant::now() + lead;
     let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
@@ -374,13 +379,15 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     let pod_seen = tokio::spawn(real::watch_pods(pods.clone(), TAKEN_OVER + BURST));
     tokio::time::sleep_until(due_instant.into()).await;
     let cpu_at_due = cpu_split(plane, &replicas);
-    let seen = tokio::time::timeout(lead + Duration::from_secs(300), pod_seen)
-        .await
-        .expect("every pod within five minutes of due")
-        .unwrap();
+    let past_due = due_instant.elapsed();
+    let seen = tokio::time::timeout(lead + Duration::from_secs(300), pod_seen).await;
+    // The logs of a slow run are what tells why: kept before a timeout ends the bench.
+    keep_logs(n, &replicas.iter().chain([&stopped]).collect::<Vec<_>>());
+    let seen = seen.expect("every pod within five minutes of due").unwrap();
     let cpu_wave = cpu_split(plane, &replicas).since(cpu_at_due);
     eprintln!(
-        "{n} Ats: CPU seconds over the floor ({floor:.1?}): {cpu_floor}; from due until the last burst pod was seen: {cpu_wave}"
+        "{n} Ats: CPU seconds over the floor ({floor:.1?}): {cpu_floor}; creating the burst's Ats and their statuses, until due: {}; from due (read {past_due:.1?} after it) until the last burst pod was seen: {cpu_wave}",
+        cpu_at_due.since(cpu_after_floor)
     );
     let last = seen
         .iter()
@@ -388,8 +395,14 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
         .map(|(_, at)| at.saturating_duration_since(due_instant))
         .max()
         .unwrap_or_default();
+    if holders(admin, &ns, shards).await != led {
+        eprintln!(
+            "{n} Ats: the burst: a shard moved during it; the counts below are by who led before"
+        );
+    }
+    let mut attributed = 0;
     for replica in &replicas {
-        let theirs: Vec<Duration> = seen
+        let its_pods: Vec<Duration> = seen
             .iter()
             .filter(|(pod, _)| pod.starts_with("burst-"))
             .filter(|(pod, _)| {
@@ -403,11 +416,17 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
         eprintln!(
             "{n} Ats: the burst: {} leads {} of its Ats, its last pod {:.1?} after due",
             replica.identity,
-            theirs.len(),
-            theirs.iter().max().copied().unwrap_or_default()
+            its_pods.len(),
+            its_pods.iter().max().copied().unwrap_or_default()
+        );
+        attributed += its_pods.len();
+    }
+    if attributed < BURST {
+        eprintln!(
+            "{n} Ats: the burst: {} of its Ats in shards no running replica led before it",
+            BURST - attributed
         );
     }
-    keep_logs(n, &replicas.iter().chain([&stopped]).collect::<Vec<_>>());
     println!(
         "| {n} | {created:.0?} | {statuses_after:.1?} | {} MiB | {single} | {theirs:.2?} / {others:.2?} | {floor:.1?} / {last:.1?} / {:.2}x |",
         sharded_rss.join(", "),
