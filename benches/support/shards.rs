@@ -171,17 +171,23 @@ impl std::fmt::Display for CpuSplit {
 }
 
 fn cpu_split(plane: &ControlPlane, replicas: &[Replica]) -> CpuSplit {
-    let seconds =
-        |pids: &mut dyn Iterator<Item = u32>| -> f64 { pids.map(crate::rss::cpu_seconds).sum() };
+    use crate::rss::{cpu_seconds, processes_under};
     CpuSplit {
-        server: seconds(
-            &mut crate::rss::processes_under(&plane.dir)
-                .into_iter()
-                .map(|(_, pid)| pid),
-        ),
-        replicas: seconds(&mut replicas.iter().map(|r| r.child.id())),
-        bench: seconds(&mut std::iter::once(std::process::id())),
+        server: processes_under(&plane.dir)
+            .into_iter()
+            .map(|(_, pid)| cpu_seconds(pid))
+            .sum(),
+        replicas: replicas.iter().map(|r| cpu_seconds(r.child.id())).sum(),
+        bench: cpu_seconds(std::process::id()),
     }
+}
+
+/// The Lease shard of the At whose pod is `pod` (`{at}-pod`), from the label the webhook gives
+/// the At (`labelled`).
+fn shard_of_pod(split: &cnat::shard::Shards, ns: &str, pod: &str) -> usize {
+    let name = pod.trim_end_matches("-pod");
+    let value = cnat::shard::assign(&format!("{ns}/{name}"));
+    split.of(Some(&[(cnat::shard::LABEL.to_owned(), value)].into()))
 }
 
 /// The replicas' `--log`: `warn`, or `CNAT_BENCH_LOG` (`info` to see why a run was slow;
@@ -314,11 +320,9 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     let mut late_ones: Vec<Duration> = Vec::new();
     for (pod, at) in &seen {
         let name = pod.trim_end_matches("-pod");
-        let value = cnat::shard::assign(&format!("{ns}/{name}"));
-        let labels = [(cnat::shard::LABEL.to_owned(), value)].into();
         let index: u32 = name.trim_start_matches("due-").parse().unwrap_or(0);
         let late = at.saturating_duration_since(due_instant + SPACING * index);
-        if its_shards.contains(&split.of(Some(&labels))) {
+        if its_shards.contains(&shard_of_pod(&split, &ns, pod)) {
             theirs = theirs.max(late);
             if late > Duration::from_secs(1) {
                 late_ones.push((due_instant + SPACING * index).saturating_duration_since(sigterm));
@@ -406,10 +410,7 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
             .iter()
             .filter(|(pod, _)| pod.starts_with("burst-"))
             .filter(|(pod, _)| {
-                let name = pod.trim_end_matches("-pod");
-                let value = cnat::shard::assign(&format!("{ns}/{name}"));
-                let labels = [(cnat::shard::LABEL.to_owned(), value)].into();
-                led[split.of(Some(&labels))].as_deref() == Some(replica.identity.as_str())
+                led[shard_of_pod(&split, &ns, pod)].as_deref() == Some(replica.identity.as_str())
             })
             .map(|(_, at)| at.saturating_duration_since(due_instant))
             .collect();
