@@ -291,23 +291,9 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         due_instant.elapsed(),
     );
     let operator_cores = cores(operator_cpu() - operator_at_due, 1, due_instant.elapsed());
-    let mut requests: Vec<(String, f64)> = requests_answered(admin)
-        .await
-        .into_iter()
-        .map(|(what, count)| {
-            let before = requests_at_due.get(&what).copied().unwrap_or(0.0);
-            (what, count - before)
-        })
-        .filter(|(_, count)| *count >= 1.0)
-        .collect();
-    requests.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    let requests: Vec<String> = requests
-        .iter()
-        .map(|(what, count)| format!("{what} {count:.0}"))
-        .collect();
+    let requests = requests_since(&requests_at_due, &requests_answered(admin).await);
     eprintln!(
-        "burst of {n}: requests the control plane answered from due to the last pod (every client, watches counted when they end): {}",
-        requests.join(", ")
+        "burst of {n}: requests the control plane answered from due to the last pod (every client, watches counted when they end): {requests}"
     );
     let mut after: Vec<Duration> = seen
         .values()
@@ -447,10 +433,26 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
 /// How `requests_answered` names the server's count of conversions by a webhook.
 const CONVERSIONS: &str = "conversions by the webhook (the server's count)";
 
+/// The requests answered between two `requests_answered`, most first, as `verb resource count`
+/// joined by commas.
+pub fn requests_since(before: &HashMap<String, f64>, after: &HashMap<String, f64>) -> String {
+    let mut requests: Vec<(&String, f64)> = after
+        .iter()
+        .map(|(what, count)| (what, count - before.get(what).copied().unwrap_or(0.0)))
+        .filter(|(_, count)| *count >= 1.0)
+        .collect();
+    requests.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
+    let requests: Vec<String> = requests
+        .iter()
+        .map(|(what, count)| format!("{what} {count:.0}"))
+        .collect();
+    requests.join(", ")
+}
+
 /// kube-apiserver's count of requests answered so far (`apiserver_request_total`), by verb
 /// and resource (with subresource), every client and code summed; and, as "conversions by the
 /// webhook (the server's count)", the conversions it had the CRDs' conversion webhooks make.
-async fn requests_answered(admin: &Client) -> HashMap<String, f64> {
+pub async fn requests_answered(admin: &Client) -> HashMap<String, f64> {
     let request = http::Request::get("/metrics").body(Vec::new()).unwrap();
     let text = admin.request_text(request).await.unwrap();
     let mut counts = HashMap::new();

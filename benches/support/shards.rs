@@ -352,6 +352,7 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     tokio::time::sleep(Duration::from_secs(15)).await;
     let floor_ns = plane.namespace(&format!("shards-floor-{n}"), &[]).await;
     let floor_pods: Api<Pod> = Api::namespaced(admin.clone(), &floor_ns);
+    let requests_before_floor = real::requests_answered(admin).await;
     let cpu_before_floor = cpu_split(plane, &replicas);
     let floor_started = Instant::now();
     futures::stream::iter(0..BURST)
@@ -370,6 +371,7 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     let floor = floor_started.elapsed();
     let cpu_after_floor = cpu_split(plane, &replicas);
     let cpu_floor = cpu_after_floor.since(cpu_before_floor);
+    let requests_after_floor = real::requests_answered(admin).await;
     let lead = Duration::from_secs(10) + floor * 4;
     let due_instant = Instant::now() + lead;
     let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
@@ -377,9 +379,14 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     // slow server.
     let led = holders(admin, &ns, shards).await;
     create(&ats, &ns, "burst", BURST, due, Duration::ZERO).await;
-    // Watching from a second before due (a watch silent for longer than the client's read
+    // Watching from two seconds before due (a watch silent for longer than the client's read
     // timeout fails); its list brings the pods already there.
-    tokio::time::sleep_until((due_instant - Duration::from_secs(1)).into()).await;
+    tokio::time::sleep_until((due_instant - Duration::from_secs(2)).into()).await;
+    // Read before due: building the metrics pages is work for the server and the replicas.
+    let (requests_at_due, counted_at_due) = (
+        real::requests_answered(admin).await,
+        replica_counts(&replicas).await,
+    );
     let pod_seen = tokio::spawn(real::watch_pods(pods.clone(), TAKEN_OVER + BURST));
     tokio::time::sleep_until(due_instant.into()).await;
     let cpu_at_due = cpu_split(plane, &replicas);
@@ -389,6 +396,19 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     keep_logs(n, &replicas.iter().chain([&stopped]).collect::<Vec<_>>());
     let seen = seen.expect("every pod within five minutes of due").unwrap();
     let cpu_wave = cpu_split(plane, &replicas).since(cpu_at_due);
+    let (requests_wave, counted_wave) = (
+        real::requests_answered(admin).await,
+        replica_counts(&replicas).await,
+    );
+    eprintln!(
+        "{n} Ats: requests the control plane answered (every client, watches counted when they end) over the floor: {}; from just before due until the last burst pod was seen: {}",
+        real::requests_since(&requests_before_floor, &requests_after_floor),
+        real::requests_since(&requests_at_due, &requests_wave),
+    );
+    eprintln!(
+        "{n} Ats: the replicas' counts from just before due until the last burst pod was seen: {}",
+        counted_since(&counted_at_due, &counted_wave)
+    );
     eprintln!(
         "{n} Ats: CPU seconds over the floor ({floor:.1?}): {cpu_floor}; creating the burst's Ats and their statuses, until due: {}; from due (read {past_due:.1?} after it) until the last burst pod was seen: {cpu_wave}",
         cpu_at_due.since(cpu_after_floor)
@@ -438,6 +458,55 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     }
 }
 
+/// The replicas' counters that tell what a wave of pods cost them beside the creates, each
+/// summed over the replicas: (name printed, prefix of the metric's lines).
+const REPLICA_COUNTERS: [(&str, &str); 7] = [
+    ("reconciles", "cnat_reconciles_total"),
+    (
+        "creates confirmed by a read",
+        r#"cnat_pod_create_confirmations_total{by="read"}"#,
+    ),
+    (
+        "creates confirmed by their own write",
+        r#"cnat_pod_create_confirmations_total{by="own_write"}"#,
+    ),
+    ("creates deferred", "cnat_pod_creates_deferred_total"),
+    ("creates unconfirmed", "cnat_pod_creates_unconfirmed_total"),
+    ("status writes", "cnat_status_writes_total"),
+    ("events dropped", "cnat_events_dropped_total"),
+];
+
+/// `REPLICA_COUNTERS` read from every replica's metrics, summed.
+async fn replica_counts(replicas: &[Replica]) -> Vec<u64> {
+    let texts = metrics_of(replicas.iter().map(|r| r.admin).collect()).await;
+    REPLICA_COUNTERS
+        .iter()
+        .map(|(_, prefix)| texts.iter().map(|t| real::sum_of(t, prefix)).sum())
+        .collect()
+}
+
+/// The metrics pages of the replicas at `admins` (an empty page for one that did not answer).
+async fn metrics_of(admins: Vec<std::net::SocketAddr>) -> Vec<String> {
+    tokio::task::spawn_blocking(move || {
+        admins
+            .iter()
+            .map(|a| real::metrics_text(*a))
+            .collect::<Vec<_>>()
+    })
+    .await
+    .unwrap()
+}
+
+/// The counts between two `replica_counts`, named.
+fn counted_since(before: &[u64], after: &[u64]) -> String {
+    REPLICA_COUNTERS
+        .iter()
+        .zip(before.iter().zip(after))
+        .map(|((name, _), (before, after))| format!("{name} {}", after.saturating_sub(*before)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// When `replicas` had written `n` `Pending` statuses between them (their
 /// `cnat_status_writes_total`: each write a compare-and-swap on the version decided on, so no At
 /// counts twice), read every second, within 30 minutes; then reads 100 of the Ats `{prefix}-…`,
@@ -458,15 +527,7 @@ async fn pending_written(ats: &Api<At>, replicas: &[&Replica], prefix: &str, n: 
     let mut written = vec![0u64; admins.len()];
     let mut attempted = vec![0u64; admins.len()];
     let done = loop {
-        let admins = admins.clone();
-        let texts = tokio::task::spawn_blocking(move || {
-            admins
-                .iter()
-                .map(|a| real::metrics_text(*a))
-                .collect::<Vec<_>>()
-        })
-        .await
-        .unwrap();
+        let texts = metrics_of(admins.clone()).await;
         let count =
             |prefix: &str| -> Vec<u64> { texts.iter().map(|t| real::sum_of(t, prefix)).collect() };
         let before: u64 = attempted.iter().sum();
