@@ -291,7 +291,10 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         due_instant.elapsed(),
     );
     let operator_cores = cores(operator_cpu() - operator_at_due, 1, due_instant.elapsed());
-    let requests = requests_since(&requests_at_due, &requests_answered(admin).await);
+    let requests = requests_since(
+        requests_at_due.as_ref(),
+        requests_answered(admin).await.as_ref(),
+    );
     eprintln!(
         "burst of {n}: requests the control plane answered from due to the last pod (every client, watches counted when they end): {requests}"
     );
@@ -392,7 +395,9 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         let ats = dynamic_ats(admin.clone(), &ns, version);
         let mut took = Vec::new();
         let calls = || async {
-            let counts = requests_answered(admin).await;
+            let counts = requests_answered(admin)
+                .await
+                .expect("the server's metrics");
             counts.get(CONVERSIONS).copied().unwrap_or(0.0)
         };
         let calls_before = calls().await;
@@ -434,8 +439,14 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
 const CONVERSIONS: &str = "conversions by the webhook (the server's count)";
 
 /// The requests answered between two `requests_answered`, most first, as `verb resource count`
-/// joined by commas.
-pub fn requests_since(before: &HashMap<String, f64>, after: &HashMap<String, f64>) -> String {
+/// joined by commas; "not read" when either scrape failed.
+pub fn requests_since(
+    before: Option<&HashMap<String, f64>>,
+    after: Option<&HashMap<String, f64>>,
+) -> String {
+    let (Some(before), Some(after)) = (before, after) else {
+        return "not read (the server's metrics did not answer)".to_owned();
+    };
     let mut requests: Vec<(&String, f64)> = after
         .iter()
         .map(|(what, count)| (what, count - before.get(what).copied().unwrap_or(0.0)))
@@ -452,9 +463,10 @@ pub fn requests_since(before: &HashMap<String, f64>, after: &HashMap<String, f64
 /// kube-apiserver's count of requests answered so far (`apiserver_request_total`), by verb
 /// and resource (with subresource), every client and code summed; and, as "conversions by the
 /// webhook (the server's count)", the conversions it had the CRDs' conversion webhooks make.
-pub async fn requests_answered(admin: &Client) -> HashMap<String, f64> {
+/// `None` when the server did not answer.
+pub async fn requests_answered(admin: &Client) -> Option<HashMap<String, f64>> {
     let request = http::Request::get("/metrics").body(Vec::new()).unwrap();
-    let text = admin.request_text(request).await.unwrap();
+    let text = admin.request_text(request).await.ok()?;
     let mut counts = HashMap::new();
     for line in text.lines() {
         // The calls of the CRDs' conversion webhooks (named so on v1.37,
@@ -492,7 +504,7 @@ pub async fn requests_answered(admin: &Client) -> HashMap<String, f64> {
         };
         *counts.entry(what).or_insert(0.0) += value.trim().parse::<f64>().unwrap_or(0.0);
     }
-    counts
+    Some(counts)
 }
 
 /// Which CRD the status-patch floor writes to.

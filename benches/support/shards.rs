@@ -40,6 +40,8 @@ const BURST: usize = 10_000;
 /// shards' handovers, whenever they come.
 const TAKEN_OVER: usize = 200;
 const SPACING: Duration = Duration::from_millis(75);
+/// The longest the bench waits, from due, for the burst's pods.
+const WAVE_TIMEOUT: Duration = Duration::from_secs(300);
 
 pub async fn run(shards: usize, sizes: &[usize]) {
     if std::env::args().any(|a| a == "--write-memory") {
@@ -204,7 +206,10 @@ fn log_flag() -> String {
 /// over any copy of an earlier run (the control plane's folder, and the logs in it, go when the
 /// bench ends).
 fn keep_logs(n: usize, replicas: &[&Replica]) {
-    let Ok(dir) = std::env::var("CNAT_BENCH_LOGS") else {
+    let Some(dir) = std::env::var("CNAT_BENCH_LOGS")
+        .ok()
+        .filter(|dir| !dir.is_empty())
+    else {
         return;
     };
     let dir = std::path::PathBuf::from(dir);
@@ -382,41 +387,60 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     // Watching from two seconds before due (a watch silent for longer than the client's read
     // timeout fails); its list brings the pods already there.
     tokio::time::sleep_until((due_instant - Duration::from_secs(2)).into()).await;
+    let pod_seen = tokio::spawn(real::watch_pods(pods.clone(), TAKEN_OVER + BURST));
     // Read before due: building the metrics pages is work for the server and the replicas.
     let (requests_at_due, counted_at_due) = (
         real::requests_answered(admin).await,
         replica_counts(&replicas).await,
     );
-    let pod_seen = tokio::spawn(real::watch_pods(pods.clone(), TAKEN_OVER + BURST));
+    if Instant::now() > due_instant {
+        eprintln!(
+            "{n} Ats: the counts before the burst were read {:.1?} after due: the wave's counts miss its start",
+            due_instant.elapsed()
+        );
+    }
     tokio::time::sleep_until(due_instant.into()).await;
     let cpu_at_due = cpu_split(plane, &replicas);
     let past_due = due_instant.elapsed();
-    let seen = tokio::time::timeout(lead + Duration::from_secs(300), pod_seen).await;
-    // The logs of a slow run are what tells why: kept before a timeout ends the bench.
-    keep_logs(n, &replicas.iter().chain([&stopped]).collect::<Vec<_>>());
-    let seen = seen.expect("every pod within five minutes of due").unwrap();
+    let seen = tokio::time::timeout(WAVE_TIMEOUT, pod_seen).await;
+    let wave_ended = due_instant.elapsed();
     let cpu_wave = cpu_split(plane, &replicas).since(cpu_at_due);
     let (requests_wave, counted_wave) = (
         real::requests_answered(admin).await,
         replica_counts(&replicas).await,
     );
+    // The logs of a slow run are what tells why: kept before a timeout ends the bench.
+    keep_logs(n, &replicas.iter().chain([&stopped]).collect::<Vec<_>>());
+    let seen = seen
+        .unwrap_or_else(|_| panic!("every pod within {WAVE_TIMEOUT:?} of due"))
+        .unwrap();
     eprintln!(
         "{n} Ats: requests the control plane answered (every client, watches counted when they end) over the floor: {}; from just before due until the last burst pod was seen: {}",
-        real::requests_since(&requests_before_floor, &requests_after_floor),
-        real::requests_since(&requests_at_due, &requests_wave),
+        real::requests_since(requests_before_floor.as_ref(), requests_after_floor.as_ref()),
+        real::requests_since(requests_at_due.as_ref(), requests_wave.as_ref()),
     );
     eprintln!(
         "{n} Ats: the replicas' counts from just before due until the last burst pod was seen: {}",
         counted_since(&counted_at_due, &counted_wave)
     );
     eprintln!(
-        "{n} Ats: CPU seconds over the floor ({floor:.1?}): {cpu_floor}; creating the burst's Ats and their statuses, until due: {}; from due (read {past_due:.1?} after it) until the last burst pod was seen: {cpu_wave}",
+        "{n} Ats: CPU seconds over the floor ({floor:.1?}): {cpu_floor}; creating the burst's Ats (and whatever the replicas wrote of them meanwhile), until due: {}; from due (read {past_due:.1?} after it) until the last burst pod was seen ({wave_ended:.1?} after due): {cpu_wave}",
         cpu_at_due.since(cpu_after_floor)
     );
-    let last = seen
+    // The burst's pods: how long after due each came, and in which shard.
+    let burst: Vec<(usize, Duration)> = seen
         .iter()
         .filter(|(pod, _)| pod.starts_with("burst-"))
-        .map(|(_, at)| at.saturating_duration_since(due_instant))
+        .map(|(pod, at)| {
+            (
+                shard_of_pod(&split, &ns, pod),
+                at.saturating_duration_since(due_instant),
+            )
+        })
+        .collect();
+    let last = burst
+        .iter()
+        .map(|(_, after)| *after)
         .max()
         .unwrap_or_default();
     if holders(admin, &ns, shards).await != led {
@@ -426,13 +450,10 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     }
     let mut attributed = 0;
     for replica in &replicas {
-        let its_pods: Vec<Duration> = seen
+        let its_pods: Vec<Duration> = burst
             .iter()
-            .filter(|(pod, _)| pod.starts_with("burst-"))
-            .filter(|(pod, _)| {
-                led[shard_of_pod(&split, &ns, pod)].as_deref() == Some(replica.identity.as_str())
-            })
-            .map(|(_, at)| at.saturating_duration_since(due_instant))
+            .filter(|(shard, _)| led[*shard].as_deref() == Some(replica.identity.as_str()))
+            .map(|(_, after)| *after)
             .collect();
         eprintln!(
             "{n} Ats: the burst: {} leads {} of its Ats, its last pod {:.1?} after due",
@@ -460,7 +481,7 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
 
 /// The replicas' counters that tell what a wave of pods cost them beside the creates, each
 /// summed over the replicas: (name printed, prefix of the metric's lines).
-const REPLICA_COUNTERS: [(&str, &str); 7] = [
+const REPLICA_COUNTERS: [(&str, &str); 9] = [
     ("reconciles", "cnat_reconciles_total"),
     (
         "creates confirmed by a read",
@@ -472,16 +493,32 @@ const REPLICA_COUNTERS: [(&str, &str); 7] = [
     ),
     ("creates deferred", "cnat_pod_creates_deferred_total"),
     ("creates unconfirmed", "cnat_pod_creates_unconfirmed_total"),
-    ("status writes", "cnat_status_writes_total"),
+    (
+        "PENDING writes",
+        r#"cnat_status_writes_total{phase="PENDING","#,
+    ),
+    (
+        "RUNNING writes",
+        r#"cnat_status_writes_total{phase="RUNNING","#,
+    ),
+    ("DONE writes", r#"cnat_status_writes_total{phase="DONE","#),
     ("events dropped", "cnat_events_dropped_total"),
 ];
 
-/// `REPLICA_COUNTERS` read from every replica's metrics, summed.
-async fn replica_counts(replicas: &[Replica]) -> Vec<u64> {
+/// `REPLICA_COUNTERS` read from each replica's metrics (every result of a status write);
+/// `None` for a replica whose page did not answer.
+async fn replica_counts(replicas: &[Replica]) -> Vec<Option<Vec<u64>>> {
     let texts = metrics_of(replicas.iter().map(|r| r.admin).collect()).await;
-    REPLICA_COUNTERS
+    texts
         .iter()
-        .map(|(_, prefix)| texts.iter().map(|t| real::sum_of(t, prefix)).sum())
+        .map(|text| {
+            text.contains("cnat_reconciles_total").then(|| {
+                REPLICA_COUNTERS
+                    .iter()
+                    .map(|(_, prefix)| real::sum_of(text, prefix))
+                    .collect()
+            })
+        })
         .collect()
 }
 
@@ -497,14 +534,28 @@ async fn metrics_of(admins: Vec<std::net::SocketAddr>) -> Vec<String> {
     .unwrap()
 }
 
-/// The counts between two `replica_counts`, named.
-fn counted_since(before: &[u64], after: &[u64]) -> String {
-    REPLICA_COUNTERS
+/// The counts between two `replica_counts`, named and summed over the replicas read both times.
+fn counted_since(before: &[Option<Vec<u64>>], after: &[Option<Vec<u64>>]) -> String {
+    let mut sums = [0u64; REPLICA_COUNTERS.len()];
+    let mut missed = 0;
+    for pair in before.iter().zip(after) {
+        let (Some(before), Some(after)) = pair else {
+            missed += 1;
+            continue;
+        };
+        for (sum, (before, after)) in sums.iter_mut().zip(before.iter().zip(after)) {
+            *sum += after.saturating_sub(*before);
+        }
+    }
+    let mut counts: Vec<String> = REPLICA_COUNTERS
         .iter()
-        .zip(before.iter().zip(after))
-        .map(|((name, _), (before, after))| format!("{name} {}", after.saturating_sub(*before)))
-        .collect::<Vec<_>>()
-        .join(", ")
+        .zip(sums)
+        .map(|((name, _), count)| format!("{name} {count}"))
+        .collect();
+    if missed > 0 {
+        counts.push(format!("{missed} replica(s) not read"));
+    }
+    counts.join(", ")
 }
 
 /// When `replicas` had written `n` `Pending` statuses between them (their
