@@ -143,11 +143,13 @@ async fn balanced(admin: &Client, ns: &str, shards: usize, replicas: &[&Replica]
 }
 
 /// CPU seconds used so far by the control plane (kube-apiserver, etcd,
-/// kube-controller-manager), by the replicas and by this process (the bench's creates and
-/// watches): where a burst's CPU goes on a machine whose two cores it keeps busy.
+/// kube-controller-manager, each apart), by the replicas and by this process (the bench's
+/// creates and watches): where a burst's CPU goes on a machine whose two cores it keeps busy.
 #[derive(Clone, Copy)]
 struct CpuSplit {
-    server: f64,
+    apiserver: f64,
+    etcd: f64,
+    controller_manager: f64,
     replicas: f64,
     bench: f64,
 }
@@ -155,7 +157,9 @@ struct CpuSplit {
 impl CpuSplit {
     fn since(self, before: CpuSplit) -> CpuSplit {
         CpuSplit {
-            server: self.server - before.server,
+            apiserver: self.apiserver - before.apiserver,
+            etcd: self.etcd - before.etcd,
+            controller_manager: self.controller_manager - before.controller_manager,
             replicas: self.replicas - before.replicas,
             bench: self.bench - before.bench,
         }
@@ -166,19 +170,31 @@ impl std::fmt::Display for CpuSplit {
     fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         write!(
             f,
-            "control plane {:.1}, replicas {:.1}, the bench {:.1}",
-            self.server, self.replicas, self.bench
+            "control plane {:.1} (kube-apiserver {:.1}, etcd {:.1}, kube-controller-manager {:.1}), replicas {:.1}, the bench {:.1}",
+            self.apiserver + self.etcd + self.controller_manager,
+            self.apiserver,
+            self.etcd,
+            self.controller_manager,
+            self.replicas,
+            self.bench
         )
     }
 }
 
 fn cpu_split(plane: &ControlPlane, replicas: &[Replica]) -> CpuSplit {
     use crate::rss::{cpu_seconds, processes_under};
+    let processes = processes_under(&plane.dir);
+    let of = |program: &str| -> f64 {
+        processes
+            .iter()
+            .filter(|(name, _)| name == program)
+            .map(|(_, pid)| cpu_seconds(*pid))
+            .sum()
+    };
     CpuSplit {
-        server: processes_under(&plane.dir)
-            .into_iter()
-            .map(|(_, pid)| cpu_seconds(pid))
-            .sum(),
+        apiserver: of("kube-apiserver"),
+        etcd: of("etcd"),
+        controller_manager: of("kube-controller-manager"),
         replicas: replicas.iter().map(|r| cpu_seconds(r.child.id())).sum(),
         bench: cpu_seconds(std::process::id()),
     }
