@@ -405,10 +405,8 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     tokio::time::sleep_until((due_instant - Duration::from_secs(2)).into()).await;
     let pod_seen = tokio::spawn(real::watch_pods(pods.clone(), TAKEN_OVER + BURST));
     // Read before due: building the metrics pages is work for the server and the replicas.
-    let (requests_at_due, counted_at_due) = (
-        real::requests_answered(admin).await,
-        replica_counts(&replicas).await,
-    );
+    let (requests_at_due, counted_at_due) =
+        tokio::join!(real::requests_answered(admin), replica_counts(&replicas));
     if Instant::now() > due_instant {
         eprintln!(
             "{n} Ats: the counts before the burst were read {:.1?} after due: the wave's counts miss its start",
@@ -421,15 +419,11 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     let seen = tokio::time::timeout(WAVE_TIMEOUT, pod_seen).await;
     let wave_ended = due_instant.elapsed();
     let cpu_wave = cpu_split(plane, &replicas).since(cpu_at_due);
-    let (requests_wave, counted_wave) = (
-        real::requests_answered(admin).await,
-        replica_counts(&replicas).await,
-    );
-    // The logs of a slow run are what tells why: kept before a timeout ends the bench.
-    keep_logs(n, &replicas.iter().chain([&stopped]).collect::<Vec<_>>());
-    let seen = seen
-        .unwrap_or_else(|_| panic!("every pod within {WAVE_TIMEOUT:?} of due"))
-        .unwrap();
+    // The server and the replicas at once, as soon as the wave ended: the RUNNING writes that
+    // follow its pods go out meanwhile, and what is read later counts more of them.
+    let (requests_wave, counted_wave) =
+        tokio::join!(real::requests_answered(admin), replica_counts(&replicas));
+    let counts_read = due_instant.elapsed().saturating_sub(wave_ended);
     eprintln!(
         "{n} Ats: requests the control plane answered (every client, watches counted when they end) over the floor: {}; from just before due until the last burst pod was seen: {}",
         real::requests_since(requests_before_floor.as_ref(), requests_after_floor.as_ref()),
@@ -439,10 +433,16 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
         "{n} Ats: the replicas' counts from just before due until the last burst pod was seen: {}",
         counted_since(&counted_at_due, &counted_wave)
     );
+    eprintln!("{n} Ats: (both read within {counts_read:.1?} after the last burst pod was seen)");
     eprintln!(
         "{n} Ats: CPU seconds over the floor ({floor:.1?}): {cpu_floor}; creating the burst's Ats (and whatever the replicas wrote of them meanwhile), until due: {}; from due (read {past_due:.1?} after it) until the last burst pod was seen ({wave_ended:.1?} after due): {cpu_wave}",
         cpu_at_due.since(cpu_after_floor)
     );
+    // The logs of a slow run are what tells why: kept before a timeout ends the bench.
+    keep_logs(n, &replicas.iter().chain([&stopped]).collect::<Vec<_>>());
+    let seen = seen
+        .unwrap_or_else(|_| panic!("every pod within {WAVE_TIMEOUT:?} of due"))
+        .unwrap();
     // The burst's pods: how long after due each came, and in which shard.
     let burst: Vec<(usize, Duration)> = seen
         .iter()
@@ -522,13 +522,13 @@ const REPLICA_COUNTERS: [(&str, &str); 9] = [
 ];
 
 /// `REPLICA_COUNTERS` read from each replica's metrics (every result of a status write);
-/// `None` for a replica whose page did not answer.
+/// `None` for a replica whose page did not answer in full.
 async fn replica_counts(replicas: &[Replica]) -> Vec<Option<Vec<u64>>> {
     let texts = metrics_of(replicas.iter().map(|r| r.admin).collect()).await;
     texts
         .iter()
         .map(|text| {
-            text.contains("cnat_reconciles_total").then(|| {
+            whole_page(text).then(|| {
                 REPLICA_COUNTERS
                     .iter()
                     .map(|(_, prefix)| real::sum_of(text, prefix))
@@ -536,6 +536,24 @@ async fn replica_counts(replicas: &[Replica]) -> Vec<Option<Vec<u64>>> {
             })
         })
         .collect()
+}
+
+/// Whether `response` (an HTTP/1.0 answer as `real::metrics_text` reads it) is a 200 whose
+/// body is as long as its `Content-Length` says: not cut off by the read's timeout.
+fn whole_page(response: &str) -> bool {
+    let Some((head, body)) = response.split_once("\r\n\r\n") else {
+        return false;
+    };
+    let ok = head
+        .lines()
+        .next()
+        .is_some_and(|status| status.split(' ').nth(1) == Some("200"));
+    let length = head.lines().find_map(|line| {
+        let (name, value) = line.split_once(':')?;
+        name.eq_ignore_ascii_case("content-length")
+            .then(|| value.trim().parse::<usize>().ok())?
+    });
+    ok && length == Some(body.len())
 }
 
 /// The metrics pages of the replicas at `admins` (an empty page for one that did not answer).
