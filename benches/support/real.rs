@@ -1245,8 +1245,9 @@ pub fn metric_sum(admin: std::net::SocketAddr, prefix: &str) -> u64 {
     sum_of(&metrics_text(admin), prefix)
 }
 
-/// The admin server's `/metrics` (classic text format); empty when it does not answer within
-/// five seconds.
+/// The admin server's `/metrics` (classic text format): the body of a 200 read whole (up to
+/// the server's close, and as long as its `Content-Length` says if it gives one); empty when
+/// the server does not answer within five seconds, answers otherwise or the read is cut off.
 pub fn metrics_text(admin: std::net::SocketAddr) -> String {
     use std::io::{Read, Write};
     let timeout = Duration::from_secs(5);
@@ -1255,9 +1256,27 @@ pub fn metrics_text(admin: std::net::SocketAddr) -> String {
     };
     let _ = stream.set_read_timeout(Some(timeout));
     let _ = stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: cnat\r\n\r\n");
-    let mut body = String::new();
-    let _ = stream.read_to_string(&mut body);
-    body
+    let mut response = String::new();
+    if stream.read_to_string(&mut response).is_err() {
+        return String::new();
+    }
+    whole_body(&response).unwrap_or_default().to_owned()
+}
+
+/// The body of `response` (an HTTP/1.0 answer read up to the server's close) when it is a 200
+/// whose body is as long as its `Content-Length` says (any length when it gives none).
+fn whole_body(response: &str) -> Option<&str> {
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    let ok = head
+        .lines()
+        .next()
+        .is_some_and(|status| status.split(' ').nth(1) == Some("200"));
+    let length = head.lines().find_map(|line| {
+        let (name, value) = line.split_once(':')?;
+        name.eq_ignore_ascii_case("content-length")
+            .then(|| value.trim().parse::<usize>().ok())?
+    });
+    (ok && length.is_none_or(|length| length == body.len())).then_some(body)
 }
 
 /// The samples of the lines of `metrics` starting with `prefix`, summed.

@@ -1,10 +1,10 @@
-//! `cargo bench --bench due -- --real --shards S [SIZES]`: Lease shards (`cnat run --shards S`)
+//! `cargo bench --bench due -- --real --shards=S [SIZES]`: Lease shards (`cnat run --shards S`)
 //! on a real kube-apiserver (`KUBEBUILDER_ASSETS`), the `cnat run` release binary as its own
 //! processes. For each size `n`, in one run:
 //!
 //! - `n` Ats created over 16 connections, due in two hours, each labelled with its shard as the
 //!   mutating webhook labels it (no webhooks run: the replicas here serve none);
-//! - three replicas with `--shards S` start: how long until every At has its `Pending` status
+//! - three replicas with `--shards=S` start: how long until every At has its `Pending` status
 //!   (each shard's leader lists its Ats and writes them; counted from the replicas' metrics,
 //!   `pending_written`), and each replica's RSS 10 s later (the share of shards it leads);
 //! - beside them, one replica with one Lease (`--shards 1`, another Lease name) starts cold:
@@ -528,7 +528,7 @@ async fn replica_counts(replicas: &[Replica]) -> Vec<Option<Vec<u64>>> {
     texts
         .iter()
         .map(|text| {
-            whole_page(text).then(|| {
+            (!text.is_empty()).then(|| {
                 REPLICA_COUNTERS
                     .iter()
                     .map(|(_, prefix)| real::sum_of(text, prefix))
@@ -538,25 +538,8 @@ async fn replica_counts(replicas: &[Replica]) -> Vec<Option<Vec<u64>>> {
         .collect()
 }
 
-/// Whether `response` (an HTTP/1.0 answer as `real::metrics_text` reads it) is a 200 whose
-/// body is as long as its `Content-Length` says: not cut off by the read's timeout.
-fn whole_page(response: &str) -> bool {
-    let Some((head, body)) = response.split_once("\r\n\r\n") else {
-        return false;
-    };
-    let ok = head
-        .lines()
-        .next()
-        .is_some_and(|status| status.split(' ').nth(1) == Some("200"));
-    let length = head.lines().find_map(|line| {
-        let (name, value) = line.split_once(':')?;
-        name.eq_ignore_ascii_case("content-length")
-            .then(|| value.trim().parse::<usize>().ok())?
-    });
-    ok && length == Some(body.len())
-}
-
-/// The metrics pages of the replicas at `admins` (an empty page for one that did not answer).
+/// The metrics pages of the replicas at `admins` (an empty page for one that did not answer in
+/// full).
 async fn metrics_of(admins: Vec<std::net::SocketAddr>) -> Vec<String> {
     tokio::task::spawn_blocking(move || {
         admins
