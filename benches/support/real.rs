@@ -659,6 +659,15 @@ pub async fn watch_pods(pods: Api<Pod>, n: usize) -> HashMap<String, Instant> {
 
 /// `watch_pods`, saying on `synced` once the watch's first list is in: from then on a new pod is
 /// timed as it comes, not as the list.
+pub async fn watch_pods_synced(
+    pods: Api<Pod>,
+    n: usize,
+    synced: tokio::sync::oneshot::Sender<()>,
+) -> HashMap<String, Instant> {
+    watch_pods_from(pods, n, Some(synced)).await
+}
+
+/// `watch_pods`, and `watch_pods_synced` when `synced` is given.
 async fn watch_pods_from(
     pods: Api<Pod>,
     n: usize,

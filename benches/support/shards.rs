@@ -14,7 +14,9 @@
 //!   every 75 ms (over the handovers of its shards, whenever they come): how late each pod is,
 //!   for the Ats of the shards it led and for the others;
 //! - with three replicas again, 10,000 Ats due at once: the last pod after due, as a ratio to
-//!   10,000 bare pod creates over 16 connections (the floor, measured in the same run).
+//!   10,000 bare pod creates over 16 connections (the floor, measured in the same run), and
+//!   to the same creates seen by a pod watch like the one the bench times the wave with (the
+//!   watched floor, printed beside).
 //!
 //! `cargo bench --bench due -- --real --shards=S --write-memory [SIZES]`: instead, what one
 //! replica holds once it has written `n` Ats' statuses, leading all `S` shards and with one
@@ -65,6 +67,26 @@ fn labelled(ns: &str, name: &str, due: chrono::DateTime<chrono::Utc>) -> At {
     let value = cnat::shard::assign(&format!("{ns}/{name}"));
     at.metadata.labels = Some([(cnat::shard::LABEL.to_owned(), value)].into());
     at
+}
+
+/// Creates `BURST` bare pods in `pods`' namespace, `CONNECTIONS` at once: how long until the
+/// last create was answered (the bare-create floor).
+async fn bare_creates(pods: Api<Pod>) -> Duration {
+    let started = Instant::now();
+    futures::stream::iter(0..BURST)
+        .for_each_concurrent(CONNECTIONS, |i| {
+            let pods = pods.clone();
+            async move {
+                pods.create(
+                    &PostParams::default(),
+                    &real::bare_pod(&format!("bare-{i}")),
+                )
+                .await
+                .unwrap();
+            }
+        })
+        .await;
+    started.elapsed()
 }
 
 /// Creates Ats `{prefix}-0` ..., all due at `due`, `CONNECTIONS` at once; how long it took.
@@ -372,27 +394,36 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     balanced(admin, &ns, shards, &replicas.iter().collect::<Vec<_>>()).await;
     tokio::time::sleep(Duration::from_secs(15)).await;
     let floor_ns = plane.namespace(&format!("shards-floor-{n}"), &[]).await;
-    let floor_pods: Api<Pod> = Api::namespaced(admin.clone(), &floor_ns);
     let requests_before_floor = real::requests_answered(admin).await;
     let cpu_before_floor = cpu_split(plane, &replicas);
-    let floor_started = Instant::now();
-    futures::stream::iter(0..BURST)
-        .for_each_concurrent(CONNECTIONS, |i| {
-            let pods = floor_pods.clone();
-            async move {
-                pods.create(
-                    &PostParams::default(),
-                    &real::bare_pod(&format!("bare-{i}")),
-                )
-                .await
-                .unwrap();
-            }
-        })
-        .await;
-    let floor = floor_started.elapsed();
+    let floor = bare_creates(Api::namespaced(admin.clone(), &floor_ns)).await;
     let cpu_after_floor = cpu_split(plane, &replicas);
     let cpu_floor = cpu_after_floor.since(cpu_before_floor);
     let requests_after_floor = real::requests_answered(admin).await;
+    // The same creates with the bench's pod watch open, as it is over the wave: that watch is
+    // the bench's, not cnat's, and costs the server its share.
+    let watched_ns = plane
+        .namespace(&format!("shards-floor-watched-{n}"), &[])
+        .await;
+    let watched_pods: Api<Pod> = Api::namespaced(admin.clone(), &watched_ns);
+    let (synced, listed) = tokio::sync::oneshot::channel();
+    let watch = tokio::spawn(real::watch_pods_synced(watched_pods.clone(), BURST, synced));
+    listed.await.expect("the watched floor's pod watch listed");
+    let cpu_before_watched = cpu_split(plane, &replicas);
+    let watched_started = Instant::now();
+    let watched_created = bare_creates(watched_pods).await;
+    let watched_seen = tokio::time::timeout(Duration::from_secs(300), watch)
+        .await
+        .expect("every watched floor pod seen within five minutes")
+        .unwrap()
+        .values()
+        .map(|at| at.saturating_duration_since(watched_started))
+        .max()
+        .unwrap_or_default();
+    let cpu_watched = cpu_split(plane, &replicas).since(cpu_before_watched);
+    eprintln!(
+        "{n} Ats: the floor again with the bench's pod watch open: creates answered after {watched_created:.1?}, the last pod seen after {watched_seen:.1?} (the unwatched floor {floor:.1?}); CPU seconds: {cpu_watched}"
+    );
     let lead = Duration::from_secs(10) + floor * 4;
     let due_instant = Instant::now() + lead;
     let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
@@ -485,6 +516,11 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
             BURST - attributed
         );
     }
+    eprintln!(
+        "{n} Ats: the burst's last pod {last:.1?} after due: {:.2}x the floor, {:.2}x the watched floor's last pod seen",
+        last.as_secs_f64() / floor.as_secs_f64(),
+        last.as_secs_f64() / watched_seen.as_secs_f64()
+    );
     println!(
         "| {n} | {created:.0?} | {statuses_after:.1?} | {} MiB | {single} | {theirs:.2?} / {others:.2?} | {floor:.1?} / {last:.1?} / {:.2}x |",
         sharded_rss.join(", "),
