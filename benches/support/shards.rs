@@ -424,7 +424,10 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     eprintln!(
         "{n} Ats: the floor again with the bench's pod watch open: creates answered after {watched_created:.1?}, the last pod seen after {watched_seen:.1?} (the unwatched floor {floor:.1?}); CPU seconds: {cpu_watched}"
     );
-    let lead = Duration::from_secs(10) + floor * 4;
+    // Before due the server creates the Ats and takes each one's `Pending` status and event:
+    // about three writes an At, which took 5.4-5.7 floors in two runs of 2026-11-28 (4 were
+    // too few: the wave began while they went on).
+    let lead = Duration::from_secs(10) + floor * 8;
     let due_instant = Instant::now() + lead;
     let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
     // Who leads each shard in the burst: each replica's last pod, to tell a slow replica from a
