@@ -420,7 +420,8 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
         .map(|at| at.saturating_duration_since(watched_started))
         .max()
         .unwrap_or_default();
-    let cpu_watched = cpu_split(plane, &replicas).since(cpu_before_watched);
+    let cpu_after_watched = cpu_split(plane, &replicas);
+    let cpu_watched = cpu_after_watched.since(cpu_before_watched);
     eprintln!(
         "{n} Ats: the floor again with the bench's pod watch open: creates answered after {watched_created:.1?}, the last pod seen after {watched_seen:.1?} (the unwatched floor {floor:.1?}); CPU seconds: {cpu_watched}"
     );
@@ -433,7 +434,11 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     // Who leads each shard in the burst: each replica's last pod, to tell a slow replica from a
     // slow server.
     let led = holders(admin, &ns, shards).await;
-    create(&ats, &ns, "burst", BURST, due, Duration::ZERO).await;
+    let created = create(&ats, &ns, "burst", BURST, due, Duration::ZERO).await;
+    eprintln!(
+        "{n} Ats: the burst's {BURST} Ats created in {created:.1?}, {:.1?} before due",
+        due_instant.saturating_duration_since(Instant::now())
+    );
     // Watching from two seconds before due (a watch silent for longer than the client's read
     // timeout fails); its list brings the pods already there.
     tokio::time::sleep_until((due_instant - Duration::from_secs(2)).into()).await;
@@ -470,7 +475,7 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     eprintln!("{n} Ats: (both read within {counts_read:.1?} after the last burst pod was seen)");
     eprintln!(
         "{n} Ats: CPU seconds over the floor ({floor:.1?}): {cpu_floor}; creating the burst's Ats (and whatever the replicas wrote of them meanwhile), until due: {}; from due (read {past_due:.1?} after it) until the last burst pod was seen ({wave_ended:.1?} after due): {cpu_wave}",
-        cpu_at_due.since(cpu_after_floor)
+        cpu_at_due.since(cpu_after_watched)
     );
     // The logs of a slow run are what tells why: kept before a timeout ends the bench.
     keep_logs(n, &replicas.iter().chain([&stopped]).collect::<Vec<_>>());
