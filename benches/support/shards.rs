@@ -434,9 +434,9 @@ async fn scenario(plane: &'static ControlPlane, admin: &Client, shards: usize, n
     // Who leads each shard in the burst: each replica's last pod, to tell a slow replica from a
     // slow server.
     let led = holders(admin, &ns, shards).await;
-    let created = create(&ats, &ns, "burst", BURST, due, Duration::ZERO).await;
+    let burst_created = create(&ats, &ns, "burst", BURST, due, Duration::ZERO).await;
     eprintln!(
-        "{n} Ats: the burst's {BURST} Ats created in {created:.1?}, {:.1?} before due",
+        "{n} Ats: the burst's {BURST} Ats created in {burst_created:.1?}, {:.1?} before due",
         due_instant.saturating_duration_since(Instant::now())
     );
     // Watching from two seconds before due (a watch silent for longer than the client's read
