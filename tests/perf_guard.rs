@@ -1,0 +1,118 @@
+//! `scripts/perf-guard` compares like with like: counts taken on a toolchain, C library,
+//! valgrind or CPU that no committed baseline was counted on are not compared (the guard passes,
+//! says so and writes them as that machine's baselines), while a regression against the
+//! baselines of the same machine still fails it. Run on a committed baseline's own counts, with
+//! `--compare` (nothing is measured: no valgrind, no release build).
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+/// A committed baseline, and a scratch folder holding a copy of every committed one.
+fn setup(name: &str) -> (Value, PathBuf) {
+    let committed = Path::new(ROOT).join("benches/baselines");
+    let scratch =
+        std::env::temp_dir().join(format!("cnat-perf-guard-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).unwrap();
+    let mut first = None;
+    for entry in std::fs::read_dir(&committed).unwrap() {
+        let path = entry.unwrap().path();
+        let file = path.file_name().unwrap().to_str().unwrap().to_owned();
+        if file.starts_with("hot_paths-") && file.ends_with(".json") {
+            std::fs::copy(&path, scratch.join(&file)).unwrap();
+            first.get_or_insert(path);
+        }
+    }
+    let first = first.expect("a committed baseline in benches/baselines");
+    let baseline = serde_json::from_str(&std::fs::read_to_string(first).unwrap()).unwrap();
+    (baseline, scratch)
+}
+
+/// The guard run on `counts` against the baselines in `dir`.
+fn guard(counts: &Value, dir: &Path) -> (Output, String) {
+    let file = dir.join("counts.json.in");
+    std::fs::write(&file, serde_json::to_vec(counts).unwrap()).unwrap();
+    let output = Command::new("python3")
+        .arg(Path::new(ROOT).join("scripts/perf-guard"))
+        .arg("--compare")
+        .arg(&file)
+        .arg("--baselines")
+        .arg(dir)
+        .output()
+        .expect("python3 runs scripts/perf-guard");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output, text)
+}
+
+fn baselines_in(dir: &Path) -> usize {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter(|e| {
+            let name = e.as_ref().unwrap().file_name();
+            let name = name.to_str().unwrap();
+            name.starts_with("hot_paths-") && name.ends_with(".json")
+        })
+        .count()
+}
+
+/// Raises the first operation's instruction count by 10%: a regression.
+fn plant_regression(counts: &mut Value) -> String {
+    let instructions = counts["instructions"].as_object_mut().unwrap();
+    let (name, value) = instructions.iter_mut().next().unwrap();
+    *value = Value::from(value.as_u64().unwrap() * 11 / 10);
+    name.clone()
+}
+
+#[test]
+fn the_same_counts_on_the_same_machine_pass() {
+    let (baseline, dir) = setup("same");
+    let (output, text) = guard(&baseline, &dir);
+    assert!(output.status.success(), "{text}");
+    assert!(text.contains("every count as in its baseline"), "{text}");
+}
+
+#[test]
+fn a_planted_regression_fails() {
+    let (mut counts, dir) = setup("regression");
+    let name = plant_regression(&mut counts);
+    let (output, text) = guard(&counts, &dir);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(text.contains(&format!("{name}: instructions +")), "{text}");
+}
+
+#[test]
+fn another_toolchain_is_not_compared_but_becomes_a_baseline() {
+    let (mut counts, dir) = setup("toolchain");
+    let before = baselines_in(&dir);
+    counts["counted_on"]["toolchain"] = Value::from("rustc 9.99.0 (simulated 2099-01-01)");
+    // Counts from another toolchain may differ by any amount: here, by a regression's.
+    let mut moved = counts.clone();
+    let name = plant_regression(&mut moved);
+    let (output, text) = guard(&moved, &dir);
+    assert!(output.status.success(), "{text}");
+    assert!(
+        text.contains("nothing is compared and nothing fails"),
+        "{text}"
+    );
+    assert!(
+        text.contains("rustc 9.99.0 (simulated 2099-01-01)"),
+        "{text}"
+    );
+    assert_eq!(baselines_in(&dir), before + 1, "{text}");
+    // From then on, that toolchain's counts are compared with its own baselines: the same pass,
+    // a regression from them fails.
+    let (output, text) = guard(&moved, &dir);
+    assert!(output.status.success(), "{text}");
+    let mut regressed = moved.clone();
+    plant_regression(&mut regressed);
+    let (output, text) = guard(&regressed, &dir);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(text.contains(&format!("{name}: instructions +")), "{text}");
+}
