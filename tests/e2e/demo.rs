@@ -82,6 +82,7 @@ fn the_demo_shows_cnat_working_and_stop_leaves_nothing_running() {
             .process_group(0)
             .env("KUBEBUILDER_ASSETS", &assets)
             .env("CNAT_DEMO_PIDFILE", &pidfile)
+            .env("CNAT_CARGO_PROFILE", cargo_profile())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&stderr).unwrap())
@@ -207,4 +208,20 @@ fn the_demo_shows_cnat_working_and_stop_leaves_nothing_running() {
     assert!(left.is_empty(), "still running after stop: {left:?}");
     assert!(!folder.exists(), "{} not removed", folder.display());
     assert!(!pidfile.exists(), "{} not removed", pidfile.display());
+}
+
+/// The cargo profile this test was built with (`target/PROFILE/deps/e2e-HASH`; the dev
+/// profile's folder is `debug`), for the demo to build with: its binaries are then there.
+fn cargo_profile() -> String {
+    let exe = std::env::current_exe().expect("the test's own path");
+    let folder = exe
+        .parent()
+        .and_then(Path::parent)
+        .and_then(Path::file_name)
+        .and_then(|name| name.to_str())
+        .expect("target/PROFILE/deps");
+    match folder {
+        "debug" => "dev".to_owned(),
+        other => other.to_owned(),
+    }
 }
