@@ -2,7 +2,7 @@
 //! counted by a global allocator that counts: how many blocks and bytes one operation asks for,
 //! after a first run has done any one-time work (bytes: what was asked for; a realloc counts as
 //! a block of its new size). Exact and repeatable on a build, so `scripts/perf-guard` compares
-//! them with `benches/baselines/hot_paths.json`. The inputs are `hot_paths`'s, whose setups
+//! them with the baselines in `benches/baselines/`. The inputs are `hot_paths`'s, whose setups
 //! check that each operation takes the path it stands for.
 //!
 //!     cargo bench --bench allocations             # the table

@@ -4,13 +4,14 @@
 //! (the same valgrind, C library and CPU) the counts repeat within a fraction of a percent (hash
 //! sets' random keys; zeroed allocations always cleared, `ZeroingMiMalloc`), so a change over 5%
 //! is the code's, not noise: `scripts/perf-guard` compares them with the baselines committed in
-//! `benches/baselines/hot_paths.json` and fails on a change over 5% (`scripts/test` runs it).
+//! `benches/baselines/` for the machine's toolchain, C library, valgrind and CPU and fails on a
+//! change over 5% (`scripts/test` runs it).
 //!
 //!     scripts/perf-guard                                      # against the baselines
-//!     cargo bench --profile perf-guard --bench hot_paths      # gungraun's own report
+//!     cargo bench --profile suite --bench hot_paths           # gungraun's own report
 //!
-//! (`--profile perf-guard`: the release build with its symbols; callgrind counts from the
-//! benchmark function's, which the stripped release build has not.) Inputs come from setup
+//! (`--profile suite`: the test command's build, lightly optimised, with its symbols; callgrind
+//! counts from the benchmark function's, which the stripped release build has not.) Inputs come from setup
 //! functions (`support/hot.rs`), which callgrind does not count; each runs its operation once
 //! first and checks it took the path it stands for, so one-time work is not counted and an error
 //! path is never what is guarded. Each benchmark hands its input back, so that freeing it is not

@@ -19,7 +19,7 @@ fn promtool() -> Command {
     let found = Command::new("promtool").arg("--version").output().is_ok();
     assert!(
         found,
-        "no promtool on PATH: run scripts/fetch-prometheus (scripts/test does)"
+        "no promtool on PATH: run scripts/fetch-prometheus (scripts/test installs it)"
     );
     Command::new("promtool")
 }

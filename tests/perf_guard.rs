@@ -87,6 +87,7 @@ fn the_same_counts_on_the_same_machine_pass() {
     let (output, text) = guard(&baseline, &dir);
     assert!(output.status.success(), "{text}");
     assert!(text.contains("every count as in its baseline"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -97,6 +98,32 @@ fn a_planted_regression_fails() {
     let (output, text) = guard(&counts, &dir);
     assert_eq!(output.status.code(), Some(1), "{text}");
     assert!(text.contains(&format!("{name}: instructions +")), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_allocation_more_or_an_operation_gone_fails() {
+    let (counts, dir) = setup("allocation");
+    record(&counts, &dir);
+    let mut more = counts.clone();
+    more["allocations"]["validating v1"] = Value::from(65);
+    let (output, text) = guard(&more, &dir);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(text.contains("validating v1: allocations +1.6%"), "{text}");
+    let mut gone = counts.clone();
+    for kind in ["instructions", "allocations", "bytes"] {
+        gone[kind]
+            .as_object_mut()
+            .unwrap()
+            .remove("decide pending_due");
+    }
+    let (output, text) = guard(&gone, &dir);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("decide pending_due: instructions gone"),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -128,4 +155,5 @@ fn another_toolchain_is_not_compared_but_becomes_a_baseline() {
     let (output, text) = guard(&regressed, &dir);
     assert_eq!(output.status.code(), Some(1), "{text}");
     assert!(text.contains(&format!("{name}: instructions +")), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

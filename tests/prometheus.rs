@@ -49,7 +49,7 @@ fn prometheus(dir: &Path, target: SocketAddr) -> (Killed, SocketAddr) {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .expect("no prometheus on PATH: run scripts/fetch-prometheus (scripts/test does)");
+        .expect("no prometheus on PATH: run scripts/fetch-prometheus (scripts/test installs it)");
     (Killed(child), listen)
 }
 
