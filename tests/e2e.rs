@@ -3,12 +3,11 @@
 //! `KUBEBUILDER_ASSETS`: v1.24, and v1.37 in a second run; no kubelet, so each test writes its
 //! pods' ends), or a disposable real
 //! cluster named by `CNAT_E2E_KUBECONFIG` (kind, k3d, ...), where pods really run. Without
-//! either, every test here is skipped with one line saying how to enable it.
+//! either, every test here is skipped with one line saying how to enable it (fails instead, with
+//! `CNAT_REQUIRE_REAL_SERVER=1`, as `scripts/test` runs them).
 //!
-//!     scripts/envtest                                   # prepares .tools/envtest (v1.24)
-//!     KUBEBUILDER_ASSETS=$PWD/.tools/envtest cargo nextest run --test e2e
-//!     scripts/envtest 1.37                              # builds .tools/envtest-1.37
-//!     KUBEBUILDER_ASSETS=$PWD/.tools/envtest-1.37 cargo nextest run --test e2e
+//!     KUBEBUILDER_ASSETS=$(scripts/envtest) cargo nextest run --test e2e        # v1.24
+//!     KUBEBUILDER_ASSETS=$(scripts/envtest 1.37) cargo nextest run --test e2e   # v1.37
 //!
 //! The operator runs in-process (the reconcile loop, or the whole `cnat run` binary where
 //! leadership, webhooks or logs are under test), each test in a namespace of its own.

@@ -9,8 +9,8 @@
 //! jumps through strings with `memchr`) and parsed once, from that slice, into the parts the
 //! conversion moves (`parts`), the rest of it kept as the text it came as. That costs about a
 //! third of decoding each object into a `serde_json::Value`, converting and encoding it again
-//! (`scripts/perf-guard`: a page of 500 Ats 13.5 M instructions and 6,014 allocations, was
-//! 39.7 M and 26,512).
+//! (the release build, counted by `scripts/perf-guard`: a page of 500 Ats 13.5 M instructions
+//! and 6,014 allocations, was 39.7 M and 26,512).
 //!
 //! kube-apiserver writes the request's `uid` and `desiredAPIVersion` before its `objects` (Go
 //! writes a struct's fields in their order; serde_json, sorting keys, does too for the version);

@@ -159,7 +159,7 @@ pub fn assets_or_skip() -> Option<PathBuf> {
         std::env::var("CNAT_REQUIRE_REAL_SERVER").as_deref() != Ok("1"),
         "CNAT_REQUIRE_REAL_SERVER=1, but KUBEBUILDER_ASSETS names no folder with etcd and kube-apiserver: run scripts/envtest (or set CNAT_SKIP_REAL_SERVER=1 for scripts/test to skip the real-server tests)"
     );
-    eprintln!("skipped: no real control plane; set KUBEBUILDER_ASSETS to a folder with etcd and kube-apiserver (and kube-controller-manager for quotas; scripts/envtest prepares .tools/envtest, or `setup-envtest use 1.24 -p path`)");
+    eprintln!("skipped: no real control plane; set KUBEBUILDER_ASSETS to a folder with etcd and kube-apiserver (and kube-controller-manager for quotas): KUBEBUILDER_ASSETS=$(scripts/envtest), or `setup-envtest use 1.24 -p path`");
     None
 }
 
