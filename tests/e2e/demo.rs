@@ -76,8 +76,19 @@ fn the_demo_shows_cnat_working_and_stop_leaves_nothing_running() {
     let pidfile = scratch.join("demo.pid");
     let stderr = scratch.join("demo.stderr");
     use std::os::unix::process::CommandExt;
+    let mut command = Command::new(root.join("scripts/demo"));
+    // What cargo and nextest set for this test (its package's CARGO_MANIFEST_DIR, CARGO_PKG_*,
+    // ...) is not the environment scripts/demo's cargo runs in for a user: build scripts that
+    // watch such variables (ring's does) would be built again, and with them everything above
+    // them, cnat included, here and in the next cargo run after this test.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if CARGO_SETS.iter().any(|set| name.starts_with(set)) {
+            command.env_remove(&*name);
+        }
+    }
     let mut demo = Demo(
-        Command::new(root.join("scripts/demo"))
+        command
             .current_dir(root)
             .process_group(0)
             .env("KUBEBUILDER_ASSETS", &assets)
@@ -209,6 +220,19 @@ fn the_demo_shows_cnat_working_and_stop_leaves_nothing_running() {
     assert!(!folder.exists(), "{} not removed", folder.display());
     assert!(!pidfile.exists(), "{} not removed", pidfile.display());
 }
+
+/// The prefixes of what cargo and nextest set for a test process.
+const CARGO_SETS: &[&str] = &[
+    "CARGO_MANIFEST_",
+    "CARGO_PKG_",
+    "CARGO_CRATE_NAME",
+    "CARGO_BIN_",
+    "CARGO_PRIMARY_PACKAGE",
+    "CARGO_TARGET_TMPDIR",
+    "CARGO_RUSTC_CURRENT_DIR",
+    "OUT_DIR",
+    "NEXTEST",
+];
 
 /// The cargo profile this test was built with (`target/PROFILE/deps/e2e-HASH`; the dev
 /// profile's folder is `debug`), for the demo to build with: its binaries are then there.
