@@ -5,8 +5,8 @@
 //! them with the baselines in `benches/baselines/`. The inputs are `hot_paths`'s, whose setups
 //! check that each operation takes the path it stands for.
 //!
-//!     cargo bench --bench allocations             # the table
-//!     cargo bench --bench allocations -- --json   # one JSON object per operation (perf-guard)
+//!     cargo bench --profile suite --bench allocations             # the table
+//!     cargo bench --profile suite --bench allocations -- --json   # one JSON per operation (perf-guard)
 
 #[path = "support/hot.rs"]
 mod hot;

@@ -10,8 +10,9 @@
 //!     scripts/perf-guard                                      # against the baselines
 //!     cargo bench --profile suite --bench hot_paths           # gungraun's own report
 //!
-//! (`--profile suite`: the test command's build, lightly optimised, with its symbols; callgrind
-//! counts from the benchmark function's, which the stripped release build has not.) Inputs come from setup
+//! (`--profile suite`: the test command's build, cnat's code at opt-level 1 and its dependencies
+//! unoptimised, with its symbols; callgrind counts from the benchmark function's, which the
+//! stripped release build has not.) Inputs come from setup
 //! functions (`support/hot.rs`), which callgrind does not count; each runs its operation once
 //! first and checks it took the path it stands for, so one-time work is not counted and an error
 //! path is never what is guarded. Each benchmark hands its input back, so that freeing it is not
@@ -31,7 +32,7 @@ static ALLOCATOR: ZeroingMiMalloc = ZeroingMiMalloc;
 /// mimalloc, except that a zeroed allocation is always cleared here. mimalloc itself skips the
 /// clearing when the block it hands out is known to be zero, which depends on what the process
 /// allocated and freed before (its paths, its environment), and clearing the 8 KiB table an LZ4
-/// pack allocates is about 8,200 instructions under callgrind (41,783 against 33,535): counted
+/// pack allocates is about 8,200 instructions under callgrind (41,783 against 33,535 in the release build): counted
 /// always, the count no longer depends on where the bench runs (a CI checkout counted 25% more
 /// than here before this).
 struct ZeroingMiMalloc;

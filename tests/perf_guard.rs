@@ -19,7 +19,7 @@ fn setup(name: &str) -> (Value, PathBuf) {
     let counts = json!({
         "counted_on": {
             "toolchain": "rustc 1.95.0 (59807616e 2026-04-14)",
-            "libc": "ldd (Debian GLIBC 2.36-9+deb12u14) 2.36",
+            "libc": "glibc 2.36",
             "valgrind": "valgrind-3.19.0",
             "cpu": "Intel(R) Xeon(R) Processor (avx avx2 sse4_2)"
         },
