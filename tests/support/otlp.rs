@@ -36,14 +36,24 @@ pub struct Collector {
 impl Collector {
     /// A new collector and a listener on a free local port.
     async fn listening() -> (Self, tokio::net::TcpListener, SocketAddr) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Collector::listening_on("127.0.0.1").await
+    }
+
+    /// A new collector and a listener on a free port of `ip`, an address of this machine.
+    async fn listening_on(ip: &str) -> (Self, tokio::net::TcpListener, SocketAddr) {
+        let listener = tokio::net::TcpListener::bind((ip, 0)).await.unwrap();
         let addr = listener.local_addr().unwrap();
         (Collector::default(), listener, addr)
     }
 
     /// Receives OTLP/gRPC on a free local port.
     pub async fn grpc() -> (Self, SocketAddr) {
-        let (collector, listener, addr) = Collector::listening().await;
+        Collector::grpc_on("127.0.0.1").await
+    }
+
+    /// Receives OTLP/gRPC on a free port of `ip` (e.g. where pods reach the host).
+    pub async fn grpc_on(ip: &str) -> (Self, SocketAddr) {
+        let (collector, listener, addr) = Collector::listening_on(ip).await;
         let service = TraceServiceServer::new(collector.clone());
         tokio::spawn(
             tonic::transport::Server::builder()

@@ -1,0 +1,652 @@
+//! cnat on a real one-node cluster (`scripts/cluster up`: etcd, kube-apiserver,
+//! kube-controller-manager, kube-scheduler, a kubelet running containerd and runc, kube-proxy, a
+//! CNI bridge), installed with Helm from `charts/cnat` and the image `scripts/image` builds, with
+//! the commands docs/src/operating/install.md and upgrading.md show. Pods really run: the
+//! output, exit codes and deadlines the Ats record come from containers, webhooks are called
+//! through their Service, and the Deployment's own rollout replaces the replicas.
+//!
+//! The cluster is named by `CNAT_CLUSTER_KUBECONFIG`; it must have the images `cnat:<appVersion>`
+//! and `cnat:<appVersion>-next` (the build under test, twice: the upgrade changes the tag) and
+//! `busybox:1.36`. `scripts/test` does all of it; by hand:
+//!
+//! ```sh
+//! scripts/cluster up
+//! scripts/image cnat cnat:0.2.0 target/images/a.tar target/suite/cnat   # and cnat:0.2.0-next
+//! scripts/cluster load target/images/a.tar target/images/b.tar
+//! CNAT_CLUSTER_KUBECONFIG=/tmp/cnat-cluster/admin.kubeconfig cargo nextest run --cargo-profile suite --test cluster
+//! ```
+//!
+//! Without `CNAT_CLUSTER_KUBECONFIG` the test is skipped with one line (it fails instead with
+//! `CNAT_REQUIRE_REAL_SERVER=1`, as `scripts/test` runs it). The steps run in order in one test:
+//! one release on one cluster, as a user has it.
+
+mod support;
+
+use cnat::api::{At, Outcome, Phase};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, ResourceExt};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+use support::otlp::Collector;
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+/// The release and its namespace, as the install page names them.
+const RELEASE: &str = "cnat";
+const SYSTEM: &str = "cnat-system";
+/// Where the user's Ats go.
+const TEAM: &str = "team-a";
+/// The node's address (scripts/cluster): pods reach the host there.
+const NODE_ADDRESS: &str = "10.244.0.1";
+/// A real pod: scheduling, a container start, the kubelet's status report, on a busy machine.
+const DONE_WITHIN: Duration = Duration::from_secs(90);
+
+struct Cluster {
+    kubeconfig: PathBuf,
+    /// scripts/cluster's folder: the containerd socket, the scratch space of the tools run here.
+    dir: PathBuf,
+    client: Client,
+    app_version: String,
+}
+
+async fn cluster() -> Option<Cluster> {
+    let Some(kubeconfig) = std::env::var_os("CNAT_CLUSTER_KUBECONFIG").map(PathBuf::from) else {
+        assert!(
+            std::env::var("CNAT_REQUIRE_REAL_SERVER").as_deref() != Ok("1"),
+            "CNAT_CLUSTER_KUBECONFIG is not set and CNAT_REQUIRE_REAL_SERVER=1 forbids skipping: \
+             start a cluster with scripts/cluster up (see tests/cluster.rs)"
+        );
+        eprintln!("skipped: no cluster; set CNAT_CLUSTER_KUBECONFIG (see tests/cluster.rs)");
+        return None;
+    };
+    let dir = kubeconfig.parent().expect("the cluster's folder").to_path_buf();
+    let config = kube::Config::from_custom_kubeconfig(
+        Kubeconfig::read_from(&kubeconfig).expect("the cluster's kubeconfig"),
+        &KubeConfigOptions::default(),
+    )
+    .await
+    .expect("a client configuration");
+    let client = Client::try_from(config).expect("a client");
+    let chart = std::fs::read_to_string(Path::new(ROOT).join("charts/cnat/Chart.yaml")).unwrap();
+    let app_version = chart
+        .lines()
+        .find_map(|l| l.strip_prefix("appVersion:"))
+        .expect("appVersion in Chart.yaml")
+        .trim()
+        .trim_matches('"')
+        .to_owned();
+    Some(Cluster {
+        kubeconfig,
+        dir,
+        client,
+        app_version,
+    })
+}
+
+impl Cluster {
+    /// `program` with this cluster's KUBECONFIG, and every cache and config of kubectl and helm
+    /// in the cluster's folder (none in the home folder).
+    fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut command = Command::new(program);
+        let scratch = self.dir.join("clients");
+        command
+            .env("KUBECONFIG", &self.kubeconfig)
+            .env("KUBECACHEDIR", scratch.join("kube-cache"))
+            .env("HELM_CACHE_HOME", scratch.join("helm-cache"))
+            .env("HELM_CONFIG_HOME", scratch.join("helm-config"))
+            .env("HELM_DATA_HOME", scratch.join("helm-data"));
+        command
+    }
+
+    fn kubectl(&self, args: &[&str], input: Option<&str>) -> Output {
+        let kubectl = Path::new(ROOT).join(".tools/envtest-1.37/kubectl");
+        run(self.command(kubectl).args(args), input)
+    }
+
+    /// `helm ARGS`, which must succeed: its standard output.
+    fn helm(&self, args: &[&str]) -> String {
+        let helm = Path::new(ROOT).join(".tools/helm");
+        let output = run(self.command(helm).args(args), None);
+        succeeded(&format!("helm {args:?}"), &output)
+    }
+
+    /// The containerd socket of the node (scripts/cluster's layout).
+    fn containerd(&self) -> PathBuf {
+        self.dir.join("containerd/containerd.sock")
+    }
+}
+
+fn run(command: &mut Command, input: Option<&str>) -> Output {
+    command.stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() });
+    command.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = command.spawn().unwrap_or_else(|e| panic!("{command:?}: {e}"));
+    if let Some(input) = input {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn succeeded(what: &str, output: &Output) -> String {
+    assert!(
+        output.status.success(),
+        "{what}: {}\n{}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// Polls `check` every 200 ms until it gives a value; panics with `what` after `within`.
+async fn eventually<T>(what: &str, within: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+    support::until_some(within, async || {
+        let found = check().await;
+        if found.is_none() {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
+        found
+    })
+    .await
+    .unwrap_or_else(|| panic!("{what}: not within {within:?}"))
+}
+
+async fn done(ats: &Api<At>, name: &str) -> At {
+    eventually(&format!("At {name} Done"), DONE_WITHIN, async || {
+        ats.get_opt(name)
+            .await
+            .ok()
+            .flatten()
+            .filter(|at| at.status.as_ref().is_some_and(|s| s.phase == Phase::Done))
+    })
+    .await
+}
+
+/// The pods of the At with this uid (its owner reference), wherever they are.
+async fn pods_of(pods: &Api<Pod>, at: &At) -> Vec<Pod> {
+    let uid = at.uid().expect("a stored At");
+    pods.list(&ListParams::default())
+        .await
+        .expect("pods listed")
+        .items
+        .into_iter()
+        .filter(|pod| pod.owner_references().iter().any(|o| o.uid == uid))
+        .collect()
+}
+
+/// One At due at `due` (RFC 3339), running `command`.
+fn at(name: &str, due: chrono::DateTime<chrono::Utc>, command: &str) -> At {
+    At::new(
+        name,
+        cnat::api::AtSpec {
+            schedule: due.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            command: command.into(),
+            ..Default::default()
+        },
+    )
+}
+
+/// The operator's pods, by name, with their IPs.
+async fn replicas(cluster: &Cluster) -> BTreeMap<String, String> {
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), SYSTEM);
+    let selector = format!("app.kubernetes.io/instance={RELEASE},app.kubernetes.io/name=cnat");
+    pods.list(&ListParams::default().labels(&selector))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter_map(|p| {
+            let ip = p.status.as_ref()?.pod_ip.clone()?;
+            Some((p.name_any(), ip))
+        })
+        .collect()
+}
+
+async fn lease_holder(cluster: &Cluster) -> Option<String> {
+    let leases: Api<Lease> = Api::namespaced(cluster.client.clone(), SYSTEM);
+    leases
+        .get_opt("cnat")
+        .await
+        .ok()
+        .flatten()?
+        .spec?
+        .holder_identity
+        .filter(|h| !h.is_empty())
+}
+
+/// A pod's `/metrics` on its admin port (8080), read from the host at the pod's address.
+async fn metrics(ip: &str) -> String {
+    let url = format!("http://{ip}:8080/metrics");
+    let output = tokio::process::Command::new("curl")
+        .args(["-sf", "--max-time", "5", &url])
+        .output()
+        .await
+        .unwrap();
+    assert!(output.status.success(), "curl {url}: {}", output.status);
+    String::from_utf8(output.stdout).unwrap()
+}
+
+/// The sum of a counter's samples on a metrics page.
+fn counter(page: &str, name: &str) -> f64 {
+    page.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn installed_as_users_do_cnat_runs_real_pods_survives_upgrades_and_kills_and_uninstalls() {
+    let Some(cluster) = cluster().await else {
+        return;
+    };
+    // The collector on the host, where the replicas' pods reach it (the node's address).
+    let (collector, otlp) = Collector::grpc_on(NODE_ADDRESS).await;
+
+    let notes = install(&cluster, otlp).await;
+    the_notes_example_runs(&cluster, &notes).await;
+    a_malformed_at_is_refused_by_the_webhook_through_its_service(&cluster);
+    a_failing_command_records_its_exit_code_and_output(&cluster).await;
+    kubectl_at_wait_returns_the_exit_code(&cluster);
+    active_deadline_stops_a_real_sleep(&cluster).await;
+    a_quota_refusal_shows_on_the_at(&cluster).await;
+    every_replica_serves_webhooks_and_metrics_and_traces_reach_the_collector(&cluster, &collector)
+        .await;
+    an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(&cluster).await;
+    killing_the_leader_runs_every_at_once(&cluster).await;
+    uninstall_leaves_no_finalizer_and_namespaces_delete(&cluster).await;
+}
+
+/// `helm install` as the install page shows it (with three replicas), plus the collector;
+/// the Deployment Ready, one Lease holder, `helm test` passes. Returns the NOTES.
+async fn install(cluster: &Cluster, otlp: std::net::SocketAddr) -> String {
+    let chart = Path::new(ROOT).join("charts/cnat");
+    let endpoint = format!("tracing.otlpEndpoint=http://{otlp}");
+    let out = cluster.helm(&[
+        "install",
+        RELEASE,
+        chart.to_str().unwrap(),
+        "-n",
+        SYSTEM,
+        "--create-namespace",
+        "--set",
+        "replicaCount=3",
+        "--wait",
+        "--timeout",
+        "300s",
+        "--set",
+        &endpoint,
+    ]);
+    let deployments: Api<Deployment> = Api::namespaced(cluster.client.clone(), SYSTEM);
+    let deployment = deployments.get(RELEASE).await.unwrap();
+    let status = deployment.status.unwrap();
+    assert_eq!(status.ready_replicas, Some(3), "{status:?}");
+    let replicas = replicas(cluster).await;
+    let holder = eventually("a Lease holder", Duration::from_secs(60), async || {
+        lease_holder(cluster).await
+    })
+    .await;
+    assert!(replicas.contains_key(&holder), "{holder} leads, not one of {replicas:?}");
+    cluster.helm(&["test", RELEASE, "-n", SYSTEM]);
+    let namespaces: Api<Namespace> = Api::all(cluster.client.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({"metadata": {"name": TEAM}})).unwrap(),
+        )
+        .await
+        .unwrap();
+    // Pods need the namespace's ServiceAccount, which a controller writes.
+    eventually("team-a's default ServiceAccount", Duration::from_secs(30), async || {
+        let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+            Api::namespaced(cluster.client.clone(), TEAM);
+        accounts.get_opt("default").await.ok().flatten()
+    })
+    .await;
+    out
+}
+
+/// The NOTES' "Try it" At, applied with kubectl exactly as shown: a real pod prints YAY,
+/// `kubectl logs` (the API server through the kubelet) shows it.
+async fn the_notes_example_runs(cluster: &Cluster, notes: &str) {
+    let start = notes
+        .find("kubectl apply -f - <<'YAML'")
+        .expect("the NOTES show an At to apply");
+    let body: String = notes[start..]
+        .lines()
+        .skip(1)
+        .take_while(|l| l.trim() != "YAML")
+        .map(|l| format!("{}\n", l.strip_prefix("  ").unwrap_or(l)))
+        .collect();
+    let applied = cluster.kubectl(&["apply", "-n", TEAM, "-f", "-"], Some(&body));
+    succeeded("kubectl apply of the NOTES' At", &applied);
+    let name = "example-at";
+    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
+    let status = done(&ats, name).await.status.unwrap();
+    assert_eq!(status.outcome, Some(Outcome::Succeeded), "{status:?}");
+    assert_eq!(status.exit_code, Some(0), "{status:?}");
+    let pod = status.pod_name.expect("the pod's name");
+    let logs = cluster.kubectl(&["logs", "-n", TEAM, &pod], None);
+    assert_eq!(succeeded("kubectl logs", &logs).trim(), "YAY");
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), TEAM);
+    let ran = pods.get(&pod).await.unwrap();
+    assert_eq!(ran.status.unwrap().phase.as_deref(), Some("Succeeded"));
+}
+
+/// A schedule the admission policy lets through (it looks like a date) and the webhook refuses
+/// (February has no 30th): kubectl shows the webhook's words.
+fn a_malformed_at_is_refused_by_the_webhook_through_its_service(cluster: &Cluster) {
+    let at = "apiVersion: cnat.programming-kubernetes.info/v1\nkind: At\nmetadata: {name: feb-30}\nspec:\n  schedule: \"2026-02-30T10:00:00Z\"\n  command: \"echo never\"\n";
+    let refused = cluster.kubectl(&["apply", "-n", TEAM, "-f", "-"], Some(at));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "applied: {stderr}");
+    assert!(
+        stderr.contains(
+            "admission webhook \"validate.ats.cnat.programming-kubernetes.info\" denied the request"
+        ) && stderr.contains("spec.schedule"),
+        "{stderr}"
+    );
+}
+
+async fn a_failing_command_records_its_exit_code_and_output(cluster: &Cluster) {
+    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
+    let command = "echo 'the disk is full' >&2; exit 3";
+    ats.create(&PostParams::default(), &at("fails", chrono::Utc::now(), command))
+        .await
+        .unwrap();
+    let status = done(&ats, "fails").await.status.unwrap();
+    assert_eq!(status.outcome, Some(Outcome::Failed), "{status:?}");
+    assert_eq!(status.exit_code, Some(3), "{status:?}");
+    let message = status.message.unwrap_or_default();
+    assert!(message.contains("the disk is full"), "{message}");
+}
+
+/// The plugin as users run it: its exit code is the container's, its output the pod's log.
+fn kubectl_at_wait_returns_the_exit_code(cluster: &Cluster) {
+    let output = run(
+        cluster
+            .command(env!("CARGO_BIN_EXE_kubectl-at"))
+            .args(["-n", TEAM, "--wait", "--timeout", "90s", "now", "--", "echo waited; exit 4"]),
+        None,
+    );
+    assert_eq!(
+        output.status.code(),
+        Some(4),
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(String::from_utf8_lossy(&output.stdout).contains("waited"));
+}
+
+async fn active_deadline_stops_a_real_sleep(cluster: &Cluster) {
+    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
+    let mut sleeper = at("sleeper", chrono::Utc::now(), "sleep 600");
+    sleeper.spec.active_deadline_seconds = Some(3);
+    ats.create(&PostParams::default(), &sleeper).await.unwrap();
+    let status = done(&ats, "sleeper").await.status.unwrap();
+    assert_eq!(status.outcome, Some(Outcome::Failed), "{status:?}");
+    let took = status.completion_time.unwrap() - status.start_time.unwrap();
+    assert!(took < chrono::Duration::seconds(60), "stopped after {took}");
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), TEAM);
+    let pod = pods.get(&status.pod_name.unwrap()).await.unwrap();
+    let pod_status = pod.status.unwrap();
+    assert_eq!(pod_status.phase.as_deref(), Some("Failed"));
+    assert_eq!(pod_status.reason.as_deref(), Some("DeadlineExceeded"), "{pod_status:?}");
+}
+
+async fn a_quota_refusal_shows_on_the_at(cluster: &Cluster) {
+    let quotas: Api<k8s_openapi::api::core::v1::ResourceQuota> =
+        Api::namespaced(cluster.client.clone(), TEAM);
+    quotas
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "0"}}
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    eventually("the quota's usage", Duration::from_secs(30), async || {
+        quotas.get("no-pods").await.ok()?.status?.used
+    })
+    .await;
+    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
+    ats.create(&PostParams::default(), &at("refused", chrono::Utc::now(), "true"))
+        .await
+        .unwrap();
+    let status = eventually("At refused shows PodForbidden", DONE_WITHIN, async || {
+        let status = ats.get("refused").await.ok()?.status?;
+        (status.reason.as_deref() == Some("PodForbidden")).then_some(status)
+    })
+    .await;
+    assert_eq!(status.phase, Phase::Pending);
+    let message = status.message.unwrap_or_default();
+    assert!(message.contains("exceeded quota: no-pods"), "{message}");
+    // The quota goes, and the At runs.
+    quotas.delete("no-pods", &DeleteParams::default()).await.unwrap();
+    let status = done(&ats, "refused").await.status.unwrap();
+    assert_eq!(status.outcome, Some(Outcome::Succeeded), "{status:?}");
+}
+
+/// Admission reviews spread over the replicas through the Service (kube-proxy), each counted on
+/// the replica's own `/metrics`; one replica leads; spans arrive from the pods.
+async fn every_replica_serves_webhooks_and_metrics_and_traces_reach_the_collector(
+    cluster: &Cluster,
+    collector: &Collector,
+) {
+    let replicas = replicas(cluster).await;
+    assert_eq!(replicas.len(), 3, "{replicas:?}");
+    let mut before = BTreeMap::new();
+    for (name, ip) in &replicas {
+        before.insert(name.clone(), counter(&metrics(ip).await, "cnat_admission_requests_total"));
+    }
+    // Dry-run creates: reviewed (through the Service, by whichever replica) and never stored.
+    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    for i in 0..60 {
+        let name = format!("dry-{i}");
+        ats.create(&dry, &at(&name, chrono::Utc::now(), "true")).await.unwrap();
+    }
+    let mut leaders = 0;
+    for (name, ip) in &replicas {
+        let page = metrics(ip).await;
+        let reviewed = counter(&page, "cnat_admission_requests_total") - before[name];
+        assert!(reviewed > 0.0, "{name} reviewed nothing of 60 creates");
+        leaders += (counter(&page, "cnat_leader") > 0.0) as usize;
+    }
+    assert_eq!(leaders, 1, "exactly one replica leads");
+    let spans = eventually("spans from the replicas", Duration::from_secs(30), async || {
+        let spans = collector.spans();
+        (!spans.is_empty()).then_some(spans)
+    })
+    .await;
+    let from: std::collections::BTreeSet<_> = spans
+        .iter()
+        .filter_map(|s| s.resource.get("k8s.pod.name").cloned())
+        .collect();
+    assert!(
+        from.iter().any(|pod| replicas.contains_key(pod)),
+        "spans from pods {from:?}, replicas {replicas:?}"
+    );
+}
+
+/// `helm upgrade` to the second tag as the upgrading page shows it, while a client creates an
+/// At every 100 ms, each due 2 to 6 s later: no create fails, every At runs once, on time.
+async fn an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(cluster: &Cluster) {
+    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let creator = {
+        let ats = ats.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut created = Vec::new();
+            let mut failed = Vec::new();
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            let mut i = 0u32;
+            while !stop.is_cancelled() {
+                tick.tick().await;
+                let name = format!("load-{i}");
+                let due = chrono::Utc::now() + chrono::Duration::milliseconds(2000 + (i as i64 % 5) * 1000);
+                match ats.create(&PostParams::default(), &at(&name, due, "true")).await {
+                    Ok(_) => created.push(name),
+                    Err(e) => failed.push(format!("{name}: {e}")),
+                }
+                i += 1;
+            }
+            (created, failed)
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let chart = Path::new(ROOT).join("charts/cnat");
+    let tag = format!("image.tag={}-next", cluster.app_version);
+    let upgrade = {
+        let args: Vec<String> = [
+            "upgrade",
+            RELEASE,
+            chart.to_str().unwrap(),
+            "-n",
+            SYSTEM,
+            "--reset-then-reuse-values",
+            "--wait",
+            "--timeout",
+            "300s",
+            "--set",
+            &tag,
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        let mut command = cluster.command(Path::new(ROOT).join(".tools/helm"));
+        command.args(&args);
+        tokio::task::spawn_blocking(move || run(&mut command, None))
+    };
+    let upgraded = upgrade.await.unwrap();
+    succeeded("helm upgrade", &upgraded);
+    // Ats keep falling due after the rollout, on the new replicas.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.cancel();
+    let (created, failed) = creator.await.unwrap();
+    assert!(failed.is_empty(), "{} of {} creates failed: {failed:?}", failed.len(), created.len() + failed.len());
+    assert!(created.len() > 50, "only {} Ats created", created.len());
+    let deployments: Api<Deployment> = Api::namespaced(cluster.client.clone(), SYSTEM);
+    let image = deployments.get(RELEASE).await.unwrap().spec.unwrap().template.spec.unwrap().containers[0]
+        .image
+        .clone()
+        .unwrap();
+    assert!(image.ends_with(&format!(":{}-next", cluster.app_version)), "{image}");
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), TEAM);
+    let mut late = Vec::new();
+    for name in &created {
+        let at = done(&ats, name).await;
+        let ran = pods_of(&pods, &at).await;
+        assert_eq!(ran.len(), 1, "At {name}: {} pods", ran.len());
+        let status = at.status.unwrap();
+        assert_eq!(status.outcome, Some(Outcome::Succeeded), "{name}: {status:?}");
+        let lateness = status.start_time.unwrap() - status.scheduled_time.unwrap();
+        if lateness > chrono::Duration::seconds(1) {
+            late.push(format!("{name}: {lateness}"));
+        }
+    }
+    assert!(late.is_empty(), "pods created more than 1 s after their At was due: {late:?}");
+}
+
+/// The leader's pod deleted at once (`--grace-period=0 --force`), then the new leader's
+/// container killed on the node (`kill -9`), each while Ats fall due: each At runs once.
+async fn killing_the_leader_runs_every_at_once(cluster: &Cluster) {
+    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), TEAM);
+    let mut names = Vec::new();
+    for round in 0..2 {
+        let leader = eventually("a Lease holder", Duration::from_secs(60), async || {
+            lease_holder(cluster).await
+        })
+        .await;
+        let now = chrono::Utc::now();
+        for i in 0..8 {
+            let name = format!("kill-{round}-{i}");
+            let due = now + chrono::Duration::milliseconds(1000 + i * 1000);
+            ats.create(&PostParams::default(), &at(&name, due, "true")).await.unwrap();
+            names.push(name);
+        }
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        if round == 0 {
+            let deleted = cluster.kubectl(
+                &["delete", "pod", "-n", SYSTEM, &leader, "--grace-period=0", "--force"],
+                None,
+            );
+            succeeded("kubectl delete pod --force", &deleted);
+        } else {
+            kill_container(cluster, &leader).await;
+        }
+        eventually("a new Lease holder", Duration::from_secs(60), async || {
+            lease_holder(cluster).await.filter(|h| *h != leader || round == 1)
+        })
+        .await;
+    }
+    for name in &names {
+        let at = done(&ats, name).await;
+        let ran = pods_of(&pods, &at).await;
+        assert_eq!(ran.len(), 1, "At {name}: {} pods", ran.len());
+    }
+}
+
+/// `kill -9` of the container's process, found as containerd's task of the pod's container.
+async fn kill_container(cluster: &Cluster, pod: &str) {
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), SYSTEM);
+    let status = pods.get(pod).await.unwrap().status.unwrap();
+    let id = status.container_statuses.unwrap()[0]
+        .container_id
+        .clone()
+        .expect("a container id")
+        .trim_start_matches("containerd://")
+        .to_owned();
+    let tasks = Command::new("ctr")
+        .arg("--address")
+        .arg(cluster.containerd())
+        .args(["-n", "k8s.io", "tasks", "ls"])
+        .output()
+        .unwrap();
+    let tasks = String::from_utf8_lossy(&tasks.stdout);
+    let pid = tasks
+        .lines()
+        .find_map(|l| {
+            let mut fields = l.split_whitespace();
+            (fields.next()? == id).then(|| fields.next().map(str::to_owned))?
+        })
+        .unwrap_or_else(|| panic!("no task {id} in {tasks}"));
+    let killed = Command::new("kill").args(["-9", &pid]).status().unwrap();
+    assert!(killed.success(), "kill -9 {pid}");
+}
+
+/// `helm uninstall` as the install page shows it: the pre-delete hook lets go of every pod,
+/// so no pod keeps cnat's finalizer and the user's namespace deletes.
+async fn uninstall_leaves_no_finalizer_and_namespaces_delete(cluster: &Cluster) {
+    cluster.helm(&["uninstall", RELEASE, "-n", SYSTEM]);
+    let pods: Api<Pod> = Api::all(cluster.client.clone());
+    let kept: Vec<String> = pods
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .filter(|p| p.finalizers().iter().any(|f| f == cnat::operator::pod::FINALIZER))
+        .map(|p| format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any()))
+        .collect();
+    assert!(kept.is_empty(), "pods keep cnat's finalizer: {kept:?}");
+    let deleted = cluster.kubectl(&["delete", "namespace", TEAM, "--timeout=120s"], None);
+    succeeded("kubectl delete namespace", &deleted);
+}
