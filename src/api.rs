@@ -14,8 +14,10 @@ use std::collections::BTreeMap;
 
 /// API group of the At resource.
 pub const GROUP: &str = "cnat.programming-kubernetes.info";
-/// Image that runs the command when `spec.image` is not set.
-pub const DEFAULT_IMAGE: &str = "busybox";
+/// Image that runs the command when `spec.template.image` is not set: pinned (a tag other than
+/// `latest`), so that kubelets use the copy they have (`IfNotPresent`) and every run gets the same
+/// image.
+pub const DEFAULT_IMAGE: &str = "busybox:1.36";
 
 /// Run a shell command once, at a given time, in a pod.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
@@ -84,7 +86,7 @@ pub struct AtPodTemplate {
     /// Labels and annotations added to the pod (cnat's own labels win over these).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata: Option<PodMetadata>,
-    /// Container image that runs the command; it must provide `/bin/sh`. Defaults to `busybox`.
+    /// Container image that runs the command; it must provide `/bin/sh`. Defaults to `busybox:1.36`.
     #[serde(default = "default_image")]
     pub image: String,
     /// CPU and memory requests and limits of the command's container. Needed in namespaces whose
@@ -339,7 +341,7 @@ mod tests {
             serde_json::json!({})
         );
         let template = &spec["properties"]["template"]["properties"];
-        assert_eq!(template["image"]["default"], "busybox");
+        assert_eq!(template["image"]["default"], DEFAULT_IMAGE);
         let required: Vec<&str> = spec["required"]
             .as_array()
             .unwrap()

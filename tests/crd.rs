@@ -137,9 +137,15 @@ fn spec_requires_schedule_and_command_and_defaults_the_image() {
     let spec = property(&schema(), &["spec"]);
     assert_eq!(spec.required.clone().unwrap(), ["command", "schedule"]);
     let image = property(&spec, &["template", "image"]);
-    assert_eq!(image.default.unwrap().0, serde_json::json!("busybox"));
+    assert_eq!(
+        image.default.unwrap().0,
+        serde_json::json!(cnat::api::DEFAULT_IMAGE)
+    );
     let old = property(&schema_of("v1alpha1"), &["spec", "image"]);
-    assert_eq!(old.default.unwrap().0, serde_json::json!("busybox"));
+    assert_eq!(
+        old.default.unwrap().0,
+        serde_json::json!(cnat::api::DEFAULT_IMAGE)
+    );
 }
 
 #[test]

@@ -81,12 +81,19 @@ fn is_root() -> bool {
 /// The files of an OCI archive's only image: its config and the paths of its one layer.
 fn unpack(archive: &Path) -> (Value, Vec<String>, String) {
     let dir = tempdir("cnat-image-test");
-    run(Command::new("tar").arg("-xf").arg(archive).arg("-C").arg(&dir));
+    run(Command::new("tar")
+        .arg("-xf")
+        .arg(archive)
+        .arg("-C")
+        .arg(&dir));
     let read = |path: PathBuf| -> Value {
         serde_json::from_slice(&std::fs::read(&path).unwrap())
             .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
     };
-    let blob = |digest: &Value| dir.join("blobs/sha256").join(digest.as_str().unwrap().trim_start_matches("sha256:"));
+    let blob = |digest: &Value| {
+        dir.join("blobs/sha256")
+            .join(digest.as_str().unwrap().trim_start_matches("sha256:"))
+    };
     let index = read(dir.join("index.json"));
     let manifests = index["manifests"].as_array().unwrap();
     assert_eq!(manifests.len(), 1, "one image in {}", archive.display());
@@ -98,7 +105,9 @@ fn unpack(archive: &Path) -> (Value, Vec<String>, String) {
     let config = read(blob(&manifest["config"]["digest"]));
     let layers = manifest["layers"].as_array().unwrap();
     assert_eq!(layers.len(), 1, "one layer");
-    let listing = run(Command::new("tar").arg("-tvzf").arg(blob(&layers[0]["digest"])));
+    let listing = run(Command::new("tar")
+        .arg("-tvzf")
+        .arg(blob(&layers[0]["digest"])));
     let _ = std::fs::remove_dir_all(&dir);
     (config, listing.lines().map(str::to_owned).collect(), name)
 }
@@ -111,7 +120,9 @@ fn tempdir(prefix: &str) -> PathBuf {
 }
 
 fn run(command: &mut Command) -> String {
-    let output = command.output().unwrap_or_else(|e| panic!("{command:?}: {e}"));
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("{command:?}: {e}"));
     assert!(
         output.status.success(),
         "{command:?}: {}{}",
@@ -126,7 +137,11 @@ fn paths(listing: &[String]) -> Vec<String> {
     listing
         .iter()
         .filter_map(|line| line.split_whitespace().nth(5))
-        .map(|path| path.trim_start_matches("./").trim_end_matches('/').to_owned())
+        .map(|path| {
+            path.trim_start_matches("./")
+                .trim_end_matches('/')
+                .to_owned()
+        })
         .collect()
 }
 
@@ -151,28 +166,51 @@ fn the_image_built_here_is_the_one_the_dockerfile_describes() {
         .arg(env!("CARGO_BIN_EXE_cnat")));
     let (config, listing, name) = unpack(&archive);
     let _ = std::fs::remove_dir_all(&dir);
-    assert_eq!(name, "cnat:drift-test");
+    assert_eq!(name, "docker.io/library/cnat:drift-test");
 
     let config = &config["config"];
     assert_eq!(config["User"], described.user.as_str(), "USER");
-    assert_eq!(config["Entrypoint"], serde_json::json!(described.entrypoint), "ENTRYPOINT");
+    assert_eq!(
+        config["Entrypoint"],
+        serde_json::json!(described.entrypoint),
+        "ENTRYPOINT"
+    );
     assert_eq!(config["Cmd"], serde_json::json!(described.cmd), "CMD");
 
     let paths = paths(&listing);
     for copied in &described.copied_to {
         let path = copied.trim_start_matches('/');
-        assert!(paths.iter().any(|p| p == path), "the Dockerfile copies to {copied}; the image has no {path}: {paths:?}");
+        assert!(
+            paths.iter().any(|p| p == path),
+            "the Dockerfile copies to {copied}; the image has no {path}: {paths:?}"
+        );
     }
     // What distroless/static:nonroot gives, and what it does not.
-    assert!(paths.iter().any(|p| p == "etc/ssl/certs/ca-certificates.crt"), "a CA bundle");
+    assert!(
+        paths
+            .iter()
+            .any(|p| p == "etc/ssl/certs/ca-certificates.crt"),
+        "a CA bundle"
+    );
     for shell in ["bin/sh", "bin/bash", "bin/busybox", "usr/bin/sh"] {
-        assert!(!paths.iter().any(|p| p == shell), "no shell, but the image has {shell}");
+        assert!(
+            !paths.iter().any(|p| p == shell),
+            "no shell, but the image has {shell}"
+        );
     }
     let user = described.user.split(':').next().unwrap();
     assert_eq!(user, "65532", "distroless's nonroot");
     let entrypoint = listing
         .iter()
-        .find(|line| line.split_whitespace().nth(5).map(|p| p.trim_start_matches("./")) == Some(described.entrypoint[0].trim_start_matches('/')))
+        .find(|line| {
+            line.split_whitespace()
+                .nth(5)
+                .map(|p| p.trim_start_matches("./"))
+                == Some(described.entrypoint[0].trim_start_matches('/'))
+        })
         .unwrap_or_else(|| panic!("the entrypoint {} is in the image", described.entrypoint[0]));
-    assert!(entrypoint.starts_with("-rwxr-xr-x"), "the entrypoint is executable: {entrypoint}");
+    assert!(
+        entrypoint.starts_with("-rwxr-xr-x"),
+        "the entrypoint is executable: {entrypoint}"
+    );
 }

@@ -172,7 +172,7 @@ async fn the_mutating_webhook_defaults_the_image_and_the_phase_idempotently() {
     let object = patched(&request, &response);
     assert_eq!(
         object["spec"],
-        json!({"command": "echo YAY", "schedule": "2019-04-12T10:12:00Z", "image": "busybox"})
+        json!({"command": "echo YAY", "schedule": "2019-04-12T10:12:00Z", "image": cnat::api::DEFAULT_IMAGE})
     );
     assert_eq!(object["status"], json!({"phase": "PENDING"}));
 

@@ -117,14 +117,14 @@ mod tests {
         );
         let patch = patch(&object, Target::Object { create: true }, "v1alpha1");
         let defaulted = applied(&object, &patch);
-        assert_eq!(defaulted["spec"]["image"], "busybox");
+        assert_eq!(defaulted["spec"]["image"], crate::api::DEFAULT_IMAGE);
         assert_eq!(defaulted["status"], json!({"phase": "PENDING"}));
         assert_eq!(defaulted["spec"]["command"], "echo YAY");
         let ops = serde_json::to_value(&patch).unwrap();
         assert_eq!(
             ops,
             json!([
-                {"op": "add", "path": "/spec/image", "value": "busybox"},
+                {"op": "add", "path": "/spec/image", "value": crate::api::DEFAULT_IMAGE},
                 {"op": "add", "path": "/status", "value": {"phase": "PENDING"}},
             ])
         );
@@ -159,7 +159,11 @@ mod tests {
                 &object,
                 &patch(&object, Target::Object { create: false }, "v1alpha1"),
             );
-            assert_eq!(defaulted["spec"]["image"], "busybox", "{image}");
+            assert_eq!(
+                defaulted["spec"]["image"],
+                crate::api::DEFAULT_IMAGE,
+                "{image}"
+            );
             assert!(
                 defaulted.get("status").is_none(),
                 "updates of the object leave status alone"

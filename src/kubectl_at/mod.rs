@@ -98,7 +98,7 @@ pub struct Args {
     /// Name of the At [default: the command's first word, a dash and 5 random characters].
     #[arg(long)]
     pub name: Option<String>,
-    /// Image that runs the command; it must have /bin/sh [default: busybox].
+    /// Image that runs the command; it must have /bin/sh [default: busybox:1.36].
     #[arg(long)]
     pub image: Option<String>,
     /// Environment variable of the command (repeatable).
