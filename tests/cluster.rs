@@ -716,6 +716,11 @@ async fn an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(clu
         late.is_empty(),
         "pods created more than 1 s after their At was due: {late:?}"
     );
+    eprintln!(
+        "cluster test: {} Ats created during the upgrade, {} of them due: each ran once, none late",
+        created.len(),
+        created.iter().filter(|n| n.starts_with("load-")).count()
+    );
 }
 
 /// The leader's pod deleted at once (`--grace-period=0 --force`), then the new leader's
