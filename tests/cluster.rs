@@ -618,7 +618,7 @@ async fn an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(clu
                 tick.tick().await;
                 // One in ten falls due 2 to 6 s later (about one pod a second: what one
                 // 2-core node starts without a backlog); the rest an hour later.
-                let runs = i % 10 == 0;
+                let runs = i.is_multiple_of(10);
                 let name = if runs {
                     format!("load-{i}")
                 } else {
