@@ -179,7 +179,9 @@ async fn rolling(plane: &'static ControlPlane, admin: &Client, n: usize) {
                 let (ats, at) = (ats.clone(), steady_at(&name, due));
                 let answer = tokio::spawn(async move {
                     let stored = ats.create(&PostParams::default(), &at).await?;
-                    Ok::<bool, kube::Error>(stored.data["spec"]["image"] == "busybox")
+                    Ok::<bool, kube::Error>(
+                        stored.data["spec"]["image"] == cnat::api::DEFAULT_IMAGE,
+                    )
                 });
                 sent.push((name, due_instant, answer));
             }

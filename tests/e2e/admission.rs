@@ -129,7 +129,10 @@ async fn admission_denies_defaults_guards_and_never_blocks_status_writes() {
     }))
     .unwrap();
     let created = raw.create(&PostParams::default(), &bare).await.unwrap();
-    assert_eq!(created.data["spec"]["template"]["image"], "busybox");
+    assert_eq!(
+        created.data["spec"]["template"]["image"],
+        cnat::api::DEFAULT_IMAGE
+    );
     assert_eq!(created.data["status"]["phase"], "Pending");
     // The CRD defaults these too: the replica's metrics show the mutating webhook answered.
     let (_, metrics) = crate::support::process::get(replica.admin, "/metrics").unwrap();

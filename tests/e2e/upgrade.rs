@@ -406,17 +406,24 @@ async fn the_upgrade_to_v1_keeps_every_at_runs_each_once_and_fails_no_create() {
             assert_eq!(again.data["status"]["phase"], "DONE");
         }
     }
+    let mut load_images = std::collections::BTreeMap::new();
     let due_1 = v1_api.get("due-1").await.unwrap();
     assert_eq!(
         due_1.data["spec"]["template"]["nodeSelector"],
         json!({"disk": "ssd"})
     );
-    // The load's Ats read in both versions.
+    // The load's Ats read in both versions, with the same image: the default of the CRD (or of
+    // the webhook) that took the create, 0.1.0's `busybox` or v1's pinned one.
     for (name, _) in &created {
         let v1 = v1_api.get(name).await.unwrap();
-        assert_eq!(v1.data["spec"]["template"]["image"], "busybox", "{name}");
+        let image = &v1.data["spec"]["template"]["image"];
+        assert!(
+            *image == "busybox" || *image == cnat::api::DEFAULT_IMAGE,
+            "{name}: {image}"
+        );
         let older = old_api.get(name).await.unwrap();
-        assert_eq!(older.data["spec"]["image"], "busybox", "{name}");
+        assert_eq!(&older.data["spec"]["image"], image, "{name}");
+        load_images.insert(name.clone(), image.clone());
     }
 
     // An At created as v1 with what only v1 can say reads as v1alpha1, and back unchanged.
@@ -552,7 +559,8 @@ async fn the_upgrade_to_v1_keeps_every_at_runs_each_once_and_fails_no_create() {
     for (name, _) in &created {
         assert_eq!(
             v1_api.get(name).await.unwrap().data["spec"]["template"]["image"],
-            "busybox"
+            load_images[name],
+            "{name}: the image it read with before the storage migration"
         );
     }
     assert_eq!(
