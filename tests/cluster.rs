@@ -24,7 +24,6 @@ mod support;
 
 use cnat::api::{At, Outcome, Phase};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -197,6 +196,20 @@ async fn pods_of(pods: &Api<Pod>, at: &At) -> Vec<Pod> {
         .collect()
 }
 
+/// The At `name` once Done: it ran once (one pod) and its command succeeded. Its status and pod.
+async fn ran_once(ats: &Api<At>, pods: &Api<Pod>, name: &str) -> (cnat::api::AtStatus, Pod) {
+    let at = done(ats, name).await;
+    let mut ran = pods_of(pods, &at).await;
+    assert_eq!(ran.len(), 1, "At {name}: {} pods", ran.len());
+    let status = at.status.expect("a Done At has a status");
+    assert_eq!(
+        status.outcome,
+        Some(Outcome::Succeeded),
+        "{name}: {status:?}"
+    );
+    (status, ran.remove(0))
+}
+
 fn pod_time(
     time: &k8s_openapi::apimachinery::pkg::apis::meta::v1::Time,
 ) -> chrono::DateTime<chrono::Utc> {
@@ -233,15 +246,7 @@ async fn replicas(cluster: &Cluster) -> BTreeMap<String, String> {
 }
 
 async fn lease_holder(cluster: &Cluster) -> Option<String> {
-    let leases: Api<Lease> = Api::namespaced(cluster.client.clone(), SYSTEM);
-    leases
-        .get_opt("cnat")
-        .await
-        .ok()
-        .flatten()?
-        .spec?
-        .holder_identity
-        .filter(|h| !h.is_empty())
+    support::envtest::lease_holder(&cluster.client, SYSTEM, "cnat").await
 }
 
 /// A pod's `/metrics` on its admin port (8080), read from the host at the pod's address.
@@ -706,20 +711,12 @@ async fn an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(clu
     let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), TEAM);
     let mut late = Vec::new();
     for name in created.iter().filter(|n| n.starts_with("load-")) {
-        let at = done(&ats, name).await;
-        let ran = pods_of(&pods, &at).await;
-        assert_eq!(ran.len(), 1, "At {name}: {} pods", ran.len());
-        let status = at.status.unwrap();
-        assert_eq!(
-            status.outcome,
-            Some(Outcome::Succeeded),
-            "{name}: {status:?}"
-        );
+        let (status, pod) = ran_once(&ats, &pods, name).await;
         // The run's start as cnat records it (status.startTime, when it decided to create the
         // pod), and the pod's creation as the API server records it (whole seconds).
         let due = status.scheduled_time.unwrap();
         let lateness = status.start_time.unwrap() - due;
-        let created = ran[0]
+        let created = pod
             .metadata
             .creation_timestamp
             .as_ref()
@@ -798,15 +795,7 @@ async fn killing_the_leader_runs_every_at_once(cluster: &Cluster) {
     // Each ran: Done, Succeeded, by its one pod (a second pod for an At could not be created:
     // its name is the At's, and the API server refuses a second).
     for name in &names {
-        let at = done(&ats, name).await;
-        let ran = pods_of(&pods, &at).await;
-        assert_eq!(ran.len(), 1, "At {name}: {} pods", ran.len());
-        let status = at.status.unwrap();
-        assert_eq!(
-            status.outcome,
-            Some(Outcome::Succeeded),
-            "{name}: {status:?}"
-        );
+        ran_once(&ats, &pods, name).await;
     }
 }
 
@@ -856,20 +845,7 @@ async fn kill_container(cluster: &Cluster, pod: &str) {
 /// so no pod keeps cnat's finalizer and the user's namespace deletes.
 async fn uninstall_leaves_no_finalizer_and_namespaces_delete(cluster: &Cluster) {
     cluster.helm(&["uninstall", RELEASE, "-n", SYSTEM]);
-    let pods: Api<Pod> = Api::all(cluster.client.clone());
-    let kept: Vec<String> = pods
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .iter()
-        .filter(|p| {
-            p.finalizers()
-                .iter()
-                .any(|f| f == cnat::operator::pod::FINALIZER)
-        })
-        .map(|p| format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any()))
-        .collect();
+    let kept = support::envtest::pods_held(&Api::all(cluster.client.clone())).await;
     assert!(kept.is_empty(), "pods keep cnat's finalizer: {kept:?}");
     let deleted = cluster.kubectl(&["delete", "namespace", TEAM, "--timeout=120s"], None);
     succeeded("kubectl delete namespace", &deleted);

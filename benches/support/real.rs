@@ -364,19 +364,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         Ok(Ok(released)) => format!("{:.2?}", released.saturating_duration_since(done)),
         _ => {
             // Which pods, and what the operator said (its log is gone with the control plane).
-            let held: Vec<String> = pods
-                .list(&Default::default())
-                .await
-                .unwrap()
-                .items
-                .iter()
-                .filter(|p| {
-                    p.finalizers()
-                        .iter()
-                        .any(|f| f == cnat::operator::pod::FINALIZER)
-                })
-                .map(|p| p.name_any())
-                .collect();
+            let held = crate::envtest::pods_held(&pods).await;
             let kept = std::env::temp_dir().join(format!("cnat-bench-never-{n}.log"));
             let _ = std::fs::copy(&operator.log, &kept);
             eprintln!(
@@ -779,11 +767,7 @@ async fn watch_released(pods: Api<Pod>, n: usize) -> Instant {
         // seen without it was let go, even when its first sighting is the watch's own list,
         // which a busy server may answer after the first releases. (Counting only pods first
         // seen held, as before, waited forever for those.)
-        if !pod
-            .finalizers()
-            .iter()
-            .any(|f| f == cnat::operator::pod::FINALIZER)
-        {
+        if !cnat::operator::pod::is_held(&pod) {
             released.insert(pod.metadata.name.clone().unwrap_or_default());
         }
     }

@@ -7,14 +7,10 @@ use crate::support::until_some as until;
 use cnat::api::{At, Phase};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{DeleteParams, PostParams};
-use kube::{Api, ResourceExt};
+use kube::Api;
 use std::time::Duration;
 
-fn held(pod: &Pod) -> bool {
-    pod.finalizers()
-        .iter()
-        .any(|f| f == cnat::operator::pod::FINALIZER)
-}
+use cnat::operator::pod::is_held as held;
 
 #[tokio::test]
 async fn a_finished_pod_is_let_go_once_recorded_and_cnat_release_lets_go_of_the_rest() {

@@ -1066,6 +1066,21 @@ pub async fn register_webhooks(
 }
 
 /// The holder of Lease `namespace/name`, if any.
+/// The pods `pods` lists that still carry cnat's finalizer, as `namespace/name`.
+pub async fn pods_held(pods: &Api<k8s_openapi::api::core::v1::Pod>) -> Vec<String> {
+    pods.list(&Default::default())
+        .await
+        .expect("pods listed")
+        .items
+        .iter()
+        .filter(|p| cnat::operator::pod::is_held(p))
+        .map(|p| {
+            use kube::ResourceExt;
+            format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any())
+        })
+        .collect()
+}
+
 pub async fn lease_holder(client: &Client, namespace: &str, name: &str) -> Option<String> {
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(client.clone(), namespace);

@@ -1,6 +1,7 @@
 // kube-apiserver, kube-controller-manager and kubectl v1.24, built from the Go module proxy by
-// scripts/envtest where ../shared/envtest is not there (a public clone), with the Go that
-// release was built with (go1.20, fetched by GOTOOLCHAIN). tools.go names the commands;
+// scripts/envtest where ../shared/envtest is not there (a public clone), and a node's kubelet,
+// kube-scheduler and kube-proxy (scripts/envtest node-1.24), with the Go that release was built
+// with (go1.20, fetched by GOTOOLCHAIN). tools.go names the commands;
 // k8s.io/kubernetes's staging modules are pinned to the release's own tags (its go.mod points
 // them at its ./staging folder). go.sum holds the checksums of everything the build uses.
 module cnat.local/envtest/kubernetes-1.24
