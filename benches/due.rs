@@ -19,6 +19,7 @@
 //!
 //!     cargo bench --bench due            # 100 and 1000 Ats, then the outages
 //!     cargo bench --bench due -- --real  # the same burst on a real kube-apiserver (KUBEBUILDER_ASSETS)
+//!     cargo bench --bench due -- --real --kwok 1000  # on KWOK nodes beside the stand-in, 10,000 pending
 //!     cargo bench --bench due -- --real 100000  # pending Ats, a rolling step, five handovers
 //!     cargo bench --bench due -- --real --rolling 50000  # a rolling replacement of 3 replicas
 //!     cargo bench --bench due -- --real --shards=6 100000 300000  # Lease shards, 3 replicas
@@ -31,6 +32,8 @@ mod apiserver;
 #[allow(dead_code)] // the benches use part of it
 #[path = "../tests/support/envtest.rs"]
 mod envtest;
+#[path = "support/kwok.rs"]
+mod kwok;
 #[allow(dead_code)] // the benches use part of it
 #[path = "../tests/support/ports.rs"]
 mod ports;
@@ -81,6 +84,11 @@ async fn main() {
             sizes
         };
         shards::run(shards, &sizes).await;
+        return;
+    }
+    if std::env::args().any(|a| a == "--real") && std::env::args().any(|a| a == "--kwok") {
+        let pending = std::env::args().find_map(|a| a.strip_prefix("--pending=")?.parse().ok());
+        kwok::run(&sizes, pending).await;
         return;
     }
     if std::env::args().any(|a| a == "--real") {

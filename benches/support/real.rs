@@ -102,7 +102,12 @@ pub fn at(name: &str, schedule: chrono::DateTime<chrono::Utc>) -> At {
 }
 
 /// Creates Ats `{prefix}-0` .. `{prefix}-{n-1}`, all due at `when`, `CONNECTIONS` at once.
-async fn create_ats(ats: &Api<At>, n: usize, prefix: &str, when: chrono::DateTime<chrono::Utc>) {
+pub async fn create_ats(
+    ats: &Api<At>,
+    n: usize,
+    prefix: &str,
+    when: chrono::DateTime<chrono::Utc>,
+) {
     concurrently(n, |i| {
         let ats = ats.clone();
         async move {
@@ -125,7 +130,7 @@ fn cores(cpu: f64, processes: usize, wall: Duration) -> String {
 }
 
 /// Runs `each(i)` for `0..n`, `CONNECTIONS` at once; returns how long it took.
-async fn concurrently<F, Fut>(n: usize, each: F) -> Duration
+pub async fn concurrently<F, Fut>(n: usize, each: F) -> Duration
 where
     F: Fn(usize) -> Fut,
     Fut: std::future::Future<Output = ()>,
@@ -729,7 +734,7 @@ fn dynamic_ats(admin: Client, namespace: &str, version: &str) -> Api<kube::api::
 }
 
 /// When the last of `n` Ats was seen DONE.
-async fn watch_done(ats: Api<At>, n: usize) -> Instant {
+pub async fn watch_done(ats: Api<At>, n: usize) -> Instant {
     let mut done = std::collections::HashSet::new();
     let stream = watcher(ats, watcher::Config::default()).applied_objects();
     futures::pin_mut!(stream);
@@ -793,7 +798,7 @@ async fn watch_succeeded_events(
     Instant::now()
 }
 
-async fn wait_phases(ats: &Api<At>, n: usize, phase: &str) {
+pub async fn wait_phases(ats: &Api<At>, n: usize, phase: &str) {
     let deadline = Instant::now() + Duration::from_secs(120);
     assert!(
         wait_phases_until(ats, n, phase, deadline).await,
@@ -804,7 +809,7 @@ async fn wait_phases(ats: &Api<At>, n: usize, phase: &str) {
 /// Whether all `n` Ats of `ats` said `phase` before `deadline`, in a status a leader wrote: a
 /// `Pending` one has its `scheduledTime` (every At shows the schema default, `Pending`, from its
 /// creation on).
-async fn wait_phases_until(ats: &Api<At>, n: usize, phase: &str, deadline: Instant) -> bool {
+pub async fn wait_phases_until(ats: &Api<At>, n: usize, phase: &str, deadline: Instant) -> bool {
     loop {
         let list = ats.list(&Default::default()).await.unwrap();
         let count = list

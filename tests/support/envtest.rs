@@ -275,6 +275,14 @@ impl ControlPlane {
         assets().is_some_and(|dir| dir.join("kube-controller-manager").exists())
     }
 
+    /// Starts `command` beside this control plane (a kube-scheduler, KWOK), its output in
+    /// `NAME.log` of its folder, stopped with it at the process's end.
+    pub fn companion(&self, name: &str, command: Command) -> Child {
+        let child = spawn(command, &self.dir.join(format!("{name}.log")));
+        running(&self.dir, child.id());
+        child
+    }
+
     /// `kubectl` against this control plane, as admin.
     pub fn kubectl(&self) -> Command {
         let assets = assets().expect("assets");

@@ -1,0 +1,360 @@
+//! `cargo bench --bench due -- --real --kwok [N...] [--pending=P]`: the burst where pods are
+//! scheduled and run, beside the stand-in burst, in one run on the real control plane
+//! (`KUBEBUILDER_ASSETS`, as `--real`).
+//!
+//! For each size `n` (default 1000), twice, each time in a namespace of its own with `P` more
+//! Ats pending there (default 10,000; due an hour later, cached and waiting meanwhile) and an
+//! operator of its own (`cnat run --namespace`, the release binary):
+//!
+//! 1. **KWOK**: the real kube-scheduler of the control plane's version (`scripts/envtest
+//!    node-1.xx`, its default settings: 50 requests a second, bursts of 100, as users have it)
+//!    binds each pod to one of ⌈n/100⌉ KWOK nodes (`scripts/envtest kwok`, 110 pods a node), and
+//!    KWOK plays the nodes' kubelets (`benches/support/kwok.yaml`): each pod Running once bound,
+//!    ended 1 s later (exit 0, `Succeeded`), 8 pods at once.
+//! 2. **The stand-in** (what `--real` measures): no scheduler, no node; once every At is
+//!    `Running`, the bench writes every pod's end at once over 8 connections.
+//!
+//! KWOK runs first; its scheduler and KWOK are stopped before the stand-in's pods exist. Printed
+//! for each: pods after due (first / p50 / last created), with KWOK the last bound and the last
+//! ended; every At `Done` after the last pod ended and after due; the operator's RSS at the end.
+
+use crate::envtest::{self, ControlPlane};
+use crate::real;
+use cnat::api::At;
+use futures::TryStreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::watcher;
+use kube::{Api, Client};
+use serde_json::json;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+/// Pods a KWOK node takes (a kubelet's default `maxPods`, 110), and the pods a node is counted
+/// for: some room, as a scheduler spreading pods leaves it.
+const PODS_PER_NODE: usize = 100;
+/// Ats pending beside each burst, unless `--pending=P` says otherwise.
+const PENDING: usize = 10_000;
+
+pub async fn run(sizes: &[usize], pending: Option<usize>) {
+    let sizes = if sizes.is_empty() { &[1000][..] } else { sizes };
+    let pending = pending.unwrap_or(PENDING);
+    let Some(plane) = envtest::control_plane() else {
+        panic!("--real needs a real control plane: run scripts/envtest and set KUBEBUILDER_ASSETS");
+    };
+    let admin = plane.admin().await;
+    envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
+    // The server rebuilds its OpenAPI and discovery for a new CRD: let that pass before timing.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let node_binaries = built(&format!("node-1.{}", plane.minor()));
+    let kwok = built("kwok");
+    println!(
+        "On a real kube-apiserver {} + kube-controller-manager (envtest), kube-scheduler and KWOK {}, this machine; {pending} more Ats pending beside each burst:",
+        plane.version,
+        version_of(&kwok.join("kwok")),
+    );
+    println!();
+    println!("| Ats due at once | pods run by | pod created after due: first / p50 / last | last pod bound after due | last pod ended after due | every At Done after the last pod ended | every At Done after due | operator RSS |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for &n in sizes {
+        let nodes = n.div_ceil(PODS_PER_NODE);
+        let mut scheduler = plane.companion(
+            "kube-scheduler",
+            scheduler_command(plane, &node_binaries.join("kube-scheduler")),
+        );
+        let mut kwok_process = plane.companion("kwok", kwok_command(plane, &kwok.join("kwok")));
+        add_nodes(plane, &admin, nodes).await;
+        burst(plane, &admin, n, pending, Ending::Kwok { nodes }).await;
+        for process in [&mut scheduler, &mut kwok_process] {
+            let _ = process.kill();
+            let _ = process.wait();
+        }
+        remove_nodes(&admin).await;
+        burst(plane, &admin, n, pending, Ending::StandIn).await;
+    }
+}
+
+/// What ends the pods.
+#[derive(Clone, Copy)]
+enum Ending {
+    /// The scheduler binds them to `nodes` KWOK nodes and KWOK ends them.
+    Kwok { nodes: usize },
+    /// The bench writes each pod's end once every At is `Running`.
+    StandIn,
+}
+
+async fn burst(plane: &ControlPlane, admin: &Client, n: usize, pending: usize, ending: Ending) {
+    let kind = match ending {
+        Ending::Kwok { .. } => "kwok",
+        Ending::StandIn => "standin",
+    };
+    let ns = plane.namespace(&format!("{kind}-{n}"), &[]).await;
+    let mut operator = plane.replica(
+        &format!("{kind}-{n}"),
+        &ns,
+        &[&format!("--namespace={ns}"), "--log=warn"],
+    );
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    while !crate::service::ready(operator.admin).await {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let later = chrono::Utc::now() + chrono::Duration::hours(1);
+    real::create_ats(&ats, pending, "later", later).await;
+    assert!(
+        real::wait_phases_until(
+            &ats,
+            pending,
+            "Pending",
+            Instant::now() + Duration::from_secs(300)
+        )
+        .await,
+        "the pending Ats' PENDING writes did not settle within 5 minutes"
+    );
+    // Time to create the burst's Ats and let their PENDING writes settle before they fall due.
+    let lead = Duration::from_secs(5) + Duration::from_millis(5 * n as u64);
+    let due_instant = Instant::now() + lead;
+    let due = chrono::Utc::now() + chrono::Duration::from_std(lead).unwrap();
+    let lives = tokio::spawn(watch_lives(pods.clone(), n, ending));
+    let done_seen = tokio::spawn(real::watch_done(ats.clone(), n));
+    real::create_ats(&ats, n, "at", due).await;
+    assert!(
+        real::wait_phases_until(&ats, n + pending, "Pending", due_instant).await,
+        "the Ats' PENDING writes did not settle before due"
+    );
+    let stand_in_ended = match ending {
+        Ending::Kwok { .. } => None,
+        Ending::StandIn => {
+            real::wait_phases(&ats, n, "Running").await;
+            end_every_pod(&pods, n).await;
+            Some(Instant::now())
+        }
+    };
+    let lives = tokio::time::timeout(Duration::from_secs(300), lives)
+        .await
+        .expect("every pod within five minutes of due")
+        .unwrap();
+    let done = tokio::time::timeout(Duration::from_secs(300), done_seen)
+        .await
+        .expect("every At Done within five minutes of due")
+        .unwrap();
+    let after = |t: Instant| t.saturating_duration_since(due_instant);
+    let mut created: Vec<Duration> = lives.values().map(|l| after(l.created)).collect();
+    created.sort();
+    let early = lives
+        .values()
+        .filter(|l| l.created + Duration::from_millis(50) < due_instant)
+        .count();
+    assert_eq!(early, 0, "a pod was created before its At was due");
+    let last = |f: fn(&Life) -> Option<Instant>| lives.values().filter_map(f).max();
+    let last_bound = last(|l| l.bound);
+    let last_ended = match stand_in_ended {
+        Some(ended) => ended,
+        None => last(|l| l.ended).expect("KWOK ended the pods"),
+    };
+    let count = pods.list(&Default::default()).await.unwrap().items.len();
+    assert_eq!(count, n, "one pod per At due");
+    let rss = crate::rss::rss_kib(&operator.child.id().to_string());
+    let q = |p: f64| created[((created.len() - 1) as f64 * p).round() as usize];
+    let (by, bound) = match ending {
+        Ending::Kwok { nodes } => (
+            format!("the scheduler and KWOK ({nodes} nodes)"),
+            format!("{:.2?}", after(last_bound.expect("bound pods"))),
+        ),
+        Ending::StandIn => ("the stand-in (no node)".to_owned(), "-".to_owned()),
+    };
+    println!(
+        "| {n} | {by} | {:.0?} / {:.0?} / {:.2?} | {bound} | {:.2?} | {:.2?} | {:.2?} | {:.0} MiB |",
+        q(0.0),
+        q(0.5),
+        q(1.0),
+        after(last_ended),
+        done.saturating_duration_since(last_ended),
+        after(done),
+        rss as f64 / 1024.0,
+    );
+    operator.kill();
+}
+
+/// When the bench first saw a pod: created, bound to a node, ended.
+struct Life {
+    created: Instant,
+    bound: Option<Instant>,
+    ended: Option<Instant>,
+}
+
+/// Watches the pods of the namespace until `n` were created and, with KWOK, `n` ended.
+async fn watch_lives(pods: Api<Pod>, n: usize, ending: Ending) -> HashMap<String, Life> {
+    let mut lives: HashMap<String, Life> = HashMap::new();
+    let stream = watcher(pods, watcher::Config::default());
+    futures::pin_mut!(stream);
+    let finished = |lives: &HashMap<String, Life>| match ending {
+        Ending::Kwok { .. } => lives.values().filter(|l| l.ended.is_some()).count() >= n,
+        Ending::StandIn => lives.len() >= n,
+    };
+    while !finished(&lives) {
+        let Some(event) = stream.try_next().await.unwrap() else {
+            panic!("the pod watch ended with {} of {n} pods seen", lives.len());
+        };
+        let (watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) = event else {
+            continue;
+        };
+        let now = Instant::now();
+        let life = lives
+            .entry(pod.metadata.name.clone().unwrap_or_default())
+            .or_insert(Life {
+                created: now,
+                bound: None,
+                ended: None,
+            });
+        if pod.spec.as_ref().is_some_and(|s| s.node_name.is_some()) {
+            life.bound.get_or_insert(now);
+        }
+        let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+        if matches!(phase, Some("Succeeded" | "Failed")) {
+            life.ended.get_or_insert(now);
+        }
+    }
+    lives
+}
+
+/// The stand-in: every pod of the burst ends (exit 0), 8 status writes at once.
+async fn end_every_pod(pods: &Api<Pod>, n: usize) {
+    real::concurrently(n, |i| {
+        let pods = pods.clone();
+        async move {
+            let now = jiff::Timestamp::now().to_string();
+            let status = json!({"status": {"phase": "Succeeded", "containerStatuses": [{
+                "name": "command", "image": "busybox", "imageID": "", "ready": false,
+                "restartCount": 0,
+                "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                                         "startedAt": now, "finishedAt": now}}}]}});
+            pods.patch_status(
+                &format!("at-{i}-pod"),
+                &PatchParams::default(),
+                &Patch::Merge(&status),
+            )
+            .await
+            .unwrap();
+        }
+    })
+    .await;
+}
+
+/// `scripts/envtest WHAT`'s folder (built once per machine).
+fn built(what: &str) -> PathBuf {
+    let output = Command::new(Path::new(ROOT).join("scripts/envtest"))
+        .arg(what)
+        .current_dir(ROOT)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("scripts/envtest runs");
+    assert!(output.status.success(), "scripts/envtest {what} failed");
+    PathBuf::from(String::from_utf8(output.stdout).unwrap().trim())
+}
+
+fn version_of(binary: &Path) -> String {
+    let output = Command::new(binary).arg("--version").output().unwrap();
+    String::from_utf8_lossy(&output.stdout)
+        .split_whitespace()
+        .find(|w| w.starts_with('v') && w[1..].starts_with(|c: char| c.is_ascii_digit()))
+        .unwrap_or("?")
+        .to_owned()
+}
+
+/// kube-scheduler as a cluster runs it, with its default settings, against the control plane.
+fn scheduler_command(plane: &ControlPlane, binary: &Path) -> Command {
+    let kubeconfig = plane.kubeconfig.display().to_string();
+    let mut command = Command::new(binary);
+    command.args([
+        format!("--kubeconfig={kubeconfig}"),
+        "--leader-elect=false".into(),
+        // Nothing here reads its health or metrics: no port to race for.
+        "--secure-port=0".into(),
+    ]);
+    command
+}
+
+/// KWOK playing the nodes annotated `kwok.x-k8s.io/node=fake`, with benches/support/kwok.yaml.
+fn kwok_command(plane: &ControlPlane, binary: &Path) -> Command {
+    let mut command = Command::new(binary);
+    command.args([
+        format!("--kubeconfig={}", plane.kubeconfig.display()),
+        format!("--config={ROOT}/benches/support/kwok.yaml"),
+        "--manage-all-nodes=false".into(),
+        "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake".into(),
+        "--cidr=10.0.0.0/16".into(),
+        "--node-ip=10.255.0.1".into(),
+    ]);
+    command
+}
+
+/// `count` KWOK nodes, 110 pods each.
+async fn add_nodes(plane: &ControlPlane, admin: &Client, count: usize) {
+    let nodes: Api<Node> = Api::all(admin.clone());
+    for i in 0..count {
+        let node: Node = serde_json::from_value(json!({
+            "metadata": {
+                "name": format!("kwok-{i}"),
+                "annotations": {"kwok.x-k8s.io/node": "fake"},
+                "labels": {"type": "kwok", "kubernetes.io/hostname": format!("kwok-{i}")},
+            },
+            "status": {
+                "allocatable": {"cpu": "32", "memory": "256Gi", "pods": "110"},
+                "capacity": {"cpu": "32", "memory": "256Gi", "pods": "110"},
+            },
+        }))
+        .unwrap();
+        nodes.create(&PostParams::default(), &node).await.unwrap();
+    }
+    // Ready (KWOK's node-ready stage) before any pod needs one.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ready = nodes
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .filter(|node| {
+                node.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+            })
+            .count();
+        if ready == count {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{ready} of {count} KWOK nodes Ready after 60 s; KWOK's log:\n{}",
+            std::fs::read_to_string(plane.dir.join("kwok.log")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The API server taints a new node not-ready (admission: TaintNodesByCondition); the node
+    // lifecycle controller, which lifts it once the node is Ready, has no nodes to watch in
+    // the envtest control plane and is off there: lifted here, as it would.
+    for i in 0..count {
+        nodes
+            .patch(
+                &format!("kwok-{i}"),
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"taints": null}})),
+            )
+            .await
+            .unwrap();
+    }
+}
+
+async fn remove_nodes(admin: &Client) {
+    let nodes: Api<Node> = Api::all(admin.clone());
+    nodes
+        .delete_collection(&Default::default(), &Default::default())
+        .await
+        .unwrap();
+}
