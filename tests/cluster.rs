@@ -1,9 +1,10 @@
-//! cnat on a real one-node cluster (`scripts/cluster up`: etcd, kube-apiserver,
-//! kube-controller-manager, kube-scheduler, a kubelet running containerd and runc, kube-proxy, a
-//! CNI bridge), installed with Helm from `charts/cnat` and the image `scripts/image` builds, with
-//! the commands docs/src/operating/install.md and upgrading.md show. Pods really run: the
-//! output, exit codes and deadlines the Ats record come from containers, webhooks are called
-//! through their Service, and the Deployment's own rollout replaces the replicas.
+//! cnat on a real one-node cluster (`scripts/cluster up`, v1.37, or `scripts/cluster up 1.24`:
+//! etcd, kube-apiserver, kube-controller-manager, kube-scheduler, a kubelet running containerd
+//! and runc, kube-proxy, a CNI bridge), installed with Helm from `charts/cnat` and the image
+//! `scripts/image` builds, with the commands docs/src/operating/install.md and upgrading.md
+//! show. Pods really run: the output, exit codes and deadlines the Ats record come from
+//! containers, webhooks are called through their Service, and the Deployment's own rollout
+//! replaces the replicas.
 //!
 //! The cluster is named by `CNAT_CLUSTER_KUBECONFIG`; it must have the images `cnat:<appVersion>`
 //! and `cnat:<appVersion>-next` (the build under test, twice: the upgrade changes the tag) and

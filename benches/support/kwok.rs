@@ -6,11 +6,11 @@
 //! Ats pending there (default 10,000; due an hour later, cached and waiting meanwhile) and an
 //! operator of its own (`cnat run --namespace`, the release binary):
 //!
-//! 1. **KWOK**: the real kube-scheduler of the control plane's version (`scripts/envtest
-//!    node-1.xx`, its default settings: 50 requests a second, bursts of 100, as users have it)
-//!    binds each pod to one of ⌈n/100⌉ KWOK nodes (`scripts/envtest kwok`, 110 pods a node), and
-//!    KWOK plays the nodes' kubelets (`benches/support/kwok.yaml`): each pod Running once bound,
-//!    ended 1 s later (exit 0, `Succeeded`), 8 pods at once.
+//! 1. **KWOK** (`ControlPlane::kwok_nodes`): the real kube-scheduler of the control plane's
+//!    version (its default settings: 50 requests a second, bursts of 100, as users have it)
+//!    binds each pod to one of ⌈n/100⌉ KWOK nodes (110 pods a node), and KWOK plays the nodes'
+//!    kubelets (`benches/support/kwok.yaml`): each pod Running once bound, then ended (exit
+//!    0, `Succeeded`: a command like `true`), 8 pods at once.
 //! 2. **The stand-in** (what `--real` measures): no scheduler, no node; once every At is
 //!    `Running`, the bench writes every pod's end at once over 8 connections.
 //!
@@ -23,16 +23,15 @@ use crate::real;
 use cnat::api::At;
 use futures::TryStreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{Patch, PatchParams};
 use kube::runtime::watcher;
 use kube::{Api, Client};
 use serde_json::json;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 /// Pods a KWOK node takes (a kubelet's default `maxPods`, 110), and the pods a node is counted
 /// for: some room, as a scheduler spreading pods leaves it.
 const PODS_PER_NODE: usize = 100;
@@ -49,29 +48,19 @@ pub async fn run(sizes: &[usize], pending: Option<usize>) {
     envtest::install_crd(&admin, &cnat::api::crd_yaml()).await;
     // The server rebuilds its OpenAPI and discovery for a new CRD: let that pass before timing.
     tokio::time::sleep(Duration::from_secs(10)).await;
-    let node_binaries = built(&format!("node-1.{}", plane.minor()));
-    let kwok = built("kwok");
     println!(
-        "On a real kube-apiserver {} + kube-controller-manager (envtest), kube-scheduler and KWOK {}, this machine; {pending} more Ats pending beside each burst:",
+        "On a real kube-apiserver {} + kube-controller-manager (envtest), its kube-scheduler and KWOK {}, this machine; {pending} more Ats pending beside each burst:",
         plane.version,
-        version_of(&kwok.join("kwok")),
+        version_of(&envtest::tool_folder("kwok").join("kwok")),
     );
     println!();
     println!("| Ats due at once | pods run by | pod created after due: first / p50 / last | last pod bound after due | last pod ended after due | every At Done after the last pod ended | every At Done after due | operator RSS |");
     println!("|---|---|---|---|---|---|---|---|");
     for &n in sizes {
         let nodes = n.div_ceil(PODS_PER_NODE);
-        let mut scheduler = plane.companion(
-            "kube-scheduler",
-            scheduler_command(plane, &node_binaries.join("kube-scheduler")),
-        );
-        let mut kwok_process = plane.companion("kwok", kwok_command(plane, &kwok.join("kwok")));
-        add_nodes(plane, &admin, nodes).await;
+        let kwok = plane.kwok_nodes(&admin, nodes, None).await;
         burst(plane, &admin, n, pending, Ending::Kwok { nodes }).await;
-        for process in [&mut scheduler, &mut kwok_process] {
-            let _ = process.kill();
-            let _ = process.wait();
-        }
+        drop(kwok);
         remove_nodes(&admin).await;
         burst(plane, &admin, n, pending, Ending::StandIn).await;
     }
@@ -244,18 +233,6 @@ async fn end_every_pod(pods: &Api<Pod>, n: usize) {
     .await;
 }
 
-/// `scripts/envtest WHAT`'s folder (built once per machine).
-fn built(what: &str) -> PathBuf {
-    let output = Command::new(Path::new(ROOT).join("scripts/envtest"))
-        .arg(what)
-        .current_dir(ROOT)
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .expect("scripts/envtest runs");
-    assert!(output.status.success(), "scripts/envtest {what} failed");
-    PathBuf::from(String::from_utf8(output.stdout).unwrap().trim())
-}
-
 fn version_of(binary: &Path) -> String {
     let output = Command::new(binary).arg("--version").output().unwrap();
     String::from_utf8_lossy(&output.stdout)
@@ -263,92 +240,6 @@ fn version_of(binary: &Path) -> String {
         .find(|w| w.starts_with('v') && w[1..].starts_with(|c: char| c.is_ascii_digit()))
         .unwrap_or("?")
         .to_owned()
-}
-
-/// kube-scheduler as a cluster runs it, with its default settings, against the control plane.
-fn scheduler_command(plane: &ControlPlane, binary: &Path) -> Command {
-    let kubeconfig = plane.kubeconfig.display().to_string();
-    let mut command = Command::new(binary);
-    command.args([
-        format!("--kubeconfig={kubeconfig}"),
-        "--leader-elect=false".into(),
-        // Nothing here reads its health or metrics: no port to race for.
-        "--secure-port=0".into(),
-    ]);
-    command
-}
-
-/// KWOK playing the nodes annotated `kwok.x-k8s.io/node=fake`, with benches/support/kwok.yaml.
-fn kwok_command(plane: &ControlPlane, binary: &Path) -> Command {
-    let mut command = Command::new(binary);
-    command.args([
-        format!("--kubeconfig={}", plane.kubeconfig.display()),
-        format!("--config={ROOT}/benches/support/kwok.yaml"),
-        "--manage-all-nodes=false".into(),
-        "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake".into(),
-        "--cidr=10.0.0.0/16".into(),
-        "--node-ip=10.255.0.1".into(),
-    ]);
-    command
-}
-
-/// `count` KWOK nodes, 110 pods each.
-async fn add_nodes(plane: &ControlPlane, admin: &Client, count: usize) {
-    let nodes: Api<Node> = Api::all(admin.clone());
-    for i in 0..count {
-        let node: Node = serde_json::from_value(json!({
-            "metadata": {
-                "name": format!("kwok-{i}"),
-                "annotations": {"kwok.x-k8s.io/node": "fake"},
-                "labels": {"type": "kwok", "kubernetes.io/hostname": format!("kwok-{i}")},
-            },
-            "status": {
-                "allocatable": {"cpu": "32", "memory": "256Gi", "pods": "110"},
-                "capacity": {"cpu": "32", "memory": "256Gi", "pods": "110"},
-            },
-        }))
-        .unwrap();
-        nodes.create(&PostParams::default(), &node).await.unwrap();
-    }
-    // Ready (KWOK's node-ready stage) before any pod needs one.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let ready = nodes
-            .list(&Default::default())
-            .await
-            .unwrap()
-            .items
-            .iter()
-            .filter(|node| {
-                node.status
-                    .as_ref()
-                    .and_then(|s| s.conditions.as_ref())
-                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-            })
-            .count();
-        if ready == count {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{ready} of {count} KWOK nodes Ready after 60 s; KWOK's log:\n{}",
-            std::fs::read_to_string(plane.dir.join("kwok.log")).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    // The API server taints a new node not-ready (admission: TaintNodesByCondition); the node
-    // lifecycle controller, which lifts it once the node is Ready, has no nodes to watch in
-    // the envtest control plane and is off there: lifted here, as it would.
-    for i in 0..count {
-        nodes
-            .patch(
-                &format!("kwok-{i}"),
-                &PatchParams::default(),
-                &Patch::Merge(json!({"spec": {"taints": null}})),
-            )
-            .await
-            .unwrap();
-    }
 }
 
 async fn remove_nodes(admin: &Client) {

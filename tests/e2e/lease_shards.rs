@@ -4,7 +4,7 @@
 //! pod is created exactly once through it all; a pod started before Lease shards (no shard
 //! label) gets its At's label from shard 0's leader.
 
-use crate::never_twice::{metric, Creations, Kubelet};
+use crate::never_twice::{metric, Creations, SCHEDULER_QPS};
 use crate::support::envtest::{install_crd, lease_holder, ControlPlane, Replica};
 use crate::support::until_some as until;
 use cnat::api::{At, Phase};
@@ -170,7 +170,8 @@ async fn shards_spread_over_the_replicas_and_each_at_runs_once_as_they_come_and_
         done.await.is_some(),
         "the old At was not DONE within 20 s of its pod's end"
     );
-    let _kubelet = Kubelet::start(&admin, &ns);
+    // Nodes for the pods (KWOK's): each pod runs and ends (exit 0).
+    let _nodes = plane.kwok_nodes(&admin, 4, Some(SCHEDULER_QPS)).await;
 
     // 300 Ats fall due over 9 s; a third replica joins as their pods are being created, and
     // shards move to it one at a time, in the middle of the burst.
@@ -333,7 +334,8 @@ async fn a_change_of_layout_hands_over_without_two_layouts_leading() {
     let ns = plane.namespace("layouts", &[]).await;
     let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
     let creations = Creations::watch(&admin, &ns).await;
-    let _kubelet = Kubelet::start(&admin, &ns);
+    // Nodes for the pods (KWOK's): each pod runs and ends (exit 0).
+    let _nodes = plane.kwok_nodes(&admin, 4, Some(SCHEDULER_QPS)).await;
     let start = |id: &str, shards: usize| {
         let flags = [
             format!("--namespace={ns}"),

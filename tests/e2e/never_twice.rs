@@ -3,9 +3,7 @@
 //! the replica leads after the old leader ran the Ats, and creates no pod again; and a handover
 //! in the middle of a burst creates each At's pod exactly once.
 
-use crate::support::envtest::{
-    end_pod, finish_pod, install_crd, lease_holder, ControlPlane, Replica,
-};
+use crate::support::envtest::{finish_pod, install_crd, lease_holder, ControlPlane, Replica};
 use crate::support::process::{get, probe};
 use crate::support::proxy::Proxy;
 use crate::support::until_some as until;
@@ -13,7 +11,7 @@ use cnat::api::{At, Phase};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, PostParams};
-use kube::runtime::{watcher, WatchStreamExt};
+use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -335,9 +333,13 @@ async fn a_new_leader_that_is_listing_creates_nothing_until_its_cache_caught_up(
     );
 }
 
+/// The requests a second the scheduler of the tests' KWOK nodes may send: enough not to be what
+/// the tests wait for (its default, 50, binds 500 pods in 10 s).
+pub(crate) const SCHEDULER_QPS: u32 = 1000;
+
 /// A leader stopped (as by a rolling update) while 500 Ats fall due at once, each deleted by
-/// its `ttlSecondsAfterFinished: 0` as soon as its pod ended (the test plays the kubelet and
-/// ends every pod as soon as it is created; the garbage collector deletes the pods): the old
+/// its `ttlSecondsAfterFinished: 0` as soon as its pod ended (the real kube-scheduler binds the
+/// pods to KWOK nodes, which run each and end it; the garbage collector deletes the pods): the old
 /// leader and the new one together create each At's pod exactly once.
 #[tokio::test]
 async fn a_handover_in_the_middle_of_a_burst_creates_each_pod_once() {
@@ -356,7 +358,8 @@ async fn a_handover_in_the_middle_of_a_burst_creates_each_pod_once() {
             }
         })
         .await;
-    let kubelet = Kubelet::start(&scene.admin, &scene.ns);
+    // Nodes for the 500 pods (KWOK's, 110 pods each): each pod runs and ends (exit 0).
+    let kubelet = plane.kwok_nodes(&scene.admin, 6, Some(SCHEDULER_QPS)).await;
     let creations = &scene.creations;
     let started = until(Duration::from_secs(30), async || {
         (creations.pods() >= 1).then_some(())
@@ -386,33 +389,4 @@ async fn a_handover_in_the_middle_of_a_burst_creates_each_pod_once() {
     assert_eq!(creations.pods(), ATS);
     // Not vacuous: the new leader took over in the middle.
     assert!(at_handover < ATS, "the handover came after the burst");
-}
-
-/// Plays the kubelet in a namespace until dropped: every pod ends (exit 0) as soon as it is
-/// created.
-pub(crate) struct Kubelet;
-
-impl Kubelet {
-    pub(crate) fn start(client: &Client, ns: &str) -> tokio_util::task::AbortOnDropHandle<()> {
-        let (client, ns) = (client.clone(), ns.to_owned());
-        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-        let task = tokio::spawn(async move {
-            let created = watcher(pods, watcher::Config::default())
-                .applied_objects()
-                .filter_map(|pod| async move { pod.ok() })
-                .filter(|pod| {
-                    let ended = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-                    let fresh = ended.is_none_or(|phase| phase == "Pending");
-                    std::future::ready(fresh && pod.metadata.deletion_timestamp.is_none())
-                });
-            created
-                .for_each_concurrent(8, |pod| {
-                    let (client, ns) = (client.clone(), ns.clone());
-                    // A pod gone meanwhile (its At deleted) needs no end.
-                    async move { drop(end_pod(&client, &ns, &pod.name_any(), 0, "").await) }
-                })
-                .await;
-        });
-        tokio_util::task::AbortOnDropHandle::new(task)
-    }
 }

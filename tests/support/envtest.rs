@@ -283,6 +283,47 @@ impl ControlPlane {
         child
     }
 
+    /// Nodes for this control plane's pods: the real kube-scheduler of its version (`scripts/envtest
+    /// node-1.xx`, with its default settings) binds them to `count` KWOK nodes (`kwok-0`..),
+    /// and KWOK (`scripts/envtest kwok`) plays their kubelets as `benches/support/kwok.yaml`
+    /// says: a node Ready at once, a bound pod Running at once and then ended (exit code from
+    /// the annotation `kwok.cnat.dev/exit-code`, else a trailing `exit N` in its command, else 0). Both run until the returned value is dropped; the nodes stay (creating those
+    /// already there is not an error). `qps`: the scheduler's requests a second to the API
+    /// server (bursts of twice that), where not its default (50, bursts of 100).
+    pub async fn kwok_nodes(&self, admin: &Client, count: usize, qps: Option<u32>) -> KwokNodes {
+        let scheduler = tool_folder(&format!("node-1.{}", self.minor())).join("kube-scheduler");
+        let mut command = Command::new(scheduler);
+        command.args([
+            format!("--kubeconfig={}", self.kubeconfig.display()),
+            "--leader-elect=false".into(),
+            // Nothing reads its health or metrics: no port to race for.
+            "--secure-port=0".into(),
+        ]);
+        if let Some(qps) = qps {
+            command.arg(format!("--kube-api-qps={qps}"));
+            command.arg(format!("--kube-api-burst={}", 2 * qps));
+        }
+        let scheduler = self.companion("kube-scheduler", command);
+        let mut command = Command::new(tool_folder("kwok").join("kwok"));
+        command.args([
+            format!("--kubeconfig={}", self.kubeconfig.display()),
+            format!(
+                "--config={}/benches/support/kwok.yaml",
+                env!("CARGO_MANIFEST_DIR")
+            ),
+            "--manage-all-nodes=false".into(),
+            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake".into(),
+            "--cidr=10.0.0.0/16".into(),
+            "--node-ip=10.255.0.1".into(),
+        ]);
+        let kwok = self.companion("kwok", command);
+        let nodes = KwokNodes {
+            children: vec![scheduler, kwok],
+        };
+        add_kwok_nodes(self, admin, count).await;
+        nodes
+    }
+
     /// `kubectl` against this control plane, as admin.
     pub fn kubectl(&self) -> Command {
         let assets = assets().expect("assets");
@@ -297,6 +338,97 @@ impl ControlPlane {
         // ~/.kube/cache, where each control plane's port would leave a folder behind.
         command.env("KUBECACHEDIR", self.dir.join("kube-cache"));
         command
+    }
+}
+
+/// A kube-scheduler and KWOK beside a control plane (`ControlPlane::kwok_nodes`), stopped when
+/// dropped.
+pub struct KwokNodes {
+    children: Vec<Child>,
+}
+
+impl Drop for KwokNodes {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+            stopped(child.id());
+        }
+    }
+}
+
+/// `scripts/envtest WHAT`'s folder (built once per machine; a first build takes minutes).
+pub fn tool_folder(what: &str) -> PathBuf {
+    let output = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/envtest"))
+        .arg(what)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("scripts/envtest runs");
+    assert!(output.status.success(), "scripts/envtest {what} failed");
+    PathBuf::from(String::from_utf8_lossy(&output.stdout).trim())
+}
+
+/// `count` KWOK nodes of 110 pods, Ready and schedulable.
+async fn add_kwok_nodes(plane: &ControlPlane, admin: &Client, count: usize) {
+    use k8s_openapi::api::core::v1::Node;
+    use kube::api::{Patch, PatchParams};
+    let nodes: Api<Node> = Api::all(admin.clone());
+    for i in 0..count {
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": format!("kwok-{i}"),
+                "annotations": {"kwok.x-k8s.io/node": "fake"},
+                "labels": {"type": "kwok", "kubernetes.io/hostname": format!("kwok-{i}")},
+            },
+            "status": {
+                "allocatable": {"cpu": "32", "memory": "256Gi", "pods": "110"},
+                "capacity": {"cpu": "32", "memory": "256Gi", "pods": "110"},
+            },
+        }))
+        .expect("a Node");
+        match nodes.create(&PostParams::default(), &node).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => panic!("creating node kwok-{i}: {e}"),
+        }
+    }
+    // Ready (KWOK's node-ready stage) before any pod needs one.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let listed = nodes.list(&Default::default()).await.expect("nodes listed");
+        let ready = listed
+            .items
+            .iter()
+            .filter(|node| {
+                node.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+            })
+            .count();
+        if ready >= count {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{ready} of {count} KWOK nodes Ready after 60 s; KWOK's log:\n{}",
+            std::fs::read_to_string(plane.dir.join("kwok.log")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The API server taints a new node not-ready (admission: TaintNodesByCondition); the node
+    // lifecycle controller, which lifts it once the node is Ready, is off in these control
+    // planes (they have no real node): lifted here, as it would.
+    for i in 0..count {
+        nodes
+            .patch(
+                &format!("kwok-{i}"),
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({"spec": {"taints": null}})),
+            )
+            .await
+            .expect("the node's taint lifted");
     }
 }
 
