@@ -1,7 +1,7 @@
 //! End-to-end against a real kube-apiserver: by default the private control plane of
 //! `support::envtest` (kube-apiserver, etcd and kube-controller-manager from
 //! `KUBEBUILDER_ASSETS`: v1.24, and v1.37 in a second run; no kubelet, so each test writes its
-//! pods' ends), or a disposable real
+//! pods' ends or runs them on KWOK nodes, `ControlPlane::kwok_nodes`), or a disposable real
 //! cluster named by `CNAT_E2E_KUBECONFIG` (kind, k3d, ...), where pods really run. Without
 //! either, every test here is skipped with one line saying how to enable it (fails instead, with
 //! `CNAT_REQUIRE_REAL_SERVER=1`, as `scripts/test` runs them).
@@ -26,6 +26,8 @@ mod chart;
 mod demo;
 #[path = "e2e/hostile.rs"]
 mod hostile;
+#[path = "e2e/kwok.rs"]
+mod kwok;
 #[path = "e2e/lease_shards.rs"]
 mod lease_shards;
 #[path = "e2e/lifecycle.rs"]

@@ -9,7 +9,7 @@
 //! 1. **KWOK** (`ControlPlane::kwok_nodes`): the real kube-scheduler of the control plane's
 //!    version (its default settings: 50 requests a second, bursts of 100, as users have it)
 //!    binds each pod to one of ⌈n/100⌉ KWOK nodes (110 pods a node), and KWOK plays the nodes'
-//!    kubelets (`benches/support/kwok.yaml`): each pod Running once bound, then ended (exit
+//!    kubelets (`tests/support/kwok.yaml`): each pod Running once bound, then ended (exit
 //!    0, `Succeeded`: a command like `true`), 8 pods at once.
 //! 2. **The stand-in** (what `--real` measures): no scheduler, no node; once every At is
 //!    `Running`, the bench writes every pod's end at once over 8 connections.
@@ -23,10 +23,8 @@ use crate::real;
 use cnat::api::At;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Patch, PatchParams};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client};
-use serde_json::json;
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
@@ -98,7 +96,12 @@ async fn burst(plane: &ControlPlane, admin: &Client, n: usize, pending: usize, e
     real::create_ats(&ats, pending, "later", later).await;
     assert!(
         phases
-            .until("later-", "Pending", pending, Instant::now() + Duration::from_secs(300))
+            .until(
+                "later-",
+                "Pending",
+                pending,
+                Instant::now() + Duration::from_secs(300)
+            )
             .await,
         "the pending Ats' PENDING writes did not settle within 5 minutes"
     );
@@ -121,7 +124,7 @@ async fn burst(plane: &ControlPlane, admin: &Client, n: usize, pending: usize, e
                 phases.until("at-", "Running", n, whenever).await,
                 "the burst's Ats not all Running within 5 minutes"
             );
-            end_every_pod(&pods, n).await;
+            real::end_every_pod(&pods, n).await;
             Some(Instant::now())
         }
     };
@@ -194,7 +197,9 @@ impl Phases {
                     continue;
                 }
                 let name = at.metadata.name.unwrap_or_default();
-                into.lock().unwrap().insert(name, status.phase.as_str().to_owned());
+                into.lock()
+                    .unwrap()
+                    .insert(name, status.phase.as_str().to_owned());
             }
         });
         Phases {
@@ -267,29 +272,6 @@ async fn watch_lives(pods: Api<Pod>, n: usize, ending: Ending) -> HashMap<String
     lives
 }
 
-/// The stand-in: every pod of the burst ends (exit 0), 8 status writes at once.
-async fn end_every_pod(pods: &Api<Pod>, n: usize) {
-    real::concurrently(n, |i| {
-        let pods = pods.clone();
-        async move {
-            let now = jiff::Timestamp::now().to_string();
-            let status = json!({"status": {"phase": "Succeeded", "containerStatuses": [{
-                "name": "command", "image": "busybox", "imageID": "", "ready": false,
-                "restartCount": 0,
-                "state": {"terminated": {"exitCode": 0, "reason": "Completed",
-                                         "startedAt": now, "finishedAt": now}}}]}});
-            pods.patch_status(
-                &format!("at-{i}-pod"),
-                &PatchParams::default(),
-                &Patch::Merge(&status),
-            )
-            .await
-            .unwrap();
-        }
-    })
-    .await;
-}
-
 fn version_of(binary: &Path) -> String {
     let output = Command::new(binary).arg("--version").output().unwrap();
     String::from_utf8_lossy(&output.stdout)
@@ -301,8 +283,9 @@ fn version_of(binary: &Path) -> String {
 
 async fn remove_nodes(admin: &Client) {
     let nodes: Api<Node> = Api::all(admin.clone());
+    let kwok = kube::api::ListParams::default().labels("type=kwok");
     nodes
-        .delete_collection(&Default::default(), &Default::default())
+        .delete_collection(&Default::default(), &kwok)
         .await
         .unwrap();
 }

@@ -130,7 +130,7 @@ fn cores(cpu: f64, processes: usize, wall: Duration) -> String {
 }
 
 /// Runs `each(i)` for `0..n`, `CONNECTIONS` at once; returns how long it took.
-pub async fn concurrently<F, Fut>(n: usize, each: F) -> Duration
+async fn concurrently<F, Fut>(n: usize, each: F) -> Duration
 where
     F: Fn(usize) -> Fut,
     Fut: std::future::Future<Output = ()>,
@@ -322,27 +322,8 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     let told = tokio::spawn(watch_succeeded_events(events, n));
     let read_v1 = tokio::spawn(list_until_done(admin.clone(), ns.clone(), "v1", n));
     let read_v1alpha1 = tokio::spawn(list_until_done(admin.clone(), ns.clone(), "v1alpha1", n));
-    let ended = concurrently(n, |i| {
-        let pods = pods.clone();
-        async move {
-            let now = jiff::Timestamp::now().to_string();
-            let status = json!({"status": {"phase": "Succeeded", "containerStatuses": [{
-                "name": "command", "image": "busybox", "imageID": "", "ready": false,
-                "restartCount": 0,
-                "state": {"terminated": {"exitCode": 0, "reason": "Completed",
-                                         "startedAt": now, "finishedAt": now}}}]}});
-            pods.patch_status(
-                &format!("at-{i}-pod"),
-                &PatchParams::default(),
-                &Patch::Merge(&status),
-            )
-            .await
-            .unwrap();
-        }
-    })
-    .await;
+    end_every_pod(&pods, n).await;
     let last_ended = Instant::now();
-    let _ = ended;
     let done = tokio::time::timeout(Duration::from_secs(120), done_seen)
         .await
         .expect("every At DONE within two minutes")
@@ -426,6 +407,30 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
         rss_idle as f64 / 1024.0
     );
     operator.kill();
+}
+
+/// The kubelet stand-in: every pod `at-{i}-pod` ends (exit 0), `CONNECTIONS` status writes at
+/// once.
+pub async fn end_every_pod(pods: &Api<Pod>, n: usize) {
+    concurrently(n, |i| {
+        let pods = pods.clone();
+        async move {
+            let now = jiff::Timestamp::now().to_string();
+            let status = json!({"status": {"phase": "Succeeded", "containerStatuses": [{
+                "name": "command", "image": "busybox", "imageID": "", "ready": false,
+                "restartCount": 0,
+                "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                                         "startedAt": now, "finishedAt": now}}}]}});
+            pods.patch_status(
+                &format!("at-{i}-pod"),
+                &PatchParams::default(),
+                &Patch::Merge(&status),
+            )
+            .await
+            .unwrap();
+        }
+    })
+    .await;
 }
 
 /// How `requests_answered` names the server's count of conversions by a webhook.
@@ -798,7 +803,7 @@ async fn watch_succeeded_events(
     Instant::now()
 }
 
-pub async fn wait_phases(ats: &Api<At>, n: usize, phase: &str) {
+async fn wait_phases(ats: &Api<At>, n: usize, phase: &str) {
     let deadline = Instant::now() + Duration::from_secs(120);
     assert!(
         wait_phases_until(ats, n, phase, deadline).await,
@@ -809,7 +814,7 @@ pub async fn wait_phases(ats: &Api<At>, n: usize, phase: &str) {
 /// Whether all `n` Ats of `ats` said `phase` before `deadline`, in a status a leader wrote: a
 /// `Pending` one has its `scheduledTime` (every At shows the schema default, `Pending`, from its
 /// creation on).
-pub async fn wait_phases_until(ats: &Api<At>, n: usize, phase: &str, deadline: Instant) -> bool {
+async fn wait_phases_until(ats: &Api<At>, n: usize, phase: &str, deadline: Instant) -> bool {
     loop {
         let list = ats.list(&Default::default()).await.unwrap();
         let count = list

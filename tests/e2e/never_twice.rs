@@ -348,6 +348,8 @@ async fn a_handover_in_the_middle_of_a_burst_creates_each_pod_once() {
     assert!(plane.has_controller_manager(), "the garbage collector runs");
     let mut scene = Scene::start(plane, "burst-handover", false).await;
     let ats = scene.ats();
+    // Nodes for the 500 pods (KWOK's, 110 pods each): each pod runs and ends (exit 0).
+    let nodes = plane.kwok_nodes(&scene.admin, 6, Some(SCHEDULER_QPS)).await;
     let due = chrono::Utc::now() + chrono::Duration::seconds(10);
     futures::stream::iter(0..ATS)
         .for_each_concurrent(8, |i| {
@@ -358,8 +360,6 @@ async fn a_handover_in_the_middle_of_a_burst_creates_each_pod_once() {
             }
         })
         .await;
-    // Nodes for the 500 pods (KWOK's, 110 pods each): each pod runs and ends (exit 0).
-    let kubelet = plane.kwok_nodes(&scene.admin, 6, Some(SCHEDULER_QPS)).await;
     let creations = &scene.creations;
     let started = until(Duration::from_secs(30), async || {
         (creations.pods() >= 1).then_some(())
@@ -383,7 +383,7 @@ async fn a_handover_in_the_middle_of_a_burst_creates_each_pod_once() {
         (left == 0 && pods == 0).then_some(())
     });
     assert!(gone.await.is_some(), "not every At and pod went");
-    drop(kubelet);
+    drop(nodes);
     let creations = &scene.creations;
     assert_eq!(creations.twice(), vec![], "pods created twice");
     assert_eq!(creations.pods(), ATS);

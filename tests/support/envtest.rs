@@ -285,13 +285,19 @@ impl ControlPlane {
 
     /// Nodes for this control plane's pods: the real kube-scheduler of its version (`scripts/envtest
     /// node-1.xx`, with its default settings) binds them to `count` KWOK nodes (`kwok-0`..),
-    /// and KWOK (`scripts/envtest kwok`) plays their kubelets as `benches/support/kwok.yaml`
+    /// and KWOK (`scripts/envtest kwok`) plays their kubelets as `tests/support/kwok.yaml`
     /// says: a node Ready at once, a bound pod Running at once and then ended (exit code from
     /// the annotation `kwok.cnat.dev/exit-code`, else a trailing `exit N` in its command, else 0). Both run until the returned value is dropped; the nodes stay (creating those
     /// already there is not an error). `qps`: the scheduler's requests a second to the API
     /// server (bursts of twice that), where not its default (50, bursts of 100).
     pub async fn kwok_nodes(&self, admin: &Client, count: usize, qps: Option<u32>) -> KwokNodes {
-        let scheduler = tool_folder(&format!("node-1.{}", self.minor())).join("kube-scheduler");
+        // The folders, from a thread that may wait (a first build takes minutes).
+        let node = format!("node-1.{}", self.minor());
+        let (node, kwok) =
+            tokio::task::spawn_blocking(move || (tool_folder(&node), tool_folder("kwok")))
+                .await
+                .expect("the tools' folders");
+        let scheduler = node.join("kube-scheduler");
         let mut command = Command::new(scheduler);
         command.args([
             format!("--kubeconfig={}", self.kubeconfig.display()),
@@ -304,11 +310,11 @@ impl ControlPlane {
             command.arg(format!("--kube-api-burst={}", 2 * qps));
         }
         let scheduler = self.companion("kube-scheduler", command);
-        let mut command = Command::new(tool_folder("kwok").join("kwok"));
+        let mut command = Command::new(kwok.join("kwok"));
         command.args([
             format!("--kubeconfig={}", self.kubeconfig.display()),
             format!(
-                "--config={}/benches/support/kwok.yaml",
+                "--config={}/tests/support/kwok.yaml",
                 env!("CARGO_MANIFEST_DIR")
             ),
             "--manage-all-nodes=false".into(),
@@ -395,11 +401,17 @@ async fn add_kwok_nodes(plane: &ControlPlane, admin: &Client, count: usize) {
     }
     // Ready (KWOK's node-ready stage) before any pod needs one.
     let deadline = Instant::now() + Duration::from_secs(60);
+    let ours = |name: &str| {
+        name.strip_prefix("kwok-")
+            .and_then(|i| i.parse::<usize>().ok())
+            .is_some_and(|i| i < count)
+    };
     loop {
         let listed = nodes.list(&Default::default()).await.expect("nodes listed");
         let ready = listed
             .items
             .iter()
+            .filter(|node| node.metadata.name.as_deref().is_some_and(ours))
             .filter(|node| {
                 node.status
                     .as_ref()
@@ -1205,7 +1217,6 @@ pub async fn register_webhooks(
         .unwrap();
 }
 
-/// The holder of Lease `namespace/name`, if any.
 /// The pods `pods` lists that still carry cnat's finalizer, as `namespace/name`.
 pub async fn pods_held(pods: &Api<k8s_openapi::api::core::v1::Pod>) -> Vec<String> {
     pods.list(&Default::default())
@@ -1221,6 +1232,7 @@ pub async fn pods_held(pods: &Api<k8s_openapi::api::core::v1::Pod>) -> Vec<Strin
         .collect()
 }
 
+/// The holder of Lease `namespace/name`, if any.
 pub async fn lease_holder(client: &Client, namespace: &str, name: &str) -> Option<String> {
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(client.clone(), namespace);
