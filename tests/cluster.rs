@@ -491,12 +491,17 @@ fn kubectl_at_wait_returns_the_exit_code(cluster: &Cluster) {
     assert!(String::from_utf8_lossy(&output.stdout).contains("waited"));
 }
 
-/// An At running `sleep 600` with `activeDeadlineSeconds: 3`, started here and checked by
-/// `active_deadline_stopped_the_sleep` after the steps between (its pod takes the deadline and
-/// the kubelet's grace period to stop: about 35 s, which those steps use).
+/// An At running a 600 s sleep with `activeDeadlineSeconds: 3`, started here and checked by
+/// `active_deadline_stopped_the_sleep` after the steps between. The command ends on SIGTERM as a
+/// well-behaved one does (a shell as PID 1 ignores it otherwise, and the pod would take the
+/// kubelet's 30 s grace period to stop).
 async fn start_a_sleep_with_a_deadline(cluster: &Cluster) {
     let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
-    let mut sleeper = at("sleeper", chrono::Utc::now(), "sleep 600");
+    let mut sleeper = at(
+        "sleeper",
+        chrono::Utc::now(),
+        "trap 'exit 143' TERM; sleep 600 & wait",
+    );
     sleeper.spec.active_deadline_seconds = Some(3);
     ats.create(&PostParams::default(), &sleeper).await.unwrap();
 }

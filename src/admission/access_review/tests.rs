@@ -702,9 +702,10 @@ async fn the_cache_is_bounded_in_bytes_and_never_drops_an_answer_used_twice_to_m
     let reviewer = Arc::new(AccessReviewer::new(client, Settings::default(), metrics()));
     let alice = alice();
     assert_eq!(reviewer.check(&alice, "fx").await, Ok(()));
-    // 60 KiB identities, 20 new ones a second for a minute: 1200 x 120 KiB would be 140 MiB.
-    // Alice applies every 10 s, without waiting for a review.
-    for second in 0..60 {
+    // 60 KiB identities, 20 new ones a second for 25 s (two and a half cache TTLs): 500 x 120
+    // KiB would be 59 MiB, the bound is 16. Alice applies every 10 s, without waiting for a
+    // review.
+    for second in 0..25 {
         let checks: Vec<_> = (0..20)
             .map(|i| {
                 let (reviewer, big) = (
