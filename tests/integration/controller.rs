@@ -1,7 +1,7 @@
 //! The real controller (watches, owned-pod mapping, a wake-up at the due time) against a stateful
 //! fake API server: Ats go PENDING -> RUNNING -> DONE, and no command ever runs twice.
 
-mod support;
+use crate::support;
 
 use chrono::{Duration as Span, Utc};
 use cnat::api::{At, AtStatus, Outcome, Phase};

@@ -2,7 +2,7 @@
 //! HTTP with their attributes, the resource and the caller's trace; JSON log lines carry the
 //! same trace ids; `/metrics` counts what happened; an unreachable collector slows nothing down.
 
-mod support;
+use crate::support;
 
 use serde_json::{json, Value};
 use std::io::BufRead;

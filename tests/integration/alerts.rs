@@ -4,7 +4,7 @@
 //! `tests/alerts/cnat.test.yaml` (series in, alerts out); a real scrape of the binary passes
 //! `promtool check metrics`.
 
-mod support;
+use crate::support;
 
 use serde_json::Value;
 use std::io::Write;

@@ -5,7 +5,7 @@
 //! measured exactly: API latency is injected, every replica's wall clock is skewed by up to
 //! +/- 5 s (the election must not care), and no assertion depends on machine speed.
 
-mod support;
+use crate::support;
 
 use chrono::Utc;
 use cnat::leader::{self, Leadership, Timing, WallClock};

@@ -5,7 +5,7 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     CustomResourceDefinition, JSONSchemaProps,
 };
 
-const COMMITTED: &str = include_str!("../crds/at.yaml");
+const COMMITTED: &str = include_str!("../../crds/at.yaml");
 
 fn crd() -> CustomResourceDefinition {
     serde_saphyr::from_str(COMMITTED.split_once("---\n").unwrap().1).unwrap()

@@ -2,7 +2,7 @@
 //! Lease, reconciles, and on SIGTERM stops reconciling, releases the Lease, turns unready, keeps
 //! serving for the shutdown delay, and exits 0. Bad flags fail fast with a clear message.
 
-mod support;
+use crate::support;
 
 use serde_json::json;
 use std::net::{TcpListener, TcpStream};

@@ -2,7 +2,7 @@
 //! dry run), `-l`, `-r`, `-c`, `--wait` with the command's exit code, kubeconfig flags, and
 //! refusals made before anything is sent.
 
-mod support;
+use crate::support;
 
 use cnat::api::At;
 use kube::api::{Api, Patch, PatchParams};

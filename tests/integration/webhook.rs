@@ -2,7 +2,7 @@
 //! client trusting only that CA, and the AdmissionReview requests kube-apiserver v1.24 sent
 //! (tests/fixtures/admission-review-k8s-1.24).
 
-mod support;
+use crate::support;
 
 use axum_server::tls_rustls::RustlsConfig;
 use base64::Engine;
