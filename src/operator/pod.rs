@@ -163,7 +163,18 @@ pub fn trim(pod: &mut Pod) {
     pod.metadata.annotations = None;
     pod.spec = None;
     if let Some(status) = pod.status.as_mut() {
-        status.conditions = None;
+        // Only the scheduler's refusal (`waiting_of` reads it).
+        if let Some(conditions) = status.conditions.as_mut() {
+            conditions.retain(|c| c.type_ == "PodScheduled" && c.status == "False");
+            for condition in conditions.iter_mut() {
+                condition.last_probe_time = None;
+                condition.last_transition_time = None;
+                condition.observed_generation = None;
+            }
+        }
+        if status.conditions.as_ref().is_some_and(Vec::is_empty) {
+            status.conditions = None;
+        }
         status.init_container_statuses = None;
         status.ephemeral_container_statuses = None;
         status.host_ips = None;
@@ -205,6 +216,63 @@ pub struct PodView {
     pub deleting: bool,
     /// Carries cnat's `FINALIZER`.
     pub held: bool,
+    /// Why it has not started the command, when it is stuck (not merely on its way).
+    pub waiting: Option<Waiting>,
+}
+
+/// A pod that has not ended and cannot start its command as things stand: what a user must
+/// fix (or wait out), from the scheduler's or the kubelet's own words.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Waiting {
+    /// What kind of trouble: the same through the kubelet's and the scheduler's retries (which
+    /// reword the message, and alternate `ErrImagePull` with `ImagePullBackOff`).
+    pub stuck: Stuck,
+    /// `Reason: message` as the pod says it, shortened.
+    pub detail: String,
+}
+
+/// The kinds of trouble that keep a pod from starting its command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Stuck {
+    /// No node takes it (`PodScheduled=False`, reason `Unschedulable`).
+    Unschedulable,
+    /// Its image cannot be pulled (`ErrImagePull`, `ImagePullBackOff`).
+    ImagePullBackOff,
+    /// Its image is not on the node and `imagePullPolicy: Never` forbids pulling it.
+    ErrImageNeverPull,
+    /// Its image's name is not a valid reference.
+    InvalidImageName,
+    /// Its container cannot be configured (a missing Secret or ConfigMap in `env`).
+    CreateContainerConfigError,
+    /// Its container cannot be created.
+    CreateContainerError,
+}
+
+impl Stuck {
+    /// The At's reason (and event reason) for it.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Stuck::Unschedulable => "Unschedulable",
+            Stuck::ImagePullBackOff => "ImagePullBackOff",
+            Stuck::ErrImageNeverPull => "ErrImageNeverPull",
+            Stuck::InvalidImageName => "InvalidImageName",
+            Stuck::CreateContainerConfigError => "CreateContainerConfigError",
+            Stuck::CreateContainerError => "CreateContainerError",
+        }
+    }
+
+    /// The kind a container's waiting reason names, if it is stuck: `ContainerCreating` and
+    /// `PodInitializing` are on their way.
+    fn of_container(reason: &str) -> Option<Stuck> {
+        Some(match reason {
+            "ErrImagePull" | "ImagePullBackOff" => Stuck::ImagePullBackOff,
+            "ErrImageNeverPull" => Stuck::ErrImageNeverPull,
+            "InvalidImageName" => Stuck::InvalidImageName,
+            "CreateContainerConfigError" => Stuck::CreateContainerConfigError,
+            "CreateContainerError" => Stuck::CreateContainerError,
+            _ => return None,
+        })
+    }
 }
 
 /// How a pod ended.
@@ -228,7 +296,43 @@ pub fn view(pod: &Pod) -> PodView {
         end: end_of(pod),
         deleting: pod.metadata.deletion_timestamp.is_some(),
         held: is_held(pod),
+        waiting: waiting_of(pod),
     }
+}
+
+/// Why `pod`, which has not ended, cannot start its command, if it is stuck: its container's
+/// waiting reason, else the scheduler's `PodScheduled=False` condition.
+pub fn waiting_of(pod: &Pod) -> Option<Waiting> {
+    let status = pod.status.as_ref()?;
+    if matches!(
+        status.phase.as_deref(),
+        Some("Succeeded" | "Failed" | "Running")
+    ) {
+        return None;
+    }
+    let waiting = status
+        .container_statuses
+        .iter()
+        .flatten()
+        .find(|c| c.name == CONTAINER)
+        .and_then(|c| c.state.as_ref()?.waiting.as_ref());
+    if let Some(waiting) = waiting {
+        let reason = waiting.reason.as_deref().unwrap_or_default();
+        return Stuck::of_container(reason).map(|stuck| Waiting {
+            stuck,
+            detail: shorten(&join(Some(reason), waiting.message.as_deref()).unwrap_or_default()),
+        });
+    }
+    status
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+        .filter(|c| c.reason.as_deref() == Some("Unschedulable"))
+        .map(|c| Waiting {
+            stuck: Stuck::Unschedulable,
+            detail: shorten(&join(c.reason.as_deref(), c.message.as_deref()).unwrap_or_default()),
+        })
 }
 
 /// Whether `pod` carries cnat's finalizer.
@@ -604,5 +708,91 @@ mod tests {
         assert_eq!(view(&pod), before);
         assert!(pod.spec.is_none() && pod.metadata.managed_fields.is_none());
         assert!(serde_json::to_vec(&pod).unwrap().len() < fixture.len() / 3);
+    }
+    /// A pod that has not ended, with the container's waiting reason and message, or the
+    /// scheduler's condition.
+    fn stuck_pod(waiting: Option<(&str, &str)>, scheduled: Option<(&str, &str, &str)>) -> Pod {
+        let mut pod = build_default(&at("example-at"));
+        pod.status = Some(
+            serde_json::from_value(serde_json::json!({
+                "phase": "Pending",
+                "conditions": scheduled.map(|(status, reason, message)| vec![serde_json::json!({
+                    "type": "PodScheduled", "status": status, "reason": reason, "message": message,
+                    "lastTransitionTime": "2019-04-12T10:12:01Z",
+                })]),
+                "containerStatuses": waiting.map(|(reason, message)| vec![serde_json::json!({
+                    "name": CONTAINER, "image": "busybox:1.36", "imageID": "", "ready": false,
+                    "restartCount": 0,
+                    "state": {"waiting": {"reason": reason, "message": message}},
+                })]),
+            }))
+            .unwrap(),
+        );
+        pod
+    }
+
+    #[test]
+    fn a_pod_stuck_before_its_command_says_why_and_one_on_its_way_does_not() {
+        let pull = "Back-off pulling image \"busybox:9\"";
+        for (reason, stuck) in [
+            ("ErrImagePull", Stuck::ImagePullBackOff),
+            ("ImagePullBackOff", Stuck::ImagePullBackOff),
+            ("ErrImageNeverPull", Stuck::ErrImageNeverPull),
+            ("InvalidImageName", Stuck::InvalidImageName),
+            (
+                "CreateContainerConfigError",
+                Stuck::CreateContainerConfigError,
+            ),
+            ("CreateContainerError", Stuck::CreateContainerError),
+        ] {
+            let waiting = waiting_of(&stuck_pod(Some((reason, pull)), None)).unwrap();
+            assert_eq!(waiting.stuck, stuck, "{reason}");
+            assert_eq!(waiting.detail, format!("{reason}: {pull}"));
+        }
+        // The kubelet's retries alternate the two pull reasons: one kind of trouble.
+        assert_eq!(Stuck::ImagePullBackOff.reason(), "ImagePullBackOff");
+        for on_its_way in ["ContainerCreating", "PodInitializing"] {
+            assert_eq!(waiting_of(&stuck_pod(Some((on_its_way, "")), None)), None);
+        }
+        let message =
+            "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector.";
+        let unschedulable = stuck_pod(None, Some(("False", "Unschedulable", message)));
+        let waiting = waiting_of(&unschedulable).unwrap();
+        assert_eq!(waiting.stuck, Stuck::Unschedulable);
+        assert_eq!(waiting.detail, format!("Unschedulable: {message}"));
+        // Scheduled, or not yet looked at by the scheduler: not stuck.
+        assert_eq!(waiting_of(&stuck_pod(None, Some(("True", "", "")))), None);
+        assert_eq!(waiting_of(&stuck_pod(None, None)), None);
+        // A running or ended pod is not waiting, whatever a stale condition says.
+        let mut running = unschedulable.clone();
+        running.status.as_mut().unwrap().phase = Some("Running".into());
+        assert_eq!(waiting_of(&running), None);
+    }
+
+    #[test]
+    fn trim_keeps_the_scheduler_s_refusal_and_drops_other_conditions() {
+        let mut pod = stuck_pod(
+            None,
+            Some(("False", "Unschedulable", "0/1 nodes are available")),
+        );
+        pod.status
+            .as_mut()
+            .unwrap()
+            .conditions
+            .as_mut()
+            .unwrap()
+            .push(
+                serde_json::from_value(serde_json::json!({"type": "Ready", "status": "False"}))
+                    .unwrap(),
+            );
+        let before = view(&pod);
+        trim(&mut pod);
+        assert_eq!(view(&pod), before);
+        let kept = pod.status.as_ref().unwrap().conditions.as_ref().unwrap();
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept[0].last_transition_time, None);
+        let mut scheduled = stuck_pod(None, Some(("True", "", "")));
+        trim(&mut scheduled);
+        assert_eq!(scheduled.status.unwrap().conditions, None);
     }
 }

@@ -269,18 +269,33 @@ fn pod_strategy() -> impl Strategy<Value = cnat::operator::reconcile::decide::Po
             },
         )
     });
+    use cnat::operator::pod::{Stuck, Waiting};
+    let waiting = (
+        prop::sample::select(vec![
+            Stuck::Unschedulable,
+            Stuck::ImagePullBackOff,
+            Stuck::ErrImageNeverPull,
+            Stuck::InvalidImageName,
+            Stuck::CreateContainerConfigError,
+            Stuck::CreateContainerError,
+        ]),
+        ".{0,20}",
+    )
+        .prop_map(|(stuck, detail)| Waiting { stuck, detail });
     let view = (
         prop::option::of(instant()),
         end,
         any::<bool>(),
         any::<bool>(),
+        prop::option::of(waiting),
     )
-        .prop_map(|(created_at, end, deleting, held)| PodView {
+        .prop_map(|(created_at, end, deleting, held, waiting)| PodView {
             name: "x-pod".into(),
             created_at,
             end,
             deleting,
             held,
+            waiting,
         });
     prop_oneof![
         Just(PodObservation::NotCached),

@@ -125,6 +125,7 @@ fn observe(pod: Option<PodState>, missing: PodObservation) -> PodObservation {
             }),
             deleting: pod.deleting,
             held: pod.held,
+            waiting: None,
         }),
     }
 }

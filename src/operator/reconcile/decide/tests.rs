@@ -51,6 +51,7 @@ fn running_pod() -> PodView {
         end: None,
         deleting: false,
         held: true,
+        waiting: None,
     }
 }
 
