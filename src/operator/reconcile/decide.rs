@@ -6,7 +6,7 @@
 //! already exists adopts it only if it controls it, so a command never runs twice.
 
 use crate::api::{At, AtStatus, Condition, Outcome, Phase};
-use crate::operator::pod::{self, PodEnd, PodView};
+use crate::operator::pod::{self, PodEnd, PodView, Waiting};
 use crate::operator::policy::RunPolicy;
 use crate::{limits, schedule};
 use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
@@ -16,6 +16,9 @@ use std::time::Duration;
 /// Condition types.
 pub const SCHEDULED: &str = "Scheduled";
 pub const POD_CREATED: &str = "PodCreated";
+/// False while the pod cannot start the command (its image, its container's configuration, no
+/// node for it); True once it could after all. Absent while nothing stood in its way.
+pub const POD_STARTED: &str = "PodStarted";
 pub const COMPLETE: &str = "Complete";
 pub const FAILED: &str = "Failed";
 
@@ -383,9 +386,12 @@ fn from_pod(at: &At, view: &PodView, now: DateTime<Utc>, policy: &RunPolicy) -> 
     let Some(end) = &view.end else {
         let mut next = Next::new(at, Phase::Running, now);
         next.status.start_time = next.status.start_time.or(view.created_at).or(Some(now));
-        return next
-            .started(&view.name)
-            .decide(Call::Nothing, Some(policy.running_recheck));
+        let next = next.started(&view.name);
+        let next = match &view.waiting {
+            Some(waiting) => next.stuck(&view.name, waiting),
+            None => next.unstuck(&view.name),
+        };
+        return next.decide(Call::Nothing, Some(policy.running_recheck));
     };
     let deadline = at
         .spec
@@ -519,6 +525,46 @@ impl<'a> Next<'a> {
         self.status.pod_name = Some(pod_name.to_owned());
         self.condition(POD_CREATED, true, "PodCreated", &message)
             .note(Severity::Normal, "PodCreated", message)
+    }
+
+    /// The pod cannot start the command: `PodStarted=False` with the kind of trouble, and a
+    /// warning. While the kind stays the same, the message recorded first stays (the kubelet's
+    /// and the scheduler's retries reword theirs), so retries write nothing.
+    fn stuck(self, pod_name: &str, waiting: &Waiting) -> Self {
+        let reason = waiting.stuck.reason();
+        let recorded = self.at.status.as_ref().and_then(|s| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == POD_STARTED && c.status == "False" && c.reason == reason)
+                .map(|c| c.message.clone())
+        });
+        let message = recorded.unwrap_or_else(|| {
+            format!(
+                "pod {pod_name} cannot start the command: {}",
+                waiting.detail
+            )
+        });
+        self.condition(POD_STARTED, false, reason, &message).note(
+            Severity::Warning,
+            reason,
+            message,
+        )
+    }
+
+    /// The pod can start the command: once it was stuck, `PodStarted=True` (and an event);
+    /// never stuck, no condition at all.
+    fn unstuck(self, pod_name: &str) -> Self {
+        let was_stuck = self
+            .at
+            .status
+            .as_ref()
+            .is_some_and(|s| s.conditions.iter().any(|c| c.type_ == POD_STARTED));
+        if !was_stuck {
+            return self;
+        }
+        let message = format!("pod {pod_name} started the command");
+        self.condition(POD_STARTED, true, "PodStarted", &message)
+            .note(Severity::Normal, "PodStarted", message)
     }
 
     fn finish(mut self, end: &PodEnd, reason: &'static str, message: String) -> Decision {

@@ -345,6 +345,81 @@ fn a_running_pod_changes_nothing() {
     );
 }
 
+fn stuck_pod(stuck: pod::Stuck, detail: &str) -> PodView {
+    PodView {
+        waiting: Some(pod::Waiting {
+            stuck,
+            detail: detail.into(),
+        }),
+        ..running_pod()
+    }
+}
+
+#[test]
+fn a_pod_that_cannot_start_shows_on_the_at_once_per_kind_of_trouble_and_clears_when_it_runs() {
+    let now = time("2026-01-01T00:00:01Z");
+    let pulling = stuck_pod(
+        pod::Stuck::ImagePullBackOff,
+        "ErrImagePull: failed to pull image \"busybox:9\"",
+    );
+    let stuck = decide(&running_at(), &PodObservation::Owned(pulling), now);
+    let status = status_of(&stuck);
+    assert_eq!(status.phase, Phase::Running);
+    assert_eq!(status.reason.as_deref(), Some("ImagePullBackOff"));
+    let message = "pod example-at-pod cannot start the command: ErrImagePull: failed to pull image \"busybox:9\"";
+    assert_eq!(status.message.as_deref(), Some(message));
+    let started = condition(status, POD_STARTED);
+    assert_eq!(
+        (started.status.as_str(), started.reason.as_str()),
+        ("False", "ImagePullBackOff")
+    );
+    assert_eq!(note_of(&stuck).severity, Severity::Warning);
+    assert_eq!(note_of(&stuck).reason, "ImagePullBackOff");
+    // The kubelet retries, saying it otherwise: nothing to write, nobody told.
+    let at = written(running_at(), &stuck);
+    let retried = stuck_pod(
+        pod::Stuck::ImagePullBackOff,
+        "ImagePullBackOff: Back-off pulling image",
+    );
+    let again = decide(
+        &at,
+        &PodObservation::Owned(retried),
+        time("2026-01-01T00:00:31Z"),
+    );
+    assert_eq!((again.status, again.note), (None, None));
+    // Another kind of trouble: written and told once.
+    let config = stuck_pod(
+        pod::Stuck::CreateContainerConfigError,
+        "CreateContainerConfigError: secret \"x\" not found",
+    );
+    let other = decide(&at, &PodObservation::Owned(config), now);
+    assert_eq!(
+        status_of(&other).reason.as_deref(),
+        Some("CreateContainerConfigError")
+    );
+    assert_eq!(note_of(&other).reason, "CreateContainerConfigError");
+    // It runs: cleared, told once, then quiet.
+    let runs = decide(&at, &PodObservation::Owned(running_pod()), now);
+    let status = status_of(&runs);
+    assert_eq!(status.reason.as_deref(), Some("PodStarted"));
+    let started = condition(status, POD_STARTED);
+    assert_eq!(
+        (started.status.as_str(), started.reason.as_str()),
+        ("True", "PodStarted")
+    );
+    assert_eq!(note_of(&runs).severity, Severity::Normal);
+    let at = written(at, &runs);
+    let quiet = decide(&at, &PodObservation::Owned(running_pod()), now);
+    assert_eq!((quiet.status, quiet.note), (None, None));
+    // And the end is recorded as ever.
+    let ended = decide(
+        &at,
+        &PodObservation::Owned(ended_pod(true, Some(0), None)),
+        now,
+    );
+    assert_eq!(status_of(&ended).phase, Phase::Done);
+}
+
 #[test]
 fn success_is_recorded_with_exit_code_and_completion_time() {
     let d = decide(
@@ -506,6 +581,14 @@ fn observations() -> Vec<PodObservation> {
         PodObservation::Rejected("invalid".into()),
         PodObservation::Refused("exceeded quota".into()),
         PodObservation::Owned(running_pod()),
+        PodObservation::Owned(stuck_pod(
+            pod::Stuck::ImagePullBackOff,
+            "ErrImagePull: pull access denied",
+        )),
+        PodObservation::Owned(stuck_pod(
+            pod::Stuck::Unschedulable,
+            "Unschedulable: 0/3 nodes are available",
+        )),
         PodObservation::Owned(ended_pod(true, Some(0), None)),
         PodObservation::Owned(ended_pod(false, Some(2), Some("Error"))),
         PodObservation::Owned(ended_pod(false, None, Some("Evicted"))),
