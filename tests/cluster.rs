@@ -322,8 +322,8 @@ async fn installed_as_users_do_cnat_runs_real_pods_survives_upgrades_and_kills_a
     };
     step("helm install");
     let notes = install(&cluster, otlp).await;
-    step("activeDeadlineSeconds: a sleep started");
-    start_a_sleep_with_a_deadline(&cluster).await;
+    step("pods that cannot start, deadlines: started");
+    start_pods_that_cannot_start_and_deadlines(&cluster).await;
     step("the NOTES' example");
     the_notes_example_runs(&cluster, &notes).await;
     step("a malformed At");
@@ -334,8 +334,9 @@ async fn installed_as_users_do_cnat_runs_real_pods_survives_upgrades_and_kills_a
     kubectl_at_wait_returns_the_exit_code(&cluster);
     step("a ResourceQuota");
     a_quota_refusal_shows_on_the_at(&cluster).await;
-    step("activeDeadlineSeconds: the sleep stopped");
-    active_deadline_stopped_the_sleep(&cluster).await;
+    step("pods that cannot start show on their Ats; deadlines met");
+    pods_that_cannot_start_show_on_their_ats(&cluster).await;
+    deadlines_stop_a_running_and_a_never_started_pod_on_time(&cluster).await;
     step("webhooks, metrics, traces");
     every_replica_serves_webhooks_and_metrics_and_traces_reach_the_collector(&cluster, &collector)
         .await;
@@ -491,35 +492,159 @@ fn kubectl_at_wait_returns_the_exit_code(cluster: &Cluster) {
     assert!(String::from_utf8_lossy(&output.stdout).contains("waited"));
 }
 
-/// An At running a 600 s sleep with `activeDeadlineSeconds: 3`, started here and checked by
-/// `active_deadline_stopped_the_sleep` after the steps between. The command ends on SIGTERM as a
-/// well-behaved one does (a shell as PID 1 ignores it otherwise, and the pod would take the
-/// kubelet's 30 s grace period to stop).
-async fn start_a_sleep_with_a_deadline(cluster: &Cluster) {
+/// The Secret the At `no-secret` needs, created only once the At shows it missing.
+const SECRET: &str = "cnat-test-token";
+/// An image no registry serves: the pull is refused at once (nothing listens on port 1).
+const NO_IMAGE: &str = "127.0.0.1:1/cnat/nothing:1";
+
+/// Ats whose pods cannot start (an image that cannot be pulled, a missing Secret, no node that
+/// fits), and two with `activeDeadlineSeconds`: a `sleep 600` that runs (3 s) and a pod no node
+/// takes (5 s). Started here, checked after the steps between.
+async fn start_pods_that_cannot_start_and_deadlines(cluster: &Cluster) {
     let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
-    let mut sleeper = at(
-        "sleeper",
-        chrono::Utc::now(),
-        "trap 'exit 143' TERM; sleep 600 & wait",
-    );
+    let now = chrono::Utc::now();
+    let mut no_image = at("no-image", now, "true");
+    no_image.spec.template.image = NO_IMAGE.into();
+    let mut no_secret = at("no-secret", now, "test \"$TOKEN\" = t0ken");
+    no_secret.spec.template.env = Some(vec![serde_json::from_value(serde_json::json!({
+        "name": "TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": SECRET, "key": "token"}}
+    }))
+    .unwrap()]);
+    let mut sleeper = at("sleeper", now, "sleep 600");
     sleeper.spec.active_deadline_seconds = Some(3);
-    ats.create(&PostParams::default(), &sleeper).await.unwrap();
+    let mut no_node = at("no-node", now, "true");
+    no_node.spec.template.node_selector =
+        Some([("cnat.dev/no-such-node".to_owned(), "true".to_owned())].into());
+    no_node.spec.active_deadline_seconds = Some(5);
+    for at in [no_image, no_secret, sleeper, no_node] {
+        ats.create(&PostParams::default(), &at).await.unwrap();
+    }
 }
 
-async fn active_deadline_stopped_the_sleep(cluster: &Cluster) {
-    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
-    let status = done(&ats, "sleeper").await.status.unwrap();
-    assert_eq!(status.outcome, Some(Outcome::Failed), "{status:?}");
-    let took = status.completion_time.unwrap() - status.start_time.unwrap();
-    assert!(took < chrono::Duration::seconds(60), "stopped after {took}");
-    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), TEAM);
-    let pod = pods.get(&status.pod_name.unwrap()).await.unwrap();
-    let pod_status = pod.status.unwrap();
-    assert_eq!(pod_status.phase.as_deref(), Some("Failed"));
+/// The At's status once its reason is `reason` (RUNNING, `PodStarted=False`).
+async fn stuck_as(ats: &Api<At>, name: &str, reason: &str) -> cnat::api::AtStatus {
+    let status = eventually(&format!("At {name} shows {reason}"), DONE_WITHIN, async || {
+        let status = ats.get(name).await.ok()?.status?;
+        (status.reason.as_deref() == Some(reason)).then_some(status)
+    })
+    .await;
+    assert_eq!(status.phase, Phase::Running, "{status:?}");
+    let started = status.conditions.iter().find(|c| c.type_ == "PodStarted");
     assert_eq!(
-        pod_status.reason.as_deref(),
-        Some("DeadlineExceeded"),
-        "{pod_status:?}"
+        started.map(|c| (c.status.as_str(), c.reason.as_str())),
+        Some(("False", reason)),
+        "{status:?}"
+    );
+    status
+}
+
+/// What `kubectl get at NAME -o wide` and `kubectl describe at NAME` show.
+fn shown(cluster: &Cluster, name: &str) -> (String, String) {
+    let get = cluster.kubectl(&["get", "at", name, "-n", TEAM, "-o", "wide"], None);
+    let describe = cluster.kubectl(&["describe", "at", name, "-n", TEAM], None);
+    (
+        succeeded("kubectl get at -o wide", &get),
+        succeeded("kubectl describe at", &describe),
+    )
+}
+
+/// Whether `kubectl describe`'s output lists an event of this type and reason.
+fn has_event(describe: &str, type_: &str, reason: &str) -> bool {
+    describe.lines().any(|line| {
+        let mut words = line.split_whitespace();
+        words.next() == Some(type_) && words.next() == Some(reason)
+    })
+}
+
+/// A failing pull and a missing Secret show on the At as the kubelet says them (`REASON`, the
+/// `PodStarted` condition, a warning event); the Secret created, the pod runs and the At
+/// clears and succeeds.
+async fn pods_that_cannot_start_show_on_their_ats(cluster: &Cluster) {
+    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
+    let status = stuck_as(&ats, "no-image", "ImagePullBackOff").await;
+    let message = status.message.unwrap_or_default();
+    assert!(
+        message.contains("no-image-pod cannot start the command") && message.contains(NO_IMAGE),
+        "{message}"
+    );
+    let (get, describe) = shown(cluster, "no-image");
+    assert!(get.contains("Running") && get.contains("ImagePullBackOff"), "{get}");
+    assert!(
+        has_event(&describe, "Warning", "ImagePullBackOff") && describe.contains("PodStarted"),
+        "{describe}"
+    );
+    ats.delete("no-image", &DeleteParams::default())
+        .await
+        .unwrap();
+
+    let status = stuck_as(&ats, "no-secret", "CreateContainerConfigError").await;
+    let message = status.message.unwrap_or_default();
+    assert!(
+        message.contains(&format!("secret \"{SECRET}\" not found")),
+        "{message}"
+    );
+    let (get, _) = shown(cluster, "no-secret");
+    assert!(get.contains("CreateContainerConfigError"), "{get}");
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(cluster.client.clone(), TEAM);
+    secrets
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({
+                "metadata": {"name": SECRET}, "stringData": {"token": "t0ken"}
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), TEAM);
+    let (status, _) = ran_once(&ats, &pods, "no-secret").await;
+    let started = status.conditions.iter().find(|c| c.type_ == "PodStarted");
+    assert_eq!(started.map(|c| c.status.as_str()), Some("True"), "{status:?}");
+    let (_, describe) = shown(cluster, "no-secret");
+    assert!(
+        has_event(&describe, "Warning", "CreateContainerConfigError")
+            && has_event(&describe, "Normal", "PodStarted"),
+        "{describe}"
+    );
+}
+
+/// cnat ends an At at its `activeDeadlineSeconds`, whether its pod runs (`sleep 600`) or never
+/// started (no node fits it, which it first shows as `Unschedulable`): DONE, failed with
+/// `DeadlineExceeded`, within 2 s of the deadline (within a second here unless the machine is
+/// busy), and the pod deleted (the sleep's is still stopping: the kubelet waits out its grace
+/// period for a shell that ignores SIGTERM).
+async fn deadlines_stop_a_running_and_a_never_started_pod_on_time(cluster: &Cluster) {
+    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), TEAM);
+    for (name, seconds) in [("sleeper", 3), ("no-node", 5)] {
+        let status = done(&ats, name).await.status.unwrap();
+        assert_eq!(status.outcome, Some(Outcome::Failed), "{status:?}");
+        assert_eq!(
+            status.reason.as_deref(),
+            Some("DeadlineExceeded"),
+            "{status:?}"
+        );
+        let took = status.completion_time.unwrap() - status.start_time.unwrap();
+        let late = took - chrono::Duration::seconds(seconds);
+        assert!(
+            late >= chrono::Duration::zero() && late < chrono::Duration::seconds(2),
+            "At {name} stopped {took} after its start, with activeDeadlineSeconds: {seconds}"
+        );
+        eprintln!("cluster test: At {name} stopped {late} after its deadline");
+        let pod = status.pod_name.unwrap();
+        let deleted = pods.get_opt(&pod).await.unwrap();
+        assert!(
+            deleted.as_ref().is_none_or(|p| p.metadata.deletion_timestamp.is_some()),
+            "pod {pod} not deleted: {deleted:?}"
+        );
+    }
+    let (_, describe) = shown(cluster, "no-node");
+    assert!(
+        has_event(&describe, "Warning", "Unschedulable")
+            && has_event(&describe, "Warning", "DeadlineExceeded"),
+        "{describe}"
     );
 }
 

@@ -5,6 +5,7 @@
 use crate::api::Phase;
 use crate::leader::Leadership;
 use crate::operator::cache::CachedAt;
+use crate::operator::pod::Stuck;
 use kube::runtime::reflector::Store;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
@@ -505,6 +506,11 @@ struct PhaseLabels {
     phase: &'static str,
 }
 
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct StuckLabels {
+    reason: &'static str,
+}
+
 /// Not `namespace`: scrapers set that label to the operator's own namespace.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct NamespaceLabels {
@@ -537,6 +543,22 @@ impl Collector for AtCount {
                 phase: phase.metric_label(),
             };
             let count = ats.iter().filter(|at| at.phase() == phase).count();
+            ConstGauge::new(count as i64).encode(family.encode_family(&labels)?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "cnat_ats_stuck",
+            "RUNNING Ats whose pod cannot start the command, by the kind of trouble their status shows (the At's reason: an image that cannot be pulled, a missing Secret, no node that fits; only the leader reports this)",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for stuck in Stuck::ALL {
+            let labels = StuckLabels {
+                reason: stuck.reason(),
+            };
+            let count = ats
+                .iter()
+                .filter(|at| at.phase() == Phase::Running && at.stuck() == Some(stuck))
+                .count();
             ConstGauge::new(count as i64).encode(family.encode_family(&labels)?)?;
         }
         let mut family = encoder.encode_descriptor(
@@ -614,6 +636,58 @@ mod tests {
             classic(openmetrics),
             "# HELP a_x_total Things.\n# TYPE a_x_total counter\na_x_total{k=\"v\"} 2\n# HELP g A gauge.\n# TYPE g gauge\ng 1\n# HELP h A histogram.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 1\nh_sum 0.5\nh_count 1\n"
         );
+    }
+
+    #[test]
+    fn running_ats_whose_pods_cannot_start_are_counted_by_reason_every_reason_from_zero() {
+        let metrics = Metrics::new(Arc::new(Leadership::default()));
+        let (mut writer, store) = {
+            let writer = kube::runtime::reflector::store::Writer::<CachedAt>::default();
+            let store = writer.as_reader();
+            (writer, store)
+        };
+        metrics.count_ats(store);
+        let with = |name: &str, phase: Phase, started: Option<(&str, &str)>| {
+            let mut at = crate::api::At::new(name, crate::api::AtSpec::default());
+            at.metadata.namespace = Some("team".into());
+            let mut status = crate::api::AtStatus {
+                phase,
+                ..Default::default()
+            };
+            if let Some((ok, reason)) = started {
+                status.conditions.push(crate::api::Condition {
+                    type_: crate::operator::pod::POD_STARTED.into(),
+                    status: ok.into(),
+                    reason: reason.into(),
+                    message: String::new(),
+                    last_transition_time: chrono::Utc::now(),
+                    observed_generation: None,
+                });
+            }
+            at.status = Some(status);
+            CachedAt::from(at)
+        };
+        for at in [
+            with("a", Phase::Running, Some(("False", "ImagePullBackOff"))),
+            with("b", Phase::Running, Some(("False", "ImagePullBackOff"))),
+            with("c", Phase::Running, Some(("False", "Unschedulable"))),
+            // Not counted: it started after all, it never was stuck, it is done.
+            with("d", Phase::Running, Some(("True", "PodStarted"))),
+            with("e", Phase::Running, None),
+            with("f", Phase::Done, Some(("False", "CreateContainerConfigError"))),
+        ] {
+            writer.apply_watcher_event(&kube::runtime::watcher::Event::Apply(at));
+        }
+        let text = metrics.encode();
+        for stuck in Stuck::ALL {
+            let count = match stuck {
+                Stuck::ImagePullBackOff => 2,
+                Stuck::Unschedulable => 1,
+                _ => 0,
+            };
+            let line = format!("cnat_ats_stuck{{reason=\"{}\"}} {count}\n", stuck.reason());
+            assert!(text.contains(&line), "{line} in {text}");
+        }
     }
 
     #[test]

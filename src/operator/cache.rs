@@ -12,6 +12,7 @@
 use crate::api::{At, AtSpec, AtStatus, Phase};
 use crate::operator::contain::Quarantine;
 use crate::operator::key::AtKey;
+use crate::operator::pod::Stuck;
 use crate::schedule;
 use crate::shard;
 use chrono::{DateTime, Utc};
@@ -50,6 +51,8 @@ pub struct CachedAt {
     due: Option<DateTime<Utc>>,
     /// Its spec sets `ttlSecondsAfterFinished` (a DONE At is then deleted some time after).
     ttl: bool,
+    /// What keeps its pod from starting the command, as its status shows it (`cnat_ats_stuck`).
+    stuck: Option<Stuck>,
     /// The rest of the trimmed At (`Rest`), as JSON compressed with LZ4 against a dictionary of
     /// what every At repeats (`pack`).
     packed: Box<[u8]>,
@@ -132,6 +135,7 @@ impl CachedAt {
             phase: Phase::Pending,
             due: None,
             ttl: false,
+            stuck: None,
             packed: Box::default(),
             unreadable: Some(why.into()),
         }
@@ -166,6 +170,7 @@ impl From<At> for CachedAt {
         let due = schedule::parse(&at.spec.schedule, at.spec.time_zone.as_deref()).ok();
         let ttl = at.spec.ttl_seconds_after_finished.is_some();
         let phase = at.phase();
+        let stuck = at.status.as_ref().and_then(Stuck::shown);
         let At {
             mut metadata,
             spec,
@@ -208,6 +213,7 @@ impl From<At> for CachedAt {
             phase,
             due,
             ttl,
+            stuck,
             packed: pack::pack(&json),
             unreadable: None,
         }
@@ -268,6 +274,11 @@ impl CachedAt {
     /// Whether its spec sets `ttlSecondsAfterFinished`.
     pub fn sets_ttl(&self) -> bool {
         self.ttl
+    }
+
+    /// What keeps its pod from starting the command, as its status shows it.
+    pub fn stuck(&self) -> Option<Stuck> {
+        self.stuck
     }
 
     /// The At this cached copy is of, by name and namespace.

@@ -1,7 +1,7 @@
 //! The pod an At runs in: its name, labels and spec, the trimmed copy the cache keeps, and the
 //! summary of it that the state machine reads. Pure: no client, no clock.
 
-use crate::api::At;
+use crate::api::{At, AtStatus};
 use crate::operator::policy::RunPolicy;
 use chrono::{DateTime, Utc};
 use k8s_openapi::api::core::v1::{
@@ -248,7 +248,33 @@ pub enum Stuck {
     CreateContainerError,
 }
 
+/// The At condition that is False while its pod cannot start the command (its image, its
+/// container's configuration, no node for it), with the kind of trouble as its reason; True once
+/// it could after all. Absent while nothing stood in its way.
+pub const POD_STARTED: &str = "PodStarted";
+
 impl Stuck {
+    /// Every kind, in the order the metrics list them.
+    pub const ALL: [Stuck; 6] = [
+        Stuck::Unschedulable,
+        Stuck::ImagePullBackOff,
+        Stuck::ErrImageNeverPull,
+        Stuck::InvalidImageName,
+        Stuck::CreateContainerConfigError,
+        Stuck::CreateContainerError,
+    ];
+
+    /// The kind of trouble an At's status shows (`PodStarted=False`), if any.
+    pub fn shown(status: &AtStatus) -> Option<Stuck> {
+        let condition = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == POD_STARTED && c.status == "False")?;
+        Stuck::ALL
+            .into_iter()
+            .find(|stuck| stuck.reason() == condition.reason)
+    }
+
     /// The At's reason (and event reason) for it.
     pub fn reason(self) -> &'static str {
         match self {

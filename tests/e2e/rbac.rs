@@ -139,6 +139,10 @@ async fn the_chart_s_rbac_is_all_the_operator_needs() {
     ats.create(&PostParams::default(), &at("ran", due, "true"))
         .await
         .unwrap();
+    // Its pod never runs (no node here): cnat deletes it at the deadline (pods delete).
+    let mut late = at("late", due, "sleep 600");
+    late.spec.active_deadline_seconds = Some(1);
+    ats.create(&PostParams::default(), &late).await.unwrap();
     wait_at(&ats, "ran", Duration::from_secs(30), |at| {
         at.status
             .as_ref()
@@ -159,6 +163,21 @@ async fn the_chart_s_rbac_is_all_the_operator_needs() {
         assert!(
             tokio::time::Instant::now() < deadline,
             "pod kept: {}",
+            replica.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let stopped = wait_at(&ats, "late", Duration::from_secs(30), |at| {
+        at.status.as_ref().is_some_and(|s| s.phase == Phase::Done)
+    })
+    .await;
+    let status = stopped.status.unwrap();
+    assert_eq!(status.reason.as_deref(), Some("DeadlineExceeded"), "{status:?}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while pods.get_opt("late-pod").await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "pod past its deadline kept: {}",
             replica.log_text()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;

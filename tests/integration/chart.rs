@@ -294,7 +294,7 @@ fn rbac_is_exactly_what_the_operator_uses() {
             rule(
                 &[""],
                 &["pods"],
-                &["get", "list", "watch", "create", "patch"],
+                &["get", "list", "watch", "create", "patch", "delete"],
                 None
             ),
             rule(&["events.k8s.io"], &["events"], &["create", "patch"], None),

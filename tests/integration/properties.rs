@@ -271,14 +271,7 @@ fn pod_strategy() -> impl Strategy<Value = cnat::operator::reconcile::decide::Po
     });
     use cnat::operator::pod::{Stuck, Waiting};
     let waiting = (
-        prop::sample::select(vec![
-            Stuck::Unschedulable,
-            Stuck::ImagePullBackOff,
-            Stuck::ErrImageNeverPull,
-            Stuck::InvalidImageName,
-            Stuck::CreateContainerConfigError,
-            Stuck::CreateContainerError,
-        ]),
+        prop::sample::select(Stuck::ALL.to_vec()),
         ".{0,20}",
     )
         .prop_map(|(stuck, detail)| Waiting { stuck, detail });

@@ -370,6 +370,47 @@ impl Context {
 
     /// Deletes a finished At whose `ttlSecondsAfterFinished` passed; its pod goes with it
     /// (owner reference). The uid precondition spares a new At that took the same name.
+    /// Deletes the pod of `at` (its deadline passed): only a pod `at` controls (the delete is
+    /// conditional on that pod's uid, from the cache or else read); one already gone, or
+    /// replaced by a pod `at` does not control, is left as it is.
+    pub(super) async fn delete_pod(&self, at: &At) -> Result<(), Error> {
+        let name = pod::name_for(&at.name_any());
+        let fail = |source| Error::DeletePod {
+            at: key(at),
+            pod: name.clone(),
+            source,
+        };
+        let api = self.pod_api(at);
+        let cached = self
+            .caches
+            .pods
+            .get(&ObjectRef::new(&name).within(&namespace(at)))
+            .filter(|found| pod::is_controlled_by(found, &uid(at)))
+            .map(|found| Pod::clone(&found));
+        let found = match cached {
+            Some(found) => found,
+            None => match api.get_opt(&name).await.map_err(fail)? {
+                Some(found) if pod::is_controlled_by(&found, &uid(at)) => found,
+                _ => return Ok(()),
+            },
+        };
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: found.uid(),
+                resource_version: None,
+            }),
+            ..DeleteParams::background()
+        };
+        match api.delete(&name, &params).await {
+            Ok(_) => {
+                info!(at = %key(at), pod = %name, "deleted the pod: activeDeadlineSeconds passed");
+                Ok(())
+            }
+            Err(kube::Error::Api(s)) if s.is_not_found() || s.is_conflict() => Ok(()),
+            Err(source) => Err(fail(source)),
+        }
+    }
+
     pub(super) async fn delete_at(&self, at: &At) -> Result<Action, Error> {
         let params = DeleteParams {
             preconditions: Some(Preconditions {

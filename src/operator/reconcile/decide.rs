@@ -16,9 +16,8 @@ use std::time::Duration;
 /// Condition types.
 pub const SCHEDULED: &str = "Scheduled";
 pub const POD_CREATED: &str = "PodCreated";
-/// False while the pod cannot start the command (its image, its container's configuration, no
-/// node for it); True once it could after all. Absent while nothing stood in its way.
-pub const POD_STARTED: &str = "PodStarted";
+/// `PodStarted` lives beside the kinds of trouble it names (`pod::POD_STARTED`).
+pub use crate::operator::pod::POD_STARTED;
 pub const COMPLETE: &str = "Complete";
 pub const FAILED: &str = "Failed";
 
@@ -57,6 +56,9 @@ pub enum Call {
     /// Remove cnat's finalizer from the pod, which is being deleted: the At's status records it
     /// (or the At is going too), so nothing depends on the pod object any more.
     ReleasePod,
+    /// Delete the pod (`activeDeadlineSeconds` passed before it ended), then write the decided
+    /// status.
+    DeletePod,
 }
 
 /// Severity of an event.
@@ -381,22 +383,34 @@ fn running(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
 }
 
 /// An owned pod is the truth: RUNNING while it runs (looked at again every `running_recheck`,
-/// in case its deletion was never seen), DONE once it ended.
+/// in case its deletion was never seen, and at its deadline), DONE once it ended. A pod still
+/// running (or still not started) `activeDeadlineSeconds` after its start is deleted, and the At
+/// DONE with `DeadlineExceeded`, as the Job controller ends a Job's pods: the kubelet's own
+/// enforcement of the pod's deadline comes later, and never for a pod no node took.
 fn from_pod(at: &At, view: &PodView, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {
+    let deadline = at
+        .spec
+        .active_deadline_seconds
+        .or(policy.active_deadline_seconds);
     let Some(end) = &view.end else {
         let mut next = Next::new(at, Phase::Running, now);
-        next.status.start_time = next.status.start_time.or(view.created_at).or(Some(now));
+        let start = next.status.start_time.or(view.created_at).unwrap_or(now);
+        next.status.start_time = Some(start);
+        let ends = deadline.and_then(|seconds| Some((seconds, after(start, seconds)?)));
+        if let Some((seconds, _)) = ends.filter(|(_, end)| now >= *end) {
+            return deadline_exceeded(next, &view.name, seconds);
+        }
         let next = next.started(&view.name);
         let next = match &view.waiting {
             Some(waiting) => next.stuck(&view.name, waiting),
             None => next.unstuck(&view.name),
         };
-        return next.decide(Call::Nothing, Some(policy.running_recheck));
+        let recheck = match ends.and_then(|(_, end)| schedule::until_due(end, now)) {
+            Some(left) => left.min(policy.running_recheck),
+            None => policy.running_recheck,
+        };
+        return next.decide(Call::Nothing, Some(recheck));
     };
-    let deadline = at
-        .spec
-        .active_deadline_seconds
-        .or(policy.active_deadline_seconds);
     let (reason, message) = match (end.succeeded, end.exit_code) {
         (false, _) if end.pod_reason.as_deref() == Some("DeadlineExceeded") => (
             "DeadlineExceeded",
@@ -431,6 +445,29 @@ fn from_pod(at: &At, view: &PodView, now: DateTime<Utc>, policy: &RunPolicy) -> 
         note.summary = message;
     }
     decision
+}
+
+/// The pod of a RUNNING At passed its `activeDeadlineSeconds` (`seconds`) before it ended: it
+/// is deleted, and the At DONE, failed with `DeadlineExceeded` (no exit code: none was had).
+fn deadline_exceeded(next: Next, pod_name: &str, seconds: i64) -> Decision {
+    let message = format!(
+        "pod {pod_name} did not finish within spec.activeDeadlineSeconds ({seconds} s) of its start; cnat deleted it. Raise activeDeadlineSeconds if the command needs longer"
+    );
+    let mut next = next;
+    next.status.phase = Phase::Done;
+    next.status.pod_name = Some(pod_name.to_owned());
+    let end = PodEnd {
+        succeeded: false,
+        exit_code: None,
+        detail: None,
+        pod_reason: None,
+        finished_at: None,
+    };
+    let decision = next.finish(&end, "DeadlineExceeded", message);
+    Decision {
+        call: Call::DeletePod,
+        ..decision
+    }
 }
 
 /// The pod is gone or replaced before it finished: report it, never re-create it.

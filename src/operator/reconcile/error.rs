@@ -42,6 +42,12 @@ pub enum Error {
         pod: String,
         source: kube::Error,
     },
+    #[error("At {at}: deleting pod {pod}, past spec.activeDeadlineSeconds: {source}")]
+    DeletePod {
+        at: AtKey,
+        pod: String,
+        source: kube::Error,
+    },
     #[error("At {at}: deleting it after ttlSecondsAfterFinished: {source}")]
     Delete { at: AtKey, source: kube::Error },
 }
@@ -55,6 +61,7 @@ impl Error {
             | Error::ConfirmAt { source, .. }
             | Error::WriteStatus { source, .. }
             | Error::ReleasePod { source, .. }
+            | Error::DeletePod { source, .. }
             | Error::Delete { source, .. } => Some(source),
             Error::PodChurn { .. } | Error::PodRefused { .. } => None,
         }

@@ -188,6 +188,11 @@ fn reconcile(state: &State, confirm: Confirm) -> State {
                 server.at = None;
                 return next;
             }
+            Call::DeletePod => {
+                if let Some(pod) = &mut server.pod {
+                    pod.deleting = true;
+                }
+            }
             Call::Nothing => {}
         }
         // The status write, guarded by the version decided on.

@@ -297,6 +297,10 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
             Call::Nothing => return Ok(ctx.defer(at, decision, now)),
             Call::LookUpPod => ctx.fetch_pod(at).await?,
             Call::DeleteAt => return ctx.delete_at(at).await,
+            Call::DeletePod => {
+                ctx.delete_pod(at).await?;
+                return Ok(ctx.defer(at, decision, now));
+            }
             Call::ReleasePod => ctx.release_pod(at).await?,
             Call::CreatePod => match ctx.create_pod(at).await? {
                 Created::Yes => return Ok(ctx.defer(at, decision, now)),
@@ -408,6 +412,7 @@ fn call_name(call: Call) -> &'static str {
         Call::CreatePod => "create-pod",
         Call::DeleteAt => "delete-at",
         Call::ReleasePod => "release-pod",
+        Call::DeletePod => "delete-pod",
     }
 }
 

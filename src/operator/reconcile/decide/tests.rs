@@ -608,8 +608,13 @@ fn rank(phase: Option<Phase>) -> u8 {
 fn starting_points() -> Vec<At> {
     let mut ats = Vec::new();
     for schedule in [BOOK_SCHEDULE, "2040-01-01T00:00:00+02:00", "not a time", ""] {
-        for name in ["example-at", &"n".repeat(64)] {
-            let fresh = at_named(name, schedule, None);
+        for (name, deadline) in [
+            ("example-at", None),
+            ("example-at", Some(60)),
+            (&*"n".repeat(64), None),
+        ] {
+            let mut fresh = at_named(name, schedule, None);
+            fresh.spec.active_deadline_seconds = deadline;
             ats.push(fresh.clone());
             for observation in observations() {
                 for now in ["2019-04-12T10:11:00Z", "2026-01-01T00:00:00Z"] {
@@ -657,9 +662,10 @@ fn invariants_hold_for_every_at_observation_and_time() {
                     "event without transition: {ctx}"
                 );
                 if let Some(requeue) = d.requeue {
-                    // Waiting for the schedule or a foreign pod, or re-checking a running pod.
+                    // Waiting for the schedule or a foreign pod, or re-checking a running pod
+                    // (sooner at its deadline).
                     let recheck = after == Some(Phase::Running)
-                        && requeue == RunPolicy::default().running_recheck;
+                        && requeue <= RunPolicy::default().running_recheck;
                     assert!(
                         after == Some(Phase::Pending) || recheck,
                         "only waiting or running Ats requeue: {ctx}"
@@ -676,6 +682,19 @@ fn invariants_hold_for_every_at_observation_and_time() {
                         "created over an existing pod: {ctx}"
                     );
                     assert_eq!(after, Some(Phase::Running), "{ctx}");
+                }
+                if d.call == Call::DeletePod {
+                    let PodObservation::Owned(view) = &observation else {
+                        panic!("deleted a pod it does not control: {ctx}");
+                    };
+                    let status = d.status.as_ref().expect(&ctx);
+                    assert!(
+                        view.end.is_none()
+                            && at.spec.active_deadline_seconds.is_some()
+                            && status.phase == Phase::Done
+                            && status.reason.as_deref() == Some("DeadlineExceeded"),
+                        "{ctx}"
+                    );
                 }
                 if d.call == Call::LookUpPod {
                     assert_eq!(
@@ -702,8 +721,14 @@ fn invariants_hold_for_every_at_observation_and_time() {
                     }
                 }
                 // Level-based: deciding again on what was written changes nothing more.
-                let next_observation = match d.call {
-                    Call::CreatePod => PodObservation::Owned(running_pod()),
+                let next_observation = match (d.call, &observation) {
+                    (Call::CreatePod, _) => PodObservation::Owned(running_pod()),
+                    (Call::DeletePod, PodObservation::Owned(view)) => {
+                        PodObservation::Owned(PodView {
+                            deleting: true,
+                            ..view.clone()
+                        })
+                    }
                     _ => observation.clone(),
                 };
                 let again = decide(&written(at.clone(), &d), &next_observation, now);
@@ -873,6 +898,63 @@ mod production {
         let own = with_spec(|s| s.starting_deadline_seconds = Some(3600));
         let d = super::super::decide(&own, &PodObservation::Missing, after, &policy);
         assert_eq!(d.call, Call::CreatePod);
+    }
+
+    #[test]
+    fn cnat_deletes_a_pod_at_its_active_deadline_whether_it_runs_or_never_started() {
+        let timed = with_spec(|s| s.active_deadline_seconds = Some(30));
+        // The deadline counts from the pod's start (10:12:00.100).
+        let before = time("2019-04-12T10:12:30Z");
+        let at_deadline = time("2019-04-12T10:12:30.100Z");
+        let unschedulable = stuck_pod(pod::Stuck::Unschedulable, "Unschedulable: 0/1 nodes");
+        for view in [running_pod(), unschedulable] {
+            let observed = PodObservation::Owned(view.clone());
+            let d = decide(&timed, &observed, before);
+            assert_eq!(d.call, Call::Nothing, "{view:?}");
+            assert_eq!(d.requeue, Some(Duration::from_millis(100)), "looks again at it");
+            let running = written(timed.clone(), &d);
+            let d = decide(&running, &observed, at_deadline);
+            assert_eq!(d.call, Call::DeletePod, "{view:?}");
+            let status = status_of(&d);
+            assert_eq!(
+                (status.phase, status.outcome, status.exit_code),
+                (Phase::Done, Some(Outcome::Failed), None)
+            );
+            assert_eq!(status.reason.as_deref(), Some("DeadlineExceeded"));
+            assert_eq!(status.completion_time, Some(at_deadline));
+            let message = status.message.as_deref().unwrap();
+            assert!(
+                message.contains(
+                    "pod example-at-pod did not finish within spec.activeDeadlineSeconds (30 s)"
+                ) && message.contains("Raise activeDeadlineSeconds"),
+                "{message}"
+            );
+            assert_eq!(condition(status, FAILED).reason, "DeadlineExceeded");
+            assert_eq!(d.note.as_ref().unwrap().severity, Severity::Warning);
+            // The pod being deleted: recorded, so cnat's finalizer goes and nothing else.
+            let deleting = PodObservation::Owned(PodView {
+                deleting: true,
+                ..view
+            });
+            let again = decide(&written(running, &d), &deleting, at_deadline);
+            assert_eq!((again.call, again.status), (Call::ReleasePod, None));
+        }
+        // The operator's default applies when the At has none; a pod that ended first is
+        // recorded as it ended.
+        let policy = RunPolicy {
+            active_deadline_seconds: Some(30),
+            ..RunPolicy::default()
+        };
+        let plain = at(BOOK_SCHEDULE, None);
+        let running = PodObservation::Owned(running_pod());
+        let d = super::super::decide(&plain, &running, at_deadline, &policy);
+        assert_eq!(d.call, Call::DeletePod);
+        let ended = PodObservation::Owned(ended_pod(true, Some(0), None));
+        let d = super::super::decide(&plain, &ended, at_deadline, &policy);
+        assert_eq!(
+            (d.call, status_of(&d).outcome),
+            (Call::Nothing, Some(Outcome::Succeeded))
+        );
     }
 
     #[test]
