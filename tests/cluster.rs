@@ -342,6 +342,8 @@ async fn installed_as_users_do_cnat_runs_real_pods_survives_upgrades_and_kills_a
         .await;
     step("helm upgrade under load");
     an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(&cluster).await;
+    step("the pod whose Secret was missing started");
+    the_pod_started_once_its_secret_existed(&cluster).await;
     step("the leader killed");
     killing_the_leader_runs_every_at_once(&cluster).await;
     step("helm uninstall");
@@ -524,10 +526,14 @@ async fn start_pods_that_cannot_start_and_deadlines(cluster: &Cluster) {
 
 /// The At's status once its reason is `reason` (RUNNING, `PodStarted=False`).
 async fn stuck_as(ats: &Api<At>, name: &str, reason: &str) -> cnat::api::AtStatus {
-    let status = eventually(&format!("At {name} shows {reason}"), DONE_WITHIN, async || {
-        let status = ats.get(name).await.ok()?.status?;
-        (status.reason.as_deref() == Some(reason)).then_some(status)
-    })
+    let status = eventually(
+        &format!("At {name} shows {reason}"),
+        DONE_WITHIN,
+        async || {
+            let status = ats.get(name).await.ok()?.status?;
+            (status.reason.as_deref() == Some(reason)).then_some(status)
+        },
+    )
     .await;
     assert_eq!(status.phase, Phase::Running, "{status:?}");
     let started = status.conditions.iter().find(|c| c.type_ == "PodStarted");
@@ -558,8 +564,7 @@ fn has_event(describe: &str, type_: &str, reason: &str) -> bool {
 }
 
 /// A failing pull and a missing Secret show on the At as the kubelet says them (`REASON`, the
-/// `PodStarted` condition, a warning event); the Secret created, the pod runs and the At
-/// clears and succeeds.
+/// `PodStarted` condition, a warning event); then the Secret is created.
 async fn pods_that_cannot_start_show_on_their_ats(cluster: &Cluster) {
     let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
     let status = stuck_as(&ats, "no-image", "ImagePullBackOff").await;
@@ -569,7 +574,11 @@ async fn pods_that_cannot_start_show_on_their_ats(cluster: &Cluster) {
         "{message}"
     );
     let (get, describe) = shown(cluster, "no-image");
-    assert!(get.contains("Running") && get.contains("ImagePullBackOff"), "{get}");
+    eprintln!("cluster test: kubectl get at no-image -o wide:\n{get}");
+    assert!(
+        get.contains("Running") && get.contains("ImagePullBackOff"),
+        "{get}"
+    );
     assert!(
         has_event(&describe, "Warning", "ImagePullBackOff") && describe.contains("PodStarted"),
         "{describe}"
@@ -598,10 +607,21 @@ async fn pods_that_cannot_start_show_on_their_ats(cluster: &Cluster) {
         )
         .await
         .unwrap();
+}
+
+/// The At `no-secret`, its Secret created (`pods_that_cannot_start_show_on_their_ats`), ran
+/// once and succeeded, and shows `PodStarted=True` and the events of both. Checked a while
+/// after the Secret was created: the kubelet retries a container's configuration with backoff.
+async fn the_pod_started_once_its_secret_existed(cluster: &Cluster) {
+    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
     let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), TEAM);
     let (status, _) = ran_once(&ats, &pods, "no-secret").await;
     let started = status.conditions.iter().find(|c| c.type_ == "PodStarted");
-    assert_eq!(started.map(|c| c.status.as_str()), Some("True"), "{status:?}");
+    assert_eq!(
+        started.map(|c| c.status.as_str()),
+        Some("True"),
+        "{status:?}"
+    );
     let (_, describe) = shown(cluster, "no-secret");
     assert!(
         has_event(&describe, "Warning", "CreateContainerConfigError")
@@ -636,11 +656,15 @@ async fn deadlines_stop_a_running_and_a_never_started_pod_on_time(cluster: &Clus
         let pod = status.pod_name.unwrap();
         let deleted = pods.get_opt(&pod).await.unwrap();
         assert!(
-            deleted.as_ref().is_none_or(|p| p.metadata.deletion_timestamp.is_some()),
+            deleted
+                .as_ref()
+                .is_none_or(|p| p.metadata.deletion_timestamp.is_some()),
             "pod {pod} not deleted: {deleted:?}"
         );
     }
     let (_, describe) = shown(cluster, "no-node");
+    let events = describe.split("Events:").nth(1).unwrap_or_default();
+    eprintln!("cluster test: kubectl describe at no-node, its events:{events}");
     assert!(
         has_event(&describe, "Warning", "Unschedulable")
             && has_event(&describe, "Warning", "DeadlineExceeded"),

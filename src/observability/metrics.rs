@@ -674,7 +674,11 @@ mod tests {
             // Not counted: it started after all, it never was stuck, it is done.
             with("d", Phase::Running, Some(("True", "PodStarted"))),
             with("e", Phase::Running, None),
-            with("f", Phase::Done, Some(("False", "CreateContainerConfigError"))),
+            with(
+                "f",
+                Phase::Done,
+                Some(("False", "CreateContainerConfigError")),
+            ),
         ] {
             writer.apply_watcher_event(&kube::runtime::watcher::Event::Apply(at));
         }

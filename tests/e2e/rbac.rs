@@ -172,7 +172,11 @@ async fn the_chart_s_rbac_is_all_the_operator_needs() {
     })
     .await;
     let status = stopped.status.unwrap();
-    assert_eq!(status.reason.as_deref(), Some("DeadlineExceeded"), "{status:?}");
+    assert_eq!(
+        status.reason.as_deref(),
+        Some("DeadlineExceeded"),
+        "{status:?}"
+    );
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while pods.get_opt("late-pod").await.unwrap().is_some() {
         assert!(

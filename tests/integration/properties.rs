@@ -270,10 +270,7 @@ fn pod_strategy() -> impl Strategy<Value = cnat::operator::reconcile::decide::Po
         )
     });
     use cnat::operator::pod::{Stuck, Waiting};
-    let waiting = (
-        prop::sample::select(Stuck::ALL.to_vec()),
-        ".{0,20}",
-    )
+    let waiting = (prop::sample::select(Stuck::ALL.to_vec()), ".{0,20}")
         .prop_map(|(stuck, detail)| Waiting { stuck, detail });
     let view = (
         prop::option::of(instant()),

@@ -911,7 +911,11 @@ mod production {
             let observed = PodObservation::Owned(view.clone());
             let d = decide(&timed, &observed, before);
             assert_eq!(d.call, Call::Nothing, "{view:?}");
-            assert_eq!(d.requeue, Some(Duration::from_millis(100)), "looks again at it");
+            assert_eq!(
+                d.requeue,
+                Some(Duration::from_millis(100)),
+                "looks again at it"
+            );
             let running = written(timed.clone(), &d);
             let d = decide(&running, &observed, at_deadline);
             assert_eq!(d.call, Call::DeletePod, "{view:?}");
