@@ -314,6 +314,19 @@ pub struct PodEnd {
     pub finished_at: Option<DateTime<Utc>>,
 }
 
+impl PodEnd {
+    /// A failure nothing is known of (the pod went, or was ended, before it said how).
+    pub fn unknown() -> PodEnd {
+        PodEnd {
+            succeeded: false,
+            exit_code: None,
+            detail: None,
+            pod_reason: None,
+            finished_at: None,
+        }
+    }
+}
+
 /// Summarizes a pod: whether and how it ended.
 pub fn view(pod: &Pod) -> PodView {
     PodView {

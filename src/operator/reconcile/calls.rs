@@ -204,16 +204,8 @@ impl Context {
         let api = self.pod_api(at);
         // The cached copy first (its resourceVersion guards the patch); read only if it is
         // missing or stale.
-        let cached = self
-            .caches
-            .pods
-            .get(&ObjectRef::new(&name).within(&namespace(at)));
-        let mut found = match cached {
-            Some(found) => Pod::clone(&found),
-            None => match api.get_opt(&name).await.map_err(fail)? {
-                Some(found) => found,
-                None => return Ok(PodObservation::Missing),
-            },
+        let Some(mut found) = self.cached_or_read(at, &name).await.map_err(fail)? else {
+            return Ok(PodObservation::Missing);
         };
         let params = PatchParams {
             field_manager: Some(FIELD_MANAGER.into()),
@@ -368,8 +360,19 @@ impl Context {
         }
     }
 
-    /// Deletes a finished At whose `ttlSecondsAfterFinished` passed; its pod goes with it
-    /// (owner reference). The uid precondition spares a new At that took the same name.
+    /// The pod of `at` named `name`: the cached copy, else the API server's; `None` when it
+    /// does not exist.
+    async fn cached_or_read(&self, at: &At, name: &str) -> Result<Option<Pod>, kube::Error> {
+        let cached = self
+            .caches
+            .pods
+            .get(&ObjectRef::new(name).within(&namespace(at)));
+        match cached {
+            Some(found) => Ok(Some(Pod::clone(&found))),
+            None => self.pod_api(at).get_opt(name).await,
+        }
+    }
+
     /// Deletes the pod of `at` (its deadline passed): only a pod `at` controls (the delete is
     /// conditional on that pod's uid, from the cache or else read); one already gone, or
     /// replaced by a pod `at` does not control, is left as it is.
@@ -381,18 +384,9 @@ impl Context {
             source,
         };
         let api = self.pod_api(at);
-        let cached = self
-            .caches
-            .pods
-            .get(&ObjectRef::new(&name).within(&namespace(at)))
-            .filter(|found| pod::is_controlled_by(found, &uid(at)))
-            .map(|found| Pod::clone(&found));
-        let found = match cached {
-            Some(found) => found,
-            None => match api.get_opt(&name).await.map_err(fail)? {
-                Some(found) if pod::is_controlled_by(&found, &uid(at)) => found,
-                _ => return Ok(()),
-            },
+        let found = match self.cached_or_read(at, &name).await.map_err(fail)? {
+            Some(found) if pod::is_controlled_by(&found, &uid(at)) => found,
+            _ => return Ok(()),
         };
         let params = DeleteParams {
             preconditions: Some(Preconditions {
@@ -411,6 +405,8 @@ impl Context {
         }
     }
 
+    /// Deletes a finished At whose `ttlSecondsAfterFinished` passed; its pod goes with it
+    /// (owner reference). The uid precondition spares a new At that took the same name.
     pub(super) async fn delete_at(&self, at: &At) -> Result<Action, Error> {
         let params = DeleteParams {
             preconditions: Some(Preconditions {

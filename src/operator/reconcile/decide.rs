@@ -456,14 +456,7 @@ fn deadline_exceeded(next: Next, pod_name: &str, seconds: i64) -> Decision {
     let mut next = next;
     next.status.phase = Phase::Done;
     next.status.pod_name = Some(pod_name.to_owned());
-    let end = PodEnd {
-        succeeded: false,
-        exit_code: None,
-        detail: None,
-        pod_reason: None,
-        finished_at: None,
-    };
-    let decision = next.finish(&end, "DeadlineExceeded", message);
+    let decision = next.finish(&PodEnd::unknown(), "DeadlineExceeded", message);
     Decision {
         call: Call::DeletePod,
         ..decision
@@ -475,14 +468,7 @@ fn lost(at: &At, now: DateTime<Utc>, what: String) -> Decision {
     let message = format!(
         "{what} before the command finished; cnat does not re-create it, so the command never runs twice. Create a new At to run it again"
     );
-    let end = PodEnd {
-        succeeded: false,
-        exit_code: None,
-        detail: None,
-        pod_reason: None,
-        finished_at: None,
-    };
-    Next::new(at, Phase::Done, now).finish(&end, "PodLost", message)
+    Next::new(at, Phase::Done, now).finish(&PodEnd::unknown(), "PodLost", message)
 }
 
 /// `seconds` after `start`, or `None` past what a time can hold.
