@@ -161,7 +161,15 @@ pub fn build(at: &At, policy: &RunPolicy) -> Pod {
 pub fn trim(pod: &mut Pod) {
     pod.metadata.managed_fields = None;
     pod.metadata.annotations = None;
-    pod.spec = None;
+    // Only its deadline (`view` reads it).
+    pod.spec = pod
+        .spec
+        .take()
+        .and_then(|spec| spec.active_deadline_seconds)
+        .map(|seconds| PodSpec {
+            active_deadline_seconds: Some(seconds),
+            ..PodSpec::default()
+        });
     if let Some(status) = pod.status.as_mut() {
         // Only the scheduler's refusal (`waiting_of` reads it).
         if let Some(conditions) = status.conditions.as_mut() {
@@ -218,6 +226,11 @@ pub struct PodView {
     pub held: bool,
     /// Why it has not started the command, when it is stuck (not merely on its way).
     pub waiting: Option<Waiting>,
+    /// It runs the command (phase `Running`).
+    pub running: bool,
+    /// Its own `activeDeadlineSeconds`, as cnat created it: the deadline cnat enforces (a
+    /// later change of the At's spec or of the operator's default does not move it).
+    pub active_deadline_seconds: Option<i64>,
 }
 
 /// A pod that has not ended and cannot start its command as things stand: what a user must
@@ -336,6 +349,11 @@ pub fn view(pod: &Pod) -> PodView {
         deleting: pod.metadata.deletion_timestamp.is_some(),
         held: is_held(pod),
         waiting: waiting_of(pod),
+        running: pod
+            .status
+            .as_ref()
+            .is_some_and(|s| s.phase.as_deref() == Some("Running")),
+        active_deadline_seconds: pod.spec.as_ref().and_then(|s| s.active_deadline_seconds),
     }
 }
 

@@ -157,7 +157,7 @@ fn a_real_prometheus_answers_what_users_ask_and_every_dashboard_query_returns_da
         })
     });
     assert_eq!(value(prom, "sum(cnat_ats{phase=\"PENDING\"})"), Some(1.0));
-    // Printed for a reader (`cargo nextest run --test integration prometheus --no-capture`).
+    // Printed for a reader (`cargo nextest run --test integration -E 'test(/^prometheus::/)' --no-capture`).
     println!("cnat_ats_overdue: {:?}", query(prom, "cnat_ats_overdue"));
     until("the refusals are counted", || {
         value(

@@ -278,15 +278,20 @@ fn pod_strategy() -> impl Strategy<Value = cnat::operator::reconcile::decide::Po
         any::<bool>(),
         any::<bool>(),
         prop::option::of(waiting),
+        (any::<bool>(), seconds()),
     )
-        .prop_map(|(created_at, end, deleting, held, waiting)| PodView {
-            name: "x-pod".into(),
-            created_at,
-            end,
-            deleting,
-            held,
-            waiting,
-        });
+        .prop_map(
+            |(created_at, end, deleting, held, waiting, (running, deadline))| PodView {
+                name: "x-pod".into(),
+                created_at,
+                end,
+                deleting,
+                held,
+                waiting,
+                running,
+                active_deadline_seconds: deadline,
+            },
+        );
     prop_oneof![
         Just(PodObservation::NotCached),
         Just(PodObservation::Missing),

@@ -373,10 +373,11 @@ impl Context {
         }
     }
 
-    /// Deletes the pod of `at` (its deadline passed): only a pod `at` controls (the delete is
-    /// conditional on that pod's uid, from the cache or else read); one already gone, or
-    /// replaced by a pod `at` does not control, is left as it is.
-    pub(super) async fn delete_pod(&self, at: &At) -> Result<(), Error> {
+    /// Deletes the pod of `at` (its deadline passed): `None` once deleted. Only a pod `at`
+    /// controls that has not ended, as last seen: the delete is conditional on that copy's uid
+    /// and resourceVersion, and on a conflict the pod is read again, once. A pod that is gone,
+    /// ended, or not this At's is returned to be decided on instead.
+    pub(super) async fn delete_pod(&self, at: &At) -> Result<Option<PodObservation>, Error> {
         let name = pod::name_for(&at.name_any());
         let fail = |source| Error::DeletePod {
             at: key(at),
@@ -384,25 +385,40 @@ impl Context {
             source,
         };
         let api = self.pod_api(at);
-        let found = match self.cached_or_read(at, &name).await.map_err(fail)? {
-            Some(found) if pod::is_controlled_by(&found, &uid(at)) => found,
-            _ => return Ok(()),
+        let Some(mut found) = self.cached_or_read(at, &name).await.map_err(fail)? else {
+            return Ok(Some(PodObservation::Missing));
         };
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: found.uid(),
-                resource_version: None,
-            }),
-            ..DeleteParams::background()
-        };
-        match api.delete(&name, &params).await {
-            Ok(_) => {
-                info!(at = %key(at), pod = %name, "deleted the pod: activeDeadlineSeconds passed");
-                Ok(())
+        for attempt in 0..2 {
+            let seen = observe(&found, at);
+            if !matches!(&seen, PodObservation::Owned(view) if view.end.is_none()) {
+                return Ok(Some(seen));
             }
-            Err(kube::Error::Api(s)) if s.is_not_found() || s.is_conflict() => Ok(()),
-            Err(source) => Err(fail(source)),
+            let params = DeleteParams {
+                preconditions: Some(Preconditions {
+                    uid: found.uid(),
+                    resource_version: found.resource_version(),
+                }),
+                ..DeleteParams::background()
+            };
+            match api.delete(&name, &params).await {
+                Ok(_) => {
+                    info!(at = %key(at), pod = %name, "deleted the pod: activeDeadlineSeconds passed");
+                    return Ok(None);
+                }
+                Err(kube::Error::Api(s)) if s.is_not_found() => {
+                    return Ok(Some(PodObservation::Missing))
+                }
+                // Changed since seen (it may have ended): read it again, once.
+                Err(kube::Error::Api(s)) if s.is_conflict() && attempt == 0 => {
+                    match api.get_opt(&name).await.map_err(fail)? {
+                        Some(fresh) => found = fresh,
+                        None => return Ok(Some(PodObservation::Missing)),
+                    }
+                }
+                Err(source) => return Err(fail(source)),
+            }
         }
+        Ok(Some(observe(&found, at)))
     }
 
     /// Deletes a finished At whose `ttlSecondsAfterFinished` passed; its pod goes with it

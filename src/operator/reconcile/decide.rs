@@ -384,26 +384,28 @@ fn running(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
 
 /// An owned pod is the truth: RUNNING while it runs (looked at again every `running_recheck`,
 /// in case its deletion was never seen, and at its deadline), DONE once it ended. A pod still
-/// running (or still not started) `activeDeadlineSeconds` after its start is deleted, and the At
-/// DONE with `DeadlineExceeded`, as the Job controller ends a Job's pods: the kubelet's own
-/// enforcement of the pod's deadline comes later, and never for a pod no node took.
+/// running (or still not started) its own `activeDeadlineSeconds` after its start is deleted,
+/// and the At DONE with `DeadlineExceeded`, as the Job controller ends a Job's pods: the
+/// kubelet's own enforcement of the pod's deadline comes later, and never for a pod no node
+/// took. A pod being deleted that ended past its deadline is recorded so too (the status write
+/// after cnat's delete may have been lost).
 fn from_pod(at: &At, view: &PodView, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {
-    let deadline = at
-        .spec
-        .active_deadline_seconds
-        .or(policy.active_deadline_seconds);
+    let deadline = view.active_deadline_seconds;
+    let mut next = Next::new(at, Phase::Running, now);
+    let start = next.status.start_time.or(view.created_at).unwrap_or(now);
+    let ends = deadline.and_then(|seconds| Some((seconds, after(start, seconds)?)));
     let Some(end) = &view.end else {
-        let mut next = Next::new(at, Phase::Running, now);
-        let start = next.status.start_time.or(view.created_at).unwrap_or(now);
         next.status.start_time = Some(start);
-        let ends = deadline.and_then(|seconds| Some((seconds, after(start, seconds)?)));
         if let Some((seconds, _)) = ends.filter(|(_, end)| now >= *end) {
-            return deadline_exceeded(next, &view.name, seconds);
+            return deadline_exceeded(next, &view.name, seconds, None);
         }
-        let next = next.started(&view.name);
         let next = match &view.waiting {
-            Some(waiting) => next.stuck(&view.name, waiting),
-            None => next.unstuck(&view.name),
+            Some(waiting) => next.started(&view.name).stuck(&view.name, waiting),
+            None if view.running => next.started(&view.name).unstuck(&view.name),
+            // On its way again after it was stuck (pulling, creating the container): the At
+            // says what it said until the pod runs or is stuck again.
+            None if next.stuck_before() => next,
+            None => next.started(&view.name),
         };
         let recheck = match ends.and_then(|(_, end)| schedule::until_due(end, now)) {
             Some(left) => left.min(policy.running_recheck),
@@ -411,6 +413,17 @@ fn from_pod(at: &At, view: &PodView, now: DateTime<Utc>, policy: &RunPolicy) -> 
         };
         return next.decide(Call::Nothing, Some(recheck));
     };
+    let ended_late = |(_, deadline_end): &(i64, DateTime<Utc>)| {
+        view.deleting && *deadline_end <= end.finished_at.unwrap_or(now)
+    };
+    let killed_by_kubelet = end.pod_reason.as_deref() == Some("DeadlineExceeded");
+    if let Some((seconds, _)) = ends.filter(ended_late).filter(|_| !killed_by_kubelet) {
+        next.status.start_time = Some(start);
+        return deadline_exceeded(next, &view.name, seconds, Some(end));
+    }
+    let deadline = deadline
+        .or(at.spec.active_deadline_seconds)
+        .or(policy.active_deadline_seconds);
     let (reason, message) = match (end.succeeded, end.exit_code) {
         (false, _) if end.pod_reason.as_deref() == Some("DeadlineExceeded") => (
             "DeadlineExceeded",
@@ -440,26 +453,35 @@ fn from_pod(at: &At, view: &PodView, now: DateTime<Utc>, policy: &RunPolicy) -> 
     let mut next = Next::new(at, Phase::Done, now);
     next.status.pod_name = Some(view.name.clone());
     next.status.start_time = next.status.start_time.or(view.created_at);
-    let mut decision = next.finish(end, reason, told);
+    let mut decision = next.ran(end).finish(end, reason, told);
     if let Some(note) = decision.note.as_mut() {
         note.summary = message;
     }
     decision
 }
 
-/// The pod of a RUNNING At passed its `activeDeadlineSeconds` (`seconds`) before it ended: it
-/// is deleted, and the At DONE, failed with `DeadlineExceeded` (no exit code: none was had).
-fn deadline_exceeded(next: Next, pod_name: &str, seconds: i64) -> Decision {
+/// The pod passed its `activeDeadlineSeconds` (`seconds`) before it ended: it is deleted (or
+/// was, and then `end` is how it ended), and the At DONE, failed with `DeadlineExceeded`.
+fn deadline_exceeded(next: Next, pod_name: &str, seconds: i64, end: Option<&PodEnd>) -> Decision {
     let message = format!(
         "pod {pod_name} did not finish within spec.activeDeadlineSeconds ({seconds} s) of its start; cnat deleted it. Raise activeDeadlineSeconds if the command needs longer"
     );
-    let mut next = next;
+    let mut next = match end {
+        Some(end) => next.started(pod_name).ran(end),
+        None => next.started(pod_name),
+    };
     next.status.phase = Phase::Done;
-    next.status.pod_name = Some(pod_name.to_owned());
-    let decision = next.finish(&PodEnd::unknown(), "DeadlineExceeded", message);
-    Decision {
-        call: Call::DeletePod,
-        ..decision
+    let failed = PodEnd {
+        succeeded: false,
+        ..end.cloned().unwrap_or_else(PodEnd::unknown)
+    };
+    let decision = next.finish(&failed, "DeadlineExceeded", message);
+    match end {
+        Some(_) => decision,
+        None => Decision {
+            call: Call::DeletePod,
+            ..decision
+        },
     }
 }
 
@@ -588,6 +610,26 @@ impl<'a> Next<'a> {
         let message = format!("pod {pod_name} started the command");
         self.condition(POD_STARTED, true, "PodStarted", &message)
             .note(Severity::Normal, "PodStarted", message)
+    }
+
+    /// Whether the status shows the pod stuck (`PodStarted=False`).
+    fn stuck_before(&self) -> bool {
+        self.status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == POD_STARTED && c.status == "False")
+    }
+
+    /// The pod ended with an exit code, so its command started: a `PodStarted=False` left from
+    /// when it was stuck turns True (the pod may have run and ended between two looks). The
+    /// event is the end's.
+    fn ran(self, end: &PodEnd) -> Self {
+        if end.exit_code.is_none() || !self.stuck_before() {
+            return self;
+        }
+        let pod_name = self.status.pod_name.clone().unwrap_or_default();
+        let message = format!("pod {pod_name} started the command");
+        self.condition(POD_STARTED, true, "PodStarted", &message)
     }
 
     fn finish(mut self, end: &PodEnd, reason: &'static str, message: String) -> Decision {

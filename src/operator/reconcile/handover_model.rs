@@ -126,6 +126,8 @@ fn observe(pod: Option<PodState>, missing: PodObservation) -> PodObservation {
             deleting: pod.deleting,
             held: pod.held,
             waiting: None,
+            running: !pod.ended,
+            active_deadline_seconds: None,
         }),
     }
 }

@@ -297,10 +297,11 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
             Call::Nothing => return Ok(ctx.defer(at, decision, now)),
             Call::LookUpPod => ctx.fetch_pod(at).await?,
             Call::DeleteAt => return ctx.delete_at(at).await,
-            Call::DeletePod => {
-                ctx.delete_pod(at).await?;
-                return Ok(ctx.defer(at, decision, now));
-            }
+            Call::DeletePod => match ctx.delete_pod(at).await? {
+                None => return Ok(ctx.defer(at, decision, now)),
+                // Gone, ended or replaced meanwhile: decided again on what it is.
+                Some(found) => found,
+            },
             Call::ReleasePod => ctx.release_pod(at).await?,
             Call::CreatePod => match ctx.create_pod(at).await? {
                 Created::Yes => return Ok(ctx.defer(at, decision, now)),

@@ -811,6 +811,77 @@ async fn a_cached_pod_that_ran_ends_the_at_without_extra_reads() {
     assert_event(&sent[1], "Warning", "CommandFailed");
 }
 
+/// A RUNNING At started a minute before `NOW`, and its running pod with a 30 s deadline.
+fn past_its_deadline() -> (AtStatus, Value) {
+    let mut status = running_status();
+    status.start_time = Some(
+        DateTime::parse_from_rfc3339("2026-11-22T02:09:00Z")
+            .unwrap()
+            .to_utc(),
+    );
+    let mut pod = pod_fixture(Some(AT_UID), None);
+    pod["spec"]["activeDeadlineSeconds"] = 30.into();
+    pod["status"]["phase"] = "Running".into();
+    (status, pod)
+}
+
+#[tokio::test]
+async fn a_pod_past_its_deadline_is_deleted_as_seen_then_the_at_is_done() {
+    let (status, pod) = past_its_deadline();
+    let mut deleted = pod.clone();
+    deleted["metadata"]["deletionTimestamp"] = NOW.into();
+    let mut h = harness(vec![
+        answer("DELETE", POD, 200, deleted),
+        answer("PATCH", STATUS, 200, at_response(&status)),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    h.cache_pod(pod.clone());
+    h.reconcile(example_at(Some(status))).await.unwrap();
+    let sent = h.finish(3).await;
+    // Only the pod as seen: its uid and version.
+    assert_eq!(sent[0].method, "DELETE");
+    assert_eq!(
+        sent[0].body["preconditions"],
+        serde_json::json!({
+            "uid": pod["metadata"]["uid"],
+            "resourceVersion": pod["metadata"]["resourceVersion"],
+        })
+    );
+    let written = assert_status_patch(&sent[1], Phase::Done);
+    assert_eq!(written.reason.as_deref(), Some("DeadlineExceeded"));
+    assert_eq!(written.outcome, Some(crate::api::Outcome::Failed));
+    assert_event(&sent[2], "Warning", "DeadlineExceeded");
+}
+
+#[tokio::test]
+async fn a_pod_that_ended_before_cnat_could_delete_it_is_recorded_as_it_ended() {
+    let (status, pod) = past_its_deadline();
+    let mut succeeded = pod_fixture(Some(AT_UID), Some(("Succeeded", 0)));
+    succeeded["spec"]["activeDeadlineSeconds"] = 30.into();
+    succeeded["metadata"]["resourceVersion"] = "999".into();
+    let mut h = harness(vec![
+        // The cache's copy is behind: the pod ended meanwhile.
+        answer(
+            "DELETE",
+            POD,
+            409,
+            fixture("status-409-conflict-stale-resourceversion.json"),
+        ),
+        answer("GET", POD, 200, succeeded),
+        answer("PATCH", STATUS, 200, at_response(&status)),
+        answer("POST", EVENTS, 201, created_event()),
+    ]);
+    h.cache_pod(pod);
+    h.reconcile(example_at(Some(status))).await.unwrap();
+    let sent = h.finish(4).await;
+    let written = assert_status_patch(&sent[2], Phase::Done);
+    assert_eq!(
+        (written.reason.as_deref(), written.outcome),
+        (Some("Succeeded"), Some(crate::api::Outcome::Succeeded))
+    );
+    assert_event(&sent[3], "Normal", "Succeeded");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_running_pod_in_the_cache_needs_no_request_at_all() {
     let mut h = harness(vec![]);

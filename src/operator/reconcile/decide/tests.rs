@@ -52,11 +52,14 @@ fn running_pod() -> PodView {
         deleting: false,
         held: true,
         waiting: None,
+        running: true,
+        active_deadline_seconds: None,
     }
 }
 
 fn ended_pod(succeeded: bool, exit_code: Option<i32>, detail: Option<&str>) -> PodView {
     PodView {
+        running: false,
         end: Some(PodEnd {
             succeeded,
             exit_code,
@@ -347,6 +350,7 @@ fn a_running_pod_changes_nothing() {
 
 fn stuck_pod(stuck: pod::Stuck, detail: &str) -> PodView {
     PodView {
+        running: false,
         waiting: Some(pod::Waiting {
             stuck,
             detail: detail.into(),
@@ -592,6 +596,20 @@ fn observations() -> Vec<PodObservation> {
         PodObservation::Owned(ended_pod(true, Some(0), None)),
         PodObservation::Owned(ended_pod(false, Some(2), Some("Error"))),
         PodObservation::Owned(ended_pod(false, None, Some("Evicted"))),
+        // With a deadline (60 s after 10:12:00.100), running, stuck, and stopped late.
+        PodObservation::Owned(PodView {
+            active_deadline_seconds: Some(60),
+            ..running_pod()
+        }),
+        PodObservation::Owned(PodView {
+            active_deadline_seconds: Some(60),
+            ..stuck_pod(pod::Stuck::Unschedulable, "Unschedulable: 0/3 nodes")
+        }),
+        PodObservation::Owned(PodView {
+            active_deadline_seconds: Some(60),
+            deleting: true,
+            ..ended_pod(false, Some(143), Some("Error"))
+        }),
     ]
 }
 
@@ -690,7 +708,7 @@ fn invariants_hold_for_every_at_observation_and_time() {
                     let status = d.status.as_ref().expect(&ctx);
                     assert!(
                         view.end.is_none()
-                            && at.spec.active_deadline_seconds.is_some()
+                            && view.active_deadline_seconds.is_some()
                             && status.phase == Phase::Done
                             && status.reason.as_deref() == Some("DeadlineExceeded"),
                         "{ctx}"
@@ -902,21 +920,25 @@ mod production {
 
     #[test]
     fn cnat_deletes_a_pod_at_its_active_deadline_whether_it_runs_or_never_started() {
-        let timed = with_spec(|s| s.active_deadline_seconds = Some(30));
+        let with_deadline = |view: PodView| PodView {
+            active_deadline_seconds: Some(30),
+            ..view
+        };
+        let at = at(BOOK_SCHEDULE, None);
         // The deadline counts from the pod's start (10:12:00.100).
         let before = time("2019-04-12T10:12:30Z");
         let at_deadline = time("2019-04-12T10:12:30.100Z");
         let unschedulable = stuck_pod(pod::Stuck::Unschedulable, "Unschedulable: 0/1 nodes");
-        for view in [running_pod(), unschedulable] {
+        for view in [running_pod(), unschedulable].map(with_deadline) {
             let observed = PodObservation::Owned(view.clone());
-            let d = decide(&timed, &observed, before);
+            let d = decide(&at, &observed, before);
             assert_eq!(d.call, Call::Nothing, "{view:?}");
             assert_eq!(
                 d.requeue,
                 Some(Duration::from_millis(100)),
                 "looks again at it"
             );
-            let running = written(timed.clone(), &d);
+            let running = written(at.clone(), &d);
             let d = decide(&running, &observed, at_deadline);
             assert_eq!(d.call, Call::DeletePod, "{view:?}");
             let status = status_of(&d);
@@ -934,31 +956,80 @@ mod production {
                 "{message}"
             );
             assert_eq!(condition(status, FAILED).reason, "DeadlineExceeded");
+            assert_eq!(condition(status, POD_CREATED).status, "True");
             assert_eq!(d.note.as_ref().unwrap().severity, Severity::Warning);
             // The pod being deleted: recorded, so cnat's finalizer goes and nothing else.
             let deleting = PodObservation::Owned(PodView {
                 deleting: true,
-                ..view
+                ..view.clone()
             });
-            let again = decide(&written(running, &d), &deleting, at_deadline);
+            let again = decide(&written(running.clone(), &d), &deleting, at_deadline);
             assert_eq!((again.call, again.status), (Call::ReleasePod, None));
+            // The DONE write lost after the delete: the pod, ended by its stop (SIGTERM: 143)
+            // past the deadline, is still recorded as past its deadline, with its exit code.
+            let mut stopped = with_deadline(PodView {
+                deleting: true,
+                ..ended_pod(false, Some(143), Some("Error"))
+            });
+            stopped.end.as_mut().unwrap().finished_at = Some(time("2019-04-12T10:12:31Z"));
+            let stopped = PodObservation::Owned(stopped);
+            let late = time("2019-04-12T10:12:45Z");
+            let d = decide(&running, &stopped, late);
+            let status = status_of(&d);
+            assert_eq!(d.call, Call::Nothing);
+            assert_eq!(
+                (status.reason.as_deref(), status.exit_code),
+                (Some("DeadlineExceeded"), Some(143))
+            );
         }
-        // The operator's default applies when the At has none; a pod that ended first is
-        // recorded as it ended.
+        // The deadline is the pod's own: a later change of the At's spec (or of the operator's
+        // default) does not move it.
+        let edited = with_spec(|s| s.active_deadline_seconds = Some(1));
         let policy = RunPolicy {
-            active_deadline_seconds: Some(30),
+            active_deadline_seconds: Some(1),
             ..RunPolicy::default()
         };
-        let plain = at(BOOK_SCHEDULE, None);
         let running = PodObservation::Owned(running_pod());
-        let d = super::super::decide(&plain, &running, at_deadline, &policy);
-        assert_eq!(d.call, Call::DeletePod);
-        let ended = PodObservation::Owned(ended_pod(true, Some(0), None));
-        let d = super::super::decide(&plain, &ended, at_deadline, &policy);
-        assert_eq!(
-            (d.call, status_of(&d).outcome),
-            (Call::Nothing, Some(Outcome::Succeeded))
-        );
+        let d = super::super::decide(&edited, &running, at_deadline, &policy);
+        assert_eq!(d.call, Call::Nothing);
+        // A pod that ended before its deadline is recorded as it ended, deleted or not.
+        for deleting in [false, true] {
+            let ended = PodObservation::Owned(PodView {
+                deleting,
+                ..with_deadline(ended_pod(true, Some(0), None))
+            });
+            let d = decide(&at, &ended, at_deadline);
+            assert_eq!(
+                (d.call, status_of(&d).outcome),
+                (Call::Nothing, Some(Outcome::Succeeded))
+            );
+        }
+    }
+
+    #[test]
+    fn started_is_said_only_once_the_pod_runs_after_it_was_stuck() {
+        let now = time("2026-01-01T00:00:01Z");
+        let stuck = stuck_pod(pod::Stuck::CreateContainerConfigError, "secret x not found");
+        let d = decide(&at(BOOK_SCHEDULE, None), &PodObservation::Owned(stuck), now);
+        let was_stuck = written(at(BOOK_SCHEDULE, None), &d);
+        // Creating its container now: on its way, nothing said yet.
+        let creating = PodView {
+            running: false,
+            ..running_pod()
+        };
+        let d = decide(&was_stuck, &PodObservation::Owned(creating), now);
+        assert_eq!((d.status, d.note), (None, None));
+        let d = decide(&was_stuck, &PodObservation::Owned(running_pod()), now);
+        assert_eq!(condition(status_of(&d), POD_STARTED).status, "True");
+        // Run and ended between two looks: it started, and the event is its end's.
+        let ended = ended_pod(true, Some(0), None);
+        let d = decide(&was_stuck, &PodObservation::Owned(ended), now);
+        assert_eq!(condition(status_of(&d), POD_STARTED).status, "True");
+        assert_eq!(d.note.unwrap().reason, "Succeeded");
+        // Ended without a command (no exit code: evicted while stuck): it never started.
+        let evicted = ended_pod(false, None, Some("Evicted"));
+        let d = decide(&was_stuck, &PodObservation::Owned(evicted), now);
+        assert_eq!(condition(status_of(&d), POD_STARTED).status, "False");
     }
 
     #[test]
