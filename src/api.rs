@@ -14,9 +14,9 @@ use std::collections::BTreeMap;
 
 /// API group of the At resource.
 pub const GROUP: &str = "cnat.programming-kubernetes.info";
-/// Image that runs the command when `spec.template.image` is not set: pinned (a tag other than
-/// `latest`), so that kubelets use the copy they have (`IfNotPresent`) and every run gets the same
-/// image.
+/// Image that runs the command when neither `spec.template.image` nor the operator
+/// (`cnat run --default-image`) names one: pinned (a tag other than `latest`), so that kubelets
+/// use the copy they have (`IfNotPresent`) and every run gets the same image.
 pub const DEFAULT_IMAGE: &str = "busybox:1.36";
 
 /// Run a shell command once, at a given time, in a pod.
@@ -80,15 +80,21 @@ pub struct AtSpec {
 /// container's own fields. The pod always runs one container, `command`, as `/bin/sh -c` under
 /// the `restricted` Pod Security profile; nothing here reaches its security context, volumes,
 /// host namespaces or ports.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct AtPodTemplate {
     /// Labels and annotations added to the pod (cnat's own labels win over these).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata: Option<PodMetadata>,
-    /// Container image that runs the command; it must provide `/bin/sh`. Defaults to `busybox:1.36`.
-    #[serde(default = "default_image")]
-    pub image: String,
+    /// Container image that runs the command; it must provide `/bin/sh`. Without it, the
+    /// operator's default image runs it (`busybox:1.36` unless the operator names another).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// When the node pulls `image`: `Always`, `IfNotPresent` or `Never`, as for any container.
+    /// Without it, the operator's default, else Kubernetes' (`Always` for an image tagged
+    /// `latest` or not tagged, `IfNotPresent` otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<ImagePullPolicy>,
     /// CPU and memory requests and limits of the command's container. Needed in namespaces whose
     /// ResourceQuota limits `requests.*` or `limits.*` (unless the operator sets defaults).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -112,21 +118,32 @@ pub struct AtPodTemplate {
     pub image_pull_secrets: Option<Vec<LocalObjectReference>>,
 }
 
-fn default_image() -> String {
-    DEFAULT_IMAGE.to_owned()
+// When the node pulls a container's image (a container's `imagePullPolicy`). No doc comment:
+// schemars would put it in the CRD in place of the field's own description.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum ImagePullPolicy {
+    /// Pull on every start.
+    Always,
+    /// Pull only when the node does not have the image.
+    IfNotPresent,
+    /// Never pull: the image must be on the node already.
+    Never,
 }
 
-impl Default for AtPodTemplate {
-    fn default() -> Self {
-        AtPodTemplate {
-            metadata: None,
-            image: default_image(),
-            resources: None,
-            env: None,
-            service_account_name: None,
-            node_selector: None,
-            tolerations: None,
-            image_pull_secrets: None,
+impl ImagePullPolicy {
+    /// Every policy, in the order the API lists them.
+    pub const ALL: [ImagePullPolicy; 3] = [
+        ImagePullPolicy::Always,
+        ImagePullPolicy::IfNotPresent,
+        ImagePullPolicy::Never,
+    ];
+
+    /// The API spelling: `Always`, `IfNotPresent` or `Never`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ImagePullPolicy::Always => "Always",
+            ImagePullPolicy::IfNotPresent => "IfNotPresent",
+            ImagePullPolicy::Never => "Never",
         }
     }
 }
@@ -192,6 +209,20 @@ pub struct AtStatus {
     /// The `metadata.generation` of the spec this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+}
+
+/// A policy as the API spells it (the flags that set one read it so).
+impl std::str::FromStr for ImagePullPolicy {
+    type Err = String;
+
+    fn from_str(raw: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|policy| policy.as_str() == raw)
+            .ok_or_else(|| {
+                format!("{raw:?} is not an imagePullPolicy; give Always, IfNotPresent or Never")
+            })
+    }
 }
 
 /// Lifecycle phase of an At, in CamelCase as the API conventions spell enum values.
@@ -334,14 +365,19 @@ mod tests {
     }
 
     #[test]
-    fn the_template_and_its_image_are_defaulted_by_the_schema() {
+    fn the_template_is_defaulted_by_the_schema_and_its_image_by_the_operator() {
         let spec = &schema()["properties"]["spec"];
         assert_eq!(
             spec["properties"]["template"]["default"],
             serde_json::json!({})
         );
         let template = &spec["properties"]["template"]["properties"];
-        assert_eq!(template["image"]["default"], DEFAULT_IMAGE);
+        // No schema default: an At without an image runs the operator's default image.
+        assert!(template["image"].get("default").is_none(), "{template}");
+        assert_eq!(
+            template["imagePullPolicy"]["enum"],
+            serde_json::json!(["Always", "IfNotPresent", "Never"])
+        );
         let required: Vec<&str> = spec["required"]
             .as_array()
             .unwrap()

@@ -1,6 +1,8 @@
 //! Command-line interface. Every flag of `cnat run` can also be set by a `CNAT_*` variable.
 
 use crate::admission::access_review::{self, OnError};
+use crate::admission::validation::image_problem;
+use crate::api::ImagePullPolicy;
 use crate::leader::Timing;
 use crate::limits;
 use crate::operator::policy::{self, RunPolicy};
@@ -132,6 +134,17 @@ pub struct RunArgs {
     /// HTTP/1.1 connection to the API server, so this also bounds memory.
     #[arg(long, env = "CNAT_CONCURRENCY", default_value_t = 32)]
     pub concurrency: u16,
+
+    /// Image that runs the command of an At that names none (`spec.template.image`); pin it
+    /// (a tag other than `latest`, or a digest). In a cluster without Docker Hub, a copy of
+    /// busybox (or any image with `/bin/sh`) in a registry the nodes reach.
+    #[arg(long, env = "CNAT_DEFAULT_IMAGE", default_value = crate::api::DEFAULT_IMAGE, value_parser = image)]
+    pub default_image: String,
+
+    /// `imagePullPolicy` of run pods whose At sets none: `Always`, `IfNotPresent` or `Never`
+    /// [default: Kubernetes' own: `Always` for `latest` or no tag, else `IfNotPresent`].
+    #[arg(long, env = "CNAT_DEFAULT_IMAGE_PULL_POLICY")]
+    pub default_image_pull_policy: Option<ImagePullPolicy>,
 
     /// Requests for run pods that do not set them, per resource, like a LimitRange's
     /// defaultRequest: `cpu=100m,memory=64Mi`.
@@ -293,6 +306,8 @@ impl RunArgs {
     /// What applies to runs whose At leaves it out.
     pub fn policy(&self) -> RunPolicy {
         RunPolicy {
+            image: self.default_image.clone(),
+            image_pull_policy: self.default_image_pull_policy,
             requests: self.default_requests.clone().unwrap_or_default(),
             limits: self.default_limits.clone().unwrap_or_default(),
             active_deadline_seconds: self.default_active_deadline_seconds,
@@ -321,6 +336,16 @@ fn shards(raw: &str) -> Result<crate::shard::Shards, String> {
         )
     })?;
     crate::shard::Shards::new(count).map_err(|error| error.to_string())
+}
+
+/// `--default-image`: an image reference the kubelet takes, as for `spec.template.image`.
+fn image(raw: &str) -> Result<String, String> {
+    match image_problem(raw) {
+        None => Ok(raw.to_owned()),
+        Some(problem) => Err(problem
+            .trim_start_matches("spec.template.image: ")
+            .replace("remove the field to use the operator's default image", "name an image")),
+    }
 }
 
 /// Parses durations such as `15s`, `500ms` or `1m 30s`.
@@ -423,6 +448,8 @@ mod tests {
             "--default-active-deadline-seconds=3600",
             "--default-starting-deadline-seconds=0",
             "--default-ttl-seconds-after-finished=86400",
+            "--default-image=registry.example.com/mirror/busybox:1.36",
+            "--default-image-pull-policy=IfNotPresent",
         ])
         .unwrap()
         .command
@@ -435,6 +462,8 @@ mod tests {
         assert_eq!(policy.active_deadline_seconds, Some(3600));
         assert_eq!(policy.starting_deadline_seconds, Some(0));
         assert_eq!(policy.ttl_seconds_after_finished, Some(86400));
+        assert_eq!(policy.image, "registry.example.com/mirror/busybox:1.36");
+        assert_eq!(policy.image_pull_policy, Some(ImagePullPolicy::IfNotPresent));
         let Command::Run(plain) = Cli::try_parse_from(["cnat", "run"]).unwrap().command else {
             panic!("run")
         };
@@ -445,12 +474,29 @@ mod tests {
             "--default-active-deadline-seconds=0",
             "--default-starting-deadline-seconds=-1",
             "--default-ttl-seconds-after-finished=-1",
+            "--default-image=",
+            "--default-image=Busybox:1.36",
+            "--default-image-pull-policy=ifnotpresent",
         ] {
             let err = Cli::try_parse_from(["cnat", "run", bad])
                 .unwrap_err()
                 .to_string();
             assert!(err.contains("invalid value"), "{bad}: {err}");
         }
+        let err = Cli::try_parse_from(["cnat", "run", "--default-image-pull-policy=Sometimes"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\"Sometimes\" is not an imagePullPolicy; give Always, IfNotPresent or Never"),
+            "{err}"
+        );
+        let err = Cli::try_parse_from(["cnat", "run", "--default-image=Busybox"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\"Busybox\" is not a valid image reference") && !err.contains("spec.template"),
+            "{err}"
+        );
     }
 
     #[test]

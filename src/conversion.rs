@@ -2,11 +2,11 @@
 //! the `ConversionReview` the API server sends to the conversion webhook.
 //!
 //! The two versions say the same things in different places: `v1` groups the pod's settings
-//! in `spec.template` and spells the phase in CamelCase. The one thing `v1alpha1` cannot say,
-//! `spec.template.metadata` (the pod's labels and annotations), travels in the annotation
-//! [`CARRIED_ANNOTATION`] as JSON, as Kubernetes' own conversions keep fields an older version
-//! lacks; a `v1` object that has that annotation itself gets its value carried in the same
-//! envelope. So both round trips, `v1alpha1 -> v1 -> v1alpha1` and `v1 -> v1alpha1 -> v1`, give
+//! in `spec.template` and spells the phase in CamelCase. What `v1alpha1` cannot say,
+//! `spec.template.metadata` (the pod's labels and annotations) and
+//! `spec.template.imagePullPolicy`, travels in the annotation [`CARRIED_ANNOTATION`] as JSON, as
+//! Kubernetes' own conversions keep fields an older version lacks; a `v1` object that has that
+//! annotation itself gets its value carried in the same envelope. So both round trips, `v1alpha1 -> v1 -> v1alpha1` and `v1 -> v1alpha1 -> v1`, give
 //! back the object they started from (property tests in `conversion/tests.rs`).
 //!
 //! The conversion works on the JSON as stored, not on typed structs: it moves what is there,
@@ -23,8 +23,9 @@ use thiserror::Error;
 pub const V1ALPHA1: &str = "cnat.programming-kubernetes.info/v1alpha1";
 /// `apiVersion` of the version kept and stored.
 pub const V1: &str = "cnat.programming-kubernetes.info/v1";
-/// On a `v1alpha1` object: what its `v1` form holds that `v1alpha1` cannot (`spec.template.metadata`,
-/// and this annotation's own value on the `v1` object if it had one), as JSON.
+/// On a `v1alpha1` object: what its `v1` form holds that `v1alpha1` cannot (`spec.template`'s
+/// `metadata` and `imagePullPolicy`, and this annotation's own value on the `v1` object if it had
+/// one), as JSON.
 pub const CARRIED_ANNOTATION: &str = "cnat.programming-kubernetes.info/v1-fields";
 /// The `v1alpha1` spec fields that `v1` holds in `spec.template`, with the same names.
 pub const POD_FIELDS: [&str; 7] = [
@@ -67,7 +68,11 @@ pub fn in_v1alpha1_terms(message: &str) -> String {
     let mut message = message
         .replace(
             "spec.template.metadata",
-            &format!("metadata.annotations[{CARRIED_ANNOTATION}].podMetadata"),
+            &format!("metadata.annotations[{CARRIED_ANNOTATION}].{POD_METADATA}"),
+        )
+        .replace(
+            "spec.template.imagePullPolicy",
+            &format!("metadata.annotations[{CARRIED_ANNOTATION}].{IMAGE_PULL_POLICY}"),
         )
         .replace("spec.template.", "spec.");
     // Only where the rules name a phase ("once the At is Running", "from Done to Pending").
@@ -124,14 +129,10 @@ pub(crate) fn up(object: &mut Map<String, Value>) {
     }
     // What this object held as v1 and v1alpha1 cannot: only an envelope as `down` writes it is
     // opened, so any other value stays where it is and comes back unchanged.
-    let envelope = carried(object).and_then(envelope);
-    if let Some(Envelope {
-        pod_metadata,
-        annotation,
-    }) = envelope
-    {
-        if let Some(pod_metadata) = pod_metadata {
-            template.insert("metadata".into(), pod_metadata);
+    let envelope = carried_annotation(object).and_then(envelope);
+    if let Some(Envelope { fields, annotation }) = envelope {
+        for (field, value) in fields {
+            template.insert(field.to_owned(), value);
         }
         set_annotation(object, annotation);
     }
@@ -143,24 +144,24 @@ pub(crate) fn up(object: &mut Map<String, Value>) {
 
 /// `v1` to `v1alpha1`, in place (`apiVersion` untouched).
 pub(crate) fn down(object: &mut Map<String, Value>) {
-    let mut pod_metadata = None;
+    let mut carried = Map::new();
     if let Some(Value::Object(spec)) = object.get_mut("spec") {
         // (A template that is not an object, which the schema does not let through, is dropped.)
         if let Some(Value::Object(mut template)) = spec.remove("template") {
-            pod_metadata = template.remove("metadata");
+            for (field, key) in V1_ONLY {
+                if let Some(value) = template.remove(field) {
+                    carried.insert(key.into(), value);
+                }
+            }
             // Every other field of the template is a pod field: v1alpha1 has them in `spec`.
             spec.extend(template);
         }
     }
-    let annotation = carried(object).map(str::to_owned);
+    let annotation = carried_annotation(object).map(str::to_owned);
     // An annotation of this name that `up` would not open stays as it is; one it would open
     // (a v1 object carrying what looks like an envelope) goes into the envelope itself.
-    let wrap = pod_metadata.is_some() || annotation.as_deref().and_then(envelope).is_some();
+    let wrap = !carried.is_empty() || annotation.as_deref().and_then(envelope).is_some();
     if wrap {
-        let mut carried = Map::new();
-        if let Some(pod_metadata) = pod_metadata {
-            carried.insert(POD_METADATA.into(), pod_metadata);
-        }
         if let Some(annotation) = annotation {
             carried.insert(ANNOTATION.into(), Value::String(annotation));
         }
@@ -177,20 +178,29 @@ const MAX_ENVELOPE: usize = 2 << 20;
 
 /// Keys of the envelope in [`CARRIED_ANNOTATION`].
 const POD_METADATA: &str = "podMetadata";
+const IMAGE_PULL_POLICY: &str = "imagePullPolicy";
 const ANNOTATION: &str = "annotation";
 
-/// What a `v1alpha1` object carries for `v1`: the pod's metadata, and the value the annotation
-/// itself had on the `v1` object (when it had one that would otherwise be taken for this).
+/// The fields of `v1`'s `spec.template` that `v1alpha1` has not, with their keys in the envelope.
+const V1_ONLY: [(&str, &str); 2] = [
+    ("metadata", POD_METADATA),
+    ("imagePullPolicy", IMAGE_PULL_POLICY),
+];
+
+/// What a `v1alpha1` object carries for `v1`: the template's fields `v1alpha1` has not (by their
+/// names in the template, in [`V1_ONLY`]'s order), and the value the annotation itself had on the
+/// `v1` object (when it had one that would otherwise be taken for this).
 #[derive(Debug, PartialEq)]
 struct Envelope {
-    pod_metadata: Option<Value>,
+    fields: Vec<(&'static str, Value)>,
     annotation: Option<String>,
 }
 
 /// `text` as an envelope, if it is exactly what `down` writes: canonical JSON (serde_json's
 /// own output, byte for byte) of an object with `podMetadata` (null, or labels and annotations
-/// that are maps of strings, as the v1 schema allows) and/or `annotation` (a string that is an
-/// envelope itself when there is no `podMetadata`: `down` only wraps such a value).
+/// that are maps of strings, as the v1 schema allows), `imagePullPolicy` (null, or one of the
+/// policies), and/or `annotation` (a string that is an envelope itself when nothing else is
+/// carried: `down` only wraps such a value).
 fn envelope(text: &str) -> Option<Envelope> {
     // A made-up value longer than any envelope would otherwise be read into a tree many times
     // its size; an envelope is an object.
@@ -204,18 +214,38 @@ fn envelope(text: &str) -> Option<Envelope> {
     let Value::Object(mut fields) = value else {
         return None;
     };
-    let pod_metadata = fields.remove(POD_METADATA);
+    let mut carried = Vec::new();
+    for (field, key) in V1_ONLY {
+        if let Some(value) = fields.remove(key) {
+            let shaped = match key {
+                POD_METADATA => pod_metadata_shape(&value),
+                _ => image_pull_policy_shape(&value),
+            };
+            if !shaped {
+                return None;
+            }
+            carried.push((field, value));
+        }
+    }
     let annotation = match fields.remove(ANNOTATION) {
         None => None,
         Some(Value::String(annotation)) => Some(annotation),
         Some(_) => return None,
     };
-    let shaped = pod_metadata.as_ref().is_none_or(pod_metadata_shape);
-    let needed = pod_metadata.is_some() || annotation.as_deref().and_then(envelope).is_some();
-    (fields.is_empty() && shaped && needed).then_some(Envelope {
-        pod_metadata,
+    let needed = !carried.is_empty() || annotation.as_deref().and_then(envelope).is_some();
+    (fields.is_empty() && needed).then_some(Envelope {
+        fields: carried,
         annotation,
     })
+}
+
+/// Whether `value` is what v1's `spec.template.imagePullPolicy` can hold.
+fn image_pull_policy_shape(value: &Value) -> bool {
+    match value {
+        Value::Null => true,
+        Value::String(policy) => policy.parse::<crate::api::ImagePullPolicy>().is_ok(),
+        _ => false,
+    }
 }
 
 /// Whether `value` is what v1's `spec.template.metadata` can hold.
@@ -263,7 +293,7 @@ fn respelled(phase: &str, to_v1: bool) -> Option<&'static str> {
 }
 
 /// The value of the carried annotation on `object`, if it has one.
-fn carried(object: &Map<String, Value>) -> Option<&str> {
+fn carried_annotation(object: &Map<String, Value>) -> Option<&str> {
     object
         .get("metadata")?
         .get("annotations")?

@@ -8,7 +8,8 @@
 //!
 //! The cluster is named by `CNAT_CLUSTER_KUBECONFIG`; it must have the images `cnat:<appVersion>`
 //! and `cnat:<appVersion>-next` (the build under test, twice: the upgrade changes the tag) and
-//! `busybox:1.36`. `scripts/test` does all of it; by hand:
+//! `busybox:1.36` (which the test tags [`MIRROR`] on the node, the operator's default image for
+//! a cluster without Docker Hub). `scripts/test` does all of it; by hand:
 //!
 //! ```sh
 //! scripts/cluster up
@@ -44,6 +45,9 @@ const SYSTEM: &str = "cnat-system";
 const TEAM: &str = "team-a";
 /// The node's address (scripts/cluster): pods reach the host there.
 const NODE_ADDRESS: &str = "10.244.0.1";
+/// The operator's default image, as a cluster without Docker Hub has it: busybox, on the node
+/// under a name of its own (no registry serves it), never pulled (`imagePullPolicy: Never`).
+const MIRROR: &str = "cnat.test/mirror/busybox:1.36";
 /// A real pod: scheduling, a container start, the kubelet's status report, on a busy machine.
 const DONE_WITHIN: Duration = Duration::from_secs(90);
 
@@ -351,11 +355,22 @@ async fn installed_as_users_do_cnat_runs_real_pods_survives_upgrades_and_kills_a
     step("done");
 }
 
-/// `helm install` as the install page shows it (with three replicas), plus the collector;
-/// the Deployment Ready, one Lease holder, `helm test` passes. Returns the NOTES.
+/// `helm install` as the install page shows it for a cluster without Docker Hub (three
+/// replicas, the Ats' default image [`MIRROR`], on the node and never pulled), plus the
+/// collector; the Deployment Ready, one Lease holder, `helm test` passes. Returns the NOTES.
 async fn install(cluster: &Cluster, otlp: std::net::SocketAddr) -> String {
+    // The node has busybox under the mirror's name too, as an air-gapped node would have it.
+    let tagged = Command::new("ctr")
+        .arg("--address")
+        .arg(cluster.containerd())
+        .args(["-n", "k8s.io", "images", "tag", "--force"])
+        .args(["docker.io/library/busybox:1.36", MIRROR])
+        .output()
+        .unwrap();
+    succeeded("ctr images tag", &tagged);
     let chart = Path::new(ROOT).join("charts/cnat");
     let endpoint = format!("tracing.otlpEndpoint=http://{otlp}");
+    let default_image = format!("runDefaults.image={MIRROR}");
     let out = cluster.helm(&[
         "install",
         RELEASE,
@@ -366,6 +381,10 @@ async fn install(cluster: &Cluster, otlp: std::net::SocketAddr) -> String {
         "--set",
         "replicaCount=3",
         "--wait",
+        "--set",
+        &default_image,
+        "--set",
+        "runDefaults.imagePullPolicy=Never",
         "--timeout",
         "300s",
         "--set",
@@ -436,6 +455,15 @@ async fn the_notes_example_runs(cluster: &Cluster, notes: &str) {
     let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), TEAM);
     let ran = pods.get(&pod).await.unwrap();
     assert_eq!(ran.status.unwrap().phase.as_deref(), Some("Succeeded"));
+    // The NOTES' At names no image: the operator's default ran it, never pulled.
+    let container = &ran.spec.unwrap().containers[0];
+    assert_eq!(
+        (
+            container.image.as_deref(),
+            container.image_pull_policy.as_deref()
+        ),
+        (Some(MIRROR), Some("Never"))
+    );
 }
 
 /// A schedule the admission policy lets through (it looks like a date) and the webhook refuses
@@ -453,20 +481,24 @@ fn a_malformed_at_is_refused_by_the_webhook_through_its_service(cluster: &Cluste
     );
 }
 
+/// A command that fails, in an image the At names itself (which wins over the operator's).
 async fn a_failing_command_records_its_exit_code_and_output(cluster: &Cluster) {
     let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
     let command = "echo 'the disk is full' >&2; exit 3";
-    ats.create(
-        &PostParams::default(),
-        &at("fails", chrono::Utc::now(), command),
-    )
-    .await
-    .unwrap();
+    let mut fails = at("fails", chrono::Utc::now(), command);
+    fails.spec.template.image = Some("busybox:1.36".into());
+    ats.create(&PostParams::default(), &fails).await.unwrap();
     let status = done(&ats, "fails").await.status.unwrap();
     assert_eq!(status.outcome, Some(Outcome::Failed), "{status:?}");
     assert_eq!(status.exit_code, Some(3), "{status:?}");
     let message = status.message.unwrap_or_default();
     assert!(message.contains("the disk is full"), "{message}");
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), TEAM);
+    let pod = pods.get(&status.pod_name.unwrap()).await.unwrap();
+    assert_eq!(
+        pod.spec.unwrap().containers[0].image.as_deref(),
+        Some("busybox:1.36")
+    );
 }
 
 /// The plugin as users run it: its exit code is the container's, its output the pod's log.
@@ -498,15 +530,23 @@ fn kubectl_at_wait_returns_the_exit_code(cluster: &Cluster) {
 const SECRET: &str = "cnat-test-token";
 /// An image no registry serves: the pull is refused at once (nothing listens on port 1).
 const NO_IMAGE: &str = "127.0.0.1:1/cnat/nothing:1";
+/// An image the node does not have, which the operator's `imagePullPolicy: Never` forbids
+/// pulling.
+const NOT_ON_NODE: &str = "cnat.test/mirror/alpine:3.20";
 
-/// Ats whose pods cannot start (an image that cannot be pulled, a missing Secret, no node that
-/// fits), and two with `activeDeadlineSeconds`: a `sleep 600` that runs (3 s) and a pod no node
-/// takes (5 s). Started here, checked after the steps between.
+/// Ats whose pods cannot start (an image that cannot be pulled, one not on the node and never
+/// pulled, a missing Secret, no node that fits), and two with `activeDeadlineSeconds`: a
+/// `sleep 600` that runs (3 s) and a pod no node takes (5 s). Started here, checked after the
+/// steps between.
 async fn start_pods_that_cannot_start_and_deadlines(cluster: &Cluster) {
     let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
     let now = chrono::Utc::now();
     let mut no_image = at("no-image", now, "true");
-    no_image.spec.template.image = NO_IMAGE.into();
+    no_image.spec.template.image = Some(NO_IMAGE.into());
+    // The At's own policy wins over the operator's `Never`.
+    no_image.spec.template.image_pull_policy = Some(cnat::api::ImagePullPolicy::IfNotPresent);
+    let mut never_pulled = at("never-pulled", now, "true");
+    never_pulled.spec.template.image = Some(NOT_ON_NODE.into());
     let mut no_secret = at("no-secret", now, "test \"$TOKEN\" = t0ken");
     no_secret.spec.template.env = Some(vec![serde_json::from_value(serde_json::json!({
         "name": "TOKEN",
@@ -519,7 +559,7 @@ async fn start_pods_that_cannot_start_and_deadlines(cluster: &Cluster) {
     no_node.spec.template.node_selector =
         Some([("cnat.dev/no-such-node".to_owned(), "true".to_owned())].into());
     no_node.spec.active_deadline_seconds = Some(5);
-    for at in [no_image, no_secret, sleeper, no_node] {
+    for at in [no_image, never_pulled, no_secret, sleeper, no_node] {
         ats.create(&PostParams::default(), &at).await.unwrap();
     }
 }
@@ -563,8 +603,8 @@ fn has_event(describe: &str, type_: &str, reason: &str) -> bool {
     })
 }
 
-/// A failing pull and a missing Secret show on the At as the kubelet says them (`REASON`, the
-/// `PodStarted` condition, a warning event); then the Secret is created.
+/// A failing pull, an image never pulled and a missing Secret show on the At as the kubelet says
+/// them (`REASON`, the `PodStarted` condition, a warning event); then the Secret is created.
 async fn pods_that_cannot_start_show_on_their_ats(cluster: &Cluster) {
     let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
     let status = stuck_as(&ats, "no-image", "ImagePullBackOff").await;
@@ -584,6 +624,19 @@ async fn pods_that_cannot_start_show_on_their_ats(cluster: &Cluster) {
         "{describe}"
     );
     ats.delete("no-image", &DeleteParams::default())
+        .await
+        .unwrap();
+
+    let status = stuck_as(&ats, "never-pulled", "ErrImageNeverPull").await;
+    let message = status.message.unwrap_or_default();
+    assert!(message.contains(NOT_ON_NODE), "{message}");
+    let (get, describe) = shown(cluster, "never-pulled");
+    assert!(get.contains("ErrImageNeverPull"), "{get}");
+    assert!(
+        has_event(&describe, "Warning", "ErrImageNeverPull"),
+        "{describe}"
+    );
+    ats.delete("never-pulled", &DeleteParams::default())
         .await
         .unwrap();
 

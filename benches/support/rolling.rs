@@ -57,7 +57,7 @@ fn dynamic_ats(admin: &Client, ns: &str) -> Api<kube::api::DynamicObject> {
     Api::namespaced_with(admin.clone(), ns, &resource)
 }
 
-/// An At due at `due` without an image (the mutating webhook defaults it).
+/// An At due at `due` without a shard label (the mutating webhook adds one).
 fn steady_at(name: &str, due: chrono::DateTime<chrono::Utc>) -> kube::api::DynamicObject {
     serde_json::from_value(serde_json::json!({
         "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
@@ -175,12 +175,14 @@ async fn rolling(plane: &'static ControlPlane, admin: &Client, n: usize) {
                 let due_instant = Instant::now() + DUE_AFTER;
                 let due = chrono::Utc::now() + chrono::Duration::from_std(DUE_AFTER).unwrap();
                 // Sent on its own: a slow answer does not hold back the next create. Without
-                // an image: the stored At has one only if the mutating webhook defaulted it.
+                // a shard label: the stored At has one only if the mutating webhook added it.
                 let (ats, at) = (ats.clone(), steady_at(&name, due));
                 let answer = tokio::spawn(async move {
                     let stored = ats.create(&PostParams::default(), &at).await?;
                     Ok::<bool, kube::Error>(
-                        stored.data["spec"]["image"] == cnat::api::DEFAULT_IMAGE,
+                        stored.metadata.labels.as_ref().is_some_and(|labels| {
+                            labels.contains_key(cnat::shard::LABEL)
+                        }),
                     )
                 });
                 sent.push((name, due_instant, answer));

@@ -7,7 +7,6 @@
 //! (applied whenever the object is read). The webhook still defaults the phase on `ats/status`
 //! writes that leave it out, and on API servers that keep status on create.
 
-use crate::api::DEFAULT_IMAGE;
 use crate::{conversion, shard};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -32,7 +31,7 @@ pub fn patch(object: &Value, target: Target, version: &str) -> json_patch::Patch
     }
     match target {
         Target::Object { create } => {
-            default_image(&mut defaulted);
+            drop_blank_image(&mut defaulted);
             if create {
                 default_phase(&mut defaulted);
             }
@@ -61,19 +60,22 @@ pub fn shard_label(labels: Option<&BTreeMap<String, String>>, seed: &str) -> jso
     json_patch::diff(&before, &json!({"metadata": {"labels": after}}))
 }
 
-fn default_image(at: &mut Value) {
-    let Some(spec) = at.get_mut("spec").and_then(Value::as_object_mut) else {
+/// An image that is `null` or blank names none: it is removed, so the operator's default image
+/// runs the command (as when the field is left out). The image is not filled in here: which
+/// image an At without one runs is the operator's setting when its pod is made.
+fn drop_blank_image(at: &mut Value) {
+    let Some(template) = at
+        .get_mut("spec")
+        .and_then(|spec| spec.get_mut("template"))
+        .and_then(Value::as_object_mut)
+    else {
         return;
     };
-    let template = spec.entry("template").or_insert_with(|| json!({}));
-    let Some(spec) = template.as_object_mut() else {
-        return;
-    };
-    let blank = spec
+    let blank = template
         .get("image")
-        .is_none_or(|image| image.as_str().is_some_and(|s| s.trim().is_empty()) || image.is_null());
+        .is_some_and(|image| image.as_str().is_some_and(|s| s.trim().is_empty()) || image.is_null());
     if blank {
-        spec.insert("image".into(), json!(DEFAULT_IMAGE));
+        template.remove("image");
     }
 }
 
@@ -110,23 +112,29 @@ mod tests {
     }
 
     #[test]
-    fn create_defaults_image_and_phase_and_is_idempotent() {
+    fn create_defaults_the_phase_not_the_image_and_is_idempotent() {
         let object = at(
             json!({"schedule": "2019-04-12T10:12:00Z", "command": "echo YAY"}),
             None,
         );
         let patch = patch(&object, Target::Object { create: true }, "v1alpha1");
         let defaulted = applied(&object, &patch);
-        assert_eq!(defaulted["spec"]["image"], crate::api::DEFAULT_IMAGE);
+        assert!(defaulted["spec"].get("image").is_none(), "{defaulted}");
         assert_eq!(defaulted["status"], json!({"phase": "PENDING"}));
         assert_eq!(defaulted["spec"]["command"], "echo YAY");
         let ops = serde_json::to_value(&patch).unwrap();
         assert_eq!(
             ops,
-            json!([
-                {"op": "add", "path": "/spec/image", "value": crate::api::DEFAULT_IMAGE},
-                {"op": "add", "path": "/status", "value": {"phase": "PENDING"}},
-            ])
+            json!([{"op": "add", "path": "/status", "value": {"phase": "PENDING"}}])
+        );
+        // In v1 terms, the same: an At without an image keeps none (the operator's runs it).
+        let mut v1 = object.clone();
+        v1["apiVersion"] = json!(conversion::V1);
+        v1["spec"]["template"] = json!({"env": []});
+        let v1_patch = super::patch(&v1, Target::Object { create: true }, "v1");
+        assert_eq!(
+            serde_json::to_value(&v1_patch).unwrap(),
+            json!([{"op": "add", "path": "/status", "value": {"phase": "Pending"}}])
         );
         // Reinvoked on its own output, the webhook changes nothing.
         assert!(
@@ -149,7 +157,7 @@ mod tests {
     }
 
     #[test]
-    fn blank_or_null_images_get_the_default() {
+    fn blank_or_null_images_are_dropped_for_the_operators_default() {
         for image in [json!(""), json!("  "), Value::Null] {
             let object = at(
                 json!({"schedule": "s", "command": "c", "image": image}),
@@ -159,11 +167,8 @@ mod tests {
                 &object,
                 &patch(&object, Target::Object { create: false }, "v1alpha1"),
             );
-            assert_eq!(
-                defaulted["spec"]["image"],
-                crate::api::DEFAULT_IMAGE,
-                "{image}"
-            );
+            assert!(defaulted["spec"].get("image").is_none(), "{image}");
+            assert_eq!(defaulted["spec"]["command"], "c");
             assert!(
                 defaulted.get("status").is_none(),
                 "updates of the object leave status alone"

@@ -8,7 +8,7 @@ use kube::{Resource, ResourceExt};
 mod image;
 mod pod_settings;
 
-use image::image_problem;
+pub use image::image_problem;
 
 /// Characters that `generateName` adds to a prefix.
 const GENERATED_SUFFIX: &str = "xxxxx";
@@ -36,8 +36,10 @@ pub fn spec_problems(at: &At, old: Option<&At>) -> Vec<String> {
             new.command
         ));
     }
-    if changed(&|w| w.template.image == new.template.image) {
-        problems.extend(image_problem(&new.template.image));
+    if let Some(image) = &new.template.image {
+        if changed(&|w| w.template.image == new.template.image) {
+            problems.extend(image_problem(image));
+        }
     }
     problems.extend(pod_settings::problems(new, was));
     if let Some(problem) = old.and_then(|old| immutability_problem(at, old)) {
@@ -125,7 +127,7 @@ mod tests {
                 schedule: schedule.into(),
                 command: command.into(),
                 template: crate::api::AtPodTemplate {
-                    image: image.into(),
+                    image: Some(image.into()),
                     ..Default::default()
                 },
                 ..AtSpec::default()

@@ -673,9 +673,10 @@ fn refuse_untyped<T: Resource>(
     }
 }
 
-/// The mutating webhook for an AdmissionReview body: defaults `spec.template.image` and the phase, and
-/// labels the At with its list shard (`shard`), as an idempotent JSON patch. It works on the
-/// raw object, to see which fields are absent.
+/// The mutating webhook for an AdmissionReview body: drops a blank `spec.template.image`
+/// (the operator's default image runs the command), defaults the phase, and labels the At with
+/// its list shard (`shard`), as an idempotent JSON patch. It works on the raw object, to see
+/// which fields are absent.
 pub fn mutating(body: &[u8]) -> Result<Verdict, ReviewError> {
     let mut request = mutating_review::decode(body)?;
     let response = mutate(&mut request);

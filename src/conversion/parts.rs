@@ -9,7 +9,7 @@
 //! with a key given twice read as JSON readers read it, the last one winning.
 
 use super::{envelope, respelled, ConversionError, Envelope, CARRIED_ANNOTATION, POD_FIELDS};
-use super::{ANNOTATION, POD_METADATA, V1, V1ALPHA1};
+use super::{ANNOTATION, V1, V1ALPHA1, V1_ONLY};
 use crate::serving::bounded::Budget;
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
@@ -308,14 +308,10 @@ fn up(object: &mut Members) {
         }
     }
     let envelope = carried(object).as_deref().and_then(envelope);
-    if let Some(Envelope {
-        pod_metadata,
-        annotation,
-    }) = envelope
-    {
-        if let Some(pod_metadata) = pod_metadata {
-            let text = serde_json::to_string(&pod_metadata).unwrap_or_default();
-            template.push((Cow::Borrowed("metadata"), Part::Raw(text.into())));
+    if let Some(Envelope { fields, annotation }) = envelope {
+        for (field, value) in fields {
+            let text = serde_json::to_string(&value).unwrap_or_default();
+            template.push((Cow::Borrowed(field), Part::Raw(text.into())));
         }
         set_annotation(object, annotation);
     }
@@ -327,22 +323,26 @@ fn up(object: &mut Members) {
 
 /// `v1` to `v1alpha1`, as `super::down`.
 fn down(object: &mut Members, budget: &Budget) -> Result<(), String> {
-    let mut pod_metadata = None;
+    let mut moved = Vec::new();
     if let Some(Part::Object(spec)) = get_mut(object, "spec") {
         if let Some(Part::Object(mut template)) = remove(spec, "template") {
-            pod_metadata = remove(&mut template, "metadata");
+            for (field, key) in V1_ONLY {
+                if let Some(value) = remove(&mut template, field) {
+                    moved.push((key, value));
+                }
+            }
             // Appended: a field the spec has too is read from the template, as `extend` has it.
             spec.extend(template);
         }
     }
     let annotation = carried(object);
-    let wrap = pod_metadata.is_some() || annotation.as_deref().and_then(envelope).is_some();
+    let wrap = !moved.is_empty() || annotation.as_deref().and_then(envelope).is_some();
     if wrap {
         let mut carried = serde_json::Map::new();
-        if let Some(pod_metadata) = pod_metadata {
+        for (key, value) in moved {
             // Read as JSON, within the object's budget, to be written as `super::down` writes
             // it (canonical, as `envelope` wants it back).
-            let text = match pod_metadata {
+            let text = match value {
                 Part::Raw(text) => text,
                 Part::Object(members) => Cow::Owned(text_of(&members)),
             };
@@ -351,7 +351,7 @@ fn down(object: &mut Members, budget: &Budget) -> Result<(), String> {
                 .value()
                 .deserialize(&mut deserializer)
                 .map_err(|e| e.to_string())?;
-            carried.insert(POD_METADATA.into(), value);
+            carried.insert(key.into(), value);
         }
         if let Some(annotation) = annotation {
             carried.insert(ANNOTATION.into(), serde_json::Value::String(annotation));

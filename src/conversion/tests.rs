@@ -59,18 +59,43 @@ fn pod_metadata() -> impl Strategy<Value = Value> {
     ]
 }
 
+/// What v1's `spec.template.imagePullPolicy` can hold: null or a policy.
+fn image_pull_policy() -> impl Strategy<Value = Value> {
+    prop::sample::select(vec![
+        Value::Null,
+        json!("Always"),
+        json!("IfNotPresent"),
+        json!("Never"),
+    ])
+}
+
 /// A value for the carried annotation: envelopes as the conversion writes them (pod metadata,
-/// a carried value, both, nested), and values it must leave alone (re-spaced, not JSON, JSON of
-/// another shape, an envelope that carries nothing an envelope needs).
+/// a pull policy, a carried value, any of them together, nested), and values it must leave
+/// alone (re-spaced, not JSON, JSON of another shape, an envelope that carries nothing an
+/// envelope needs).
 fn carried_annotation() -> impl Strategy<Value = String> {
     fn written() -> impl Strategy<Value = String> {
-        (pod_metadata(), prop::option::of(".{0,12}")).prop_map(|(pm, ann)| {
-            let mut fields = json!({"podMetadata": pm});
-            if let Some(ann) = ann {
-                fields["annotation"] = json!(ann);
-            }
-            fields.to_string()
-        })
+        (
+            prop::option::of(pod_metadata()),
+            prop::option::of(image_pull_policy()),
+            prop::option::of(".{0,12}"),
+        )
+            .prop_filter("an envelope carries something", |(pm, policy, _)| {
+                pm.is_some() || policy.is_some()
+            })
+            .prop_map(|(pm, policy, ann)| {
+                let mut fields = json!({});
+                if let Some(pm) = pm {
+                    fields["podMetadata"] = pm;
+                }
+                if let Some(policy) = policy {
+                    fields["imagePullPolicy"] = policy;
+                }
+                if let Some(ann) = ann {
+                    fields["annotation"] = json!(ann);
+                }
+                fields.to_string()
+            })
     }
     prop_oneof![
         written(),
@@ -79,6 +104,8 @@ fn carried_annotation() -> impl Strategy<Value = String> {
         Just(r#"{"annotation":"x"}"#.to_owned()),
         Just(r#"{"podMetadata":{"foo":1}}"#.to_owned()),
         Just(r#"{"podMetadata":{"labels":{"a":1}}}"#.to_owned()),
+        Just(r#"{"imagePullPolicy":"Sometimes"}"#.to_owned()),
+        Just(r#"{"imagePullPolicy":1,"podMetadata":null}"#.to_owned()),
         Just("{}".to_owned()),
         Just("not json".to_owned()),
         Just("null".to_owned()),
@@ -244,18 +271,23 @@ fn v1alpha1_at() -> impl Strategy<Value = Value> {
 }
 
 /// A v1 At as stored: `spec.template` always there (its schema default), maybe with pod
-/// metadata, maybe with an annotation of the carried one's name (nothing stops a user).
+/// metadata and a pull policy, maybe with an annotation of the carried one's name (nothing
+/// stops a user).
 fn v1_at() -> impl Strategy<Value = Value> {
     (
         metadata(),
         common_spec(),
         pod_fields(),
         prop::option::of(pod_metadata()),
+        prop::option::of(image_pull_policy()),
         status(["Pending", "Running", "Done"]),
     )
-        .prop_map(|(meta, mut spec, mut template, pod_metadata, status)| {
+        .prop_map(|(meta, mut spec, mut template, pod_metadata, policy, status)| {
             if let Some(pod_metadata) = pod_metadata {
                 template.insert("metadata".into(), pod_metadata);
+            }
+            if let Some(policy) = policy {
+                template.insert("imagePullPolicy".into(), policy);
             }
             spec.insert("template".into(), Value::Object(template));
             object(V1, meta, spec, status)
@@ -388,6 +420,22 @@ fn pod_metadata_travels_in_an_annotation_and_other_annotations_stay() {
         })
     );
     assert_eq!(convert(0, old.clone(), V1).unwrap(), v1);
+
+    // The pull policy travels in the same envelope; an At without an image stays without one.
+    let mut pulled = v1.clone();
+    pulled["spec"]["template"] = json!({"imagePullPolicy": "Never"});
+    let old_pulled = convert(0, pulled.clone(), V1ALPHA1).unwrap();
+    assert_eq!(
+        old_pulled["metadata"]["annotations"][CARRIED_ANNOTATION],
+        json!(r#"{"imagePullPolicy":"Never"}"#)
+    );
+    assert!(old_pulled["spec"].get("image").is_none());
+    assert!(old_pulled["spec"].get("imagePullPolicy").is_none());
+    assert_eq!(convert(0, old_pulled, V1).unwrap(), pulled);
+    assert_eq!(
+        in_v1alpha1_terms("spec.template.imagePullPolicy: Unsupported value"),
+        format!("metadata.annotations[{CARRIED_ANNOTATION}].imagePullPolicy: Unsupported value")
+    );
 
     // An annotation cnat did not write (re-spaced by hand) stays an annotation.
     let mut edited = old;

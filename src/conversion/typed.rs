@@ -9,7 +9,7 @@
 //! respell its phase.
 
 use super::{envelope, respell, Envelope, CARRIED_ANNOTATION, V1ALPHA1};
-use crate::api::{At, AtPodTemplate, AtSpec, AtStatus, PodMetadata};
+use crate::api::{At, AtPodTemplate, AtSpec, AtStatus, ImagePullPolicy, PodMetadata};
 use k8s_openapi::api::core::v1::{EnvVar, LocalObjectReference, ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::core::{NamespaceResourceScope, Resource};
@@ -45,8 +45,8 @@ pub struct SpecV1alpha1 {
     active_deadline_seconds: Option<i64>,
     #[serde(default)]
     ttl_seconds_after_finished: Option<i32>,
-    #[serde(default = "default_image")]
-    image: String,
+    #[serde(default)]
+    image: Option<String>,
     #[serde(default)]
     resources: Option<ResourceRequirements>,
     #[serde(default)]
@@ -59,10 +59,6 @@ pub struct SpecV1alpha1 {
     tolerations: Option<Vec<Toleration>>,
     #[serde(default)]
     image_pull_secrets: Option<Vec<LocalObjectReference>>,
-}
-
-fn default_image() -> String {
-    AtPodTemplate::default().image
 }
 
 /// The status with its phase respelled as `v1` spells it, or `None` for none or `null`.
@@ -95,6 +91,7 @@ impl AtV1alpha1 {
         let mut template = AtPodTemplate {
             metadata: None,
             image: spec.image,
+            image_pull_policy: None,
             resources: spec.resources,
             env: spec.env,
             service_account_name: spec.service_account_name,
@@ -107,13 +104,17 @@ impl AtV1alpha1 {
             .as_ref()
             .and_then(|annotations| annotations.get(CARRIED_ANNOTATION))
             .and_then(|text| envelope(text));
-        if let Some(Envelope {
-            pod_metadata,
-            annotation,
-        }) = carried
-        {
-            if let Some(pod_metadata) = pod_metadata {
-                template.metadata = Option::<PodMetadata>::deserialize(pod_metadata).ok()?;
+        if let Some(Envelope { fields, annotation }) = carried {
+            for (field, value) in fields {
+                match field {
+                    "metadata" => {
+                        template.metadata = Option::<PodMetadata>::deserialize(value).ok()?;
+                    }
+                    _ => {
+                        template.image_pull_policy =
+                            Option::<ImagePullPolicy>::deserialize(value).ok()?;
+                    }
+                }
             }
             let annotations = metadata.annotations.get_or_insert_default();
             match annotation {

@@ -98,9 +98,14 @@ pub struct Args {
     /// Name of the At [default: the command's first word, a dash and 5 random characters].
     #[arg(long)]
     pub name: Option<String>,
-    /// Image that runs the command; it must have /bin/sh [default: busybox:1.36].
+    /// Image that runs the command; it must have /bin/sh [default: the operator's, busybox:1.36
+    /// unless it names another].
     #[arg(long)]
     pub image: Option<String>,
+    /// When the node pulls the image: Always, IfNotPresent or Never [default: the operator's,
+    /// else Kubernetes'].
+    #[arg(long, value_name = "POLICY")]
+    pub image_pull_policy: Option<crate::api::ImagePullPolicy>,
     /// Environment variable of the command (repeatable).
     #[arg(long = "env", short = 'e', value_name = "NAME=VALUE")]
     pub env: Vec<String>,
@@ -282,10 +287,8 @@ pub fn build(
                 .map(|d| i32::try_from(d.as_secs()).unwrap_or(i32::MAX)),
             template: crate::api::AtPodTemplate {
                 metadata: None,
-                image: args
-                    .image
-                    .clone()
-                    .unwrap_or_else(|| crate::api::DEFAULT_IMAGE.into()),
+                image: args.image.clone(),
+                image_pull_policy: args.image_pull_policy,
                 resources: resources(args)?,
                 env: non_empty(
                     args.env

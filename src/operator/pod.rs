@@ -135,7 +135,8 @@ pub fn build(at: &At, policy: &RunPolicy) -> Pod {
             }),
             containers: vec![Container {
                 name: CONTAINER.into(),
-                image: Some(at.spec.template.image.clone()),
+                image: Some(policy.image(spec.template.image.as_deref())),
+                image_pull_policy: policy.image_pull_policy(spec.template.image_pull_policy),
                 command: Some(vec!["/bin/sh".into(), "-c".into(), at.spec.command.clone()]),
                 env: spec.template.env.clone(),
                 resources: policy.resources(spec.template.resources.as_ref()),
@@ -486,7 +487,7 @@ mod tests {
                 schedule: "2019-04-12T10:12:00Z".into(),
                 command: "echo 'a b' | tr a-z A-Z && exit 3".into(),
                 template: crate::api::AtPodTemplate {
-                    image: "busybox:1.36".into(),
+                    image: Some("busybox:1.36".into()),
                     ..Default::default()
                 },
                 ..AtSpec::default()
@@ -557,6 +558,7 @@ mod tests {
             panic!("one container")
         };
         assert_eq!(container.image.as_deref(), Some("busybox:1.36"));
+        assert_eq!(container.image_pull_policy, None, "Kubernetes' default");
         assert_eq!(
             container.command.clone().unwrap(),
             ["/bin/sh", "-c", "echo 'a b' | tr a-z A-Z && exit 3"]
@@ -650,6 +652,47 @@ mod tests {
         with.spec.active_deadline_seconds = None;
         let pod = build(&with, &policy);
         assert_eq!(pod.spec.unwrap().active_deadline_seconds, Some(3600));
+    }
+
+    #[test]
+    fn the_image_and_its_pull_policy_are_the_ats_else_the_operators() {
+        use crate::api::ImagePullPolicy::{IfNotPresent, Never};
+        let container = |at: &At, policy: &RunPolicy| {
+            let pod = build(at, policy);
+            let container = pod.spec.unwrap().containers.remove(0);
+            (container.image.unwrap(), container.image_pull_policy)
+        };
+        let operator = RunPolicy {
+            image: "registry.example.com/tools/busybox:1.36".into(),
+            image_pull_policy: Some(IfNotPresent),
+            ..RunPolicy::default()
+        };
+        let mut none = at("example-at");
+        none.spec.template.image = None;
+        assert_eq!(
+            container(&none, &RunPolicy::default()),
+            (crate::api::DEFAULT_IMAGE.to_owned(), None)
+        );
+        assert_eq!(
+            container(&none, &operator),
+            (
+                "registry.example.com/tools/busybox:1.36".to_owned(),
+                Some("IfNotPresent".to_owned())
+            )
+        );
+        // A blank image (admission drops it; an At written past the webhook) counts as none.
+        none.spec.template.image = Some(" ".into());
+        assert_eq!(
+            container(&none, &operator).0,
+            "registry.example.com/tools/busybox:1.36"
+        );
+        let mut own = at("example-at");
+        own.spec.template.image = Some("alpine:3.20".into());
+        own.spec.template.image_pull_policy = Some(Never);
+        assert_eq!(
+            container(&own, &operator),
+            ("alpine:3.20".to_owned(), Some("Never".to_owned()))
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Operator-wide policy for runs (`cnat run --default-*`): what applies when an At does not say,
 //! like a LimitRange for the pods cnat creates, and how often a running At is checked again.
 
+use crate::api::{ImagePullPolicy, DEFAULT_IMAGE};
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use std::collections::BTreeMap;
@@ -13,6 +14,10 @@ pub const RUNNING_RECHECK: Duration = Duration::from_secs(60);
 /// Defaults for the fields an At may leave out, and the re-check interval.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunPolicy {
+    /// Image for an At that names none.
+    pub image: String,
+    /// `imagePullPolicy` for an At that sets none; without either, Kubernetes' default.
+    pub image_pull_policy: Option<ImagePullPolicy>,
     /// Requests per resource (`cpu`, `memory`, ...) for a container that does not request it.
     pub requests: BTreeMap<String, Quantity>,
     /// Limits per resource for a container that does not limit it.
@@ -26,6 +31,8 @@ pub struct RunPolicy {
 impl Default for RunPolicy {
     fn default() -> Self {
         RunPolicy {
+            image: DEFAULT_IMAGE.to_owned(),
+            image_pull_policy: None,
             requests: BTreeMap::new(),
             limits: BTreeMap::new(),
             active_deadline_seconds: None,
@@ -37,6 +44,21 @@ impl Default for RunPolicy {
 }
 
 impl RunPolicy {
+    /// The image that runs `at`'s command: its own, else this policy's (a blank image, which
+    /// admission drops, counts as none).
+    pub fn image(&self, at: Option<&str>) -> String {
+        at.filter(|image| !image.trim().is_empty())
+            .unwrap_or(&self.image)
+            .to_owned()
+    }
+
+    /// The pull policy of `at`'s container: its own, else this policy's, else none (Kubernetes'
+    /// default applies).
+    pub fn image_pull_policy(&self, at: Option<ImagePullPolicy>) -> Option<String> {
+        at.or(self.image_pull_policy)
+            .map(|policy| policy.as_str().to_owned())
+    }
+
     /// The At's resources with the defaults filled in per resource name, as a LimitRange does:
     /// a value the At sets always wins.
     pub fn resources(&self, at: Option<&ResourceRequirements>) -> Option<ResourceRequirements> {

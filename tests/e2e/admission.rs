@@ -116,7 +116,8 @@ async fn admission_denies_defaults_guards_and_never_blocks_status_writes() {
         denied.message
     );
 
-    // Defaults: the image, and the phase that reads on every At.
+    // Defaults: the shard label, and the phase that reads on every At; no image (the
+    // operator's default image runs an At that names none).
     let raw: Api<kube::core::DynamicObject> = Api::namespaced_with(
         admin.clone(),
         &ns,
@@ -129,9 +130,19 @@ async fn admission_denies_defaults_guards_and_never_blocks_status_writes() {
     }))
     .unwrap();
     let created = raw.create(&PostParams::default(), &bare).await.unwrap();
-    assert_eq!(
-        created.data["spec"]["template"]["image"],
-        cnat::api::DEFAULT_IMAGE
+    assert!(
+        created.data["spec"]["template"].get("image").is_none(),
+        "no image: the operator's default runs it: {:?}",
+        created.data
+    );
+    assert!(
+        created
+            .metadata
+            .labels
+            .as_ref()
+            .is_some_and(|labels| labels.contains_key(cnat::shard::LABEL)),
+        "the mutating webhook's shard label: {:?}",
+        created.metadata
     );
     assert_eq!(created.data["status"]["phase"], "Pending");
     // The CRD defaults these too: the replica's metrics show the mutating webhook answered.

@@ -288,7 +288,7 @@ fn sample(name: &str, schedule: &str, zone: Option<&str>, command: &str) -> cnat
             time_zone: zone.map(str::to_owned),
             command: command.into(),
             template: cnat::api::AtPodTemplate {
-                image: "busybox:1.36".into(),
+                image: Some("busybox:1.36".into()),
                 ..Default::default()
             },
             ..Default::default()

@@ -575,6 +575,11 @@ fn bad_values_are_rejected_by_the_schema() {
             "runDefaults.cpu=1",
             "additional properties 'cpu' not allowed",
         ),
+        ("runDefaults.image=", "/runDefaults/image"),
+        (
+            "runDefaults.imagePullPolicy=Sometimes",
+            "/runDefaults/imagePullPolicy",
+        ),
         (
             "webhook.accessReview.onError=maybe",
             "/webhook/accessReview/onError",
@@ -738,9 +743,14 @@ fn plain_env(rendered: &Rendered) -> std::collections::BTreeMap<String, String> 
 #[test]
 fn run_defaults_become_the_operators_default_flags() {
     let none = plain_env(&Rendered::new(&[]));
-    assert!(
-        !none.keys().any(|k| k.starts_with("CNAT_DEFAULT_")),
-        "no defaults unless asked: {none:?}"
+    let defaults: Vec<_> = none
+        .iter()
+        .filter(|(k, _)| k.starts_with("CNAT_DEFAULT_"))
+        .collect();
+    assert_eq!(
+        defaults,
+        [(&"CNAT_DEFAULT_IMAGE".to_owned(), &cnat::api::DEFAULT_IMAGE.to_owned())],
+        "no defaults unless asked, but the image, named where users see it"
     );
     let env = plain_env(&Rendered::new(&[
         "runDefaults.requests.cpu=100m",
@@ -750,6 +760,8 @@ fn run_defaults_become_the_operators_default_flags() {
         "runDefaults.activeDeadlineSeconds=3600",
         "runDefaults.startingDeadlineSeconds=0",
         "runDefaults.ttlSecondsAfterFinished=86400",
+        "runDefaults.image=registry.example.com/mirror/busybox:1.36",
+        "runDefaults.imagePullPolicy=IfNotPresent",
     ]));
     assert_eq!(env["CNAT_DEFAULT_REQUESTS"], "cpu=100m,memory=64Mi");
     assert_eq!(env["CNAT_DEFAULT_LIMITS"], "cpu=1,memory=256Mi");
@@ -759,6 +771,11 @@ fn run_defaults_become_the_operators_default_flags() {
         "0 is a value, not unset"
     );
     assert_eq!(env["CNAT_DEFAULT_TTL_SECONDS_AFTER_FINISHED"], "86400");
+    assert_eq!(
+        env["CNAT_DEFAULT_IMAGE"],
+        "registry.example.com/mirror/busybox:1.36"
+    );
+    assert_eq!(env["CNAT_DEFAULT_IMAGE_PULL_POLICY"], "IfNotPresent");
     // The flags parse as the operator reads them.
     for (flag, value) in &env {
         if let Some(name) = flag.strip_prefix("CNAT_DEFAULT_") {

@@ -133,14 +133,12 @@ fn every_field_is_documented_and_typed() {
 }
 
 #[test]
-fn spec_requires_schedule_and_command_and_defaults_the_image() {
+fn spec_requires_schedule_and_command_and_leaves_the_image_to_the_operator() {
     let spec = property(&schema(), &["spec"]);
     assert_eq!(spec.required.clone().unwrap(), ["command", "schedule"]);
+    // No default in v1: an At without an image runs the operator's default image.
     let image = property(&spec, &["template", "image"]);
-    assert_eq!(
-        image.default.unwrap().0,
-        serde_json::json!(cnat::api::DEFAULT_IMAGE)
-    );
+    assert_eq!(image.default, None);
     // v1alpha1's schema is frozen as 0.1.0 served it, default and all.
     let old = property(&schema_of("v1alpha1"), &["spec", "image"]);
     assert_eq!(old.default.unwrap().0, serde_json::json!("busybox"));

@@ -147,7 +147,10 @@ async fn creates_an_at_for_an_at_1_time_and_says_when_it_runs() {
 async fn reads_the_command_from_standard_input_and_names_the_at_after_it() {
     let c = cluster("stdin").await;
     let run = c
-        .run_with_input(&["--in", "1h", "--image", "alpine"], "./backup.sh --full\n")
+        .run_with_input(
+            &["--in", "1h", "--image", "alpine", "--image-pull-policy", "Always"],
+            "./backup.sh --full\n",
+        )
         .await;
     assert_eq!(run.code, 0, "{}", run.stderr);
     let names = c.names();
@@ -158,8 +161,16 @@ async fn reads_the_command_from_standard_input_and_names_the_at_after_it() {
     );
     let at = c.at(&names[0]).unwrap();
     assert_eq!(
-        (at.spec.command.as_str(), at.spec.template.image.as_str()),
-        ("./backup.sh --full", "alpine")
+        (
+            at.spec.command.as_str(),
+            at.spec.template.image.as_deref(),
+            at.spec.template.image_pull_policy
+        ),
+        (
+            "./backup.sh --full",
+            Some("alpine"),
+            Some(cnat::api::ImagePullPolicy::Always)
+        )
     );
     assert!(
         run.stderr.contains(&format!("job team-a/{} at", names[0])),

@@ -160,7 +160,7 @@ async fn every_captured_request_is_answered_with_its_uid() {
 }
 
 #[tokio::test]
-async fn the_mutating_webhook_defaults_the_image_and_the_phase_idempotently() {
+async fn the_mutating_webhook_defaults_the_phase_idempotently_and_leaves_the_image_to_the_operator() {
     let server = server("mutate").await;
     let client = trusting(&server);
     let (path, mut request) = fixture("mutating-create.json");
@@ -172,7 +172,8 @@ async fn the_mutating_webhook_defaults_the_image_and_the_phase_idempotently() {
     let object = patched(&request, &response);
     assert_eq!(
         object["spec"],
-        json!({"command": "echo YAY", "schedule": "2019-04-12T10:12:00Z", "image": cnat::api::DEFAULT_IMAGE})
+        json!({"command": "echo YAY", "schedule": "2019-04-12T10:12:00Z"}),
+        "no image: the operator's default runs the command"
     );
     assert_eq!(object["status"], json!({"phase": "PENDING"}));
 

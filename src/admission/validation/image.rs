@@ -11,7 +11,7 @@ pub fn image_problem(image: &str) -> Option<String> {
     let fix = "expected e.g. busybox, busybox:1.36 or registry.example.com/team/tools@sha256:<64 hex digits>";
     if image.trim().is_empty() {
         return Some(format!(
-            "spec.template.image: {image:?} is empty; remove the field to use busybox ({fix})"
+            "spec.template.image: {image:?} is empty; remove the field to use the operator's default image ({fix})"
         ));
     }
     if image.trim() != image {

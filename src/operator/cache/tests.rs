@@ -34,7 +34,8 @@ fn full_at() -> At {
         ttl_seconds_after_finished: Some(0),
         template: crate::api::AtPodTemplate {
             metadata: None,
-            image: "alpine:3.20".into(),
+            image: Some("alpine:3.20".into()),
+            image_pull_policy: Some(crate::api::ImagePullPolicy::IfNotPresent),
             resources: Some(ResourceRequirements {
                 limits: Some(BTreeMap::from([("memory".into(), Quantity("64Mi".into()))])),
                 requests: Some(BTreeMap::from([("cpu".into(), Quantity("10m".into()))])),
@@ -162,9 +163,8 @@ fn decodes_the_api_servers_json_as_an_at_and_trims_it() {
     assert_eq!(at.metadata.generation, Some(2));
     assert_eq!(at.spec.command, "echo YAY YAY");
     assert_eq!(
-        at.spec.template.image,
-        crate::api::DEFAULT_IMAGE,
-        "defaults applied"
+        at.spec.template.image, None,
+        "no image named: the operator's default runs the command"
     );
     assert_eq!(cached.phase(), Phase::Running);
     assert_eq!(cached.due(), Some("2019-04-12T10:12:00Z".parse().unwrap()));

@@ -93,7 +93,7 @@ fn at_of(state: &AtState) -> At {
             schedule: "2026-11-25T11:00:00Z".into(),
             command: "true".into(),
             template: AtPodTemplate {
-                image: "busybox".into(),
+                image: Some("busybox".into()),
                 ..Default::default()
             },
             ttl_seconds_after_finished: state.ttl.then_some(0),

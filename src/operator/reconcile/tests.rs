@@ -65,7 +65,7 @@ fn example_at(status: Option<AtStatus>) -> At {
             schedule: "2019-04-12T10:12:00Z".into(),
             command: "echo YAY".into(),
             template: crate::api::AtPodTemplate {
-                image: "busybox".into(),
+                image: Some("busybox".into()),
                 ..Default::default()
             },
             ..AtSpec::default()

@@ -19,7 +19,7 @@ fn at_named(name: &str, schedule: &str, status: Option<AtStatus>) -> At {
             schedule: schedule.into(),
             command: "echo YAY".into(),
             template: crate::api::AtPodTemplate {
-                image: "busybox".into(),
+                image: Some("busybox".into()),
                 ..Default::default()
             },
             ..AtSpec::default()
