@@ -6,7 +6,9 @@
 //! `spec.template.metadata` (the pod's labels and annotations) and
 //! `spec.template.imagePullPolicy`, travels in the annotation [`CARRIED_ANNOTATION`] as JSON, as
 //! Kubernetes' own conversions keep fields an older version lacks; a `v1` object that has that
-//! annotation itself gets its value carried in the same envelope. So both round trips, `v1alpha1 -> v1 -> v1alpha1` and `v1 -> v1alpha1 -> v1`, give
+//! annotation itself gets its value carried in the same envelope. So does the absence of
+//! `spec.template.image` (the operator's default image runs such an At), which `v1alpha1`'s schema
+//! would otherwise turn into its default, `busybox`, on the next write as `v1alpha1`. So both round trips, `v1alpha1 -> v1 -> v1alpha1` and `v1 -> v1alpha1 -> v1`, give
 //! back the object they started from (property tests in `conversion/tests.rs`).
 //!
 //! The conversion works on the JSON as stored, not on typed structs: it moves what is there,
@@ -130,9 +132,17 @@ pub(crate) fn up(object: &mut Map<String, Value>) {
     // What this object held as v1 and v1alpha1 cannot: only an envelope as `down` writes it is
     // opened, so any other value stays where it is and comes back unchanged.
     let envelope = carried_annotation(object).and_then(envelope);
-    if let Some(Envelope { fields, annotation }) = envelope {
+    if let Some(Envelope {
+        fields,
+        no_image,
+        annotation,
+    }) = envelope
+    {
         for (field, value) in fields {
             template.insert(field.to_owned(), value);
+        }
+        if no_image && template.get("image").is_none_or(|i| i == V1ALPHA1_IMAGE) {
+            template.remove("image");
         }
         set_annotation(object, annotation);
     }
@@ -152,6 +162,9 @@ pub(crate) fn down(object: &mut Map<String, Value>) {
                 if let Some(value) = template.remove(field) {
                     carried.insert(key.into(), value);
                 }
+            }
+            if !template.contains_key("image") {
+                carried.insert(NO_IMAGE.into(), Value::Bool(true));
             }
             // Every other field of the template is a pod field: v1alpha1 has them in `spec`.
             spec.extend(template);
@@ -179,7 +192,12 @@ const MAX_ENVELOPE: usize = 2 << 20;
 /// Keys of the envelope in [`CARRIED_ANNOTATION`].
 const POD_METADATA: &str = "podMetadata";
 const IMAGE_PULL_POLICY: &str = "imagePullPolicy";
+const NO_IMAGE: &str = "noImage";
 const ANNOTATION: &str = "annotation";
+
+/// `v1alpha1`'s schema default for `spec.image` (frozen), which the API server writes into an At
+/// that a `v1alpha1` write leaves without one.
+const V1ALPHA1_IMAGE: &str = "busybox";
 
 /// The fields of `v1`'s `spec.template` that `v1alpha1` has not, with their keys in the envelope.
 const V1_ONLY: [(&str, &str); 2] = [
@@ -188,19 +206,22 @@ const V1_ONLY: [(&str, &str); 2] = [
 ];
 
 /// What a `v1alpha1` object carries for `v1`: the template's fields `v1alpha1` has not (by their
-/// names in the template, in [`V1_ONLY`]'s order), and the value the annotation itself had on the
-/// `v1` object (when it had one that would otherwise be taken for this).
+/// names in the template, in [`V1_ONLY`]'s order), whether the `v1` object named no image (then
+/// `busybox`, `v1alpha1`'s default, or no image at all, is no image again in `v1`; any other
+/// image a `v1alpha1` writer set is kept), and the value the annotation itself had on the `v1`
+/// object (when it had one that would otherwise be taken for this).
 #[derive(Debug, PartialEq)]
 struct Envelope {
     fields: Vec<(&'static str, Value)>,
+    no_image: bool,
     annotation: Option<String>,
 }
 
 /// `text` as an envelope, if it is exactly what `down` writes: canonical JSON (serde_json's
 /// own output, byte for byte) of an object with `podMetadata` (null, or labels and annotations
 /// that are maps of strings, as the v1 schema allows), `imagePullPolicy` (null, or one of the
-/// policies), and/or `annotation` (a string that is an envelope itself when nothing else is
-/// carried: `down` only wraps such a value).
+/// policies), `noImage` (`true`), and/or `annotation` (a string that is an envelope itself when
+/// nothing else is carried: `down` only wraps such a value).
 fn envelope(text: &str) -> Option<Envelope> {
     // A made-up value longer than any envelope would otherwise be read into a tree many times
     // its size; an envelope is an object.
@@ -227,14 +248,21 @@ fn envelope(text: &str) -> Option<Envelope> {
             carried.push((field, value));
         }
     }
+    let no_image = match fields.remove(NO_IMAGE) {
+        None => false,
+        Some(Value::Bool(true)) => true,
+        Some(_) => return None,
+    };
     let annotation = match fields.remove(ANNOTATION) {
         None => None,
         Some(Value::String(annotation)) => Some(annotation),
         Some(_) => return None,
     };
-    let needed = !carried.is_empty() || annotation.as_deref().and_then(envelope).is_some();
+    let needed =
+        !carried.is_empty() || no_image || annotation.as_deref().and_then(envelope).is_some();
     (fields.is_empty() && needed).then_some(Envelope {
         fields: carried,
+        no_image,
         annotation,
     })
 }

@@ -113,13 +113,14 @@ mod tests {
 
     #[test]
     fn create_defaults_the_phase_not_the_image_and_is_idempotent() {
+        // As the API server hands it over: v1alpha1's schema default for the image applied.
         let object = at(
-            json!({"schedule": "2019-04-12T10:12:00Z", "command": "echo YAY"}),
+            json!({"schedule": "2019-04-12T10:12:00Z", "command": "echo YAY", "image": "busybox"}),
             None,
         );
         let patch = patch(&object, Target::Object { create: true }, "v1alpha1");
         let defaulted = applied(&object, &patch);
-        assert!(defaulted["spec"].get("image").is_none(), "{defaulted}");
+        assert_eq!(defaulted["spec"]["image"], "busybox");
         assert_eq!(defaulted["status"], json!({"phase": "PENDING"}));
         assert_eq!(defaulted["spec"]["command"], "echo YAY");
         let ops = serde_json::to_value(&patch).unwrap();
@@ -131,6 +132,7 @@ mod tests {
         let mut v1 = object.clone();
         v1["apiVersion"] = json!(conversion::V1);
         v1["spec"]["template"] = json!({"env": []});
+        v1["spec"].as_object_mut().unwrap().remove("image");
         let v1_patch = super::patch(&v1, Target::Object { create: true }, "v1");
         assert_eq!(
             serde_json::to_value(&v1_patch).unwrap(),
@@ -169,6 +171,11 @@ mod tests {
             );
             assert!(defaulted["spec"].get("image").is_none(), "{image}");
             assert_eq!(defaulted["spec"]["command"], "c");
+            // Whatever v1alpha1's schema then fills in, the stored At names no image.
+            let mut refilled = defaulted.clone();
+            refilled["spec"]["image"] = json!("busybox");
+            let stored = conversion::convert(0, refilled, conversion::V1).unwrap();
+            assert!(stored["spec"]["template"].get("image").is_none(), "{stored}");
             assert!(
                 defaulted.get("status").is_none(),
                 "updates of the object leave status alone"

@@ -9,7 +9,7 @@
 //! with a key given twice read as JSON readers read it, the last one winning.
 
 use super::{envelope, respelled, ConversionError, Envelope, CARRIED_ANNOTATION, POD_FIELDS};
-use super::{ANNOTATION, V1, V1ALPHA1, V1_ONLY};
+use super::{ANNOTATION, NO_IMAGE, V1, V1ALPHA1, V1ALPHA1_IMAGE, V1_ONLY};
 use crate::serving::bounded::Budget;
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
@@ -308,10 +308,21 @@ fn up(object: &mut Members) {
         }
     }
     let envelope = carried(object).as_deref().and_then(envelope);
-    if let Some(Envelope { fields, annotation }) = envelope {
+    if let Some(Envelope {
+        fields,
+        no_image,
+        annotation,
+    }) = envelope
+    {
         for (field, value) in fields {
             let text = serde_json::to_string(&value).unwrap_or_default();
             template.push((Cow::Borrowed(field), Part::Raw(text.into())));
+        }
+        let image = get(&template, "image");
+        if no_image
+            && image.is_none_or(|i| as_string(i).is_some_and(|i| i == V1ALPHA1_IMAGE))
+        {
+            remove(&mut template, "image");
         }
         set_annotation(object, annotation);
     }
@@ -330,6 +341,9 @@ fn down(object: &mut Members, budget: &Budget) -> Result<(), String> {
                 if let Some(value) = remove(&mut template, field) {
                     moved.push((key, value));
                 }
+            }
+            if get(&template, "image").is_none() {
+                moved.push((NO_IMAGE, Part::Raw("true".into())));
             }
             // Appended: a field the spec has too is read from the template, as `extend` has it.
             spec.extend(template);

@@ -78,18 +78,22 @@ fn carried_annotation() -> impl Strategy<Value = String> {
         (
             prop::option::of(pod_metadata()),
             prop::option::of(image_pull_policy()),
+            any::<bool>(),
             prop::option::of(".{0,12}"),
         )
-            .prop_filter("an envelope carries something", |(pm, policy, _)| {
-                pm.is_some() || policy.is_some()
+            .prop_filter("an envelope carries something", |(pm, policy, no_image, _)| {
+                pm.is_some() || policy.is_some() || *no_image
             })
-            .prop_map(|(pm, policy, ann)| {
+            .prop_map(|(pm, policy, no_image, ann)| {
                 let mut fields = json!({});
                 if let Some(pm) = pm {
                     fields["podMetadata"] = pm;
                 }
                 if let Some(policy) = policy {
                     fields["imagePullPolicy"] = policy;
+                }
+                if no_image {
+                    fields["noImage"] = json!(true);
                 }
                 if let Some(ann) = ann {
                     fields["annotation"] = json!(ann);
@@ -106,6 +110,8 @@ fn carried_annotation() -> impl Strategy<Value = String> {
         Just(r#"{"podMetadata":{"labels":{"a":1}}}"#.to_owned()),
         Just(r#"{"imagePullPolicy":"Sometimes"}"#.to_owned()),
         Just(r#"{"imagePullPolicy":1,"podMetadata":null}"#.to_owned()),
+        Just(r#"{"noImage":false}"#.to_owned()),
+        Just(r#"{"noImage":"yes","podMetadata":null}"#.to_owned()),
         Just("{}".to_owned()),
         Just("not json".to_owned()),
         Just("null".to_owned()),
@@ -266,8 +272,25 @@ fn v1alpha1_at() -> impl Strategy<Value = Value> {
     )
         .prop_map(|(meta, mut spec, pod, status)| {
             spec.extend(pod);
+            // v1alpha1's schema default gives every At it decodes an image; one whose envelope
+            // says v1 named none is served without one (an image a v1alpha1 write then gives it
+            // is that write's change, tested apart).
+            if no_image_carried(&meta) {
+                spec.remove("image");
+            } else {
+                spec.entry("image").or_insert_with(|| json!("busybox"));
+            }
             object(V1ALPHA1, meta, spec, status)
         })
+}
+
+/// Whether `meta` carries an envelope that says the v1 object named no image.
+fn no_image_carried(meta: &Map<String, Value>) -> bool {
+    meta.get("annotations")
+        .and_then(|a| a.get(CARRIED_ANNOTATION))
+        .and_then(Value::as_str)
+        .and_then(envelope)
+        .is_some_and(|envelope| envelope.no_image)
 }
 
 /// A v1 At as stored: `spec.template` always there (its schema default), maybe with pod
@@ -427,11 +450,21 @@ fn pod_metadata_travels_in_an_annotation_and_other_annotations_stay() {
     let old_pulled = convert(0, pulled.clone(), V1ALPHA1).unwrap();
     assert_eq!(
         old_pulled["metadata"]["annotations"][CARRIED_ANNOTATION],
-        json!(r#"{"imagePullPolicy":"Never"}"#)
+        json!(r#"{"imagePullPolicy":"Never","noImage":true}"#)
     );
     assert!(old_pulled["spec"].get("image").is_none());
     assert!(old_pulled["spec"].get("imagePullPolicy").is_none());
-    assert_eq!(convert(0, old_pulled, V1).unwrap(), pulled);
+    assert_eq!(convert(0, old_pulled.clone(), V1).unwrap(), pulled);
+    // Written as v1alpha1, the API server gives it that version's default image: it names no
+    // image again in v1. An image a v1alpha1 writer sets is kept.
+    let mut defaulted = old_pulled.clone();
+    defaulted["spec"]["image"] = json!("busybox");
+    assert_eq!(convert(0, defaulted, V1).unwrap(), pulled);
+    let mut chosen = old_pulled;
+    chosen["spec"]["image"] = json!("alpine:3.20");
+    let chosen = convert(0, chosen, V1).unwrap();
+    assert_eq!(chosen["spec"]["template"]["image"], "alpine:3.20");
+    assert_eq!(chosen["spec"]["template"]["imagePullPolicy"], "Never");
     assert_eq!(
         in_v1alpha1_terms("spec.template.imagePullPolicy: Unsupported value"),
         format!("metadata.annotations[{CARRIED_ANNOTATION}].imagePullPolicy: Unsupported value")

@@ -8,7 +8,7 @@
 //! an At in its own words. Only the status, small and rare in a review, goes through JSON, to
 //! respell its phase.
 
-use super::{envelope, respell, Envelope, CARRIED_ANNOTATION, V1ALPHA1};
+use super::{envelope, respell, Envelope, CARRIED_ANNOTATION, V1ALPHA1, V1ALPHA1_IMAGE};
 use crate::api::{At, AtPodTemplate, AtSpec, AtStatus, ImagePullPolicy, PodMetadata};
 use k8s_openapi::api::core::v1::{EnvVar, LocalObjectReference, ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -104,7 +104,20 @@ impl AtV1alpha1 {
             .as_ref()
             .and_then(|annotations| annotations.get(CARRIED_ANNOTATION))
             .and_then(|text| envelope(text));
-        if let Some(Envelope { fields, annotation }) = carried {
+        if let Some(Envelope {
+            fields,
+            no_image,
+            annotation,
+        }) = carried
+        {
+            if no_image
+                && template
+                    .image
+                    .as_deref()
+                    .is_none_or(|image| image == V1ALPHA1_IMAGE)
+            {
+                template.image = None;
+            }
             for (field, value) in fields {
                 match field {
                     "metadata" => {

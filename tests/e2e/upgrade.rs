@@ -463,6 +463,36 @@ async fn the_upgrade_to_v1_keeps_every_at_runs_each_once_and_fails_no_create() {
         .annotations()
         .contains_key(cnat::conversion::CARRIED_ANNOTATION));
 
+    // One that names no image (the operator's default runs it) and only a pull policy: read as
+    // v1alpha1 it has no image (no default is applied to a converted read), and both the policy
+    // and the absence of an image in the envelope; after a v1alpha1 patch (which v1alpha1's
+    // schema default gives the image `busybox`) it still names no image in v1.
+    let bare = v1_api
+        .create(
+            &PostParams::default(),
+            &at(
+                "v1",
+                "no-image-as-v1",
+                json!({"schedule": schedule, "command": "true",
+                       "template": {"imagePullPolicy": "Never"}}),
+            ),
+        )
+        .await
+        .unwrap();
+    assert!(bare.data["spec"]["template"].get("image").is_none(), "{:?}", bare.data);
+    let older = old_api.get("no-image-as-v1").await.unwrap();
+    assert!(older.data["spec"].get("image").is_none(), "{:?}", older.data);
+    assert_eq!(
+        older.annotations()[cnat::conversion::CARRIED_ANNOTATION],
+        r#"{"imagePullPolicy":"Never","noImage":true}"#
+    );
+    old_api
+        .patch("no-image-as-v1", &PatchParams::default(), &Patch::Merge(&label))
+        .await
+        .unwrap();
+    let back = v1_api.get("no-image-as-v1").await.unwrap();
+    assert_eq!(back.data["spec"], bare.data["spec"]);
+
     // Every replica stops at once (the whole Deployment restarted) while Ats from before are
     // still stored as v1alpha1. A read from etcd (a GET: quorum) of one then needs the
     // conversion webhook, which the Service sends only to ready replicas, and fails with the
