@@ -342,9 +342,10 @@ fn shards(raw: &str) -> Result<crate::shard::Shards, String> {
 fn image(raw: &str) -> Result<String, String> {
     match image_problem(raw) {
         None => Ok(raw.to_owned()),
-        Some(problem) => Err(problem
-            .trim_start_matches("spec.template.image: ")
-            .replace("remove the field to use the operator's default image", "name an image")),
+        Some(problem) => Err(problem.trim_start_matches("spec.template.image: ").replace(
+            "remove the field to use the operator's default image",
+            "name an image",
+        )),
     }
 }
 
@@ -463,7 +464,10 @@ mod tests {
         assert_eq!(policy.starting_deadline_seconds, Some(0));
         assert_eq!(policy.ttl_seconds_after_finished, Some(86400));
         assert_eq!(policy.image, "registry.example.com/mirror/busybox:1.36");
-        assert_eq!(policy.image_pull_policy, Some(ImagePullPolicy::IfNotPresent));
+        assert_eq!(
+            policy.image_pull_policy,
+            Some(ImagePullPolicy::IfNotPresent)
+        );
         let Command::Run(plain) = Cli::try_parse_from(["cnat", "run"]).unwrap().command else {
             panic!("run")
         };
@@ -487,14 +491,17 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("\"Sometimes\" is not an imagePullPolicy; give Always, IfNotPresent or Never"),
+            err.contains(
+                "\"Sometimes\" is not an imagePullPolicy; give Always, IfNotPresent or Never"
+            ),
             "{err}"
         );
         let err = Cli::try_parse_from(["cnat", "run", "--default-image=Busybox"])
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("\"Busybox\" is not a valid image reference") && !err.contains("spec.template"),
+            err.contains("\"Busybox\" is not a valid image reference")
+                && !err.contains("spec.template"),
             "{err}"
         );
     }

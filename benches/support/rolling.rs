@@ -180,9 +180,11 @@ async fn rolling(plane: &'static ControlPlane, admin: &Client, n: usize) {
                 let answer = tokio::spawn(async move {
                     let stored = ats.create(&PostParams::default(), &at).await?;
                     Ok::<bool, kube::Error>(
-                        stored.metadata.labels.as_ref().is_some_and(|labels| {
-                            labels.contains_key(cnat::shard::LABEL)
-                        }),
+                        stored
+                            .metadata
+                            .labels
+                            .as_ref()
+                            .is_some_and(|labels| labels.contains_key(cnat::shard::LABEL)),
                     )
                 });
                 sent.push((name, due_instant, answer));

@@ -71,9 +71,9 @@ fn drop_blank_image(at: &mut Value) {
     else {
         return;
     };
-    let blank = template
-        .get("image")
-        .is_some_and(|image| image.as_str().is_some_and(|s| s.trim().is_empty()) || image.is_null());
+    let blank = template.get("image").is_some_and(|image| {
+        image.as_str().is_some_and(|s| s.trim().is_empty()) || image.is_null()
+    });
     if blank {
         template.remove("image");
     }
@@ -175,7 +175,10 @@ mod tests {
             let mut refilled = defaulted.clone();
             refilled["spec"]["image"] = json!("busybox");
             let stored = conversion::convert(0, refilled, conversion::V1).unwrap();
-            assert!(stored["spec"]["template"].get("image").is_none(), "{stored}");
+            assert!(
+                stored["spec"]["template"].get("image").is_none(),
+                "{stored}"
+            );
             assert!(
                 defaulted.get("status").is_none(),
                 "updates of the object leave status alone"

@@ -319,9 +319,7 @@ fn up(object: &mut Members) {
             template.push((Cow::Borrowed(field), Part::Raw(text.into())));
         }
         let image = get(&template, "image");
-        if no_image
-            && image.is_none_or(|i| as_string(i).is_some_and(|i| i == V1ALPHA1_IMAGE))
-        {
+        if no_image && image.is_none_or(|i| as_string(i).is_some_and(|i| i == V1ALPHA1_IMAGE)) {
             remove(&mut template, "image");
         }
         set_annotation(object, annotation);

@@ -81,9 +81,10 @@ fn carried_annotation() -> impl Strategy<Value = String> {
             any::<bool>(),
             prop::option::of(".{0,12}"),
         )
-            .prop_filter("an envelope carries something", |(pm, policy, no_image, _)| {
-                pm.is_some() || policy.is_some() || *no_image
-            })
+            .prop_filter(
+                "an envelope carries something",
+                |(pm, policy, no_image, _)| pm.is_some() || policy.is_some() || *no_image,
+            )
             .prop_map(|(pm, policy, no_image, ann)| {
                 let mut fields = json!({});
                 if let Some(pm) = pm {
@@ -305,16 +306,18 @@ fn v1_at() -> impl Strategy<Value = Value> {
         prop::option::of(image_pull_policy()),
         status(["Pending", "Running", "Done"]),
     )
-        .prop_map(|(meta, mut spec, mut template, pod_metadata, policy, status)| {
-            if let Some(pod_metadata) = pod_metadata {
-                template.insert("metadata".into(), pod_metadata);
-            }
-            if let Some(policy) = policy {
-                template.insert("imagePullPolicy".into(), policy);
-            }
-            spec.insert("template".into(), Value::Object(template));
-            object(V1, meta, spec, status)
-        })
+        .prop_map(
+            |(meta, mut spec, mut template, pod_metadata, policy, status)| {
+                if let Some(pod_metadata) = pod_metadata {
+                    template.insert("metadata".into(), pod_metadata);
+                }
+                if let Some(policy) = policy {
+                    template.insert("imagePullPolicy".into(), policy);
+                }
+                spec.insert("template".into(), Value::Object(template));
+                object(V1, meta, spec, status)
+            },
+        )
 }
 
 proptest! {

@@ -479,15 +479,27 @@ async fn the_upgrade_to_v1_keeps_every_at_runs_each_once_and_fails_no_create() {
         )
         .await
         .unwrap();
-    assert!(bare.data["spec"]["template"].get("image").is_none(), "{:?}", bare.data);
+    assert!(
+        bare.data["spec"]["template"].get("image").is_none(),
+        "{:?}",
+        bare.data
+    );
     let older = old_api.get("no-image-as-v1").await.unwrap();
-    assert!(older.data["spec"].get("image").is_none(), "{:?}", older.data);
+    assert!(
+        older.data["spec"].get("image").is_none(),
+        "{:?}",
+        older.data
+    );
     assert_eq!(
         older.annotations()[cnat::conversion::CARRIED_ANNOTATION],
         r#"{"imagePullPolicy":"Never","noImage":true}"#
     );
     old_api
-        .patch("no-image-as-v1", &PatchParams::default(), &Patch::Merge(&label))
+        .patch(
+            "no-image-as-v1",
+            &PatchParams::default(),
+            &Patch::Merge(&label),
+        )
         .await
         .unwrap();
     let back = v1_api.get("no-image-as-v1").await.unwrap();

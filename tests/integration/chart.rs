@@ -749,7 +749,10 @@ fn run_defaults_become_the_operators_default_flags() {
         .collect();
     assert_eq!(
         defaults,
-        [(&"CNAT_DEFAULT_IMAGE".to_owned(), &cnat::api::DEFAULT_IMAGE.to_owned())],
+        [(
+            &"CNAT_DEFAULT_IMAGE".to_owned(),
+            &cnat::api::DEFAULT_IMAGE.to_owned()
+        )],
         "no defaults unless asked, but the image, named where users see it"
     );
     let env = plain_env(&Rendered::new(&[

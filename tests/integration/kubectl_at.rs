@@ -148,7 +148,14 @@ async fn reads_the_command_from_standard_input_and_names_the_at_after_it() {
     let c = cluster("stdin").await;
     let run = c
         .run_with_input(
-            &["--in", "1h", "--image", "alpine", "--image-pull-policy", "Always"],
+            &[
+                "--in",
+                "1h",
+                "--image",
+                "alpine",
+                "--image-pull-policy",
+                "Always",
+            ],
             "./backup.sh --full\n",
         )
         .await;

@@ -160,7 +160,8 @@ async fn every_captured_request_is_answered_with_its_uid() {
 }
 
 #[tokio::test]
-async fn the_mutating_webhook_defaults_the_phase_idempotently_and_leaves_the_image_to_the_operator() {
+async fn the_mutating_webhook_defaults_the_phase_idempotently_and_leaves_the_image_to_the_operator()
+{
     let server = server("mutate").await;
     let client = trusting(&server);
     let (path, mut request) = fixture("mutating-create.json");
