@@ -163,7 +163,7 @@ pub(crate) fn down(object: &mut Map<String, Value>) {
                     carried.insert(key.into(), value);
                 }
             }
-            if !template.contains_key("image") {
+            if template.get("image").is_none_or(Value::is_null) {
                 carried.insert(NO_IMAGE.into(), Value::Bool(true));
             }
             // Every other field of the template is a pod field: v1alpha1 has them in `spec`.

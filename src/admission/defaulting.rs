@@ -7,7 +7,7 @@
 //! (applied whenever the object is read). The webhook still defaults the phase on `ats/status`
 //! writes that leave it out, and on API servers that keep status on create.
 
-use crate::{conversion, shard};
+use crate::shard;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 
@@ -21,25 +21,20 @@ pub enum Target {
 }
 
 /// The JSON patch that applies cnat's defaults to `object` (an At as JSON, in `version`:
-/// `v1alpha1` or `v1`). The defaults are v1's; an object of the older version is converted to
-/// v1, defaulted, and converted back (losslessly), so the patch is in the request's own terms.
+/// `v1alpha1` or `v1`), in the request's own terms: the image where that version has it
+/// (`spec.image`, `spec.template.image`), the phase as it spells it (`PENDING`, `Pending`). It
+/// touches nothing else (the object may come without its metadata).
 pub fn patch(object: &Value, target: Target, version: &str) -> json_patch::Patch {
     let older = version == "v1alpha1";
     let mut defaulted = object.clone();
-    if let Some(map) = defaulted.as_object_mut().filter(|_| older) {
-        conversion::up(map);
-    }
     match target {
         Target::Object { create } => {
-            drop_blank_image(&mut defaulted);
+            drop_blank_image(&mut defaulted, older);
             if create {
-                default_phase(&mut defaulted);
+                default_phase(&mut defaulted, older);
             }
         }
-        Target::Status => default_phase(&mut defaulted),
-    }
-    if let Some(map) = defaulted.as_object_mut().filter(|_| older) {
-        conversion::down(map);
+        Target::Status => default_phase(&mut defaulted, older),
     }
     json_patch::diff(object, &defaulted)
 }
@@ -61,14 +56,17 @@ pub fn shard_label(labels: Option<&BTreeMap<String, String>>, seed: &str) -> jso
 }
 
 /// An image that is `null` or blank names none: it is removed, so the operator's default image
-/// runs the command (as when the field is left out). The image is not filled in here: which
-/// image an At without one runs is the operator's setting when its pod is made.
-fn drop_blank_image(at: &mut Value) {
-    let Some(template) = at
-        .get_mut("spec")
-        .and_then(|spec| spec.get_mut("template"))
-        .and_then(Value::as_object_mut)
-    else {
+/// runs the command (as when the field is left out; in `v1alpha1`, whose schema defaults it to
+/// `busybox`, the API server then fills that in). The image is not filled in here: which image
+/// an At without one runs is the operator's setting when its pod is made.
+fn drop_blank_image(at: &mut Value, older: bool) {
+    let spec = at.get_mut("spec");
+    let template = if older {
+        spec
+    } else {
+        spec.and_then(|spec| spec.get_mut("template"))
+    };
+    let Some(template) = template.and_then(Value::as_object_mut) else {
         return;
     };
     let blank = template.get("image").is_some_and(|image| {
@@ -79,7 +77,7 @@ fn drop_blank_image(at: &mut Value) {
     }
 }
 
-fn default_phase(at: &mut Value) {
+fn default_phase(at: &mut Value, older: bool) {
     let Some(object) = at.as_object_mut() else {
         return;
     };
@@ -88,7 +86,8 @@ fn default_phase(at: &mut Value) {
         *status = json!({});
     }
     if let Some(status) = status.as_object_mut() {
-        status.entry("phase").or_insert_with(|| json!("Pending"));
+        let pending = if older { "PENDING" } else { "Pending" };
+        status.entry("phase").or_insert_with(|| json!(pending));
     }
 }
 
@@ -130,7 +129,7 @@ mod tests {
         );
         // In v1 terms, the same: an At without an image keeps none (the operator's runs it).
         let mut v1 = object.clone();
-        v1["apiVersion"] = json!(conversion::V1);
+        v1["apiVersion"] = json!(crate::conversion::V1);
         v1["spec"]["template"] = json!({"env": []});
         v1["spec"].as_object_mut().unwrap().remove("image");
         let v1_patch = super::patch(&v1, Target::Object { create: true }, "v1");
@@ -171,13 +170,24 @@ mod tests {
             );
             assert!(defaulted["spec"].get("image").is_none(), "{image}");
             assert_eq!(defaulted["spec"]["command"], "c");
-            // Whatever v1alpha1's schema then fills in, the stored At names no image.
-            let mut refilled = defaulted.clone();
-            refilled["spec"]["image"] = json!("busybox");
-            let stored = conversion::convert(0, refilled, conversion::V1).unwrap();
-            assert!(
-                stored["spec"]["template"].get("image").is_none(),
-                "{stored}"
+            // Only the image is touched: no metadata added (the webhook's object has none).
+            let ops =
+                serde_json::to_value(patch(&object, Target::Object { create: false }, "v1alpha1"))
+                    .unwrap();
+            assert_eq!(
+                ops,
+                json!([{"op": "remove", "path": "/spec/image"}]),
+                "{image}"
+            );
+            // In v1, the same in spec.template.
+            let v1 =
+                json!({"spec": {"schedule": "s", "command": "c", "template": {"image": image}}});
+            let ops =
+                serde_json::to_value(patch(&v1, Target::Object { create: false }, "v1")).unwrap();
+            assert_eq!(
+                ops,
+                json!([{"op": "remove", "path": "/spec/template/image"}]),
+                "{image}"
             );
             assert!(
                 defaulted.get("status").is_none(),

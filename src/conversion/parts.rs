@@ -340,7 +340,8 @@ fn down(object: &mut Members, budget: &Budget) -> Result<(), String> {
                     moved.push((key, value));
                 }
             }
-            if get(&template, "image").is_none() {
+            let null = |part: &Part| matches!(part, Part::Raw(text) if text.trim() == "null");
+            if get(&template, "image").is_none_or(null) {
                 moved.push((NO_IMAGE, Part::Raw("true".into())));
             }
             // Appended: a field the spec has too is read from the template, as `extend` has it.
