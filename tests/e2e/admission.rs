@@ -145,6 +145,19 @@ async fn admission_denies_defaults_guards_and_never_blocks_status_writes() {
         created.metadata
     );
     assert_eq!(created.data["status"]["phase"], "Pending");
+    // A blank image names none: the At keeps none (v1alpha1: tests/e2e/upgrade.rs).
+    let blank_v1: kube::core::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
+        "metadata": {"name": "blank-v1"},
+        "spec": {"schedule": soon.to_rfc3339(), "command": "true", "template": {"image": " "}},
+    }))
+    .unwrap();
+    let stored = raw.create(&PostParams::default(), &blank_v1).await.unwrap();
+    assert!(
+        stored.data["spec"]["template"].get("image").is_none(),
+        "{:?}",
+        stored.data
+    );
     // The CRD defaults these too: the replica's metrics show the mutating webhook answered.
     let (_, metrics) = crate::support::process::get(replica.admin, "/metrics").unwrap();
     assert!(

@@ -504,6 +504,21 @@ async fn the_upgrade_to_v1_keeps_every_at_runs_each_once_and_fails_no_create() {
         .unwrap();
     let back = v1_api.get("no-image-as-v1").await.unwrap();
     assert_eq!(back.data["spec"], bare.data["spec"]);
+    // A blank image in a v1alpha1 request: the mutating webhook drops it and the API server
+    // gives it v1alpha1's schema default.
+    old_api
+        .create(
+            &PostParams::default(),
+            &at(
+                "v1alpha1",
+                "blank-as-v1alpha1",
+                json!({"schedule": schedule, "command": "true", "image": " "}),
+            ),
+        )
+        .await
+        .unwrap();
+    let stored = v1_api.get("blank-as-v1alpha1").await.unwrap();
+    assert_eq!(stored.data["spec"]["template"]["image"], "busybox");
 
     // Every replica stops at once (the whole Deployment restarted) while Ats from before are
     // still stored as v1alpha1. A read from etcd (a GET: quorum) of one then needs the
