@@ -72,7 +72,10 @@ pub fn at_json(n: usize) -> Value {
 pub fn conversion_review(n: usize) -> Vec<u8> {
     let objects: Vec<Value> = (0..n)
         .map(|i| {
-            cnat::conversion::convert(i, at_json(i), cnat::conversion::V1ALPHA1)
+            // As 0.1.0 stored them: with v1alpha1's schema default for the image.
+            let mut at = at_json(i);
+            at["spec"]["template"]["image"] = "busybox".into();
+            cnat::conversion::convert(i, at, cnat::conversion::V1ALPHA1)
                 .expect("v1 converts to v1alpha1")
         })
         .collect();
