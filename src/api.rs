@@ -45,14 +45,19 @@ pub struct AtSpec {
     /// `2019-04-12T10:12:00Z` or `2019-04-12T12:12:00+02:00`; or, with `timeZone`, a wall-clock
     /// time without offset, e.g. `2019-04-12T12:12:00`. A time in the past runs at once (unless
     /// `startingDeadlineSeconds` has passed).
+    #[schemars(length(max = crate::limits::MAX_SCHEDULE))]
     pub schedule: String,
     /// IANA time zone (e.g. `Europe/Berlin`) in which a `schedule` without offset is read, as in
     /// a CronJob. A wall-clock time that does not exist there (skipped by a daylight-saving
     /// change) or exists twice is refused with both instants it could mean.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = crate::limits::MAX_TIME_ZONE))]
     pub time_zone: Option<String>,
     /// Shell command to run, passed to `/bin/sh -c`, so quoting, pipes and `&&` work as in a
-    /// shell. It runs once; its exit code decides the outcome.
+    /// shell. It runs once; its exit code decides the outcome. At most 131,071 bytes (what Linux
+    /// passes to a program): a longer script belongs in the image, or in a ConfigMap read
+    /// through `env`.
+    #[schemars(length(max = crate::limits::MAX_COMMAND))]
     pub command: String,
     /// If the command cannot start within this many seconds after its schedule (operator down,
     /// quota, policy), it never runs: the At ends `Done` with outcome `Missed`. Without it, an At
@@ -89,6 +94,7 @@ pub struct AtPodTemplate {
     /// Container image that runs the command; it must provide `/bin/sh`. Without it, the
     /// operator's default image runs it (`busybox:1.36` unless the operator names another).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = crate::limits::MAX_IMAGE))]
     pub image: Option<String>,
     /// When the node pulls `image`: `Always`, `IfNotPresent` or `Never`, as for any container.
     /// Without it, the operator's default, else Kubernetes' (`Always` for an image tagged
@@ -102,19 +108,24 @@ pub struct AtPodTemplate {
     /// Environment variables of the command: `value`, or `valueFrom` a Secret, ConfigMap or
     /// field of the pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = crate::limits::MAX_ENV))]
     pub env: Option<Vec<EnvVar>>,
     /// Service account the pod runs as. Its API token is mounted only when this is set; by
     /// default the pod has no token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = crate::limits::MAX_NAME))]
     pub service_account_name: Option<String>,
     /// Node labels the pod's node must have.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxProperties" = crate::limits::MAX_ENTRIES))]
     pub node_selector: Option<BTreeMap<String, String>>,
     /// Taints the pod tolerates.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = crate::limits::MAX_TOLERATIONS))]
     pub tolerations: Option<Vec<Toleration>>,
     /// Secrets (in the At's namespace) holding credentials to pull `image`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = crate::limits::MAX_PULL_SECRETS))]
     pub image_pull_secrets: Option<Vec<LocalObjectReference>>,
 }
 
@@ -154,9 +165,11 @@ impl ImagePullPolicy {
 pub struct PodMetadata {
     /// Labels of the pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxProperties" = crate::limits::MAX_ENTRIES))]
     pub labels: Option<BTreeMap<String, String>>,
     /// Annotations of the pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxProperties" = crate::limits::MAX_ENTRIES))]
     pub annotations: Option<BTreeMap<String, String>>,
 }
 

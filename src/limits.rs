@@ -1,6 +1,11 @@
 //! The bounds on every number in an At's spec, shared by the CRD schema (`api`), the admission
 //! rules and `cnat check` (`admission::validation`), and the state machine, which gives an At
-//! stored before these bounds existed a terminal reason instead of doing arithmetic on it. Pure.
+//! stored before these bounds existed a terminal reason instead of doing arithmetic on it; and
+//! the bounds on every size an At's spec carries (its strings, lists and maps, and the whole
+//! spec), so that one tenant's Ats cannot make each replica's cache, which holds every At, grow
+//! without bound. The sizes are checked by the CRD schema where it can say them (lengths and
+//! counts, in characters) and by the admission rules (all of them; the whole spec in bytes), for
+//! new and changed fields only: an At admitted before keeps running. Pure.
 //!
 //! Each bound is the one Kubernetes uses for the same field: a pod's `activeDeadlineSeconds`
 //! must be between 1 and 2147483647 (the API server refuses the pod otherwise), and a Job's
@@ -12,6 +17,158 @@ use crate::api::AtSpec;
 
 /// The largest value of every seconds field: `2^31 - 1`, about 68 years.
 pub const MAX_SECONDS: i64 = i32::MAX as i64;
+
+/// The most bytes of `spec.command` (the schema counts characters, the webhook bytes): the
+/// longest argument Linux passes to a program (`MAX_ARG_STRLEN`, 128 KiB with its terminating
+/// zero); `/bin/sh -c` could not start a longer one (`E2BIG`), so no At that ever ran is over
+/// it. A longer script belongs in the image, or in a ConfigMap the command reads through
+/// `spec.template.env` (`valueFrom.configMapKeyRef`, then `sh -c "$SCRIPT"`).
+pub const MAX_COMMAND: usize = 131_071;
+/// The most characters of `spec.schedule` (an RFC 3339 time has at most 35).
+pub const MAX_SCHEDULE: usize = 64;
+/// The most characters of `spec.timeZone` (IANA names have at most 32).
+pub const MAX_TIME_ZONE: usize = 64;
+/// The most characters of `spec.template.image`: more than any valid reference has (a name of
+/// 255, a tag of 128, a digest of 135).
+pub const MAX_IMAGE: usize = 1024;
+/// The most characters of `spec.template.serviceAccountName` (a DNS subdomain).
+pub const MAX_NAME: usize = 253;
+/// The most variables in `spec.template.env`. The counts are far above what a command's pod
+/// needs, so that no At admitted before them is over one; [`MAX_SPEC_BYTES`] bounds what they
+/// hold together.
+pub const MAX_ENV: usize = 1024;
+/// The most entries of `spec.template.nodeSelector`, and of the pod's labels and of its
+/// annotations (`spec.template.metadata`).
+pub const MAX_ENTRIES: usize = 256;
+/// The most items of `spec.template.tolerations`.
+pub const MAX_TOLERATIONS: usize = 256;
+/// The most items of `spec.template.imagePullSecrets`.
+pub const MAX_PULL_SECRETS: usize = 64;
+/// The most bytes of the whole spec as JSON: the longest command and room for the pod's
+/// settings. Each cached At costs about this much at most, plus its metadata.
+pub const MAX_SPEC_BYTES: usize = 262_144;
+
+/// One size of `spec`: the field, how big it is, how big it may be, in what unit, and the fix.
+struct Size {
+    field: &'static str,
+    size: usize,
+    max: usize,
+    unit: &'static str,
+    fix: &'static str,
+}
+
+fn sizes(spec: &AtSpec) -> [Size; 11] {
+    let template = &spec.template;
+    let chars = |s: Option<&String>| s.map_or(0, |s| s.chars().count());
+    let items = |n: Option<usize>| n.unwrap_or(0);
+    let metadata = template.metadata.as_ref();
+    let shorter = "shorten it";
+    let fewer = "remove some";
+    [
+        Size {
+            field: "spec.command",
+            size: spec.command.len(),
+            max: MAX_COMMAND,
+            unit: "bytes",
+            fix: "put a longer script in the image, or in a ConfigMap the command reads through spec.template.env (valueFrom.configMapKeyRef, then sh -c \"$SCRIPT\")",
+        },
+        Size {
+            field: "spec.schedule",
+            size: chars(Some(&spec.schedule)),
+            max: MAX_SCHEDULE,
+            unit: "characters",
+            fix: "give one time, e.g. 2019-04-12T10:12:00Z",
+        },
+        Size {
+            field: "spec.timeZone",
+            size: chars(spec.time_zone.as_ref()),
+            max: MAX_TIME_ZONE,
+            unit: "characters",
+            fix: "give an IANA name, e.g. Europe/Berlin",
+        },
+        Size {
+            field: "spec.template.image",
+            size: chars(template.image.as_ref()),
+            max: MAX_IMAGE,
+            unit: "characters",
+            fix: shorter,
+        },
+        Size {
+            field: "spec.template.serviceAccountName",
+            size: chars(template.service_account_name.as_ref()),
+            max: MAX_NAME,
+            unit: "characters",
+            fix: shorter,
+        },
+        Size {
+            field: "spec.template.env",
+            size: items(template.env.as_ref().map(Vec::len)),
+            max: MAX_ENV,
+            unit: "variables",
+            fix: "pass fewer, or read them from one Secret or ConfigMap key",
+        },
+        Size {
+            field: "spec.template.nodeSelector",
+            size: items(template.node_selector.as_ref().map(|m| m.len())),
+            max: MAX_ENTRIES,
+            unit: "entries",
+            fix: fewer,
+        },
+        Size {
+            field: "spec.template.metadata.labels",
+            size: items(metadata.and_then(|m| m.labels.as_ref()).map(|m| m.len())),
+            max: MAX_ENTRIES,
+            unit: "entries",
+            fix: fewer,
+        },
+        Size {
+            field: "spec.template.metadata.annotations",
+            size: items(metadata.and_then(|m| m.annotations.as_ref()).map(|m| m.len())),
+            max: MAX_ENTRIES,
+            unit: "entries",
+            fix: fewer,
+        },
+        Size {
+            field: "spec.template.tolerations",
+            size: items(template.tolerations.as_ref().map(Vec::len)),
+            max: MAX_TOLERATIONS,
+            unit: "items",
+            fix: fewer,
+        },
+        Size {
+            field: "spec.template.imagePullSecrets",
+            size: items(template.image_pull_secrets.as_ref().map(Vec::len)),
+            max: MAX_PULL_SECRETS,
+            unit: "items",
+            fix: fewer,
+        },
+    ]
+}
+
+/// Every size of `spec` over its bound, and the whole spec over [`MAX_SPEC_BYTES`], each message
+/// naming the field, its size, the bound and the fix. `changed(field)` says which fields to
+/// check (`"spec"` for the whole spec).
+pub fn size_problems(spec: &AtSpec, changed: impl Fn(&str) -> bool) -> Vec<String> {
+    let mut problems: Vec<String> = sizes(spec)
+        .into_iter()
+        .filter(|s| s.size > s.max && changed(s.field))
+        .map(|s| {
+            format!(
+                "{}: {} {}, more than the {} an At may have; {}",
+                s.field, s.size, s.unit, s.max, s.fix
+            )
+        })
+        .collect();
+    if problems.is_empty() && changed("spec") {
+        let bytes = serde_json::to_vec(spec).map_or(0, |json| json.len());
+        if bytes > MAX_SPEC_BYTES {
+            problems.push(format!(
+                "spec: {bytes} bytes as JSON, more than the {MAX_SPEC_BYTES} an At may hold (each replica keeps every At in memory); make the command or the pod settings shorter"
+            ));
+        }
+    }
+    problems
+}
 
 /// One numeric field's allowed range and what it means, for messages.
 struct Bound {
@@ -96,6 +253,73 @@ mod tests {
         );
         let extremes = spec(Some(i64::MIN), Some(i64::MAX), Some(i32::MIN));
         assert_eq!(problems(&extremes, |_| true).len(), 3);
+    }
+
+    #[test]
+    fn sizes_at_their_bounds_pass_and_one_more_is_refused_with_the_bound_and_the_fix() {
+        use crate::api::PodMetadata;
+        use k8s_openapi::api::core::v1::{EnvVar, LocalObjectReference, Toleration};
+        let all = |_: &str| true;
+        let map = |n: usize| (0..n).map(|i| (format!("k{i}"), "v".to_owned())).collect();
+        let full = |extra: usize| {
+            let mut spec = AtSpec {
+                command: "x".repeat(MAX_COMMAND - 1000 + extra),
+                schedule: "1".repeat(MAX_SCHEDULE + extra),
+                time_zone: Some("z".repeat(MAX_TIME_ZONE + extra)),
+                ..AtSpec::default()
+            };
+            let t = &mut spec.template;
+            t.image = Some("i".repeat(MAX_IMAGE + extra));
+            t.service_account_name = Some("s".repeat(MAX_NAME + extra));
+            t.env = Some(vec![EnvVar::default(); MAX_ENV + extra]);
+            t.node_selector = Some(map(MAX_ENTRIES + extra));
+            t.metadata = Some(PodMetadata {
+                labels: Some(map(MAX_ENTRIES + extra)),
+                annotations: Some(map(MAX_ENTRIES + extra)),
+            });
+            t.tolerations = Some(vec![Toleration::default(); MAX_TOLERATIONS + extra]);
+            t.image_pull_secrets =
+                Some(vec![LocalObjectReference::default(); MAX_PULL_SECRETS + extra]);
+            spec
+        };
+        assert_eq!(size_problems(&full(0), all), Vec::<String>::new());
+        let over = size_problems(&full(1), all);
+        assert_eq!(over.len(), 10, "{over:#?}");
+        assert!(over.iter().any(|p| p
+            == "spec.template.env: 1025 variables, more than the 1024 an At may have; pass fewer, or read them from one Secret or ConfigMap key"));
+        // The command in bytes (what exec takes): 32,768 four-byte characters are over.
+        let wide = AtSpec {
+            command: "\u{1F600}".repeat(32_768),
+            ..AtSpec::default()
+        };
+        let found = size_problems(&wide, all);
+        assert_eq!(found.len(), 1);
+        assert!(found[0].starts_with("spec.command: 131072 bytes"), "{found:?}");
+        // The whole spec, when no field is over: four env values of 64 KiB.
+        let value = EnvVar {
+            name: "V".into(),
+            value: Some("v".repeat(65_536)),
+            value_from: None,
+        };
+        let mut heavy = AtSpec::default();
+        heavy.template.env = Some(vec![value; 4]);
+        let found = size_problems(&heavy, all);
+        assert_eq!(found.len(), 1);
+        assert!(
+            found[0].starts_with("spec: 262")
+                && found[0].contains("more than the 262144 an At may hold"),
+            "{found:?}"
+        );
+        let long = AtSpec {
+            command: "x".repeat(MAX_COMMAND + 1),
+            ..AtSpec::default()
+        };
+        assert_eq!(
+            size_problems(&long, all),
+            ["spec.command: 131072 bytes, more than the 131071 an At may have; put a longer script in the image, or in a ConfigMap the command reads through spec.template.env (valueFrom.configMapKeyRef, then sh -c \"$SCRIPT\")"]
+        );
+        // Only what changed is checked: an At admitted before keeps its sizes.
+        assert!(size_problems(&long, |field| field != "spec.command" && field != "spec").is_empty());
     }
 
     #[test]

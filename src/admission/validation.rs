@@ -25,6 +25,31 @@ pub fn spec_problems(at: &At, old: Option<&At>) -> Vec<String> {
             problems.push(problem);
         }
     }
+    let t = &new.template;
+    let sizes = crate::limits::size_problems(new, |field| match field {
+        "spec.command" => changed(&|w| w.command == new.command),
+        "spec.schedule" => changed(&|w| w.schedule == new.schedule),
+        "spec.timeZone" => changed(&|w| w.time_zone == new.time_zone),
+        "spec.template.image" => changed(&|w| w.template.image == t.image),
+        "spec.template.serviceAccountName" => {
+            changed(&|w| w.template.service_account_name == t.service_account_name)
+        }
+        "spec.template.env" => changed(&|w| w.template.env == t.env),
+        "spec.template.nodeSelector" => changed(&|w| w.template.node_selector == t.node_selector),
+        "spec.template.metadata.labels" | "spec.template.metadata.annotations" => {
+            changed(&|w| w.template.metadata == t.metadata)
+        }
+        "spec.template.tolerations" => changed(&|w| w.template.tolerations == t.tolerations),
+        "spec.template.imagePullSecrets" => {
+            changed(&|w| w.template.image_pull_secrets == t.image_pull_secrets)
+        }
+        _ => changed(&|w| w == new),
+    });
+    if !sizes.is_empty() {
+        // Sizes first, alone: the other rules would quote the oversized values back.
+        problems.extend(sizes);
+        return problems;
+    }
     if changed(&|w| w.schedule == new.schedule && w.time_zone == new.time_zone) {
         if let Err(err) = schedule::parse(&new.schedule, new.time_zone.as_deref()) {
             problems.push(err.to_string());

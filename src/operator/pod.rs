@@ -158,10 +158,24 @@ pub fn build(at: &At, policy: &RunPolicy) -> Pod {
     }
 }
 
+/// The pod labels cnat reads (which it sets on every pod it creates).
+const CACHED_LABELS: [&str; 3] = [MANAGED_BY_LABEL, AT_LABEL, crate::shard::LABEL];
+
 /// Drops what the operator never reads, so the cache stays small.
 pub fn trim(pod: &mut Pod) {
     pod.metadata.managed_fields = None;
     pod.metadata.annotations = None;
+    // Whoever may create pods may label one as cnat's: of its labels only cnat's own, of its
+    // owners only its controller (the one reference cnat reads), so such a pod costs the cache
+    // a few hundred bytes whatever it carries. (Its finalizers stay whole: releasing cnat's
+    // keeps the others.)
+    if let Some(labels) = pod.metadata.labels.as_mut() {
+        labels.retain(|key, _| CACHED_LABELS.contains(&key.as_str()));
+    }
+    if let Some(owners) = pod.metadata.owner_references.as_mut() {
+        owners.retain(|owner| owner.controller == Some(true));
+        owners.truncate(1);
+    }
     // Only its deadline (`view` reads it).
     pod.spec = pod
         .spec
@@ -196,6 +210,11 @@ pub fn trim(pod: &mut Pod) {
         status.extended_resource_claim_status = None;
         status.node_allocatable_resource_claim_statuses = None;
         status.volume_health = None;
+        // Only the command's container (`view` reads no other).
+        if let Some(containers) = status.container_statuses.as_mut() {
+            containers.retain(|c| c.name == CONTAINER);
+            containers.truncate(1);
+        }
         for container in status.container_statuses.iter_mut().flatten() {
             container.last_state = None;
             container.image = String::new();
@@ -808,6 +827,49 @@ mod tests {
         assert_eq!(view(&pod), before);
         assert!(pod.spec.is_none() && pod.metadata.managed_fields.is_none());
         assert!(serde_json::to_vec(&pod).unwrap().len() < fixture.len() / 3);
+    }
+
+    #[test]
+    fn a_pod_labelled_as_cnat_s_costs_the_cache_little_whatever_it_carries() {
+        let mut pod = build_default(&at("example-at"));
+        let own_labels = pod.metadata.labels.clone();
+        let own_owner = pod.metadata.owner_references.clone();
+        let big = "x".repeat(60_000);
+        let labels = pod.metadata.labels.get_or_insert_default();
+        for i in 0..16 {
+            labels.insert(format!("tenant.example/l{i}"), big.clone());
+        }
+        let owners = pod.metadata.owner_references.get_or_insert_default();
+        for i in 0..100 {
+            owners.push(serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1", "kind": "ConfigMap", "name": format!("c{i}"),
+                "uid": big.clone()})).unwrap());
+        }
+        let mut status: PodStatus = serde_json::from_value(serde_json::json!({
+            "phase": "Failed",
+            "containerStatuses": (0..50).map(|i| serde_json::json!({
+                "name": format!("sidecar-{i}"), "image": "", "imageID": "", "ready": false,
+                "restartCount": 0,
+                "state": {"terminated": {"exitCode": 1, "message": big.clone()}},
+            })).collect::<Vec<_>>(),
+        }))
+        .unwrap();
+        status.container_statuses.as_mut().unwrap().push(
+            serde_json::from_value(serde_json::json!({
+                "name": CONTAINER, "image": "", "imageID": "", "ready": false, "restartCount": 0,
+                "state": {"terminated": {"exitCode": 3, "message": "the disk is full"}},
+            }))
+            .unwrap(),
+        );
+        pod.status = Some(status);
+        let before = view(&pod);
+        assert!(serde_json::to_vec(&pod).unwrap().len() > 3_000_000);
+        trim(&mut pod);
+        assert_eq!(view(&pod), before, "what cnat reads is kept");
+        assert_eq!(pod.metadata.labels, own_labels);
+        assert_eq!(pod.metadata.owner_references, own_owner);
+        let size = serde_json::to_vec(&pod).unwrap().len();
+        assert!(size < 1_500, "{size} bytes cached");
     }
     /// A pod that has not ended, with the container's waiting reason and message, or the
     /// scheduler's condition.

@@ -116,6 +116,49 @@ async fn admission_denies_defaults_guards_and_never_blocks_status_writes() {
         denied.message
     );
 
+    // Sizes: a command longer than Linux passes to a program is refused by the schema (the API
+    // server's own words); a spec over its bytes in all, by the webhook, which names the bound.
+    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
+    let mut long = at("long", chrono::Utc::now(), "true");
+    long.spec.command = "x".repeat(cnat::limits::MAX_COMMAND + 1);
+    let refused = ats
+        .create(&PostParams::default(), &long)
+        .await
+        .expect_err("a command over its bound");
+    let kube::Error::Api(refused) = refused else {
+        panic!("{refused}")
+    };
+    assert!(
+        refused.message.contains("spec.command")
+            && refused.message.contains("131071"),
+        "{}",
+        refused.message
+    );
+    let mut heavy = at("heavy", chrono::Utc::now(), "true");
+    heavy.spec.template.env = Some(
+        (0..5)
+            .map(|i| k8s_openapi::api::core::v1::EnvVar {
+                name: format!("V{i}"),
+                value: Some("v".repeat(60_000)),
+                value_from: None,
+            })
+            .collect(),
+    );
+    let refused = ats
+        .create(&PostParams::default(), &heavy)
+        .await
+        .expect_err("a spec over its bytes");
+    let kube::Error::Api(refused) = refused else {
+        panic!("{refused}")
+    };
+    assert!(
+        refused
+            .message
+            .contains("more than the 262144 an At may hold"),
+        "{}",
+        refused.message
+    );
+
     // Defaults: the shard label, and the phase that reads on every At; no image (the
     // operator's default image runs an At that names none).
     let raw: Api<kube::core::DynamicObject> = Api::namespaced_with(
