@@ -160,7 +160,7 @@ pub fn size_problems(spec: &AtSpec, changed: impl Fn(&str) -> bool) -> Vec<Strin
         })
         .collect();
     if problems.is_empty() && changed("spec") {
-        let bytes = serde_json::to_vec(spec).map_or(0, |json| json.len());
+        let bytes = json_bytes(spec);
         if bytes > MAX_SPEC_BYTES {
             problems.push(format!(
                 "spec: {bytes} bytes as JSON, more than the {MAX_SPEC_BYTES} an At may hold (each replica keeps every At in memory); make the command or the pod settings shorter"
@@ -168,6 +168,24 @@ pub fn size_problems(spec: &AtSpec, changed: impl Fn(&str) -> bool) -> Vec<Strin
         }
     }
     problems
+}
+
+/// How many bytes `value` takes as compact JSON, counted as it is written: no copy is made.
+fn json_bytes(value: &impl serde::Serialize) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Writing to a counter cannot fail, and an At's spec always serializes.
+    let _ = serde_json::to_writer(&mut count, value);
+    count.0
 }
 
 /// One numeric field's allowed range and what it means, for messages.
@@ -303,6 +321,7 @@ mod tests {
         };
         let mut heavy = AtSpec::default();
         heavy.template.env = Some(vec![value; 4]);
+        assert_eq!(json_bytes(&heavy), serde_json::to_vec(&heavy).unwrap().len());
         let found = size_problems(&heavy, all);
         assert_eq!(found.len(), 1);
         assert!(
