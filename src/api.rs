@@ -55,8 +55,7 @@ pub struct AtSpec {
     pub time_zone: Option<String>,
     /// Shell command to run, passed to `/bin/sh -c`, so quoting, pipes and `&&` work as in a
     /// shell. It runs once; its exit code decides the outcome. At most 131,071 bytes (what Linux
-    /// passes to a program): a longer script belongs in the image, or in a ConfigMap read
-    /// through `env`.
+    /// passes to a program as one argument): a longer script belongs in the image.
     #[schemars(length(max = crate::limits::MAX_COMMAND))]
     pub command: String,
     /// If the command cannot start within this many seconds after its schedule (operator down,

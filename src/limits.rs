@@ -19,10 +19,9 @@ use crate::api::AtSpec;
 pub const MAX_SECONDS: i64 = i32::MAX as i64;
 
 /// The most bytes of `spec.command` (the schema counts characters, the webhook bytes): the
-/// longest argument Linux passes to a program (`MAX_ARG_STRLEN`, 128 KiB with its terminating
-/// zero); `/bin/sh -c` could not start a longer one (`E2BIG`), so no At that ever ran is over
-/// it. A longer script belongs in the image, or in a ConfigMap the command reads through
-/// `spec.template.env` (`valueFrom.configMapKeyRef`, then `sh -c "$SCRIPT"`).
+/// longest argument Linux passes to a program on 4 KiB pages (`MAX_ARG_STRLEN`, 128 KiB with its
+/// terminating zero); `/bin/sh -c` could not start a longer one there (`E2BIG`). A longer script
+/// belongs in the image (an environment variable has the same limit).
 pub const MAX_COMMAND: usize = 131_071;
 /// The most characters of `spec.schedule` (an RFC 3339 time has at most 35).
 pub const MAX_SCHEDULE: usize = 64;
@@ -70,7 +69,7 @@ fn sizes(spec: &AtSpec) -> [Size; 11] {
             size: spec.command.len(),
             max: MAX_COMMAND,
             unit: "bytes",
-            fix: "put a longer script in the image, or in a ConfigMap the command reads through spec.template.env (valueFrom.configMapKeyRef, then sh -c \"$SCRIPT\")",
+            fix: "put a longer script in the image and run it from there",
         },
         Size {
             field: "spec.schedule",
@@ -335,7 +334,7 @@ mod tests {
         };
         assert_eq!(
             size_problems(&long, all),
-            ["spec.command: 131072 bytes, more than the 131071 an At may have; put a longer script in the image, or in a ConfigMap the command reads through spec.template.env (valueFrom.configMapKeyRef, then sh -c \"$SCRIPT\")"]
+            ["spec.command: 131072 bytes, more than the 131071 an At may have; put a longer script in the image and run it from there"]
         );
         // Only what changed is checked: an At admitted before keeps its sizes.
         assert!(size_problems(&long, |field| field != "spec.command" && field != "spec").is_empty());

@@ -43,11 +43,18 @@ pub fn spec_problems(at: &At, old: Option<&At>) -> Vec<String> {
         "spec.template.imagePullSecrets" => {
             changed(&|w| w.template.image_pull_secrets == t.image_pull_secrets)
         }
-        _ => changed(&|w| w == new),
+        "spec" => changed(&|w| w == new),
+        // A field added to `limits` without a line here is checked whether it changed or not.
+        other => {
+            debug_assert!(false, "limits::size_problems asked about {other}");
+            true
+        }
     });
     if !sizes.is_empty() {
-        // Sizes first, alone: the other rules would quote the oversized values back.
+        // Sizes first, alone but for immutability: the other rules would quote the oversized
+        // values back.
         problems.extend(sizes);
+        problems.extend(old.and_then(|old| immutability_problem(at, old)));
         return problems;
     }
     if changed(&|w| w.schedule == new.schedule && w.time_zone == new.time_zone) {

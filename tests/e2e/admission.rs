@@ -118,7 +118,6 @@ async fn admission_denies_defaults_guards_and_never_blocks_status_writes() {
 
     // Sizes: a command longer than Linux passes to a program is refused by the schema (the API
     // server's own words); a spec over its bytes in all, by the webhook, which names the bound.
-    let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
     let mut long = at("long", chrono::Utc::now(), "true");
     long.spec.command = "x".repeat(cnat::limits::MAX_COMMAND + 1);
     let refused = ats

@@ -1,6 +1,6 @@
 //! No At can stop the operator, on a real API server with the webhooks not registered (as for
 //! Ats admitted while the webhook was down or before it existed): extreme but schema-valid
-//! values, an At stored before the CRD had its bounds, odd time zones and a 200 KB command. The
+//! values, an At stored before the CRD had its bounds, odd time zones and a 120 KiB command (under the 131,071-byte bound). The
 //! `cnat run` binary keeps the Lease, logs no panic, gives each extreme At a phase or a reason,
 //! and runs a normal At due a few seconds later on time.
 
@@ -212,7 +212,7 @@ async fn no_at_stops_a_replica_and_each_extreme_at_shows_a_phase_or_a_reason() {
         ),
         (
             "huge-command",
-            json!({"schedule": "2020-01-01T00:00:00Z", "command": format!("echo {}", "x".repeat(200 * 1024))}),
+            json!({"schedule": "2020-01-01T00:00:00Z", "command": format!("echo {}", "x".repeat(120 * 1024))}),
         ),
     ];
     for (name, spec) in &extremes {
