@@ -384,6 +384,20 @@ mod tests {
             serde_json::json!({})
         );
         let template = &spec["properties"]["template"]["properties"];
+        // The sizes the schema can say (crate::limits).
+        use crate::limits::*;
+        assert_eq!(spec["properties"]["command"]["maxLength"], MAX_COMMAND);
+        assert_eq!(spec["properties"]["schedule"]["maxLength"], MAX_SCHEDULE);
+        assert_eq!(spec["properties"]["timeZone"]["maxLength"], MAX_TIME_ZONE);
+        assert_eq!(template["image"]["maxLength"], MAX_IMAGE);
+        assert_eq!(template["serviceAccountName"]["maxLength"], MAX_NAME);
+        assert_eq!(template["env"]["maxItems"], MAX_ENV);
+        assert_eq!(template["nodeSelector"]["maxProperties"], MAX_ENTRIES);
+        assert_eq!(template["tolerations"]["maxItems"], MAX_TOLERATIONS);
+        assert_eq!(template["imagePullSecrets"]["maxItems"], MAX_PULL_SECRETS);
+        let pod_metadata = &template["metadata"]["properties"];
+        assert_eq!(pod_metadata["labels"]["maxProperties"], MAX_ENTRIES);
+        assert_eq!(pod_metadata["annotations"]["maxProperties"], MAX_ENTRIES);
         // No schema default: an At without an image runs the operator's default image.
         assert!(template["image"].get("default").is_none(), "{template}");
         assert_eq!(

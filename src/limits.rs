@@ -122,7 +122,11 @@ fn sizes(spec: &AtSpec) -> [Size; 11] {
         },
         Size {
             field: "spec.template.metadata.annotations",
-            size: items(metadata.and_then(|m| m.annotations.as_ref()).map(|m| m.len())),
+            size: items(
+                metadata
+                    .and_then(|m| m.annotations.as_ref())
+                    .map(|m| m.len()),
+            ),
             max: MAX_ENTRIES,
             unit: "entries",
             fix: fewer,
@@ -295,8 +299,10 @@ mod tests {
                 annotations: Some(map(MAX_ENTRIES + extra)),
             });
             t.tolerations = Some(vec![Toleration::default(); MAX_TOLERATIONS + extra]);
-            t.image_pull_secrets =
-                Some(vec![LocalObjectReference::default(); MAX_PULL_SECRETS + extra]);
+            t.image_pull_secrets = Some(vec![
+                LocalObjectReference::default();
+                MAX_PULL_SECRETS + extra
+            ]);
             spec
         };
         assert_eq!(size_problems(&full(0), all), Vec::<String>::new());
@@ -311,7 +317,10 @@ mod tests {
         };
         let found = size_problems(&wide, all);
         assert_eq!(found.len(), 1);
-        assert!(found[0].starts_with("spec.command: 131072 bytes"), "{found:?}");
+        assert!(
+            found[0].starts_with("spec.command: 131072 bytes"),
+            "{found:?}"
+        );
         // The whole spec, when no field is over: four env values of 64 KiB.
         let value = EnvVar {
             name: "V".into(),
@@ -320,7 +329,10 @@ mod tests {
         };
         let mut heavy = AtSpec::default();
         heavy.template.env = Some(vec![value; 4]);
-        assert_eq!(json_bytes(&heavy), serde_json::to_vec(&heavy).unwrap().len());
+        assert_eq!(
+            json_bytes(&heavy),
+            serde_json::to_vec(&heavy).unwrap().len()
+        );
         let found = size_problems(&heavy, all);
         assert_eq!(found.len(), 1);
         assert!(
@@ -337,7 +349,9 @@ mod tests {
             ["spec.command: 131072 bytes, more than the 131071 an At may have; put a longer script in the image and run it from there"]
         );
         // Only what changed is checked: an At admitted before keeps its sizes.
-        assert!(size_problems(&long, |field| field != "spec.command" && field != "spec").is_empty());
+        assert!(
+            size_problems(&long, |field| field != "spec.command" && field != "spec").is_empty()
+        );
     }
 
     #[test]

@@ -841,9 +841,12 @@ mod tests {
         }
         let owners = pod.metadata.owner_references.get_or_insert_default();
         for i in 0..100 {
-            owners.push(serde_json::from_value(serde_json::json!({
+            owners.push(
+                serde_json::from_value(serde_json::json!({
                 "apiVersion": "v1", "kind": "ConfigMap", "name": format!("c{i}"),
-                "uid": big.clone()})).unwrap());
+                "uid": big.clone()}))
+                .unwrap(),
+            );
         }
         let mut status: PodStatus = serde_json::from_value(serde_json::json!({
             "phase": "Failed",

@@ -128,8 +128,7 @@ async fn admission_denies_defaults_guards_and_never_blocks_status_writes() {
         panic!("{refused}")
     };
     assert!(
-        refused.message.contains("spec.command")
-            && refused.message.contains("131071"),
+        refused.message.contains("spec.command") && refused.message.contains("131071"),
         "{}",
         refused.message
     );
