@@ -46,6 +46,46 @@ pub fn value_of(labels: Option<&BTreeMap<String, String>>) -> Option<u8> {
     (usize::from(value) < VALUES && value.to_string() == *text).then_some(value)
 }
 
+/// What an update may do to the shard label, as the validating webhook (and, for the first
+/// rule, the chart's ValidatingAdmissionPolicy) checks it: once the label holds a value `assign`
+/// gives, that value never changes and the label is not removed (the mutating webhook puts a
+/// removed one back), so an At never moves between Lease shards; a leader that lags behind
+/// cannot take it for one of its own (`operator::reconcile`'s own-write shortcut relies on
+/// this). An At without such a value (stored before the webhook labelled Ats, or while it was
+/// not called) may get the one `assign(seed)` gives (what the mutating webhook and
+/// `cnat migrate-storage` do), and nothing else. `seed` is the At's `namespace/name`.
+pub fn change_problem(
+    seed: &str,
+    old: Option<&BTreeMap<String, String>>,
+    new: Option<&BTreeMap<String, String>>,
+) -> Option<String> {
+    let text = |labels: Option<&BTreeMap<String, String>>| labels?.get(LABEL).cloned();
+    let (was, now) = (text(old), text(new));
+    if was == now {
+        return None;
+    }
+    let field = format!("metadata.labels[{LABEL}]");
+    if value_of(old).is_some() {
+        let was = was.unwrap_or_default();
+        return Some(match now {
+            Some(now) => format!(
+                "{field}: cannot change from {was:?} to {now:?}: cnat sets it when the At is created and the At stays in that shard; leave the label as it is"
+            ),
+            None => format!(
+                "{field}: cannot be removed (it is {was:?}): cnat sets it when the At is created and the At stays in that shard; leave the label as it is"
+            ),
+        });
+    }
+    let assigned = assign(seed);
+    match value_of(new) {
+        Some(_) if now.as_deref() != Some(assigned.as_str()) => Some(format!(
+            "{field}: {:?} is not this At's shard: cnat sets the label ({assigned:?} for this At); leave it out",
+            now.unwrap_or_default()
+        )),
+        _ => None,
+    }
+}
+
 /// `label in (values)`.
 fn in_values(values: impl Iterator<Item = usize>) -> String {
     let values: Vec<String> = values.map(|v| v.to_string()).collect();
@@ -290,5 +330,62 @@ mod tests {
             Shards::new(2).unwrap().selector(1).unwrap(),
             format!("{LABEL} in (1,3,5,7,9,11,13,15,17,19,21,23,25,27,29,31,33,35,37,39,41,43,45,47,49,51,53,55,57,59)")
         );
+    }
+
+    #[test]
+    fn a_shard_value_is_kept_and_only_the_assigned_one_may_be_added() {
+        let seed = "ns/x";
+        let ours = assign(seed);
+        let other = ((ours.parse::<usize>().unwrap() + 1) % VALUES).to_string();
+        let with = |v: &str| labels(Some(v));
+        let without = labels(None);
+        fn allowed(
+            old: Option<&BTreeMap<String, String>>,
+            new: Option<&BTreeMap<String, String>>,
+        ) -> bool {
+            change_problem("ns/x", old, new).is_none()
+        }
+        // Unchanged, whatever it holds; other labels come and go.
+        for value in [ours.as_str(), "07", "x"] {
+            assert!(allowed(Some(&with(value)), Some(&with(value))), "{value}");
+        }
+        assert!(allowed(None, None));
+        assert!(allowed(Some(&without), None));
+        // A value `assign` gives never changes and is not removed.
+        for old in [ours.as_str(), other.as_str(), "0", "59"] {
+            for new in [
+                Some(with("1")),
+                Some(with("x")),
+                Some(without.clone()),
+                None,
+            ] {
+                let problem = change_problem(seed, Some(&with(old)), new.as_ref());
+                assert!(
+                    problem
+                        .as_ref()
+                        .is_some_and(|p| p.contains(&format!("{old:?}"))
+                            && p.starts_with(&format!("metadata.labels[{LABEL}]: cannot"))
+                            && p.ends_with("leave the label as it is")),
+                    "{old} -> {new:?}: {problem:?}"
+                );
+            }
+        }
+        // Without one: the assigned value may come, no other value; anything that is no value
+        // (removed, another text) leaves the At where it was.
+        for old in [
+            None,
+            Some(without.clone()),
+            Some(with("07")),
+            Some(with("x")),
+        ] {
+            assert!(allowed(old.as_ref(), Some(&with(&ours))), "{old:?}");
+            assert!(allowed(old.as_ref(), Some(&with("60"))), "{old:?}");
+            assert!(allowed(old.as_ref(), None), "{old:?}");
+            let problem = change_problem(seed, old.as_ref(), Some(&with(&other))).unwrap();
+            assert_eq!(
+                problem,
+                format!("metadata.labels[{LABEL}]: {other:?} is not this At's shard: cnat sets the label ({ours:?} for this At); leave it out")
+            );
+        }
     }
 }

@@ -39,19 +39,31 @@ pub fn patch(object: &Value, target: Target, version: &str) -> json_patch::Patch
     json_patch::diff(object, &defaulted)
 }
 
-/// The JSON patch that gives an At with these `labels` its list shard (`shard::LABEL`, chosen
-/// from `seed`) when it has none; an At that has one keeps it, whatever its value.
-pub fn shard_label(labels: Option<&BTreeMap<String, String>>, seed: &str) -> json_patch::Patch {
-    if labels.is_some_and(|labels| labels.contains_key(shard::LABEL)) {
-        return json_patch::Patch(Vec::new());
-    }
+/// The JSON patch that gives an At with these `labels` its shard label (`shard::LABEL`), as
+/// `shard::change_problem` allows it: on an update of an At whose stored copy (`old`'s labels)
+/// has a value, that value again when the label was removed (a `kubectl replace` of a manifest
+/// without it), nothing otherwise (a changed value is the validating webhook's to refuse);
+/// else, unless the label already holds a value, the one `shard::assign` gives for `seed` (any
+/// other text in it replaced).
+pub fn shard_label(
+    labels: Option<&BTreeMap<String, String>>,
+    old: Option<&BTreeMap<String, String>>,
+    seed: &str,
+) -> json_patch::Patch {
+    let present = labels.is_some_and(|labels| labels.contains_key(shard::LABEL));
+    let value = match shard::value_of(old) {
+        Some(kept) if !present => kept.to_string(),
+        Some(_) => return json_patch::Patch(Vec::new()),
+        None if shard::value_of(labels).is_some() => return json_patch::Patch(Vec::new()),
+        None => shard::assign(seed),
+    };
     // No `labels` key when there are none: the patch then adds the whole map.
     let before = match labels {
         Some(labels) => json!({"metadata": {"labels": labels}}),
         None => json!({"metadata": {}}),
     };
     let mut after = labels.cloned().unwrap_or_default();
-    after.insert(shard::LABEL.to_owned(), shard::assign(seed));
+    after.insert(shard::LABEL.to_owned(), value);
     json_patch::diff(&before, &json!({"metadata": {"labels": after}}))
 }
 
@@ -221,7 +233,7 @@ mod tests {
             if let Some(labels) = &labels {
                 object["metadata"]["labels"] = json!(labels);
             }
-            let patched = applied(&object, &shard_label(labels.as_ref(), seed));
+            let patched = applied(&object, &shard_label(labels.as_ref(), None, seed));
             let mut expected = labels.clone().unwrap_or_default();
             expected.insert(shard::LABEL.to_owned(), shard::assign(seed));
             assert_eq!(patched["metadata"]["labels"], json!(expected), "{labels:?}");
@@ -230,14 +242,38 @@ mod tests {
     }
 
     #[test]
-    fn a_shard_label_is_kept_whatever_its_value() {
-        for value in ["0", "3", "9", "", "not-a-shard"] {
-            let labels = BTreeMap::from([(shard::LABEL.to_owned(), value.to_owned())]);
-            assert!(
-                shard_label(Some(&labels), "default/x").0.is_empty(),
-                "{value}"
-            );
+    fn a_shard_value_is_kept_any_other_text_replaced_and_a_removed_value_put_back() {
+        let seed = "default/x";
+        let with = |value: &str| BTreeMap::from([(shard::LABEL.to_owned(), value.to_owned())]);
+        let label_after = |labels: Option<BTreeMap<String, String>>, old: Option<&str>| {
+            let mut object = json!({"metadata": {}});
+            if let Some(labels) = &labels {
+                object["metadata"]["labels"] = json!(labels);
+            }
+            let old = old.map(with);
+            let patch = shard_label(labels.as_ref(), old.as_ref(), seed);
+            applied(&object, &patch)["metadata"]["labels"][shard::LABEL].clone()
+        };
+        // Created, or updated from a copy without a value: a value stays, other text goes.
+        for old in [None, Some(""), Some("x"), Some("07")] {
+            for value in ["0", "9", "59"] {
+                assert_eq!(label_after(Some(with(value)), old), json!(value));
+            }
+            for text in ["", "not-a-shard", "07", "60"] {
+                assert_eq!(
+                    label_after(Some(with(text)), old),
+                    json!(shard::assign(seed)),
+                    "{text}"
+                );
+            }
         }
+        // Updated from a copy with a value: a removed label comes back with it; a changed one is
+        // left for the validating webhook to refuse.
+        for new in [None, Some(BTreeMap::new())] {
+            assert_eq!(label_after(new, Some("9")), json!("9"));
+        }
+        assert_eq!(label_after(Some(with("8")), Some("9")), json!("8"));
+        assert_eq!(label_after(Some(with("x")), Some("9")), json!("x"));
     }
 
     #[test]

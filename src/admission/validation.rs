@@ -15,9 +15,13 @@ const GENERATED_SUFFIX: &str = "xxxxx";
 
 /// Everything wrong with `at`, given the stored version `old` on an update. An update is
 /// checked only for what it changes in the spec, so label, annotation and finalizer edits of an
-/// At admitted earlier (under older rules, or with the webhook off) are never refused.
+/// At admitted earlier (under older rules, or with the webhook off) are never refused, but for
+/// its shard label, which keeps its value (`shard::change_problem`).
 pub fn spec_problems(at: &At, old: Option<&At>) -> Vec<String> {
     let mut problems = Vec::new();
+    if let Some(old) = old {
+        problems.extend(relabel_problem(at, old.metadata.labels.as_ref()));
+    }
     let (new, was) = (&at.spec, old.map(|o| &o.spec));
     let changed = |same: &dyn Fn(&AtSpec) -> bool| was.is_none_or(|w| !same(w));
     if old.is_none() {
@@ -136,6 +140,16 @@ fn name_problem(at: &At) -> Option<String> {
             Some(n) if !n.is_empty() => err.to_string(),
             _ => format!("metadata.generateName: with the 5 characters it adds, {err}"),
         })
+}
+
+/// A change to the shard label that `shard::change_problem` refuses, given the stored copy's
+/// labels.
+pub fn relabel_problem(
+    at: &At,
+    old: Option<&std::collections::BTreeMap<String, String>>,
+) -> Option<String> {
+    let seed = format!("{}/{}", at.namespace().unwrap_or_default(), at.name_any());
+    crate::shard::change_problem(&seed, old, at.metadata.labels.as_ref())
 }
 
 fn immutability_problem(at: &At, old: &At) -> Option<String> {

@@ -528,7 +528,7 @@ fn judge_lean(types: kube::core::TypeMeta, mut request: validating_review::Reque
 /// At: the spec stays frozen once the stored copy says it started (or says nothing cnat can
 /// read as "not started"), and a spec change is the fix, checked whole, by someone who may
 /// create pods there (the escalation guard). Metadata and status edits leave what runs as it
-/// is and pass.
+/// is and pass, but for a change of the shard label (`shard::change_problem`, as on any At).
 fn judge_unreadable_update(
     request: &validating_review::Request,
     object: &serde_json::Value,
@@ -568,6 +568,21 @@ fn judge_unreadable_update(
             ))));
         }
         return verdict(response);
+    }
+    let labels = |object: Option<&serde_json::Value>| {
+        let labels = object?.pointer("/metadata/labels")?;
+        serde_json::from_value::<std::collections::BTreeMap<String, String>>(labels.clone()).ok()
+    };
+    let seed = format!(
+        "{}/{}",
+        request.namespace.as_deref().unwrap_or_default(),
+        request.name
+    );
+    let (new_labels, old_labels) = (labels(Some(object)), labels(old));
+    if let Some(problem) =
+        crate::shard::change_problem(&seed, old_labels.as_ref(), new_labels.as_ref())
+    {
+        return verdict(response.deny(problem));
     }
     if !spec_changes {
         return verdict(response);
@@ -716,7 +731,11 @@ fn mutate(request: &mut mutating_review::Request) -> AdmissionResponse {
             None => request.uid.clone(),
         };
         let labels = object.metadata.labels.as_ref();
-        patch.0.extend(defaulting::shard_label(labels, &seed).0);
+        let old = request.old_object.as_ref();
+        let old = old.and_then(|old| old.metadata.labels.as_ref());
+        patch
+            .0
+            .extend(defaulting::shard_label(labels, old, &seed).0);
     }
     if patch.0.is_empty() {
         return response;

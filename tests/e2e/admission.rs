@@ -186,6 +186,7 @@ async fn admission_denies_defaults_guards_and_never_blocks_status_writes() {
         created.metadata
     );
     assert_eq!(created.data["status"]["phase"], "Pending");
+    shard_label_is_fenced(&raw, created).await;
     // A blank image names none: the At keeps none (v1alpha1: tests/e2e/upgrade.rs).
     let blank_v1: kube::core::DynamicObject = serde_json::from_value(json!({
         "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
@@ -268,4 +269,58 @@ async fn admission_denies_defaults_guards_and_never_blocks_status_writes() {
     })
     .await;
     assert_eq!(scheduled.status.unwrap().phase, Phase::Pending);
+}
+
+/// The shard label the mutating webhook gave `created` keeps its value: a change is refused,
+/// naming the label; a removal (a merge patch, or a replace of a manifest without labels or a
+/// namespace) gets it back.
+async fn shard_label_is_fenced(
+    raw: &Api<kube::core::DynamicObject>,
+    created: kube::core::DynamicObject,
+) {
+    use kube::ResourceExt;
+    let label = cnat::shard::LABEL;
+    let name = created.metadata.name.clone().unwrap();
+    let value = created.labels()[label].clone();
+    let other = ((value.parse::<usize>().unwrap() + 1) % cnat::shard::VALUES).to_string();
+    let params = kube::api::PatchParams::default();
+    let changed = raw
+        .patch(
+            &name,
+            &params,
+            &kube::api::Patch::Merge(json!({"metadata": {"labels": {label: other}}})),
+        )
+        .await
+        .expect_err("a changed shard label");
+    let kube::Error::Api(changed) = changed else {
+        panic!("{changed}")
+    };
+    assert!(
+        changed.message.contains(&format!(
+            "metadata.labels[{label}]: cannot change from {value:?} to {other:?}"
+        )),
+        "{}",
+        changed.message
+    );
+    let removed = raw
+        .patch(
+            &name,
+            &params,
+            &kube::api::Patch::Merge(json!({"metadata": {"labels": {label: null, "team": "a"}}})),
+        )
+        .await
+        .expect("a merge patch that removes the shard label");
+    assert_eq!(removed.labels().get(label), Some(&value));
+    assert_eq!(removed.labels().get("team").map(String::as_str), Some("a"));
+    let mut replaced = removed.clone();
+    replaced.metadata.labels = None;
+    replaced.metadata.namespace = None;
+    let replaced = raw
+        .replace(&name, &PostParams::default(), &replaced)
+        .await
+        .expect("a replace without labels");
+    assert_eq!(
+        replaced.metadata.labels,
+        Some([(label.to_owned(), value)].into())
+    );
 }

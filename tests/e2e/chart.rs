@@ -470,6 +470,47 @@ async fn the_admission_policy_refuses_malformed_ats_while_no_replica_answers() {
     )
     .await
     .expect("a label on a RUNNING At");
+    // The shard label keeps its value: changed or removed, refused (by the webhook too).
+    let mut labelled = sample("labelled", "2030-01-01T00:00:00Z", None, "true");
+    let label = cnat::shard::LABEL;
+    labelled.metadata.labels = Some([(label.to_owned(), "7".to_owned())].into());
+    let stored = ats.create(&post, &labelled).await.unwrap();
+    for (change, value) in [("changed", Some("8")), ("removed", None)] {
+        let mut edited = stored.clone();
+        let labels = edited.metadata.labels.get_or_insert_default();
+        match value {
+            Some(value) => labels.insert(label.to_owned(), value.to_owned()),
+            None => labels.remove(label),
+        };
+        assert!(
+            !cnat::admission::validation::spec_problems(&edited, Some(&stored)).is_empty(),
+            "{change}"
+        );
+        let patch = serde_json::json!({"metadata": {"labels": {label: value}}});
+        let result = ats
+            .patch("labelled", &PatchParams::default(), &Patch::Merge(&patch))
+            .await;
+        match result {
+            Err(kube::Error::Api(status)) if served => assert!(
+                status.message.contains(&format!(
+                    "At default/labelled is invalid: metadata.labels[{label}]: cannot change or be removed (it is \"7\")"
+                )),
+                "{change}: {}",
+                status.message
+            ),
+            Ok(_) if !served => {}
+            other => panic!("{change} on {}: {other:?}", plane.version),
+        }
+    }
+    if served {
+        ats.patch(
+            "labelled",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"labels": {"team": "a"}}})),
+        )
+        .await
+        .expect("another label beside the shard label");
+    }
     // Nulls where nothing was: the same spec to the webhook, so to the policy.
     let nulls: json_patch::Patch = serde_json::from_value(serde_json::json!([
         {"op": "add", "path": "/spec/timeZone", "value": null},

@@ -184,8 +184,12 @@ fn a_v1alpha1_review_takes_the_typed_path_and_gets_the_bounded_path_s_verdict() 
     let mut back = crate::admission::captured_review("validating-update-status.json");
     back["request"]["oldObject"]["status"] = json!({"phase": "DONE"});
     back["request"]["object"]["status"] = json!({"phase": "PENDING"});
+    // The shard label's value changed.
+    let mut relabelled = update.clone();
+    relabelled["request"]["oldObject"]["metadata"]["labels"] = json!({crate::shard::LABEL: "7"});
+    relabelled["request"]["object"]["metadata"]["labels"] = json!({crate::shard::LABEL: "8"});
     let captured = reviews.len();
-    reviews.extend([bad, started, back]);
+    reviews.extend([bad, started, back, relabelled]);
     for (i, review) in reviews.into_iter().enumerate() {
         assert_eq!(review["request"]["kind"]["version"], "v1alpha1");
         let body = serde_json::to_vec(&review).unwrap();
@@ -202,6 +206,31 @@ fn a_v1alpha1_review_takes_the_typed_path_and_gets_the_bounded_path_s_verdict() 
             // In v1alpha1's words: the fields in `spec` itself, the phases in capitals.
             let message = &typed.response.result.message;
             assert!(!message.contains("spec.template"), "{message}");
+        }
+    }
+}
+
+#[test]
+fn the_shard_label_of_an_unreadable_at_keeps_its_value_too() {
+    let stored = json!({"schedule": "2999-01-01T00:00:00Z", "command": "true",
+                        "ttlSecondsAfterFinished": 3_000_000_000_i64});
+    let mut review: Value =
+        serde_json::from_slice(&unreadable_update("m", json!({"phase": "Done"}), stored)).unwrap();
+    review["request"]["oldObject"]["metadata"]["labels"] = json!({crate::shard::LABEL: "7"});
+    for (labels, allowed) in [
+        (json!({crate::shard::LABEL: "7", "team": "a"}), true),
+        (json!({crate::shard::LABEL: "8"}), false),
+        (json!({}), false),
+    ] {
+        review["request"]["object"]["metadata"]["labels"] = labels.clone();
+        let verdict = validating(&serde_json::to_vec(&review).unwrap()).unwrap();
+        assert_eq!(verdict.response.allowed, allowed, "{labels}");
+        if !allowed {
+            let message = &verdict.response.result.message;
+            assert!(
+                message.starts_with(&format!("metadata.labels[{}]: cannot", crate::shard::LABEL)),
+                "{message}"
+            );
         }
     }
 }

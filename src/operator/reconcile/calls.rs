@@ -321,12 +321,15 @@ impl Context {
     /// deleted, or another At by that name, and its pod must not run again. Confirmed without a
     /// request when the cached version is the one this leadership's own last status write left
     /// PENDING (the API server answered that write, and nobody else created a pod from it since:
-    /// `Ledger::pending_written`); otherwise by a quorum read of the At. The first way does not
-    /// see an edit or deletion of the At after that write which the cache has not shown yet
-    /// (normally milliseconds): as if it had come just after the create.
+    /// `Ledger::pending_written`) and the At has a shard label value, which the webhooks never
+    /// let change (`shard::change_problem`), so no other leader runs it; otherwise by a quorum
+    /// read of the At. The first way does not see an edit or deletion of the At after that write
+    /// which the cache has not shown yet (normally milliseconds): as if it had come just after
+    /// the create.
     async fn confirm(&self, at: &At) -> Result<bool, Error> {
         let version = at.metadata.resource_version.as_deref();
-        if self.writer.ledger().pending_confirmed(&key(at), version) {
+        let fenced = shard::value_of(at.metadata.labels.as_ref()).is_some();
+        if fenced && self.writer.ledger().pending_confirmed(&key(at), version) {
             self.metrics.create_confirmed("own_write");
             return Ok(true);
         }

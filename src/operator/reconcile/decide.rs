@@ -261,13 +261,17 @@ fn due_now(
 }
 
 /// Whether the API server's copy of an At (`fresh`; `None`: gone) confirms a decision made on
-/// `cached` to create its pod: the same At (uid), not being deleted, its spec unchanged, and not
-/// started (PENDING or no status yet; our own PENDING write may have landed meanwhile).
+/// `cached` to create its pod: the same At (uid), not being deleted, its spec and shard label
+/// value unchanged (an At that got its first value may have moved to another Lease shard,
+/// whose leader runs it), and not started (PENDING or no status yet; our own PENDING write may
+/// have landed meanwhile).
 pub fn confirms_create(cached: &At, fresh: Option<&At>) -> bool {
+    let value = |at: &At| crate::shard::value_of(at.metadata.labels.as_ref());
     fresh.is_some_and(|fresh| {
         fresh.metadata.uid == cached.metadata.uid
             && fresh.metadata.deletion_timestamp.is_none()
             && fresh.spec == cached.spec
+            && value(fresh) == value(cached)
             && fresh
                 .status
                 .as_ref()

@@ -480,6 +480,9 @@ async fn a_due_at_s_pod_is_created_only_when_the_api_server_confirms_the_at() {
     });
     let other = with(&|at| at.metadata.uid = Some("another-uid".into()));
     let changed = with(&|at| at.spec.schedule = "2999-01-01T00:00:00Z".into());
+    let moved = with(&|at| {
+        at.metadata.labels = Some([(crate::shard::LABEL.to_owned(), "7".to_owned())].into())
+    });
     let going = with(&|at| {
         at.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
             NOW.parse().unwrap(),
@@ -490,6 +493,7 @@ async fn a_due_at_s_pod_is_created_only_when_the_api_server_confirms_the_at() {
         ("deleted", None),
         ("another At by that name", Some(&other)),
         ("its spec changed", Some(&changed)),
+        ("its first shard label value came", Some(&moved)),
         ("being deleted", Some(&going)),
     ];
     for (case, stored) in cases {
@@ -538,9 +542,17 @@ async fn a_due_at_s_pod_is_created_only_when_the_api_server_confirms_the_at() {
 }
 
 /// The version this leader's own PENDING write made needs no read before its pod: the API
-/// server answered that write, and no pod was made from it since. Any other version is read.
+/// server answered that write, and no pod was made from it since, and its shard label value
+/// cannot change. Any other version, or an At without a value (it may still get one and move
+/// to another shard), is read.
 #[tokio::test(start_paused = true)]
 async fn a_pod_created_from_this_leader_s_own_pending_write_needs_no_read() {
+    for labelled in [true, false] {
+        own_pending_write(labelled).await;
+    }
+}
+
+async fn own_pending_write(labelled: bool) {
     let now = Arc::new(std::sync::Mutex::new(
         DateTime::parse_from_rfc3339(NOW).unwrap().to_utc(),
     ));
@@ -550,6 +562,9 @@ async fn a_pod_created_from_this_leader_s_own_pending_write_needs_no_read() {
     });
     let mut at = example_at(None);
     at.spec.schedule = "2026-11-22T02:11:00Z".into();
+    if labelled {
+        at.metadata.labels = Some([(crate::shard::LABEL.to_owned(), "7".to_owned())].into());
+    }
     let pending = AtStatus {
         phase: Phase::Pending,
         ..AtStatus::default()
@@ -573,9 +588,15 @@ async fn a_pod_created_from_this_leader_s_own_pending_write_needs_no_read() {
         .unwrap()
         .to_utc();
     h.reconcile(at.clone()).await.unwrap();
-    assert_eq!(h.reads(), 0, "no read");
     let metrics = h.metrics.encode();
     let own = "cnat_pod_create_confirmations_total{by=\"own_write\"}";
+    if !labelled {
+        assert_eq!(h.reads(), 1, "an At without a shard value is read");
+        assert_eq!(counted(&metrics, own), 0, "{metrics}");
+        h.finish(5).await;
+        return;
+    }
+    assert_eq!(h.reads(), 0, "no read");
     assert_eq!(counted(&metrics, own), 1, "{metrics}");
     let sent = h.finish(5).await;
     assert_eq!(sent[2].path, PODS);
