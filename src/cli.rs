@@ -258,6 +258,16 @@ pub struct RunArgs {
     #[arg(long, env = "CNAT_LEASE_NAMESPACE")]
     pub lease_namespace: Option<String>,
 
+    /// Secret, in the Lease's namespace, holding the key cnat signs its pods with (a pod by an
+    /// At's pod name that lacks the signature was not made by cnat and is never run as the
+    /// At's). The first replica that needs it creates it.
+    #[arg(
+        long,
+        env = "CNAT_POD_SIGNING_SECRET",
+        default_value = "cnat-pod-signing"
+    )]
+    pub pod_signing_secret: String,
+
     /// This replica's identity in the Lease [default: $POD_NAME, else host name plus a random suffix].
     #[arg(long, env = "CNAT_IDENTITY")]
     pub identity: Option<String>,

@@ -375,8 +375,13 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), R
             }
         }
     };
+    let lease_namespace = lease_namespace(&args, &client);
+    let signing = cnat::operator::signing::Source::secret(
+        lease_namespace.clone(),
+        args.pod_signing_secret.clone(),
+    );
     let election = Election {
-        lease_namespace: lease_namespace(&args, &client),
+        lease_namespace,
         lease_name: args.lease_name.clone(),
         client,
         identity,
@@ -388,6 +393,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), R
             selector: None,
             concurrency: args.concurrency,
             policy: args.policy(),
+            signing,
         },
         streaming: args.watch_list,
         shutdown_timeout: args.shutdown_timeout,

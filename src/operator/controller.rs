@@ -12,6 +12,7 @@ use crate::operator::key::AtKey;
 use crate::operator::pod;
 use crate::operator::policy::RunPolicy;
 use crate::operator::reconcile::{self, error_policy, reconcile, Caches, Context};
+use crate::operator::signing;
 use crate::operator::triggers;
 use chrono::Utc;
 use futures::{FutureExt, StreamExt, TryStreamExt};
@@ -38,6 +39,8 @@ pub struct Settings {
     pub concurrency: u16,
     /// Defaults for what Ats leave out, and the RUNNING re-check interval.
     pub policy: RunPolicy,
+    /// Where the key that signs cnat's pods comes from (`signing`).
+    pub signing: signing::Source,
 }
 
 /// Runs the reconcile loop with a cache of its own (see `run_with_cache`).
@@ -68,6 +71,10 @@ pub async fn run_with_cache(
     metrics: Arc<Metrics>,
     stop: CancellationToken,
 ) {
+    // No pod is created or taken for an At's own before the signing key is had.
+    let Some(signing) = settings.signing.key(&client, &stop).await else {
+        return;
+    };
     let pods = pod_api(&client, settings.namespace.as_deref());
     let (pod_store, pod_writer) = reflector::store();
     let caches = Caches {
@@ -82,6 +89,7 @@ pub async fn run_with_cache(
             Box::new(Utc::now),
             metrics.clone(),
             settings.policy.clone(),
+            signing,
             cache.quarantine().clone(),
         )
         .with_backlog_limit(reconcile::backlog::limit_for(settings.concurrency)),

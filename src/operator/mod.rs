@@ -29,6 +29,7 @@ pub mod policy;
 pub mod reachability;
 pub mod reconcile;
 pub mod release;
+pub mod signing;
 pub mod slow_start;
 pub mod spare;
 pub mod triggers;

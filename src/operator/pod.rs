@@ -3,6 +3,7 @@
 
 use crate::api::{At, AtStatus};
 use crate::operator::policy::RunPolicy;
+use crate::operator::signing::{Key, SIGNATURE_LEN};
 use chrono::{DateTime, Utc};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerStatus, Pod, PodSecurityContext, PodSpec, SeccompProfile,
@@ -25,6 +26,9 @@ pub const AT_LABEL: &str = "cnat.programming-kubernetes.info/at";
 /// seen by the next leader, which reports it instead of creating a second one. cnat removes it
 /// once the status names the pod, or when the At is gone or going.
 pub const FINALIZER: &str = "cnat.programming-kubernetes.info/run-once";
+/// Annotation with cnat's signature of the pod (`signing::Key::sign`): a pod without it (or
+/// with another) was not created by cnat, whatever its name and controller reference say.
+pub const SIGNATURE: &str = "cnat.programming-kubernetes.info/signature";
 /// Name of the container that runs the command.
 pub const CONTAINER: &str = "command";
 /// Numeric non-root user the command runs as (`nobody`), as the `restricted` profile demands.
@@ -164,7 +168,18 @@ const CACHED_LABELS: [&str; 3] = [MANAGED_BY_LABEL, AT_LABEL, crate::shard::LABE
 /// Drops what the operator never reads, so the cache stays small.
 pub fn trim(pod: &mut Pod) {
     pod.metadata.managed_fields = None;
-    pod.metadata.annotations = None;
+    // Of its annotations only cnat's signature, when it has a signature's length.
+    if let Some(annotations) = pod.metadata.annotations.as_mut() {
+        annotations.retain(|key, value| key == SIGNATURE && value.len() == SIGNATURE_LEN);
+    }
+    if pod
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.is_empty())
+    {
+        pod.metadata.annotations = None;
+    }
     // Whoever may create pods may label one as cnat's: of its labels only cnat's own, of its
     // owners only its controller (the one reference cnat reads), so such a pod costs the cache
     // a few hundred bytes whatever it carries. (Its finalizers stay whole: releasing cnat's
@@ -225,6 +240,38 @@ pub fn trim(pod: &mut Pod) {
             container.allocated_resources = None;
         }
     }
+}
+
+/// Signs `pod` as cnat's pod of the At whose uid is `at_uid` (a `SIGNATURE` among the At's
+/// pod annotations is replaced).
+pub fn sign(pod: &mut Pod, at_uid: &str, key: &Key) {
+    let signature = key.sign(at_uid, &pod.name_any());
+    pod.annotations_mut()
+        .insert(SIGNATURE.to_owned(), signature);
+}
+
+/// Whether `pod` carries cnat's signature as the pod of the At whose uid is `at_uid`.
+pub fn is_signed(pod: &Pod, at_uid: &str, key: &Key) -> bool {
+    pod.annotations()
+        .get(SIGNATURE)
+        .is_some_and(|signature| key.verifies(at_uid, &pod.name_any(), signature))
+}
+
+/// Whether `pod` (by the name of `at`'s pod) is the pod cnat created for `at`: controlled by
+/// it, and signed by cnat for it, or named by its status once it is RUNNING or DONE (a pod
+/// created before cnat signed its pods, or signed under a key since replaced: cnat wrote that
+/// status after creating the pod). Anyone who may create pods in the namespace can make one by
+/// that name with a controller reference to the At before cnat does; it is never taken for the
+/// At's own.
+pub fn is_cnats(pod: &Pod, at: &At, key: &Key) -> bool {
+    let Some(at_uid) = at.metadata.uid.as_deref() else {
+        return false;
+    };
+    let named = at.status.as_ref().is_some_and(|status| {
+        status.phase != crate::api::Phase::Pending
+            && status.pod_name.as_deref() == pod.metadata.name.as_deref()
+    });
+    is_controlled_by(pod, at_uid) && (named || is_signed(pod, at_uid, key))
 }
 
 /// Whether `pod` is controlled by the At with this uid.
@@ -873,6 +920,74 @@ mod tests {
         assert_eq!(pod.metadata.owner_references, own_owner);
         let size = serde_json::to_vec(&pod).unwrap().len();
         assert!(size < 1_500, "{size} bytes cached");
+    }
+
+    #[test]
+    fn a_pod_is_the_at_s_own_when_controlled_and_signed_or_named_by_its_started_status() {
+        let (key, _) = Key::generate();
+        let mut at = at("example-at");
+        at.metadata.uid = Some("uid-1".into());
+        let mut signed = build_default(&at);
+        sign(&mut signed, "uid-1", &key);
+        let unsigned = build_default(&at);
+        let mut uncontrolled = signed.clone();
+        uncontrolled.metadata.owner_references = None;
+        assert!(is_cnats(&signed, &at, &key));
+        assert!(!is_cnats(&unsigned, &at, &key));
+        assert!(!is_cnats(&uncontrolled, &at, &key));
+        let (other, _) = Key::generate();
+        assert!(!is_cnats(&signed, &at, &other));
+        // Once the status says cnat started it (a pod from before signatures, or a key
+        // replaced since), the pod it names is the At's; not while PENDING, nor another name.
+        for (phase, pod_name, own) in [
+            (crate::api::Phase::Running, "example-at-pod", true),
+            (crate::api::Phase::Done, "example-at-pod", true),
+            (crate::api::Phase::Pending, "example-at-pod", false),
+            (crate::api::Phase::Running, "other-pod", false),
+        ] {
+            at.status = Some(AtStatus {
+                phase,
+                pod_name: Some(pod_name.into()),
+                ..AtStatus::default()
+            });
+            assert_eq!(is_cnats(&unsigned, &at, &key), own, "{phase:?} {pod_name}");
+            assert!(!is_cnats(&uncontrolled, &at, &key), "{phase:?}");
+        }
+    }
+
+    #[test]
+    fn a_signed_pod_keeps_its_signature_in_the_cache_and_nothing_forges_it() {
+        let (key, _) = Key::generate();
+        let mut pod = build_default(&at("example-at"));
+        assert!(!is_signed(&pod, "uid-1", &key), "built unsigned");
+        pod.annotations_mut()
+            .insert("tenant.example/note".into(), "x".repeat(60_000));
+        sign(&mut pod, "uid-1", &key);
+        assert!(is_signed(&pod, "uid-1", &key));
+        assert!(!is_signed(&pod, "uid-2", &key), "another At's");
+        let mut renamed = pod.clone();
+        renamed.metadata.name = Some("other-pod".into());
+        assert!(!is_signed(&renamed, "uid-1", &key), "another pod's");
+        trim(&mut pod);
+        assert!(is_signed(&pod, "uid-1", &key), "kept by the cache");
+        assert_eq!(pod.annotations().len(), 1);
+        // A long value under the signature's key is not kept (and was no signature).
+        let mut forged = build_default(&at("example-at"));
+        forged
+            .annotations_mut()
+            .insert(SIGNATURE.into(), "A".repeat(100_000));
+        assert!(!is_signed(&forged, "uid-1", &key));
+        trim(&mut forged);
+        assert_eq!(forged.metadata.annotations, None);
+        // One among the At's pod annotations is no signature, and signing replaces it.
+        let mut claimed = at("example-at");
+        let template = claimed.spec.template.metadata.get_or_insert_default();
+        let made_up = "A".repeat(SIGNATURE_LEN);
+        template.annotations = Some([(SIGNATURE.to_owned(), made_up)].into());
+        let mut built = build_default(&claimed);
+        assert!(!is_signed(&built, "uid-1", &key));
+        sign(&mut built, "uid-1", &key);
+        assert!(is_signed(&built, "uid-1", &key));
     }
     /// A pod that has not ended, with the container's waiting reason and message, or the
     /// scheduler's condition.

@@ -34,6 +34,8 @@ pub fn start_operator(client: &Client, ns: &str) -> tokio_util::task::AbortOnDro
         selector: None,
         concurrency: 32,
         policy: Default::default(),
+        // As `cnat run` has it: a Secret, here in the test's namespace, made on first use.
+        signing: cnat::operator::signing::Source::secret(ns, "cnat-pod-signing"),
     };
     let events = support::events(client, "cnat-e2e");
     tokio_util::task::AbortOnDropHandle::new(tokio::spawn(cnat::operator::controller::run(
@@ -274,4 +276,82 @@ async fn a_quota_refusal_shows_on_the_at_and_it_runs_once_the_quota_allows() {
     run_pod(&target, &ns, "second", 0, "").await;
     let second = wait_at(&ats, "second", DONE_WITHIN, phase_is(Phase::Done)).await;
     assert_eq!(second.status.unwrap().outcome, Some(Outcome::Succeeded));
+}
+
+/// A pod made by someone else under an At's pod name, even as cnat would make it and with a
+/// controller reference to the At, is never taken for the At's pod: the At says so
+/// (`PodNameConflict`) and runs, in a pod cnat signed, once that pod is gone.
+#[tokio::test]
+async fn a_pod_someone_else_made_in_an_at_s_name_is_never_run_as_its_own() {
+    use k8s_openapi::api::core::v1::Secret;
+    let target = crate::e2e_target!();
+    target.install_crd().await;
+    let ns = target.namespace("forged", &[]).await;
+    let _operator = start_operator(&target.client, &ns);
+    let ats: Api<At> = Api::namespaced(target.client.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(target.client.clone(), &ns);
+    let due = chrono::Utc::now() + chrono::Duration::seconds(4);
+    let created = ats
+        .create(&PostParams::default(), &at("victim", due, "echo real"))
+        .await
+        .unwrap();
+    // The tenant's pod: cnat's own build (labels, controller reference), a made-up signature,
+    // no finalizer, a command of its choosing.
+    let mut forged = cnat::operator::pod::build(&created, &Default::default());
+    forged.metadata.finalizers = None;
+    forged.metadata.annotations = Some(
+        [(
+            cnat::operator::pod::SIGNATURE.to_owned(),
+            "A".repeat(cnat::operator::signing::SIGNATURE_LEN),
+        )]
+        .into(),
+    );
+    if let Some(container) = forged.spec.as_mut().and_then(|s| s.containers.first_mut()) {
+        container.command = Some(vec!["/bin/sh".into(), "-c".into(), "echo forged".into()]);
+    }
+    pods.create(&PostParams::default(), &forged).await.unwrap();
+    let conflict = |at: &At| {
+        at.status.as_ref().is_some_and(|s| {
+            s.conditions
+                .iter()
+                .any(|c| c.reason == "PodNameConflict" && c.status == "False")
+        })
+    };
+    let blocked = wait_at(&ats, "victim", DONE_WITHIN, conflict).await;
+    let status = blocked.status.unwrap();
+    assert_eq!(status.phase, Phase::Pending, "{status:?}");
+    let condition = status
+        .conditions
+        .iter()
+        .find(|c| c.reason == "PodNameConflict")
+        .unwrap();
+    assert!(
+        condition.message.contains("lacks cnat's signature"),
+        "{}",
+        condition.message
+    );
+    wait_events(&target.client, &ns, "victim", &["PodNameConflict"]).await;
+    // The key is in its Secret, made by the operator on first use.
+    let secrets: Api<Secret> = Api::namespaced(target.client.clone(), &ns);
+    let key = secrets.get("cnat-pod-signing").await.unwrap();
+    assert_eq!(
+        key.data.unwrap()[cnat::operator::signing::SECRET_KEY]
+            .0
+            .len(),
+        32
+    );
+
+    let now = kube::api::DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    pods.delete("victim-pod", &now).await.unwrap();
+    run_pod(&target, &ns, "victim", 0, "").await;
+    let done = wait_at(&ats, "victim", DONE_WITHIN, phase_is(Phase::Done)).await;
+    assert_eq!(done.status.unwrap().outcome, Some(Outcome::Succeeded));
+    let own = pods.get("victim-pod").await.unwrap();
+    let command = own.spec.unwrap().containers[0].command.clone().unwrap();
+    assert!(command.iter().any(|a| a == "echo real"), "{command:?}");
+    let signature = &own.metadata.annotations.unwrap()[cnat::operator::pod::SIGNATURE];
+    assert_eq!(signature.len(), cnat::operator::signing::SIGNATURE_LEN);
 }

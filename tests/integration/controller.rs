@@ -808,6 +808,7 @@ async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
         selector: None,
         concurrency: 32,
         policy: Default::default(),
+        signing: cnat::operator::signing::Source::given(cnat::operator::signing::Key::generate().0),
     };
     let events = support::events(&client, "cnat-1");
     let metrics = std::sync::Arc::new(cnat::observability::metrics::Metrics::new(

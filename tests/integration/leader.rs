@@ -471,6 +471,9 @@ async fn stop_a_busy_leader(after: Duration, list: Duration) -> usize {
                 selector: None,
                 concurrency: 32,
                 policy: Default::default(),
+                signing: cnat::operator::signing::Source::given(
+                    cnat::operator::signing::Key::generate().0,
+                ),
             };
             let events = support::events(&client, &who);
             let metrics = Arc::new(cnat::observability::metrics::Metrics::new(
@@ -890,6 +893,9 @@ fn caching_replica(server: &ApiServer, id: &str) -> CachingReplica {
                 selector: None,
                 concurrency: 8,
                 policy: Default::default(),
+                signing: cnat::operator::signing::Source::given(
+                    cnat::operator::signing::Key::generate().0,
+                ),
             };
             cnat::operator::controller::run_with_cache(
                 work_cache.clone(),

@@ -56,15 +56,24 @@ impl Context {
             .pods
             .get(&ObjectRef::new(&name).within(&namespace(at)))
         {
-            Some(found) => observe(&found, at),
+            Some(found) => self.observe(&found, at),
             None => PodObservation::NotCached,
+        }
+    }
+
+    /// What `found`, a pod by the name of `at`'s, is to `at` (`pod::is_cnats`).
+    fn observe(&self, found: &Pod, at: &At) -> PodObservation {
+        if pod::is_cnats(found, at, &self.signing) {
+            PodObservation::Owned(pod::view(found))
+        } else {
+            PodObservation::Foreign
         }
     }
 
     pub(super) async fn fetch_pod(&self, at: &At) -> Result<PodObservation, Error> {
         let name = pod::name_for(&at.name_any());
         match self.pod_api(at).get_opt(&name).await {
-            Ok(Some(found)) => Ok(observe(&found, at)),
+            Ok(Some(found)) => Ok(self.observe(&found, at)),
             Ok(None) => Ok(PodObservation::Missing),
             Err(source) => Err(Error::ReadPod {
                 at: key(at),
@@ -214,11 +223,11 @@ impl Context {
         for attempt in 0..2 {
             // Only our own pod, and only while it holds cnat's finalizer.
             if !pod::is_held(&found) || !pod::is_controlled_by(&found, &uid(at)) {
-                return Ok(observe(&found, at));
+                return Ok(self.observe(&found, at));
             }
             let patch = Patch::Merge(pod::release_patch(&found));
             match api.patch(&name, &params, &patch).await {
-                Ok(released) => return Ok(observe(&released, at)),
+                Ok(released) => return Ok(self.observe(&released, at)),
                 // Gone meanwhile (its last finalizer went).
                 Err(kube::Error::Api(s)) if s.is_not_found() => return Ok(PodObservation::Missing),
                 // Changed since read: read it again, once.
@@ -250,10 +259,7 @@ impl Context {
             return Ok(Created::Unconfirmed);
         }
         let window = pods_first.window.enter().await;
-        let created = self
-            .pod_api(at)
-            .create(&params, &pod::build(at, &self.policy))
-            .await;
+        let created = self.pod_api(at).create(&params, &self.signed_pod(at)).await;
         window.answered(slow_start::reply(&created));
         drop(creating);
         match created {
@@ -314,6 +320,13 @@ impl Context {
         }
         // The follower is gone (its replica is stopping): nothing catches up any more.
         std::future::pending::<()>().await;
+    }
+
+    /// `at`'s pod as cnat creates it, signed.
+    fn signed_pod(&self, at: &At) -> Pod {
+        let mut built = pod::build(at, &self.policy);
+        pod::sign(&mut built, &uid(at), &self.signing);
+        built
     }
 
     /// Whether the API server confirms `at` as the cache showed it: a cache that is behind
@@ -392,7 +405,7 @@ impl Context {
             return Ok(Some(PodObservation::Missing));
         };
         for attempt in 0..2 {
-            let seen = observe(&found, at);
+            let seen = self.observe(&found, at);
             if !matches!(&seen, PodObservation::Owned(view) if view.end.is_none()) {
                 return Ok(Some(seen));
             }
@@ -421,7 +434,7 @@ impl Context {
                 Err(source) => return Err(fail(source)),
             }
         }
-        Ok(Some(observe(&found, at)))
+        Ok(Some(self.observe(&found, at)))
     }
 
     /// Deletes a finished At whose `ttlSecondsAfterFinished` passed; its pod goes with it
@@ -460,12 +473,4 @@ pub(super) enum Created {
     /// Not created: the At cache is behind; decided again once it has caught up, or after
     /// `RECHECK_BEHIND`.
     Behind,
-}
-
-fn observe(found: &Pod, at: &At) -> PodObservation {
-    if pod::is_controlled_by(found, &uid(at)) {
-        PodObservation::Owned(pod::view(found))
-    } else {
-        PodObservation::Foreign
-    }
 }

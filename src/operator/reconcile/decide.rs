@@ -220,7 +220,7 @@ fn due_now(
     match pod {
         PodObservation::Foreign => {
             let message = format!(
-                "pod {pod_name} already exists and is not controlled by this At; cnat never adopts a pod it did not create. Delete or rename that pod and this At runs"
+                "pod {pod_name} already exists and was not created by cnat for this At (it is not controlled by this At, or lacks cnat's signature); cnat never adopts a pod it did not create. Delete or rename that pod and this At runs"
             );
             next.condition(POD_CREATED, false, "PodNameConflict", &message)
                 .note(Severity::Warning, "PodNameConflict", message)

@@ -18,6 +18,7 @@ use crate::operator::contain::{Panicked, Quarantine};
 use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;
+use crate::operator::signing::Key;
 use crate::operator::{pod, reachability};
 use calls::Created;
 use chrono::{DateTime, Utc};
@@ -61,6 +62,8 @@ pub struct Context {
     clock: Clock,
     metrics: Arc<Metrics>,
     policy: RunPolicy,
+    /// Signs the pods this leader creates, and tells cnat's pods from others.
+    signing: Key,
     /// Status writes, events, retries, and what is remembered of each At.
     writer: Arc<Writer>,
     /// Ats to reconcile outside the runtime's own requeues (wakeups, failed queued writes, an
@@ -80,6 +83,7 @@ impl Context {
         clock: Clock,
         metrics: Arc<Metrics>,
         policy: RunPolicy,
+        signing: Key,
         quarantine: Arc<Quarantine>,
     ) -> Self {
         let writer = Writer::new(client.clone(), events, metrics.clone(), quarantine);
@@ -89,6 +93,7 @@ impl Context {
             clock,
             metrics,
             policy,
+            signing,
             writer: Arc::new(writer),
             retriggers: Queue::default(),
             backlog: Arc::default(),

@@ -37,6 +37,13 @@ fn fixture(name: &str) -> Value {
 }
 
 /// The captured pod, renamed to this At's pod, optionally controlled by it and ended.
+/// The key the harness's leader signs its pods with.
+fn signing_key() -> crate::operator::signing::Key {
+    crate::operator::signing::Key::from_bytes(&[7; 32]).unwrap()
+}
+
+/// The example At's pod as the API server returns it: controlled by (and, as cnat made it,
+/// signed for) the At `owner_uid`, `ended` with that phase and exit code.
 fn pod_fixture(owner_uid: Option<&str>, ended: Option<(&str, i32)>) -> Value {
     let mut pod = fixture("pod-created.json");
     pod["metadata"]["name"] = "example-at-pod".into();
@@ -46,6 +53,8 @@ fn pod_fixture(owner_uid: Option<&str>, ended: Option<(&str, i32)>) -> Value {
             "apiVersion": "cnat.programming-kubernetes.info/v1", "kind": "At",
             "name": "example-at", "uid": uid, "controller": true,
         }]);
+        pod["metadata"]["annotations"][crate::operator::pod::SIGNATURE] =
+            signing_key().sign(uid, "example-at-pod").into();
     }
     if let Some((phase, exit_code)) = ended {
         pod["status"]["phase"] = phase.into();
@@ -250,6 +259,7 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
         clock,
         metrics.clone(),
         RunPolicy::default(),
+        signing_key(),
         Arc::default(),
     ));
     // As in production, status writes that follow pod creates go through the writer, and
@@ -687,11 +697,32 @@ async fn an_existing_pod_of_this_at_is_adopted_not_created_twice() {
     assert_event(&sent[3], "Normal", "PodCreated");
 }
 
+/// A pod by the At's pod name that cnat did not create: not controlled by the At, or
+/// controlled by it (anyone who may create pods there can write that reference) but without
+/// cnat's signature, or with one made under another key.
 #[tokio::test(start_paused = true)]
 async fn a_foreign_pod_with_the_name_blocks_the_at_with_a_clear_condition() {
+    let unsigned = {
+        let mut pod = pod_fixture(Some(AT_UID), None);
+        pod["metadata"]["annotations"] = serde_json::json!({});
+        pod
+    };
+    let forged = {
+        let mut pod = pod_fixture(Some(AT_UID), None);
+        let other = crate::operator::signing::Key::from_bytes(&[8; 32]).unwrap();
+        pod["metadata"]["annotations"][pod::SIGNATURE] =
+            other.sign(AT_UID, "example-at-pod").into();
+        pod
+    };
+    for foreign in [pod_fixture(None, None), unsigned, forged] {
+        a_foreign_pod_blocks(foreign).await;
+    }
+}
+
+async fn a_foreign_pod_blocks(foreign: Value) {
     let h = harness(vec![
         answer("POST", PODS, 409, fixture("status-409-already-exists.json")),
-        answer("GET", POD, 200, pod_fixture(None, None)),
+        answer("GET", POD, 200, foreign),
         answer("PATCH", STATUS, 200, at_response(&running_status())),
         answer("POST", EVENTS, 201, created_event()),
     ]);
