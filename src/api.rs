@@ -86,6 +86,7 @@ pub struct AtSpec {
 /// host namespaces or ports.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = crate::limits::bound_template_schema)]
 pub struct AtPodTemplate {
     /// Labels and annotations added to the pod (cnat's own labels win over these).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -398,6 +399,34 @@ mod tests {
         let pod_metadata = &template["metadata"]["properties"];
         assert_eq!(pod_metadata["labels"]["maxProperties"], MAX_ENTRIES);
         assert_eq!(pod_metadata["annotations"]["maxProperties"], MAX_ENTRIES);
+        // Inside Kubernetes' own types too (`bound_template_schema`).
+        let at = |path: &str| -> &serde_json::Value {
+            path.split('/').fold(template, |schema, step| match step {
+                "[]" => &schema["items"],
+                "*" => &schema["additionalProperties"],
+                name => match schema.get("properties") {
+                    Some(properties) => &properties[name],
+                    None => &schema[name],
+                },
+            })
+        };
+        let env = "env/[]";
+        assert_eq!(at(&format!("{env}/value"))["maxLength"], MAX_ENV_VALUE);
+        assert_eq!(at(&format!("{env}/name"))["maxLength"], MAX_FIELD);
+        let secret = format!("{env}/valueFrom/secretKeyRef/key");
+        assert_eq!(at(&secret)["maxLength"], MAX_FIELD);
+        assert_eq!(at("tolerations/[]/key")["maxLength"], MAX_FIELD);
+        assert_eq!(at("nodeSelector/*")["maxLength"], MAX_LABEL_VALUE);
+        assert_eq!(at("metadata/labels/*")["maxLength"], MAX_LABEL_VALUE);
+        assert_eq!(at("metadata/annotations/*")["maxLength"], MAX_SPEC_BYTES);
+        assert_eq!(at("resources/limits")["maxProperties"], MAX_ENTRIES);
+        assert_eq!(at("resources/claims")["maxItems"], MAX_ITEMS);
+        // A quantity keeps Kubernetes' schema: no length, an int or a string.
+        let quantity = at("resources/limits/*");
+        assert_eq!(quantity["x-kubernetes-int-or-string"], true, "{quantity}");
+        assert!(quantity.get("maxLength").is_none(), "{quantity}");
+        // What already had a bound keeps it.
+        assert_eq!(template["image"]["maxLength"], MAX_IMAGE);
         // No schema default: an At without an image runs the operator's default image.
         assert!(template["image"].get("default").is_none(), "{template}");
         assert_eq!(

@@ -183,19 +183,18 @@ impl From<At> for CachedAt {
             resource_version: metadata.resource_version.take(),
             ..ObjectMeta::default()
         };
-        metadata.managed_fields = None;
-        metadata.annotations = None;
         let label = label_of(&metadata);
-        // A shard label with a value is `label` again: not kept twice (at 100,000 Ats its text
-        // would be 5 MB more, before allocation size classes).
-        if label != NO_VALUE {
-            if let Some(labels) = &mut metadata.labels {
-                labels.remove(shard::LABEL);
-                if labels.is_empty() {
-                    metadata.labels = None;
-                }
-            }
-        }
+        // Of the rest of its metadata only what cnat reads, all of it of bounded size: not its
+        // labels (the shard label's value is `label`), annotations, finalizers, owner references
+        // or managed fields, which its writer may make as large as the API server allows.
+        let metadata = ObjectMeta {
+            uid: metadata.uid,
+            generation: metadata.generation,
+            creation_timestamp: metadata.creation_timestamp,
+            deletion_timestamp: metadata.deletion_timestamp,
+            deletion_grace_period_seconds: metadata.deletion_grace_period_seconds,
+            ..ObjectMeta::default()
+        };
         let rest = Rest {
             metadata,
             spec,

@@ -326,7 +326,20 @@ fn rbac_is_exactly_what_the_operator_uses() {
                 Some(&["cnat"])
             ),
             rule(&["coordination.k8s.io"], &["leases"], &["create"], None),
+            // The pod signing key's Secret, which the first replica that needs it makes.
+            rule(&[""], &["secrets"], &["get"], Some(&["cnat-pod-signing"])),
+            rule(&[""], &["secrets"], &["create"], None),
         ]
+    );
+    // The replicas are told that Secret's name.
+    let deployment: Value = rendered.one("Deployment");
+    let env = &deployment["spec"]["template"]["spec"]["containers"][0]["env"];
+    assert!(
+        env.as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "CNAT_POD_SIGNING_SECRET" && e["value"] == "cnat-pod-signing"),
+        "{env}"
     );
     // The only other Role is the helm test hook's (see below).
     assert_eq!(rendered.all::<Value>("ClusterRole").len(), 1);

@@ -80,7 +80,8 @@ async fn the_book_example_runs_once_at_its_time_and_ends_done() {
     );
     assert_eq!(pod["metadata"]["ownerReferences"][0]["name"], "example-at");
 
-    // At the due time the pod is created first, with no read or status write before it.
+    // At the due time the pod is created first, with no read or status write before it. (The
+    // first leader of an install makes the pod signing key's Secret when it starts.)
     server.told("example-at", 2).await;
     let writes: Vec<String> = server
         .requests()
@@ -90,6 +91,7 @@ async fn the_book_example_runs_once_at_its_time_and_ends_done() {
     assert_eq!(
         writes,
         [
+            "POST secrets",
             "PATCH ats/status",
             "POST events",
             "POST pods",
@@ -808,7 +810,7 @@ async fn a_new_leader_starts_from_the_ats_it_cached_as_a_candidate() {
         selector: None,
         concurrency: 32,
         policy: Default::default(),
-        signing: cnat::operator::signing::Source::given(cnat::operator::signing::Key::generate().0),
+        signing: cnat::operator::signing::Source::secret("default", "cnat-pod-signing"),
     };
     let events = support::events(&client, "cnat-1");
     let metrics = std::sync::Arc::new(cnat::observability::metrics::Metrics::new(

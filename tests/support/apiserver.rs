@@ -30,6 +30,8 @@ pub enum Resource {
     Pods,
     Events,
     Leases,
+    /// The Secret with cnat's pod signing key.
+    Secrets,
     /// authorization.k8s.io/v1 SubjectAccessReviews (POST only, answered, never stored).
     AccessReviews,
 }
@@ -41,6 +43,7 @@ impl Resource {
             Resource::Pods => "v1",
             Resource::Events => "events.k8s.io/v1",
             Resource::Leases => "coordination.k8s.io/v1",
+            Resource::Secrets => "v1",
             Resource::AccessReviews => "authorization.k8s.io/v1",
         }
     }
@@ -51,6 +54,7 @@ impl Resource {
             Resource::Pods => "pods",
             Resource::Events => "events",
             Resource::Leases => "leases",
+            Resource::Secrets => "secrets",
             Resource::AccessReviews => "subjectaccessreviews",
         }
     }
@@ -61,6 +65,7 @@ impl Resource {
             Resource::Pods => "Pod",
             Resource::Events => "Event",
             Resource::Leases => "Lease",
+            Resource::Secrets => "Secret",
             Resource::AccessReviews => "SubjectAccessReview",
         }
     }
@@ -1075,6 +1080,7 @@ impl Route {
             "pods" => Resource::Pods,
             "events" => Resource::Events,
             "leases" => Resource::Leases,
+            "secrets" => Resource::Secrets,
             "subjectaccessreviews" => Resource::AccessReviews,
             _ => return None,
         };

@@ -43,7 +43,7 @@ pub fn run_controller_with(
         selector: None,
         concurrency: 32,
         policy,
-        signing: cnat::operator::signing::Source::given(cnat::operator::signing::Key::generate().0),
+        signing: cnat::operator::signing::Source::secret("default", "cnat-pod-signing"),
     };
     let events = events(&client, "cnat-test");
     tokio::spawn(cnat::operator::controller::run(

@@ -93,6 +93,7 @@ fn reads_back_the_at_it_cached_without_what_the_operator_never_reads() {
     let mut expected = at;
     expected.metadata.managed_fields = None;
     expected.metadata.annotations = None;
+    expected.metadata.labels = None;
     assert_same(&cached.at().unwrap(), &expected);
     // What the runtime keys on, and what the metrics read without reading the At back.
     assert_eq!(cached.name_any(), "example-at");
@@ -112,6 +113,8 @@ fn reads_back_the_at_it_cached_without_what_the_operator_never_reads() {
     );
 }
 
+/// Of an At's labels only its shard label's value is kept (a text that is no value reads back
+/// as no label: `shard::value_of` reads both alike).
 #[test]
 fn reads_back_the_shard_label_it_kept_as_its_value_whatever_the_other_labels() {
     let other = ("team".to_owned(), "a".to_owned());
@@ -132,11 +135,11 @@ fn reads_back_the_shard_label_it_kept_as_its_value_whatever_the_other_labels() {
         }
         at.metadata.labels = Some(labels.clone());
         let cached = CachedAt::from(at);
-        assert_eq!(
-            cached.at().unwrap().metadata.labels,
-            Some(labels),
-            "{shard}"
-        );
+        let value = crate::shard::value_of(Some(&labels));
+        let expected =
+            value.map(|v| BTreeMap::from([(crate::shard::LABEL.to_owned(), v.to_string())]));
+        assert_eq!(cached.at().unwrap().metadata.labels, expected, "{shard}");
+        assert_eq!(value.is_some(), ["0", "3", "7", "59"].contains(&shard));
         assert_eq!(
             cached.list(),
             crate::shard::list_of(cached.at().unwrap().metadata.labels.as_ref())
@@ -292,4 +295,55 @@ fn watch_retries_stay_within_a_second_and_start_over_after_success() {
     );
     backoff.reset();
     assert!(backoff.next().unwrap() <= Duration::from_millis(200));
+}
+
+/// What its writer can make large in an At's metadata (labels, annotations, finalizers, owner
+/// references, managed fields) costs the cache nothing: it keeps only what cnat reads.
+#[test]
+fn an_at_s_metadata_costs_the_cache_only_what_cnat_reads() {
+    let mut at = full_at();
+    let big = "x".repeat(60_000);
+    let small = CachedAt::from(at.clone()).packed.len();
+    let meta = &mut at.metadata;
+    meta.labels = Some(
+        (0..16)
+            .map(|i| (format!("tenant.example/l{i}"), big.clone()))
+            .collect(),
+    );
+    meta.labels
+        .as_mut()
+        .unwrap()
+        .insert(crate::shard::LABEL.into(), "7".into());
+    meta.annotations = Some([("a".to_owned(), big.clone())].into());
+    meta.finalizers = Some(
+        (0..16)
+            .map(|i| format!("tenant.example/{i}{big}"))
+            .collect(),
+    );
+    meta.owner_references = Some(
+        (0..16)
+            .map(|i| {
+                serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1", "kind": "ConfigMap", "name": format!("c{i}"), "uid": big}))
+                .unwrap()
+            })
+            .collect(),
+    );
+    meta.generate_name = Some(big.clone());
+    let cached = CachedAt::from(at);
+    assert!(
+        cached.packed.len() <= small + 16,
+        "{} bytes against {small}",
+        cached.packed.len()
+    );
+    let read = cached.at().unwrap();
+    assert_eq!(
+        read.metadata.labels,
+        Some([(crate::shard::LABEL.to_owned(), "7".to_owned())].into())
+    );
+    assert_eq!(
+        read.metadata.uid.as_deref(),
+        Some("d8145ff9-fa52-4f7f-92ec-300d1e253d72")
+    );
+    assert!(read.metadata.finalizers.is_none() && read.metadata.owner_references.is_none());
 }
