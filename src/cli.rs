@@ -41,7 +41,8 @@ pub enum Command {
     MigrateStorage(MigrateStorageArgs),
     /// Remove cnat's finalizer from every pod whose outcome no longer needs it (its At's status
     /// names it, or its At is gone), for when no replica will run again (helm uninstall's
-    /// pre-delete hook); exits 1 if any had to be kept or could not be released.
+    /// pre-delete hook, with --stop-deployment); exits 1 if any had to be kept or could not be
+    /// released (without --stop-deployment).
     Release(ReleaseArgs),
 }
 
@@ -50,6 +51,14 @@ pub struct ReleaseArgs {
     /// Only this namespace's pods (default: every namespace).
     #[arg(long)]
     pub namespace: Option<String>,
+    /// First stop the operator: scale this Deployment (NAMESPACE/NAME) to 0 and wait until its
+    /// pods are gone, so that no pod is created or recorded after the release (helm uninstall's
+    /// hook). Pods that must keep the finalizer are then listed, and the exit status is 0.
+    #[arg(long, value_parser = service_ref, value_name = "NAMESPACE/NAME")]
+    pub stop_deployment: Option<(String, String)>,
+    /// How long to wait for the Deployment's pods to go before releasing anyway.
+    #[arg(long, default_value = "60s", value_parser = duration)]
+    pub stop_timeout: Duration,
 }
 
 #[derive(Debug, Args)]

@@ -225,6 +225,25 @@ async fn release(args: ReleaseArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let stopping = args.stop_deployment.is_some();
+    if let Some((namespace, name)) = &args.stop_deployment {
+        use cnat::operator::release::{stop_deployment, Stopped};
+        match stop_deployment(&client, namespace, name, args.stop_timeout).await {
+            Ok(Stopped::Stopped) => println!("stopped Deployment {namespace}/{name}"),
+            Ok(Stopped::Absent) => println!("no Deployment {namespace}/{name}: nothing to stop"),
+            Ok(Stopped::Scaled) => println!(
+                "scaled Deployment {namespace}/{name} to 0 (it selects its pods by no label: not waited for)"
+            ),
+            Ok(Stopped::StillRunning(left)) => eprintln!(
+                "cnat release: {left} pod(s) of Deployment {namespace}/{name} still there after {:?}; releasing anyway (a pod they create from now on keeps cnat's finalizer: run cnat release again once they are gone)",
+                args.stop_timeout
+            ),
+            Err(error) => {
+                eprintln!("cnat release: {error}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     match cnat::operator::release::release_all(client, args.namespace.as_deref()).await {
         Ok(released) => {
             println!(
@@ -234,7 +253,11 @@ async fn release(args: ReleaseArgs) -> ExitCode {
             for (pod, why) in &released.kept {
                 eprintln!("cnat release: pod {pod}: {why}");
             }
-            if released.kept.is_empty() {
+            if !released.kept.is_empty() && stopping {
+                // The operator is gone: nothing will record them; the uninstall goes on.
+                eprintln!("cnat release: {} pod(s) keep cnat's finalizer, so that their command never runs twice should cnat be installed again; to let one go: kubectl patch pod NAME -n NAMESPACE --type=json -p '[{{\"op\":\"remove\",\"path\":\"/metadata/finalizers\"}}]'", released.kept.len());
+            }
+            if released.kept.is_empty() || stopping {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::FAILURE

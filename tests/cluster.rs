@@ -350,8 +350,10 @@ async fn installed_as_users_do_cnat_runs_real_pods_survives_upgrades_and_kills_a
     the_pod_started_once_its_secret_existed(&cluster).await;
     step("the leader killed");
     killing_the_leader_runs_every_at_once(&cluster).await;
-    step("helm uninstall");
+    step("helm uninstall while Ats fall due");
     uninstall_leaves_no_finalizer_and_namespaces_delete(&cluster).await;
+    step("helm uninstall whose hook cannot run");
+    an_uninstall_whose_hook_cannot_run_fails_within_its_deadline(&cluster).await;
     step("done");
 }
 
@@ -1063,12 +1065,111 @@ async fn kill_container(cluster: &Cluster, pod: &str) {
     assert!(killed.success(), "kill -9 {pid}");
 }
 
-/// `helm uninstall` as the install page shows it: the pre-delete hook lets go of every pod,
-/// so no pod keeps cnat's finalizer and the user's namespace deletes.
+/// `helm uninstall` as the install page shows it, while Ats fall due: the pre-delete hook stops
+/// the operator, then lets go of every pod, so no pod keeps cnat's finalizer and the user's
+/// namespace deletes; every At that got a pod names it (it ran once and its run is on record),
+/// and one due after the operator stopped has none.
 async fn uninstall_leaves_no_finalizer_and_namespaces_delete(cluster: &Cluster) {
+    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), TEAM);
+    let now = chrono::Utc::now();
+    let names: Vec<String> = (0..20).map(|i| format!("during-uninstall-{i}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        // One due now, then one every 2 s for 40 s: some run before the stop, some after.
+        let due = now + chrono::Duration::seconds(2 * i as i64);
+        ats.create(&PostParams::default(), &at(name, due, "sleep 1"))
+            .await
+            .unwrap();
+    }
+    eventually(
+        "the first At running",
+        Duration::from_secs(60),
+        async || {
+            let first = ats.get(&names[0]).await.ok()?;
+            first
+                .status
+                .filter(|s| s.phase != cnat::api::Phase::Pending)
+        },
+    )
+    .await;
     cluster.helm(&["uninstall", RELEASE, "-n", SYSTEM]);
+    let uninstalled = chrono::Utc::now();
     let kept = support::envtest::pods_held(&Api::all(cluster.client.clone())).await;
     assert!(kept.is_empty(), "pods keep cnat's finalizer: {kept:?}");
+    let (mut ran, mut waiting) = (0, 0);
+    for (i, name) in names.iter().enumerate() {
+        let at = ats.get(name).await.unwrap();
+        let status = at.status.clone().unwrap_or_default();
+        let own = pods_of(&pods, &at).await;
+        assert!(own.len() <= 1, "{name}: {} pods", own.len());
+        match own.first() {
+            Some(pod) => {
+                ran += 1;
+                assert_eq!(
+                    status.pod_name.as_deref(),
+                    Some(pod.name_any().as_str()),
+                    "{name}: a pod its At does not name: {status:?}"
+                );
+            }
+            None => {
+                waiting += 1;
+                assert!(status.pod_name.is_none(), "{name}: {status:?}");
+            }
+        }
+        // Due after the uninstall ended: never run.
+        if now + chrono::Duration::seconds(2 * i as i64) > uninstalled {
+            assert!(own.is_empty(), "{name} ran after the uninstall");
+        }
+    }
+    eprintln!("cluster test: {ran} Ats ran before the stop, {waiting} stayed Pending");
+    assert!(ran >= 1, "the first At ran before the uninstall");
     let deleted = cluster.kubectl(&["delete", "namespace", TEAM, "--timeout=120s"], None);
     succeeded("kubectl delete namespace", &deleted);
+}
+
+/// The uninstall hook's pod cannot run (here: a quota of no pods in the release's namespace):
+/// `helm uninstall` fails once the hook's deadline has passed, not after Helm's 5 minutes,
+/// saying so; `helm uninstall --no-hooks` then removes the release, as the install page says.
+async fn an_uninstall_whose_hook_cannot_run_fails_within_its_deadline(cluster: &Cluster) {
+    let chart = Path::new(ROOT).join("charts/cnat");
+    cluster.helm(&[
+        "install",
+        RELEASE,
+        chart.to_str().unwrap(),
+        "-n",
+        SYSTEM,
+        "--set",
+        "releaseHookDeadlineSeconds=30",
+    ]);
+    let quota = serde_json::json!({"apiVersion": "v1", "kind": "ResourceQuota",
+        "metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "0"}}});
+    let quotas: Api<k8s_openapi::api::core::v1::ResourceQuota> =
+        Api::namespaced(cluster.client.clone(), SYSTEM);
+    quotas
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(quota).unwrap(),
+        )
+        .await
+        .unwrap();
+    let helm = Path::new(ROOT).join(".tools/helm");
+    let started = std::time::Instant::now();
+    let output = run(
+        cluster
+            .command(&helm)
+            .args(["uninstall", RELEASE, "-n", SYSTEM]),
+        None,
+    );
+    let took = started.elapsed();
+    let said = String::from_utf8_lossy(&output.stderr).into_owned();
+    eprintln!("cluster test: helm uninstall with a hook that cannot run, after {took:.1?}: {said}");
+    assert!(!output.status.success(), "{said}");
+    // Helm 4's words: "resource Job/cnat-system/cnat-release not ready. status: Failed".
+    assert!(
+        said.contains("Job/cnat-system/cnat-release") && said.contains("Failed"),
+        "{said}"
+    );
+    assert!(took < Duration::from_secs(90), "{took:?}");
+    cluster.helm(&["uninstall", RELEASE, "-n", SYSTEM, "--no-hooks"]);
+    quotas.delete("no-pods", &Default::default()).await.unwrap();
 }

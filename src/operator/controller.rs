@@ -10,6 +10,7 @@ use crate::operator::contain;
 use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
 use crate::operator::pod;
+use crate::operator::pods_first::InFlight;
 use crate::operator::policy::RunPolicy;
 use crate::operator::reconcile::{self, error_policy, reconcile, Caches, Context};
 use crate::operator::signing;
@@ -22,8 +23,10 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::{Api, Client, ResourceExt};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
+use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
@@ -133,6 +136,7 @@ pub async fn run_with_cache(
     };
     let tasks = spawn_tasks(&ctx, &at_store, orphaned, to_label);
     let fatal = ctx.fatal().clone();
+    let dropped_writing = ctx.writer().pods_first().writing.clone();
     let dropped = ctx.clone();
     let controller = Controller::for_shared_stream(at_events, at_store)
         .owns_stream(pod_events)
@@ -157,7 +161,8 @@ pub async fn run_with_cache(
             }
             std::future::ready(())
         });
-    supervise(controller, fatal, tasks, &metrics).await;
+    let writing = dropped_writing;
+    supervise(controller, fatal, tasks, &metrics, writing).await;
     info!("reconcile loop stopped");
 }
 
@@ -317,11 +322,21 @@ async fn supervise(
     fatal: CancellationToken,
     mut tasks: JoinSet<&'static str>,
     metrics: &Metrics,
+    writing: InFlight,
 ) {
     tokio::pin!(controller);
     loop {
         tokio::select! {
-            _ = &mut controller => break,
+            _ = &mut controller => {
+                // Stopped on purpose (a handover, a shutdown): the status writes decided so far
+                // (the `Running` write of a pod just created among them) land before the loop
+                // ends, within `DRAIN`, so that no pod waits for a next leader to record it (on
+                // uninstall there is none).
+                if timeout(DRAIN, writing.idle()).await.is_err() {
+                    warn!(left = writing.in_flight(), "status writes still queued when the reconcile loop stopped; the next leader makes them");
+                }
+                break;
+            }
             // Logged and counted where it was caught, with its At.
             _ = fatal.cancelled() => break,
             Some(ended) = tasks.join_next() => match ended {
@@ -340,6 +355,9 @@ async fn supervise(
         }
     }
 }
+
+/// How long a reconcile loop that stops on purpose waits for its queued status writes.
+const DRAIN: Duration = Duration::from_secs(5);
 
 /// The first look at every cached At ends by itself; every other task runs as long as the loop.
 const FIRST_LOOK: &str = "first look";

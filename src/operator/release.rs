@@ -50,6 +50,88 @@ enum Outcome {
     Kept(String),
 }
 
+/// Why the operator's Deployment could not be stopped.
+#[derive(Debug, thiserror::Error)]
+#[error("stopping Deployment {namespace}/{name} (scale to 0, then wait for its pods): {source}. May you get and scale it, and list pods there?")]
+pub struct StopError {
+    namespace: String,
+    name: String,
+    source: kube::Error,
+}
+
+/// How the Deployment stopped.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Stopped {
+    /// Scaled to 0, and none of its pods left.
+    Stopped,
+    /// No such Deployment.
+    Absent,
+    /// Scaled to 0, but these many of its pods were still there when `wait` was up.
+    StillRunning(usize),
+    /// Scaled to 0; its pods not waited for (it selects them by no label).
+    Scaled,
+}
+
+/// Scales Deployment `namespace/name` (the operator) to 0 and waits, up to `wait`, until none
+/// of its pods is left: a replica that stops finishes its reconciles and their status writes
+/// first, so that once it is gone no pod is created or recorded any more, and a release after
+/// it finds every pod of an At that ran named by the At's status (`helm uninstall`'s hook).
+pub async fn stop_deployment(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    wait: std::time::Duration,
+) -> Result<Stopped, StopError> {
+    use k8s_openapi::api::apps::v1::Deployment;
+    let fail = |source| StopError {
+        namespace: namespace.to_owned(),
+        name: name.to_owned(),
+        source,
+    };
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), namespace);
+    let Some(deployment) = deployments.get_opt(name).await.map_err(fail)? else {
+        return Ok(Stopped::Absent);
+    };
+    let selector = deployment
+        .spec
+        .selector
+        .match_labels
+        .unwrap_or_default()
+        .iter()
+        .map(|(key, value)| format!("{key}={value}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let scale = serde_json::json!({"spec": {"replicas": 0}});
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PatchParams::default()
+    };
+    deployments
+        .patch_scale(name, &params, &Patch::Merge(&scale))
+        .await
+        .map_err(fail)?;
+    if selector.is_empty() {
+        return Ok(Stopped::Scaled);
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let left = pods
+            .list_metadata(&ListParams::default().labels(&selector))
+            .await
+            .map_err(fail)?
+            .items
+            .len();
+        if left == 0 {
+            return Ok(Stopped::Stopped);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(Stopped::StillRunning(left));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}
+
 /// Releases the pods cnat created that no longer need its finalizer, in `namespace` or in all.
 pub async fn release_all(client: Client, namespace: Option<&str>) -> Result<Released, ListError> {
     let pods: Api<Pod> = match namespace {

@@ -341,9 +341,9 @@ fn rbac_is_exactly_what_the_operator_uses() {
             .any(|e| e["name"] == "CNAT_POD_SIGNING_SECRET" && e["value"] == "cnat-pod-signing"),
         "{env}"
     );
-    // The only other Role is the helm test hook's (see below).
+    // The only other Roles are the helm test hook's and the uninstall hook's (see below).
     assert_eq!(rendered.all::<Value>("ClusterRole").len(), 1);
-    assert_eq!(rendered.all::<Value>("Role").len(), 2);
+    assert_eq!(rendered.all::<Value>("Role").len(), 3);
 }
 
 /// The webhook configurations point at the Service and trust a CA that signed the served certificate.
@@ -653,7 +653,7 @@ fn bad_values_are_rejected_by_the_schema() {
 #[test]
 fn the_default_install_renders_exactly_these_objects() {
     // Including the helm test hook's ServiceAccount, Role, RoleBinding and Pod, and the
-    // pre-delete hook's Job (`cnat release`).
+    // pre-delete hook's Role, RoleBinding and Job (`cnat release --stop-deployment`).
     let expected = [
         "ClusterRole",
         "ClusterRoleBinding",
@@ -666,6 +666,8 @@ fn the_default_install_renders_exactly_these_objects() {
         "PodDisruptionBudget",
         "Role",
         "Role",
+        "Role",
+        "RoleBinding",
         "RoleBinding",
         "RoleBinding",
         "Secret",
@@ -1146,11 +1148,41 @@ fn uninstall_first_releases_the_pods_cnat_keeps() {
         .iter()
         .filter(|d| d["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete")
         .collect();
-    assert_eq!(hooks.len(), 1);
-    let job = hooks[0];
-    assert_eq!(job["kind"], "Job");
+    let kinds: Vec<&str> = hooks.iter().filter_map(|h| h["kind"].as_str()).collect();
+    assert_eq!(kinds, ["Role", "RoleBinding", "Job"]);
+    let job = hooks[2];
+    assert_eq!(job["spec"]["activeDeadlineSeconds"], 120);
     let pod = &job["spec"]["template"]["spec"];
-    assert_eq!(pod["containers"][0]["args"], serde_json::json!(["release"]));
+    // The operator is stopped first (within its grace period and 10 s), then the pods let go.
+    assert_eq!(
+        pod["containers"][0]["args"],
+        serde_json::json!([
+            "release",
+            "--stop-deployment=cnat-system/cnat",
+            "--stop-timeout=40s"
+        ])
+    );
+    // For the hook only: the right to scale its own Deployment, created before the Job (a
+    // lower weight) and gone with it.
+    let (role, binding) = (hooks[0], hooks[1]);
+    assert_eq!(
+        role["rules"],
+        serde_json::json!([
+            {"apiGroups": ["apps"], "resources": ["deployments"], "resourceNames": ["cnat"],
+             "verbs": ["get"]},
+            {"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": ["cnat"],
+             "verbs": ["patch"]}
+        ])
+    );
+    assert_eq!(binding["subjects"][0]["name"], "cnat");
+    for rbac in [role, binding] {
+        let annotations = &rbac["metadata"]["annotations"];
+        assert_eq!(annotations["helm.sh/hook-weight"], "-1");
+        assert_eq!(
+            annotations["helm.sh/hook-delete-policy"],
+            "before-hook-creation,hook-succeeded,hook-failed"
+        );
+    }
     assert_eq!(pod["serviceAccountName"], "cnat");
     assert_eq!(pod["restartPolicy"], "Never");
     assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
@@ -1196,6 +1228,7 @@ fn uninstall_first_releases_the_pods_cnat_keeps() {
     }
     let off = Rendered::new(&["releaseOnUninstall=false"]);
     assert!(!off.kinds().contains(&"Job".to_owned()));
+    assert_eq!(off.all::<Value>("Role").len(), 2);
 }
 
 #[test]
