@@ -226,6 +226,15 @@ async fn release(args: ReleaseArgs) -> ExitCode {
         }
     };
     let stopping = args.stop_deployment.is_some();
+    if stopping {
+        // A first pass while the operator still serves the CRD's conversion (an At stored in
+        // an older version reads only through it): every pod recorded so far goes now.
+        if let Ok(first) =
+            cnat::operator::release::release_all(client.clone(), args.namespace.as_deref()).await
+        {
+            println!("released {} pod(s) before stopping cnat", first.released);
+        }
+    }
     if let Some((namespace, name)) = &args.stop_deployment {
         use cnat::operator::release::{stop_deployment, Stopped};
         match stop_deployment(&client, namespace, name, args.stop_timeout).await {

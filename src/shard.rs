@@ -52,14 +52,17 @@ pub fn value_of(labels: Option<&BTreeMap<String, String>>) -> Option<u8> {
 /// removed one back), so an At never moves between Lease shards; a leader that lags behind
 /// cannot take it for one of its own (`operator::reconcile`'s own-write shortcut relies on
 /// this). An At without such a value (stored before the webhook labelled Ats, or while it was
-/// not called) may get the one `assign(seed)` gives (what the mutating webhook and
-/// `cnat migrate-storage` do), and nothing else. `seed` is the At's `namespace/name`.
+/// not called) may get the one `assign(seed())` gives (what the mutating webhook and
+/// `cnat migrate-storage` do), and nothing else. `seed` makes the At's `namespace/name` (only
+/// when needed).
 pub fn change_problem(
-    seed: &str,
+    seed: impl FnOnce() -> String,
     old: Option<&BTreeMap<String, String>>,
     new: Option<&BTreeMap<String, String>>,
 ) -> Option<String> {
-    let text = |labels: Option<&BTreeMap<String, String>>| labels?.get(LABEL).cloned();
+    fn text(labels: Option<&BTreeMap<String, String>>) -> Option<&str> {
+        labels?.get(LABEL).map(String::as_str)
+    }
     let (was, now) = (text(old), text(new));
     if was == now {
         return None;
@@ -76,14 +79,14 @@ pub fn change_problem(
             ),
         });
     }
-    let assigned = assign(seed);
-    match value_of(new) {
-        Some(_) if now.as_deref() != Some(assigned.as_str()) => Some(format!(
+    value_of(new)?;
+    let assigned = assign(&seed());
+    (now != Some(assigned.as_str())).then(|| {
+        format!(
             "{field}: {:?} is not this At's shard: cnat sets the label ({assigned:?} for this At); leave it out",
             now.unwrap_or_default()
-        )),
-        _ => None,
-    }
+        )
+    })
 }
 
 /// `label in (values)`.
@@ -343,7 +346,7 @@ mod tests {
             old: Option<&BTreeMap<String, String>>,
             new: Option<&BTreeMap<String, String>>,
         ) -> bool {
-            change_problem("ns/x", old, new).is_none()
+            change_problem(|| "ns/x".to_owned(), old, new).is_none()
         }
         // Unchanged, whatever it holds; other labels come and go.
         for value in [ours.as_str(), "07", "x"] {
@@ -359,7 +362,7 @@ mod tests {
                 Some(without.clone()),
                 None,
             ] {
-                let problem = change_problem(seed, Some(&with(old)), new.as_ref());
+                let problem = change_problem(|| seed.to_owned(), Some(&with(old)), new.as_ref());
                 assert!(
                     problem
                         .as_ref()
@@ -381,7 +384,8 @@ mod tests {
             assert!(allowed(old.as_ref(), Some(&with(&ours))), "{old:?}");
             assert!(allowed(old.as_ref(), Some(&with("60"))), "{old:?}");
             assert!(allowed(old.as_ref(), None), "{old:?}");
-            let problem = change_problem(seed, old.as_ref(), Some(&with(&other))).unwrap();
+            let problem =
+                change_problem(|| seed.to_owned(), old.as_ref(), Some(&with(&other))).unwrap();
             assert_eq!(
                 problem,
                 format!("metadata.labels[{LABEL}]: {other:?} is not this At's shard: cnat sets the label ({ours:?} for this At); leave it out")

@@ -1073,10 +1073,12 @@ async fn uninstall_leaves_no_finalizer_and_namespaces_delete(cluster: &Cluster) 
     let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
     let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), TEAM);
     let now = chrono::Utc::now();
-    let names: Vec<String> = (0..20).map(|i| format!("during-uninstall-{i}")).collect();
+    let names: Vec<String> = (0..40).map(|i| format!("during-uninstall-{i}")).collect();
+    let due = |i: usize| now + chrono::Duration::milliseconds(500 * i as i64);
     for (i, name) in names.iter().enumerate() {
-        // One due now, then one every 2 s for 40 s: some run before the stop, some after.
-        let due = now + chrono::Duration::seconds(2 * i as i64);
+        // One due now, then one every 500 ms for 20 s: some run before the stop, some while
+        // the hook stops the operator, some after.
+        let due = due(i);
         ats.create(&PostParams::default(), &at(name, due, "sleep 1"))
             .await
             .unwrap();
@@ -1117,7 +1119,7 @@ async fn uninstall_leaves_no_finalizer_and_namespaces_delete(cluster: &Cluster) 
             }
         }
         // Due after the uninstall ended: never run.
-        if now + chrono::Duration::seconds(2 * i as i64) > uninstalled {
+        if due(i) > uninstalled {
             assert!(own.is_empty(), "{name} ran after the uninstall");
         }
     }
@@ -1172,4 +1174,16 @@ async fn an_uninstall_whose_hook_cannot_run_fails_within_its_deadline(cluster: &
     assert!(took < Duration::from_secs(90), "{took:?}");
     cluster.helm(&["uninstall", RELEASE, "-n", SYSTEM, "--no-hooks"]);
     quotas.delete("no-pods", &Default::default()).await.unwrap();
+    // The hook's Role and RoleBinding went with the failed hook (hook-failed).
+    let roles: Api<k8s_openapi::api::rbac::v1::Role> =
+        Api::namespaced(cluster.client.clone(), SYSTEM);
+    let left: Vec<String> = roles
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(|role| role.name_any())
+        .collect();
+    assert!(!left.contains(&format!("{RELEASE}-release")), "{left:?}");
 }

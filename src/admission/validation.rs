@@ -148,8 +148,8 @@ pub fn relabel_problem(
     at: &At,
     old: Option<&std::collections::BTreeMap<String, String>>,
 ) -> Option<String> {
-    let seed = format!("{}/{}", at.namespace().unwrap_or_default(), at.name_any());
-    crate::shard::change_problem(&seed, old, at.metadata.labels.as_ref())
+    let seed = || format!("{}/{}", at.namespace().unwrap_or_default(), at.name_any());
+    crate::shard::change_problem(seed, old, at.metadata.labels.as_ref())
 }
 
 fn immutability_problem(at: &At, old: &At) -> Option<String> {

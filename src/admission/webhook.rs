@@ -573,14 +573,13 @@ fn judge_unreadable_update(
         let labels = object?.pointer("/metadata/labels")?;
         serde_json::from_value::<std::collections::BTreeMap<String, String>>(labels.clone()).ok()
     };
-    let seed = format!(
-        "{}/{}",
-        request.namespace.as_deref().unwrap_or_default(),
-        request.name
-    );
+    let seed = || {
+        let namespace = request.namespace.as_deref().unwrap_or_default();
+        format!("{namespace}/{}", request.name)
+    };
     let (new_labels, old_labels) = (labels(Some(object)), labels(old));
     if let Some(problem) =
-        crate::shard::change_problem(&seed, old_labels.as_ref(), new_labels.as_ref())
+        crate::shard::change_problem(seed, old_labels.as_ref(), new_labels.as_ref())
     {
         return verdict(response.deny(problem));
     }

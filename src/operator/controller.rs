@@ -74,9 +74,14 @@ pub async fn run_with_cache(
     metrics: Arc<Metrics>,
     stop: CancellationToken,
 ) {
-    // No pod is created or taken for an At's own before the signing key is had.
-    let Some(signing) = settings.signing.key(&client, &stop).await else {
-        return;
+    // No pod is created or taken for an At's own without the signing key: without it, this
+    // leadership ends (the Lease is released and sought again after a retry period).
+    let signing = match settings.signing.signing(&client).await {
+        Ok(signing) => signing,
+        Err(error) => {
+            error!(%error, "no pod signing key; giving up this leadership");
+            return;
+        }
     };
     let pods = pod_api(&client, settings.namespace.as_deref());
     let (pod_store, pod_writer) = reflector::store();
@@ -92,9 +97,9 @@ pub async fn run_with_cache(
             Box::new(Utc::now),
             metrics.clone(),
             settings.policy.clone(),
-            signing,
             cache.quarantine().clone(),
         )
+        .with_signing(signing)
         .with_backlog_limit(reconcile::backlog::limit_for(settings.concurrency)),
     );
     let at_store = cache.store().clone();
@@ -330,8 +335,9 @@ async fn supervise(
             _ = &mut controller => {
                 // Stopped on purpose (a handover, a shutdown): the status writes decided so far
                 // (the `Running` write of a pod just created among them) land before the loop
-                // ends, within `DRAIN`, so that no pod waits for a next leader to record it (on
-                // uninstall there is none).
+                // ends, so that no pod waits for a next leader to record it (on uninstall there
+                // is none). Within `DRAIN`, and within what the leader gives a stopping loop (its
+                // step-down grace), which aborts it past that.
                 if timeout(DRAIN, writing.idle()).await.is_err() {
                     warn!(left = writing.in_flight(), "status writes still queued when the reconcile loop stopped; the next leader makes them");
                 }

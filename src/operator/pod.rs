@@ -3,7 +3,7 @@
 
 use crate::api::{At, AtStatus};
 use crate::operator::policy::RunPolicy;
-use crate::operator::signing::{Key, SIGNATURE_LEN};
+use crate::operator::signing::{Key, Signing, SIGNATURE_LEN};
 use chrono::{DateTime, Utc};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerStatus, Pod, PodSecurityContext, PodSpec, SeccompProfile,
@@ -258,12 +258,12 @@ pub fn is_signed(pod: &Pod, at_uid: &str, key: &Key) -> bool {
 }
 
 /// Whether `pod` (by the name of `at`'s pod) is the pod cnat created for `at`: controlled by
-/// it, and signed by cnat for it, or named by its status once it is RUNNING or DONE (a pod
-/// created before cnat signed its pods, or signed under a key since replaced: cnat wrote that
-/// status after creating the pod). Anyone who may create pods in the namespace can make one by
-/// that name with a controller reference to the At before cnat does; it is never taken for the
-/// At's own.
-pub fn is_cnats(pod: &Pod, at: &At, key: &Key) -> bool {
+/// it, and signed by cnat for it, or named by its status once it is RUNNING or DONE (cnat wrote
+/// that status after creating the pod: a pod signed under a key since replaced), or created
+/// before cnat signed pods (`Signing::since`, by the API server's clock: a release before this
+/// one made it). Anyone who may create pods in the namespace can make one by that name with a
+/// controller reference to the At before cnat does; it is never taken for the At's own.
+pub fn is_cnats(pod: &Pod, at: &At, signing: &Signing) -> bool {
     let Some(at_uid) = at.metadata.uid.as_deref() else {
         return false;
     };
@@ -271,7 +271,10 @@ pub fn is_cnats(pod: &Pod, at: &At, key: &Key) -> bool {
         status.phase != crate::api::Phase::Pending
             && status.pod_name.as_deref() == pod.metadata.name.as_deref()
     });
-    is_controlled_by(pod, at_uid) && (named || is_signed(pod, at_uid, key))
+    let created = pod.metadata.creation_timestamp.as_ref().map(to_chrono);
+    let before_signing = matches!((created, signing.since), (Some(c), Some(s)) if c < s);
+    is_controlled_by(pod, at_uid)
+        && (named || before_signing || is_signed(pod, at_uid, &signing.key))
 }
 
 /// Whether `pod` is controlled by the At with this uid.
@@ -932,11 +935,37 @@ mod tests {
         let unsigned = build_default(&at);
         let mut uncontrolled = signed.clone();
         uncontrolled.metadata.owner_references = None;
-        assert!(is_cnats(&signed, &at, &key));
-        assert!(!is_cnats(&unsigned, &at, &key));
-        assert!(!is_cnats(&uncontrolled, &at, &key));
+        let signing = Signing::new(key.clone());
+        assert!(is_cnats(&signed, &at, &signing));
+        assert!(!is_cnats(&unsigned, &at, &signing));
+        assert!(!is_cnats(&uncontrolled, &at, &signing));
         let (other, _) = Key::generate();
-        assert!(!is_cnats(&signed, &at, &other));
+        assert!(!is_cnats(&signed, &at, &Signing::new(other)));
+        // Created before cnat signed pods (a release before this one): its own, unsigned.
+        let time =
+            |t: &str| k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(t.parse().unwrap());
+        let mut older = unsigned.clone();
+        older.metadata.creation_timestamp = Some(time("2026-11-29T10:00:00Z"));
+        let since = |t: &str| Signing {
+            key: key.clone(),
+            since: Some(to_chrono(&time(t))),
+        };
+        assert!(is_cnats(&older, &at, &since("2026-11-29T10:00:01Z")));
+        assert!(
+            !is_cnats(&older, &at, &since("2026-11-29T10:00:00Z")),
+            "the same second"
+        );
+        assert!(
+            !is_cnats(&unsigned, &at, &since("2026-11-29T10:00:01Z")),
+            "no creation time"
+        );
+        let mut forged_older = older.clone();
+        forged_older.metadata.owner_references = None;
+        assert!(!is_cnats(
+            &forged_older,
+            &at,
+            &since("2026-11-29T10:00:01Z")
+        ));
         // Once the status says cnat started it (a pod from before signatures, or a key
         // replaced since), the pod it names is the At's; not while PENDING, nor another name.
         for (phase, pod_name, own) in [
@@ -950,8 +979,12 @@ mod tests {
                 pod_name: Some(pod_name.into()),
                 ..AtStatus::default()
             });
-            assert_eq!(is_cnats(&unsigned, &at, &key), own, "{phase:?} {pod_name}");
-            assert!(!is_cnats(&uncontrolled, &at, &key), "{phase:?}");
+            assert_eq!(
+                is_cnats(&unsigned, &at, &signing),
+                own,
+                "{phase:?} {pod_name}"
+            );
+            assert!(!is_cnats(&uncontrolled, &at, &signing), "{phase:?}");
         }
     }
 

@@ -13,10 +13,6 @@ use kube::api::{Api, PostParams};
 use ring::hmac;
 use ring::rand::SecureRandom;
 use std::sync::Arc;
-use std::time::Duration;
-use tokio::sync::OnceCell;
-use tokio_util::sync::CancellationToken;
-use tracing::warn;
 
 /// The Secret's key that holds the signing key.
 pub const SECRET_KEY: &str = "key";
@@ -94,61 +90,61 @@ pub enum SigningError {
     },
 }
 
+/// The key pods are signed with, and since when cnat signs: a pod the API server created before
+/// `since` (the Secret's creation, by the first release that signs) was made by a release that
+/// did not sign, and counts as cnat's without a signature.
+#[derive(Debug, Clone)]
+pub struct Signing {
+    pub key: Key,
+    pub since: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+impl Signing {
+    /// `key`, with no pod older than it taken without a signature.
+    pub fn new(key: Key) -> Signing {
+        Signing { key, since: None }
+    }
+}
+
 /// Where the key comes from: a Secret (read, or created by the first replica that needs it), or
 /// a key given (tests).
 #[derive(Debug, Clone)]
-pub struct Source {
-    secret: Option<(String, String)>,
-    key: Arc<OnceCell<Key>>,
+pub enum Source {
+    Secret { namespace: String, name: String },
+    Given(Signing),
 }
 
 impl Source {
     /// The key in Secret `namespace/name`.
     pub fn secret(namespace: impl Into<String>, name: impl Into<String>) -> Source {
-        Source {
-            secret: Some((namespace.into(), name.into())),
-            key: Arc::default(),
+        Source::Secret {
+            namespace: namespace.into(),
+            name: name.into(),
         }
     }
 
     /// This key.
     pub fn given(key: Key) -> Source {
-        Source {
-            secret: None,
-            key: Arc::new(OnceCell::new_with(Some(key))),
-        }
+        Source::Given(Signing::new(key))
     }
 
-    /// The key, read once (or created) and kept; tried again every few seconds until it is had
-    /// or `stop` is cancelled (`None` then).
-    pub async fn key(&self, client: &kube::Client, stop: &CancellationToken) -> Option<Key> {
-        let mut wait = Duration::from_millis(200);
-        loop {
-            let got = self
-                .key
-                .get_or_try_init(|| async {
-                    let (namespace, name) = self.secret.as_ref().expect("a given key is set");
-                    obtain(client, namespace, name).await
-                })
-                .await;
-            match got {
-                Ok(key) => return Some(key.clone()),
-                Err(error) => {
-                    warn!(%error, retry_in = ?wait, "no pod signing key yet; no pod is created or adopted until there is one")
-                }
-            }
-            tokio::select! {
-                _ = stop.cancelled() => return None,
-                _ = tokio::time::sleep(wait) => {}
-            }
-            wait = (wait * 2).min(Duration::from_secs(10));
+    /// The key, read (or made) anew for each leadership: a Secret replaced since the last one
+    /// takes effect at the next.
+    pub async fn signing(&self, client: &kube::Client) -> Result<Signing, SigningError> {
+        match self {
+            Source::Given(signing) => Ok(signing.clone()),
+            Source::Secret { namespace, name } => obtain(client, namespace, name).await,
         }
     }
 }
 
 /// The key in Secret `namespace/name`; a new one, stored there, when the Secret does not exist
 /// (the replica whose create comes second reads the first one's).
-async fn obtain(client: &kube::Client, namespace: &str, name: &str) -> Result<Key, SigningError> {
+async fn obtain(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+) -> Result<Signing, SigningError> {
     let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
     let fail = |source| SigningError::Api {
         namespace: namespace.to_owned(),
@@ -156,13 +152,19 @@ async fn obtain(client: &kube::Client, namespace: &str, name: &str) -> Result<Ke
         source,
     };
     let read = |secret: Secret| {
+        let since = secret
+            .metadata
+            .creation_timestamp
+            .as_ref()
+            .map(crate::operator::pod::to_chrono);
         let bytes = secret.data.and_then(|mut data| data.remove(SECRET_KEY));
-        bytes
+        let key = bytes
             .and_then(|ByteString(bytes)| Key::from_bytes(&bytes).ok())
             .ok_or_else(|| SigningError::Unusable {
                 namespace: namespace.to_owned(),
                 name: name.to_owned(),
-            })
+            })?;
+        Ok(Signing { key, since })
     };
     if let Some(secret) = api.get_opt(name).await.map_err(fail)? {
         return read(secret);
@@ -179,7 +181,14 @@ async fn obtain(client: &kube::Client, namespace: &str, name: &str) -> Result<Ke
         ..Default::default()
     };
     match api.create(&PostParams::default(), &secret).await {
-        Ok(_) => Ok(key),
+        Ok(created) => Ok(Signing {
+            key,
+            since: created
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map(crate::operator::pod::to_chrono),
+        }),
         Err(kube::Error::Api(status)) if status.is_already_exists() => {
             read(api.get(name).await.map_err(fail)?)
         }

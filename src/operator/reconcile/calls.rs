@@ -325,7 +325,7 @@ impl Context {
     /// `at`'s pod as cnat creates it, signed.
     fn signed_pod(&self, at: &At) -> Pod {
         let mut built = pod::build(at, &self.policy);
-        pod::sign(&mut built, &uid(at), &self.signing);
+        pod::sign(&mut built, &uid(at), &self.signing.key);
         built
     }
 

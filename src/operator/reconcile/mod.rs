@@ -18,7 +18,7 @@ use crate::operator::contain::{Panicked, Quarantine};
 use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;
-use crate::operator::signing::Key;
+use crate::operator::signing::{Key, Signing};
 use crate::operator::{pod, reachability};
 use calls::Created;
 use chrono::{DateTime, Utc};
@@ -63,7 +63,7 @@ pub struct Context {
     metrics: Arc<Metrics>,
     policy: RunPolicy,
     /// Signs the pods this leader creates, and tells cnat's pods from others.
-    signing: Key,
+    signing: Signing,
     /// Status writes, events, retries, and what is remembered of each At.
     writer: Arc<Writer>,
     /// Ats to reconcile outside the runtime's own requeues (wakeups, failed queued writes, an
@@ -83,7 +83,6 @@ impl Context {
         clock: Clock,
         metrics: Arc<Metrics>,
         policy: RunPolicy,
-        signing: Key,
         quarantine: Arc<Quarantine>,
     ) -> Self {
         let writer = Writer::new(client.clone(), events, metrics.clone(), quarantine);
@@ -93,7 +92,8 @@ impl Context {
             clock,
             metrics,
             policy,
-            signing,
+            // A key of its own until `with_signing` gives the replicas' shared one.
+            signing: Signing::new(Key::generate().0),
             writer: Arc::new(writer),
             retriggers: Queue::default(),
             backlog: Arc::default(),
@@ -119,6 +119,13 @@ impl Context {
     /// Drops everything kept for a deleted At: its backoff, its last write, its wakeup.
     pub fn forget(&self, at: &AtKey) {
         self.writer.ledger().forget(at);
+    }
+
+    /// Signs pods with `signing`'s key and takes only pods it signed (or older than signing) for
+    /// Ats' own.
+    pub fn with_signing(mut self, signing: Signing) -> Self {
+        self.signing = signing;
+        self
     }
 
     /// Retriggered Ats may wait in the runtime's queue `limit` at a time (`backlog::limit_for`

@@ -252,16 +252,18 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
         pods: store,
         ats: freshness.clone(),
     };
-    let ctx = Arc::new(Context::new(
-        client,
-        caches,
-        events,
-        clock,
-        metrics.clone(),
-        RunPolicy::default(),
-        signing_key(),
-        Arc::default(),
-    ));
+    let ctx = Arc::new(
+        Context::new(
+            client,
+            caches,
+            events,
+            clock,
+            metrics.clone(),
+            RunPolicy::default(),
+            Arc::default(),
+        )
+        .with_signing(crate::operator::signing::Signing::new(signing_key())),
+    );
     // As in production, status writes that follow pod creates go through the writer, and
     // wakeups (retries of failed writes among them) reconcile again.
     tokio::spawn(ctx.writer.queued_writes().unwrap());
