@@ -260,8 +260,8 @@ pub fn is_signed(pod: &Pod, at_uid: &str, key: &Key) -> bool {
 /// Whether `pod` (by the name of `at`'s pod) is the pod cnat created for `at`: controlled by
 /// it, and signed by cnat for it, or named by its status once it is RUNNING or DONE (cnat wrote
 /// that status after creating the pod: a pod signed under a key since replaced), or created
-/// before cnat signed pods (`Signing::since`, by the API server's clock: a release before this
-/// one made it). Anyone who may create pods in the namespace can make one by that name with a
+/// before cnat signed pods or in that second (`Signing::since`, by the API server's clock in
+/// whole seconds: a release before this one made it). Anyone who may create pods in the namespace can make one by that name with a
 /// controller reference to the At before cnat does; it is never taken for the At's own.
 pub fn is_cnats(pod: &Pod, at: &At, signing: &Signing) -> bool {
     let Some(at_uid) = at.metadata.uid.as_deref() else {
@@ -272,7 +272,8 @@ pub fn is_cnats(pod: &Pod, at: &At, signing: &Signing) -> bool {
             && status.pod_name.as_deref() == pod.metadata.name.as_deref()
     });
     let created = pod.metadata.creation_timestamp.as_ref().map(to_chrono);
-    let before_signing = matches!((created, signing.since), (Some(c), Some(s)) if c < s);
+    // Both times are whole seconds: a pod of the second the key was made counts as before it.
+    let before_signing = matches!((created, signing.since), (Some(c), Some(s)) if c <= s);
     is_controlled_by(pod, at_uid)
         && (named || before_signing || is_signed(pod, at_uid, &signing.key))
 }
@@ -952,8 +953,12 @@ mod tests {
         };
         assert!(is_cnats(&older, &at, &since("2026-11-29T10:00:01Z")));
         assert!(
-            !is_cnats(&older, &at, &since("2026-11-29T10:00:00Z")),
+            is_cnats(&older, &at, &since("2026-11-29T10:00:00Z")),
             "the same second"
+        );
+        assert!(
+            !is_cnats(&older, &at, &since("2026-11-29T09:59:59Z")),
+            "after"
         );
         assert!(
             !is_cnats(&unsigned, &at, &since("2026-11-29T10:00:01Z")),

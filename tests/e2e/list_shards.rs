@@ -22,12 +22,16 @@ async fn the_shard_lists_select_every_at_once_and_the_cache_lists_them_all_at_on
     let later = chrono::Utc::now() + chrono::Duration::hours(1);
     let post = PostParams::default();
 
-    // Before the webhook: no label.
+    // Before the webhook: no label, or one that is no value (set by hand).
     for i in 0..3 {
         ats.create(&post, &at(&format!("plain-{i}"), later, "true"))
             .await
             .unwrap();
     }
+    let mut odd = at("odd", later, "true");
+    odd.metadata.labels = Some([(LABEL.to_owned(), "77".to_owned())].into());
+    let odd = ats.create(&post, &odd).await.unwrap();
+    assert_eq!(odd.labels().get(LABEL).map(String::as_str), Some("77"));
     // Through the webhook (serving only: it reconciles another namespace).
     let replica = plane.replica("shards-0", &ns, &["--namespace=elsewhere"]);
     ready(plane, &replica).await;
@@ -64,10 +68,14 @@ async fn the_shard_lists_select_every_at_once_and_the_cache_lists_them_all_at_on
         shard::list_of(Some(generated.labels())) < shard::SHARDS,
         "{value:?}"
     );
-    let mut odd = at("odd", later, "true");
+    // The webhook sets the label: a text that is no value is replaced.
+    let mut odd = at("odd-later", later, "true");
     odd.metadata.labels = Some([(LABEL.to_owned(), "77".to_owned())].into());
     let odd = ats.create(&post, &odd).await.unwrap();
-    assert_eq!(odd.labels().get(LABEL).map(String::as_str), Some("77"));
+    assert_eq!(
+        odd.labels().get(LABEL),
+        Some(&shard::assign(&format!("{ns}/odd-later")))
+    );
     // An update that drops the label gets it back.
     let reapplied = ats
         .patch(
@@ -90,7 +98,7 @@ async fn the_shard_lists_select_every_at_once_and_the_cache_lists_them_all_at_on
         .into_iter()
         .map(|at| at.name_any())
         .collect();
-    assert_eq!(every.len(), 3 + 40 + 2);
+    assert_eq!(every.len(), 4 + 40 + 2);
     let mut seen = BTreeSet::new();
     let mut sizes = Vec::new();
     for selector in shard::selectors() {
@@ -104,7 +112,8 @@ async fn the_shard_lists_select_every_at_once_and_the_cache_lists_them_all_at_on
         }
     }
     assert_eq!(seen, every);
-    // The last list has the unlabelled Ats and the odd one; the shards have the rest.
+    // The last list has the unlabelled Ats and the odd one made before the webhook; the shards
+    // have the rest.
     assert_eq!(sizes.last(), Some(&4), "{sizes:?}");
     assert!(
         sizes.iter().take(shard::SHARDS).all(|n| *n > 0),
