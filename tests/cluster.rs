@@ -352,8 +352,19 @@ async fn installed_as_users_do_cnat_runs_real_pods_survives_upgrades_and_kills_a
     killing_the_leader_runs_every_at_once(&cluster).await;
     step("helm uninstall while Ats fall due");
     uninstall_leaves_no_finalizer_and_namespaces_delete(&cluster).await;
-    step("helm uninstall whose hook cannot run");
-    an_uninstall_whose_hook_cannot_run_fails_within_its_deadline(&cluster).await;
+    // On the newest version only: what it checks is Helm's and the Job controller's, the same
+    // on every version, and it costs the hook's 30 s deadline.
+    let version = cluster.client.apiserver_version().await.unwrap();
+    if version
+        .minor
+        .trim_end_matches('+')
+        .parse::<u32>()
+        .unwrap_or(0)
+        >= 30
+    {
+        step("helm uninstall whose hook cannot run");
+        an_uninstall_whose_hook_cannot_run_fails_within_its_deadline(&cluster).await;
+    }
     step("done");
 }
 
