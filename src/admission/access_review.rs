@@ -38,14 +38,25 @@ pub const MAX_USER_INFO_BYTES: usize = 64 << 10;
 pub const STRING_COST: usize = 48;
 
 /// Most reviews a replica sends per second, by why: for identities it has no answer for, in
-/// all and from one client address (the API server's own calls keep half however hard another
-/// caller floods); and for identities it has (refreshes by the upkeep or by requests, a
-/// request's also within its client address's share). Together at most 140 a second on
+/// all and from one client address; and for identities it has or had (refreshes by the upkeep
+/// or by requests, a request's also within its client address's share; an identity allowed in
+/// a namespace within [`SEEN_FOR`] counts as one it has). Together at most 140 a second on
 /// average, keep-warm included (the known budget saves up four seconds' worth, for a round of
-/// the upkeep, which leaves one second's worth to requests). A request past these is denied,
-/// whatever `--access-review-on-error` says: a flood must not open the guard.
+/// the upkeep, which leaves one second's worth to requests). Of the new budget,
+/// [`NEW_RESERVED_PER_SECOND`] is kept for addresses that ask for fewer than
+/// [`LIGHT_PER_SECOND_PER_CLIENT`] a second: a few addresses inventing identities as fast as
+/// they may cannot take it from the API server's first applies by new users. A request past
+/// these is denied, whatever `--access-review-on-error` says: a flood must not open the guard.
 pub const NEW_PER_SECOND: u32 = 40;
 pub const NEW_PER_SECOND_PER_CLIENT: u32 = 20;
+pub const NEW_RESERVED_PER_SECOND: u32 = 20;
+pub const LIGHT_PER_SECOND_PER_CLIENT: u32 = 4;
+
+/// How long an identity allowed in a namespace counts as known after its answer, and how many
+/// such (identity, namespace) pairs a replica remembers (16 bytes each: a hash and a time;
+/// past the bound the oldest half is forgotten).
+pub const SEEN_FOR: Duration = Duration::from_secs(24 * 3600);
+const MAX_SEEN: usize = 100_000;
 pub const KNOWN_PER_SECOND: u32 = 100;
 pub const KNOWN_PER_SECOND_PER_CLIENT: u32 = 30;
 
@@ -186,8 +197,13 @@ impl Bucket {
 
     /// Whether a token is there at `now` (and takes it).
     pub fn take(&mut self, now: Instant) -> bool {
+        self.take_above(0.0, now)
+    }
+
+    /// Whether a token is there at `now` beyond `reserve` ones kept for others (and takes it).
+    pub fn take_above(&mut self, reserve: f64, now: Instant) -> bool {
         self.refill(now);
-        if self.tokens >= 1.0 {
+        if self.tokens >= 1.0 + reserve {
             self.tokens -= 1.0;
             true
         } else {
@@ -208,10 +224,28 @@ impl Bucket {
     }
 }
 
+/// The bucket of `client` in `by_client` (made full; full ones are forgotten when there are
+/// many).
+fn bucket_of(
+    by_client: &mut HashMap<std::net::IpAddr, Bucket>,
+    client: std::net::IpAddr,
+    rate: u32,
+    now: Instant,
+) -> &mut Bucket {
+    if by_client.len() >= 1024 {
+        by_client.retain(|_, bucket| !bucket.full(now));
+    }
+    by_client
+        .entry(client)
+        .or_insert_with(|| Bucket::new(rate, 1, now))
+}
+
 /// The review budgets (see [`NEW_PER_SECOND`]).
 struct Budgets {
     new: Bucket,
     new_by_client: HashMap<std::net::IpAddr, Bucket>,
+    /// Per client address: whether it asks lightly (it may use the reserved new budget).
+    light_by_client: HashMap<std::net::IpAddr, Bucket>,
     known: Bucket,
     known_by_client: HashMap<std::net::IpAddr, Bucket>,
 }
@@ -221,6 +255,7 @@ impl Budgets {
         Budgets {
             new: Bucket::new(NEW_PER_SECOND, 1, now),
             new_by_client: HashMap::new(),
+            light_by_client: HashMap::new(),
             // Four seconds' worth: a round of the upkeep (a quarter TTL, 2.5 s by default)
             // may start its budget at once, and a second's worth is left to requests.
             known: Bucket::new(KNOWN_PER_SECOND, 4, now),
@@ -242,17 +277,24 @@ impl Budgets {
                 NEW_PER_SECOND_PER_CLIENT,
             ),
         };
-        if by_client.len() >= 1024 {
-            by_client.retain(|_, bucket| !bucket.full(now));
-        }
-        let mine = by_client
-            .entry(client)
-            .or_insert_with(|| Bucket::new(rate, 1, now));
+        let mine = bucket_of(by_client, client, rate, now);
         let mut trial = *mine;
-        if !trial.take(now) || !all.take(now) {
+        if !trial.take(now) {
             return false;
         }
-        *mine = trial;
+        let light = &mut self.light_by_client;
+        let mut light_trial = *bucket_of(light, client, LIGHT_PER_SECOND_PER_CLIENT, now);
+        let reserve = match known || light_trial.take(now) {
+            true => 0.0,
+            false => f64::from(NEW_RESERVED_PER_SECOND),
+        };
+        if !all.take_above(reserve, now) {
+            return false;
+        }
+        *bucket_of(by_client, client, rate, now) = trial;
+        if !known {
+            *bucket_of(light, client, LIGHT_PER_SECOND_PER_CLIENT, now) = light_trial;
+        }
         true
     }
 
@@ -362,12 +404,15 @@ enum Trigger {
     Refresh,
 }
 
-/// Answers, the reviews in flight, the bytes the answers hold and the review budgets.
+/// Answers, the reviews in flight, the bytes the answers hold, the review budgets, and the
+/// (identity, namespace) pairs allowed lately (by hash, see [`SEEN_FOR`]).
 struct Reviews {
     answers: HashMap<Key, Answer>,
     asking: HashMap<Key, Asking>,
     bytes: usize,
     budgets: Budgets,
+    seen: HashMap<u64, Instant>,
+    hasher: std::hash::RandomState,
 }
 
 impl Reviews {
@@ -377,7 +422,35 @@ impl Reviews {
             asking: HashMap::new(),
             bytes: 0,
             budgets: Budgets::new(now),
+            seen: HashMap::new(),
+            hasher: std::hash::RandomState::new(),
         }
+    }
+
+    /// Whether `key` was allowed within [`SEEN_FOR`] of `now`.
+    fn seen(&self, key: &Key, now: Instant) -> bool {
+        use std::hash::BuildHasher;
+        let hash = self.hasher.hash_one(key);
+        self.seen
+            .get(&hash)
+            .is_some_and(|at| now.duration_since(*at) < SEEN_FOR)
+    }
+
+    /// Remembers that `key` was allowed at `now`; past [`MAX_SEEN`], pairs older than
+    /// [`SEEN_FOR`] go, then the older half.
+    fn allowed(&mut self, key: &Key, now: Instant) {
+        use std::hash::BuildHasher;
+        if self.seen.len() >= MAX_SEEN {
+            self.seen.retain(|_, at| now.duration_since(*at) < SEEN_FOR);
+        }
+        if self.seen.len() >= MAX_SEEN {
+            let mut times: Vec<Instant> = self.seen.values().copied().collect();
+            let (_, middle, _) = times.select_nth_unstable(MAX_SEEN / 2);
+            let middle = *middle;
+            self.seen.retain(|_, at| *at > middle);
+        }
+        let hash = self.hasher.hash_one(key);
+        self.seen.insert(hash, now);
     }
 
     fn remove(&mut self, key: &Key) {
@@ -592,7 +665,8 @@ impl AccessReviewer {
             match reviews.asking.get(&key) {
                 Some(asking) => asking.clone(),
                 None => {
-                    let (now, known) = (Instant::now(), reviews.answers.contains_key(&key));
+                    let now = Instant::now();
+                    let known = reviews.answers.contains_key(&key) || reviews.seen(&key, now);
                     let budgeted = reviews.budgets.take(client, known, now);
                     if !budgeted {
                         self.inner
@@ -707,6 +781,7 @@ impl Inner {
             asking,
             bytes,
             budgets,
+            ..
         } = &mut *reviews;
         let mut due = Vec::new();
         answers.retain(|key, answer| {
@@ -818,6 +893,9 @@ impl Inner {
                 }
                 answer => {
                     let (ttl, now) = (inner.settings.cache_ttl, Instant::now());
+                    if let Reviewed::Allowed = answer {
+                        reviews.allowed(&key, now);
+                    }
                     if let Some(cached) = reviews.answers.get_mut(&key) {
                         if asked >= cached.asked {
                             (cached.asked, cached.reviewed) = (asked, answer.clone());

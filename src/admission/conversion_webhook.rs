@@ -29,6 +29,10 @@ pub const SLOT_WAIT: Duration = Duration::from_secs(2);
 /// The longest a review may take, its body read and its answer written: kube-apiserver's own
 /// bound on a conversion webhook call.
 pub const DEADLINE: Duration = Duration::from_secs(30);
+/// A review's body must keep up with this rate (bytes a second) after [`GRACE`]: kube-apiserver
+/// sends it from memory; a client that trickles it is cut off and frees its slot.
+pub const MIN_RATE: u64 = 1 << 20;
+pub const GRACE: Duration = Duration::from_secs(3);
 /// The largest body read: an unpaged list of many thousands of Ats fits.
 pub const MAX_BODY: u64 = 512 << 20;
 /// The answer goes out in chunks of about this size, at most `CHUNKS` of them waiting.
@@ -99,13 +103,19 @@ pub async fn convert(
         .into_response()
 }
 
-/// The body's bytes, ending with an error at `deadline` or past [`MAX_BODY`].
+/// The body's bytes, ending with an error at `deadline`, when it falls behind [`MIN_RATE`]
+/// after [`GRACE`], or past [`MAX_BODY`].
 fn within(body: Body, deadline: Instant) -> impl Stream<Item = io::Result<Bytes>> + Send {
+    let started = Instant::now();
     let start = Some((body.into_data_stream(), 0u64));
     futures::stream::unfold(start, move |state| async move {
         let (mut stream, read) = state?;
-        let error = match tokio::time::timeout_at(deadline, stream.next()).await {
-            Err(_) => io::Error::new(io::ErrorKind::TimedOut, "the body was not received in time"),
+        let keeping_up = started + GRACE + Duration::from_secs_f64(read as f64 / MIN_RATE as f64);
+        let error = match tokio::time::timeout_at(deadline.min(keeping_up), stream.next()).await {
+            Err(_) => io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the body was not received in time (it must arrive at 1 MiB/s after 3 s)",
+            ),
             Ok(None) => return None,
             Ok(Some(Err(error))) => io::Error::other(error),
             Ok(Some(Ok(chunk))) => {

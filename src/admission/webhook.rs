@@ -57,6 +57,9 @@ pub const BODY_BUDGET_PER_CLIENT_KIB: usize = 4 << 10;
 pub const FAST_PATH_BODY: usize = 256 << 10;
 /// How long an admission review waits for room in the body budget before it is answered 429.
 pub const BODY_WAIT: Duration = Duration::from_secs(2);
+/// An admission review's whole body must come within this of its head (kube-apiserver sends it
+/// at once from memory): a client that sends it slowly is answered 408 and holds nothing after.
+pub const BODY_DEADLINE: Duration = Duration::from_secs(3);
 /// A client that has not finished its TLS handshake by then is dropped (no slowloris).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A client that has not sent its request headers by then is dropped.
@@ -149,14 +152,17 @@ fn client_of(request: &axum::extract::Request) -> IpAddr {
         .map_or(IpAddr::from([0, 0, 0, 0]), |info| info.0.ip())
 }
 
-/// The body of an admission request, read once room for it in the body budget is taken (by
-/// its Content-Length, or the most a body may be), or the answer that refuses it: 413 past
-/// [`MAX_BODY`], 429 when no room comes within [`BODY_WAIT`].
+/// The body of an admission request, charged to the body budget as it arrives (a client that
+/// sends slowly holds what it sent, not what it says it will send), or the answer that refuses
+/// it: 413 past [`MAX_BODY`], 429 when no room comes within [`BODY_WAIT`], 408 when the whole
+/// body has not come within [`BODY_DEADLINE`]. Once read, the request's connection is marked
+/// as being answered (not closed to make room for another client).
 async fn read_body(
     budget: &Arc<Slots>,
     client: IpAddr,
     request: axum::extract::Request,
-) -> Result<(Bytes, Slot), Response> {
+) -> Result<(Bytes, Option<Slot>), Response> {
+    use futures::StreamExt;
     let declared = request
         .headers()
         .get(header::CONTENT_LENGTH)
@@ -175,20 +181,55 @@ async fn read_body(
     if declared.is_some_and(|length| length > MAX_BODY) {
         return Err(too_large());
     }
-    let kib = declared.unwrap_or(MAX_BODY).div_ceil(1024).max(1);
-    let deadline = tokio::time::Instant::now() + BODY_WAIT;
-    let Some(slot) = budget.wait_n(client, kib, deadline).await else {
-        return Err((
-            StatusCode::TOO_MANY_REQUESTS,
-            [(header::RETRY_AFTER, "1")],
-            "cnat: too many admission review bytes in flight on this replica (from this client, or in all); retry\n",
-        )
-            .into_response());
-    };
-    match axum::body::to_bytes(request.into_body(), MAX_BODY).await {
-        Ok(body) => Ok((body, slot)),
-        Err(_) => Err(too_large()),
+    let connection = guard::connection_of(&request);
+    let started = tokio::time::Instant::now();
+    let deadline = started + BODY_DEADLINE;
+    let mut held: Option<Slot> = None;
+    let mut body = bytes::BytesMut::new();
+    let mut chunks = request.into_body().into_data_stream();
+    loop {
+        let chunk = match tokio::time::timeout_at(deadline, chunks.next()).await {
+            Err(_) => {
+                return Err((
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!(
+                        "cnat: the AdmissionReview's body did not arrive within {:?}\n",
+                        BODY_DEADLINE
+                    ),
+                )
+                    .into_response())
+            }
+            Ok(None) => break,
+            Ok(Some(Err(_))) => return Err(StatusCode::BAD_REQUEST.into_response()),
+            Ok(Some(Ok(chunk))) => chunk,
+        };
+        let size = body.len() + chunk.len();
+        if size > MAX_BODY {
+            return Err(too_large());
+        }
+        let (kib, charged) = (size.div_ceil(1024), held.as_ref().map_or(0, Slot::units));
+        if kib > charged {
+            let wait = deadline.min(tokio::time::Instant::now() + BODY_WAIT);
+            let Some(more) = budget.wait_n(client, kib - charged, wait).await else {
+                return Err((
+                    StatusCode::TOO_MANY_REQUESTS,
+                    [(header::RETRY_AFTER, "1")],
+                    "cnat: too many admission review bytes in flight on this replica (from this client, or in all); retry\n",
+                )
+                    .into_response());
+            };
+            match &mut held {
+                Some(held) => held.merge(more),
+                None => held = Some(more),
+            }
+        }
+        // Grown as it arrives, never by what the client declares.
+        body.extend_from_slice(&chunk);
     }
+    if let Some(connection) = connection {
+        connection.set(guard::Stage::Answering);
+    }
+    Ok((body.freeze(), held))
 }
 
 /// Runs `review` on `body` inside an `admission` span, asks the escalation guard when the

@@ -5,8 +5,13 @@
 //! every At write. Each bound is per listener, and also per client address, so that one client
 //! (one pod, one node) cannot take what the API server needs:
 //!
-//! - connections: at most `max_connections` at once, `max_connections_per_client` from one
-//!   address; one more is closed on accept;
+//! - connections: at most `max_connections_per_client` from one address, and
+//!   `max_connections` in all, shared fairly: when all are taken, a new connection from an
+//!   address that holds fewer than another takes the place of that one's oldest pending or idle
+//!   connection, never of one whose request is being answered (see [`Connections`]); a client
+//!   that presented a certificate the client CA signed moves, after its handshake, into a pool
+//!   of its own that no other client can take; a new connection whose TLS handshake and first
+//!   request head have not come within `first_request_within` is closed;
 //! - requests: at most `max_in_flight` at once, `max_in_flight_per_client` from one address;
 //!   one more is answered 429 at once;
 //! - time: every request, its body included, is answered within `request_timeout` (408 when
@@ -18,10 +23,13 @@ use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum_server::accept::Accept;
+use futures::task::AtomicWaker;
 use std::collections::HashMap;
+use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -36,20 +44,24 @@ pub struct Limits {
     pub max_in_flight: usize,
     pub max_in_flight_per_client: usize,
     pub request_timeout: Duration,
+    pub first_request_within: Duration,
 }
 
 impl Default for Limits {
     /// The webhook port's. kube-apiserver keeps a few connections per replica to a webhook
     /// (a few dozen under a burst of writes) and waits at most 30 s (the webhooks here say
     /// 5 s); these leave it ample room, and leave room for it when one other client takes all
-    /// it may.
+    /// it may. Requests in flight are bounded by the connections (one per connection, HTTP/1.1):
+    /// what a request costs is bounded by the body budget and the conversion slots, taken as
+    /// its body arrives.
     fn default() -> Self {
         Limits {
             max_connections: 512,
             max_connections_per_client: 128,
-            max_in_flight: 128,
-            max_in_flight_per_client: 32,
+            max_in_flight: 512,
+            max_in_flight_per_client: 128,
             request_timeout: Duration::from_secs(10),
+            first_request_within: Duration::from_secs(3),
         }
     }
 }
@@ -63,6 +75,7 @@ impl Limits {
             max_in_flight: 32,
             max_in_flight_per_client: 8,
             request_timeout: Duration::from_secs(10),
+            first_request_within: Duration::from_secs(3),
         }
     }
 }
@@ -150,6 +163,19 @@ fn canonical(client: IpAddr) -> IpAddr {
     }
 }
 
+impl Slot {
+    /// How many units it holds.
+    pub fn units(&self) -> usize {
+        self.n
+    }
+
+    /// Holds `more` as well (taken for the same client from the same slots), as one.
+    pub fn merge(&mut self, mut more: Slot) {
+        debug_assert!(Arc::ptr_eq(&self.slots, &more.slots) && self.client == more.client);
+        self.n += std::mem::take(&mut more.n);
+    }
+}
+
 /// One slot, given back when dropped.
 #[derive(Debug)]
 pub struct Slot {
@@ -174,25 +200,242 @@ impl Drop for Slot {
     }
 }
 
-/// An acceptor that closes connections beyond the caps; each accepted one holds a slot until
-/// it closes.
+/// Where a connection is in its life, for [`Connections`]: only a connection whose request is
+/// being answered is never closed to make room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Stage {
+    /// Accepted; its TLS handshake and first request head have not come yet (they must within
+    /// [`Limits::first_request_within`]).
+    Pending = 0,
+    /// Between two requests (hyper closes it after its header timeout).
+    Idle = 1,
+    /// A request's head came and its body is arriving.
+    Receiving = 2,
+    /// A request's body came and it is being answered.
+    Answering = 3,
+}
+
+impl Stage {
+    fn of(value: u8) -> Self {
+        match value {
+            0 => Stage::Pending,
+            1 => Stage::Idle,
+            2 => Stage::Receiving,
+            _ => Stage::Answering,
+        }
+    }
+}
+
+/// One accepted connection, as its listener's [`Connections`] knows it (and as each of its
+/// requests carries it, in the request's extensions).
+#[derive(Debug)]
+pub struct Connection {
+    /// The order of acceptance: a lower one is older.
+    id: u64,
+    client: IpAddr,
+    stage: AtomicU8,
+    /// Counted among the connections whose client presented a certificate.
+    certified: AtomicBool,
+    /// Closed to make room: its reads and writes fail from now on.
+    closed: AtomicBool,
+    waker: AtomicWaker,
+}
+
+impl Connection {
+    pub fn stage(&self) -> Stage {
+        Stage::of(self.stage.load(Ordering::Acquire))
+    }
+
+    /// Marks what the connection is doing now.
+    pub fn set(&self, stage: Stage) {
+        self.stage.store(stage as u8, Ordering::Release);
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+}
+
+/// The connections of one class (any client, or certified clients) within a total and a
+/// per-address cap.
+#[derive(Debug, Default)]
+struct Pool {
+    count: usize,
+    by_client: HashMap<IpAddr, Vec<Arc<Connection>>>,
+}
+
+/// What to do with a new connection from an address that holds `mine` when the pool is full.
+#[derive(Debug)]
+enum Room {
+    Free,
+    /// Close this one (of the address holding the most) and take its place.
+    Displace(Arc<Connection>),
+    Refuse,
+}
+
+impl Pool {
+    /// Max-min fairness: below the total, any address below its cap gets in; at the total, a
+    /// newcomer from an address holding `n` takes the place of a connection not being answered
+    /// of an address holding more than `n + 1` (or, for `n == 0`, at least one), so each address
+    /// keeps at least an equal share of the total however many others connect. Of those, a
+    /// pending connection goes first (the oldest, of the address holding the most), then an idle
+    /// one, then one receiving a body: kept connections of a caller that sends requests stay.
+    /// An address that holds no fewer than anyone else is refused.
+    fn room(&self, client: IpAddr, total: usize, per_client: usize) -> Room {
+        let mine = self.by_client.get(&client).map_or(0, Vec::len);
+        if mine >= per_client {
+            return Room::Refuse;
+        }
+        if self.count < total {
+            return Room::Free;
+        }
+        let rank = |stage: Stage| match stage {
+            Stage::Pending => 0u8,
+            Stage::Idle => 1,
+            Stage::Receiving => 2,
+            Stage::Answering => 3,
+        };
+        (self.by_client.values())
+            .filter(|held| held.len() > mine + 1 || (mine == 0 && !held.is_empty()))
+            .flat_map(|held| held.iter().map(move |c| (held.len(), c)))
+            .map(|(count, c)| ((rank(c.stage()), std::cmp::Reverse(count), c.id), c))
+            .filter(|((rank, ..), _)| *rank < 3)
+            .min_by_key(|(key, _)| *key)
+            .map_or(Room::Refuse, |(_, c)| Room::Displace(c.clone()))
+    }
+
+    fn insert(&mut self, connection: Arc<Connection>) {
+        self.count += 1;
+        let held = self.by_client.entry(connection.client).or_default();
+        // Kept in order of acceptance (ids only grow; a certified connection moves in later).
+        let at = held.partition_point(|c| c.id < connection.id);
+        held.insert(at, connection);
+    }
+
+    /// Forgets `connection`; `false` when it was not here.
+    fn remove(&mut self, connection: &Connection) -> bool {
+        let Some(held) = self.by_client.get_mut(&connection.client) else {
+            return false;
+        };
+        let Some(at) = held.iter().position(|c| c.id == connection.id) else {
+            return false;
+        };
+        held.remove(at);
+        if held.is_empty() {
+            self.by_client.remove(&connection.client);
+        }
+        self.count -= 1;
+        true
+    }
+}
+
+/// The connections of one listener, in two pools of `max_connections` each: any client's,
+/// and (once their TLS handshake shows it) those of clients that presented a certificate the
+/// client CA signed, which no other client can take. See [`Pool::room`] for who gets in.
+#[derive(Debug)]
+pub struct Connections {
+    total: usize,
+    per_client: usize,
+    first_request_within: Duration,
+    next_id: AtomicU64,
+    /// Any client's, and certified clients'.
+    pools: Mutex<[Pool; 2]>,
+}
+
+impl Connections {
+    pub fn new(limits: &Limits) -> Arc<Self> {
+        Arc::new(Connections {
+            total: limits.max_connections,
+            per_client: limits.max_connections_per_client,
+            first_request_within: limits.first_request_within,
+            next_id: AtomicU64::new(0),
+            pools: Mutex::default(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, [Pool; 2]> {
+        self.pools.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A place for a new connection from `client`, or `None` (then it is closed).
+    pub fn accept(&self, client: IpAddr) -> Option<Arc<Connection>> {
+        let client = canonical(client);
+        let connection = Arc::new(Connection {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            client,
+            stage: AtomicU8::new(Stage::Pending as u8),
+            certified: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            waker: AtomicWaker::new(),
+        });
+        let mut pools = self.lock();
+        self.enter(&mut pools[0], connection.clone())
+            .then_some(connection)
+    }
+
+    /// Moves `connection` into the certified pool (its client presented a certificate the
+    /// client CA signed); `false` when there is no room for it there either (then it is closed).
+    pub fn certify(&self, connection: &Arc<Connection>) -> bool {
+        let mut pools = self.lock();
+        let [open, certified] = &mut *pools;
+        if connection.closed.load(Ordering::Acquire) || !open.remove(connection) {
+            return false;
+        }
+        connection.certified.store(true, Ordering::Release);
+        self.enter(certified, connection.clone())
+    }
+
+    fn enter(&self, pool: &mut Pool, connection: Arc<Connection>) -> bool {
+        match pool.room(connection.client, self.total, self.per_client) {
+            Room::Refuse => return false,
+            Room::Displace(victim) => {
+                pool.remove(&victim);
+                victim.close();
+            }
+            Room::Free => {}
+        }
+        pool.insert(connection);
+        true
+    }
+
+    fn release(&self, connection: &Connection) {
+        let mut pools = self.lock();
+        let pool = usize::from(connection.certified.load(Ordering::Acquire));
+        pools[pool].remove(connection);
+    }
+
+    /// How many connections `client` holds, in both pools (for tests).
+    pub fn held_by(&self, client: IpAddr) -> usize {
+        let client = canonical(client);
+        let pools = self.lock();
+        pools
+            .iter()
+            .map(|pool| pool.by_client.get(&client).map_or(0, Vec::len))
+            .sum()
+    }
+}
+
+/// An acceptor that closes connections beyond the caps (see [`Connections`]); each accepted one
+/// holds its place until it closes, and each of its requests carries its [`Connection`].
 #[derive(Clone)]
 pub struct Capped<A> {
     inner: A,
-    slots: Arc<Slots>,
+    connections: Arc<Connections>,
 }
 
 impl<A> Capped<A> {
     pub fn new(inner: A, limits: &Limits) -> Self {
         Capped {
             inner,
-            slots: Slots::new(limits.max_connections, limits.max_connections_per_client),
+            connections: Connections::new(limits),
         }
     }
 
-    /// The connections held, per client (for tests).
-    pub fn slots(&self) -> Arc<Slots> {
-        self.slots.clone()
+    /// The connections held (for tests).
+    pub fn connections(&self) -> Arc<Connections> {
+        self.connections.clone()
     }
 }
 
@@ -205,29 +448,39 @@ where
     S: Send + 'static,
 {
     type Stream = Counted<A::Stream>;
-    type Service = A::Service;
+    type Service = axum::middleware::AddExtension<A::Service, Arc<Connection>>;
     type Future = Pin<
         Box<dyn std::future::Future<Output = io::Result<(Self::Stream, Self::Service)>> + Send>,
     >;
 
     fn accept(&self, stream: TcpStream, service: S) -> Self::Future {
-        let permit = stream
+        let connection = stream
             .peer_addr()
             .ok()
-            .and_then(|peer| self.slots.take(peer.ip()));
-        let inner = self.inner.clone();
+            .and_then(|peer| self.connections.accept(peer.ip()));
+        let (inner, connections) = (self.inner.clone(), self.connections.clone());
         Box::pin(async move {
-            let Some(permit) = permit else {
+            let Some(connection) = connection else {
                 // Dropping the stream closes the connection.
                 return Err(io::Error::other(
                     "too many connections to this port, from this client or in all",
                 ));
             };
+            let deadline = connections.first_request_within;
+            // Given back if the inner acceptor fails.
+            let place = Place {
+                connection,
+                connections,
+            };
             let (stream, service) = inner.accept(stream, service).await?;
+            let service =
+                tower_layer::Layer::layer(&axum::Extension(place.connection.clone()), service);
+            let first_request = Some(Box::pin(tokio::time::sleep(deadline)));
             Ok((
                 Counted {
                     inner: stream,
-                    _permit: permit,
+                    place,
+                    first_request,
                 },
                 service,
             ))
@@ -235,10 +488,69 @@ where
     }
 }
 
-/// A connection counted against the cap until dropped.
+/// A connection's place in its listener's [`Connections`], given back when dropped.
+struct Place {
+    connection: Arc<Connection>,
+    connections: Arc<Connections>,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.connections.release(&self.connection);
+    }
+}
+
+/// A connection counted against the caps until dropped; closed when displaced, or when its
+/// first request has not come within the deadline.
 pub struct Counted<T> {
     inner: T,
-    _permit: Slot,
+    place: Place,
+    first_request: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+/// A stream that knows the [`Connection`] it is (the TLS layer's certification moves it).
+pub trait Tracked {
+    fn certify(&self) -> bool;
+}
+
+impl<T> Tracked for Counted<T> {
+    /// Moves this connection into the certified pool; `false` when there is no room there.
+    fn certify(&self) -> bool {
+        self.place.connections.certify(&self.place.connection)
+    }
+}
+
+impl<T> Counted<T> {
+    /// `Err` once the connection was displaced, or is still waiting for its first request past
+    /// the deadline; registers the task to be woken for either.
+    fn check(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        let connection = &self.place.connection;
+        connection.waker.register(cx.waker());
+        if connection.closed.load(Ordering::Acquire) {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "closed to make room for another client's connection",
+            ));
+        }
+        if let Some(first_request) = &mut self.first_request {
+            if connection.stage() != Stage::Pending {
+                self.first_request = None;
+            } else if first_request.as_mut().poll(cx).is_ready() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no request within the deadline of a new connection",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn stream(&mut self) -> Pin<&mut T>
+    where
+        T: Unpin,
+    {
+        Pin::new(&mut self.inner)
+    }
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Counted<T> {
@@ -247,7 +559,8 @@ impl<T: AsyncRead + Unpin> AsyncRead for Counted<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
+        self.check(cx)?;
+        self.stream().poll_read(cx, buf)
     }
 }
 
@@ -257,7 +570,8 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
+        self.check(cx)?;
+        self.stream().poll_write(cx, buf)
     }
 
     /// Passed through, so TLS records that are ready together leave in one system call.
@@ -266,7 +580,8 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        self.check(cx)?;
+        self.stream().poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -274,11 +589,11 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
+        self.stream().poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
+        self.stream().poll_shutdown(cx)
     }
 }
 
@@ -313,6 +628,13 @@ pub fn guarded(app: axum::Router, limits: Limits, what: &'static str) -> axum::R
     ))
 }
 
+/// The connection `request` came on (when served through [`Capped`]): a route that reads the
+/// body marks it [`Stage::Answering`] once it has, so that it is not closed to make room
+/// until the answer.
+pub fn connection_of(request: &Request) -> Option<Arc<Connection>> {
+    request.extensions().get::<Arc<Connection>>().cloned()
+}
+
 /// The middleware state: requests in flight and the deadline.
 #[derive(Clone)]
 pub struct RequestGuard {
@@ -345,6 +667,7 @@ pub async fn guard(
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
         .map_or(IpAddr::from([0, 0, 0, 0]), |info| info.0.ip());
+    let connection = connection_of(&request);
     let Some(_permit) = guard.in_flight.take(client) else {
         let what = guard.what;
         return (
@@ -354,7 +677,20 @@ pub async fn guard(
         )
             .into_response();
     };
-    match tokio::time::timeout(guard.timeout, next.run(request)).await {
+    if let Some(connection) = &connection {
+        // A request without a body (a GET) is answered at once; one with a body is answered
+        // once the route has read it (`answering`).
+        use axum::body::HttpBody;
+        connection.set(match request.body().is_end_stream() {
+            true => Stage::Answering,
+            false => Stage::Receiving,
+        });
+    }
+    let answered = tokio::time::timeout(guard.timeout, next.run(request)).await;
+    if let Some(connection) = &connection {
+        connection.set(Stage::Idle);
+    }
+    match answered {
         Ok(response) => response,
         Err(_) => (
             StatusCode::REQUEST_TIMEOUT,
@@ -364,5 +700,120 @@ pub async fn guard(
             ),
         )
             .into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(total: usize, per_client: usize) -> Limits {
+        Limits {
+            max_connections: total,
+            max_connections_per_client: per_client,
+            ..Limits::default()
+        }
+    }
+
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::from([10, 0, 0, last])
+    }
+
+    #[test]
+    fn below_the_total_any_address_below_its_cap_gets_in() {
+        let connections = Connections::new(&limits(4, 2));
+        let held: Vec<_> = (0..2).map(|_| connections.accept(ip(1)).unwrap()).collect();
+        assert!(connections.accept(ip(1)).is_none(), "its cap");
+        assert!(connections.accept(ip(2)).is_some());
+        assert_eq!(connections.held_by(ip(1)), 2);
+        drop(held);
+    }
+
+    #[test]
+    fn at_the_total_a_newcomer_takes_the_oldest_pending_place_of_the_address_holding_the_most() {
+        let connections = Connections::new(&limits(6, 6));
+        let heavy: Vec<_> = (0..4).map(|_| connections.accept(ip(1)).unwrap()).collect();
+        let light: Vec<_> = (0..2).map(|_| connections.accept(ip(2)).unwrap()).collect();
+        // The oldest of the heaviest is being answered, the next receives a body: the third
+        // (pending) goes first.
+        heavy[0].set(Stage::Answering);
+        heavy[1].set(Stage::Receiving);
+        let newcomer = connections.accept(ip(3)).expect("a place is made");
+        assert_eq!(newcomer.stage(), Stage::Pending);
+        assert!(heavy[2].closed.load(Ordering::Acquire));
+        assert!(!heavy[0].closed.load(Ordering::Acquire));
+        assert_eq!(connections.held_by(ip(1)), 3);
+        // Now 3, 2, 1: the next newcomer again takes from the heaviest (its last pending one).
+        let second = connections.accept(ip(4)).unwrap();
+        assert!(heavy[3].closed.load(Ordering::Acquire));
+        // 2 (answering + receiving), 2 (idle), 1, 1: a pending one before any other, however
+        // few its address holds ...
+        light[0].set(Stage::Idle);
+        light[1].set(Stage::Idle);
+        let third = connections.accept(ip(5)).unwrap();
+        assert!(
+            newcomer.closed.load(Ordering::Acquire),
+            "pending, and older"
+        );
+        // ... then an idle one before one receiving a body.
+        second.set(Stage::Answering);
+        third.set(Stage::Answering);
+        let _fourth = connections.accept(ip(6)).unwrap();
+        assert!(light[0].closed.load(Ordering::Acquire), "idle, and older");
+        assert!(!heavy[1].closed.load(Ordering::Acquire));
+    }
+
+    #[test]
+    fn an_address_holding_no_fewer_than_anyone_is_refused_and_one_holding_none_swaps_in() {
+        let connections = Connections::new(&limits(4, 4));
+        let held: Vec<_> = (1..=2)
+            .flat_map(|a| [connections.accept(ip(a)), connections.accept(ip(a))])
+            .map(Option::unwrap)
+            .collect();
+        // 2 and 2: a third from either would not make it fairer.
+        assert!(connections.accept(ip(1)).is_none());
+        assert!(connections.accept(ip(2)).is_none());
+        // A new address gets one, from the oldest pending of the ones holding the most.
+        assert!(connections.accept(ip(3)).is_some());
+        assert!(held[0].closed.load(Ordering::Acquire));
+        // Every place answering: nothing can be taken.
+        let all = Connections::new(&limits(2, 2));
+        let busy: Vec<_> = (0..2).map(|_| all.accept(ip(1)).unwrap()).collect();
+        busy.iter().for_each(|c| c.set(Stage::Answering));
+        assert!(all.accept(ip(2)).is_none());
+    }
+
+    #[test]
+    fn more_addresses_than_places_each_new_one_swaps_in_for_the_oldest_pending() {
+        let connections = Connections::new(&limits(3, 3));
+        let first: Vec<_> = (1..=3)
+            .map(|a| connections.accept(ip(a)).unwrap())
+            .collect();
+        first[0].set(Stage::Idle);
+        // The pending ones go before the idle one, the oldest first.
+        let _four = connections.accept(ip(4)).unwrap();
+        assert!(first[1].closed.load(Ordering::Acquire));
+        assert!(!first[0].closed.load(Ordering::Acquire));
+    }
+
+    #[test]
+    fn certified_connections_have_a_pool_no_other_client_can_take() {
+        let connections = Connections::new(&limits(2, 2));
+        let apiserver = connections.accept(ip(1)).unwrap();
+        assert!(connections.certify(&apiserver));
+        // The open pool fills with others' connections; they displace each other, not it.
+        let others: Vec<_> = (2..=9).filter_map(|a| connections.accept(ip(a))).collect();
+        assert_eq!(others.len(), 8, "each swaps in for an older one");
+        assert!(!apiserver.closed.load(Ordering::Acquire));
+        assert_eq!(connections.held_by(ip(1)), 1);
+        // A second certified one from the same client, and a third that finds no room.
+        let again = connections.accept(ip(1)).unwrap();
+        assert!(connections.certify(&again));
+        let third = connections.accept(ip(1)).unwrap();
+        assert!(!connections.certify(&third), "the certified pool is full");
+        // Giving back a certified place frees it in its pool.
+        connections.release(&apiserver);
+        let fourth = connections.accept(ip(1)).unwrap();
+        assert!(connections.certify(&fourth));
     }
 }

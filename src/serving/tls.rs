@@ -134,15 +134,28 @@ impl<S> Peer for tokio_rustls::server::TlsStream<S> {
     }
 }
 
+/// A TLS connection whose place among the listener's connections can move into the pool of
+/// certified clients (`guard::Connections`).
+pub trait Certifiable {
+    fn certify(&self) -> bool;
+}
+
+impl<S: crate::serving::guard::Tracked> Certifiable for tokio_rustls::server::TlsStream<S> {
+    fn certify(&self) -> bool {
+        self.get_ref().0.certify()
+    }
+}
+
 /// An acceptor around a TLS one that marks every request of a connection with its
-/// [`ClientCertificate`].
+/// [`ClientCertificate`], and moves a connection whose client presented one into the pool no
+/// other client can take (closing it when that pool has no room for it either).
 #[derive(Clone)]
 pub struct Certified<A>(pub A);
 
 impl<A, I, S> axum_server::accept::Accept<I, S> for Certified<A>
 where
     A: axum_server::accept::Accept<I, S>,
-    A::Stream: Peer + Send + 'static,
+    A::Stream: Peer + Certifiable + Send + 'static,
     A::Service: Send + 'static,
     A::Future: Send + 'static,
 {
@@ -159,6 +172,11 @@ where
         Box::pin(async move {
             let (stream, service) = accepted.await?;
             let mark = ClientCertificate(stream.presented_certificate());
+            if mark.0 && !stream.certify() {
+                return Err(std::io::Error::other(
+                    "too many connections of certified clients to this port",
+                ));
+            }
             Ok((
                 stream,
                 tower_layer::Layer::layer(&axum::Extension(mark), service),

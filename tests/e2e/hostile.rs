@@ -96,6 +96,17 @@ struct Legitimate {
 
 impl Legitimate {
     fn start(replica: &Replica, namespace: &str) -> Self {
+        Self::start_every(replica, namespace, Duration::from_millis(100), |_| None)
+    }
+
+    /// One review every `period`, by the `userInfo` `identity(n)` gives (else the captured
+    /// admin's).
+    fn start_every(
+        replica: &Replica,
+        namespace: &str,
+        period: Duration,
+        identity: impl Fn(u64) -> Option<Value> + Send + 'static,
+    ) -> Self {
         let https = client(&replica.ca(), rustls::DEFAULT_VERSIONS);
         let (results, stop) = (Arc::default(), Arc::new(AtomicBool::new(false)));
         let caller = Legitimate {
@@ -104,7 +115,7 @@ impl Legitimate {
         };
         let (addr, namespace) = (replica.webhook, namespace.to_owned());
         tokio::spawn(async move {
-            let mut ticks = tokio::time::interval(Duration::from_millis(100));
+            let mut ticks = tokio::time::interval(period);
             for n in 0u64.. {
                 ticks.tick().await;
                 if stop.load(Ordering::Relaxed) {
@@ -112,7 +123,12 @@ impl Legitimate {
                 }
                 let (https, results) = (https.clone(), Arc::clone(&results));
                 let uid = format!("legitimate-{n}");
-                let body = legitimate_review(&namespace, &uid);
+                let mut body = legitimate_review(&namespace, &uid);
+                if let Some(user) = identity(n) {
+                    let mut review: Value = serde_json::from_slice(&body).unwrap();
+                    review["request"]["userInfo"] = user;
+                    body = serde_json::to_vec(&review).unwrap();
+                }
                 tokio::spawn(async move {
                     let started = Instant::now();
                     let answer = tokio::time::timeout(
@@ -156,8 +172,13 @@ impl Drop for Legitimate {
 
 /// A TCP connection to `to` from the attacker's address.
 async fn tcp_from_attacker(to: SocketAddr) -> std::io::Result<TcpStream> {
+    tcp_from(ATTACKER, to).await
+}
+
+/// A TCP connection to `to` from `address` (any of 127.0.0.0/8 on the loopback).
+async fn tcp_from(address: IpAddr, to: SocketAddr) -> std::io::Result<TcpStream> {
     let socket = TcpSocket::new_v4()?;
-    socket.bind(SocketAddr::new(ATTACKER, 0))?;
+    socket.bind(SocketAddr::new(address, 0))?;
     socket.connect(to).await
 }
 
@@ -192,7 +213,15 @@ impl Attacker {
 
     /// A TLS connection to the webhook port from the attacker's address.
     async fn connect(&self) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
-        let tcp = tcp_from_attacker(self.webhook).await?;
+        self.connect_from(ATTACKER).await
+    }
+
+    /// A TLS connection to the webhook port from `address`.
+    async fn connect_from(
+        &self,
+        address: IpAddr,
+    ) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        let tcp = tcp_from(address, self.webhook).await?;
         let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
         self.tls.connect(name, tcp).await
     }
@@ -484,6 +513,291 @@ async fn under_each_attack_a_replica_keeps_its_memory_and_answers_the_api_server
             "{attack}: too few legitimate reviews answered: {line}"
         );
     }
+}
+
+/// What each attacking address keeps open, reconnecting half a second after the replica closes
+/// one: idle TCP connections to the webhook port (no ClientHello), TLS connections that send no
+/// request, TLS requests whose body comes one byte a second, and idle TCP connections to the
+/// admin port.
+#[derive(Clone, Copy)]
+struct Slow {
+    idle_tcp: usize,
+    idle_tls: usize,
+    trickling: usize,
+    idle_admin: usize,
+}
+
+/// `slow` from each of `addresses` until `until`.
+fn slow_clients(
+    attacker: &Attacker,
+    admin: SocketAddr,
+    addresses: &[IpAddr],
+    slow: Slow,
+    until: Instant,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    let rest = || tokio::time::sleep(Duration::from_millis(500));
+    for &address in addresses {
+        for (count, to) in [(slow.idle_tcp, attacker.webhook), (slow.idle_admin, admin)] {
+            for _ in 0..count {
+                tasks.push(tokio::spawn(async move {
+                    while Instant::now() < until {
+                        if let Ok(mut idle) = tcp_from(address, to).await {
+                            let mut byte = [0u8; 1];
+                            let left = until.saturating_duration_since(Instant::now());
+                            let _ = tokio::time::timeout(left, idle.read(&mut byte)).await;
+                        }
+                        rest().await;
+                    }
+                }));
+            }
+        }
+        for _ in 0..slow.idle_tls {
+            let attacker = attacker.clone();
+            tasks.push(tokio::spawn(async move {
+                while Instant::now() < until {
+                    if let Ok(mut idle) = attacker.connect_from(address).await {
+                        let mut byte = [0u8; 1];
+                        let left = until.saturating_duration_since(Instant::now());
+                        let _ = tokio::time::timeout(left, idle.read(&mut byte)).await;
+                    }
+                    rest().await;
+                }
+            }));
+        }
+        for _ in 0..slow.trickling {
+            let attacker = attacker.clone();
+            tasks.push(tokio::spawn(async move {
+                while Instant::now() < until {
+                    if let Ok(mut tls) = attacker.connect_from(address).await {
+                        let head = "POST /validating?timeout=5s HTTP/1.1\r\nHost: cnat\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n";
+                        let mut sent = tls.write_all(head.as_bytes()).await.is_ok();
+                        while sent && Instant::now() < until {
+                            sent = tls.write_all(b" ").await.is_ok() && tls.flush().await.is_ok();
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                    }
+                    rest().await;
+                }
+            }));
+        }
+    }
+    tasks
+}
+
+/// `loops` connections from `address` each POSTing valid At creates by a made-up user (no
+/// rights: each asks the API server a SubjectAccessReview) one after another on a kept
+/// connection, as fast as they are answered, until `until`; the number of answers.
+async fn invented_identities(
+    attacker: &Attacker,
+    address: IpAddr,
+    loops: usize,
+    namespace: &str,
+    until: Instant,
+) -> usize {
+    let template: Value = serde_json::from_slice(&legitimate_review(namespace, "x")).unwrap();
+    let answered = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for l in 0..loops {
+        let (attacker, answered, mut review) =
+            (attacker.clone(), answered.clone(), template.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while Instant::now() < until {
+                let Ok(mut tls) = attacker.connect_from(address).await else {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
+                while Instant::now() < until {
+                    n += 1;
+                    review["request"]["uid"] = format!("made-up-{address}-{l}-{n}").into();
+                    review["request"]["userInfo"] =
+                        json!({"username": format!("made-up-{address}-{l}-{n}")});
+                    let body = serde_json::to_vec(&review).unwrap();
+                    let head = format!(
+                        "POST /validating?timeout=5s HTTP/1.1\r\nHost: cnat\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    let exchange = async {
+                        tls.write_all(head.as_bytes()).await?;
+                        tls.write_all(&body).await?;
+                        read_answer(&mut tls).await
+                    };
+                    match tokio::time::timeout(Duration::from_secs(5), exchange).await {
+                        Ok(Ok(())) => answered.fetch_add(1, Ordering::Relaxed),
+                        _ => break,
+                    };
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    answered.load(Ordering::Relaxed) as usize
+}
+
+/// Reads one HTTP/1.1 answer with a Content-Length from `stream`.
+async fn read_answer(stream: &mut (impl tokio::io::AsyncRead + Unpin)) -> std::io::Result<()> {
+    let mut seen = Vec::new();
+    let mut byte = [0u8; 1024];
+    loop {
+        let n = stream.read(&mut byte).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        seen.extend_from_slice(&byte[..n]);
+        let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        while seen.len() < end + 4 + length {
+            let n = stream.read(&mut byte).await?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            seen.extend_from_slice(&byte[..n]);
+        }
+        return Ok(());
+    }
+}
+
+/// Issue 65: slow and idle clients from 16 and then 200 source addresses, then identities
+/// invented as fast as they are answered from 4: the API server's reviews (one every 100 ms,
+/// and in the last phase a first apply by a new user every 500 ms) keep being answered (at
+/// most 1% failed, p99 within 1 s), `/readyz` answers from the kubelet's address throughout,
+/// and the replica's RSS stays within 256 MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_many_addresses_slow_clients_and_invented_identities_leave_the_api_server_its_reviews()
+{
+    let plane = crate::real_control_plane!();
+    let admin = plane.admin().await;
+    install_crd(&admin, &cnat::api::crd_yaml()).await;
+    let ns = plane.namespace("many", &[]).await;
+    let replica = plane.replica("many-0", &ns, &["--namespace=elsewhere"]);
+    crate::admission::ready(plane, &replica).await;
+    let peak = Peak::watch(replica.child.id());
+    let attacker = Attacker::new(&replica);
+    let legitimate = Legitimate::start(&replica, &ns);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (count, failed, _) = legitimate.take();
+    assert!(
+        count >= 10 && failed == 0,
+        "before: {failed} of {count} failed"
+    );
+    peak.take();
+    // The kubelet's probes, from the legitimate address, every 200 ms.
+    let probes = Arc::new(Mutex::new((0usize, 0usize)));
+    let probing = Arc::new(AtomicBool::new(true));
+    let prober = tokio::spawn({
+        let (probes, probing, admin) = (probes.clone(), probing.clone(), replica.admin);
+        async move {
+            while probing.load(Ordering::Relaxed) {
+                let ok = tokio::task::spawn_blocking(move || {
+                    crate::support::process::probe(admin, "/readyz") == Some(200)
+                })
+                .await
+                .unwrap_or(false);
+                {
+                    let mut probes = probes.lock().unwrap();
+                    probes.0 += 1;
+                    probes.1 += usize::from(!ok);
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    });
+    let mut report = Vec::new();
+    let mut judge = |phase: &str| {
+        let (count, failed, p99) = legitimate.take();
+        let rss = peak.take();
+        let (probed, unready) = std::mem::take(&mut *probes.lock().unwrap());
+        let line = format!(
+            "{phase}: peak RSS {} MiB; API server reviews {count}, failed {failed}, p99 {:.0} ms; /readyz {unready} of {probed} failed",
+            rss >> 20,
+            p99.as_secs_f64() * 1e3
+        );
+        eprintln!("{line}");
+        report.push((rss, count, failed, p99, probed, unready, line));
+    };
+
+    // 16 addresses, 112 webhook connections each (3.5 times what they may share) and 16 admin.
+    let sixteen: Vec<IpAddr> = (1..=16).map(|i| IpAddr::from([127, 0, 1, i])).collect();
+    let slow = Slow {
+        idle_tcp: 64,
+        idle_tls: 16,
+        trickling: 32,
+        idle_admin: 16,
+    };
+    let until = Instant::now() + Duration::from_secs(15);
+    for task in slow_clients(&attacker, replica.admin, &sixteen, slow, until) {
+        let _ = task.await;
+    }
+    judge("16 addresses of slow and idle clients");
+
+    // 200 addresses, 10 webhook connections each and 2 admin ones.
+    let many: Vec<IpAddr> = (0..200u8)
+        .map(|i| IpAddr::from([127, 1, 0, i + 1]))
+        .collect();
+    let slow = Slow {
+        idle_tcp: 4,
+        idle_tls: 2,
+        trickling: 4,
+        idle_admin: 2,
+    };
+    let until = Instant::now() + Duration::from_secs(15);
+    for task in slow_clients(&attacker, replica.admin, &many, slow, until) {
+        let _ = task.await;
+    }
+    judge("200 addresses of slow and idle clients");
+
+    // 4 addresses inventing identities while new users apply their first At.
+    let newcomers = Legitimate::start_every(&replica, &ns, Duration::from_millis(500), |n| {
+        Some(
+            json!({"username": format!("new-user-{n}"), "groups": ["system:masters", "system:authenticated"]}),
+        )
+    });
+    let until = Instant::now() + Duration::from_secs(10);
+    let floods: Vec<_> = (1..=4u8)
+        .map(|i| {
+            let (attacker, ns) = (attacker.clone(), ns.clone());
+            tokio::spawn(async move {
+                invented_identities(&attacker, IpAddr::from([127, 0, 2, i]), 8, &ns, until).await
+            })
+        })
+        .collect();
+    let mut invented = 0;
+    for flood in floods {
+        invented += flood.await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (first_applies, refused, first_p99) = newcomers.take();
+    drop(newcomers);
+    judge(&format!(
+        "4 addresses inventing identities ({invented} answered); first applies by new users {first_applies}, refused {refused}, p99 {:.0} ms",
+        first_p99.as_secs_f64() * 1e3
+    ));
+    probing.store(false, Ordering::Relaxed);
+    let _ = prober.await;
+
+    for (rss, count, failed, p99, probed, unready, line) in &report {
+        assert!(*rss <= RSS_LIMIT, "{line}");
+        assert!(*count >= 80, "too few reviews: {line}");
+        assert!(*failed * 100 <= *count, "{line}");
+        assert!(*p99 <= P99_LIMIT, "{line}");
+        assert!(*probed >= 20 && *unready == 0, "{line}");
+    }
+    assert!(
+        first_applies >= 18 && refused == 0,
+        "{first_applies} first applies, {refused} refused"
+    );
+    assert!(first_p99 <= P99_LIMIT, "first applies p99 {first_p99:?}");
+    assert!(invented >= 100, "the flood was answered {invented} times");
 }
 
 /// Patches the spec of At `name` as `ats`'s user, retrying while RBAC has not reached the API

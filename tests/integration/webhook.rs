@@ -456,6 +456,96 @@ async fn a_rotated_certificate_is_served_without_a_restart_or_dropped_connection
 }
 
 #[tokio::test]
+async fn a_tls_client_that_sends_no_request_is_closed_at_the_first_request_deadline() {
+    use tokio::io::AsyncReadExt;
+    let server = server("no-request").await;
+    let within = Limits::default().first_request_within;
+    let mut roots = rustls::RootCertStore::empty();
+    let ca = std::fs::read(server.dir.join("ca.crt")).unwrap();
+    for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(&ca) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let started = std::time::Instant::now();
+    let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .expect("the handshake itself is served");
+    let mut buf = [0u8; 16];
+    let closed = tokio::time::timeout(within + Duration::from_secs(2), tls.read(&mut buf)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+        "still open: {closed:?}"
+    );
+    assert!(started.elapsed() >= within - Duration::from_millis(100));
+    // A kept connection that made a request may idle past that deadline (up to the header
+    // timeout): the next review on it goes through.
+    let https = trusting(&server);
+    let (path, request) = fixture("validating-create.json");
+    assert_eq!(
+        review(&https, server.addr, &path, &request).await["allowed"],
+        true
+    );
+    tokio::time::sleep(within + Duration::from_secs(1)).await;
+    assert_eq!(
+        review(&https, server.addr, &path, &request).await["allowed"],
+        true
+    );
+    server.handle.shutdown();
+}
+
+#[tokio::test]
+async fn when_every_place_is_taken_a_client_holding_fewer_gets_one_of_the_heaviest_s() {
+    use tokio::io::AsyncReadExt;
+    // (Pending connections are not closed for their deadline within this test.)
+    let limits = Limits {
+        max_connections: 4,
+        first_request_within: Duration::from_secs(60),
+        ..Limits::default()
+    };
+    let server = server_limited("fair", None, limits).await;
+    // Another address takes every place with idle connections.
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        idle.push(socket.connect(server.addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A fifth from it is closed at once: it holds no fewer than anyone.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let mut fifth = socket.connect(server.addr).await.unwrap();
+    let mut buf = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(2), fifth.read(&mut buf)).await;
+    assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "{read:?}");
+    // The API server's address gets in, again and again, each time in place of one of them.
+    let (path, body) = fixture("validating-create.json");
+    for _ in 0..3 {
+        let https = trusting(&server);
+        assert_eq!(
+            review(&https, server.addr, &path, &body).await["allowed"],
+            true
+        );
+    }
+    let mut closed = 0;
+    for stream in &mut idle {
+        let read = tokio::time::timeout(Duration::from_millis(100), stream.read(&mut buf)).await;
+        closed += usize::from(matches!(read, Ok(Ok(0)) | Ok(Err(_))));
+    }
+    assert!(closed >= 1, "no idle connection made room");
+    server.handle.shutdown();
+}
+
+#[tokio::test]
 async fn a_client_that_never_finishes_its_handshake_is_dropped() {
     use tokio::io::AsyncReadExt;
     let server = server("slowloris").await;
@@ -644,6 +734,100 @@ async fn a_trickled_body_is_cut_off_at_the_deadline_and_holds_a_request_slot_unt
     // And the slot is free again.
     let answer = review(&https, server.addr, &path, &body).await;
     assert_eq!(answer["allowed"], true);
+    server.handle.shutdown();
+}
+
+#[tokio::test]
+async fn admission_bodies_are_charged_as_they_arrive_and_must_arrive_within_the_deadline() {
+    use cnat::admission::webhook::BODY_DEADLINE;
+    let server = server("body-deadline").await;
+    let (path, body) = fixture("validating-create.json");
+    // Eight requests that announce 4 MiB each (twice what one address may have in flight) and
+    // send one byte.
+    let started = std::time::Instant::now();
+    let mut trickling = Vec::new();
+    for _ in 0..8 {
+        let (pieces, trickle) = tokio::sync::mpsc::channel(4);
+        pieces.send(bytes::Bytes::from_static(b"{")).await.unwrap();
+        let (ca, addr, path) = (server.dir.join("ca.crt"), server.addr, path.clone());
+        trickling.push((
+            pieces,
+            tokio::spawn(async move {
+                support::https::post_trickled_answer(&ca, addr, &path, 4 << 20, trickle).await
+            }),
+        ));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // They hold what they sent, not what they announced: a review from the same address goes
+    // through at once.
+    let https = trusting(&server);
+    let answer = review(&https, server.addr, &path, &body).await;
+    assert_eq!(answer["allowed"], true, "{answer}");
+    assert!(started.elapsed() < BODY_DEADLINE);
+    // Each is answered 408 at the deadline, its body never complete.
+    for (_pieces, answer) in trickling {
+        let (status, text) = tokio::time::timeout(Duration::from_secs(10), answer)
+            .await
+            .expect("cut off")
+            .unwrap()
+            .unwrap();
+        assert_eq!(status, 408, "{}", String::from_utf8_lossy(&text));
+        assert!(String::from_utf8_lossy(&text).contains("did not arrive within 3s"));
+    }
+    let took = started.elapsed();
+    assert!(
+        took >= BODY_DEADLINE && took < BODY_DEADLINE + Duration::from_secs(2),
+        "{took:?}"
+    );
+    server.handle.shutdown();
+}
+
+#[tokio::test]
+async fn a_conversion_whose_body_falls_behind_the_rate_is_cut_off_after_the_grace() {
+    use cnat::admission::conversion_webhook::GRACE;
+    let server = server("convert-trickle").await;
+    let (pieces, trickle) = tokio::sync::mpsc::channel(4);
+    let head = br#"{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview","request":{"uid":"slow","desiredAPIVersion":"cnat.programming-kubernetes.info/v1","objects":["#;
+    let started = std::time::Instant::now();
+    let answer = tokio::spawn({
+        let (ca, addr) = (server.dir.join("ca.crt"), server.addr);
+        async move {
+            support::https::post_trickled_answer(
+                &ca,
+                addr,
+                "/convert?timeout=30s",
+                1 << 20,
+                trickle,
+            )
+            .await
+        }
+    });
+    pieces.send(bytes::Bytes::from_static(head)).await.unwrap();
+    // One space every 100 ms, for up to 20 s.
+    let feeding = tokio::spawn(async move {
+        for _ in 0..200 {
+            if pieces.send(bytes::Bytes::from_static(b" ")).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let answered = tokio::time::timeout(Duration::from_secs(15), answer)
+        .await
+        .expect("cut off, not held for the 30 s deadline")
+        .unwrap();
+    let took = started.elapsed();
+    assert!(
+        took >= GRACE && took < GRACE + Duration::from_secs(3),
+        "{took:?}"
+    );
+    let (_, body) = answered.unwrap_or_default();
+    assert!(
+        !String::from_utf8_lossy(&body).contains(r#""status":"Success""#),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    feeding.abort();
     server.handle.shutdown();
 }
 

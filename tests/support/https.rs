@@ -29,7 +29,21 @@ pub async fn post_trickled(
     length: usize,
     pieces: tokio::sync::mpsc::Receiver<Bytes>,
 ) -> Result<u16, String> {
+    post_trickled_answer(ca, addr, path, length, pieces)
+        .await
+        .map(|(status, _)| status)
+}
+
+/// As [`post_trickled`], with the whole answer's body (read to its end).
+pub async fn post_trickled_answer(
+    ca: &Path,
+    addr: SocketAddr,
+    path: &str,
+    length: usize,
+    pieces: tokio::sync::mpsc::Receiver<Bytes>,
+) -> Result<(u16, Bytes), String> {
     use futures::StreamExt;
+    use http_body_util::BodyExt;
     let client: Client<_, Trickle> =
         Client::builder(TokioExecutor::new()).build(connector(ca, rustls::DEFAULT_VERSIONS));
     let frames = futures::stream::unfold(pieces, |mut rx| async {
@@ -43,11 +57,13 @@ pub async fn post_trickled(
         .header("content-length", length.to_string())
         .body(http_body_util::StreamBody::new(frames))
         .unwrap();
-    client
+    let response = client
         .request(request)
         .await
-        .map(|response| response.status().as_u16())
-        .map_err(|e| format!("{e:?}"))
+        .map_err(|e| format!("{e:?}"))?;
+    let status = response.status().as_u16();
+    let body = response.into_body().collect().await;
+    Ok((status, body.map(|b| b.to_bytes()).unwrap_or_default()))
 }
 
 fn connector(

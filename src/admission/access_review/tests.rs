@@ -799,3 +799,73 @@ fn one_caller_cannot_spend_the_known_budget_of_requests() {
     let mut fresh = Budgets::new(now);
     assert_eq!(fresh.for_upkeep(now), 3 * KNOWN_PER_SECOND as usize);
 }
+
+#[test]
+fn a_few_addresses_inventing_identities_leave_the_reserve_to_an_address_asking_lightly() {
+    let start = Instant::now();
+    let mut budgets = Budgets::new(start);
+    let attackers: Vec<std::net::IpAddr> = (1..=4)
+        .map(|i| format!("10.0.1.{i}").parse().unwrap())
+        .collect();
+    let apiserver: std::net::IpAddr = "10.0.0.1".parse().unwrap();
+    let (mut theirs, mut refused) = (0, 0);
+    // 10 s: each attacker asks 100 new identities a second; the API server's address a first
+    // apply by a new user twice a second (and four at once at the start).
+    for tick in 0..1000u32 {
+        let now = start + Duration::from_millis(10 * u64::from(tick));
+        for attacker in &attackers {
+            theirs += usize::from(budgets.take(*attacker, false, now));
+        }
+        let asks = match tick {
+            0 => 4,
+            t if t % 50 == 0 => 1,
+            _ => 0,
+        };
+        for _ in 0..asks {
+            refused += usize::from(!budgets.take(apiserver, false, now));
+        }
+    }
+    assert_eq!(refused, 0, "the light address was refused");
+    // The attackers get what is left: at most the whole rate, well under their own caps.
+    assert!(theirs <= 10 * NEW_PER_SECOND as usize + 40, "{theirs}");
+    assert!(theirs >= 10 * NEW_RESERVED_PER_SECOND as usize, "{theirs}");
+    // Nine addresses asking as fast as they may do not empty the reserve either (4 a second
+    // each as light callers, 36 of its 20 + 20): an address asking 2 a second still gets in.
+    let mut budgets = Budgets::new(start);
+    let nine: Vec<std::net::IpAddr> = (1..=9)
+        .map(|i| format!("10.0.2.{i}").parse().unwrap())
+        .collect();
+    let mut refused = 0;
+    for tick in 0..1000u32 {
+        let now = start + Duration::from_millis(10 * u64::from(tick));
+        for attacker in &nine {
+            budgets.take(*attacker, false, now);
+        }
+        if tick % 50 == 25 {
+            refused += usize::from(!budgets.take(apiserver, false, now));
+        }
+    }
+    assert!(refused <= 2, "{refused} of 20 refused");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_identity_allowed_before_counts_as_known_after_its_answer_is_forgotten() {
+    let (client, _task) = answering(|_| allowed());
+    let reviewer = AccessReviewer::new(client, Settings::default(), metrics());
+    let alice = alice();
+    assert_eq!(reviewer.check(&alice, "fx").await, Ok(()));
+    let key = Key::new(&alice, "fx");
+    let now = Instant::now();
+    {
+        let mut reviews = reviewer.inner.lock();
+        reviews.remove(&key);
+        assert!(reviews.seen(&key, now));
+        assert!(!reviews.seen(&Key::new(&alice, "elsewhere"), now));
+        assert!(!reviews.seen(&key, now + SEEN_FOR));
+    }
+    // Denied identities are not remembered.
+    let (client, _task) = answering(|_| denied());
+    let reviewer = AccessReviewer::new(client, Settings::default(), metrics());
+    assert!(reviewer.check(&alice, "fx").await.is_err());
+    assert!(!reviewer.inner.lock().seen(&key, Instant::now()));
+}
