@@ -53,8 +53,8 @@ pub const NEW_RESERVED_PER_SECOND: u32 = 20;
 pub const LIGHT_PER_SECOND_PER_CLIENT: u32 = 4;
 
 /// How long an identity allowed in a namespace counts as known after its answer, and how many
-/// such (identity, namespace) pairs a replica remembers (16 bytes each: a hash and a time;
-/// past the bound the oldest half is forgotten).
+/// such (identity, namespace) pairs a replica remembers (a hash and a time: about 40 bytes
+/// each in the map; past the bound the oldest half is forgotten).
 pub const SEEN_FOR: Duration = Duration::from_secs(24 * 3600);
 const MAX_SEEN: usize = 100_000;
 pub const KNOWN_PER_SECOND: u32 = 100;
@@ -265,6 +265,7 @@ impl Budgets {
 
     /// A review asked for by `client`, of an identity with an answer (`known`) or without.
     fn take(&mut self, client: std::net::IpAddr, known: bool, now: Instant) -> bool {
+        let client = crate::serving::guard::canonical(client);
         let (all, by_client, rate) = match known {
             true => (
                 &mut self.known,
@@ -437,17 +438,18 @@ impl Reviews {
     }
 
     /// Remembers that `key` was allowed at `now`; past [`MAX_SEEN`], pairs older than
-    /// [`SEEN_FOR`] go, then the older half.
+    /// [`SEEN_FOR`] go, then (if that left more than 9/10 of the bound) the older half.
     fn allowed(&mut self, key: &Key, now: Instant) {
         use std::hash::BuildHasher;
         if self.seen.len() >= MAX_SEEN {
             self.seen.retain(|_, at| now.duration_since(*at) < SEEN_FOR);
-        }
-        if self.seen.len() >= MAX_SEEN {
-            let mut times: Vec<Instant> = self.seen.values().copied().collect();
-            let (_, middle, _) = times.select_nth_unstable(MAX_SEEN / 2);
-            let middle = *middle;
-            self.seen.retain(|_, at| *at > middle);
+            if self.seen.len() >= MAX_SEEN * 9 / 10 {
+                let mut times: Vec<Instant> = self.seen.values().copied().collect();
+                let half = times.len() / 2;
+                let (_, middle, _) = times.select_nth_unstable(half);
+                let middle = *middle;
+                self.seen.retain(|_, at| *at > middle);
+            }
         }
         let hash = self.hasher.hash_one(key);
         self.seen.insert(hash, now);

@@ -6,7 +6,7 @@
 
 use crate::conversion::streaming::{self, Answered};
 use crate::observability::metrics::Metrics;
-use crate::serving::guard::Slots;
+use crate::serving::guard::{Connection, Slots, Stage};
 use axum::body::Body;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -49,6 +49,7 @@ pub async fn convert(
     slots: &Arc<Slots>,
     metrics: Arc<Metrics>,
     client: IpAddr,
+    connection: Option<Arc<Connection>>,
     body: Body,
 ) -> Response {
     let started = Instant::now();
@@ -60,6 +61,10 @@ pub async fn convert(
         )
             .into_response();
     };
+    // Not closed to make room from now until the answer is written.
+    if let Some(connection) = connection {
+        connection.set(Stage::Answering);
+    }
     let deadline = started + DEADLINE;
     let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(Box::pin(
         within(body, deadline),
@@ -106,12 +111,16 @@ pub async fn convert(
 /// The body's bytes, ending with an error at `deadline`, when it falls behind [`MIN_RATE`]
 /// after [`GRACE`], or past [`MAX_BODY`].
 fn within(body: Body, deadline: Instant) -> impl Stream<Item = io::Result<Bytes>> + Send {
-    let started = Instant::now();
-    let start = Some((body.into_data_stream(), 0u64));
+    // The time spent waiting for the client's bytes (not for this replica to take them).
+    let start = Some((body.into_data_stream(), 0u64, Duration::ZERO));
     futures::stream::unfold(start, move |state| async move {
-        let (mut stream, read) = state?;
-        let keeping_up = started + GRACE + Duration::from_secs_f64(read as f64 / MIN_RATE as f64);
-        let error = match tokio::time::timeout_at(deadline.min(keeping_up), stream.next()).await {
+        let (mut stream, read, waited) = state?;
+        let allowed = GRACE + Duration::from_secs_f64(read as f64 / MIN_RATE as f64);
+        let waiting = Instant::now();
+        let keeping_up = waiting + allowed.saturating_sub(waited);
+        let next = tokio::time::timeout_at(deadline.min(keeping_up), stream.next()).await;
+        let waited = waited + waiting.elapsed();
+        let error = match next {
             Err(_) => io::Error::new(
                 io::ErrorKind::TimedOut,
                 "the body was not received in time (it must arrive at 1 MiB/s after 3 s)",
@@ -121,7 +130,7 @@ fn within(body: Body, deadline: Instant) -> impl Stream<Item = io::Result<Bytes>
             Ok(Some(Ok(chunk))) => {
                 let read = read + chunk.len() as u64;
                 if read <= MAX_BODY {
-                    return Some((Ok(chunk), Some((stream, read))));
+                    return Some((Ok(chunk), Some((stream, read, waited))));
                 }
                 io::Error::other(format!("the body is over {} MiB", MAX_BODY >> 20))
             }

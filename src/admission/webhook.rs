@@ -51,6 +51,11 @@ pub const MAX_BODY: usize = 4 << 20;
 /// waits for its own earlier ones, not for everyone's. A review of an At is a few KiB.
 pub const BODY_BUDGET_KIB: usize = 16 << 10;
 pub const BODY_BUDGET_PER_CLIENT_KIB: usize = 4 << 10;
+/// The last 4 MiB of the body budget are kept for addresses holding at most 512 KiB with them
+/// (kube-apiserver's reviews of ordinary Ats are a few KiB): four addresses sending large
+/// bodies slowly cannot take it all.
+pub const BODY_RESERVE_KIB: usize = 4 << 10;
+pub const BODY_LIGHT_KIB: usize = 512;
 /// The largest body the validating webhook decodes straight into typed structs: some of kube's
 /// types hold JSON values (`managedFields`, `options`) that a made-up body can make many times
 /// its size; a larger body (no review of an ordinary At is) takes the bounded path.
@@ -93,7 +98,12 @@ struct Served {
 pub fn router(shared: Shared) -> Router {
     let served = Served {
         shared,
-        bodies: Slots::new(BODY_BUDGET_KIB, BODY_BUDGET_PER_CLIENT_KIB),
+        bodies: Slots::with_reserve(
+            BODY_BUDGET_KIB,
+            BODY_BUDGET_PER_CLIENT_KIB,
+            BODY_LIGHT_KIB,
+            BODY_RESERVE_KIB,
+        ),
         conversions: conversion_webhook::slots(),
     };
     let route = |name: &'static str, review: Review| {
@@ -126,10 +136,12 @@ pub fn router(shared: Shared) -> Router {
                 |State(served): State<Served>, request: axum::extract::Request| async move {
                     let client = client_of(&request);
                     let metrics = served.shared.metrics.clone();
+                    let connection = guard::connection_of(&request);
                     conversion_webhook::convert(
                         &served.conversions,
                         metrics,
                         client,
+                        connection,
                         request.into_body(),
                     )
                     .await

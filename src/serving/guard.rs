@@ -6,9 +6,9 @@
 //! (one pod, one node) cannot take what the API server needs:
 //!
 //! - connections: at most `max_connections_per_client` from one address, and
-//!   `max_connections` in all, shared fairly: when all are taken, a new connection from an
-//!   address that holds fewer than another takes the place of that one's oldest pending or idle
-//!   connection, never of one whose request is being answered (see [`Connections`]); a client
+//!   `max_connections` in all, shared max-min: when all are taken, a new connection from an
+//!   address holding fewer than another (by two) takes the place of one of that address's
+//!   connections, never of one whose request is being answered (see [`Pool::room`]); a client
 //!   that presented a certificate the client CA signed moves, after its handshake, into a pool
 //!   of its own that no other client can take; a new connection whose TLS handshake and first
 //!   request head have not come within `first_request_within` is closed;
@@ -51,15 +51,15 @@ impl Default for Limits {
     /// The webhook port's. kube-apiserver keeps a few connections per replica to a webhook
     /// (a few dozen under a burst of writes) and waits at most 30 s (the webhooks here say
     /// 5 s); these leave it ample room, and leave room for it when one other client takes all
-    /// it may. Requests in flight are bounded by the connections (one per connection, HTTP/1.1):
-    /// what a request costs is bounded by the body budget and the conversion slots, taken as
-    /// its body arrives.
+    /// it may. Requests in flight are bounded by the connections (one per connection, HTTP/1.1,
+    /// in either pool): what a request costs is bounded by the body budget and the conversion
+    /// slots.
     fn default() -> Self {
         Limits {
             max_connections: 512,
             max_connections_per_client: 128,
-            max_in_flight: 512,
-            max_in_flight_per_client: 128,
+            max_in_flight: 1024,
+            max_in_flight_per_client: 256,
             request_timeout: Duration::from_secs(10),
             first_request_within: Duration::from_secs(3),
         }
@@ -86,6 +86,9 @@ impl Limits {
 pub struct Slots {
     total: usize,
     per_client: usize,
+    /// A client that would hold more than `light` may not take the last `reserve` units.
+    light: usize,
+    reserve: usize,
     held: Mutex<(usize, HashMap<IpAddr, usize>)>,
     /// Woken whenever slots are given back.
     freed: tokio::sync::Notify,
@@ -93,9 +96,22 @@ pub struct Slots {
 
 impl Slots {
     pub fn new(total: usize, per_client: usize) -> Arc<Self> {
+        Self::with_reserve(total, per_client, per_client, 0)
+    }
+
+    /// As [`Slots::new`], keeping the last `reserve` units for clients that hold at most
+    /// `light` with them: a few clients taking all they may cannot take everything.
+    pub fn with_reserve(
+        total: usize,
+        per_client: usize,
+        light: usize,
+        reserve: usize,
+    ) -> Arc<Self> {
         Arc::new(Slots {
             total,
             per_client,
+            light,
+            reserve: reserve.min(total),
             held: Mutex::default(),
             freed: tokio::sync::Notify::new(),
         })
@@ -133,7 +149,11 @@ impl Slots {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         let (all, clients) = &mut *held;
         let mine = clients.entry(client).or_insert(0);
-        if *all + n > self.total || *mine + n > self.per_client {
+        let total = match *mine + n > self.light {
+            true => self.total - self.reserve,
+            false => self.total,
+        };
+        if *all + n > total || *mine + n > self.per_client {
             if *mine == 0 {
                 clients.remove(&client);
             }
@@ -155,10 +175,15 @@ impl Slots {
     }
 }
 
-/// An IPv4 client seen through a dual-stack socket counts as the IPv4 address it is.
-fn canonical(client: IpAddr) -> IpAddr {
+/// The address a client's shares are counted by: an IPv4 client seen through a dual-stack
+/// socket counts as the IPv4 address it is; an IPv6 client as its /64 (one host may hold a
+/// whole /64 and bind any address of it).
+pub fn canonical(client: IpAddr) -> IpAddr {
     match client {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(client, IpAddr::V4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6((u128::from(v6) & !u128::from(u64::MAX)).into()),
+        },
         v4 => v4,
     }
 }
@@ -212,8 +237,10 @@ pub enum Stage {
     Idle = 1,
     /// A request's head came and its body is arriving.
     Receiving = 2,
-    /// A request's body came and it is being answered.
+    /// A request's body came and it is being answered, until its answer is written.
     Answering = 3,
+    /// Closed to make room: its reads and writes fail from now on.
+    Closed = 4,
 }
 
 impl Stage {
@@ -222,7 +249,8 @@ impl Stage {
             0 => Stage::Pending,
             1 => Stage::Idle,
             2 => Stage::Receiving,
-            _ => Stage::Answering,
+            3 => Stage::Answering,
+            _ => Stage::Closed,
         }
     }
 }
@@ -237,8 +265,8 @@ pub struct Connection {
     stage: AtomicU8,
     /// Counted among the connections whose client presented a certificate.
     certified: AtomicBool,
-    /// Closed to make room: its reads and writes fail from now on.
-    closed: AtomicBool,
+    /// When it was accepted.
+    accepted: std::time::Instant,
     waker: AtomicWaker,
 }
 
@@ -247,14 +275,25 @@ impl Connection {
         Stage::of(self.stage.load(Ordering::Acquire))
     }
 
-    /// Marks what the connection is doing now.
+    /// Marks what the connection is doing now (not once it is closed).
     pub fn set(&self, stage: Stage) {
-        self.stage.store(stage as u8, Ordering::Release);
+        let _ = (self.stage).fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
+            (now != Stage::Closed as u8).then_some(stage as u8)
+        });
     }
 
-    fn close(&self) {
-        self.closed.store(true, Ordering::Release);
+    fn closed(&self) -> bool {
+        self.stage() == Stage::Closed
+    }
+
+    /// Closes it to make room, unless it is being answered (or already closed).
+    fn close(&self) -> bool {
+        let closed = (self.stage).fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
+            let open = now != Stage::Answering as u8 && now != Stage::Closed as u8;
+            open.then_some(Stage::Closed as u8)
+        });
         self.waker.wake();
+        closed.is_ok()
     }
 }
 
@@ -265,6 +304,10 @@ struct Pool {
     count: usize,
     by_client: HashMap<IpAddr, Vec<Arc<Connection>>>,
 }
+
+/// A pending connection younger than this is taken to make room only after every other kind:
+/// it is most likely a caller's new connection in its TLS handshake.
+pub const YOUNG: Duration = Duration::from_secs(1);
 
 /// What to do with a new connection from an address that holds `mine` when the pool is full.
 #[derive(Debug)]
@@ -278,12 +321,19 @@ enum Room {
 impl Pool {
     /// Max-min fairness: below the total, any address below its cap gets in; at the total, a
     /// newcomer from an address holding `n` takes the place of a connection not being answered
-    /// of an address holding more than `n + 1` (or, for `n == 0`, at least one), so each address
-    /// keeps at least an equal share of the total however many others connect. Of those, a
-    /// pending connection goes first (the oldest, of the address holding the most), then an idle
-    /// one, then one receiving a body: kept connections of a caller that sends requests stay.
-    /// An address that holds no fewer than anyone else is refused.
-    fn room(&self, client: IpAddr, total: usize, per_client: usize) -> Room {
+    /// of an address holding more than `n + 1` (the address holding the most first; when no
+    /// address holds more than one, a newcomer holding none may take the place of another's
+    /// only one), so each address keeps an equal share of the total however many others
+    /// connect. Within those: a pending connection older than [`YOUNG`] first (the oldest
+    /// first), then an idle one, then one receiving a body, then a younger pending one (a
+    /// caller's new connection, in its TLS handshake). Anyone else is refused.
+    fn room(
+        &self,
+        client: IpAddr,
+        total: usize,
+        per_client: usize,
+        now: std::time::Instant,
+    ) -> Room {
         let mine = self.by_client.get(&client).map_or(0, Vec::len);
         if mine >= per_client {
             return Room::Refuse;
@@ -291,17 +341,19 @@ impl Pool {
         if self.count < total {
             return Room::Free;
         }
-        let rank = |stage: Stage| match stage {
-            Stage::Pending => 0u8,
-            Stage::Idle => 1,
-            Stage::Receiving => 2,
-            Stage::Answering => 3,
+        let most = self.by_client.values().map(Vec::len).max().unwrap_or(0);
+        let takes_from = |held: usize| held > mine + 1 || (mine == 0 && most == 1 && held == 1);
+        let rank = |c: &Connection| match c.stage() {
+            Stage::Pending if now.duration_since(c.accepted) >= YOUNG => Some(0u8),
+            Stage::Idle => Some(1),
+            Stage::Receiving => Some(2),
+            Stage::Pending => Some(3),
+            Stage::Answering | Stage::Closed => None,
         };
         (self.by_client.values())
-            .filter(|held| held.len() > mine + 1 || (mine == 0 && !held.is_empty()))
+            .filter(|held| takes_from(held.len()))
             .flat_map(|held| held.iter().map(move |c| (held.len(), c)))
-            .map(|(count, c)| ((rank(c.stage()), std::cmp::Reverse(count), c.id), c))
-            .filter(|((rank, ..), _)| *rank < 3)
+            .filter_map(|(count, c)| Some(((std::cmp::Reverse(count), rank(c)?, c.id), c)))
             .min_by_key(|(key, _)| *key)
             .map_or(Room::Refuse, |(_, c)| Room::Displace(c.clone()))
     }
@@ -367,7 +419,7 @@ impl Connections {
             client,
             stage: AtomicU8::new(Stage::Pending as u8),
             certified: AtomicBool::new(false),
-            closed: AtomicBool::new(false),
+            accepted: std::time::Instant::now(),
             waker: AtomicWaker::new(),
         });
         let mut pools = self.lock();
@@ -380,7 +432,7 @@ impl Connections {
     pub fn certify(&self, connection: &Arc<Connection>) -> bool {
         let mut pools = self.lock();
         let [open, certified] = &mut *pools;
-        if connection.closed.load(Ordering::Acquire) || !open.remove(connection) {
+        if connection.closed() || !open.remove(connection) {
             return false;
         }
         connection.certified.store(true, Ordering::Release);
@@ -388,16 +440,22 @@ impl Connections {
     }
 
     fn enter(&self, pool: &mut Pool, connection: Arc<Connection>) -> bool {
-        match pool.room(connection.client, self.total, self.per_client) {
-            Room::Refuse => return false,
-            Room::Displace(victim) => {
-                pool.remove(&victim);
-                victim.close();
+        // A victim whose request came meanwhile is not closed: the next one is tried.
+        loop {
+            let now = std::time::Instant::now();
+            match pool.room(connection.client, self.total, self.per_client, now) {
+                Room::Refuse => return false,
+                Room::Displace(victim) => {
+                    if !victim.close() {
+                        continue;
+                    }
+                    pool.remove(&victim);
+                }
+                Room::Free => {}
             }
-            Room::Free => {}
+            pool.insert(connection);
+            return true;
         }
-        pool.insert(connection);
-        true
     }
 
     fn release(&self, connection: &Connection) {
@@ -454,24 +512,24 @@ where
     >;
 
     fn accept(&self, stream: TcpStream, service: S) -> Self::Future {
-        let connection = stream
+        // Given back if the inner acceptor fails (or the future is dropped).
+        let place = stream
             .peer_addr()
             .ok()
-            .and_then(|peer| self.connections.accept(peer.ip()));
-        let (inner, connections) = (self.inner.clone(), self.connections.clone());
+            .and_then(|peer| self.connections.accept(peer.ip()))
+            .map(|connection| Place {
+                connection,
+                connections: self.connections.clone(),
+            });
+        let inner = self.inner.clone();
         Box::pin(async move {
-            let Some(connection) = connection else {
+            let Some(place) = place else {
                 // Dropping the stream closes the connection.
                 return Err(io::Error::other(
                     "too many connections to this port, from this client or in all",
                 ));
             };
-            let deadline = connections.first_request_within;
-            // Given back if the inner acceptor fails.
-            let place = Place {
-                connection,
-                connections,
-            };
+            let deadline = place.connections.first_request_within;
             let (stream, service) = inner.accept(stream, service).await?;
             let service =
                 tower_layer::Layer::layer(&axum::Extension(place.connection.clone()), service);
@@ -526,7 +584,7 @@ impl<T> Counted<T> {
     fn check(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
         let connection = &self.place.connection;
         connection.waker.register(cx.waker());
-        if connection.closed.load(Ordering::Acquire) {
+        if connection.closed() {
             return Err(io::Error::new(
                 io::ErrorKind::ConnectionAborted,
                 "closed to make room for another client's connection",
@@ -669,6 +727,9 @@ pub async fn guard(
         .map_or(IpAddr::from([0, 0, 0, 0]), |info| info.0.ip());
     let connection = connection_of(&request);
     let Some(_permit) = guard.in_flight.take(client) else {
+        if let Some(connection) = &connection {
+            connection.set(Stage::Idle);
+        }
         let what = guard.what;
         return (
             StatusCode::TOO_MANY_REQUESTS,
@@ -678,8 +739,8 @@ pub async fn guard(
             .into_response();
     };
     if let Some(connection) = &connection {
-        // A request without a body (a GET) is answered at once; one with a body is answered
-        // once the route has read it (`answering`).
+        // A request without a body (a GET) is answered at once; one with a body once the
+        // route has read it (and marks it so).
         use axum::body::HttpBody;
         connection.set(match request.body().is_end_stream() {
             true => Stage::Answering,
@@ -687,10 +748,17 @@ pub async fn guard(
         });
     }
     let answered = tokio::time::timeout(guard.timeout, next.run(request)).await;
-    if let Some(connection) = &connection {
-        connection.set(Stage::Idle);
-    }
-    match answered {
+    // Idle once the answer is written (or given up).
+    let idle = |response: Response| match connection {
+        Some(connection) => response.map(|body| {
+            axum::body::Body::new(UntilWritten {
+                body,
+                connection: Some(connection),
+            })
+        }),
+        None => response,
+    };
+    idle(match answered {
         Ok(response) => response,
         Err(_) => (
             StatusCode::REQUEST_TIMEOUT,
@@ -700,6 +768,50 @@ pub async fn guard(
             ),
         )
             .into_response(),
+    })
+}
+
+/// An answer's body that marks its connection idle once it is written to its end, or dropped.
+struct UntilWritten {
+    body: axum::body::Body,
+    connection: Option<Arc<Connection>>,
+}
+
+impl UntilWritten {
+    fn written(&mut self) {
+        if let Some(connection) = self.connection.take() {
+            connection.set(Stage::Idle);
+        }
+    }
+}
+
+impl Drop for UntilWritten {
+    fn drop(&mut self) {
+        self.written();
+    }
+}
+
+impl http_body::Body for UntilWritten {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let frame = Pin::new(&mut self.body).poll_frame(cx);
+        if let Poll::Ready(None) = frame {
+            self.written();
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -730,41 +842,37 @@ mod tests {
     }
 
     #[test]
-    fn at_the_total_a_newcomer_takes_the_oldest_pending_place_of_the_address_holding_the_most() {
+    fn at_the_total_a_newcomer_takes_a_place_of_the_address_holding_the_most_never_one_answering() {
         let connections = Connections::new(&limits(6, 6));
         let heavy: Vec<_> = (0..4).map(|_| connections.accept(ip(1)).unwrap()).collect();
         let light: Vec<_> = (0..2).map(|_| connections.accept(ip(2)).unwrap()).collect();
-        // The oldest of the heaviest is being answered, the next receives a body: the third
-        // (pending) goes first.
         heavy[0].set(Stage::Answering);
         heavy[1].set(Stage::Receiving);
+        heavy[2].set(Stage::Idle);
+        // Of the heaviest: an idle one before one receiving a body before a new pending one.
         let newcomer = connections.accept(ip(3)).expect("a place is made");
         assert_eq!(newcomer.stage(), Stage::Pending);
-        assert!(heavy[2].closed.load(Ordering::Acquire));
-        assert!(!heavy[0].closed.load(Ordering::Acquire));
-        assert_eq!(connections.held_by(ip(1)), 3);
-        // Now 3, 2, 1: the next newcomer again takes from the heaviest (its last pending one).
-        let second = connections.accept(ip(4)).unwrap();
-        assert!(heavy[3].closed.load(Ordering::Acquire));
-        // 2 (answering + receiving), 2 (idle), 1, 1: a pending one before any other, however
-        // few its address holds ...
-        light[0].set(Stage::Idle);
-        light[1].set(Stage::Idle);
-        let third = connections.accept(ip(5)).unwrap();
-        assert!(
-            newcomer.closed.load(Ordering::Acquire),
-            "pending, and older"
-        );
-        // ... then an idle one before one receiving a body.
-        second.set(Stage::Answering);
-        third.set(Stage::Answering);
+        assert!(heavy[2].closed());
+        let _second = connections.accept(ip(4)).unwrap();
+        assert!(heavy[1].closed());
+        // 2, 2, 1, 1: of the two holding the most, the oldest young pending one.
+        let _third = connections.accept(ip(5)).unwrap();
+        assert!(heavy[3].closed());
+        assert!(!heavy[0].closed() && !light[0].closed() && !light[1].closed());
+        // 1 (answering), 2, 1, 1, 1: the second address's, then nobody holds more than one and
+        // one holding none may take another's only place, but not the answering one.
         let _fourth = connections.accept(ip(6)).unwrap();
-        assert!(light[0].closed.load(Ordering::Acquire), "idle, and older");
-        assert!(!heavy[1].closed.load(Ordering::Acquire));
+        assert!(light[0].closed());
+        assert!(connections.accept(ip(7)).is_some());
+        assert!(!heavy[0].closed(), "being answered");
+        assert!(
+            connections.accept(ip(1)).is_none(),
+            "holds as many as anyone"
+        );
     }
 
     #[test]
-    fn an_address_holding_no_fewer_than_anyone_is_refused_and_one_holding_none_swaps_in() {
+    fn an_address_holding_no_fewer_than_anyone_is_refused() {
         let connections = Connections::new(&limits(4, 4));
         let held: Vec<_> = (1..=2)
             .flat_map(|a| [connections.accept(ip(a)), connections.accept(ip(a))])
@@ -773,27 +881,41 @@ mod tests {
         // 2 and 2: a third from either would not make it fairer.
         assert!(connections.accept(ip(1)).is_none());
         assert!(connections.accept(ip(2)).is_none());
-        // A new address gets one, from the oldest pending of the ones holding the most.
+        // A new address gets one (2 > 0 + 1), from the oldest of the first address.
         assert!(connections.accept(ip(3)).is_some());
-        assert!(held[0].closed.load(Ordering::Acquire));
+        assert!(held[0].closed());
         // Every place answering: nothing can be taken.
         let all = Connections::new(&limits(2, 2));
         let busy: Vec<_> = (0..2).map(|_| all.accept(ip(1)).unwrap()).collect();
         busy.iter().for_each(|c| c.set(Stage::Answering));
         assert!(all.accept(ip(2)).is_none());
+        // A connection that is being answered is not closed, nor marked anything else after.
+        busy[0].set(Stage::Idle);
+        assert!(busy[0].close());
+        busy[0].set(Stage::Receiving);
+        assert!(busy[0].closed());
+        assert!(!busy[1].close());
     }
 
     #[test]
-    fn more_addresses_than_places_each_new_one_swaps_in_for_the_oldest_pending() {
+    fn a_pending_connection_past_its_youth_goes_first_a_young_one_last() {
+        let now = std::time::Instant::now();
         let connections = Connections::new(&limits(3, 3));
-        let first: Vec<_> = (1..=3)
+        let held: Vec<_> = [1, 1, 1]
+            .into_iter()
             .map(|a| connections.accept(ip(a)).unwrap())
             .collect();
-        first[0].set(Stage::Idle);
-        // The pending ones go before the idle one, the oldest first.
-        let _four = connections.accept(ip(4)).unwrap();
-        assert!(first[1].closed.load(Ordering::Acquire));
-        assert!(!first[0].closed.load(Ordering::Acquire));
+        held[0].set(Stage::Receiving);
+        held[1].set(Stage::Idle);
+        let pool = &connections.lock()[0];
+        let victim = |at| match pool.room(ip(2), 3, 3, at) {
+            Room::Displace(victim) => victim.id,
+            other => panic!("{other:?}"),
+        };
+        // Young: the idle one, then the one receiving, then the pending one.
+        assert_eq!(victim(now), held[1].id);
+        // Past its youth, the pending one goes first.
+        assert_eq!(victim(now + YOUNG + Duration::from_millis(1)), held[2].id);
     }
 
     #[test]
@@ -804,7 +926,7 @@ mod tests {
         // The open pool fills with others' connections; they displace each other, not it.
         let others: Vec<_> = (2..=9).filter_map(|a| connections.accept(ip(a))).collect();
         assert_eq!(others.len(), 8, "each swaps in for an older one");
-        assert!(!apiserver.closed.load(Ordering::Acquire));
+        assert!(!apiserver.closed());
         assert_eq!(connections.held_by(ip(1)), 1);
         // A second certified one from the same client, and a third that finds no room.
         let again = connections.accept(ip(1)).unwrap();
@@ -815,5 +937,33 @@ mod tests {
         connections.release(&apiserver);
         let fourth = connections.accept(ip(1)).unwrap();
         assert!(connections.certify(&fourth));
+    }
+
+    #[test]
+    fn an_ipv6_client_counts_as_its_64() {
+        let a: IpAddr = "2001:db8:1:2::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:ffff::9".parse().unwrap();
+        let other: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(canonical(a), canonical(b));
+        assert_ne!(canonical(a), canonical(other));
+        let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        assert_eq!(canonical(mapped), ip(1));
+    }
+
+    #[test]
+    fn the_reserve_of_slots_is_kept_for_clients_holding_little() {
+        let slots = Slots::with_reserve(16, 8, 2, 4);
+        let a = slots.take_n(ip(1), 8).unwrap();
+        assert!(
+            slots.take_n(ip(2), 6).is_none(),
+            "would take from the reserve"
+        );
+        let b = slots.take_n(ip(2), 4).unwrap();
+        // 12 of 16 taken: the last 4 only in pieces of at most 2 per client.
+        assert!(slots.take_n(ip(3), 3).is_none());
+        let c = slots.take_n(ip(3), 2).unwrap();
+        let d = slots.take_n(ip(4), 2).unwrap();
+        assert!(slots.take_n(ip(5), 1).is_none(), "all taken");
+        drop((a, b, c, d));
     }
 }

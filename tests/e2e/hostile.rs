@@ -517,27 +517,54 @@ async fn under_each_attack_a_replica_keeps_its_memory_and_answers_the_api_server
 
 /// What each attacking address keeps open, reconnecting half a second after the replica closes
 /// one: idle TCP connections to the webhook port (no ClientHello), TLS connections that send no
-/// request, TLS requests whose body comes one byte a second, and idle TCP connections to the
-/// admin port.
+/// request, TLS connections kept idle after one valid review, TLS requests whose body comes one
+/// byte a second, and idle TCP connections to the admin port.
 #[derive(Clone, Copy)]
 struct Slow {
     idle_tcp: usize,
     idle_tls: usize,
+    kept: usize,
     trickling: usize,
     idle_admin: usize,
 }
 
-/// `slow` from each of `addresses` until `until`.
+/// `slow` from each of `addresses` until `until`; `review` is a valid AdmissionReview.
 fn slow_clients(
     attacker: &Attacker,
     admin: SocketAddr,
     addresses: &[IpAddr],
     slow: Slow,
+    review: Arc<Vec<u8>>,
     until: Instant,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     let mut tasks = Vec::new();
     let rest = || tokio::time::sleep(Duration::from_millis(500));
     for &address in addresses {
+        for _ in 0..slow.kept {
+            let (attacker, review) = (attacker.clone(), review.clone());
+            tasks.push(tokio::spawn(async move {
+                while Instant::now() < until {
+                    if let Ok(mut tls) = attacker.connect_from(address).await {
+                        let head = format!(
+                            "POST /validating?timeout=5s HTTP/1.1\r\nHost: cnat\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                            review.len()
+                        );
+                        let exchange = async {
+                            tls.write_all(head.as_bytes()).await?;
+                            tls.write_all(&review).await?;
+                            read_answer(&mut tls).await
+                        };
+                        if exchange.await.is_ok() {
+                            // Idle until the replica closes it.
+                            let mut byte = [0u8; 1];
+                            let left = until.saturating_duration_since(Instant::now());
+                            let _ = tokio::time::timeout(left, tls.read(&mut byte)).await;
+                        }
+                    }
+                    rest().await;
+                }
+            }));
+        }
         for (count, to) in [(slow.idle_tcp, attacker.webhook), (slow.idle_admin, admin)] {
             for _ in 0..count {
                 tasks.push(tokio::spawn(async move {
@@ -726,32 +753,42 @@ async fn from_many_addresses_slow_clients_and_invented_identities_leave_the_api_
         report.push((rss, count, failed, p99, probed, unready, line));
     };
 
-    // 16 addresses, 112 webhook connections each (3.5 times what they may share) and 16 admin.
+    // 16 addresses, 128 webhook connections each (4 times what they may share) and 16 admin.
+    let review = Arc::new(legitimate_review(&ns, "kept"));
     let sixteen: Vec<IpAddr> = (1..=16).map(|i| IpAddr::from([127, 0, 1, i])).collect();
     let slow = Slow {
         idle_tcp: 64,
         idle_tls: 16,
+        kept: 16,
         trickling: 32,
         idle_admin: 16,
     };
     let until = Instant::now() + Duration::from_secs(15);
-    for task in slow_clients(&attacker, replica.admin, &sixteen, slow, until) {
+    for task in slow_clients(
+        &attacker,
+        replica.admin,
+        &sixteen,
+        slow,
+        review.clone(),
+        until,
+    ) {
         let _ = task.await;
     }
     judge("16 addresses of slow and idle clients");
 
-    // 200 addresses, 10 webhook connections each and 2 admin ones.
+    // 200 addresses, 12 webhook connections each and 2 admin ones.
     let many: Vec<IpAddr> = (0..200u8)
         .map(|i| IpAddr::from([127, 1, 0, i + 1]))
         .collect();
     let slow = Slow {
         idle_tcp: 4,
         idle_tls: 2,
+        kept: 2,
         trickling: 4,
         idle_admin: 2,
     };
     let until = Instant::now() + Duration::from_secs(15);
-    for task in slow_clients(&attacker, replica.admin, &many, slow, until) {
+    for task in slow_clients(&attacker, replica.admin, &many, slow, review, until) {
         let _ = task.await;
     }
     judge("200 addresses of slow and idle clients");
