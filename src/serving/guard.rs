@@ -45,6 +45,9 @@ pub struct Limits {
     pub max_in_flight_per_client: usize,
     pub request_timeout: Duration,
     pub first_request_within: Duration,
+    /// A connection answering a request for longer than this (its client does not read the
+    /// answer) may be closed to make room like any other.
+    pub answer_within: Duration,
 }
 
 impl Default for Limits {
@@ -62,6 +65,8 @@ impl Default for Limits {
             max_in_flight_per_client: 256,
             request_timeout: Duration::from_secs(10),
             first_request_within: Duration::from_secs(3),
+            // Conversions take up to 30 s, their answer's writing included.
+            answer_within: Duration::from_secs(30),
         }
     }
 }
@@ -76,6 +81,7 @@ impl Limits {
             max_in_flight_per_client: 8,
             request_timeout: Duration::from_secs(10),
             first_request_within: Duration::from_secs(3),
+            answer_within: Duration::from_secs(10),
         }
     }
 }
@@ -176,14 +182,10 @@ impl Slots {
 }
 
 /// The address a client's shares are counted by: an IPv4 client seen through a dual-stack
-/// socket counts as the IPv4 address it is; an IPv6 client as its /64 (one host may hold a
-/// whole /64 and bind any address of it).
+/// socket counts as the IPv4 address it is.
 pub fn canonical(client: IpAddr) -> IpAddr {
     match client {
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None => IpAddr::V6((u128::from(v6) & !u128::from(u64::MAX)).into()),
-        },
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(client, IpAddr::V4),
         v4 => v4,
     }
 }
@@ -237,7 +239,8 @@ pub enum Stage {
     Idle = 1,
     /// A request's head came and its body is arriving.
     Receiving = 2,
-    /// A request's body came and it is being answered, until its answer is written.
+    /// A request is being answered (its body came; a conversion's from when it holds its slot),
+    /// until hyper has taken its answer's last bytes.
     Answering = 3,
     /// Closed to make room: its reads and writes fail from now on.
     Closed = 4,
@@ -267,7 +270,16 @@ pub struct Connection {
     certified: AtomicBool,
     /// When it was accepted.
     accepted: std::time::Instant,
+    /// When its stage last changed, in milliseconds since the first connection of the process.
+    since: AtomicU64,
     waker: AtomicWaker,
+}
+
+/// Milliseconds since the first call (a clock for [`Connection::since`]).
+fn millis() -> u64 {
+    static START: std::sync::LazyLock<std::time::Instant> =
+        std::sync::LazyLock::new(std::time::Instant::now);
+    START.elapsed().as_millis() as u64
 }
 
 impl Connection {
@@ -277,19 +289,35 @@ impl Connection {
 
     /// Marks what the connection is doing now (not once it is closed).
     pub fn set(&self, stage: Stage) {
-        let _ = (self.stage).fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
+        let set = (self.stage).fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
             (now != Stage::Closed as u8).then_some(stage as u8)
         });
+        if set.is_ok() {
+            self.since.store(millis(), Ordering::Relaxed);
+        }
     }
 
     fn closed(&self) -> bool {
         self.stage() == Stage::Closed
     }
 
-    /// Closes it to make room, unless it is being answered (or already closed).
-    fn close(&self) -> bool {
-        let closed = (self.stage).fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
-            let open = now != Stage::Answering as u8 && now != Stage::Closed as u8;
+    /// Whether it has been answering for longer than `within` at `now` (its client does not
+    /// read the answer).
+    fn overdue(&self, within: Duration, now: u64) -> bool {
+        let since = self.since.load(Ordering::Relaxed);
+        self.stage() == Stage::Answering && now.saturating_sub(since) > within.as_millis() as u64
+    }
+
+    /// Closes it to make room, unless it is being answered (for less than `within`) or already
+    /// closed.
+    fn close(&self, within: Duration) -> bool {
+        let now = millis();
+        let closed = (self.stage).fetch_update(Ordering::AcqRel, Ordering::Acquire, |stage| {
+            let open = match Stage::of(stage) {
+                Stage::Closed => false,
+                Stage::Answering => self.overdue(within, now),
+                _ => true,
+            };
             open.then_some(Stage::Closed as u8)
         });
         self.waker.wake();
@@ -324,16 +352,19 @@ impl Pool {
     /// of an address holding more than `n + 1` (the address holding the most first; when no
     /// address holds more than one, a newcomer holding none may take the place of another's
     /// only one), so each address keeps an equal share of the total however many others
-    /// connect. Within those: a pending connection older than [`YOUNG`] first (the oldest
-    /// first), then an idle one, then one receiving a body, then a younger pending one (a
-    /// caller's new connection, in its TLS handshake). Anyone else is refused.
+    /// connect. Within those: a pending connection older than [`YOUNG`] or one answering for
+    /// longer than `answer_within` (its client does not read) first, then an idle one, then
+    /// one receiving a body, then a younger pending one (a caller's new connection, in its TLS
+    /// handshake); of each kind, the one in it the longest first (a kept connection that just
+    /// answered a request goes after one idle since long). Addresses that have nothing to give
+    /// up do not count. Anyone else is refused.
     fn room(
         &self,
         client: IpAddr,
-        total: usize,
-        per_client: usize,
+        limits: (usize, usize, Duration),
         now: std::time::Instant,
     ) -> Room {
+        let (total, per_client, answer_within) = limits;
         let mine = self.by_client.get(&client).map_or(0, Vec::len);
         if mine >= per_client {
             return Room::Refuse;
@@ -341,21 +372,39 @@ impl Pool {
         if self.count < total {
             return Room::Free;
         }
-        let most = self.by_client.values().map(Vec::len).max().unwrap_or(0);
-        let takes_from = |held: usize| held > mine + 1 || (mine == 0 && most == 1 && held == 1);
+        let clock = millis();
         let rank = |c: &Connection| match c.stage() {
-            Stage::Pending if now.duration_since(c.accepted) >= YOUNG => Some(0u8),
+            Stage::Answering if c.overdue(answer_within, clock) => Some(0u8),
+            Stage::Pending if now.duration_since(c.accepted) >= YOUNG => Some(0),
             Stage::Idle => Some(1),
             Stage::Receiving => Some(2),
             Stage::Pending => Some(3),
             Stage::Answering | Stage::Closed => None,
         };
-        (self.by_client.values())
-            .filter(|held| takes_from(held.len()))
-            .flat_map(|held| held.iter().map(move |c| (held.len(), c)))
-            .filter_map(|(count, c)| Some(((std::cmp::Reverse(count), rank(c)?, c.id), c)))
-            .min_by_key(|(key, _)| *key)
-            .map_or(Room::Refuse, |(_, c)| Room::Displace(c.clone()))
+        // Per address: how many it holds, and the connection it would give up first.
+        let candidates: Vec<(usize, (u8, u64, u64), &Arc<Connection>)> = (self.by_client.values())
+            .filter(|held| held.len() > mine)
+            .filter_map(|held| {
+                let (key, c) = (held.iter())
+                    .filter_map(|c| {
+                        let since = c.since.load(Ordering::Relaxed);
+                        Some(((rank(c)?, since, c.id), c))
+                    })
+                    .min_by_key(|(key, _)| *key)?;
+                Some((held.len(), key, c))
+            })
+            .collect();
+        let most = candidates
+            .iter()
+            .map(|(count, ..)| *count)
+            .max()
+            .unwrap_or(0);
+        let takes_from = |held: usize| held > mine + 1 || (mine == 0 && most == 1 && held == 1);
+        candidates
+            .into_iter()
+            .filter(|(count, ..)| takes_from(*count))
+            .min_by_key(|(count, key, _)| (std::cmp::Reverse(*count), *key))
+            .map_or(Room::Refuse, |(.., c)| Room::Displace(c.clone()))
     }
 
     fn insert(&mut self, connection: Arc<Connection>) {
@@ -391,6 +440,7 @@ pub struct Connections {
     total: usize,
     per_client: usize,
     first_request_within: Duration,
+    answer_within: Duration,
     next_id: AtomicU64,
     /// Any client's, and certified clients'.
     pools: Mutex<[Pool; 2]>,
@@ -402,6 +452,7 @@ impl Connections {
             total: limits.max_connections,
             per_client: limits.max_connections_per_client,
             first_request_within: limits.first_request_within,
+            answer_within: limits.answer_within,
             next_id: AtomicU64::new(0),
             pools: Mutex::default(),
         })
@@ -420,6 +471,7 @@ impl Connections {
             stage: AtomicU8::new(Stage::Pending as u8),
             certified: AtomicBool::new(false),
             accepted: std::time::Instant::now(),
+            since: AtomicU64::new(millis()),
             waker: AtomicWaker::new(),
         });
         let mut pools = self.lock();
@@ -443,10 +495,11 @@ impl Connections {
         // A victim whose request came meanwhile is not closed: the next one is tried.
         loop {
             let now = std::time::Instant::now();
-            match pool.room(connection.client, self.total, self.per_client, now) {
+            let limits = (self.total, self.per_client, self.answer_within);
+            match pool.room(connection.client, limits, now) {
                 Room::Refuse => return false,
                 Room::Displace(victim) => {
-                    if !victim.close() {
+                    if !victim.close(self.answer_within) {
                         continue;
                     }
                     pool.remove(&victim);
@@ -890,16 +943,23 @@ mod tests {
         busy.iter().for_each(|c| c.set(Stage::Answering));
         assert!(all.accept(ip(2)).is_none());
         // A connection that is being answered is not closed, nor marked anything else after.
+        let within = Duration::from_secs(30);
         busy[0].set(Stage::Idle);
-        assert!(busy[0].close());
+        assert!(busy[0].close(within));
         busy[0].set(Stage::Receiving);
         assert!(busy[0].closed());
-        assert!(!busy[1].close());
+        assert!(!busy[1].close(within));
+        // Unless it has been answering past the limit (its client does not read).
+        assert!(
+            busy[1].close(Duration::ZERO) || {
+                std::thread::sleep(Duration::from_millis(2));
+                busy[1].close(Duration::ZERO)
+            }
+        );
     }
 
     #[test]
     fn a_pending_connection_past_its_youth_goes_first_a_young_one_last() {
-        let now = std::time::Instant::now();
         let connections = Connections::new(&limits(3, 3));
         let held: Vec<_> = [1, 1, 1]
             .into_iter()
@@ -907,15 +967,17 @@ mod tests {
             .collect();
         held[0].set(Stage::Receiving);
         held[1].set(Stage::Idle);
+        let now = std::time::Instant::now();
         let pool = &connections.lock()[0];
-        let victim = |at| match pool.room(ip(2), 3, 3, at) {
+        let within = Duration::from_secs(30);
+        let victim = |at| match pool.room(ip(2), (3, 3, within), at) {
             Room::Displace(victim) => victim.id,
             other => panic!("{other:?}"),
         };
         // Young: the idle one, then the one receiving, then the pending one.
         assert_eq!(victim(now), held[1].id);
         // Past its youth, the pending one goes first.
-        assert_eq!(victim(now + YOUNG + Duration::from_millis(1)), held[2].id);
+        assert_eq!(victim(now + 2 * YOUNG), held[2].id);
     }
 
     #[test]
@@ -940,14 +1002,11 @@ mod tests {
     }
 
     #[test]
-    fn an_ipv6_client_counts_as_its_64() {
-        let a: IpAddr = "2001:db8:1:2::1".parse().unwrap();
-        let b: IpAddr = "2001:db8:1:2:ffff::9".parse().unwrap();
-        let other: IpAddr = "2001:db8:1:3::1".parse().unwrap();
-        assert_eq!(canonical(a), canonical(b));
-        assert_ne!(canonical(a), canonical(other));
+    fn an_ipv4_client_through_a_dual_stack_socket_counts_as_its_ipv4_address() {
         let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
         assert_eq!(canonical(mapped), ip(1));
+        let v6: IpAddr = "2001:db8::1".parse().unwrap();
+        assert_eq!(canonical(v6), v6);
     }
 
     #[test]

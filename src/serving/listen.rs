@@ -6,19 +6,38 @@ use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use tracing::info;
 
+/// Connections the kernel may hold for a listener before it accepts them: under a flood of
+/// connections (which the caps then close) a probe's or the API server's connection must not
+/// find the queue full and have to retransmit its SYN a second later. Linux caps it at
+/// `net.core.somaxconn` (4096 by default).
+pub const BACKLOG: i32 = 4096;
+
 /// A non-blocking listener on `addr`, falling back from `[::]` to `0.0.0.0` when the host has
 /// no IPv6.
 pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
-    let listener = match TcpListener::bind(addr) {
+    let listener = match listen(addr) {
         Err(error) if is_any_v6(addr) && no_ipv6(&error) => {
             let v4 = SocketAddr::from((Ipv4Addr::UNSPECIFIED, addr.port()));
             info!(%addr, fallback = %v4, %error, "no IPv6 on this host; listening on IPv4 only");
-            TcpListener::bind(v4)?
+            listen(v4)?
         }
         other => other?,
     };
     listener.set_nonblocking(true)?;
     Ok(listener)
+}
+
+/// A listener on `addr` with a queue of [`BACKLOG`]; `[::]` takes IPv4 clients too.
+fn listen(addr: SocketAddr) -> io::Result<TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(false)?;
+    }
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(BACKLOG)?;
+    Ok(socket.into())
 }
 
 fn is_any_v6(addr: SocketAddr) -> bool {

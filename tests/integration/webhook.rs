@@ -510,7 +510,7 @@ async fn exchange(
         let length: usize = (head.lines())
             .find_map(|l| l.strip_prefix("content-length:"))
             .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0);
+            .expect("answers carry a Content-Length");
         while seen.len() < end + 4 + length {
             let n = tls.read(&mut buf).await?;
             if n == 0 {
@@ -595,6 +595,66 @@ async fn when_every_place_is_taken_a_client_holding_fewer_gets_one_of_the_heavie
     for tls in &mut apiserver {
         assert_eq!(exchange(tls, &path, &body).await.unwrap(), 200);
     }
+    server.handle.shutdown();
+}
+
+#[tokio::test]
+async fn a_connection_whose_client_does_not_read_its_answer_makes_room_after_the_answer_limit() {
+    use tokio::io::AsyncWriteExt;
+    let limits = Limits {
+        max_connections: 2,
+        answer_within: Duration::from_secs(1),
+        ..Limits::default()
+    };
+    let server = server_limited("unread", None, limits).await;
+    // Two connections from another address each ask for a conversion whose answer (about 24
+    // MB) is far more than the sockets hold, and never read it.
+    let object = json!({
+        "apiVersion": "cnat.programming-kubernetes.info/v1alpha1", "kind": "At",
+        "metadata": {"name": "backup", "namespace": "team-a"},
+        "spec": {"schedule": "2026-11-24T10:00:00Z", "command": "x".repeat(2000)}
+    });
+    let review = serde_json::to_vec(&json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview",
+        "request": {"uid": "u", "desiredAPIVersion": "cnat.programming-kubernetes.info/v1",
+            "objects": vec![object; 12_000]}
+    }))
+    .unwrap();
+    let review = Arc::new(review);
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        let mut tls = tls_from(&server, "127.0.0.2").await;
+        let review = review.clone();
+        // (The server stops reading the body once its answer cannot be written.)
+        stalled.push(tokio::spawn(async move {
+            let head = format!(
+                "POST /convert?timeout=30s HTTP/1.1\r\nHost: cnat\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                review.len()
+            );
+            let _ = tls.write_all(head.as_bytes()).await;
+            let _ = tls.write_all(&review).await;
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // While they are answered (within the limit), nobody takes their places.
+    let (path, request) = fixture("validating-create.json");
+    let body = serde_json::to_vec(&request).unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let mut early = socket.connect(server.addr).await.unwrap();
+    let mut buf = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(2), {
+        use tokio::io::AsyncReadExt;
+        early.read(&mut buf)
+    })
+    .await;
+    assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "{read:?}");
+    // Past the limit, one of them makes room.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut tls = tls_from(&server, "127.0.0.1").await;
+    assert_eq!(exchange(&mut tls, &path, &body).await.unwrap(), 200);
+    stalled.iter().for_each(|task| task.abort());
     server.handle.shutdown();
 }
 
