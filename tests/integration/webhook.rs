@@ -460,18 +460,7 @@ async fn tls_from(
     server: &Server,
     from: &str,
 ) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
-    let mut roots = rustls::RootCertStore::empty();
-    let ca = std::fs::read(server.dir.join("ca.crt")).unwrap();
-    for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(&ca) {
-        roots.add(cert.unwrap()).unwrap();
-    }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
+    let config = support::https::trusting_config(&server.dir.join("ca.crt"));
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
     let tcp = socket.connect(server.addr).await.unwrap();

@@ -66,6 +66,20 @@ pub async fn post_trickled_answer(
     Ok((status, body.map(|b| b.to_bytes()).unwrap_or_default()))
 }
 
+/// A TLS client configuration trusting the CA in `ca` (PEM), without a client certificate.
+pub fn trusting_config(ca: &Path) -> rustls::ClientConfig {
+    let mut roots = rustls::RootCertStore::empty();
+    let pem = std::fs::read(ca).unwrap();
+    for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(&pem) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth()
+}
+
 fn connector(
     ca: &Path,
     versions: &[&'static rustls::SupportedProtocolVersion],
