@@ -337,6 +337,10 @@ struct Pool {
 /// it is most likely a caller's new connection in its TLS handshake.
 pub const YOUNG: Duration = Duration::from_secs(1);
 
+/// An address that could give up a place: how many it holds, and its first victim with the
+/// victim's order (rank, time in its stage, id).
+type Candidate<'a> = (usize, (u8, u64, u64), &'a Arc<Connection>);
+
 /// What to do with a new connection from an address that holds `mine` when the pool is full.
 #[derive(Debug)]
 enum Room {
@@ -382,7 +386,7 @@ impl Pool {
             Stage::Answering | Stage::Closed => None,
         };
         // Per address: how many it holds, and the connection it would give up first.
-        let candidates: Vec<(usize, (u8, u64, u64), &Arc<Connection>)> = (self.by_client.values())
+        let candidates: Vec<Candidate<'_>> = (self.by_client.values())
             .filter(|held| held.len() > mine)
             .filter_map(|held| {
                 let (key, c) = (held.iter())
