@@ -65,7 +65,9 @@ pub const BODY_WAIT: Duration = Duration::from_secs(2);
 /// An admission review's whole body must come within this of its head (kube-apiserver sends it
 /// at once from memory): a client that sends it slowly is answered 408 and holds nothing after.
 pub const BODY_DEADLINE: Duration = Duration::from_secs(3);
-/// A client that has not finished its TLS handshake by then is dropped (no slowloris).
+/// A client that has not finished its TLS handshake by then is dropped (no slowloris): a
+/// backstop, as the connection's first request, handshake included, must come within
+/// `guard::Limits::first_request_within` (3 s by default).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A client that has not sent its request headers by then is dropped.
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);

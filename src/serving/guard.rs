@@ -173,12 +173,6 @@ impl Slots {
             n,
         })
     }
-
-    /// How many slots `client` holds (for tests).
-    pub fn held_by(&self, client: IpAddr) -> usize {
-        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        held.1.get(&canonical(client)).copied().unwrap_or(0)
-    }
 }
 
 /// The address a client's shares are counted by: an IPv4 client seen through a dual-stack
@@ -277,9 +271,14 @@ pub struct Connection {
 
 /// Milliseconds since the first call (a clock for [`Connection::since`]).
 fn millis() -> u64 {
+    millis_at(std::time::Instant::now())
+}
+
+/// [`millis`] at `at`.
+fn millis_at(at: std::time::Instant) -> u64 {
     static START: std::sync::LazyLock<std::time::Instant> =
         std::sync::LazyLock::new(std::time::Instant::now);
-    START.elapsed().as_millis() as u64
+    at.saturating_duration_since(*START).as_millis() as u64
 }
 
 impl Connection {
@@ -334,7 +333,9 @@ struct Pool {
 }
 
 /// A pending connection younger than this is taken to make room only after every other kind:
-/// it is most likely a caller's new connection in its TLS handshake.
+/// it is most likely a caller's new connection in its TLS handshake. So is a kept connection
+/// idle for less than this since its last answer: most likely the one its client sends its next
+/// request on (closing it then would fail that request).
 pub const YOUNG: Duration = Duration::from_secs(1);
 
 /// An address that could give up a place: how many it holds, and its first victim with the
@@ -357,10 +358,10 @@ impl Pool {
     /// address holds more than one, a newcomer holding none may take the place of another's
     /// only one), so each address keeps an equal share of the total however many others
     /// connect. Within those: a pending connection older than [`YOUNG`] or one answering for
-    /// longer than `answer_within` (its client does not read) first, then an idle one, then
-    /// one receiving a body, then a younger pending one (a caller's new connection, in its TLS
-    /// handshake); of each kind, the one in it the longest first (a kept connection that just
-    /// answered a request goes after one idle since long). Addresses that have nothing to give
+    /// longer than `answer_within` (its client does not read) first, then one idle for at least
+    /// [`YOUNG`], then one receiving a body, then a younger pending or idle one (a caller's new
+    /// connection, in its TLS handshake, or the kept one it is about to send its next request
+    /// on); of each kind, the one in it the longest first. Addresses that have nothing to give
     /// up do not count. Anyone else is refused.
     fn room(
         &self,
@@ -376,13 +377,16 @@ impl Pool {
         if self.count < total {
             return Room::Free;
         }
-        let clock = millis();
+        let clock = millis_at(now);
+        let young = YOUNG.as_millis() as u64;
         let rank = |c: &Connection| match c.stage() {
             Stage::Answering if c.overdue(answer_within, clock) => Some(0u8),
             Stage::Pending if now.duration_since(c.accepted) >= YOUNG => Some(0),
-            Stage::Idle => Some(1),
+            Stage::Idle if clock.saturating_sub(c.since.load(Ordering::Relaxed)) >= young => {
+                Some(1)
+            }
             Stage::Receiving => Some(2),
-            Stage::Pending => Some(3),
+            Stage::Pending | Stage::Idle => Some(3),
             Stage::Answering | Stage::Closed => None,
         };
         // Per address: how many it holds, and the connection it would give up first.
@@ -468,18 +472,23 @@ impl Connections {
 
     /// A place for a new connection from `client`, or `None` (then it is closed).
     pub fn accept(&self, client: IpAddr) -> Option<Arc<Connection>> {
+        self.accept_at(client, std::time::Instant::now())
+    }
+
+    /// [`Connections::accept`] at `now`.
+    fn accept_at(&self, client: IpAddr, now: std::time::Instant) -> Option<Arc<Connection>> {
         let client = canonical(client);
         let connection = Arc::new(Connection {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             client,
             stage: AtomicU8::new(Stage::Pending as u8),
             certified: AtomicBool::new(false),
-            accepted: std::time::Instant::now(),
-            since: AtomicU64::new(millis()),
+            accepted: now,
+            since: AtomicU64::new(millis_at(now)),
             waker: AtomicWaker::new(),
         });
         let mut pools = self.lock();
-        self.enter(&mut pools[0], connection.clone())
+        self.enter(&mut pools[0], connection.clone(), now)
             .then_some(connection)
     }
 
@@ -492,13 +501,12 @@ impl Connections {
             return false;
         }
         connection.certified.store(true, Ordering::Release);
-        self.enter(certified, connection.clone())
+        self.enter(certified, connection.clone(), std::time::Instant::now())
     }
 
-    fn enter(&self, pool: &mut Pool, connection: Arc<Connection>) -> bool {
+    fn enter(&self, pool: &mut Pool, connection: Arc<Connection>, now: std::time::Instant) -> bool {
         // A victim whose request came meanwhile is not closed: the next one is tried.
         loop {
-            let now = std::time::Instant::now();
             let limits = (self.total, self.per_client, self.answer_within);
             match pool.room(connection.client, limits, now) {
                 Room::Refuse => return false,
@@ -900,27 +908,44 @@ mod tests {
 
     #[test]
     fn at_the_total_a_newcomer_takes_a_place_of_the_address_holding_the_most_never_one_answering() {
-        let connections = Connections::new(&limits(6, 6));
-        let heavy: Vec<_> = (0..4).map(|_| connections.accept(ip(1)).unwrap()).collect();
-        let light: Vec<_> = (0..2).map(|_| connections.accept(ip(2)).unwrap()).collect();
+        let connections = Connections::new(&limits(7, 7));
+        let start = std::time::Instant::now();
+        let heavy: Vec<_> = (0..3).map(|_| connections.accept(ip(1)).unwrap()).collect();
         heavy[0].set(Stage::Answering);
         heavy[1].set(Stage::Receiving);
         heavy[2].set(Stage::Idle);
-        // Of the heaviest: an idle one before one receiving a body before a new pending one.
-        let newcomer = connections.accept(ip(3)).expect("a place is made");
+        // A second later (the idle one is no longer young): a new pending one, a kept one just
+        // idle again after an answer, and another address's two.
+        let later = start + 2 * YOUNG;
+        let new = connections.accept_at(ip(1), later).unwrap();
+        let kept = connections.accept_at(ip(1), later).unwrap();
+        kept.set(Stage::Answering);
+        kept.set(Stage::Idle);
+        kept.since.store(millis_at(later), Ordering::Relaxed);
+        let light: Vec<_> = (0..2)
+            .map(|_| connections.accept_at(ip(2), later).unwrap())
+            .collect();
+        // Of the heaviest: one idle since long before one receiving a body before a new
+        // pending one or one that just answered.
+        let newcomer = connections
+            .accept_at(ip(3), later)
+            .expect("a place is made");
         assert_eq!(newcomer.stage(), Stage::Pending);
         assert!(heavy[2].closed());
-        let _second = connections.accept(ip(4)).unwrap();
+        let _second = connections.accept_at(ip(4), later).unwrap();
         assert!(heavy[1].closed());
-        // 2, 2, 1, 1: of the two holding the most, the oldest young pending one.
-        let _third = connections.accept(ip(5)).unwrap();
-        assert!(heavy[3].closed());
+        // 3, 2, 1, 1: of two young ones, the older.
+        let _third = connections.accept_at(ip(5), later).unwrap();
+        assert!(new.closed() && !kept.closed());
+        // 2, 2, 1, 1, 1: of the two holding the most, the oldest.
+        let _fourth = connections.accept_at(ip(6), later).unwrap();
+        assert!(kept.closed());
         assert!(!heavy[0].closed() && !light[0].closed() && !light[1].closed());
-        // 1 (answering), 2, 1, 1, 1: the second address's, then nobody holds more than one and
-        // one holding none may take another's only place, but not the answering one.
-        let _fourth = connections.accept(ip(6)).unwrap();
+        // 1 (answering), 2, 1, 1, 1, 1: the second address's, then nobody holds more than one
+        // and one holding none may take another's only place, but not the answering one.
+        let _fifth = connections.accept(ip(7)).unwrap();
         assert!(light[0].closed());
-        assert!(connections.accept(ip(7)).is_some());
+        assert!(connections.accept(ip(8)).is_some());
         assert!(!heavy[0].closed(), "being answered");
         assert!(
             connections.accept(ip(1)).is_none(),
@@ -978,9 +1003,13 @@ mod tests {
             Room::Displace(victim) => victim.id,
             other => panic!("{other:?}"),
         };
-        // Young: the idle one, then the one receiving, then the pending one.
-        assert_eq!(victim(now), held[1].id);
-        // Past its youth, the pending one goes first.
+        // Young: the one receiving a body before the pending one and the one just idle.
+        assert_eq!(victim(now), held[0].id);
+        // Past their youth: the idle one before the one receiving, and the pending one before
+        // either.
+        held[2].set(Stage::Answering);
+        assert_eq!(victim(now + 2 * YOUNG), held[1].id);
+        held[2].set(Stage::Pending);
         assert_eq!(victim(now + 2 * YOUNG), held[2].id);
     }
 

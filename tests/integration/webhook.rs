@@ -477,39 +477,14 @@ async fn exchange(
     path: &str,
     body: &[u8],
 ) -> std::io::Result<u16> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let head = format!(
         "POST {path} HTTP/1.1\r\nHost: cnat\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
         body.len()
     );
     tls.write_all(head.as_bytes()).await?;
     tls.write_all(body).await?;
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        let n = tls.read(&mut buf).await?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        seen.extend_from_slice(&buf[..n]);
-        let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") else {
-            continue;
-        };
-        let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
-        let length: usize = (head.lines())
-            .find_map(|l| l.strip_prefix("content-length:"))
-            .and_then(|v| v.trim().parse().ok())
-            .expect("answers carry a Content-Length");
-        while seen.len() < end + 4 + length {
-            let n = tls.read(&mut buf).await?;
-            if n == 0 {
-                return Err(std::io::ErrorKind::UnexpectedEof.into());
-            }
-            seen.extend_from_slice(&buf[..n]);
-        }
-        let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok());
-        return status.ok_or_else(|| std::io::Error::other(head.clone()));
-    }
+    crate::support::https::read_answer(tls).await
 }
 
 #[tokio::test]

@@ -166,3 +166,35 @@ pub async fn post_with(
         .to_bytes();
     Ok((status, body.to_vec()))
 }
+
+/// Reads one HTTP/1.1 answer from `stream` (its body as long as its `Content-Length`, none
+/// without one) and returns its status code; an error when the stream ends first.
+pub async fn read_answer(stream: &mut (impl tokio::io::AsyncRead + Unpin)) -> std::io::Result<u16> {
+    use tokio::io::AsyncReadExt;
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    let end = loop {
+        if let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+            break end;
+        }
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        seen.extend_from_slice(&buf[..n]);
+    };
+    let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
+    let length: usize = (head.lines())
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    while seen.len() < end + 4 + length {
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok());
+    status.ok_or_else(|| std::io::Error::other(head.clone()))
+}
