@@ -46,11 +46,23 @@ pub const STRING_COST: usize = 48;
 /// [`NEW_RESERVED_PER_SECOND`] is kept for addresses that ask for fewer than
 /// [`LIGHT_PER_SECOND_PER_CLIENT`] a second: a few addresses inventing identities as fast as
 /// they may cannot take it from the API server's first applies by new users. A request past
-/// these is denied, whatever `--access-review-on-error` says: a flood must not open the guard.
+/// these is refused as busy, whatever `--access-review-on-error` says (a flood must not open
+/// the guard): answered 429 with `Retry-After: 1`, which kube-apiserver resends a second later
+/// within the webhook's timeout (see [`RETRY_WINDOW`]).
 pub const NEW_PER_SECOND: u32 = 40;
 pub const NEW_PER_SECOND_PER_CLIENT: u32 = 20;
 pub const NEW_RESERVED_PER_SECOND: u32 = 20;
 pub const LIGHT_PER_SECOND_PER_CLIENT: u32 = 4;
+
+/// A resent review (the same identity and namespace from the same address as one refused as
+/// busy within this) may use the reserved new budget as an address asking lightly does, up to
+/// [`RETRIES_PER_SECOND_PER_CLIENT`] a second per address: the API server's own retries keep a
+/// share however many identities its address asks about. Each address's last
+/// [`MAX_REFUSALS_PER_CLIENT`] refusals are remembered (by a keyed hash, for 1,024 addresses
+/// at most: about 1 MiB in all).
+pub const RETRY_WINDOW: Duration = Duration::from_secs(15);
+pub const RETRIES_PER_SECOND_PER_CLIENT: u32 = 2;
+const MAX_REFUSALS_PER_CLIENT: usize = 64;
 
 /// How long an identity allowed in a namespace counts as known after its answer, and how many
 /// such (identity, namespace) pairs a replica remembers (a hash and a time: about 40 bytes
@@ -248,6 +260,8 @@ struct Budgets {
     light_by_client: HashMap<std::net::IpAddr, Bucket>,
     known: Bucket,
     known_by_client: HashMap<std::net::IpAddr, Bucket>,
+    /// Per client address: its resent reviews' share of the reserved new budget.
+    retries_by_client: HashMap<std::net::IpAddr, Bucket>,
 }
 
 impl Budgets {
@@ -260,11 +274,13 @@ impl Budgets {
             // may start its budget at once, and a second's worth is left to requests.
             known: Bucket::new(KNOWN_PER_SECOND, 4, now),
             known_by_client: HashMap::new(),
+            retries_by_client: HashMap::new(),
         }
     }
 
-    /// A review asked for by `client`, of an identity with an answer (`known`) or without.
-    fn take(&mut self, client: std::net::IpAddr, known: bool, now: Instant) -> bool {
+    /// A review asked for by `client`, of an identity with an answer (`known`) or without;
+    /// `resent` when it is one refused as busy before (see [`RETRY_WINDOW`]).
+    fn take(&mut self, client: std::net::IpAddr, known: bool, resent: bool, now: Instant) -> bool {
         let client = crate::serving::guard::canonical(client);
         let (all, by_client, rate) = match known {
             true => (
@@ -285,7 +301,10 @@ impl Budgets {
         }
         let light = &mut self.light_by_client;
         let mut light_trial = *bucket_of(light, client, LIGHT_PER_SECOND_PER_CLIENT, now);
-        let reserve = match known || light_trial.take(now) {
+        let retries = &mut self.retries_by_client;
+        let mut retry_trial = *bucket_of(retries, client, RETRIES_PER_SECOND_PER_CLIENT, now);
+        let reserved = known || light_trial.take(now) || (resent && retry_trial.take(now));
+        let reserve = match reserved {
             true => 0.0,
             false => f64::from(NEW_RESERVED_PER_SECOND),
         };
@@ -295,6 +314,7 @@ impl Budgets {
         *bucket_of(by_client, client, rate, now) = trial;
         if !known {
             *bucket_of(light, client, LIGHT_PER_SECOND_PER_CLIENT, now) = light_trial;
+            *bucket_of(retries, client, RETRIES_PER_SECOND_PER_CLIENT, now) = retry_trial;
         }
         true
     }
@@ -413,6 +433,8 @@ struct Reviews {
     bytes: usize,
     budgets: Budgets,
     seen: HashMap<u64, Instant>,
+    /// Per client address, its last reviews refused as busy (by hash; see [`RETRY_WINDOW`]).
+    refused: HashMap<std::net::IpAddr, std::collections::VecDeque<(u64, Instant)>>,
     hasher: std::hash::RandomState,
 }
 
@@ -424,8 +446,40 @@ impl Reviews {
             bytes: 0,
             budgets: Budgets::new(now),
             seen: HashMap::new(),
+            refused: HashMap::new(),
             hasher: std::hash::RandomState::new(),
         }
+    }
+
+    /// Remembers that `key` from `client` was refused as busy at `now` (its last
+    /// [`MAX_REFUSALS_PER_CLIENT`] within [`RETRY_WINDOW`]; past 1,024 addresses, those with
+    /// none left in the window go).
+    fn refused(&mut self, client: std::net::IpAddr, key: &Key, now: Instant) {
+        use std::hash::BuildHasher;
+        let client = crate::serving::guard::canonical(client);
+        let recent = |at: &Instant| now.duration_since(*at) < RETRY_WINDOW;
+        if self.refused.len() >= 1024 && !self.refused.contains_key(&client) {
+            self.refused
+                .retain(|_, refusals| refusals.back().is_some_and(|(_, at)| recent(at)));
+        }
+        let refusals = self.refused.entry(client).or_default();
+        while refusals.len() >= MAX_REFUSALS_PER_CLIENT
+            || refusals.front().is_some_and(|(_, at)| !recent(at))
+        {
+            refusals.pop_front();
+        }
+        refusals.push_back((self.hasher.hash_one(key), now));
+    }
+
+    /// Whether `key` from `client` was refused as busy within [`RETRY_WINDOW`] of `now`: it is
+    /// being resent.
+    fn resent(&self, client: std::net::IpAddr, key: &Key, now: Instant) -> bool {
+        use std::hash::BuildHasher;
+        let client = crate::serving::guard::canonical(client);
+        let hash = self.hasher.hash_one(key);
+        self.refused.get(&client).is_some_and(|refusals| {
+            (refusals.iter()).any(|(h, at)| *h == hash && now.duration_since(*at) < RETRY_WINDOW)
+        })
     }
 
     /// Whether `key` was allowed within [`SEEN_FOR`] of `now`.
@@ -576,16 +630,34 @@ struct Inner {
 }
 
 /// Why a review is denied: who may not do what where, and what to do about it (the
-/// AdmissionReview's message, as kubectl prints it).
+/// AdmissionReview's message, as kubectl prints it); or that the guard is busy (the request
+/// is to be answered 429, for the API server to resend it).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct Denial(pub String);
+#[error("{message}")]
+pub struct Denial {
+    message: String,
+    busy: bool,
+}
+
+impl Denial {
+    pub fn new(message: String) -> Self {
+        Denial {
+            message,
+            busy: false,
+        }
+    }
+
+    /// Refused as busy: the budgets of reviews were spent ([`busy`] says so in words).
+    pub fn is_busy(&self) -> bool {
+        self.busy
+    }
+}
 
 impl std::ops::Deref for Denial {
     type Target = str;
 
     fn deref(&self) -> &str {
-        &self.0
+        &self.message
     }
 }
 
@@ -625,11 +697,11 @@ impl AccessReviewer {
         namespace: &str,
     ) -> Option<Result<(), Denial>> {
         if let Some(denial) = too_large(user, namespace) {
-            return Some(Err(Denial(denial)));
+            return Some(Err(Denial::new(denial)));
         }
         let key = Key::new(user, namespace);
         let answer = self.fresh(&mut self.inner.lock(), key, client)?;
-        Some(self.verdict(user, namespace, answer).map_err(Denial))
+        Some(self.verdict(user, namespace, answer).map_err(Denial::new))
     }
 
     /// `Ok` when `user` may create pods in `namespace`, else the denial message.
@@ -646,7 +718,7 @@ impl AccessReviewer {
         user: &UserInfo,
         namespace: &str,
     ) -> Result<(), Denial> {
-        self.ask_for(client, user, namespace).await.map_err(Denial)
+        self.ask_for(client, user, namespace).await
     }
 
     async fn ask_for(
@@ -654,27 +726,32 @@ impl AccessReviewer {
         client: std::net::IpAddr,
         user: &UserInfo,
         namespace: &str,
-    ) -> Result<(), String> {
+    ) -> Result<(), Denial> {
         if let Some(denial) = too_large(user, namespace) {
-            return Err(denial);
+            return Err(Denial::new(denial));
         }
         let key = Key::new(user, namespace);
         let asking = {
             let mut reviews = self.inner.lock();
             if let Some(answer) = self.fresh(&mut reviews, key.clone(), client) {
-                return self.verdict(user, namespace, answer);
+                return self.verdict(user, namespace, answer).map_err(Denial::new);
             }
             match reviews.asking.get(&key) {
                 Some(asking) => asking.clone(),
                 None => {
                     let now = Instant::now();
                     let known = reviews.answers.contains_key(&key) || reviews.seen(&key, now);
-                    let budgeted = reviews.budgets.take(client, known, now);
+                    let resent = !known && reviews.resent(client, &key, now);
+                    let budgeted = reviews.budgets.take(client, known, resent, now);
                     if !budgeted {
+                        reviews.refused(client, &key, now);
                         self.inner
                             .metrics
                             .access_reviewed("request", "refused", Duration::ZERO);
-                        return Err(busy(namespace));
+                        return Err(Denial {
+                            message: busy(namespace),
+                            busy: true,
+                        });
                     }
                     let question = review(user, namespace);
                     self.inner
@@ -683,7 +760,7 @@ impl AccessReviewer {
             }
         };
         let answer = asking.await;
-        self.verdict(user, namespace, answer)
+        self.verdict(user, namespace, answer).map_err(Denial::new)
     }
 
     /// The cached answer for `key` if younger than the TTL, marked used; past half its life, a
@@ -705,7 +782,7 @@ impl AccessReviewer {
         if age >= ttl / 2
             && retry
             && !reviews.asking.contains_key(&key)
-            && reviews.budgets.take(client, true, now)
+            && reviews.budgets.take(client, true, false, now)
         {
             let Some(answer) = reviews.answers.get(&key) else {
                 return Some(reviewed);

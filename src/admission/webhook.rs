@@ -279,9 +279,30 @@ async fn admit(
                         .await
                 }
             };
-            if let Err(denial) = checked {
-                let at = format!("{namespace}/{}", v.name);
-                v.response = v.response.clone().deny(format!("At {at}: {denial}"));
+            match checked {
+                Ok(()) => {}
+                // Busy: kube-apiserver resends a 429 with Retry-After within its timeout.
+                Err(denial) if denial.is_busy() => {
+                    let at = format!("{namespace}/{}", v.name);
+                    metrics.admitted(
+                        AdmissionLabels {
+                            webhook,
+                            operation: v.operation,
+                            allowed: false,
+                        },
+                        started.elapsed(),
+                    );
+                    return (
+                        StatusCode::TOO_MANY_REQUESTS,
+                        [(header::RETRY_AFTER, "1")],
+                        format!("At {at}: {denial}\n"),
+                    )
+                        .into_response();
+                }
+                Err(denial) => {
+                    let at = format!("{namespace}/{}", v.name);
+                    v.response = v.response.clone().deny(format!("At {at}: {denial}"));
+                }
             }
         }
     }

@@ -688,6 +688,38 @@ mod escalation_guard {
     }
 
     #[tokio::test]
+    async fn a_review_the_guard_is_too_busy_to_check_is_answered_429_for_the_api_server_to_resend()
+    {
+        use http_body_util::BodyExt;
+        let (server, api) = guarded("busy").await;
+        let client = trusting(&server);
+        // One address asking about new identities past its share (20 a second).
+        let mut busy = None;
+        for n in 0..100 {
+            let (path, request) = as_user("validating-create.json", &format!("made-up-{n}"));
+            let body = bytes::Bytes::from(serde_json::to_vec(&request).unwrap());
+            let post =
+                http::Request::post(format!("https://localhost:{}{path}", server.addr.port()))
+                    .header("content-type", "application/json")
+                    .body(http_body_util::Full::new(body))
+                    .unwrap();
+            let response = client.request(post).await.unwrap();
+            if response.status() == 429 {
+                busy = Some(response);
+                break;
+            }
+            assert_eq!(response.status(), 200);
+        }
+        let response = busy.expect("no review was refused as busy");
+        // kube-apiserver resends it after a second, within the webhook's timeout.
+        assert_eq!(response.headers()["retry-after"], "1");
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let text = String::from_utf8_lossy(&body);
+        assert!(text.contains("too many identities at once"), "{text}");
+        assert!(api.count("POST subjectaccessreviews") <= 21);
+    }
+
+    #[tokio::test]
     async fn a_user_who_may_not_create_pods_may_not_create_an_at() {
         let (server, api) = guarded("guard").await;
         let client = trusting(&server);

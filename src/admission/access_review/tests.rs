@@ -787,14 +787,16 @@ fn one_caller_cannot_spend_the_known_budget_of_requests() {
     let now = Instant::now();
     let mut budgets = Budgets::new(now);
     let (flood, apiserver) = ("10.0.0.66".parse().unwrap(), "10.0.0.1".parse().unwrap());
-    let spent = (0..1000).filter(|_| budgets.take(flood, true, now)).count();
+    let spent = (0..1000)
+        .filter(|_| budgets.take(flood, true, false, now))
+        .count();
     assert_eq!(spent, KNOWN_PER_SECOND_PER_CLIENT as usize);
     let theirs = (0..1000)
-        .filter(|_| budgets.take(apiserver, true, now))
+        .filter(|_| budgets.take(apiserver, true, false, now))
         .count();
     assert_eq!(theirs, KNOWN_PER_SECOND_PER_CLIENT as usize);
     // New identities have budgets of their own.
-    assert!(budgets.take(apiserver, false, now));
+    assert!(budgets.take(apiserver, false, false, now));
     // The upkeep leaves a second's worth of the known budget to requests.
     let mut fresh = Budgets::new(now);
     assert_eq!(fresh.for_upkeep(now), 3 * KNOWN_PER_SECOND as usize);
@@ -814,7 +816,7 @@ fn a_few_addresses_inventing_identities_leave_the_reserve_to_an_address_asking_l
     for tick in 0..1000u32 {
         let now = start + Duration::from_millis(10 * u64::from(tick));
         for attacker in &attackers {
-            theirs += usize::from(budgets.take(*attacker, false, now));
+            theirs += usize::from(budgets.take(*attacker, false, false, now));
         }
         let asks = match tick {
             0 => 4,
@@ -822,7 +824,7 @@ fn a_few_addresses_inventing_identities_leave_the_reserve_to_an_address_asking_l
             _ => 0,
         };
         for _ in 0..asks {
-            refused += usize::from(!budgets.take(apiserver, false, now));
+            refused += usize::from(!budgets.take(apiserver, false, false, now));
         }
     }
     assert_eq!(refused, 0, "the light address was refused");
@@ -839,13 +841,126 @@ fn a_few_addresses_inventing_identities_leave_the_reserve_to_an_address_asking_l
     for tick in 0..1000u32 {
         let now = start + Duration::from_millis(10 * u64::from(tick));
         for attacker in &nine {
-            budgets.take(*attacker, false, now);
+            budgets.take(*attacker, false, false, now);
         }
         if tick % 50 == 25 {
-            refused += usize::from(!budgets.take(apiserver, false, now));
+            refused += usize::from(!budgets.take(apiserver, false, false, now));
         }
     }
     assert!(refused <= 2, "{refused} of 20 refused");
+}
+
+#[test]
+fn resent_reviews_keep_a_share_while_a_few_addresses_resend_theirs_too() {
+    let start = Instant::now();
+    let mut budgets = Budgets::new(start);
+    let attackers: Vec<std::net::IpAddr> = (1..=4)
+        .map(|i| format!("10.0.1.{i}").parse().unwrap())
+        .collect();
+    let apiserver: std::net::IpAddr = "10.0.0.1".parse().unwrap();
+    // 10 s: each attacker asks 100 new identities a second, every one of them also resent (all
+    // refused ones are); the API server's address asks 5 new ones a second (not light), and
+    // resends each one refused a second later, as kube-apiserver does on a 429.
+    let (mut asked, mut answered, mut waiting) = (0, 0, Vec::new());
+    let mut later_than_a_resend = 0;
+    for tick in 0..1000u32 {
+        let now = start + Duration::from_millis(10 * u64::from(tick));
+        for attacker in &attackers {
+            if !budgets.take(*attacker, false, false, now) {
+                budgets.take(*attacker, false, true, now);
+            }
+        }
+        let (due, still): (Vec<_>, Vec<_>) = waiting
+            .into_iter()
+            .partition(|(at, _)| now >= *at + Duration::from_secs(1));
+        waiting = still;
+        for (_, tries) in due {
+            if budgets.take(apiserver, false, true, now) {
+                answered += 1;
+            } else if tries < 4 {
+                waiting.push((now, tries + 1));
+            } else {
+                later_than_a_resend += 1;
+            }
+        }
+        if tick % 20 == 0 {
+            asked += 1;
+            if budgets.take(apiserver, false, false, now) {
+                answered += 1;
+            } else {
+                waiting.push((now, 1));
+            }
+        }
+    }
+    // Within the webhook's default 5 s timeout (four resends a second apart), none failed.
+    assert_eq!(later_than_a_resend, 0, "{answered} of {asked} answered");
+    // Without resends counting, the same load leaves some refused four times over.
+    let mut budgets = Budgets::new(start);
+    let mut waiting: Vec<(Instant, u32)> = Vec::new();
+    let mut failed = 0;
+    for tick in 0..1000u32 {
+        let now = start + Duration::from_millis(10 * u64::from(tick));
+        for attacker in &attackers {
+            budgets.take(*attacker, false, false, now);
+        }
+        let (due, still): (Vec<_>, Vec<_>) = waiting
+            .into_iter()
+            .partition(|(at, _)| now >= *at + Duration::from_secs(1));
+        waiting = still;
+        for (_, tries) in due {
+            if !budgets.take(apiserver, false, false, now) {
+                match tries < 4 {
+                    true => waiting.push((now, tries + 1)),
+                    false => failed += 1,
+                }
+            }
+        }
+        if tick % 20 == 0 && !budgets.take(apiserver, false, false, now) {
+            waiting.push((now, 1));
+        }
+    }
+    assert!(failed > 0, "the share made no difference");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_review_refused_as_busy_is_marked_so_and_its_resend_is_known_as_one() {
+    let (client, _task) = answering(|_| allowed());
+    let reviewer = Arc::new(AccessReviewer::new(client, Settings::default(), metrics()));
+    let (flood, apiserver) = ("10.0.0.66".parse().unwrap(), "10.0.0.1".parse().unwrap());
+    let checks: Vec<_> = (0..100)
+        .map(|i| {
+            let reviewer = reviewer.clone();
+            let who = user(&format!("made-up-{i}"), 1, 8);
+            tokio::spawn(async move { (reviewer.check_for(flood, &who, "fx").await, who) })
+        })
+        .collect();
+    let mut refused = None;
+    for check in checks {
+        if let (Err(denial), who) = check.await.unwrap() {
+            refused = Some((who, denial));
+        }
+    }
+    let (who, denial) = refused.expect("a flood from one address is refused past its share");
+    assert!(denial.is_busy(), "{denial:?}");
+    assert!(denial.contains("too many identities at once"), "{denial}");
+    let now = Instant::now();
+    let key = Key::new(&who, "fx");
+    let reviews = reviewer.inner.lock();
+    assert!(
+        reviews.resent(flood, &key, now),
+        "the same address resending"
+    );
+    assert!(!reviews.resent(apiserver, &key, now), "another address");
+    assert!(
+        !reviews.resent(flood, &key, now + RETRY_WINDOW),
+        "past the window"
+    );
+    drop(reviews);
+    // A denial by the API server is no busy refusal.
+    let (client, _task) = answering(|_| denied());
+    let reviewer = AccessReviewer::new(client, Settings::default(), metrics());
+    let denial = reviewer.check(&alice(), "fx").await.unwrap_err();
+    assert!(!denial.is_busy());
 }
 
 #[tokio::test(start_paused = true)]
