@@ -56,13 +56,16 @@ pub const LIGHT_PER_SECOND_PER_CLIENT: u32 = 4;
 
 /// A resent review (the same identity and namespace from the same address as one refused as
 /// busy within this) may use the reserved new budget as an address asking lightly does, up to
-/// [`RETRIES_PER_SECOND_PER_CLIENT`] a second per address: the API server's own retries keep a
-/// share however many identities its address asks about. Each address's last
-/// [`MAX_REFUSALS_PER_CLIENT`] refusals are remembered (by a keyed hash, for 1,024 addresses
-/// at most: about 1 MiB in all).
+/// [`RETRIES_PER_SECOND_PER_CLIENT`] a second per address and [`RETRIES_PER_SECOND`] in all:
+/// the API server's own retries keep a share however many identities its address asks about.
+/// Each address's first refusals of its last [`MAX_REFUSALS_PER_CLIENT`] identities are
+/// remembered (by a keyed hash, for [`MAX_REFUSING_CLIENTS`] addresses at most: about 1.5 MiB
+/// in all; past that, a refusal from another address is not remembered).
 pub const RETRY_WINDOW: Duration = Duration::from_secs(15);
+pub const RETRIES_PER_SECOND: u32 = 8;
 pub const RETRIES_PER_SECOND_PER_CLIENT: u32 = 2;
 const MAX_REFUSALS_PER_CLIENT: usize = 64;
+const MAX_REFUSING_CLIENTS: usize = 1024;
 
 /// How long an identity allowed in a namespace counts as known after its answer, and how many
 /// such (identity, namespace) pairs a replica remembers (a hash and a time: about 40 bytes
@@ -260,7 +263,8 @@ struct Budgets {
     light_by_client: HashMap<std::net::IpAddr, Bucket>,
     known: Bucket,
     known_by_client: HashMap<std::net::IpAddr, Bucket>,
-    /// Per client address: its resent reviews' share of the reserved new budget.
+    /// Resent reviews' share of the reserved new budget, in all and per client address.
+    retries: Bucket,
     retries_by_client: HashMap<std::net::IpAddr, Bucket>,
 }
 
@@ -274,48 +278,80 @@ impl Budgets {
             // may start its budget at once, and a second's worth is left to requests.
             known: Bucket::new(KNOWN_PER_SECOND, 4, now),
             known_by_client: HashMap::new(),
+            retries: Bucket::new(RETRIES_PER_SECOND, 1, now),
             retries_by_client: HashMap::new(),
         }
     }
 
     /// A review asked for by `client`, of an identity with an answer (`known`) or without;
-    /// `resent` when it is one refused as busy before (see [`RETRY_WINDOW`]).
+    /// `resent` when it is one refused as busy before (see [`RETRY_WINDOW`]). Nothing is
+    /// spent when it is refused.
     fn take(&mut self, client: std::net::IpAddr, known: bool, resent: bool, now: Instant) -> bool {
         let client = crate::serving::guard::canonical(client);
-        let (all, by_client, rate) = match known {
-            true => (
-                &mut self.known,
+        if known {
+            let mut mine = *bucket_of(
                 &mut self.known_by_client,
+                client,
                 KNOWN_PER_SECOND_PER_CLIENT,
-            ),
-            false => (
-                &mut self.new,
-                &mut self.new_by_client,
-                NEW_PER_SECOND_PER_CLIENT,
-            ),
-        };
-        let mine = bucket_of(by_client, client, rate, now);
-        let mut trial = *mine;
-        if !trial.take(now) {
+                now,
+            );
+            if !mine.take(now) || !self.known.take(now) {
+                return false;
+            }
+            *bucket_of(
+                &mut self.known_by_client,
+                client,
+                KNOWN_PER_SECOND_PER_CLIENT,
+                now,
+            ) = mine;
+            return true;
+        }
+        let mut mine = *bucket_of(
+            &mut self.new_by_client,
+            client,
+            NEW_PER_SECOND_PER_CLIENT,
+            now,
+        );
+        if !mine.take(now) {
             return false;
         }
         let light = &mut self.light_by_client;
         let mut light_trial = *bucket_of(light, client, LIGHT_PER_SECOND_PER_CLIENT, now);
-        let retries = &mut self.retries_by_client;
-        let mut retry_trial = *bucket_of(retries, client, RETRIES_PER_SECOND_PER_CLIENT, now);
-        let reserved = known || light_trial.take(now) || (resent && retry_trial.take(now));
-        let reserve = match reserved {
+        let reserve = match light_trial.take(now) {
             true => 0.0,
             false => f64::from(NEW_RESERVED_PER_SECOND),
         };
-        if !all.take_above(reserve, now) {
+        let taken = self.new.take_above(reserve, now)
+            || (resent && reserve > 0.0 && self.take_resent(client, now));
+        if !taken {
             return false;
         }
-        *bucket_of(by_client, client, rate, now) = trial;
-        if !known {
-            *bucket_of(light, client, LIGHT_PER_SECOND_PER_CLIENT, now) = light_trial;
-            *bucket_of(retries, client, RETRIES_PER_SECOND_PER_CLIENT, now) = retry_trial;
+        *bucket_of(
+            &mut self.new_by_client,
+            client,
+            NEW_PER_SECOND_PER_CLIENT,
+            now,
+        ) = mine;
+        *bucket_of(
+            &mut self.light_by_client,
+            client,
+            LIGHT_PER_SECOND_PER_CLIENT,
+            now,
+        ) = light_trial;
+        true
+    }
+
+    /// A resent review from `client` that found only the reserve left: taken from it within
+    /// the shares of resent reviews, in all and `client`'s.
+    fn take_resent(&mut self, client: std::net::IpAddr, now: Instant) -> bool {
+        let retries = &mut self.retries_by_client;
+        let mut mine = *bucket_of(retries, client, RETRIES_PER_SECOND_PER_CLIENT, now);
+        let (mut all, mut new) = (self.retries, self.new);
+        if !(mine.take(now) && all.take(now) && new.take(now)) {
+            return false;
         }
+        *bucket_of(retries, client, RETRIES_PER_SECOND_PER_CLIENT, now) = mine;
+        (self.retries, self.new) = (all, new);
         true
     }
 
@@ -435,6 +471,8 @@ struct Reviews {
     seen: HashMap<u64, Instant>,
     /// Per client address, its last reviews refused as busy (by hash; see [`RETRY_WINDOW`]).
     refused: HashMap<std::net::IpAddr, std::collections::VecDeque<(u64, Instant)>>,
+    /// When `refused` was last pruned.
+    refused_pruned: Instant,
     hasher: std::hash::RandomState,
 }
 
@@ -447,39 +485,55 @@ impl Reviews {
             budgets: Budgets::new(now),
             seen: HashMap::new(),
             refused: HashMap::new(),
+            refused_pruned: now,
             hasher: std::hash::RandomState::new(),
         }
     }
 
-    /// Remembers that `key` from `client` was refused as busy at `now` (its last
-    /// [`MAX_REFUSALS_PER_CLIENT`] within [`RETRY_WINDOW`]; past 1,024 addresses, those with
-    /// none left in the window go).
-    fn refused(&mut self, client: std::net::IpAddr, key: &Key, now: Instant) {
+    /// Remembers that `key` (an identity without an answer) from `client` was refused as busy
+    /// at `now`, unless it already was within [`RETRY_WINDOW`]; returns when it first was. An
+    /// address keeps its last [`MAX_REFUSALS_PER_CLIENT`]; at [`MAX_REFUSING_CLIENTS`]
+    /// addresses, those without a refusal within the window go (checked at most once a second),
+    /// and a refusal from another address is not remembered.
+    fn refused(&mut self, client: std::net::IpAddr, key: &Key, now: Instant) -> Instant {
         use std::hash::BuildHasher;
         let client = crate::serving::guard::canonical(client);
+        if let Some(first) = self.first_refused(client, key, now) {
+            return first;
+        }
         let recent = |at: &Instant| now.duration_since(*at) < RETRY_WINDOW;
-        if self.refused.len() >= 1024 && !self.refused.contains_key(&client) {
+        if self.refused.len() >= MAX_REFUSING_CLIENTS
+            && !self.refused.contains_key(&client)
+            && now.duration_since(self.refused_pruned) >= Duration::from_secs(1)
+        {
+            self.refused_pruned = now;
             self.refused
                 .retain(|_, refusals| refusals.back().is_some_and(|(_, at)| recent(at)));
         }
+        if self.refused.len() >= MAX_REFUSING_CLIENTS && !self.refused.contains_key(&client) {
+            return now;
+        }
+        let hash = self.hasher.hash_one(key);
         let refusals = self.refused.entry(client).or_default();
         while refusals.len() >= MAX_REFUSALS_PER_CLIENT
             || refusals.front().is_some_and(|(_, at)| !recent(at))
         {
             refusals.pop_front();
         }
-        refusals.push_back((self.hasher.hash_one(key), now));
+        refusals.push_back((hash, now));
+        now
     }
 
-    /// Whether `key` from `client` was refused as busy within [`RETRY_WINDOW`] of `now`: it is
-    /// being resent.
-    fn resent(&self, client: std::net::IpAddr, key: &Key, now: Instant) -> bool {
+    /// When `key` from `client` was first refused as busy, if within [`RETRY_WINDOW`] of `now`
+    /// (then it is being resent).
+    fn first_refused(&self, client: std::net::IpAddr, key: &Key, now: Instant) -> Option<Instant> {
         use std::hash::BuildHasher;
         let client = crate::serving::guard::canonical(client);
         let hash = self.hasher.hash_one(key);
-        self.refused.get(&client).is_some_and(|refusals| {
-            (refusals.iter()).any(|(h, at)| *h == hash && now.duration_since(*at) < RETRY_WINDOW)
-        })
+        let refusals = self.refused.get(&client)?;
+        (refusals.iter())
+            .find(|(h, at)| *h == hash && now.duration_since(*at) < RETRY_WINDOW)
+            .map(|(_, at)| *at)
     }
 
     /// Whether `key` was allowed within [`SEEN_FOR`] of `now`.
@@ -636,19 +690,22 @@ struct Inner {
 #[error("{message}")]
 pub struct Denial {
     message: String,
-    busy: bool,
+    /// Refused as busy: since when this identity has been, from this address.
+    busy: Option<Duration>,
 }
 
 impl Denial {
     pub fn new(message: String) -> Self {
         Denial {
             message,
-            busy: false,
+            busy: None,
         }
     }
 
-    /// Refused as busy: the budgets of reviews were spent ([`busy`] says so in words).
-    pub fn is_busy(&self) -> bool {
+    /// Refused as busy (the budgets of reviews were spent; [`busy`] says so in words): for how
+    /// long this identity's review has been refused so from this address (zero the first
+    /// time; see [`RETRY_WINDOW`]).
+    pub fn busy_for(&self) -> Option<Duration> {
         self.busy
     }
 }
@@ -741,16 +798,19 @@ impl AccessReviewer {
                 None => {
                     let now = Instant::now();
                     let known = reviews.answers.contains_key(&key) || reviews.seen(&key, now);
-                    let resent = !known && reviews.resent(client, &key, now);
+                    let resent = !known && reviews.first_refused(client, &key, now).is_some();
                     let budgeted = reviews.budgets.take(client, known, resent, now);
                     if !budgeted {
-                        reviews.refused(client, &key, now);
+                        let first = match known {
+                            true => now,
+                            false => reviews.refused(client, &key, now),
+                        };
                         self.inner
                             .metrics
                             .access_reviewed("request", "refused", Duration::ZERO);
                         return Err(Denial {
                             message: busy(namespace),
-                            busy: true,
+                            busy: Some(now.duration_since(first)),
                         });
                     }
                     let question = review(user, namespace);

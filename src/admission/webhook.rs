@@ -120,9 +120,11 @@ pub fn router(shared: Shared) -> Router {
                 }
                 let client = client_of(&request);
                 let headers = request.headers().clone();
+                let timeout = call_timeout(request.uri());
                 match read_body(&served.bodies, client, request).await {
                     Ok((body, _budget)) => {
-                        admit(name, review, &served.shared, client, &headers, &body).await
+                        let call = Call { client, timeout };
+                        admit(name, review, &served.shared, call, &headers, &body).await
                     }
                     Err(refused) => refused,
                 }
@@ -246,16 +248,50 @@ async fn read_body(
     Ok((body.freeze(), held))
 }
 
+/// kube-apiserver's default timeout for a webhook call (`timeoutSeconds`).
+const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// A review refused as busy is answered 429 (for kube-apiserver to resend it after
+/// `Retry-After: 1`) only while this much before the end of its call's timeout: the resend's
+/// second and its round trip.
+const RESEND_MARGIN: Duration = Duration::from_secs(2);
+
+/// The timeout kube-apiserver gives this call: the `timeout` it puts in the URL (`?timeout=5s`,
+/// Go's duration format), else [`DEFAULT_CALL_TIMEOUT`].
+pub fn call_timeout(uri: &axum::http::Uri) -> Duration {
+    let given = (uri.query().unwrap_or_default().split('&'))
+        .find_map(|pair| pair.strip_prefix("timeout="))
+        .and_then(|value| {
+            let (minutes, seconds) = match value.split_once('m') {
+                Some((minutes, seconds)) => (minutes.parse::<f64>().ok()?, seconds),
+                None => (0.0, value),
+            };
+            let seconds = match seconds {
+                "" => 0.0,
+                seconds => seconds.strip_suffix('s')?.parse::<f64>().ok()?,
+            };
+            Duration::try_from_secs_f64(minutes * 60.0 + seconds).ok()
+        });
+    given.unwrap_or(DEFAULT_CALL_TIMEOUT)
+}
+
+/// Who called, and the timeout kube-apiserver gave the call.
+#[derive(Debug, Clone, Copy)]
+struct Call {
+    client: IpAddr,
+    timeout: Duration,
+}
+
 /// Runs `review` on `body` inside an `admission` span, asks the escalation guard when the
 /// review says so, and counts it.
 async fn admit(
     webhook: &'static str,
     review: Review,
     shared: &Shared,
-    client: IpAddr,
+    call: Call,
     headers: &HeaderMap,
     body: &[u8],
 ) -> Response {
+    let client = call.client;
     let metrics = &shared.metrics;
     let started = Instant::now();
     // Attributes known only after decoding go straight to the OpenTelemetry span: recording
@@ -279,19 +315,16 @@ async fn admit(
                         .await
                 }
             };
-            match checked {
-                Ok(()) => {}
-                // Busy: kube-apiserver resends a 429 with Retry-After within its timeout.
-                Err(denial) if denial.is_busy() => {
-                    let at = format!("{namespace}/{}", v.name);
-                    metrics.admitted(
-                        AdmissionLabels {
-                            webhook,
-                            operation: v.operation,
-                            allowed: false,
-                        },
-                        started.elapsed(),
-                    );
+            if let Err(denial) = checked {
+                let at = format!("{namespace}/{}", v.name);
+                // Busy: answered 429 while kube-apiserver has time to resend (it does, after
+                // Retry-After, within its timeout); then denied, never left to fail the call,
+                // which `failurePolicy: Ignore` would let through. Not an answer: not counted
+                // among the admissions (the guard counts its refusals).
+                let resend =
+                    (denial.busy_for()).is_some_and(|busy| busy + RESEND_MARGIN < call.timeout);
+                if resend {
+                    span.set_attribute("busy", true);
                     return (
                         StatusCode::TOO_MANY_REQUESTS,
                         [(header::RETRY_AFTER, "1")],
@@ -299,10 +332,7 @@ async fn admit(
                     )
                         .into_response();
                 }
-                Err(denial) => {
-                    let at = format!("{namespace}/{}", v.name);
-                    v.response = v.response.clone().deny(format!("At {at}: {denial}"));
-                }
+                v.response = v.response.clone().deny(format!("At {at}: {denial}"));
             }
         }
     }

@@ -41,7 +41,7 @@ pub(crate) async fn grant(client: &Client, ns: &str, user: &str, rules: Value) {
 
 /// Creates `at`, retrying while the API server has not yet picked up a new webhook
 /// configuration or RBAC binding (both reach its caches asynchronously).
-async fn create(ats: &Api<At>, at: &At) -> Result<At, kube::Error> {
+pub(crate) async fn create(ats: &Api<At>, at: &At) -> Result<At, kube::Error> {
     let mut tries = 0;
     loop {
         let result = ats.create(&PostParams::default(), at).await;

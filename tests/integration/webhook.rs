@@ -716,6 +716,14 @@ mod escalation_guard {
         let body = response.into_body().collect().await.unwrap().to_bytes();
         let text = String::from_utf8_lossy(&body);
         assert!(text.contains("too many identities at once"), "{text}");
+        // With no time left to resend within the call's timeout: denied, never left to fail the
+        // call (which `failurePolicy: Ignore` would let through).
+        let (path, request) = as_user("validating-create.json", "made-up-late");
+        let path = format!("{}?timeout=2s", path.split('?').next().unwrap());
+        let response = review(&client, server.addr, &path, &request).await;
+        assert_eq!(response["allowed"], false, "{response}");
+        let message = response["status"]["message"].as_str().unwrap();
+        assert!(message.contains("too many identities at once"), "{message}");
         assert!(api.count("POST subjectaccessreviews") <= 21);
     }
 

@@ -923,44 +923,89 @@ fn resent_reviews_keep_a_share_while_a_few_addresses_resend_theirs_too() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_review_refused_as_busy_is_marked_so_and_its_resend_is_known_as_one() {
+async fn a_review_refused_as_busy_says_for_how_long_and_its_resend_may_use_the_reserve() {
     let (client, _task) = answering(|_| allowed());
-    let reviewer = Arc::new(AccessReviewer::new(client, Settings::default(), metrics()));
-    let (flood, apiserver) = ("10.0.0.66".parse().unwrap(), "10.0.0.1".parse().unwrap());
-    let checks: Vec<_> = (0..100)
-        .map(|i| {
-            let reviewer = reviewer.clone();
-            let who = user(&format!("made-up-{i}"), 1, 8);
-            tokio::spawn(async move { (reviewer.check_for(flood, &who, "fx").await, who) })
-        })
-        .collect();
-    let mut refused = None;
-    for check in checks {
-        if let (Err(denial), who) = check.await.unwrap() {
-            refused = Some((who, denial));
-        }
-    }
-    let (who, denial) = refused.expect("a flood from one address is refused past its share");
-    assert!(denial.is_busy(), "{denial:?}");
+    let reviewer = AccessReviewer::new(client, Settings::default(), metrics());
+    let (apiserver, other) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+    // Only the reserve is left, and the API server's address asks too much to be light.
+    let spend = |reviewer: &AccessReviewer| {
+        let now = Instant::now();
+        let mut reviews = reviewer.inner.lock();
+        let budgets = &mut reviews.budgets;
+        budgets.new.refill(now);
+        budgets.new.tokens = f64::from(NEW_RESERVED_PER_SECOND);
+        let light = bucket_of(
+            &mut budgets.light_by_client,
+            apiserver,
+            LIGHT_PER_SECOND_PER_CLIENT,
+            now,
+        );
+        light.refill(now);
+        light.tokens = 0.0;
+    };
+    spend(&reviewer);
+    let (first, second) = (alice(), user("bob", 1, 8));
+    let denial = reviewer
+        .check_for(apiserver, &first, "fx")
+        .await
+        .unwrap_err();
+    assert_eq!(denial.busy_for(), Some(Duration::ZERO), "{denial:?}");
     assert!(denial.contains("too many identities at once"), "{denial}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    spend(&reviewer);
+    // A new identity is refused again; the resent one is answered from the reserve.
+    let denial = reviewer
+        .check_for(apiserver, &second, "fx")
+        .await
+        .unwrap_err();
+    assert_eq!(denial.busy_for(), Some(Duration::ZERO));
+    let key = Key::new(&first, "fx");
     let now = Instant::now();
-    let key = Key::new(&who, "fx");
-    let reviews = reviewer.inner.lock();
+    {
+        let reviews = reviewer.inner.lock();
+        assert!(reviews.first_refused(apiserver, &key, now).is_some());
+        assert!(
+            reviews.first_refused(other, &key, now).is_none(),
+            "another address"
+        );
+        assert!(
+            reviews
+                .first_refused(apiserver, &key, now + RETRY_WINDOW)
+                .is_none(),
+            "past the window"
+        );
+    }
+    assert_eq!(reviewer.check_for(apiserver, &first, "fx").await, Ok(()));
+    // Resent past its address's share: refused, and it says since when.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    spend(&reviewer);
+    {
+        let now = Instant::now();
+        let mut reviews = reviewer.inner.lock();
+        let retries = bucket_of(
+            &mut reviews.budgets.retries_by_client,
+            apiserver,
+            RETRIES_PER_SECOND_PER_CLIENT,
+            now,
+        );
+        retries.refill(now);
+        retries.tokens = 0.0;
+    }
+    let denial = reviewer
+        .check_for(apiserver, &second, "fx")
+        .await
+        .unwrap_err();
+    // Refused first about 2 s ago (the answers above took some of the paused clock's time).
+    let busy = denial.busy_for().unwrap();
     assert!(
-        reviews.resent(flood, &key, now),
-        "the same address resending"
+        (Duration::from_secs(2)..Duration::from_secs(3)).contains(&busy),
+        "{busy:?}"
     );
-    assert!(!reviews.resent(apiserver, &key, now), "another address");
-    assert!(
-        !reviews.resent(flood, &key, now + RETRY_WINDOW),
-        "past the window"
-    );
-    drop(reviews);
     // A denial by the API server is no busy refusal.
     let (client, _task) = answering(|_| denied());
     let reviewer = AccessReviewer::new(client, Settings::default(), metrics());
     let denial = reviewer.check(&alice(), "fx").await.unwrap_err();
-    assert!(!denial.is_busy());
+    assert_eq!(denial.busy_for(), None);
 }
 
 #[tokio::test(start_paused = true)]
@@ -983,4 +1028,31 @@ async fn an_identity_allowed_before_counts_as_known_after_its_answer_is_forgotte
     let reviewer = AccessReviewer::new(client, Settings::default(), metrics());
     assert!(reviewer.check(&alice, "fx").await.is_err());
     assert!(!reviewer.inner.lock().seen(&key, Instant::now()));
+}
+
+#[test]
+fn refusals_are_remembered_for_a_bounded_number_of_addresses() {
+    let now = Instant::now();
+    let mut reviews = Reviews::new(now);
+    let key = Key::new(&alice(), "fx");
+    for i in 0..2000u32 {
+        let client = std::net::IpAddr::from((0x0a00_0000 + i).to_be_bytes());
+        assert_eq!(reviews.refused(client, &key, now), now);
+    }
+    assert_eq!(reviews.refused.len(), MAX_REFUSING_CLIENTS);
+    // Past the window, the old ones make room (once a second at most).
+    let later = now + RETRY_WINDOW;
+    let newcomer = std::net::IpAddr::from([10, 9, 9, 9]);
+    reviews.refused(newcomer, &key, later);
+    assert_eq!(reviews.refused.len(), 1);
+    assert_eq!(reviews.first_refused(newcomer, &key, later), Some(later));
+    // One address keeps its last 64 identities, each with its first refusal.
+    for n in 0..100 {
+        let who = user(&format!("u{n}"), 1, 8);
+        reviews.refused(newcomer, &Key::new(&who, "fx"), later);
+    }
+    assert_eq!(reviews.refused[&newcomer].len(), MAX_REFUSALS_PER_CLIENT);
+    let last = Key::new(&user("u99", 1, 8), "fx");
+    let again = later + Duration::from_secs(3);
+    assert_eq!(reviews.refused(newcomer, &last, again), later);
 }

@@ -234,3 +234,26 @@ fn the_shard_label_of_an_unreadable_at_keeps_its_value_too() {
         }
     }
 }
+
+#[test]
+fn the_call_timeout_is_read_from_go_s_duration_in_the_url() {
+    let timeout = |uri: &str| call_timeout(&uri.parse().unwrap());
+    assert_eq!(timeout("/validating?timeout=5s"), Duration::from_secs(5));
+    assert_eq!(
+        timeout("/validating?x=1&timeout=30s"),
+        Duration::from_secs(30)
+    );
+    assert_eq!(timeout("/validating?timeout=1m0s"), Duration::from_secs(60));
+    assert_eq!(
+        timeout("/validating?timeout=2.5s"),
+        Duration::from_millis(2500)
+    );
+    for unreadable in [
+        "/validating",
+        "/validating?timeout=5",
+        "/validating?timeout=-1s",
+        "/validating?timeout=xs",
+    ] {
+        assert_eq!(timeout(unreadable), DEFAULT_CALL_TIMEOUT, "{unreadable}");
+    }
+}
