@@ -381,7 +381,7 @@ impl Pool {
         let young = YOUNG.as_millis() as u64;
         let rank = |c: &Connection| match c.stage() {
             Stage::Answering if c.overdue(answer_within, clock) => Some(0u8),
-            Stage::Pending if now.duration_since(c.accepted) >= YOUNG => Some(0),
+            Stage::Pending if now.saturating_duration_since(c.accepted) >= YOUNG => Some(0),
             Stage::Idle if clock.saturating_sub(c.since.load(Ordering::Relaxed)) >= young => {
                 Some(1)
             }
