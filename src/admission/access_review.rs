@@ -60,7 +60,8 @@ pub const LIGHT_PER_SECOND_PER_CLIENT: u32 = 4;
 /// the API server's own retries keep a share however many identities its address asks about.
 /// Each address's first refusals of its last [`MAX_REFUSALS_PER_CLIENT`] identities are
 /// remembered (by a keyed hash, for [`MAX_REFUSING_CLIENTS`] addresses at most: about 1.5 MiB
-/// in all; past that, a refusal from another address is not remembered).
+/// in all); a refusal whose first cannot be told (not remembered, or its address had to forget
+/// one within the window lately) is to be denied, not resent.
 pub const RETRY_WINDOW: Duration = Duration::from_secs(15);
 pub const RETRIES_PER_SECOND: u32 = 8;
 pub const RETRIES_PER_SECOND_PER_CLIENT: u32 = 2;
@@ -461,6 +462,14 @@ enum Trigger {
     Refresh,
 }
 
+/// One address's refusals as busy within [`RETRY_WINDOW`] (by hash, each with its first), and
+/// when it last had to forget one still within it.
+#[derive(Default)]
+struct Refusals {
+    recent: std::collections::VecDeque<(u64, Instant)>,
+    overflowed: Option<Instant>,
+}
+
 /// Answers, the reviews in flight, the bytes the answers hold, the review budgets, and the
 /// (identity, namespace) pairs allowed lately (by hash, see [`SEEN_FOR`]).
 struct Reviews {
@@ -470,7 +479,7 @@ struct Reviews {
     budgets: Budgets,
     seen: HashMap<u64, Instant>,
     /// Per client address, its last reviews refused as busy (by hash; see [`RETRY_WINDOW`]).
-    refused: HashMap<std::net::IpAddr, std::collections::VecDeque<(u64, Instant)>>,
+    refused: HashMap<std::net::IpAddr, Refusals>,
     /// When `refused` was last pruned.
     refused_pruned: Instant,
     hasher: std::hash::RandomState,
@@ -490,38 +499,48 @@ impl Reviews {
         }
     }
 
-    /// Remembers that `key` (an identity without an answer) from `client` was refused as busy
-    /// at `now`, unless it already was within [`RETRY_WINDOW`]; returns when it first was. An
-    /// address keeps its last [`MAX_REFUSALS_PER_CLIENT`]; at [`MAX_REFUSING_CLIENTS`]
-    /// addresses, those without a refusal within the window go (checked at most once a second),
-    /// and a refusal from another address is not remembered.
-    fn refused(&mut self, client: std::net::IpAddr, key: &Key, now: Instant) -> Instant {
+    /// Remembers that `key` from `client` was refused as busy at `now`, unless it already was
+    /// within [`RETRY_WINDOW`]; returns when it first was, or `None` when that cannot be told:
+    /// not remembered, or the address had to forget a refusal within the window lately (then a
+    /// resend could pass for a first refusal again and again). An address keeps its last
+    /// [`MAX_REFUSALS_PER_CLIENT`]; at [`MAX_REFUSING_CLIENTS`] addresses, those without a
+    /// refusal within the window go (checked at most once a second), and a refusal from
+    /// another address is not remembered.
+    fn refused(&mut self, client: std::net::IpAddr, key: &Key, now: Instant) -> Option<Instant> {
         use std::hash::BuildHasher;
         let client = crate::serving::guard::canonical(client);
-        if let Some(first) = self.first_refused(client, key, now) {
+        let recent = |at: &Instant| now.duration_since(*at) < RETRY_WINDOW;
+        let first = self.first_refused(client, key, now);
+        if first.is_some() {
             return first;
         }
-        let recent = |at: &Instant| now.duration_since(*at) < RETRY_WINDOW;
         if self.refused.len() >= MAX_REFUSING_CLIENTS
             && !self.refused.contains_key(&client)
             && now.duration_since(self.refused_pruned) >= Duration::from_secs(1)
         {
             self.refused_pruned = now;
-            self.refused
-                .retain(|_, refusals| refusals.back().is_some_and(|(_, at)| recent(at)));
+            self.refused.retain(|_, refusals| {
+                refusals.recent.back().is_some_and(|(_, at)| recent(at))
+                    || refusals.overflowed.is_some_and(|at| recent(&at))
+            });
         }
         if self.refused.len() >= MAX_REFUSING_CLIENTS && !self.refused.contains_key(&client) {
-            return now;
+            return None;
         }
         let hash = self.hasher.hash_one(key);
         let refusals = self.refused.entry(client).or_default();
-        while refusals.len() >= MAX_REFUSALS_PER_CLIENT
-            || refusals.front().is_some_and(|(_, at)| !recent(at))
-        {
-            refusals.pop_front();
+        while refusals.recent.front().is_some_and(|(_, at)| !recent(at)) {
+            refusals.recent.pop_front();
         }
-        refusals.push_back((hash, now));
-        now
+        if refusals.recent.len() >= MAX_REFUSALS_PER_CLIENT {
+            refusals.recent.pop_front();
+            refusals.overflowed = Some(now);
+        }
+        refusals.recent.push_back((hash, now));
+        match refusals.overflowed {
+            Some(at) if recent(&at) => None,
+            _ => Some(now),
+        }
     }
 
     /// When `key` from `client` was first refused as busy, if within [`RETRY_WINDOW`] of `now`
@@ -531,7 +550,7 @@ impl Reviews {
         let client = crate::serving::guard::canonical(client);
         let hash = self.hasher.hash_one(key);
         let refusals = self.refused.get(&client)?;
-        (refusals.iter())
+        (refusals.recent.iter())
             .find(|(h, at)| *h == hash && now.duration_since(*at) < RETRY_WINDOW)
             .map(|(_, at)| *at)
     }
@@ -704,7 +723,7 @@ impl Denial {
 
     /// Refused as busy (the budgets of reviews were spent; [`busy`] says so in words): for how
     /// long this identity's review has been refused so from this address (zero the first
-    /// time; see [`RETRY_WINDOW`]).
+    /// time; [`Duration::MAX`] when that cannot be told; see [`RETRY_WINDOW`]).
     pub fn busy_for(&self) -> Option<Duration> {
         self.busy
     }
@@ -801,16 +820,15 @@ impl AccessReviewer {
                     let resent = !known && reviews.first_refused(client, &key, now).is_some();
                     let budgeted = reviews.budgets.take(client, known, resent, now);
                     if !budgeted {
-                        let first = match known {
-                            true => now,
-                            false => reviews.refused(client, &key, now),
-                        };
+                        let first = reviews.refused(client, &key, now);
                         self.inner
                             .metrics
                             .access_reviewed("request", "refused", Duration::ZERO);
+                        // Not known since when: as if since ever (denied, not to be resent).
+                        let since = first.map_or(Duration::MAX, |first| now.duration_since(first));
                         return Err(Denial {
                             message: busy(namespace),
-                            busy: Some(now.duration_since(first)),
+                            busy: Some(since),
                         });
                     }
                     let question = review(user, namespace);

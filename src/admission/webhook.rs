@@ -251,9 +251,11 @@ async fn read_body(
 /// kube-apiserver's default timeout for a webhook call (`timeoutSeconds`).
 const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// A review refused as busy is answered 429 (for kube-apiserver to resend it after
-/// `Retry-After: 1`) only while this much before the end of its call's timeout: the resend's
-/// second and its round trip.
-const RESEND_MARGIN: Duration = Duration::from_secs(2);
+/// `Retry-After: 1`) only while this much before the end of its call's timeout (the resend's
+/// second, its round trip, and the second kube-apiserver may round the timeout up by), and
+/// within [`RESEND_WITHIN`] of its first refusal: client-go resends at most 10 times.
+const RESEND_MARGIN: Duration = Duration::from_secs(3);
+const RESEND_WITHIN: Duration = Duration::from_secs(8);
 
 /// The timeout kube-apiserver gives this call: the `timeout` it puts in the URL (`?timeout=5s`,
 /// Go's duration format), else [`DEFAULT_CALL_TIMEOUT`].
@@ -321,8 +323,9 @@ async fn admit(
                 // Retry-After, within its timeout); then denied, never left to fail the call,
                 // which `failurePolicy: Ignore` would let through. Not an answer: not counted
                 // among the admissions (the guard counts its refusals).
-                let resend =
-                    (denial.busy_for()).is_some_and(|busy| busy + RESEND_MARGIN < call.timeout);
+                let window = call.timeout.min(RESEND_WITHIN);
+                let resend = (denial.busy_for())
+                    .is_some_and(|busy| busy.saturating_add(RESEND_MARGIN) < window);
                 if resend {
                     span.set_attribute("busy", true);
                     return (

@@ -1031,28 +1031,48 @@ async fn an_identity_allowed_before_counts_as_known_after_its_answer_is_forgotte
 }
 
 #[test]
-fn refusals_are_remembered_for_a_bounded_number_of_addresses() {
+fn refusals_are_remembered_for_a_bounded_number_of_addresses_and_past_that_not_resent() {
     let now = Instant::now();
     let mut reviews = Reviews::new(now);
     let key = Key::new(&alice(), "fx");
     for i in 0..2000u32 {
         let client = std::net::IpAddr::from((0x0a00_0000 + i).to_be_bytes());
-        assert_eq!(reviews.refused(client, &key, now), now);
+        let first = reviews.refused(client, &key, now);
+        // Past the bound: not remembered, so not to be resent.
+        assert_eq!(
+            first,
+            (i < MAX_REFUSING_CLIENTS as u32).then_some(now),
+            "{i}"
+        );
     }
     assert_eq!(reviews.refused.len(), MAX_REFUSING_CLIENTS);
     // Past the window, the old ones make room (once a second at most).
     let later = now + RETRY_WINDOW;
     let newcomer = std::net::IpAddr::from([10, 9, 9, 9]);
-    reviews.refused(newcomer, &key, later);
+    assert_eq!(reviews.refused(newcomer, &key, later), Some(later));
     assert_eq!(reviews.refused.len(), 1);
-    assert_eq!(reviews.first_refused(newcomer, &key, later), Some(later));
-    // One address keeps its last 64 identities, each with its first refusal.
-    for n in 0..100 {
-        let who = user(&format!("u{n}"), 1, 8);
-        reviews.refused(newcomer, &Key::new(&who, "fx"), later);
-    }
-    assert_eq!(reviews.refused[&newcomer].len(), MAX_REFUSALS_PER_CLIENT);
-    let last = Key::new(&user("u99", 1, 8), "fx");
+    // Refused again: since the first time.
     let again = later + Duration::from_secs(3);
-    assert_eq!(reviews.refused(newcomer, &last, again), later);
+    assert_eq!(reviews.refused(newcomer, &key, again), Some(later));
+    // One address keeps its last 64 identities; once it had to forget one within the window,
+    // none of its refusals is to be resent for the window's length.
+    for n in 1..MAX_REFUSALS_PER_CLIENT {
+        let who = user(&format!("u{n}"), 1, 8);
+        assert_eq!(
+            reviews.refused(newcomer, &Key::new(&who, "fx"), again),
+            Some(again)
+        );
+    }
+    let one_more = Key::new(&user("u-last", 1, 8), "fx");
+    assert_eq!(reviews.refused(newcomer, &one_more, again), None);
+    assert_eq!(
+        reviews.refused[&newcomer].recent.len(),
+        MAX_REFUSALS_PER_CLIENT
+    );
+    let still = again + Duration::from_secs(1);
+    let other = Key::new(&user("u-other", 1, 8), "fx");
+    assert_eq!(reviews.refused(newcomer, &other, still), None);
+    let past = still + RETRY_WINDOW;
+    let fresh = Key::new(&user("u-fresh", 1, 8), "fx");
+    assert_eq!(reviews.refused(newcomer, &fresh, past), Some(past));
 }
