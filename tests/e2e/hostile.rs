@@ -962,31 +962,53 @@ async fn an_at_whose_stored_copy_cnat_cannot_read_is_fixed_only_by_who_may_creat
     );
 }
 
-/// `len` characters of printable ASCII from `seed` (random enough not to compress).
-fn random_text(seed: u64, len: usize) -> String {
+/// Waits until `replica` holds the Lease `cnat` in `namespace` (60 s at most).
+async fn leading(admin: &kube::Client, namespace: &str, replica: &Replica) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while crate::support::envtest::lease_holder(admin, namespace, "cnat")
+        .await
+        .as_deref()
+        != Some(replica.identity.as_str())
+    {
+        assert!(
+            Instant::now() < deadline,
+            "never leader: {}",
+            replica.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `len` characters of `alphabet` from `seed` (random enough not to compress).
+fn random_text(seed: u64, len: usize, alphabet: &[u8]) -> String {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
         .map(|_| {
             state ^= state << 13;
             state ^= state >> 7;
             state ^= state << 17;
-            char::from(b'!' + (state % 94) as u8)
+            char::from(alphabet[(state % alphabet.len() as u64) as usize])
         })
         .collect()
 }
 
-/// `len` letters and digits from `seed` (a label value).
-fn random_alphanumeric(seed: u64, len: usize) -> String {
-    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            char::from(ALPHABET[(state % ALPHABET.len() as u64) as usize])
-        })
-        .collect()
+/// Printable ASCII, and what a label value may hold.
+const PRINTABLE: &[u8] = b"!\"#$%&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[\\]^_`abcdefghijklmnopqrstuvwxyz{|}~";
+const ALPHANUMERIC: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+
+/// Runs `make(i)` for `0..count`, `concurrency` at once, and asserts each succeeded.
+async fn all_made<F>(count: u64, concurrency: usize, make: impl Fn(u64) -> F)
+where
+    F: std::future::Future<Output = Result<(), kube::Error>>,
+{
+    use futures::StreamExt;
+    let made = futures::stream::iter(0..count)
+        .map(make)
+        .buffer_unordered(concurrency)
+        .collect::<Vec<_>>()
+        .await;
+    let failed = made.iter().find(|made| made.is_err());
+    assert!(failed.is_none(), "{failed:?}");
 }
 
 /// Issue 65: one tenant's big objects. While the replica leads, the tenant creates 420 Ats
@@ -997,7 +1019,6 @@ fn random_alphanumeric(seed: u64, len: usize) -> String {
 /// late).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_tenant_s_big_ats_and_pods_leave_the_leader_within_its_memory_and_on_time() {
-    use futures::StreamExt;
     use k8s_openapi::api::core::v1::Pod;
     use kube::api::{Api, PostParams};
     let plane = crate::real_control_plane!();
@@ -1005,75 +1026,47 @@ async fn one_tenant_s_big_ats_and_pods_leave_the_leader_within_its_memory_and_on
     install_crd(&admin, &cnat::api::crd_yaml()).await;
     let ns = plane.namespace("big", &[]).await;
     let replica = plane.replica("big-0", &ns, &[&format!("--namespace={ns}")]);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while crate::support::envtest::lease_holder(&admin, &ns, "cnat")
-        .await
-        .as_deref()
-        != Some("big-0")
-    {
-        assert!(
-            Instant::now() < deadline,
-            "never leader: {}",
-            replica.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    leading(&admin, &ns, &replica).await;
     let peak = Peak::watch(replica.child.id());
     let before = rss(replica.child.id());
     let started = Instant::now();
 
     let ats: Api<cnat::api::At> = Api::namespaced(admin.clone(), &ns);
     let later = chrono::Utc::now() + chrono::Duration::days(1);
-    let created = futures::stream::iter(0..420u64)
-        .map(|i| {
-            let ats = ats.clone();
-            async move {
-                let command = random_text(i, cnat::limits::MAX_COMMAND);
-                let at = crate::lifecycle::at(&format!("big-{i}"), later, &command);
-                ats.create(&PostParams::default(), &at).await.map(drop)
-            }
-        })
-        .buffer_unordered(8)
-        .collect::<Vec<_>>()
-        .await;
-    assert!(
-        created.iter().all(Result::is_ok),
-        "{:?}",
-        created.iter().find(|r| r.is_err())
-    );
+    all_made(420, 8, |i| {
+        let ats = ats.clone();
+        async move {
+            let command = random_text(i, cnat::limits::MAX_COMMAND, PRINTABLE);
+            let at = crate::lifecycle::at(&format!("big-{i}"), later, &command);
+            ats.create(&PostParams::default(), &at).await.map(drop)
+        }
+    })
+    .await;
     let ats_took = started.elapsed();
 
     let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
-    let created = futures::stream::iter(0..150u64)
-        .map(|i| {
-            let pods = pods.clone();
-            async move {
-                let mut labels = serde_json::Map::new();
-                for l in 0..12_000u64 {
-                    let value = random_alphanumeric(i * 100_000 + l, 63);
-                    labels.insert(format!("k{l:05}"), value.into());
-                }
-                labels.insert(cnat::operator::pod::MANAGED_BY_LABEL.into(), "cnat".into());
-                labels.insert(
-                    cnat::operator::pod::AT_LABEL.into(),
-                    format!("big-{i}").into(),
-                );
-                let pod: Pod = serde_json::from_value(json!({
-                    "metadata": {"name": format!("big-{i}-pod"), "labels": labels},
-                    "spec": {"containers": [{"name": "command", "image": "busybox"}]},
-                }))
-                .unwrap();
-                pods.create(&PostParams::default(), &pod).await.map(drop)
+    all_made(150, 4, |i| {
+        let pods = pods.clone();
+        async move {
+            let mut labels = serde_json::Map::new();
+            for l in 0..12_000u64 {
+                let value = random_text(i * 100_000 + l, 63, ALPHANUMERIC);
+                labels.insert(format!("k{l:05}"), value.into());
             }
-        })
-        .buffer_unordered(4)
-        .collect::<Vec<_>>()
-        .await;
-    assert!(
-        created.iter().all(Result::is_ok),
-        "{:?}",
-        created.iter().find(|r| r.is_err())
-    );
+            labels.insert(cnat::operator::pod::MANAGED_BY_LABEL.into(), "cnat".into());
+            labels.insert(
+                cnat::operator::pod::AT_LABEL.into(),
+                format!("big-{i}").into(),
+            );
+            let pod: Pod = serde_json::from_value(json!({
+                "metadata": {"name": format!("big-{i}-pod"), "labels": labels},
+                "spec": {"containers": [{"name": "command", "image": "busybox"}]},
+            }))
+            .unwrap();
+            pods.create(&PostParams::default(), &pod).await.map(drop)
+        }
+    })
+    .await;
     let flood_took = started.elapsed();
 
     // A normal At due 10 s after the flood runs on time.
@@ -1115,19 +1108,7 @@ async fn one_tenant_s_big_ats_and_pods_leave_the_leader_within_its_memory_and_on
     replica.terminate();
     let next = plane.replica("big-1", &ns, &[&format!("--namespace={ns}")]);
     let peak = Peak::watch(next.child.id());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while crate::support::envtest::lease_holder(&admin, &ns, "cnat")
-        .await
-        .as_deref()
-        != Some("big-1")
-    {
-        assert!(
-            Instant::now() < deadline,
-            "never leader: {}",
-            next.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    leading(&admin, &ns, &next).await;
     let due = chrono::Utc::now() + chrono::Duration::seconds(5);
     ats.create(
         &PostParams::default(),
