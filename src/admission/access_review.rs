@@ -499,14 +499,21 @@ impl Reviews {
         }
     }
 
-    /// Remembers that `key` from `client` was refused as busy at `now`, unless it already was
-    /// within [`RETRY_WINDOW`]; returns when it first was, or `None` when that cannot be told:
+    /// Remembers that `key` from `client` was refused as busy at `now` (a request that arrived
+    /// at `received`), unless it already was within [`RETRY_WINDOW`]; returns when the first
+    /// request refused so arrived, or `None` when that cannot be told:
     /// not remembered, or the address had to forget a refusal within the window lately (then a
     /// resend could pass for a first refusal again and again). An address keeps its last
     /// [`MAX_REFUSALS_PER_CLIENT`]; at [`MAX_REFUSING_CLIENTS`] addresses, those without a
     /// refusal within the window go (checked at most once a second), and a refusal from
     /// another address is not remembered.
-    fn refused(&mut self, client: std::net::IpAddr, key: &Key, now: Instant) -> Option<Instant> {
+    fn refused(
+        &mut self,
+        client: std::net::IpAddr,
+        key: &Key,
+        now: Instant,
+        received: Instant,
+    ) -> Option<Instant> {
         use std::hash::BuildHasher;
         let client = crate::serving::guard::canonical(client);
         let recent = |at: &Instant| now.duration_since(*at) < RETRY_WINDOW;
@@ -536,10 +543,10 @@ impl Reviews {
             refusals.recent.pop_front();
             refusals.overflowed = Some(now);
         }
-        refusals.recent.push_back((hash, now));
+        refusals.recent.push_back((hash, received));
         match refusals.overflowed {
             Some(at) if recent(&at) => None,
-            _ => Some(now),
+            _ => Some(received),
         }
     }
 
@@ -721,9 +728,10 @@ impl Denial {
         }
     }
 
-    /// Refused as busy (the budgets of reviews were spent; [`busy`] says so in words): for how
-    /// long this identity's review has been refused so from this address (zero the first
-    /// time; [`Duration::MAX`] when that cannot be told; see [`RETRY_WINDOW`]).
+    /// Refused as busy (the budgets of reviews were spent; [`busy`] says so in words): how long
+    /// ago the first request of this identity's review refused so from this address arrived
+    /// (for the first, how long it waited to be refused; [`Duration::MAX`] when that cannot be
+    /// told; see [`RETRY_WINDOW`]).
     pub fn busy_for(&self) -> Option<Duration> {
         self.busy
     }
@@ -794,14 +802,18 @@ impl AccessReviewer {
         user: &UserInfo,
         namespace: &str,
     ) -> Result<(), Denial> {
-        self.ask_for(client, user, namespace).await
+        self.check_received(client, user, namespace, Instant::now())
+            .await
     }
 
-    async fn ask_for(
+    /// `check_for`, for a request that arrived at `received`: a refusal as busy counts from
+    /// the arrival of the first request refused so ([`Denial::busy_for`]).
+    pub async fn check_received(
         &self,
         client: std::net::IpAddr,
         user: &UserInfo,
         namespace: &str,
+        received: Instant,
     ) -> Result<(), Denial> {
         if let Some(denial) = too_large(user, namespace) {
             return Err(Denial::new(denial));
@@ -820,7 +832,7 @@ impl AccessReviewer {
                     let resent = !known && reviews.first_refused(client, &key, now).is_some();
                     let budgeted = reviews.budgets.take(client, known, resent, now);
                     if !budgeted {
-                        let first = reviews.refused(client, &key, now);
+                        let first = reviews.refused(client, &key, now, received.min(now));
                         self.inner
                             .metrics
                             .access_reviewed("request", "refused", Duration::ZERO);

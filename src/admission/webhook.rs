@@ -118,12 +118,17 @@ pub fn router(shared: Shared) -> Router {
                     )
                         .into_response();
                 }
+                let received = tokio::time::Instant::now();
                 let client = client_of(&request);
                 let headers = request.headers().clone();
                 let timeout = call_timeout(request.uri());
                 match read_body(&served.bodies, client, request).await {
                     Ok((body, _budget)) => {
-                        let call = Call { client, timeout };
+                        let call = Call {
+                            client,
+                            timeout,
+                            received,
+                        };
                         admit(name, review, &served.shared, call, &headers, &body).await
                     }
                     Err(refused) => refused,
@@ -276,11 +281,19 @@ pub fn call_timeout(uri: &axum::http::Uri) -> Duration {
     given.unwrap_or(DEFAULT_CALL_TIMEOUT)
 }
 
-/// Who called, and the timeout kube-apiserver gave the call.
+/// Who called, the timeout kube-apiserver gave the call, and when its request arrived.
 #[derive(Debug, Clone, Copy)]
 struct Call {
     client: IpAddr,
     timeout: Duration,
+    received: tokio::time::Instant,
+}
+
+/// Whether a review refused as busy, whose first request refused so arrived `busy` ago, is
+/// answered 429 for kube-apiserver to resend it within `timeout` (else it is denied).
+fn resend(busy: Option<Duration>, timeout: Duration) -> bool {
+    let window = timeout.min(RESEND_WITHIN);
+    busy.is_some_and(|busy| busy.saturating_add(RESEND_MARGIN) < window)
 }
 
 /// Runs `review` on `body` inside an `admission` span, asks the escalation guard when the
@@ -312,7 +325,7 @@ async fn admit(
                 Some(checked) => checked,
                 None => {
                     reviewer
-                        .check_for(client, &user, &namespace)
+                        .check_received(client, &user, &namespace, call.received)
                         .instrument(span.clone())
                         .await
                 }
@@ -323,10 +336,7 @@ async fn admit(
                 // Retry-After, within its timeout); then denied, never left to fail the call,
                 // which `failurePolicy: Ignore` would let through. Not an answer: not counted
                 // among the admissions (the guard counts its refusals).
-                let window = call.timeout.min(RESEND_WITHIN);
-                let resend = (denial.busy_for())
-                    .is_some_and(|busy| busy.saturating_add(RESEND_MARGIN) < window);
-                if resend {
+                if resend(denial.busy_for(), call.timeout) {
                     span.set_attribute("busy", true);
                     return (
                         StatusCode::TOO_MANY_REQUESTS,

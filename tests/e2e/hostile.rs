@@ -1145,6 +1145,7 @@ async fn one_tenant_s_big_ats_and_pods_leave_the_leader_within_its_memory_and_on
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_review_refused_as_busy_is_resent_by_the_api_server_and_the_create_succeeds() {
     use kube::api::{Api, PostParams};
+    use kube::ResourceExt;
     let plane = crate::real_control_plane!();
     let admin = plane.admin().await;
     install_crd(&admin, &cnat::api::crd_yaml()).await;
@@ -1154,11 +1155,19 @@ async fn a_review_refused_as_busy_is_resent_by_the_api_server_and_the_create_suc
     crate::admission::register(&admin, &replica, &ns).await;
     let attacker = Attacker::new(&replica);
     let soon = chrono::Utc::now() + chrono::Duration::hours(1);
-    // The webhook configuration reaches the API server's cache asynchronously.
-    let at = crate::lifecycle::at("first", soon, "true");
-    crate::admission::create(&Api::namespaced(admin.clone(), &ns), &at)
-        .await
-        .unwrap();
+    // The webhook configuration reaches the API server's cache asynchronously: until an At
+    // comes back with the shard label the mutating webhook sets.
+    let ats: Api<cnat::api::At> = Api::namespaced(admin.clone(), &ns);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for n in 0.. {
+        let at = crate::lifecycle::at(&format!("first-{n}"), soon, "true");
+        let created = ats.create(&PostParams::default(), &at).await.unwrap();
+        if created.labels().contains_key(cnat::shard::LABEL) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the webhooks were never called");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let mut users = Vec::new();
     for i in 0..8 {
         let client = plane

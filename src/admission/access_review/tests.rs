@@ -1037,7 +1037,7 @@ fn refusals_are_remembered_for_a_bounded_number_of_addresses_and_past_that_not_r
     let key = Key::new(&alice(), "fx");
     for i in 0..2000u32 {
         let client = std::net::IpAddr::from((0x0a00_0000 + i).to_be_bytes());
-        let first = reviews.refused(client, &key, now);
+        let first = reviews.refused(client, &key, now, now);
         // Past the bound: not remembered, so not to be resent.
         assert_eq!(
             first,
@@ -1049,30 +1049,30 @@ fn refusals_are_remembered_for_a_bounded_number_of_addresses_and_past_that_not_r
     // Past the window, the old ones make room (once a second at most).
     let later = now + RETRY_WINDOW;
     let newcomer = std::net::IpAddr::from([10, 9, 9, 9]);
-    assert_eq!(reviews.refused(newcomer, &key, later), Some(later));
+    assert_eq!(reviews.refused(newcomer, &key, later, later), Some(later));
     assert_eq!(reviews.refused.len(), 1);
     // Refused again: since the first time.
     let again = later + Duration::from_secs(3);
-    assert_eq!(reviews.refused(newcomer, &key, again), Some(later));
+    assert_eq!(reviews.refused(newcomer, &key, again, again), Some(later));
     // One address keeps its last 64 identities; once it had to forget one within the window,
     // none of its refusals is to be resent for the window's length.
     for n in 1..MAX_REFUSALS_PER_CLIENT {
         let who = user(&format!("u{n}"), 1, 8);
         assert_eq!(
-            reviews.refused(newcomer, &Key::new(&who, "fx"), again),
+            reviews.refused(newcomer, &Key::new(&who, "fx"), again, again),
             Some(again)
         );
     }
     let one_more = Key::new(&user("u-last", 1, 8), "fx");
-    assert_eq!(reviews.refused(newcomer, &one_more, again), None);
+    assert_eq!(reviews.refused(newcomer, &one_more, again, again), None);
     assert_eq!(
         reviews.refused[&newcomer].recent.len(),
         MAX_REFUSALS_PER_CLIENT
     );
     let still = again + Duration::from_secs(1);
     let other = Key::new(&user("u-other", 1, 8), "fx");
-    assert_eq!(reviews.refused(newcomer, &other, still), None);
+    assert_eq!(reviews.refused(newcomer, &other, still, still), None);
     let past = still + RETRY_WINDOW;
     let fresh = Key::new(&user("u-fresh", 1, 8), "fx");
-    assert_eq!(reviews.refused(newcomer, &fresh, past), Some(past));
+    assert_eq!(reviews.refused(newcomer, &fresh, past, past), Some(past));
 }

@@ -257,3 +257,22 @@ fn the_call_timeout_is_read_from_go_s_duration_in_the_url() {
         assert_eq!(timeout(unreadable), DEFAULT_CALL_TIMEOUT, "{unreadable}");
     }
 }
+
+#[test]
+fn a_busy_review_is_answered_429_only_while_kube_apiserver_can_resend_it_in_time() {
+    let s = Duration::from_secs;
+    // The default 5 s: the first refusal (no time lost) and a resend a second later, not two.
+    assert!(resend(Some(Duration::ZERO), s(5)));
+    assert!(resend(Some(Duration::from_millis(1100)), s(5)));
+    assert!(!resend(Some(s(2)), s(5)));
+    // A first request that waited 2 s before its refusal: denied at once.
+    assert!(!resend(Some(s(2)), s(5)));
+    // Long timeouts: client-go resends at most 10 times; 5 s after the first at most.
+    assert!(resend(Some(Duration::from_millis(4900)), s(30)));
+    assert!(!resend(Some(s(5)), s(30)));
+    // Not known since when, or not busy: never.
+    assert!(!resend(Some(Duration::MAX), s(30)));
+    assert!(!resend(None, s(30)));
+    // A timeout too short for any resend.
+    assert!(!resend(Some(Duration::ZERO), s(3)));
+}
