@@ -9,12 +9,12 @@ use crate::operator::cache::{self, AtCache, CachedAt};
 use crate::operator::contain;
 use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
-use crate::operator::pod;
 use crate::operator::pods_first::InFlight;
 use crate::operator::policy::RunPolicy;
 use crate::operator::reconcile::{self, error_policy, reconcile, Caches, Context};
 use crate::operator::signing;
 use crate::operator::triggers;
+use crate::operator::{finalizer, pod};
 use chrono::Utc;
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
@@ -209,7 +209,7 @@ fn pod_events(
         .reflect(writer)
         .touched_objects()
         .inspect_ok(move |found: &Pod| {
-            if pod::awaits_release(found) && triggers::owner_gone(found, &ats) {
+            if finalizer::awaits_release(found) && triggers::owner_gone(found, &ats) {
                 let _ = notify.orphans.send(ObjectRef::from_obj(found));
             }
             if let Some(unlabelled) = &notify.unlabelled {

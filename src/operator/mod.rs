@@ -14,6 +14,7 @@
 //! - `key`: `AtKey`, how the operator names an At everywhere.
 //! - `ledger`: what the leader remembers of each At, with one `forget`.
 //! - `triggers`: what brings an At to a reconcile: the cache's changes, first looks, sweeps.
+//! - `finalizer`: cnat's finalizer on its pods: when it may go, and the one way it is removed.
 //! - `release`: `cnat release`, every pod let go of cnat's finalizer (helm uninstall's hook).
 //! - `contain`: a panic in the loop is caught, logged with its At and ends the loop.
 
@@ -21,6 +22,7 @@ pub mod cache;
 pub mod contain;
 pub mod controller;
 pub mod events;
+pub mod finalizer;
 pub mod key;
 pub mod ledger;
 pub mod pod;
@@ -33,3 +35,6 @@ pub mod signing;
 pub mod slow_start;
 pub mod spare;
 pub mod triggers;
+
+/// The field manager of every write cnat makes.
+pub const FIELD_MANAGER: &str = "cnat";

@@ -2,6 +2,7 @@
 //! summary of it that the state machine reads. Pure: no client, no clock.
 
 use crate::api::{At, AtStatus};
+use crate::operator::finalizer;
 use crate::operator::policy::RunPolicy;
 use crate::operator::signing::{Key, Signing, SIGNATURE_LEN};
 use chrono::{DateTime, Utc};
@@ -9,7 +10,7 @@ use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerStatus, Pod, PodSecurityContext, PodSpec, SeccompProfile,
     SecurityContext,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 use kube::{Resource, ResourceExt};
 use thiserror::Error;
 
@@ -21,11 +22,6 @@ pub const MANAGED_BY: &str = "cnat";
 pub const SELECTOR: &str = "app.kubernetes.io/managed-by=cnat";
 /// Label that names the At a pod belongs to, so `kubectl get pods -l` finds it.
 pub const AT_LABEL: &str = "cnat.programming-kubernetes.info/at";
-/// Finalizer on every pod cnat creates: the pod object stays (terminating) until the At's status
-/// records it, so a pod deleted before that write landed (a leader change in between) is still
-/// seen by the next leader, which reports it instead of creating a second one. cnat removes it
-/// once the status names the pod, or when the At is gone or going.
-pub const FINALIZER: &str = "cnat.programming-kubernetes.info/run-once";
 /// Annotation with cnat's signature of the pod (`signing::Key::sign`): a pod without it (or
 /// with another) was not created by cnat, whatever its name and controller reference say.
 pub const SIGNATURE: &str = "cnat.programming-kubernetes.info/signature";
@@ -113,7 +109,7 @@ pub fn build(at: &At, policy: &RunPolicy) -> Pod {
             labels: Some(labels),
             annotations: metadata.annotations.filter(|a| !a.is_empty()),
             owner_references: at.controller_owner_ref(&()).map(|owner| vec![owner]),
-            finalizers: Some(vec![FINALIZER.to_owned()]),
+            finalizers: Some(vec![finalizer::FINALIZER.to_owned()]),
             ..ObjectMeta::default()
         },
         spec: Some(PodSpec {
@@ -280,9 +276,14 @@ pub fn is_cnats(pod: &Pod, at: &At, signing: &Signing) -> bool {
 
 /// Whether `pod` is controlled by the At with this uid.
 pub fn is_controlled_by(pod: &Pod, at_uid: &str) -> bool {
+    controller(pod).is_some_and(|owner| owner.uid == at_uid)
+}
+
+/// The owner reference of `pod`'s controller (the At that created it), if any.
+pub fn controller(pod: &Pod) -> Option<&OwnerReference> {
     pod.owner_references()
         .iter()
-        .any(|owner| owner.controller == Some(true) && owner.uid == at_uid)
+        .find(|owner| owner.controller == Some(true))
 }
 
 /// What the state machine needs to know about a pod.
@@ -418,7 +419,7 @@ pub fn view(pod: &Pod) -> PodView {
         created_at: pod.metadata.creation_timestamp.as_ref().map(to_chrono),
         end: end_of(pod),
         deleting: pod.metadata.deletion_timestamp.is_some(),
-        held: is_held(pod),
+        held: finalizer::is_held(pod),
         waiting: waiting_of(pod),
         running: pod
             .status
@@ -461,32 +462,6 @@ pub fn waiting_of(pod: &Pod) -> Option<Waiting> {
             stuck: Stuck::Unschedulable,
             detail: shorten(&join(c.reason.as_deref(), c.message.as_deref()).unwrap_or_default()),
         })
-}
-
-/// Whether `pod` carries cnat's finalizer.
-pub fn is_held(pod: &Pod) -> bool {
-    pod.finalizers().iter().any(|f| f == FINALIZER)
-}
-
-/// Whether `pod` waits for cnat alone to be deleted: terminating, with cnat's finalizer.
-pub fn awaits_release(pod: &Pod) -> bool {
-    pod.metadata.deletion_timestamp.is_some() && is_held(pod)
-}
-
-/// The merge patch that removes cnat's finalizer from `pod`, guarded by its resourceVersion
-/// (a merge patch replaces the whole list, so a finalizer added meanwhile must not be lost).
-pub fn release_patch(pod: &Pod) -> serde_json::Value {
-    let others: Vec<&String> = pod
-        .finalizers()
-        .iter()
-        .filter(|f| *f != FINALIZER)
-        .collect();
-    serde_json::json!({
-        "metadata": {
-            "resourceVersion": pod.resource_version(),
-            "finalizers": others,
-        }
-    })
 }
 
 fn end_of(pod: &Pod) -> Option<PodEnd> {

@@ -8,9 +8,9 @@
 //! Each pod is patched with its resourceVersion as precondition (other finalizers stay); one
 //! that changed meanwhile is read again. Pods are listed in pages, metadata only.
 
-use crate::api::{At, Phase};
-use crate::operator::pod;
-use crate::operator::reconcile::FIELD_MANAGER;
+use crate::api::At;
+use crate::operator::finalizer::{self, Held, Recorder, Removed};
+use crate::operator::{pod, FIELD_MANAGER};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{ListParams, Patch, PatchParams};
@@ -160,7 +160,7 @@ pub async fn release_all(client: Client, namespace: Option<&str>) -> Result<Rele
                 metadata: meta.metadata,
                 ..Pod::default()
             })
-            .filter(pod::is_held)
+            .filter(finalizer::is_held)
             .collect();
         let outcomes: Vec<(String, Outcome)> = futures::stream::iter(held)
             .map(|found| {
@@ -190,125 +190,28 @@ pub async fn release_all(client: Client, namespace: Option<&str>) -> Result<Rele
     Ok(released)
 }
 
-/// Whether `found` may go: its At's status names it (RUNNING or DONE), or its At is gone or is
-/// another At by that name now.
-fn recorded(found: &Pod, owner: Option<&At>) -> bool {
-    let Some(at) = owner else {
-        return true;
-    };
-    let controller = found
-        .owner_references()
-        .iter()
-        .find(|o| o.controller == Some(true))
-        .map(|o| o.uid.as_str());
-    if at.metadata.uid.as_deref() != controller {
-        return true;
-    }
-    at.status.as_ref().is_some_and(|s| {
-        s.phase != Phase::Pending && s.pod_name.as_deref() == Some(found.name_any().as_str())
-    })
-}
-
 async fn release_if_recorded(client: &Client, namespace: &str, found: Pod) -> Outcome {
-    let owner = found
-        .owner_references()
-        .iter()
-        .find(|o| o.controller == Some(true))
-        .map(|o| o.name.clone());
     let ats: Api<At> = Api::namespaced(client.clone(), namespace);
-    let at = match owner {
-        Some(name) => match ats.get_opt(&name).await {
+    let at = match pod::controller(&found) {
+        Some(owner) => match ats.get_opt(&owner.name).await {
             Ok(at) => at,
             Err(error) => return Outcome::Kept(format!("reading its At: {error}")),
         },
         None => None,
     };
-    if !recorded(&found, at.as_ref()) {
+    let allowed = |pod: &Pod| finalizer::may_go(Held::of(pod), at.as_ref(), Recorder::Nobody);
+    if !allowed(&found) {
         return Outcome::Kept(
             "its At's status does not name it yet (its Running write had not landed): kept, so that it is never run twice; run cnat release again once a replica has recorded it".into(),
         );
     }
-    match release(Api::namespaced(client.clone(), namespace), found).await {
-        Ok(true) => Outcome::Released,
-        Ok(false) => Outcome::Nothing,
+    let pods = Api::namespaced(client.clone(), namespace);
+    match finalizer::remove(&pods, found, allowed, MAX_CONFLICTS).await {
+        Ok(Removed::Released(_)) => Outcome::Released,
+        Ok(Removed::Kept(_) | Removed::Gone) => Outcome::Nothing,
+        Err(kube::Error::Api(s)) if s.is_conflict() => Outcome::Kept(format!(
+            "{MAX_CONFLICTS} writes in a row conflicted with other writers; run cnat release again"
+        )),
         Err(error) => Outcome::Kept(format!("{error}; run cnat release again")),
-    }
-}
-
-/// Removes cnat's finalizer from `found`: `true` once removed, `false` if gone or not held.
-async fn release(pods: Api<Pod>, mut found: Pod) -> Result<bool, kube::Error> {
-    let params = PatchParams {
-        field_manager: Some(FIELD_MANAGER.into()),
-        ..PatchParams::default()
-    };
-    let name = found.name_any();
-    for _ in 0..MAX_CONFLICTS {
-        if !pod::is_held(&found) {
-            return Ok(false);
-        }
-        let patch = Patch::Merge(pod::release_patch(&found));
-        match pods.patch(&name, &params, &patch).await {
-            Ok(_) => return Ok(true),
-            Err(kube::Error::Api(s)) if s.is_not_found() => return Ok(false),
-            Err(kube::Error::Api(s)) if s.is_conflict() => match pods.get_opt(&name).await? {
-                Some(fresh) => found = fresh,
-                None => return Ok(false),
-            },
-            Err(error) => return Err(error),
-        }
-    }
-    Err(kube::Error::Service(
-        format!("{MAX_CONFLICTS} writes in a row conflicted with other writers").into(),
-    ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::api::{AtSpec, AtStatus};
-
-    fn pod_of(uid: &str) -> Pod {
-        serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "x-pod", "namespace": "ns",
-                "ownerReferences": [{"apiVersion": "cnat.programming-kubernetes.info/v1",
-                    "kind": "At", "name": "x", "uid": uid, "controller": true}]},
-        }))
-        .unwrap()
-    }
-
-    fn at(uid: &str, status: Option<(Phase, Option<&str>)>) -> At {
-        let mut at = At::new("x", AtSpec::default());
-        at.metadata.uid = Some(uid.into());
-        at.status = status.map(|(phase, pod)| AtStatus {
-            phase,
-            pod_name: pod.map(Into::into),
-            ..AtStatus::default()
-        });
-        at
-    }
-
-    #[test]
-    fn a_pod_goes_only_once_its_at_records_it_or_is_gone() {
-        let found = pod_of("u1");
-        // Gone, or another At by that name: nothing left to record it.
-        assert!(recorded(&found, None));
-        assert!(recorded(&found, Some(&at("u2", None))));
-        // Its status names it: recorded.
-        for phase in [Phase::Running, Phase::Done] {
-            assert!(recorded(
-                &found,
-                Some(&at("u1", Some((phase, Some("x-pod")))))
-            ));
-        }
-        // Not yet: the pod would be lost to the next leader, who would run it again.
-        assert!(!recorded(&found, Some(&at("u1", None))));
-        assert!(!recorded(
-            &found,
-            Some(&at("u1", Some((Phase::Pending, None))))
-        ));
-        assert!(!recorded(
-            &found,
-            Some(&at("u1", Some((Phase::Running, Some("other")))))
-        ));
     }
 }

@@ -75,11 +75,7 @@ fn sweep(ctx: &Context, store: &Store<CachedAt>, orphans: &mpsc::UnboundedSender
 
 /// Whether the owner At of `found` is gone from `store` (or is another At by that name now).
 pub fn owner_gone(found: &Pod, store: &Store<CachedAt>) -> bool {
-    let Some(owner) = found
-        .owner_references()
-        .iter()
-        .find(|o| o.controller == Some(true))
-    else {
+    let Some(owner) = crate::operator::pod::controller(found) else {
         return true;
     };
     let key = ObjectRef::new(&owner.name).within(&found.namespace().unwrap_or_default());

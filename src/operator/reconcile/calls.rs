@@ -3,10 +3,12 @@
 //! shard, and deleting a finished At.
 
 use super::decide::{self, PodObservation};
-use super::{key, namespace, uid, Context, Error, FIELD_MANAGER};
+use super::{key, namespace, uid, Context, Error};
 use crate::api::{At, Phase};
+use crate::operator::finalizer::{self, Held, Recorder, Removed};
 use crate::operator::key::AtKey;
 use crate::operator::reconcile::writer::retry_delay;
+use crate::operator::FIELD_MANAGER;
 use crate::{operator::pod, operator::slow_start, schedule, shard};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
@@ -38,7 +40,7 @@ impl Context {
             .pods
             .state()
             .iter()
-            .filter(|found| pod::awaits_release(found) && owner_gone(found))
+            .filter(|found| finalizer::awaits_release(found) && owner_gone(found))
             .map(|found| ObjectRef::from_obj(found.as_ref()))
             .collect()
     }
@@ -90,27 +92,22 @@ impl Context {
         self.caches
             .pods
             .get(&key)
-            .filter(|found| pod::awaits_release(found))
+            .filter(|found| finalizer::awaits_release(found))
             .map(|_| key)
     }
 
     /// Removes cnat's finalizer from a pod whose At is gone: nothing is left to record. The
     /// caches may lag, so the API server is asked first: a pod whose At still exists is left to
-    /// that At's reconcile.
+    /// that At's reconcile (`finalizer::may_go`).
     pub async fn release_orphan(&self, found: &ObjectRef<Pod>) {
-        let namespace = found.namespace.as_deref().unwrap_or_default();
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        let ats: Api<At> = Api::namespaced(self.client.clone(), namespace);
-        let params = PatchParams {
-            field_manager: Some(FIELD_MANAGER.into()),
-            ..PatchParams::default()
-        };
         // Retried a few times with backoff (a terminating pod changes no more, so no event would
         // bring it back); past that, the next relist or the next leader finds it again.
         for attempt in 1..=ORPHAN_ATTEMPTS {
-            match self.try_release_orphan(found, &pods, &ats, &params).await {
-                Ok(true) => return debug!(pod = %found, "released the pod of a deleted At"),
-                Ok(false) => return,
+            match self.try_release_orphan(found).await {
+                Ok(Removed::Released(_)) => {
+                    return debug!(pod = %found, "released the pod of a deleted At")
+                }
+                Ok(_) => return,
                 Err(error) if attempt == ORPHAN_ATTEMPTS => {
                     return warn!(pod = %found, %error, attempts = attempt, "could not remove cnat's finalizer from the pod of a deleted At; the next relist or leader tries again")
                 }
@@ -137,11 +134,7 @@ impl Context {
             if shard::value_of(current.metadata.labels.as_ref()).is_some() {
                 return Ok(None);
             }
-            let Some(owner) = current
-                .owner_references()
-                .iter()
-                .find(|o| o.controller == Some(true))
-            else {
+            let Some(owner) = pod::controller(&current) else {
                 return Ok(None);
             };
             let at = ats.get_opt(&owner.name).await?;
@@ -172,37 +165,30 @@ impl Context {
         }
     }
 
-    async fn try_release_orphan(
-        &self,
-        found: &ObjectRef<Pod>,
-        pods: &Api<Pod>,
-        ats: &Api<At>,
-        params: &PatchParams,
-    ) -> Result<bool, kube::Error> {
+    async fn try_release_orphan(&self, found: &ObjectRef<Pod>) -> Result<Removed, kube::Error> {
+        let namespace = found.namespace.as_deref().unwrap_or_default();
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
         let Some(current) = pods.get_opt(&found.name).await? else {
-            return Ok(false);
+            return Ok(Removed::Gone);
         };
-        if !pod::awaits_release(&current) {
-            return Ok(false);
-        }
-        let owner = current
-            .owner_references()
-            .iter()
-            .find(|o| o.controller == Some(true))
-            .cloned();
-        if let Some(owner) = owner {
-            let at = ats.get_opt(&owner.name).await?;
-            if at.is_some_and(|at| at.uid().as_deref() == Some(owner.uid.as_str())) {
-                return Ok(false);
+        let at = match pod::controller(&current) {
+            Some(owner) => {
+                let ats: Api<At> = Api::namespaced(self.client.clone(), namespace);
+                ats.get_opt(&owner.name).await?
             }
-        }
-        let patch = Patch::Merge(pod::release_patch(&current));
-        pods.patch(&found.name, params, &patch).await.map(|_| true)
+            None => None,
+        };
+        let unrecorded = Recorder::Leader { settled: false };
+        let allowed = |pod: &Pod| {
+            finalizer::awaits_release(pod)
+                && finalizer::may_go(Held::of(pod), at.as_ref(), unrecorded)
+        };
+        finalizer::remove(&pods, current, allowed, 1).await
     }
 
-    /// Removes cnat's finalizer from the At's pod (read fresh, so the patch carries its current
-    /// resourceVersion and other finalizers), then says what is left of the pod. `decide` asks
-    /// for it once the pod's outcome is recorded, or the pod or the At is going.
+    /// Removes cnat's finalizer from the At's pod (`decide` asks for it: `finalizer::may_go`),
+    /// then says what is left of the pod. The cached copy first (its resourceVersion guards the
+    /// patch), read only if it is missing or stale; only the At's own pod.
     pub(super) async fn release_pod(&self, at: &At) -> Result<PodObservation, Error> {
         let name = pod::name_for(&at.name_any());
         let fail = |source| Error::ReleasePod {
@@ -210,38 +196,16 @@ impl Context {
             pod: name.clone(),
             source,
         };
-        let api = self.pod_api(at);
-        // The cached copy first (its resourceVersion guards the patch); read only if it is
-        // missing or stale.
-        let Some(mut found) = self.cached_or_read(at, &name).await.map_err(fail)? else {
+        let Some(found) = self.cached_or_read(at, &name).await.map_err(fail)? else {
             return Ok(PodObservation::Missing);
         };
-        let params = PatchParams {
-            field_manager: Some(FIELD_MANAGER.into()),
-            ..PatchParams::default()
-        };
-        for attempt in 0..2 {
-            // Only our own pod, and only while it holds cnat's finalizer.
-            if !pod::is_held(&found) || !pod::is_controlled_by(&found, &uid(at)) {
-                return Ok(self.observe(&found, at));
-            }
-            let patch = Patch::Merge(pod::release_patch(&found));
-            match api.patch(&name, &params, &patch).await {
-                Ok(released) => return Ok(self.observe(&released, at)),
-                // Gone meanwhile (its last finalizer went).
-                Err(kube::Error::Api(s)) if s.is_not_found() => return Ok(PodObservation::Missing),
-                // Changed since read: read it again, once.
-                Err(kube::Error::Api(s)) if s.is_conflict() && attempt == 0 => {
-                    match api.get_opt(&name).await.map_err(fail)? {
-                        Some(fresh) => found = fresh,
-                        None => return Ok(PodObservation::Missing),
-                    }
-                }
-                Err(kube::Error::Api(s)) if s.is_conflict() => return self.fetch_pod(at).await,
-                Err(source) => return Err(fail(source)),
-            }
+        let ours = |found: &Pod| pod::is_controlled_by(found, &uid(at));
+        match finalizer::remove(&self.pod_api(at), found, ours, 2).await {
+            Ok(Removed::Released(found) | Removed::Kept(found)) => Ok(self.observe(&found, at)),
+            Ok(Removed::Gone) => Ok(PodObservation::Missing),
+            Err(kube::Error::Api(s)) if s.is_conflict() => self.fetch_pod(at).await,
+            Err(source) => Err(fail(source)),
         }
-        self.fetch_pod(at).await
     }
 
     /// Creates the pod once the API server confirms the At as decided on (`confirm`).

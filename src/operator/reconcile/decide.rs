@@ -6,6 +6,7 @@
 //! already exists adopts it only if it controls it, so a command never runs twice.
 
 use crate::api::{At, AtStatus, Condition, Outcome, Phase};
+use crate::operator::finalizer::{self, Held, Recorder};
 use crate::operator::pod::{self, PodEnd, PodView, Waiting};
 use crate::operator::policy::RunPolicy;
 use crate::{limits, schedule};
@@ -122,25 +123,16 @@ pub fn decide(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPol
     }
 }
 
-/// Whether cnat's finalizer on `view` can go: it keeps the pod until its outcome is recorded.
-/// So it goes once the At's status records the pod's outcome (DONE, naming the pod) and this
-/// decision writes nothing more; and for a pod being deleted, also once the status names the
-/// pod as RUNNING (its end is then recorded from its absence), or when the At is going too.
+/// Whether cnat's finalizer on `view` goes now (`finalizer::may_go`, this reconcile recording):
+/// "settled" when this decision writes nothing more.
 fn releases(at: &At, view: &PodView, decision: &Decision) -> bool {
-    if !view.held {
-        return false;
-    }
-    if view.deleting && at.metadata.deletion_timestamp.is_some() {
-        return true;
-    }
-    let names_pod = |s: &AtStatus| s.pod_name.as_deref() == Some(view.name.as_str());
-    let phase = at.status.as_ref().filter(|s| names_pod(s)).map(|s| s.phase);
+    let held = Held {
+        name: &view.name,
+        deleting: view.deleting,
+        controller: at.metadata.uid.as_deref(),
+    };
     let settled = decision.status.is_none() && decision.call == Call::Nothing;
-    match phase {
-        Some(Phase::Done) => settled,
-        Some(Phase::Running) => view.deleting && settled,
-        _ => false,
-    }
+    view.held && finalizer::may_go(held, Some(at), Recorder::Leader { settled })
 }
 
 fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {

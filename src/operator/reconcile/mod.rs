@@ -39,9 +39,6 @@ use writer::{Target, Writer};
 pub use error::Error;
 pub use writer::retry_delay;
 
-/// Field manager recorded on everything cnat writes.
-pub const FIELD_MANAGER: &str = "cnat";
-
 /// A reconcile never needs more than: look up or create the pod, look it up again, decide.
 const MAX_STEPS: usize = 3;
 

@@ -8,7 +8,7 @@
 
 use super::decide::{Decision, Note, Severity};
 use super::queue::Queue;
-use super::{glitch, Error, FIELD_MANAGER};
+use super::{glitch, Error};
 use crate::api::{At, AtStatus, Phase};
 use crate::observability::metrics::{Metrics, WriteResult};
 use crate::operator::contain::Quarantine;
@@ -17,6 +17,7 @@ use crate::operator::key::AtKey;
 use crate::operator::ledger::Ledger;
 use crate::operator::pods_first::{InFlightGuard, PodsFirst};
 use crate::operator::reachability::{self, Reachability};
+use crate::operator::FIELD_MANAGER;
 use backon::{BackoffBuilder, ExponentialBuilder};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
