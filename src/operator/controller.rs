@@ -99,9 +99,10 @@ pub async fn run_with_cache(
             settings.policy.clone(),
             cache.quarantine().clone(),
         )
-        .with_signing(signing)
-        .with_backlog_limit(reconcile::backlog::limit_for(settings.concurrency)),
+        .with_signing(signing),
     );
+    let backlog = reconcile::backlog::limit_for(settings.concurrency);
+    ctx.scheduler().set_backlog_limit(backlog);
     let at_store = cache.store().clone();
     // Pods of deleted Ats that wait for cnat's finalizer to go.
     let (orphans, orphaned) = mpsc::unbounded_channel();
@@ -136,7 +137,7 @@ pub async fn run_with_cache(
         "reconciling Ats"
     );
     // Exists once per context, which was just made.
-    let Some(retriggers) = ctx.retriggers() else {
+    let Some(retriggers) = ctx.scheduler().retriggers() else {
         unreachable!("a new context hands out its retriggers");
     };
     let tasks = spawn_tasks(&ctx, &at_store, orphaned, to_label);
@@ -156,7 +157,7 @@ pub async fn run_with_cache(
                 // Its request is dropped, so it no longer waits in the runtime's queue.
                 Err(controller::Error::ObjectNotFound(at)) => {
                     debug!(at = %at, "controller: the At is gone");
-                    dropped.request_dropped(&AtKey::new(
+                    dropped.scheduler().request_dropped(&AtKey::new(
                         at.namespace.as_deref().unwrap_or_default(),
                         &at.name,
                     ));
@@ -258,21 +259,21 @@ fn spawn_tasks(
     tasks.spawn({
         let ctx = ctx.clone();
         async move {
-            ctx.probe_reachability().await;
-            "reachability probe"
+            ctx.look_again().await;
+            "reachability probe and deferred pod creates"
         }
     });
     tasks.spawn({
         let (ctx, store) = (ctx.clone(), store.clone());
         async move {
-            ctx.wakeups()
-                .run(|at| {
-                    // A deleted At has nothing left to do.
-                    if store.get(&CachedAt::key_of(&at)).is_some() {
-                        ctx.wake_up(at);
-                    }
-                })
-                .await;
+            let scheduler = ctx.scheduler();
+            let wake_up = |at| {
+                // A deleted At has nothing left to do.
+                if store.get(&CachedAt::key_of(&at)).is_some() {
+                    scheduler.wake_up(at);
+                }
+            };
+            scheduler.wakeups().run(wake_up).await;
             "wakeups"
         }
     });
@@ -281,13 +282,6 @@ fn spawn_tasks(
         async move {
             triggers::look_ahead(&ctx, &store).await;
             "look-ahead"
-        }
-    });
-    tasks.spawn({
-        let ctx = ctx.clone();
-        async move {
-            ctx.wake_deferred().await;
-            "deferred pod creates"
         }
     });
     tasks.spawn(each_pod(
@@ -386,11 +380,10 @@ async fn reconcile_cached(
     ctx: Arc<Context>,
 ) -> Result<controller::Action, reconcile::Error> {
     let at_key = CachedAt::key(&cached);
-    let _running = ctx.reconcile_starts(&at_key);
+    let _running = ctx.scheduler().reconcile_starts(&at_key);
     // As the look that found work decoded it, or read back now (a wakeup, a retry).
-    let ledger = ctx.writer().ledger();
     let version = cached.resource_version();
-    let decoded = ledger.take_decoded(&at_key, version.as_deref());
+    let decoded = ctx.ledger().take_decoded(&at_key, version.as_deref());
     let Some(at) = decoded.or_else(|| cache::read(&cached).map(Arc::new)) else {
         // Logged; nothing can be done with it until it changes.
         return Ok(controller::Action::await_change());

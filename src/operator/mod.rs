@@ -12,7 +12,6 @@
 //! - `cache`: the Ats as every replica caches them, leader or not (compact `CachedAt`).
 //! - `spare`: gives back the table a per-At map grew to in a burst.
 //! - `key`: `AtKey`, how the operator names an At everywhere.
-//! - `ledger`: what the leader remembers of each At, with one `forget`.
 //! - `triggers`: what brings an At to a reconcile: the cache's changes, first looks, sweeps.
 //! - `finalizer`: cnat's finalizer on its pods: when it may go, and the one way it is removed.
 //! - `release`: `cnat release`, every pod let go of cnat's finalizer (helm uninstall's hook).
@@ -24,7 +23,6 @@ pub mod controller;
 pub mod events;
 pub mod finalizer;
 pub mod key;
-pub mod ledger;
 pub mod pod;
 pub mod pods_first;
 pub mod policy;

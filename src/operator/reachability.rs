@@ -18,9 +18,14 @@ pub const PROBE_EVERY: Duration = Duration::from_millis(250);
 /// How long one probe may take.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Whether `error` means the API server gave no answer (rather than answering no).
+/// Whether `error` means the API server gave no answer (rather than answering no): the
+/// connection failed, timed out, or broke off while the answer was read. The one notion of "no
+/// answer", for retries (`Scheduler`) and for the pod creates' window (`slow_start::reply`).
 pub fn unanswered(error: &kube::Error) -> bool {
-    matches!(error, kube::Error::HyperError(_) | kube::Error::Service(_))
+    matches!(
+        error,
+        kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_)
+    )
 }
 
 /// What waits for the API server to answer again.

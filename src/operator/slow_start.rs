@@ -90,10 +90,8 @@ pub fn reply<T>(result: &Result<T, kube::Error>) -> Reply {
         }
         // An answer, if one cnat could not read.
         Err(kube::Error::Api(_) | kube::Error::SerdeError(_)) => Reply::Answered,
-        // No answer: the connection failed or timed out.
-        Err(kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_)) => {
-            Reply::Overloaded
-        }
+        // No answer.
+        Err(error) if crate::operator::reachability::unanswered(error) => Reply::Overloaded,
         // Not sent (credentials, the request's own form): says nothing of the server.
         Err(_) => Reply::NotSent,
     }

@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::hash::Hash;
+use std::sync::Mutex;
 
 /// Tables for at most this many entries are not worth shrinking.
 const SMALL: usize = 1024;
@@ -16,6 +17,14 @@ const SMALL: usize = 1024;
 /// entries count against it while their slots are still allocated.)
 pub fn shrink_if_sparse<K: Eq + Hash, V, S: std::hash::BuildHasher>(map: &mut HashMap<K, V, S>) {
     map.shrink_to((map.len() * 4).max(SMALL));
+}
+
+/// Removes `key`'s entry from a shared map, then `shrink_if_sparse`.
+pub fn remove<K: Eq + Hash, V>(map: &Mutex<HashMap<K, V>>, key: &K) {
+    let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
+    if map.remove(key).is_some() {
+        shrink_if_sparse(&mut map);
+    }
 }
 
 #[cfg(test)]

@@ -101,7 +101,7 @@ fn needs_reconcile(ctx: &Context, cached: &CachedAt) -> bool {
     match contain::catch(|| ctx.needs_reconcile(&at)) {
         Ok(true) => {
             // Its reconcile follows: it takes the At as decoded here.
-            ctx.writer().ledger().keep_decoded(Arc::new(at));
+            ctx.ledger().keep_decoded(Arc::new(at));
             true
         }
         Ok(false) => false,
@@ -129,7 +129,7 @@ pub async fn look_at_all(ctx: &Arc<Context>, store: &Store<CachedAt>) {
             continue;
         }
         if needs_reconcile(ctx, cached) {
-            ctx.wake_up(CachedAt::key(cached));
+            ctx.scheduler().wake_up(CachedAt::key(cached));
         }
     }
 }
@@ -180,7 +180,7 @@ pub async fn look_ahead_once(ctx: &Arc<Context>, store: &Store<CachedAt>, until:
             continue;
         }
         let key = CachedAt::key(cached);
-        if ctx.wakeups().when(&key).is_some() {
+        if ctx.scheduler().wakeups().when(&key).is_some() {
             continue;
         }
         let now_cached = store.get(&CachedAt::key_of(&key));

@@ -1,5 +1,5 @@
 //! How many of the Ats cnat hands to kube-runtime's controller itself (wakeups, a first look at
-//! every At, retried writes: `Context::retriggers`) wait in the runtime's queue for a reconcile
+//! every At, retried writes: `Scheduler::retriggers`) wait in the runtime's queue for a reconcile
 //! that has not started: at most the limit (`limit_for`); the rest wait in the retrigger queue,
 //! a key each.
 //!
@@ -52,7 +52,6 @@ pub struct Backlog {
     state: Mutex<State>,
     /// Told when a key leaves.
     room: Notify,
-    limit: usize,
 }
 
 #[derive(Default)]
@@ -62,6 +61,8 @@ struct State {
     stuck_since: Option<Instant>,
     /// Reconciles running now (`Running` guards).
     running: usize,
+    /// Keys waiting at most.
+    limit: usize,
 }
 
 /// A reconcile running, from its start (when its key left the backlog) until dropped.
@@ -87,11 +88,18 @@ impl Default for Backlog {
 impl Backlog {
     /// A backlog of at most `limit` Ats (at least one).
     pub fn new(limit: usize) -> Self {
-        Backlog {
+        let backlog = Backlog {
             state: Mutex::default(),
             room: Notify::new(),
-            limit: limit.max(1),
-        }
+        };
+        backlog.set_limit(limit);
+        backlog
+    }
+
+    /// At most `limit` Ats wait from now on (at least one).
+    pub fn set_limit(&self, limit: usize) {
+        self.state().limit = limit.max(1);
+        self.room.notify_one();
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -127,7 +135,7 @@ impl Backlog {
     /// leave before it is emptied (`STALE`).
     fn full_until(&self, now: Instant) -> Option<Instant> {
         let mut state = self.state();
-        if state.waiting.len() < self.limit {
+        if state.waiting.len() < state.limit {
             return None;
         }
         if state.running > 0 {

@@ -7,7 +7,7 @@ use super::{key, namespace, uid, Context, Error};
 use crate::api::{At, Phase};
 use crate::operator::finalizer::{self, Held, Recorder, Removed};
 use crate::operator::key::AtKey;
-use crate::operator::reconcile::writer::retry_delay;
+use super::scheduler;
 use crate::operator::FIELD_MANAGER;
 use crate::{operator::pod, operator::slow_start, schedule, shard};
 use k8s_openapi::api::core::v1::Pod;
@@ -15,14 +15,11 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
-use std::time::Duration;
+use backon::Retryable;
 use tracing::{debug, info, warn};
 
 /// Attempts to release the pod of a deleted At before leaving it to the next relist or leader.
-const ORPHAN_ATTEMPTS: u32 = 6;
-/// When an At whose pod create was put off (the At cache behind) is reconciled again at the
-/// latest; normally sooner, as soon as the cache has caught up (`Context::wake_deferred`).
-pub(super) const RECHECK_BEHIND: Duration = Duration::from_secs(1);
+const ORPHAN_ATTEMPTS: usize = 6;
 
 impl Context {
     fn at_api(&self, at: &At) -> Api<At> {
@@ -100,22 +97,17 @@ impl Context {
     /// caches may lag, so the API server is asked first: a pod whose At still exists is left to
     /// that At's reconcile (`finalizer::may_go`).
     pub async fn release_orphan(&self, found: &ObjectRef<Pod>) {
-        // Retried a few times with backoff (a terminating pod changes no more, so no event would
-        // bring it back); past that, the next relist or the next leader finds it again.
-        for attempt in 1..=ORPHAN_ATTEMPTS {
-            match self.try_release_orphan(found).await {
-                Ok(Removed::Released(_)) => {
-                    return debug!(pod = %found, "released the pod of a deleted At")
-                }
-                Ok(_) => return,
-                Err(error) if attempt == ORPHAN_ATTEMPTS => {
-                    return warn!(pod = %found, %error, attempts = attempt, "could not remove cnat's finalizer from the pod of a deleted At; the next relist or leader tries again")
-                }
-                Err(error) => {
-                    debug!(pod = %found, %error, attempt, "removing cnat's finalizer failed; retrying");
-                    tokio::time::sleep(retry_delay(attempt)).await;
-                }
-            }
+        // Retried a few times with the one backoff (a terminating pod changes no more, so no
+        // event would bring it back); past that, the next relist or the next leader finds it
+        // again.
+        let released = (|| self.try_release_orphan(found))
+            .retry(scheduler::backoff().with_max_times(ORPHAN_ATTEMPTS - 1))
+            .notify(|error, _| debug!(pod = %found, %error, "removing cnat's finalizer failed; retrying"))
+            .await;
+        match released {
+            Ok(Removed::Released(_)) => debug!(pod = %found, "released the pod of a deleted At"),
+            Ok(_) => {}
+            Err(error) => warn!(pod = %found, %error, attempts = ORPHAN_ATTEMPTS, "could not remove cnat's finalizer from the pod of a deleted At; the next relist or leader tries again"),
         }
     }
 
@@ -215,7 +207,9 @@ impl Context {
             ..PostParams::default()
         };
         if !self.caches.ats.is_caught_up() {
-            return Ok(self.behind(at));
+            self.metrics.create_deferred();
+            debug!(at = %key(at), "the At cache is behind the API server (listing, or its watch not open or silent); the pod create waits for it");
+            return Ok(Created::Behind);
         }
         let pods_first = self.writer.pods_first();
         let creating = pods_first.creating.enter();
@@ -230,7 +224,7 @@ impl Context {
             Ok(_) => {
                 // No later create may rely on the version this one was decided on.
                 if let Some(version) = &at.metadata.resource_version {
-                    self.writer.ledger().replaced(&key(at), version);
+                    self.ledger.replaced(&key(at), version);
                 }
                 self.record_lateness(at);
                 Ok(Created::Yes)
@@ -256,36 +250,6 @@ impl Context {
         }
     }
 
-    /// A pod create put off because the At cache is behind (`cache::freshness`): the At is
-    /// reconciled again once it has caught up, and after `RECHECK_BEHIND` at the latest.
-    fn behind(&self, at: &At) -> Created {
-        self.metrics.create_deferred();
-        debug!(at = %key(at), "the At cache is behind the API server (listing, or its watch not open or silent); the pod create waits for it");
-        self.writer.ledger().deferred(key(at));
-        // Caught up since the look that put it off: `wake_deferred` may have found nothing.
-        if self.caches.ats.is_caught_up() {
-            for at in self.writer.ledger().take_deferred() {
-                self.wake_up(at);
-            }
-        }
-        Created::Behind
-    }
-
-    /// Runs until dropped: each time the At cache has caught up, reconciles the Ats whose pod
-    /// create was put off meanwhile.
-    pub async fn wake_deferred(&self) {
-        let mut words = self.caches.ats.subscribe();
-        while words.changed().await.is_ok() {
-            if self.caches.ats.is_caught_up() {
-                for at in self.writer.ledger().take_deferred() {
-                    self.wake_up(at);
-                }
-            }
-        }
-        // The follower is gone (its replica is stopping): nothing catches up any more.
-        std::future::pending::<()>().await;
-    }
-
     /// `at`'s pod as cnat creates it, signed.
     fn signed_pod(&self, at: &At) -> Pod {
         let mut built = pod::build(at, &self.policy);
@@ -306,7 +270,7 @@ impl Context {
     async fn confirm(&self, at: &At) -> Result<bool, Error> {
         let version = at.metadata.resource_version.as_deref();
         let fenced = shard::value_of(at.metadata.labels.as_ref()).is_some();
-        if fenced && self.writer.ledger().pending_confirmed(&key(at), version) {
+        if fenced && self.ledger.pending_confirmed(&key(at), version) {
             self.metrics.create_confirmed("own_write");
             return Ok(true);
         }
@@ -435,6 +399,6 @@ pub(super) enum Created {
     /// Not created: the API server's copy of the At is not the one decided on.
     Unconfirmed,
     /// Not created: the At cache is behind; decided again once it has caught up, or after
-    /// `RECHECK_BEHIND`.
+    /// `scheduler::RECHECK_BEHIND`.
     Behind,
 }

@@ -1,5 +1,5 @@
 //! A failed reconcile: each names the At and what was being done; it is retried with backoff
-//! (`Writer::retry`).
+//! (`Scheduler::failed_reconcile`).
 
 use crate::api::Phase;
 use crate::operator::key::AtKey;

@@ -7,7 +7,9 @@ pub mod calls;
 pub mod decide;
 pub mod error;
 pub mod glitch;
+pub mod ledger;
 pub mod queue;
+pub mod scheduler;
 pub mod wakeups;
 pub mod writer;
 
@@ -21,23 +23,23 @@ use crate::operator::policy::RunPolicy;
 use crate::operator::signing::{Key, Signing};
 use crate::operator::{pod, reachability};
 use calls::Created;
+use ledger::Ledger;
+use scheduler::Scheduler;
 use chrono::{DateTime, Utc};
 use decide::{decide, Call, Decision};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
-use queue::Queue;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::field::{display, Empty};
 use tracing::{info_span, Instrument, Span};
-use wakeups::{Wake, Wakeups};
+use wakeups::Wake;
 use writer::{Target, Writer};
 
 pub use error::Error;
-pub use writer::retry_delay;
 
 /// A reconcile never needs more than: look up or create the pod, look it up again, decide.
 const MAX_STEPS: usize = 3;
@@ -61,13 +63,12 @@ pub struct Context {
     policy: RunPolicy,
     /// Signs the pods this leader creates, and tells cnat's pods from others.
     signing: Signing,
-    /// Status writes, events, retries, and what is remembered of each At.
+    /// What is remembered of each At between reconciles.
+    ledger: Arc<Ledger>,
+    /// When each At is looked at again, and the retry policy.
+    scheduler: Arc<Scheduler>,
+    /// Status writes and events.
     writer: Arc<Writer>,
-    /// Ats to reconcile outside the runtime's own requeues (wakeups, failed queued writes, an
-    /// API server that answers again).
-    retriggers: Queue<AtKey>,
-    /// The retriggers handed to the runtime whose reconcile has not started.
-    backlog: Arc<backlog::Backlog>,
     /// Cancelled when a reconcile panicked: the loop ends, and with it this leadership.
     fatal: CancellationToken,
 }
@@ -82,7 +83,10 @@ impl Context {
         policy: RunPolicy,
         quarantine: Arc<Quarantine>,
     ) -> Self {
-        let writer = Writer::new(client.clone(), events, metrics.clone(), quarantine);
+        let ledger = Arc::new(Ledger::new(quarantine));
+        let scheduler = Arc::new(Scheduler::default());
+        let (ledger_, scheduler_) = (ledger.clone(), scheduler.clone());
+        let writer = Writer::new(client.clone(), events, metrics.clone(), ledger_, scheduler_);
         Context {
             client,
             caches,
@@ -91,9 +95,9 @@ impl Context {
             policy,
             // A key of its own until `with_signing` gives the replicas' shared one.
             signing: Signing::new(Key::generate().0),
+            ledger,
+            scheduler,
             writer: Arc::new(writer),
-            retriggers: Queue::default(),
-            backlog: Arc::default(),
             fatal: CancellationToken::new(),
         }
     }
@@ -103,9 +107,14 @@ impl Context {
         &self.writer
     }
 
-    /// When settled Ats are looked at again (`Wakeups::run` hands them to `wake_up`).
-    pub fn wakeups(&self) -> &Arc<Wakeups> {
-        self.writer.ledger().wakeups()
+    /// When each At is looked at again.
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    /// What is remembered of each At between reconciles.
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
     }
 
     /// Cancelled once a reconcile panicked: the loop must end.
@@ -115,7 +124,8 @@ impl Context {
 
     /// Drops everything kept for a deleted At: its backoff, its last write, its wakeup.
     pub fn forget(&self, at: &AtKey) {
-        self.writer.ledger().forget(at);
+        self.ledger.forget(at);
+        self.scheduler.forget(at);
     }
 
     /// Signs pods with `signing`'s key and takes only pods it signed (or older than signing) for
@@ -125,34 +135,17 @@ impl Context {
         self
     }
 
-    /// Retriggered Ats may wait in the runtime's queue `limit` at a time (`backlog::limit_for`
-    /// the loop's concurrency; `backlog::LIMIT` unless set).
-    pub fn with_backlog_limit(mut self, limit: usize) -> Self {
-        self.backlog = Arc::new(backlog::Backlog::new(limit));
-        self
-    }
-
-    /// `at`'s reconcile starts: it no longer waits in the runtime's queue (`backlog`), and runs
-    /// until the guard is dropped.
-    pub fn reconcile_starts(&self, at: &AtKey) -> backlog::Running {
-        self.backlog.started(at)
-    }
-
-    /// The runtime dropped its request for `at` (the At was gone): it no longer waits in the
-    /// runtime's queue (`backlog`).
-    pub fn request_dropped(&self, at: &AtKey) {
-        self.backlog.left(at);
-    }
-
     /// Drops what is kept for Ats `known` does not hold any more (deletions a relist or a lagging
     /// feed did not report one by one).
     pub fn forget_all_but(&self, known: impl Fn(&AtKey) -> bool) {
-        self.writer.ledger().retain(known);
+        self.ledger.retain(&known);
+        self.scheduler.retain(known);
     }
 
     /// Entries kept per At now: backoffs, last writes, wakeups (for tests of forgetting).
     pub fn kept(&self) -> (usize, usize, usize) {
-        self.writer.ledger().kept()
+        let (failures, wakeups) = self.scheduler.kept();
+        (failures, self.ledger.kept(), wakeups)
     }
 
     /// A panic while handling `at` at `place`: logged once with the At and the panic, counted,
@@ -162,43 +155,30 @@ impl Context {
         let at_key = key(at);
         tracing::error!(at = %at_key, place, %panic, "panic while handling this At; it is skipped until it changes, and leadership ends so the reconcile loop starts afresh. Please report this as a bug");
         let version = at.resource_version().unwrap_or_default();
-        self.writer.ledger().quarantine().add(at_key, version);
+        self.ledger.quarantine().add(at_key, version);
         self.fatal.cancel();
     }
 
     /// Whether this version of `at` is quarantined after a panic.
     pub fn quarantined(&self, at: &At) -> bool {
         let version = at.resource_version();
-        self.writer
-            .ledger()
-            .quarantined(&key(at), version.as_deref())
+        self.ledger.quarantined(&key(at), version.as_deref())
     }
 
-    /// Runs until dropped: while Ats wait for an unreachable API server, asks it every
-    /// `reachability::PROBE_EVERY`; its first answer reconciles them all again at once.
-    pub async fn probe_reachability(self: Arc<Self>) {
-        let ask = || reachability::answers(&self.client);
-        let every = reachability::PROBE_EVERY;
-        let unreachable = self.writer.unreachable();
-        unreachable.probe(every, ask, |at| self.wake_up(at)).await;
-    }
-
-    /// Ats to reconcile again, for `Controller::reconcile_on`, at most the backlog's limit of them
-    /// waiting in the runtime's queue at once (each must be passed to `reconcile_starts` when
-    /// its reconcile starts); `None` if already taken.
-    pub fn retriggers(&self) -> Option<impl futures::Stream<Item = AtKey> + use<>> {
-        Some(self.backlog.clone().gate(self.retriggers.take()?))
+    /// Runs until dropped: the scheduler's probe of an unreachable API server
+    /// (`Scheduler::probe`), and its wake-up of pod creates put off while the At cache was
+    /// behind (`Scheduler::wake_deferred`).
+    pub async fn look_again(self: Arc<Self>) {
+        let probe = self
+            .scheduler
+            .probe(|| reachability::answers(&self.client));
+        let deferred = self.scheduler.wake_deferred(&self.caches.ats);
+        tokio::join!(probe, deferred);
     }
 
     /// The time now, by the injected clock.
     pub fn now(&self) -> DateTime<Utc> {
         (self.clock)()
-    }
-
-    /// Reconciles `at` now (for `wakeups::Wakeups::run`).
-    pub fn wake_up(&self, at: AtKey) {
-        // Fails only once the loop has ended, when nothing is left to wake.
-        let _ = self.retriggers.send(at);
     }
 
     /// Whether a watched version of `at` needs a reconcile now; if not, `wakeups` holds when it
@@ -207,7 +187,7 @@ impl Context {
         if self.is_stale(at).is_some() || self.quarantined(at) {
             return false;
         }
-        let wakeups = self.wakeups();
+        let wakeups = self.scheduler.wakeups();
         // By name only: the index holds one small key per waiting At.
         let at_key = key(at);
         // Its pod waits for cnat's finalizer to go (terminating, or its outcome recorded): only a
@@ -241,7 +221,7 @@ impl Context {
             return;
         }
         if let Wake::After(left) = wakeups::wake(at, (self.clock)(), &self.policy) {
-            self.wakeups().set_earlier_in(key(at), left);
+            self.scheduler.after(key(at), left);
         }
     }
 
@@ -254,7 +234,7 @@ impl Context {
     /// caught up with our write.
     fn is_stale(&self, at: &At) -> Option<Phase> {
         let version = at.resource_version();
-        self.writer.ledger().stale(&key(at), version.as_deref())
+        self.ledger.stale(&key(at), version.as_deref())
     }
 }
 
@@ -318,7 +298,7 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
                 // The watch brings the API server's version; the decision is made on that.
                 Created::Unconfirmed => return Ok(Action::await_change()),
                 // Decided again on what the cache holds once it caught up.
-                Created::Behind => return Ok(Action::requeue(calls::RECHECK_BEHIND)),
+                Created::Behind => return Ok(ctx.scheduler.behind(key(at), &ctx.caches.ats)),
             },
         };
     }
@@ -328,10 +308,9 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
     })
 }
 
-/// Retries a failed reconcile after the writer's backoff (`Writer::retry`), by the runtime's
-/// requeue: a wakeup would be cleared by the next watched change that needs no reconcile.
+/// Retries a failed reconcile (`Scheduler::failed_reconcile`).
 pub fn error_policy(at: Arc<At>, error: &Error, ctx: Arc<Context>) -> Action {
-    Action::requeue(ctx.writer.retry(&key(&at), error, "reconcile"))
+    ctx.scheduler.failed_reconcile(&key(&at), error)
 }
 
 impl Context {
@@ -391,7 +370,7 @@ impl Context {
     /// hold an entry per waiting At (about 400 bytes each, its tables never shrinking) beside
     /// the index's (docs/src/performance/changelog.md).
     fn succeeded(&self, at: &At, decision: &Decision, decided_at: DateTime<Utc>) -> Action {
-        self.writer.ledger().succeeded(&key(at));
+        self.scheduler.succeeded(&key(at));
         self.settled(at, decision, decided_at)
     }
 
@@ -409,7 +388,7 @@ impl Context {
             // horizon leaves it to the look-ahead.
             let left = left.saturating_sub(spent).min(wakeups::HORIZON);
             span.record("requeue.seconds", left.as_secs_f64());
-            self.wakeups().set_earlier_in(key(at), left);
+            self.scheduler.after(key(at), left);
         }
         Action::await_change()
     }

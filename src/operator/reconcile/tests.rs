@@ -269,7 +269,7 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
     tokio::spawn(ctx.writer.queued_writes().unwrap());
     let wakeups = tokio::spawn({
         let ctx = ctx.clone();
-        async move { ctx.wakeups().run(|at| ctx.wake_up(at)).await }
+        async move { ctx.scheduler.wakeups().run(|at| ctx.scheduler.wake_up(at)).await }
     });
     Harness {
         ctx,
@@ -317,7 +317,7 @@ impl Harness {
     /// How long until the next reconcile of the example At, as the wake-up index holds it
     /// (exact under paused time).
     fn wakes_in(&self) -> Option<Duration> {
-        let when = self.ctx.wakeups().when(&AtKey::from(&example_at(None)))?;
+        let when = self.ctx.scheduler.wakeups().when(&AtKey::from(&example_at(None)))?;
         Some(when.saturating_duration_since(tokio::time::Instant::now()))
     }
 
@@ -644,10 +644,10 @@ async fn no_pod_is_created_from_an_at_cache_that_is_behind() {
         answer("POST", EVENTS, 201, created_event()),
     ]);
     h.bookmarks.abort();
-    let mut retriggers = h.ctx.retriggers().unwrap().boxed();
+    let mut retriggers = h.ctx.scheduler.retriggers().unwrap().boxed();
     let waker = tokio::spawn({
         let ctx = h.ctx.clone();
-        async move { ctx.wake_deferred().await }
+        async move { ctx.scheduler.wake_deferred(&ctx.caches.ats).await }
     });
     let at = example_at(None);
     for behind in [Following::Listing, Following::Connecting] {
@@ -1061,7 +1061,7 @@ async fn api_errors_name_the_at_and_retry_with_growing_backoff() {
         error_policy(at.clone(), &error, h.ctx.clone());
     }
     assert_eq!(
-        h.ctx.writer.ledger().failures.lock().unwrap()["default/example-at"],
+        h.ctx.scheduler.failures.lock().unwrap()["default/example-at"],
         3
     );
     let metrics = h.metrics.encode();
@@ -1099,7 +1099,7 @@ async fn a_failed_event_does_not_fail_the_reconcile() {
 
 #[test]
 fn retry_delays_grow_from_half_a_second_to_five_minutes() {
-    let delays: Vec<Duration> = (1..=20).map(retry_delay).collect();
+    let delays: Vec<Duration> = (1..=20).map(scheduler::retry_delay).collect();
     // Jitter adds up to one more base delay on top of each.
     assert!(
         delays[0] >= Duration::from_millis(500) && delays[0] <= Duration::from_secs(1),
@@ -1122,10 +1122,7 @@ async fn success_resets_the_backoff() {
         answer("PATCH", STATUS, 200, at_response(&running_status())),
         answer("POST", EVENTS, 201, created_event()),
     ]);
-    h.ctx
-        .writer
-        .ledger()
-        .failures
+    h.ctx.scheduler.failures
         .lock()
         .unwrap()
         .insert(AtKey::new("default", "example-at"), 5);
@@ -1133,7 +1130,7 @@ async fn success_resets_the_backoff() {
     // The pod was created, but the status write is still queued: until it is written, the
     // failures in a row stand (a write that fails again backs off further).
     let written = async {
-        while !h.ctx.writer.ledger().failures.lock().unwrap().is_empty() {
+        while !h.ctx.scheduler.failures.lock().unwrap().is_empty() {
             tokio::task::yield_now().await;
         }
     };
@@ -1147,21 +1144,18 @@ async fn success_resets_the_backoff() {
 async fn a_queued_status_write_that_fails_again_counts_on() {
     let h = pod_created_then_status_write_fails();
     // Two failures in a row already (earlier writes of this status).
-    h.ctx
-        .writer
-        .ledger()
-        .failures
+    h.ctx.scheduler.failures
         .lock()
         .unwrap()
         .insert(AtKey::new("default", "example-at"), 2);
-    let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
+    let mut retriggers = Box::pin(h.ctx.scheduler.retriggers().unwrap());
     h.reconcile(example_at(None)).await.unwrap();
     tokio::time::timeout(Duration::from_secs(60), retriggers.next())
         .await
         .expect("retried")
         .unwrap();
     assert_eq!(
-        h.ctx.writer.ledger().failures.lock().unwrap()["default/example-at"],
+        h.ctx.scheduler.failures.lock().unwrap()["default/example-at"],
         3
     );
     drop(retriggers);
@@ -1243,7 +1237,7 @@ async fn status_writes_after_a_pod_create_wait_until_no_pod_create_is_in_flight(
 #[tokio::test(start_paused = true)]
 async fn a_failed_follow_up_write_is_retried_by_a_new_reconcile_after_backoff() {
     let h = pod_created_then_status_write_fails();
-    let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
+    let mut retriggers = Box::pin(h.ctx.scheduler.retriggers().unwrap());
     let started = tokio::time::Instant::now();
     h.reconcile(example_at(None)).await.unwrap();
     let again = tokio::time::timeout(Duration::from_secs(5), retriggers.next())
@@ -1257,7 +1251,7 @@ async fn a_failed_follow_up_write_is_retried_by_a_new_reconcile_after_backoff() 
         "backoff of a first failure: {waited:?}"
     );
     assert_eq!(
-        h.ctx.writer.ledger().failures.lock().unwrap()["default/example-at"],
+        h.ctx.scheduler.failures.lock().unwrap()["default/example-at"],
         1
     );
     // The cached version is no longer skipped: the next reconcile acts on it.
@@ -1280,13 +1274,10 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
             serde_json::json!({"major": "1", "minor": "24", "gitVersion": "v1.24.17", "gitCommit": "", "gitTreeState": "clean", "buildDate": "2023-08-24T00:00:00Z", "goVersion": "go1.20.7", "compiler": "gc", "platform": "linux/amd64"}),
         ),
     ]);
-    let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
-    let probe = tokio::spawn(h.ctx.clone().probe_reachability());
+    let mut retriggers = Box::pin(h.ctx.scheduler.retriggers().unwrap());
+    let probe = tokio::spawn(h.ctx.clone().look_again());
     // The outage has lasted: eight failures already, so the backoff is past a minute.
-    h.ctx
-        .writer
-        .ledger()
-        .failures
+    h.ctx.scheduler.failures
         .lock()
         .unwrap()
         .insert(AtKey::new("default", "example-at"), 8);
@@ -1301,10 +1292,10 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
     error_policy(at, &error, h.ctx.clone());
     // The ninth failure: the runtime's own retry comes after at least 128 s.
     assert_eq!(
-        h.ctx.writer.ledger().failures.lock().unwrap()["default/example-at"],
+        h.ctx.scheduler.failures.lock().unwrap()["default/example-at"],
         9
     );
-    assert!(retry_delay(9) >= Duration::from_secs(128));
+    assert!(scheduler::retry_delay(9) >= Duration::from_secs(128));
 
     // Three probes go unanswered; the fourth answer brings the At back at once.
     let again = tokio::time::timeout(Duration::from_secs(60), retriggers.next())
@@ -1313,7 +1304,7 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
         .unwrap();
     assert_eq!(again, ObjectRef::new("example-at").within("default"));
     assert_eq!(started.elapsed(), reachability::PROBE_EVERY * 4);
-    assert_eq!(h.ctx.writer.unreachable().waiting(), 0);
+    assert_eq!(h.ctx.scheduler.unreachable().waiting(), 0);
     probe.abort();
     let _ = probe.await;
     drop(retriggers);
@@ -1332,7 +1323,7 @@ async fn an_answer_that_refuses_is_not_an_outage() {
     h.store_unless_set(&at);
     let error = reconcile(at.clone(), h.ctx.clone()).await.unwrap_err();
     error_policy(at, &error, h.ctx.clone());
-    assert_eq!(h.ctx.writer.unreachable().waiting(), 0, "backs off instead");
+    assert_eq!(h.ctx.scheduler.unreachable().waiting(), 0, "backs off instead");
     h.finish(1).await;
 }
 
@@ -1420,14 +1411,14 @@ async fn a_deleted_at_leaves_nothing_behind_in_the_leader_s_maps() {
     let at = example_at(None);
     let at_ref = AtKey::from(&at);
     // A failure's backoff, a write's record, a wakeup: all kept per At.
-    let ledger = h.ctx.writer.ledger();
-    ledger.failed(&at_ref);
+    let ledger = &h.ctx.ledger;
+    h.ctx.scheduler.failed(&at_ref);
     ledger.written(
         at_ref.clone(),
         at.resource_version().unwrap(),
         Phase::Pending,
     );
-    h.ctx.wakeups().set(
+    h.ctx.scheduler.wakeups().set(
         at_ref.clone(),
         tokio::time::Instant::now() + Duration::from_secs(3600),
     );
@@ -1439,8 +1430,8 @@ async fn a_deleted_at_leaves_nothing_behind_in_the_leader_s_maps() {
     let mut other = example_at(None);
     other.metadata.name = Some("other".into());
     for at in [&at, &other] {
-        ledger.failed(&AtKey::from(at));
-        h.ctx.wakeups().set(
+        h.ctx.scheduler.failed(&AtKey::from(at));
+        h.ctx.scheduler.wakeups().set(
             AtKey::from(at),
             tokio::time::Instant::now() + Duration::from_secs(3600),
         );
@@ -1465,7 +1456,7 @@ async fn a_422_from_the_cel_rule_s_internal_error_is_retried() {
                 "message": "At.cnat.programming-kubernetes.info \"example-at\" is invalid: status: Invalid value: \"object\": internal error: runtime error: index out of range [4] with length 3 evaluating rule: status.phase cannot go back"}),
         ),
     ]);
-    let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
+    let mut retriggers = Box::pin(h.ctx.scheduler.retriggers().unwrap());
     h.reconcile(example_at(None)).await.unwrap();
     let again = tokio::time::timeout(Duration::from_secs(5), retriggers.next())
         .await
@@ -1473,7 +1464,7 @@ async fn a_422_from_the_cel_rule_s_internal_error_is_retried() {
         .unwrap();
     assert_eq!(again, ObjectRef::new("example-at").within("default"));
     assert_eq!(
-        h.ctx.writer.ledger().failures.lock().unwrap()["default/example-at"],
+        h.ctx.scheduler.failures.lock().unwrap()["default/example-at"],
         1
     );
     // Counted as failed (retried), not refused.
@@ -1492,10 +1483,10 @@ async fn a_422_from_the_cel_rule_s_internal_error_is_retried() {
 #[tokio::test(start_paused = true)]
 async fn retriggers_wait_for_room_in_the_backlog_which_starts_and_dropped_requests_make() {
     let h = harness(vec![]);
-    let mut retriggers = h.ctx.retriggers().unwrap().boxed();
+    let mut retriggers = h.ctx.scheduler.retriggers().unwrap().boxed();
     let key = |i: usize| AtKey::new("default", &format!("at-{i}"));
     for i in 0..backlog::LIMIT + 3 {
-        h.ctx.wake_up(key(i));
+        h.ctx.scheduler.wake_up(key(i));
     }
     let mut handed = Vec::new();
     while let Ok(Some(at)) = tokio::time::timeout(Duration::from_millis(1), retriggers.next()).await
@@ -1506,14 +1497,14 @@ async fn retriggers_wait_for_room_in_the_backlog_which_starts_and_dropped_reques
     let wait = Duration::from_millis(1);
     let full = tokio::time::timeout(wait, retriggers.next()).await;
     assert!(full.is_err(), "the backlog is full");
-    let running = h.ctx.reconcile_starts(&key(0));
+    let running = h.ctx.scheduler.reconcile_starts(&key(0));
     let next = tokio::time::timeout(wait, retriggers.next()).await;
     assert_eq!(next.unwrap(), Some(key(backlog::LIMIT)));
     drop(running);
     h.ctx.forget(&key(1));
     let full = tokio::time::timeout(wait, retriggers.next()).await;
     assert!(full.is_err(), "a deletion alone makes no room");
-    h.ctx.request_dropped(&key(1));
+    h.ctx.scheduler.request_dropped(&key(1));
     let next = tokio::time::timeout(wait, retriggers.next()).await;
     assert_eq!(next.unwrap(), Some(key(backlog::LIMIT + 1)));
     let full = tokio::time::timeout(wait, retriggers.next()).await;
@@ -1588,39 +1579,39 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
     let all = [&far, &soon, &expiring, &done];
     let (now, clock, store) = set_clock_and_cache(start, &all);
     let h = harness_at(vec![], clock);
-    let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
+    let mut retriggers = Box::pin(h.ctx.scheduler.retriggers().unwrap());
     // As the watch brings them: only the At due within the hour gets an entry.
     for at in all {
         assert!(!h.ctx.needs_reconcile(at), "{:?}", at.metadata.name);
     }
     let [far_key, soon_key, expiring_key, done_key] = all.map(AtKey::from);
     let t0 = tokio::time::Instant::now();
-    assert_eq!(h.ctx.wakeups().when(&far_key), None);
-    assert_eq!(h.ctx.wakeups().when(&expiring_key), None);
+    assert_eq!(h.ctx.scheduler.wakeups().when(&far_key), None);
+    assert_eq!(h.ctx.scheduler.wakeups().when(&expiring_key), None);
     assert_eq!(
-        h.ctx.wakeups().when(&soon_key),
+        h.ctx.scheduler.wakeups().when(&soon_key),
         Some(t0 + Duration::from_secs(1800))
     );
-    assert_eq!(h.ctx.wakeups().len(), 1);
+    assert_eq!(h.ctx.scheduler.wakeups().len(), 1);
     let hour = chrono::Duration::from_std(HORIZON).unwrap();
     look_ahead_once(&h.ctx, &store, start + hour).await;
-    assert_eq!(h.ctx.wakeups().len(), 1, "nothing new within the hour");
+    assert_eq!(h.ctx.scheduler.wakeups().len(), 1, "nothing new within the hour");
 
     // Two and a half hours later: `far` and `expiring` are within the hour and get their
     // entries, to the instant. `soon` is overdue, its entry taken (its reconcile is on its way):
     // the look-ahead leaves it alone.
-    h.ctx.wakeups().clear(&soon_key);
+    h.ctx.scheduler.wakeups().clear(&soon_key);
     tokio::time::advance(LOOK_AHEAD_EVERY * 5).await;
     let later = start + chrono::Duration::from_std(LOOK_AHEAD_EVERY * 5).unwrap();
     *now.lock().unwrap() = later;
     look_ahead_once(&h.ctx, &store, later + hour).await;
     let t1 = tokio::time::Instant::now();
     let in_half_an_hour = t1 + Duration::from_secs(1800);
-    assert_eq!(h.ctx.wakeups().when(&far_key), Some(in_half_an_hour));
-    assert_eq!(h.ctx.wakeups().when(&expiring_key), Some(in_half_an_hour));
-    assert_eq!(h.ctx.wakeups().when(&soon_key), None);
-    assert_eq!(h.ctx.wakeups().when(&done_key), None);
-    assert_eq!(h.ctx.wakeups().len(), 2);
+    assert_eq!(h.ctx.scheduler.wakeups().when(&far_key), Some(in_half_an_hour));
+    assert_eq!(h.ctx.scheduler.wakeups().when(&expiring_key), Some(in_half_an_hour));
+    assert_eq!(h.ctx.scheduler.wakeups().when(&soon_key), None);
+    assert_eq!(h.ctx.scheduler.wakeups().when(&done_key), None);
+    assert_eq!(h.ctx.scheduler.wakeups().len(), 2);
     let none = tokio::time::timeout(Duration::from_millis(10), retriggers.next()).await;
     assert!(none.is_err(), "the look-ahead reconciles nothing: {none:?}");
     h.finish(0).await;
@@ -1640,7 +1631,7 @@ async fn the_look_ahead_runs_every_half_hour_and_after_a_clock_jump_looks_at_eve
     let (now, clock, store) = set_clock_and_cache(start, &[&first, &second, &jumped]);
     let h = harness_at(vec![], clock);
     h.wakeups.abort();
-    let mut retriggers = Box::pin(h.ctx.retriggers().unwrap());
+    let mut retriggers = Box::pin(h.ctx.scheduler.retriggers().unwrap());
     let looking = tokio::spawn({
         let (ctx, store) = (h.ctx.clone(), store.clone());
         async move { crate::operator::triggers::look_ahead(&ctx, &store).await }
@@ -1659,17 +1650,17 @@ async fn the_look_ahead_runs_every_half_hour_and_after_a_clock_jump_looks_at_eve
     // At 30 minutes: `first` (due at 80) is within the hour, `second` (110) not yet.
     step(1).await;
     assert_eq!(
-        h.ctx.wakeups().when(&first),
+        h.ctx.scheduler.wakeups().when(&first),
         Some(t0 + Duration::from_secs(80 * 60))
     );
-    assert_eq!(h.ctx.wakeups().when(&second), None);
+    assert_eq!(h.ctx.scheduler.wakeups().when(&second), None);
     // At 60: `second` too.
     step(1).await;
     assert_eq!(
-        h.ctx.wakeups().when(&second),
+        h.ctx.scheduler.wakeups().when(&second),
         Some(t0 + Duration::from_secs(110 * 60))
     );
-    assert_eq!(h.ctx.wakeups().when(&jumped), None);
+    assert_eq!(h.ctx.scheduler.wakeups().when(&jumped), None);
     let none = tokio::time::timeout(Duration::from_millis(10), retriggers.next()).await;
     assert!(none.is_err(), "nothing reconciled: {none:?}");
     // The wall clock jumps ahead by three hours (say, the clock was set): at the next look,

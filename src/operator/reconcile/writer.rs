@@ -2,23 +2,20 @@
 //! writes a status at once (`write_now`: a refused pod's status says why before the reconcile
 //! backs off) or queues it behind the pod creates in flight (`queue`, see `PodsFirst`); both go
 //! through `write`, which reads the API server's answer one way for both. A transition's event
-//! goes out after its write, through the one event queue (`EventSink`). Failures of reconciles
-//! and of queued writes are retried by one policy (`retry`): counted per At in the ledger,
-//! backed off, and waited out while the API server does not answer.
+//! goes out after its write, through the one event queue (`EventSink`). A queued write that
+//! fails is retried by the `scheduler`.
 
 use super::decide::{Decision, Note, Severity};
+use super::ledger::Ledger;
 use super::queue::Queue;
-use super::{glitch, Error};
+use super::scheduler::Scheduler;
+use super::Error;
 use crate::api::{At, AtStatus, Phase};
 use crate::observability::metrics::{Metrics, WriteResult};
-use crate::operator::contain::Quarantine;
 use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
-use crate::operator::ledger::Ledger;
 use crate::operator::pods_first::{InFlightGuard, PodsFirst};
-use crate::operator::reachability::{self, Reachability};
 use crate::operator::FIELD_MANAGER;
-use backon::{BackoffBuilder, ExponentialBuilder};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::api::{Patch, PatchParams};
@@ -26,7 +23,6 @@ use kube::runtime::events::{Event, EventType};
 use kube::{Api, Client, Resource};
 use serde_json::json;
 use std::sync::Arc;
-use std::time::Duration;
 use tracing::field::{display, Empty};
 use tracing::{debug, info, info_span, warn, Instrument, Span};
 
@@ -34,19 +30,19 @@ use tracing::{debug, info, info_span, warn, Instrument, Span};
 /// default (`--concurrency`).
 pub const WRITERS: usize = 32;
 
-/// Owns status writes, the queue of writes behind pod creates, transition events and retries.
+/// Owns status writes, the queue of writes behind pod creates, and transition events.
 pub struct Writer {
     client: Client,
     events: EventSink,
     metrics: Arc<Metrics>,
-    /// What is remembered of each At: last write, failures, wakeup, quarantine.
-    ledger: Ledger,
+    /// What is remembered of each At: last write, quarantine.
+    ledger: Arc<Ledger>,
+    /// When an At whose queued write failed is looked at again.
+    scheduler: Arc<Scheduler>,
     /// Pod creates and status writes in flight, which lower-priority writes wait for.
     pods_first: PodsFirst,
     /// Status writes queued behind pod creates.
     queued: Queue<QueuedWrite>,
-    /// Ats whose last attempt got no answer from the API server: retried when it answers.
-    unreachable: Reachability<AtKey>,
 }
 
 /// What a status write keeps of its At: when Ats are created faster than their statuses can be
@@ -116,32 +112,23 @@ impl Writer {
         client: Client,
         events: EventSink,
         metrics: Arc<Metrics>,
-        quarantine: Arc<Quarantine>,
+        ledger: Arc<Ledger>,
+        scheduler: Arc<Scheduler>,
     ) -> Self {
         Writer {
             client,
             events,
             metrics,
-            ledger: Ledger::new(quarantine),
+            ledger,
+            scheduler,
             pods_first: PodsFirst::default(),
             queued: Queue::default(),
-            unreachable: Reachability::default(),
         }
-    }
-
-    /// What is remembered of each At.
-    pub fn ledger(&self) -> &Ledger {
-        &self.ledger
     }
 
     /// Pod creates and status writes in flight.
     pub fn pods_first(&self) -> &PodsFirst {
         &self.pods_first
-    }
-
-    /// Ats waiting for the API server to answer again.
-    pub fn unreachable(&self) -> &Reachability<AtKey> {
-        &self.unreachable
     }
 
     /// Writes the decided status now, then tells the transition: `Ok(true)` once written,
@@ -224,7 +211,7 @@ impl Writer {
         self.pods_first.creating.idle().await;
         match self.write(target, status, decision).await {
             Written::Done => {
-                self.ledger.succeeded(&target.key);
+                self.scheduler.succeeded(&target.key);
                 let behind = Some(&self.pods_first);
                 self.tell_transition(target, status, decision.note.as_ref(), behind);
             }
@@ -241,10 +228,7 @@ impl Writer {
                 // The cache still shows the version decided on: the next reconcile acts on it,
                 // after the usual backoff or, if the API server did not answer, once it answers.
                 self.ledger.unwritten(&target.key);
-                let delay = self.retry(&target.key, &error, "writing status");
-                self.ledger
-                    .wakeups()
-                    .set_earlier_in(target.key.clone(), delay);
+                self.scheduler.failed_write(&target.key, &error);
             }
         }
     }
@@ -275,6 +259,7 @@ impl Writer {
             }
             Err(kube::Error::Api(s)) if s.is_not_found() => {
                 self.ledger.forget(&target.key);
+                self.scheduler.forget(&target.key);
                 Written::Gone
             }
             // Any other 422 is retried like other errors, the API server's own CEL failures
@@ -302,25 +287,6 @@ impl Writer {
             self.ledger.replaced(&target.key, rv);
             self.ledger.written(target.key.clone(), rv.clone(), phase);
         }
-    }
-
-    /// The one retry policy: counts one more failure of `at`, lets an unanswered request wait
-    /// for the API server (its next answer brings a retry), logs `error` (`what` failed) and
-    /// returns the backoff before the next attempt.
-    pub fn retry(&self, at: &AtKey, error: &Error, what: &str) -> Duration {
-        let attempt = self.ledger.failed(at);
-        let delay = retry_delay(attempt);
-        let api_error = error.api_error();
-        let unanswered = api_error.is_some_and(reachability::unanswered);
-        if unanswered {
-            self.unreachable.wait(at.clone());
-        }
-        if api_error.is_some_and(|e| glitch::quiet(e, attempt)) {
-            debug!(at = %at, %error, retry_in = ?delay, unanswered, attempt, "{what} failed on the API server's own error; retrying");
-        } else {
-            warn!(at = %at, %error, retry_in = ?delay, unanswered, "{what} failed");
-        }
-        delay
     }
 
     /// Logs the transition `note` tells and queues its event (`behind` the writes in flight,
@@ -437,16 +403,4 @@ pub fn status_patch(resource_version: Option<&str>, status: &AtStatus) -> serde_
         "metadata": { "resourceVersion": resource_version },
         "status": status,
     })
-}
-
-/// Delay before retry number `attempt` (1-based): 0.5 s doubling to 5 minutes, with jitter.
-pub fn retry_delay(attempt: u32) -> Duration {
-    ExponentialBuilder::new()
-        .with_min_delay(Duration::from_millis(500))
-        .with_max_delay(Duration::from_secs(300))
-        .with_jitter()
-        .without_max_times()
-        .build()
-        .nth(attempt.saturating_sub(1) as usize)
-        .unwrap_or(Duration::from_secs(300))
 }

@@ -1,7 +1,7 @@
-//! What the leader remembers of each At between reconciles, in one place with one `forget`:
-//! the resourceVersion its last status write replaced (a cache still showing it is stale), its
-//! consecutive failures (for the backoff), when it is looked at again (`Wakeups`), and whether a
-//! version of it is quarantined after a panic; and, between the look that found work for an At
+//! What the leader remembers of each At between reconciles, in one place with one `forget`
+//! (when it is looked at again is the `scheduler`'s): the resourceVersion its last status write
+//! replaced (a cache still showing it is stale), and whether a version of it is quarantined
+//! after a panic; and, between the look that found work for an At
 //! and its reconcile, the At as that look decoded it (`decoded`: decompressed and decoded once
 //! per change, not twice). Every map is keyed by `AtKey` and gives its spare room back after a
 //! burst.
@@ -9,9 +9,8 @@
 use crate::api::{At, Phase};
 use crate::operator::contain::Quarantine;
 use crate::operator::key::AtKey;
-use crate::operator::reconcile::wakeups::Wakeups;
-use crate::operator::spare::shrink_if_sparse;
-use std::collections::{HashMap, HashSet};
+use crate::operator::spare::{remove, shrink_if_sparse};
+use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex};
 
@@ -19,10 +18,6 @@ use std::sync::{Arc, Mutex};
 pub struct Ledger {
     /// The resourceVersion our last status write replaced, and the phase it wrote.
     superseded: Mutex<HashMap<AtKey, (String, Phase)>>,
-    /// Consecutive failed reconciles.
-    pub(crate) failures: Mutex<HashMap<AtKey, u32>>,
-    /// When settled Ats (and failed follow-up writes) are looked at again.
-    wakeups: Arc<Wakeups>,
     /// At versions whose handling panicked: skipped until they change (see `contain`).
     quarantine: Arc<Quarantine>,
     /// Ats a look found work for, as it decoded them, until their reconcile takes them.
@@ -33,9 +28,6 @@ pub struct Ledger {
     /// MB, not 10).
     pending_written: Mutex<HashMap<u64, u64>>,
     hasher: RandomState,
-    /// Ats whose pod create was put off because the At cache was behind: reconciled again as
-    /// soon as it has caught up.
-    deferred: Mutex<HashSet<AtKey>>,
 }
 
 /// Ats kept in `pending_written` at most; past this they are dropped all at once (pod creates
@@ -51,19 +43,11 @@ impl Ledger {
     pub fn new(quarantine: Arc<Quarantine>) -> Self {
         Ledger {
             superseded: Mutex::default(),
-            failures: Mutex::default(),
-            wakeups: Arc::default(),
             quarantine,
             decoded: Mutex::default(),
             pending_written: Mutex::default(),
             hasher: RandomState::new(),
-            deferred: Mutex::default(),
         }
-    }
-
-    /// When Ats are looked at again.
-    pub fn wakeups(&self) -> &Arc<Wakeups> {
-        &self.wakeups
     }
 
     /// The replica's quarantine.
@@ -71,26 +55,21 @@ impl Ledger {
         &self.quarantine
     }
 
-    /// Drops everything kept for `at`: its backoff, its last write, its quarantine, its wakeup.
+    /// Drops everything kept for `at`: its last write, its quarantine, its decoded copy.
     pub fn forget(&self, at: &AtKey) {
-        remove(&self.failures, at);
         remove(&self.superseded, at);
         remove(&self.decoded, at);
         self.forget_pending_written(at);
-        lock(&self.deferred).remove(at);
         self.quarantine.remove(at);
-        self.wakeups.clear(at);
     }
 
     /// Drops what is kept for Ats `known` does not hold any more.
     pub fn retain(&self, known: impl Fn(&AtKey) -> bool) {
         let dropped: Vec<AtKey> = {
-            let failures = lock(&self.failures);
             let superseded = lock(&self.superseded);
             let decoded = lock(&self.decoded);
-            failures
+            superseded
                 .keys()
-                .chain(superseded.keys())
                 .chain(decoded.keys())
                 .filter(|k| !known(k))
                 .cloned()
@@ -99,14 +78,11 @@ impl Ledger {
         for at in dropped {
             self.forget(&at);
         }
-        self.wakeups.retain(known);
     }
 
-    /// Entries kept now: failures, last writes, wakeups (for tests of forgetting).
-    pub fn kept(&self) -> (usize, usize, usize) {
-        let failures = lock(&self.failures).len();
-        let superseded = lock(&self.superseded).len();
-        (failures, superseded, self.wakeups.len())
+    /// Last writes kept now (for tests of forgetting).
+    pub fn kept(&self) -> usize {
+        lock(&self.superseded).len()
     }
 
     /// The phase our last write gave `at` if the version seen is the one that write replaced
@@ -175,32 +151,9 @@ impl Ledger {
         }
     }
 
-    /// `at`'s pod create was put off: the At cache was behind.
-    pub fn deferred(&self, at: AtKey) {
-        lock(&self.deferred).insert(at);
-    }
-
-    /// The Ats whose pod create was put off, now to be reconciled again.
-    pub fn take_deferred(&self) -> Vec<AtKey> {
-        lock(&self.deferred).drain().collect()
-    }
-
     /// The write recorded for `at` did not land.
     pub fn unwritten(&self, at: &AtKey) {
         remove(&self.superseded, at);
-    }
-
-    /// One more failure of `at`: how many in a row that makes.
-    pub fn failed(&self, at: &AtKey) -> u32 {
-        let mut failures = lock(&self.failures);
-        let count = failures.entry(at.clone()).or_insert(0);
-        *count += 1;
-        *count
-    }
-
-    /// `at` succeeded: its backoff starts over.
-    pub fn succeeded(&self, at: &AtKey) {
-        remove(&self.failures, at);
     }
 
     /// Keeps `at`, as a look that found work decoded it, for its reconcile (`take_decoded`).
@@ -233,15 +186,6 @@ impl Ledger {
 
 fn lock<T>(map: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     map.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Removes `at`'s entry from a per-At map, giving back the map's spare room once it is mostly
-/// empty (after a burst).
-fn remove<V>(map: &Mutex<HashMap<AtKey, V>>, at: &AtKey) {
-    let mut map = lock(map);
-    if map.remove(at).is_some() {
-        shrink_if_sparse(&mut map);
-    }
 }
 
 #[cfg(test)]
