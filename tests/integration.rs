@@ -35,5 +35,7 @@ mod process;
 mod prometheus;
 #[path = "integration/properties.rs"]
 mod properties;
+#[path = "integration/structure.rs"]
+mod structure;
 #[path = "integration/webhook.rs"]
 mod webhook;

@@ -11,7 +11,8 @@ use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
 use crate::operator::pods_first::InFlight;
 use crate::operator::policy::RunPolicy;
-use crate::operator::reconcile::{self, error_policy, reconcile, Caches, Context};
+use crate::operator::reconcile::calls::Caches;
+use crate::operator::reconcile::{self, error_policy, reconcile, Context};
 use crate::operator::signing;
 use crate::operator::triggers;
 use crate::operator::{finalizer, pod};
@@ -94,7 +95,7 @@ pub async fn run_with_cache(
             client,
             caches,
             events,
-            Box::new(Utc::now),
+            Arc::new(Utc::now),
             metrics.clone(),
             settings.policy.clone(),
             cache.quarantine().clone(),
@@ -288,11 +289,11 @@ fn spawn_tasks(
         orphaned,
         ctx.clone(),
         "orphan release",
-        |ctx, found| async move { ctx.release_orphan(&found).await },
+        |ctx, found| async move { ctx.calls().release_orphan(&found).await },
     ));
     if let Some(unlabelled) = unlabelled {
         let label = |ctx: Arc<Context>, found: ObjectRef<Pod>| async move {
-            ctx.label_pod_with_shard(&found).await
+            ctx.calls().label_pod_with_shard(&found).await
         };
         tasks.spawn(each_pod(
             unlabelled,

@@ -5,7 +5,7 @@
 //! again, and, while a leader records, until the pod's outcome is recorded.
 
 use crate::api::{At, Phase};
-use crate::operator::{pod, FIELD_MANAGER};
+use crate::operator::{key, FIELD_MANAGER};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, ResourceExt};
@@ -51,7 +51,7 @@ impl<'a> Held<'a> {
         Held {
             name: pod.metadata.name.as_deref().unwrap_or_default(),
             deleting: pod.metadata.deletion_timestamp.is_some(),
-            controller: pod::controller(pod).map(|owner| owner.uid.as_str()),
+            controller: key::controller(pod).map(|owner| owner.uid.as_str()),
         }
     }
 }

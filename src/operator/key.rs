@@ -4,11 +4,22 @@
 //! runtime wants one. Looked up by `&str` too (`Borrow<str>`), so `map["ns/name"]` works.
 
 use crate::api::At;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use std::borrow::Borrow;
 use std::fmt;
 use std::sync::Arc;
+
+/// The owner reference of `object`'s controller: for a pod cnat created, the At it runs for.
+pub fn controller(object: &impl Resource) -> Option<&OwnerReference> {
+    object
+        .meta()
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|owner| owner.controller == Some(true))
+}
 
 /// `namespace/name` of an At.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

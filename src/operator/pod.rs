@@ -3,6 +3,7 @@
 
 use crate::api::{At, AtStatus};
 use crate::operator::finalizer;
+use crate::operator::key::controller;
 use crate::operator::policy::RunPolicy;
 use crate::operator::signing::{Key, Signing, SIGNATURE_LEN};
 use chrono::{DateTime, Utc};
@@ -10,7 +11,7 @@ use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerStatus, Pod, PodSecurityContext, PodSpec, SeccompProfile,
     SecurityContext,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kube::{Resource, ResourceExt};
 use thiserror::Error;
 
@@ -277,13 +278,6 @@ pub fn is_cnats(pod: &Pod, at: &At, signing: &Signing) -> bool {
 /// Whether `pod` is controlled by the At with this uid.
 pub fn is_controlled_by(pod: &Pod, at_uid: &str) -> bool {
     controller(pod).is_some_and(|owner| owner.uid == at_uid)
-}
-
-/// The owner reference of `pod`'s controller (the At that created it), if any.
-pub fn controller(pod: &Pod) -> Option<&OwnerReference> {
-    pod.owner_references()
-        .iter()
-        .find(|owner| owner.controller == Some(true))
 }
 
 /// What the state machine needs to know about a pod.

@@ -10,7 +10,7 @@
 
 use crate::api::At;
 use crate::operator::finalizer::{self, Held, Recorder, Removed};
-use crate::operator::{pod, FIELD_MANAGER};
+use crate::operator::{key, pod, FIELD_MANAGER};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{ListParams, Patch, PatchParams};
@@ -192,7 +192,7 @@ pub async fn release_all(client: Client, namespace: Option<&str>) -> Result<Rele
 
 async fn release_if_recorded(client: &Client, namespace: &str, found: Pod) -> Outcome {
     let ats: Api<At> = Api::namespaced(client.clone(), namespace);
-    let at = match pod::controller(&found) {
+    let at = match key::controller(&found) {
         Some(owner) => match ats.get_opt(&owner.name).await {
             Ok(at) => at,
             Err(error) => return Outcome::Kept(format!("reading its At: {error}")),

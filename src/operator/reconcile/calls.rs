@@ -3,25 +3,69 @@
 //! shard, and deleting a finished At.
 
 use super::decide::{self, PodObservation};
-use super::{key, namespace, uid, Context, Error};
-use crate::api::{At, Phase};
-use crate::operator::finalizer::{self, Held, Recorder, Removed};
-use crate::operator::key::AtKey;
+use super::error::Error;
+use super::ledger::Ledger;
 use super::scheduler;
+use crate::api::{At, Phase};
+use crate::observability::metrics::Metrics;
+use crate::operator::cache::freshness::Freshness;
+use crate::operator::finalizer::{self, Held, Recorder, Removed};
+use crate::operator::key::{self, AtKey};
+use crate::operator::pods_first::PodsFirst;
+use crate::operator::policy::RunPolicy;
+use crate::operator::signing::Signing;
 use crate::operator::FIELD_MANAGER;
 use crate::{operator::pod, operator::slow_start, schedule, shard};
+use backon::Retryable;
+use chrono::{DateTime, Utc};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
-use kube::runtime::reflector::ObjectRef;
-use kube::{Api, ResourceExt};
-use backon::Retryable;
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Api, Client, ResourceExt};
+use std::sync::Arc;
 use tracing::{debug, info, warn};
 
 /// Attempts to release the pod of a deleted At before leaving it to the next relist or leader.
 const ORPHAN_ATTEMPTS: usize = 6;
 
-impl Context {
+/// The wall clock, injected so tests control time.
+pub type Clock = Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>;
+
+/// What the executor sees of the cluster besides the At it reconciles: this leadership's pod
+/// cache, and whether the replica's At cache is caught up with the API server.
+pub struct Caches {
+    pub pods: Store<Pod>,
+    pub ats: Freshness,
+}
+
+/// The API calls of one leadership besides status writes, and what they need.
+pub struct Calls {
+    pub(super) client: Client,
+    pub(super) caches: Caches,
+    /// Signs the pods this leader creates, and tells cnat's pods from others.
+    pub(super) signing: Signing,
+    pub(super) policy: RunPolicy,
+    pub(super) metrics: Arc<Metrics>,
+    /// Confirms creates by this leadership's own last write, and records those made.
+    pub(super) ledger: Arc<Ledger>,
+    pub(super) clock: Clock,
+}
+
+/// `at`'s namespace (`""` for none).
+pub(super) fn namespace(at: &At) -> String {
+    at.namespace().unwrap_or_default()
+}
+
+fn uid(at: &At) -> String {
+    at.uid().unwrap_or_default()
+}
+
+fn key(at: &At) -> AtKey {
+    AtKey::from(at)
+}
+
+impl Calls {
     fn at_api(&self, at: &At) -> Api<At> {
         Api::namespaced(self.client.clone(), &namespace(at))
     }
@@ -126,7 +170,7 @@ impl Context {
             if shard::value_of(current.metadata.labels.as_ref()).is_some() {
                 return Ok(None);
             }
-            let Some(owner) = pod::controller(&current) else {
+            let Some(owner) = key::controller(&current) else {
                 return Ok(None);
             };
             let at = ats.get_opt(&owner.name).await?;
@@ -163,7 +207,7 @@ impl Context {
         let Some(current) = pods.get_opt(&found.name).await? else {
             return Ok(Removed::Gone);
         };
-        let at = match pod::controller(&current) {
+        let at = match key::controller(&current) {
             Some(owner) => {
                 let ats: Api<At> = Api::namespaced(self.client.clone(), namespace);
                 ats.get_opt(&owner.name).await?
@@ -201,7 +245,11 @@ impl Context {
     }
 
     /// Creates the pod once the API server confirms the At as decided on (`confirm`).
-    pub(super) async fn create_pod(&self, at: &At) -> Result<Created, Error> {
+    pub(super) async fn create_pod(
+        &self,
+        at: &At,
+        pods_first: &PodsFirst,
+    ) -> Result<Created, Error> {
         let params = PostParams {
             field_manager: Some(FIELD_MANAGER.into()),
             ..PostParams::default()
@@ -211,7 +259,6 @@ impl Context {
             debug!(at = %key(at), "the At cache is behind the API server (listing, or its watch not open or silent); the pod create waits for it");
             return Ok(Created::Behind);
         }
-        let pods_first = self.writer.pods_first();
         let creating = pods_first.creating.enter();
         if !self.confirm(at).await? {
             return Ok(Created::Unconfirmed);

@@ -15,21 +15,18 @@ pub mod writer;
 
 use crate::api::{At, Phase};
 use crate::observability::metrics::Metrics;
-use crate::operator::cache::freshness::Freshness;
 use crate::operator::contain::{Panicked, Quarantine};
 use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;
 use crate::operator::signing::{Key, Signing};
 use crate::operator::{pod, reachability};
-use calls::Created;
+use calls::{Calls, Caches, Clock, Created};
 use ledger::Ledger;
 use scheduler::Scheduler;
 use chrono::{DateTime, Utc};
 use decide::{decide, Call, Decision};
-use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::Action;
-use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 use std::sync::Arc;
 use std::time::Instant;
@@ -44,25 +41,13 @@ pub use error::Error;
 /// A reconcile never needs more than: look up or create the pod, look it up again, decide.
 const MAX_STEPS: usize = 3;
 
-/// The wall clock, injected so tests control time.
-pub type Clock = Box<dyn Fn() -> DateTime<Utc> + Send + Sync>;
-
-/// What the executor sees of the cluster besides the At it reconciles: this leadership's pod
-/// cache, and whether the replica's At cache is caught up with the API server.
-pub struct Caches {
-    pub pods: Store<Pod>,
-    pub ats: Freshness,
-}
-
 /// What every reconcile shares: the executor's view of the cluster and the one writer.
 pub struct Context {
-    client: Client,
-    caches: Caches,
+    /// The API calls besides status writes.
+    calls: Calls,
     clock: Clock,
     metrics: Arc<Metrics>,
     policy: RunPolicy,
-    /// Signs the pods this leader creates, and tells cnat's pods from others.
-    signing: Signing,
     /// What is remembered of each At between reconciles.
     ledger: Arc<Ledger>,
     /// When each At is looked at again, and the retry policy.
@@ -87,14 +72,21 @@ impl Context {
         let scheduler = Arc::new(Scheduler::default());
         let (ledger_, scheduler_) = (ledger.clone(), scheduler.clone());
         let writer = Writer::new(client.clone(), events, metrics.clone(), ledger_, scheduler_);
-        Context {
+        let calls = Calls {
             client,
             caches,
+            // A key of its own until `with_signing` gives the replicas' shared one.
+            signing: Signing::new(Key::generate().0),
+            policy: policy.clone(),
+            metrics: metrics.clone(),
+            ledger: ledger.clone(),
+            clock: clock.clone(),
+        };
+        Context {
+            calls,
             clock,
             metrics,
             policy,
-            // A key of its own until `with_signing` gives the replicas' shared one.
-            signing: Signing::new(Key::generate().0),
             ledger,
             scheduler,
             writer: Arc::new(writer),
@@ -105,6 +97,11 @@ impl Context {
     /// The one writer of statuses and events.
     pub fn writer(&self) -> &Arc<Writer> {
         &self.writer
+    }
+
+    /// The API calls besides status writes.
+    pub fn calls(&self) -> &Calls {
+        &self.calls
     }
 
     /// When each At is looked at again.
@@ -131,7 +128,7 @@ impl Context {
     /// Signs pods with `signing`'s key and takes only pods it signed (or older than signing) for
     /// Ats' own.
     pub fn with_signing(mut self, signing: Signing) -> Self {
-        self.signing = signing;
+        self.calls.signing = signing;
         self
     }
 
@@ -140,12 +137,6 @@ impl Context {
     pub fn forget_all_but(&self, known: impl Fn(&AtKey) -> bool) {
         self.ledger.retain(&known);
         self.scheduler.retain(known);
-    }
-
-    /// Entries kept per At now: backoffs, last writes, wakeups (for tests of forgetting).
-    pub fn kept(&self) -> (usize, usize, usize) {
-        let (failures, wakeups) = self.scheduler.kept();
-        (failures, self.ledger.kept(), wakeups)
     }
 
     /// A panic while handling `at` at `place`: logged once with the At and the panic, counted,
@@ -171,8 +162,8 @@ impl Context {
     pub async fn look_again(self: Arc<Self>) {
         let probe = self
             .scheduler
-            .probe(|| reachability::answers(&self.client));
-        let deferred = self.scheduler.wake_deferred(&self.caches.ats);
+            .probe(|| reachability::answers(&self.calls.client));
+        let deferred = self.scheduler.wake_deferred(&self.calls.caches.ats);
         tokio::join!(probe, deferred);
     }
 
@@ -193,7 +184,7 @@ impl Context {
         // Its pod waits for cnat's finalizer to go (terminating, or its outcome recorded): only a
         // reconcile, which sees the pod, decides that (a terminating or ended pod changes no
         // more, so nothing else would bring it).
-        if self.held_pod_of(&at_key).is_some() || self.holds_finished_pod(at) {
+        if self.calls.held_pod_of(&at_key).is_some() || self.calls.holds_finished_pod(at) {
             wakeups.clear(&at_key);
             return true;
         }
@@ -242,7 +233,7 @@ impl Context {
 pub async fn reconcile(at: Arc<At>, ctx: Arc<Context>) -> Result<Action, Error> {
     let span = info_span!(
         "reconcile",
-        "at.namespace" = %namespace(&at),
+        "at.namespace" = %calls::namespace(&at),
         "at.name" = %at.name_any(),
         "phase.before" = at.phase().as_str(),
         "phase.after" = Empty,
@@ -267,7 +258,8 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
     // with its pod (whose fixed name makes the create idempotent).
     let stale = ctx.is_stale(at);
     let now = (ctx.clock)();
-    let mut observation = ctx.cached_pod(at);
+    let calls = &ctx.calls;
+    let mut observation = calls.cached_pod(at);
     let mut taken = Vec::new();
     for _ in 0..MAX_STEPS {
         let decision = decide(at, &observation, now, &ctx.policy);
@@ -284,21 +276,21 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
             // flight; a refused pod's status is written here, before the error backs off.
             Call::Nothing if decision.retry => return ctx.commit(at, decision, now).await,
             Call::Nothing => return Ok(ctx.defer(at, decision, now)),
-            Call::LookUpPod => ctx.fetch_pod(at).await?,
-            Call::DeleteAt => return ctx.delete_at(at).await,
-            Call::DeletePod => match ctx.delete_pod(at).await? {
+            Call::LookUpPod => calls.fetch_pod(at).await?,
+            Call::DeleteAt => return calls.delete_at(at).await,
+            Call::DeletePod => match calls.delete_pod(at).await? {
                 None => return Ok(ctx.defer(at, decision, now)),
                 // Gone, ended or replaced meanwhile: decided again on what it is.
                 Some(found) => found,
             },
-            Call::ReleasePod => ctx.release_pod(at).await?,
-            Call::CreatePod => match ctx.create_pod(at).await? {
+            Call::ReleasePod => calls.release_pod(at).await?,
+            Call::CreatePod => match calls.create_pod(at, ctx.writer.pods_first()).await? {
                 Created::Yes => return Ok(ctx.defer(at, decision, now)),
                 Created::Found(found) => found,
                 // The watch brings the API server's version; the decision is made on that.
                 Created::Unconfirmed => return Ok(Action::await_change()),
                 // Decided again on what the cache holds once it caught up.
-                Created::Behind => return Ok(ctx.scheduler.behind(key(at), &ctx.caches.ats)),
+                Created::Behind => return Ok(ctx.scheduler.behind(key(at), &calls.caches.ats)),
             },
         };
     }
@@ -349,7 +341,8 @@ impl Context {
                 reason,
             });
         }
-        Ok(self.succeeded(at, &decision, decided_at))
+        self.scheduler.succeeded(&key(at));
+        Ok(self.settled(at, &decision, decided_at))
     }
 
     /// Queues the decided status write and event behind the pod creates in flight (see
@@ -358,24 +351,18 @@ impl Context {
         // With a write queued, the failures in a row are counted on until it is written, so
         // that a write failing again and again backs off and is reported.
         if decision.status.is_none() {
-            return self.succeeded(at, &decision, decided_at);
+            self.scheduler.succeeded(&key(at));
+            return self.settled(at, &decision, decided_at);
         }
         let action = self.settled(at, &decision, decided_at);
         self.writer.queue(Target::of(at), decision);
         action
     }
 
-    /// Resets the backoff and sets when to look again, shortened by the time spent since
-    /// `decided_at`, in the wake-up index: not as a requeue of the runtime, whose queue would
-    /// hold an entry per waiting At (about 400 bytes each, its tables never shrinking) beside
-    /// the index's (docs/src/performance/changelog.md).
-    fn succeeded(&self, at: &At, decision: &Decision, decided_at: DateTime<Utc>) -> Action {
-        self.scheduler.succeeded(&key(at));
-        self.settled(at, decision, decided_at)
-    }
-
-    /// `succeeded` without resetting the backoff: records the phase decided on and sets when
-    /// to look again (or earlier, if its wakeup already says so).
+    /// Records the phase decided on and sets when to look again (or earlier, if its wakeup
+    /// already says so), shortened by the time spent since `decided_at`, in the wake-up index:
+    /// not as a requeue of the runtime, whose queue would keep an entry per waiting At, its
+    /// tables never shrinking, beside the index's.
     fn settled(&self, at: &At, decision: &Decision, decided_at: DateTime<Utc>) -> Action {
         let span = Span::current();
         let after = decision.status.as_ref().map_or(at.phase(), |s| s.phase);
@@ -403,14 +390,6 @@ fn call_name(call: Call) -> &'static str {
         Call::ReleasePod => "release-pod",
         Call::DeletePod => "delete-pod",
     }
-}
-
-fn namespace(at: &At) -> String {
-    at.namespace().unwrap_or_default()
-}
-
-fn uid(at: &At) -> String {
-    at.uid().unwrap_or_default()
 }
 
 /// `namespace/name`, how logs and errors name an At, and what per-At maps are keyed by.

@@ -16,7 +16,8 @@
 use super::backlog::{self, Backlog};
 use super::queue::Queue;
 use super::wakeups::Wakeups;
-use super::{glitch, Error};
+use super::error::Error;
+use super::glitch;
 use crate::operator::cache::freshness::Freshness;
 use crate::operator::key::AtKey;
 use crate::operator::reachability::{self, Reachability};

@@ -4,7 +4,9 @@
 use super::*;
 use crate::api::{AtSpec, AtStatus, Phase};
 use crate::observability::metrics::Metrics;
-use crate::operator::cache::freshness::{Following, SILENCE};
+use crate::operator::cache::freshness::{Following, Freshness, SILENCE};
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::reflector::Store;
 use crate::operator::policy::RunPolicy;
 use crate::operator::slow_start;
 use decide::PodObservation;
@@ -155,7 +157,7 @@ struct Harness {
 fn harness(script: Vec<Exchange>) -> Harness {
     harness_at(
         script,
-        Box::new(|| DateTime::parse_from_rfc3339(NOW).unwrap().to_utc()),
+        Arc::new(|| DateTime::parse_from_rfc3339(NOW).unwrap().to_utc()),
     )
 }
 
@@ -568,7 +570,7 @@ async fn own_pending_write(labelled: bool) {
     let now = Arc::new(std::sync::Mutex::new(
         DateTime::parse_from_rfc3339(NOW).unwrap().to_utc(),
     ));
-    let clock: Clock = Box::new({
+    let clock: Clock = Arc::new({
         let now = now.clone();
         move || *now.lock().unwrap()
     });
@@ -622,7 +624,7 @@ async fn own_pending_write(labelled: bool) {
                 answer("PATCH", STATUS, 200, at_response(&running_status())),
                 answer("POST", EVENTS, 201, created_event()),
             ],
-            Box::new(move || due),
+            Arc::new(move || due),
         );
         at.metadata.resource_version = Some(version.into());
         h.reconcile(at.clone()).await.unwrap();
@@ -647,7 +649,7 @@ async fn no_pod_is_created_from_an_at_cache_that_is_behind() {
     let mut retriggers = h.ctx.scheduler.retriggers().unwrap().boxed();
     let waker = tokio::spawn({
         let ctx = h.ctx.clone();
-        async move { ctx.scheduler.wake_deferred(&ctx.caches.ats).await }
+        async move { ctx.scheduler.wake_deferred(&ctx.calls.caches.ats).await }
     });
     let at = example_at(None);
     for behind in [Following::Listing, Following::Connecting] {
@@ -1180,7 +1182,7 @@ async fn the_requeue_is_shortened_by_the_time_the_reconcile_took() {
     use std::sync::atomic::{AtomicI64, Ordering};
     // Every look at the clock is 100 ms later than the one before.
     let ticks = AtomicI64::new(0);
-    let clock: Clock = Box::new(move || {
+    let clock: Clock = Arc::new(move || {
         let start = DateTime::parse_from_rfc3339(NOW).unwrap().to_utc();
         start + chrono::Duration::milliseconds(100 * ticks.fetch_add(1, Ordering::SeqCst))
     });
@@ -1331,7 +1333,7 @@ async fn an_answer_that_refuses_is_not_an_outage() {
 async fn an_at_due_while_its_pending_write_waits_gets_its_pod_without_waiting() {
     use std::sync::atomic::{AtomicI64, Ordering};
     let offset = Arc::new(AtomicI64::new(0));
-    let clock: Clock = Box::new({
+    let clock: Clock = Arc::new({
         let offset = offset.clone();
         move || {
             DateTime::parse_from_rfc3339(NOW).unwrap().to_utc()
@@ -1405,6 +1407,12 @@ async fn events_wait_until_no_status_write_is_queued_but_at_most_two_seconds() {
     assert_event(&sent[1], "Normal", "Scheduled");
 }
 
+/// Entries kept per At: backoffs, last writes, wake-ups.
+fn kept(ctx: &Context) -> (usize, usize, usize) {
+    let (failures, wakeups) = ctx.scheduler.kept();
+    (failures, ctx.ledger.kept(), wakeups)
+}
+
 #[tokio::test]
 async fn a_deleted_at_leaves_nothing_behind_in_the_leader_s_maps() {
     let h = harness(vec![]);
@@ -1422,9 +1430,9 @@ async fn a_deleted_at_leaves_nothing_behind_in_the_leader_s_maps() {
         at_ref.clone(),
         tokio::time::Instant::now() + Duration::from_secs(3600),
     );
-    assert_eq!(h.ctx.kept(), (1, 1, 1));
+    assert_eq!(kept(&h.ctx), (1, 1, 1));
     h.ctx.forget(&at_ref);
-    assert_eq!(h.ctx.kept(), (0, 0, 0));
+    assert_eq!(kept(&h.ctx), (0, 0, 0));
 
     // Deletions a relist did not report one by one: only Ats still known keep their entries.
     let mut other = example_at(None);
@@ -1437,7 +1445,7 @@ async fn a_deleted_at_leaves_nothing_behind_in_the_leader_s_maps() {
         );
     }
     h.ctx.forget_all_but(|known| known.name() == "other");
-    assert_eq!(h.ctx.kept(), (1, 0, 1));
+    assert_eq!(kept(&h.ctx), (1, 0, 1));
     h.finish(0).await;
 }
 
@@ -1539,7 +1547,7 @@ fn set_clock_and_cache(
     Store<crate::operator::cache::CachedAt>,
 ) {
     let now = Arc::new(std::sync::Mutex::new(start));
-    let clock: Clock = Box::new({
+    let clock: Clock = Arc::new({
         let now = now.clone();
         move || *now.lock().unwrap()
     });

@@ -9,7 +9,7 @@ use super::decide::{Decision, Note, Severity};
 use super::ledger::Ledger;
 use super::queue::Queue;
 use super::scheduler::Scheduler;
-use super::Error;
+use super::error::Error;
 use crate::api::{At, AtStatus, Phase};
 use crate::observability::metrics::{Metrics, WriteResult};
 use crate::operator::events::EventSink;

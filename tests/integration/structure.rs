@@ -1,0 +1,334 @@
+//! The shape of `src/`, held where it is so that it does not drift: its size outside tests, the
+//! size of its largest file, the reconcile `Context` (fields, methods, files), and no circle in
+//! the imports between its modules. Each limit is today's figure: lower it when the code
+//! shrinks; raise it only on purpose, in a commit that says why.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use syn::visit::Visit;
+
+/// Lines of `src/` outside tests (`tests.rs` files and `#[cfg(test)]` items left out).
+const SRC_LINES: usize = 23_100;
+/// Lines of the largest file of `src/`, outside tests.
+const FILE_LINES: usize = 1_110;
+/// Fields of `reconcile::Context`.
+const CONTEXT_FIELDS: usize = 8;
+/// Methods of `reconcile::Context`, and the files its `impl` blocks are in.
+const CONTEXT_METHODS: usize = 20;
+const CONTEXT_FILES: usize = 1;
+
+/// One module of the crate: its path (`operator::reconcile`) and what it is made of.
+struct Module {
+    file: PathBuf,
+    /// Lines outside tests.
+    lines: usize,
+    /// The modules its `use` declarations name (the longest prefix that is a module).
+    imports: BTreeSet<String>,
+}
+
+fn src() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
+}
+
+/// `src/a/b.rs` and `src/a/b/mod.rs` are `a::b`; `lib.rs` and `main.rs` are the root (`""`).
+fn module_path(file: &Path) -> String {
+    let relative = file.strip_prefix(src()).unwrap().with_extension("");
+    let mut parts: Vec<String> = relative
+        .iter()
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect();
+    if matches!(parts.last().map(String::as_str), Some("mod" | "lib")) {
+        parts.pop();
+    }
+    parts.join("::")
+}
+
+fn is_test(attrs: &[syn::Attribute]) -> bool {
+    attrs.iter().any(|attr| {
+        attr.path().is_ident("cfg")
+            && attr
+                .parse_args::<syn::Meta>()
+                .is_ok_and(|meta| meta.path().is_ident("test"))
+    })
+}
+
+/// The files of `src/` outside tests.
+fn files() -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut dirs = vec![src()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs")
+                && path.file_name().is_some_and(|n| n != "tests.rs")
+            {
+                found.push(path);
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Every `use` path of a file outside test items, as segments, with `self`/`super`/`crate`
+/// resolved against `module` (paths of other crates start with the crate's name).
+#[derive(Default)]
+struct Uses {
+    module: Vec<String>,
+    paths: Vec<Vec<String>>,
+    test_lines: usize,
+    context_fields: Option<usize>,
+    context_methods: usize,
+}
+
+impl Uses {
+    fn tree(&mut self, prefix: Vec<String>, tree: &syn::UseTree) {
+        match tree {
+            syn::UseTree::Path(p) => {
+                let mut next = prefix;
+                next.push(p.ident.to_string());
+                self.tree(next, &p.tree);
+            }
+            syn::UseTree::Name(n) => self.push(prefix, Some(n.ident.to_string())),
+            syn::UseTree::Rename(r) => self.push(prefix, Some(r.ident.to_string())),
+            syn::UseTree::Glob(_) => self.push(prefix, None),
+            syn::UseTree::Group(g) => g.items.iter().for_each(|t| self.tree(prefix.clone(), t)),
+        }
+    }
+
+    fn push(&mut self, mut path: Vec<String>, last: Option<String>) {
+        path.extend(last.filter(|l| l != "self"));
+        let mut resolved: Vec<String> = Vec::new();
+        let mut segments = path.into_iter().peekable();
+        match segments.peek().map(String::as_str) {
+            Some("crate") => {
+                segments.next();
+            }
+            Some("super" | "self") => resolved = self.module.clone(),
+            _ => {
+                // A child module of this one, or another crate (`std`, `kube`): the latter
+                // never resolves to a module of ours below.
+                resolved = self.module.clone();
+            }
+        }
+        for segment in segments {
+            match segment.as_str() {
+                "super" => {
+                    resolved.pop();
+                }
+                "self" => {}
+                _ => resolved.push(segment),
+            }
+        }
+        self.paths.push(resolved);
+    }
+}
+
+impl<'ast> Visit<'ast> for Uses {
+    fn visit_item(&mut self, item: &'ast syn::Item) {
+        let attrs = match item {
+            syn::Item::Mod(m) => &m.attrs,
+            syn::Item::Fn(f) => &f.attrs,
+            syn::Item::Impl(i) => &i.attrs,
+            syn::Item::Use(u) => &u.attrs,
+            syn::Item::Struct(s) => &s.attrs,
+            syn::Item::Const(c) => &c.attrs,
+            _ => return syn::visit::visit_item(self, item),
+        };
+        if is_test(attrs) {
+            let span = syn::spanned::Spanned::span(item);
+            self.test_lines += span.end().line + 1 - span.start().line;
+            return;
+        }
+        syn::visit::visit_item(self, item);
+    }
+
+    fn visit_item_use(&mut self, item: &'ast syn::ItemUse) {
+        self.tree(Vec::new(), &item.tree);
+    }
+
+    fn visit_item_struct(&mut self, item: &'ast syn::ItemStruct) {
+        if item.ident == "Context" && self.module.join("::") == "operator::reconcile" {
+            self.context_fields = Some(item.fields.len());
+        }
+    }
+
+    fn visit_item_impl(&mut self, item: &'ast syn::ItemImpl) {
+        let is_context = item.trait_.is_none()
+            && matches!(&*item.self_ty, syn::Type::Path(p) if p.path.is_ident("Context"));
+        if is_context && self.module.join("::").starts_with("operator::reconcile") {
+            self.context_methods += item
+                .items
+                .iter()
+                .filter(|i| matches!(i, syn::ImplItem::Fn(_)))
+                .count();
+        }
+        syn::visit::visit_item_impl(self, item);
+    }
+}
+
+/// The crate's modules, and what the reconcile `Context` is made of: (fields, methods by file).
+fn modules() -> (BTreeMap<String, Module>, usize, BTreeMap<PathBuf, usize>) {
+    let mut modules = BTreeMap::new();
+    let mut fields = 0;
+    let mut methods = BTreeMap::new();
+    for file in files() {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let parsed = syn::parse_file(&text).unwrap_or_else(|e| panic!("{file:?}: {e}"));
+        let path = module_path(&file);
+        let mut uses = Uses {
+            module: path.split("::").filter(|p| !p.is_empty()).map(Into::into).collect(),
+            ..Uses::default()
+        };
+        uses.visit_file(&parsed);
+        fields = uses.context_fields.unwrap_or(fields);
+        if uses.context_methods > 0 {
+            methods.insert(file.clone(), uses.context_methods);
+        }
+        let imports = uses
+            .paths
+            .iter()
+            .map(|p| p.join("::"))
+            .collect::<BTreeSet<_>>();
+        modules.insert(
+            path,
+            Module {
+                lines: text.lines().count() - uses.test_lines,
+                file,
+                imports,
+            },
+        );
+    }
+    // Each import names the longest prefix of its path that is a module of the crate.
+    let names: BTreeSet<String> = modules.keys().cloned().collect();
+    for module in modules.values_mut() {
+        module.imports = module
+            .imports
+            .iter()
+            .filter_map(|path| {
+                let mut segments: Vec<&str> = path.split("::").collect();
+                while !segments.is_empty() {
+                    let candidate = segments.join("::");
+                    if names.contains(&candidate) {
+                        return Some(candidate);
+                    }
+                    segments.pop();
+                }
+                None
+            })
+            .collect();
+    }
+    for (name, module) in modules.iter_mut() {
+        module.imports.remove(name);
+    }
+    (modules, fields, methods)
+}
+
+/// The circles in the import graph: each strongly connected set of two or more modules.
+fn circles(modules: &BTreeMap<String, Module>) -> Vec<Vec<String>> {
+    // Tarjan's algorithm, iteratively small enough to recurse: a few hundred modules.
+    struct Walk<'a> {
+        modules: &'a BTreeMap<String, Module>,
+        index: BTreeMap<&'a str, usize>,
+        low: BTreeMap<&'a str, usize>,
+        stack: Vec<&'a str>,
+        on_stack: BTreeSet<&'a str>,
+        found: Vec<Vec<String>>,
+    }
+    impl<'a> Walk<'a> {
+        fn visit(&mut self, name: &'a str) {
+            let n = self.index.len();
+            self.index.insert(name, n);
+            self.low.insert(name, n);
+            self.stack.push(name);
+            self.on_stack.insert(name);
+            for next in &self.modules[name].imports {
+                let next = next.as_str();
+                if !self.index.contains_key(next) {
+                    self.visit(next);
+                    let low = self.low[name].min(self.low[next]);
+                    self.low.insert(name, low);
+                } else if self.on_stack.contains(next) {
+                    let low = self.low[name].min(self.index[next]);
+                    self.low.insert(name, low);
+                }
+            }
+            if self.low[name] == self.index[name] {
+                let mut set = Vec::new();
+                while let Some(top) = self.stack.pop() {
+                    self.on_stack.remove(top);
+                    set.push(top.to_owned());
+                    if top == name {
+                        break;
+                    }
+                }
+                if set.len() > 1 {
+                    set.sort();
+                    self.found.push(set);
+                }
+            }
+        }
+    }
+    let mut walk = Walk {
+        modules,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        on_stack: BTreeSet::new(),
+        found: Vec::new(),
+    };
+    for name in modules.keys() {
+        if !walk.index.contains_key(name.as_str()) {
+            walk.visit(name);
+        }
+    }
+    walk.found
+}
+
+#[test]
+fn src_stays_within_its_size_and_the_reconcile_context_within_its_limits() {
+    let (modules, fields, methods) = modules();
+    let total: usize = modules.values().map(|m| m.lines).sum();
+    let largest = modules.values().max_by_key(|m| m.lines).unwrap();
+    eprintln!(
+        "src/ outside tests: {total} lines in {} files; largest {:?} ({} lines); Context: {fields} fields, {} methods in {:?}",
+        modules.len(),
+        largest.file,
+        largest.lines,
+        methods.values().sum::<usize>(),
+        methods
+    );
+    assert!(total <= SRC_LINES, "src/ outside tests has {total} lines, more than {SRC_LINES}");
+    assert!(
+        largest.lines <= FILE_LINES,
+        "{:?} has {} lines outside tests, more than {FILE_LINES}: split it by concern",
+        largest.file,
+        largest.lines
+    );
+    assert!(fields > 0 && fields <= CONTEXT_FIELDS, "Context has {fields} fields");
+    let count: usize = methods.values().sum();
+    assert!(
+        count > 0 && count <= CONTEXT_METHODS && methods.len() <= CONTEXT_FILES,
+        "Context has {count} methods in {} files: {methods:?}",
+        methods.len()
+    );
+}
+
+#[test]
+fn no_module_of_src_imports_one_that_imports_it_back() {
+    let (modules, _, _) = modules();
+    assert!(
+        modules["operator::reconcile"]
+            .imports
+            .contains("operator::reconcile::decide"),
+        "the import graph is read: {:?}",
+        modules["operator::reconcile"].imports
+    );
+    let found = circles(&modules);
+    assert!(
+        found.is_empty(),
+        "modules that import each other, in circles (move what both need into a module below them): {found:?}"
+    );
+}
