@@ -13,7 +13,7 @@ use kube::{Api, ResourceExt};
 /// Finalizer on every pod cnat creates: the pod object stays (terminating) until the At's status
 /// records it, so a pod deleted before that write landed (a leader change in between) is still
 /// seen by the next leader, which reports it instead of creating a second one. cnat removes it
-/// once the status names the pod, or when the At is gone or going.
+/// as `may_go` says.
 pub const FINALIZER: &str = "cnat.programming-kubernetes.info/run-once";
 
 /// Whether `pod` carries cnat's finalizer.

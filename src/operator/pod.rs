@@ -288,7 +288,7 @@ pub struct PodView {
     pub end: Option<PodEnd>,
     /// Being deleted (it has a deletionTimestamp).
     pub deleting: bool,
-    /// Carries cnat's `FINALIZER`.
+    /// Carries cnat's finalizer (`finalizer::FINALIZER`).
     pub held: bool,
     /// Why it has not started the command, when it is stuck (not merely on its way).
     pub waiting: Option<Waiting>,

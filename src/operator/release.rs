@@ -2,7 +2,8 @@
 //! replica will run again (`helm uninstall` runs it in a pre-delete hook). The finalizer keeps a
 //! pod until its At's status names it, so that a pod deleted before its `Running` write landed
 //! is seen by the next leader instead of run again. So a pod is let go only when its At's status
-//! names it (`Running` or `Done`), or its At is gone (or is another At by that name now); a pod
+//! names it (`Running` or `Done`), its At is gone (or is another At by that name now), or both
+//! are being deleted (`finalizer::may_go`); a pod
 //! of an At whose status does not name it yet is kept and reported (a replica records it; run
 //! `cnat release` again after). An At left `Running` records nothing more until cnat runs again.
 //! Each pod is patched with its resourceVersion as precondition (other finalizers stay); one

@@ -179,7 +179,11 @@ fn modules() -> (BTreeMap<String, Module>, usize, BTreeMap<PathBuf, usize>) {
         let parsed = syn::parse_file(&text).unwrap_or_else(|e| panic!("{file:?}: {e}"));
         let path = module_path(&file);
         let mut uses = Uses {
-            module: path.split("::").filter(|p| !p.is_empty()).map(Into::into).collect(),
+            module: path
+                .split("::")
+                .filter(|p| !p.is_empty())
+                .map(Into::into)
+                .collect(),
             ..Uses::default()
         };
         uses.visit_file(&parsed);
@@ -300,14 +304,20 @@ fn src_stays_within_its_size_and_the_reconcile_context_within_its_limits() {
         methods.values().sum::<usize>(),
         methods
     );
-    assert!(total <= SRC_LINES, "src/ outside tests has {total} lines, more than {SRC_LINES}");
+    assert!(
+        total <= SRC_LINES,
+        "src/ outside tests has {total} lines, more than {SRC_LINES}"
+    );
     assert!(
         largest.lines <= FILE_LINES,
         "{:?} has {} lines outside tests, more than {FILE_LINES}: split it by concern",
         largest.file,
         largest.lines
     );
-    assert!(fields > 0 && fields <= CONTEXT_FIELDS, "Context has {fields} fields");
+    assert!(
+        fields > 0 && fields <= CONTEXT_FIELDS,
+        "Context has {fields} fields"
+    );
     let count: usize = methods.values().sum();
     assert!(
         count > 0 && count <= CONTEXT_METHODS && methods.len() <= CONTEXT_FILES,

@@ -107,7 +107,7 @@ impl Backlog {
     }
 
     /// `at` no longer waits: its reconcile started (`started`) or the runtime dropped its request
-    /// (`Context::request_dropped`). An At deleted meanwhile still waits until one of those.
+    /// (`Scheduler::request_dropped`). An At deleted meanwhile still waits until one of those.
     pub fn left(&self, at: &AtKey) {
         let mut state = self.state();
         if state.waiting.remove(at) {

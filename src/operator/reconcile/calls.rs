@@ -139,19 +139,21 @@ impl Calls {
 
     /// Removes cnat's finalizer from a pod whose At is gone: nothing is left to record. The
     /// caches may lag, so the API server is asked first: a pod whose At still exists is left to
-    /// that At's reconcile (`finalizer::may_go`).
+    /// that At's reconcile, unless both are being deleted (`finalizer::may_go`).
     pub async fn release_orphan(&self, found: &ObjectRef<Pod>) {
         // Retried a few times with the one backoff (a terminating pod changes no more, so no
         // event would bring it back); past that, the next relist or the next leader finds it
         // again.
         let released = (|| self.try_release_orphan(found))
             .retry(scheduler::backoff().with_max_times(ORPHAN_ATTEMPTS - 1))
-            .notify(|error, _| debug!(pod = %found, %error, "removing cnat's finalizer failed; retrying"))
+            .notify(|error, retry_in| debug!(pod = %found, %error, ?retry_in, "removing cnat's finalizer failed; retrying"))
             .await;
         match released {
             Ok(Removed::Released(_)) => debug!(pod = %found, "released the pod of a deleted At"),
             Ok(_) => {}
-            Err(error) => warn!(pod = %found, %error, attempts = ORPHAN_ATTEMPTS, "could not remove cnat's finalizer from the pod of a deleted At; the next relist or leader tries again"),
+            Err(error) => {
+                warn!(pod = %found, %error, attempts = ORPHAN_ATTEMPTS, "could not remove cnat's finalizer from the pod of a deleted At; the next relist or leader tries again")
+            }
         }
     }
 
@@ -207,6 +209,9 @@ impl Calls {
         let Some(current) = pods.get_opt(&found.name).await? else {
             return Ok(Removed::Gone);
         };
+        if !finalizer::awaits_release(&current) {
+            return Ok(Removed::Kept(current));
+        }
         let at = match key::controller(&current) {
             Some(owner) => {
                 let ats: Api<At> = Api::namespaced(self.client.clone(), namespace);

@@ -1,6 +1,7 @@
 //! Reconciling Ats: `decide` is the pure state machine; this module carries its decisions out,
-//! one step at a time (`step`), with the pod calls in `calls` and every status write, event and
-//! retry in `writer`. Each reconcile is a `reconcile` span and is counted in the metrics.
+//! one step at a time (`step`), with the pod and At calls in `calls`, every status write and
+//! event in `writer`, and every next look and retry in `scheduler`. Each reconcile is a
+//! `reconcile` span and is counted in the metrics.
 
 pub mod backlog;
 pub mod calls;
@@ -21,13 +22,13 @@ use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;
 use crate::operator::signing::{Key, Signing};
 use crate::operator::{pod, reachability};
-use calls::{Calls, Caches, Clock, Created};
-use ledger::Ledger;
-use scheduler::Scheduler;
+use calls::{Caches, Calls, Clock, Created};
 use chrono::{DateTime, Utc};
 use decide::{decide, Call, Decision};
 use kube::runtime::controller::Action;
 use kube::{Client, ResourceExt};
+use ledger::Ledger;
+use scheduler::Scheduler;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -136,7 +137,11 @@ impl Context {
     /// feed did not report one by one).
     pub fn forget_all_but(&self, known: impl Fn(&AtKey) -> bool) {
         self.ledger.retain(&known);
-        self.scheduler.retain(known);
+        // An At known only by its failures (its write unrecorded) may still have a pending
+        // write or a quarantine kept in the ledger.
+        for at in self.scheduler.retain(known) {
+            self.ledger.forget(&at);
+        }
     }
 
     /// A panic while handling `at` at `place`: logged once with the At and the panic, counted,

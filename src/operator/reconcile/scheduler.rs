@@ -14,10 +14,10 @@
 //! `backoff` (0.5 s doubling to 5 minutes, with jitter).
 
 use super::backlog::{self, Backlog};
-use super::queue::Queue;
-use super::wakeups::Wakeups;
 use super::error::Error;
 use super::glitch;
+use super::queue::Queue;
+use super::wakeups::Wakeups;
 use crate::operator::cache::freshness::Freshness;
 use crate::operator::key::AtKey;
 use crate::operator::reachability::{self, Reachability};
@@ -203,15 +203,19 @@ impl Scheduler {
         self.wakeups.clear(at);
     }
 
-    /// Drops what is kept for Ats `known` does not hold any more.
-    pub fn retain(&self, known: impl Fn(&AtKey) -> bool) {
-        {
+    /// Drops what is kept for Ats `known` does not hold any more; returns those of them that
+    /// had failures counted.
+    pub fn retain(&self, known: impl Fn(&AtKey) -> bool) -> Vec<AtKey> {
+        let dropped = {
             let mut failures = lock(&self.failures);
+            let dropped: Vec<AtKey> = failures.keys().filter(|at| !known(at)).cloned().collect();
             failures.retain(|at, _| known(at));
             shrink_if_sparse(&mut failures);
-        }
+            dropped
+        };
         lock(&self.deferred).retain(|at| known(at));
         self.wakeups.retain(known);
+        dropped
     }
 
     /// Entries kept now: failures, wake-ups (for tests of forgetting).

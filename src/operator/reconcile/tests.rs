@@ -5,16 +5,16 @@ use super::*;
 use crate::api::{AtSpec, AtStatus, Phase};
 use crate::observability::metrics::Metrics;
 use crate::operator::cache::freshness::{Following, Freshness, SILENCE};
-use k8s_openapi::api::core::v1::Pod;
-use kube::runtime::reflector::Store;
 use crate::operator::policy::RunPolicy;
 use crate::operator::slow_start;
 use decide::PodObservation;
 use futures::StreamExt;
 use http::{Request, Response};
+use k8s_openapi::api::core::v1::Pod;
 use kube::client::Body;
 use kube::runtime::events::Reporter;
 use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::Store;
 use kube::runtime::{reflector, watcher};
 use serde_json::Value;
 use std::time::Duration;
@@ -271,7 +271,12 @@ fn harness_at(script: Vec<Exchange>, clock: Clock) -> Harness {
     tokio::spawn(ctx.writer.queued_writes().unwrap());
     let wakeups = tokio::spawn({
         let ctx = ctx.clone();
-        async move { ctx.scheduler.wakeups().run(|at| ctx.scheduler.wake_up(at)).await }
+        async move {
+            ctx.scheduler
+                .wakeups()
+                .run(|at| ctx.scheduler.wake_up(at))
+                .await
+        }
     });
     Harness {
         ctx,
@@ -319,7 +324,11 @@ impl Harness {
     /// How long until the next reconcile of the example At, as the wake-up index holds it
     /// (exact under paused time).
     fn wakes_in(&self) -> Option<Duration> {
-        let when = self.ctx.scheduler.wakeups().when(&AtKey::from(&example_at(None)))?;
+        let when = self
+            .ctx
+            .scheduler
+            .wakeups()
+            .when(&AtKey::from(&example_at(None)))?;
         Some(when.saturating_duration_since(tokio::time::Instant::now()))
     }
 
@@ -1124,7 +1133,9 @@ async fn success_resets_the_backoff() {
         answer("PATCH", STATUS, 200, at_response(&running_status())),
         answer("POST", EVENTS, 201, created_event()),
     ]);
-    h.ctx.scheduler.failures
+    h.ctx
+        .scheduler
+        .failures
         .lock()
         .unwrap()
         .insert(AtKey::new("default", "example-at"), 5);
@@ -1146,7 +1157,9 @@ async fn success_resets_the_backoff() {
 async fn a_queued_status_write_that_fails_again_counts_on() {
     let h = pod_created_then_status_write_fails();
     // Two failures in a row already (earlier writes of this status).
-    h.ctx.scheduler.failures
+    h.ctx
+        .scheduler
+        .failures
         .lock()
         .unwrap()
         .insert(AtKey::new("default", "example-at"), 2);
@@ -1279,7 +1292,9 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
     let mut retriggers = Box::pin(h.ctx.scheduler.retriggers().unwrap());
     let probe = tokio::spawn(h.ctx.clone().look_again());
     // The outage has lasted: eight failures already, so the backoff is past a minute.
-    h.ctx.scheduler.failures
+    h.ctx
+        .scheduler
+        .failures
         .lock()
         .unwrap()
         .insert(AtKey::new("default", "example-at"), 8);
@@ -1325,7 +1340,11 @@ async fn an_answer_that_refuses_is_not_an_outage() {
     h.store_unless_set(&at);
     let error = reconcile(at.clone(), h.ctx.clone()).await.unwrap_err();
     error_policy(at, &error, h.ctx.clone());
-    assert_eq!(h.ctx.scheduler.unreachable().waiting(), 0, "backs off instead");
+    assert_eq!(
+        h.ctx.scheduler.unreachable().waiting(),
+        0,
+        "backs off instead"
+    );
     h.finish(1).await;
 }
 
@@ -1603,7 +1622,11 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
     assert_eq!(h.ctx.scheduler.wakeups().len(), 1);
     let hour = chrono::Duration::from_std(HORIZON).unwrap();
     look_ahead_once(&h.ctx, &store, start + hour).await;
-    assert_eq!(h.ctx.scheduler.wakeups().len(), 1, "nothing new within the hour");
+    assert_eq!(
+        h.ctx.scheduler.wakeups().len(),
+        1,
+        "nothing new within the hour"
+    );
 
     // Two and a half hours later: `far` and `expiring` are within the hour and get their
     // entries, to the instant. `soon` is overdue, its entry taken (its reconcile is on its way):
@@ -1615,8 +1638,14 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
     look_ahead_once(&h.ctx, &store, later + hour).await;
     let t1 = tokio::time::Instant::now();
     let in_half_an_hour = t1 + Duration::from_secs(1800);
-    assert_eq!(h.ctx.scheduler.wakeups().when(&far_key), Some(in_half_an_hour));
-    assert_eq!(h.ctx.scheduler.wakeups().when(&expiring_key), Some(in_half_an_hour));
+    assert_eq!(
+        h.ctx.scheduler.wakeups().when(&far_key),
+        Some(in_half_an_hour)
+    );
+    assert_eq!(
+        h.ctx.scheduler.wakeups().when(&expiring_key),
+        Some(in_half_an_hour)
+    );
     assert_eq!(h.ctx.scheduler.wakeups().when(&soon_key), None);
     assert_eq!(h.ctx.scheduler.wakeups().when(&done_key), None);
     assert_eq!(h.ctx.scheduler.wakeups().len(), 2);

@@ -6,10 +6,10 @@
 //! fails is retried by the `scheduler`.
 
 use super::decide::{Decision, Note, Severity};
+use super::error::Error;
 use super::ledger::Ledger;
 use super::queue::Queue;
 use super::scheduler::Scheduler;
-use super::error::Error;
 use crate::api::{At, AtStatus, Phase};
 use crate::observability::metrics::{Metrics, WriteResult};
 use crate::operator::events::EventSink;
