@@ -1,8 +1,8 @@
 //! The Ats as every replica caches them, leader or not, so a replica that becomes leader starts
 //! from a full cache instead of listing every At first.
 //!
-//! `CachedAt` is an At in the form the cache keeps: at 100,000 Ats a typed `At` (872 bytes
-//! before its strings, each its own allocation) would be most of the operator's memory. It
+//! `CachedAt` is an At in the form the cache keeps: at 100,000 Ats a typed `At` (each string
+//! its own allocation) would be most of the operator's memory. It
 //! keeps the name and namespace (all the runtime's store and queue key on), the resourceVersion
 //! (which the watch resumes from), what the metrics read on every scrape (phase, due instant,
 //! namespace), and the rest of the At as its JSON, compressed by LZ4 against a dictionary of what

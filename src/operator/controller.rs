@@ -186,9 +186,9 @@ const UNLABELLED_REMEMBERED: usize = 10_000;
 
 /// Pods per page of the pod watch's lists. kube-client decodes a page whole before the pods
 /// are trimmed, and anyone who may create pods can label theirs as cnat's with up to the API
-/// server's 1.5 MB each: 10 a page bounds what a list holds at once to about 15 MB of text and
+/// server's limit each: 10 a page bounds what a list holds at once to ten such pods' text and
 /// what it decodes to (see `hostile::one_tenant_s_big_ats_and_pods...` and the security page).
-/// cnat's own pods are about 3 KB: a thousand take a hundred requests.
+/// A thousand of cnat's own pods take a hundred requests.
 const POD_LIST_PAGE: u32 = 10;
 
 /// The leader's pod watch (the pods `selector` selects), into its pod cache; a pod of a gone At

@@ -1,10 +1,9 @@
 //! Slow start for pod creates: when many Ats fall due together, the first creates go out two at a
 //! time and each create answered while the window was in use lets one more out, so the window
 //! doubles each round trip until the reconciles' own limit (`--concurrency`) is what holds them.
-//! The API server works on the creates it has at once side by side on the same cores: handed 32
-//! at the same instant, it likely answers the first only after about 32 creates' work (21
-//! bursts of 1000 on v1.24 and v1.37 put the first pod at 10-17 ms after due with slow start,
-//! against 21-30 ms in eight bursts on v1.24 before).
+//! The API server works on the creates it has at once side by side on the same cores: handed
+//! many at the same instant, it likely answers the first only after all their work (the
+//! performance pages measure the first pod of a burst with and without slow start).
 //!
 //! The window is in use while at least half of it is in flight (RFC 7661's test for a window
 //! in use): only an answer then widens it. An answer while it is not in use narrows it to twice

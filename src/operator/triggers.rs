@@ -113,8 +113,8 @@ fn needs_reconcile(ctx: &Context, cached: &CachedAt) -> bool {
 }
 
 /// Reconciles every cached At that needs it now; the others go into `wakeups`. Ats due within
-/// `DUE_SOON` come first (reading 100,000 cached Ats back takes about 0.3 s), then those that
-/// run; it yields to other tasks every 1000 Ats.
+/// `DUE_SOON` come first (reading every cached At back takes a while: the performance pages
+/// measure it), then those that run; it yields to other tasks every 1000 Ats.
 pub async fn look_at_all(ctx: &Arc<Context>, store: &Store<CachedAt>) {
     let now = ctx.now();
     let mut ats = store.state();
@@ -166,9 +166,9 @@ fn horizon_end(now: DateTime<Utc>) -> DateTime<Utc> {
 
 /// Puts into the wake-up index every cached At whose next reconcile comes by `until`
 /// (`Context::look_ahead`), of those it does not hold yet that may have one
-/// (`may_come_within`); an At changed since this look began is left to its change. Reading an
-/// At back takes about 3 µs; it yields to other tasks every 1000 Ats. A panic deciding an At is
-/// caught: the At is quarantined, the loop ends.
+/// (`may_come_within`); an At changed since this look began is left to its change. It yields
+/// to other tasks every 1000 Ats. A panic deciding an At is caught: the At is quarantined, the
+/// loop ends.
 pub async fn look_ahead_once(ctx: &Arc<Context>, store: &Store<CachedAt>, until: DateTime<Utc>) {
     let ttl_by_default = ctx.ttl_by_default();
     for (i, cached) in store.state().iter().enumerate() {
@@ -212,8 +212,7 @@ fn may_come_within(at: &CachedAt, until: DateTime<Utc>, ttl_by_default: bool) ->
 /// Where `at` comes in a first look at every At: PENDING and due by `soon` (the look's start
 /// plus `DUE_SOON`, by when it is likely to have reached it), earliest first; then RUNNING
 /// (its pod may have ended); then the rest. A new leader's first look reads every cached At
-/// back (about 0.3 s for 100,000): an At falling due meanwhile would otherwise wait for its
-/// turn among them.
+/// back: an At falling due meanwhile would otherwise wait for its turn among them.
 fn first_look_order(at: &CachedAt, soon: DateTime<Utc>) -> (u8, Option<DateTime<Utc>>) {
     match at.phase() {
         Phase::Pending if at.due().is_some_and(|due| due <= soon) => (0, at.due()),

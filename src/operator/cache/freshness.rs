@@ -15,7 +15,7 @@
 //! (the first 60 s after the watch opens, once the server has seen a change of that resource
 //! since it started), so there such a watch is restarted after `SILENCE`; v1.24 sent a quiet
 //! watch none in its 290 s, so there a quiet watch and a held one look the same and each restart
-//! is trusted (measured here with curl, 2026-11-25/26). Creating a pod does not rest on this
+//! is trusted. Creating a pod does not rest on this
 //! alone: the At is confirmed first (`reconcile::calls`).
 
 use std::time::Duration;

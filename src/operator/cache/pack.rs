@@ -1,10 +1,10 @@
 //! How a cached At's JSON is packed: LZ4 with a dictionary of what every At's JSON repeats (its
 //! keys, condition types and reasons, cnat's messages, the shape of its times), so that each At
 //! keeps little more than what is its own (uid, times, schedule, command). Without it, LZ4 finds
-//! the repeats within one At only: the book's example packs into 361 bytes `Pending`, 470
-//! `Running` and 549 `Done`, with it into 134, 216 and 259 (the test
-//! `the_cache_packs_an_at_to_a_fraction_of_lz4_alone_in_every_phase` of `decide`; `cargo bench
-//! --bench cache` measures the store).
+//! the repeats within one At only (the test
+//! `the_cache_packs_an_at_to_a_fraction_of_lz4_alone_in_every_phase` of `decide` holds what it
+//! saves; `cargo bench --bench cache` measures the store; the figures are in
+//! docs/src/performance/measurements.md).
 //!
 //! The dictionary is built in this process from the examples below and never changes while the
 //! process runs; nothing packed leaves the process, so a later version may change it freely.

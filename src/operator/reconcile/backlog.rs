@@ -5,9 +5,8 @@
 //!
 //! The runtime's scheduler takes every request it is handed at once, into a `HashMap`, a
 //! `DelayQueue` and a `HashSet` that never give back what they grew to: after a new leader's
-//! first look handed it 20,000 Ats to write, it held about 290 bytes per At for the rest of the
-//! leadership (heaptrack of a replica: docs/src/performance/measurements.md, "What a writing
-//! replica holds"). With at most the limit of these waiting, they add no more than that to those
+//! first look handed it every At to write, it held them for the rest of the leadership
+//! (docs/src/performance/measurements.md, "What a writing replica holds"). With at most the limit of these waiting, they add no more than that to those
 //! maps (the At watch's changes, pod events and the error policy's requeues are not gated). The
 //! limit is eight times the reconciles that run at once, 256 at least, so the runtime never
 //! waits for work. With Lease shards each shard's leadership has a backlog of its own.

@@ -24,8 +24,7 @@ pub struct Ledger {
     decoded: Mutex<HashMap<AtKey, Arc<At>>>,
     /// Per At, the version this leadership's last status write made (or, for a write that
     /// changed nothing, found) while leaving the At PENDING: a hash of the At's key, to a hash of
-    /// that resourceVersion (16 bytes, not a key and a string: 100,000 pending Ats cost about 3
-    /// MB, not 10).
+    /// that resourceVersion (two integers, not a key and a string).
     pending_written: Mutex<HashMap<u64, u64>>,
     hasher: RandomState,
 }

@@ -10,7 +10,7 @@
 //!
 //! The index holds only the next `HORIZON`: an At whose next reconcile is further off (a
 //! PENDING At's due time, a DONE At's TTL) is in no index (its cached form is all it costs,
-//! about 170 bytes less per At than an entry here), and a look-ahead over the cache every
+//! less than an entry here), and a look-ahead over the cache every
 //! `LOOK_AHEAD_EVERY` (`triggers::look_ahead`) puts it in once its time comes within the
 //! horizon, at least `HORIZON - LOOK_AHEAD_EVERY` before it. A reconcile's own wait (a RUNNING
 //! At's next look) is never set further off than the horizon.
@@ -74,9 +74,8 @@ pub struct Wakeups {
     changed: Notify,
 }
 
-/// Both maps share one key per At (`AtKey`: its namespace and name in one string). At 100,000
-/// Ats, a full reference in each map cost about 50 MB; a shared `ObjectRef` (name and namespace
-/// allocated apart) about 20 MB.
+/// Both maps share one key per At (`AtKey`: its namespace and name in one string), not a
+/// reference each, nor an `ObjectRef` (name and namespace allocated apart).
 #[derive(Default)]
 struct Index {
     by_time: BTreeMap<(Instant, u64), AtKey>,
