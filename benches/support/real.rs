@@ -777,7 +777,7 @@ async fn watch_released(pods: Api<Pod>, n: usize) -> Instant {
         // seen without it was let go, even when its first sighting is the watch's own list,
         // which a busy server may answer after the first releases. (Counting only pods first
         // seen held, as before, waited forever for those.)
-        if !cnat::operator::finalizer::is_held(&pod) {
+        if !cnat::operator::finalizer::is_present(&pod) {
             released.insert(pod.metadata.name.clone().unwrap_or_default());
         }
     }

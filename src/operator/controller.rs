@@ -125,7 +125,7 @@ pub async fn run_with_cache(
         &pod_selector,
         pod_writer,
         at_store.clone(),
-        Notify {
+        PodWork {
             orphans: orphans.clone(),
             unlabelled,
         },
@@ -174,7 +174,7 @@ pub async fn run_with_cache(
 }
 
 /// Where the pod watch sends the pods someone must act on.
-struct Notify {
+struct PodWork {
     /// Pods of gone Ats that wait for cnat's finalizer to go.
     orphans: mpsc::UnboundedSender<ObjectRef<Pod>>,
     /// With Lease shards: pods without a shard value, once each.
@@ -192,14 +192,14 @@ const UNLABELLED_REMEMBERED: usize = 10_000;
 const POD_LIST_PAGE: u32 = 10;
 
 /// The leader's pod watch (the pods `selector` selects), into its pod cache; a pod of a gone At
-/// that waits for cnat's finalizer goes to `notify.orphans`. Deletions too: a pod that vanishes
+/// that waits for cnat's finalizer goes to `work.orphans`. Deletions too: a pod that vanishes
 /// must end its At.
 fn pod_events(
     pods: Api<Pod>,
     selector: &str,
     writer: reflector::store::Writer<Pod>,
     ats: Store<CachedAt>,
-    notify: Notify,
+    work: PodWork,
 ) -> impl futures::Stream<Item = Result<Pod, watcher::Error>> + Send {
     let mut told = std::collections::HashSet::new();
     let config = watcher::Config::default()
@@ -212,9 +212,9 @@ fn pod_events(
         .touched_objects()
         .inspect_ok(move |found: &Pod| {
             if finalizer::awaits_release(found) && triggers::owner_gone(found, &ats) {
-                let _ = notify.orphans.send(ObjectRef::from_obj(found));
+                let _ = work.orphans.send(ObjectRef::from_obj(found));
             }
-            if let Some(unlabelled) = &notify.unlabelled {
+            if let Some(unlabelled) = &work.unlabelled {
                 let value = crate::shard::value_of(found.metadata.labels.as_ref());
                 if value.is_none() && told.insert(found.uid().unwrap_or_default()) {
                     if told.len() > UNLABELLED_REMEMBERED {

@@ -17,13 +17,13 @@ use kube::{Api, ResourceExt};
 pub const FINALIZER: &str = "cnat.programming-kubernetes.info/run-once";
 
 /// Whether `pod` carries cnat's finalizer.
-pub fn is_held(pod: &Pod) -> bool {
+pub fn is_present(pod: &Pod) -> bool {
     pod.finalizers().iter().any(|f| f == FINALIZER)
 }
 
 /// Whether `pod` waits for cnat alone to be deleted: terminating, with cnat's finalizer.
 pub fn awaits_release(pod: &Pod) -> bool {
-    pod.metadata.deletion_timestamp.is_some() && is_held(pod)
+    pod.metadata.deletion_timestamp.is_some() && is_present(pod)
 }
 
 /// Who still records what becomes of a pod.
@@ -37,7 +37,7 @@ pub enum Recorder {
 
 /// A pod carrying cnat's finalizer, as `may_go` reads it.
 #[derive(Debug, Clone, Copy)]
-pub struct Held<'a> {
+pub struct Candidate<'a> {
     pub name: &'a str,
     /// Being deleted (it has a deletionTimestamp).
     pub deleting: bool,
@@ -45,10 +45,10 @@ pub struct Held<'a> {
     pub controller: Option<&'a str>,
 }
 
-impl<'a> Held<'a> {
+impl<'a> Candidate<'a> {
     /// `pod` as `may_go` reads it.
     pub fn of(pod: &'a Pod) -> Self {
-        Held {
+        Candidate {
             name: pod.metadata.name.as_deref().unwrap_or_default(),
             deleting: pod.metadata.deletion_timestamp.is_some(),
             controller: key::controller(pod).map(|owner| owner.uid.as_str()),
@@ -62,7 +62,7 @@ impl<'a> Held<'a> {
 /// a leader records, once it is DONE and the reconcile has nothing more to write, or RUNNING
 /// with the pod being deleted (its end is then recorded from its absence); with no recorder,
 /// once it is RUNNING or DONE.
-pub fn may_go(pod: Held, at: Option<&At>, recorder: Recorder) -> bool {
+pub fn may_go(pod: Candidate, at: Option<&At>, recorder: Recorder) -> bool {
     let Some(at) = at.filter(|at| at.metadata.uid.as_deref() == pod.controller) else {
         return true;
     };
@@ -109,7 +109,7 @@ pub async fn remove(
     };
     let name = found.name_any();
     for attempt in 1..=conflicts {
-        if !is_held(&found) || !allowed(&found) {
+        if !is_present(&found) || !allowed(&found) {
             return Ok(Removed::Kept(found));
         }
         let patch = Patch::Merge(without_finalizer(&found));
@@ -189,12 +189,15 @@ mod tests {
         for deleting in [false, true] {
             let found = pod(deleting);
             for recorder in [Recorder::Nobody, LEADER[0], LEADER[1]] {
-                assert!(may_go(Held::of(&found), None, recorder));
+                assert!(may_go(Candidate::of(&found), None, recorder));
                 let other = at("u2", Some((Phase::Pending, None)), false);
-                assert!(may_go(Held::of(&found), Some(&other), recorder));
+                assert!(may_go(Candidate::of(&found), Some(&other), recorder));
                 // Both going: nobody runs it again.
                 let going = at("u1", None, true);
-                assert_eq!(may_go(Held::of(&found), Some(&going), recorder), deleting);
+                assert_eq!(
+                    may_go(Candidate::of(&found), Some(&going), recorder),
+                    deleting
+                );
             }
         }
     }
@@ -205,7 +208,7 @@ mod tests {
         let running = at("u1", Some((Phase::Running, Some("x-pod"))), false);
         for deleting in [false, true] {
             let found = pod(deleting);
-            let held = Held::of(&found);
+            let held = Candidate::of(&found);
             assert!(may_go(held, Some(&done), LEADER[0]));
             assert!(!may_go(held, Some(&done), LEADER[1]));
             // RUNNING: only a pod being deleted, whose end is recorded from its absence.
@@ -233,7 +236,7 @@ mod tests {
                 }
                 for recorder in [Recorder::Nobody, LEADER[0], LEADER[1]] {
                     assert!(
-                        !may_go(Held::of(&found), Some(at), recorder),
+                        !may_go(Candidate::of(&found), Some(at), recorder),
                         "{at:?} {recorder:?}"
                     );
                 }
@@ -243,7 +246,11 @@ mod tests {
         let found = pod(false);
         for phase in [Phase::Running, Phase::Done] {
             let named = at("u1", Some((phase, Some("x-pod"))), false);
-            assert!(may_go(Held::of(&found), Some(&named), Recorder::Nobody));
+            assert!(may_go(
+                Candidate::of(&found),
+                Some(&named),
+                Recorder::Nobody
+            ));
         }
     }
 
@@ -253,6 +260,8 @@ mod tests {
             without_finalizer(&pod(false)),
             serde_json::json!({"metadata": {"resourceVersion": "7", "finalizers": ["other"]}})
         );
-        assert!(is_held(&pod(false)) && !awaits_release(&pod(false)) && awaits_release(&pod(true)));
+        assert!(
+            is_present(&pod(false)) && !awaits_release(&pod(false)) && awaits_release(&pod(true))
+        );
     }
 }

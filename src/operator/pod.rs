@@ -289,7 +289,7 @@ pub struct PodView {
     /// Being deleted (it has a deletionTimestamp).
     pub deleting: bool,
     /// Carries cnat's finalizer (`finalizer::FINALIZER`).
-    pub held: bool,
+    pub finalizer: bool,
     /// Why it has not started the command, when it is stuck (not merely on its way).
     pub waiting: Option<Waiting>,
     /// It runs the command (phase `Running`).
@@ -413,7 +413,7 @@ pub fn view(pod: &Pod) -> PodView {
         created_at: pod.metadata.creation_timestamp.as_ref().map(to_chrono),
         end: end_of(pod),
         deleting: pod.metadata.deletion_timestamp.is_some(),
-        held: finalizer::is_held(pod),
+        finalizer: finalizer::is_present(pod),
         waiting: waiting_of(pod),
         running: pod
             .status

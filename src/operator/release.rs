@@ -10,7 +10,7 @@
 //! that changed meanwhile is read again. Pods are listed in pages, metadata only.
 
 use crate::api::At;
-use crate::operator::finalizer::{self, Held, Recorder, Removed};
+use crate::operator::finalizer::{self, Candidate, Recorder, Removed};
 use crate::operator::{key, pod, FIELD_MANAGER};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -161,7 +161,7 @@ pub async fn release_all(client: Client, namespace: Option<&str>) -> Result<Rele
                 metadata: meta.metadata,
                 ..Pod::default()
             })
-            .filter(finalizer::is_held)
+            .filter(finalizer::is_present)
             .collect();
         let outcomes: Vec<(String, Outcome)> = futures::stream::iter(held)
             .map(|found| {
@@ -200,7 +200,7 @@ async fn release_if_recorded(client: &Client, namespace: &str, found: Pod) -> Ou
         },
         None => None,
     };
-    let allowed = |pod: &Pod| finalizer::may_go(Held::of(pod), at.as_ref(), Recorder::Nobody);
+    let allowed = |pod: &Pod| finalizer::may_go(Candidate::of(pod), at.as_ref(), Recorder::Nobody);
     if !allowed(&found) {
         return Outcome::Kept(
             "its At's status does not name it yet (its Running write had not landed): kept, so that it is never run twice; run cnat release again once a replica has recorded it".into(),

@@ -39,7 +39,7 @@ pub fn at_events(
                     Ok(Change::At(at)) => return Some((at, (changes, ctx, store, orphans))),
                     Ok(Change::Deleted(at)) => {
                         ctx.forget(&at);
-                        if let Some(held) = ctx.calls().held_pod_of(&at) {
+                        if let Some(held) = ctx.calls().pod_awaiting_release(&at) {
                             let _ = orphans.send(held);
                         }
                     }
@@ -68,7 +68,10 @@ pub fn at_events(
 /// for Ats no longer cached, and releases the pods of those Ats.
 fn sweep(ctx: &Context, store: &Store<CachedAt>, orphans: &mpsc::UnboundedSender<ObjectRef<Pod>>) {
     ctx.forget_all_but(|at| store.get(&CachedAt::key_of(at)).is_some());
-    for found in ctx.calls().held_pods(|found| owner_gone(found, store)) {
+    for found in ctx
+        .calls()
+        .pods_awaiting_release(|found| owner_gone(found, store))
+    {
         let _ = orphans.send(found);
     }
 }

@@ -10,7 +10,7 @@ use kube::api::{DeleteParams, PostParams};
 use kube::Api;
 use std::time::Duration;
 
-use cnat::operator::finalizer::is_held as held;
+use cnat::operator::finalizer::is_present as held;
 
 #[tokio::test]
 async fn a_finished_pod_is_let_go_once_recorded_and_cnat_release_lets_go_of_the_rest() {

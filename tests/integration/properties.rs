@@ -281,12 +281,12 @@ fn pod_strategy() -> impl Strategy<Value = cnat::operator::reconcile::decide::Po
         (any::<bool>(), seconds()),
     )
         .prop_map(
-            |(created_at, end, deleting, held, waiting, (running, deadline))| PodView {
+            |(created_at, end, deleting, finalizer, waiting, (running, deadline))| PodView {
                 name: "x-pod".into(),
                 created_at,
                 end,
                 deleting,
-                held,
+                finalizer,
                 waiting,
                 running,
                 active_deadline_seconds: deadline,

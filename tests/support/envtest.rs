@@ -1224,7 +1224,7 @@ pub async fn pods_held(pods: &Api<k8s_openapi::api::core::v1::Pod>) -> Vec<Strin
         .expect("pods listed")
         .items
         .iter()
-        .filter(|p| cnat::operator::finalizer::is_held(p))
+        .filter(|p| cnat::operator::finalizer::is_present(p))
         .map(|p| {
             use kube::ResourceExt;
             format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any())

@@ -9,7 +9,7 @@ use super::scheduler;
 use crate::api::{At, Phase};
 use crate::observability::metrics::Metrics;
 use crate::operator::cache::freshness::Freshness;
-use crate::operator::finalizer::{self, Held, Recorder, Removed};
+use crate::operator::finalizer::{self, Candidate, Recorder, Removed};
 use crate::operator::key::{self, AtKey};
 use crate::operator::pods_first::PodsFirst;
 use crate::operator::policy::RunPolicy;
@@ -76,7 +76,7 @@ impl Calls {
 
     /// The pods in the pod cache that wait for cnat's finalizer to go while `owner_gone` says
     /// their At is gone.
-    pub fn held_pods(&self, owner_gone: impl Fn(&Pod) -> bool) -> Vec<ObjectRef<Pod>> {
+    pub fn pods_awaiting_release(&self, owner_gone: impl Fn(&Pod) -> bool) -> Vec<ObjectRef<Pod>> {
         self.caches
             .pods
             .state()
@@ -87,9 +87,9 @@ impl Calls {
     }
 
     /// Whether `at` is DONE and its pod, in the pod cache, still holds cnat's finalizer.
-    pub(super) fn holds_finished_pod(&self, at: &At) -> bool {
+    pub(super) fn finalizer_on_finished_pod(&self, at: &At) -> bool {
         let done = at.status.as_ref().is_some_and(|s| s.phase == Phase::Done);
-        done && matches!(self.cached_pod(at), PodObservation::Owned(view) if view.held)
+        done && matches!(self.cached_pod(at), PodObservation::Owned(view) if view.finalizer)
     }
 
     pub(super) fn cached_pod(&self, at: &At) -> PodObservation {
@@ -127,7 +127,7 @@ impl Calls {
     }
 
     /// The pod of `at` if the pod cache shows it waiting for cnat's finalizer to go.
-    pub fn held_pod_of(&self, at: &AtKey) -> Option<ObjectRef<Pod>> {
+    pub fn pod_awaiting_release(&self, at: &AtKey) -> Option<ObjectRef<Pod>> {
         let name = pod::name_for(at.name());
         let key = ObjectRef::new(&name).within(at.namespace());
         self.caches
@@ -222,7 +222,7 @@ impl Calls {
         let unrecorded = Recorder::Leader { settled: false };
         let allowed = |pod: &Pod| {
             finalizer::awaits_release(pod)
-                && finalizer::may_go(Held::of(pod), at.as_ref(), unrecorded)
+                && finalizer::may_go(Candidate::of(pod), at.as_ref(), unrecorded)
         };
         finalizer::remove(&pods, current, allowed, 1).await
     }

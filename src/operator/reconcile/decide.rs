@@ -6,7 +6,7 @@
 //! already exists adopts it only if it controls it, so a command never runs twice.
 
 use crate::api::{At, AtStatus, Condition, Outcome, Phase};
-use crate::operator::finalizer::{self, Held, Recorder};
+use crate::operator::finalizer::{self, Candidate, Recorder};
 use crate::operator::pod::{self, PodEnd, PodView, Waiting};
 use crate::operator::policy::RunPolicy;
 use crate::{limits, schedule};
@@ -126,13 +126,13 @@ pub fn decide(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPol
 /// Whether cnat's finalizer on `view` goes now (`finalizer::may_go`, this reconcile recording):
 /// "settled" when this decision writes nothing more.
 fn releases(at: &At, view: &PodView, decision: &Decision) -> bool {
-    let held = Held {
+    let candidate = Candidate {
         name: &view.name,
         deleting: view.deleting,
         controller: at.metadata.uid.as_deref(),
     };
     let settled = decision.status.is_none() && decision.call == Call::Nothing;
-    view.held && finalizer::may_go(held, Some(at), Recorder::Leader { settled })
+    view.finalizer && finalizer::may_go(candidate, Some(at), Recorder::Leader { settled })
 }
 
 fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {

@@ -124,7 +124,7 @@ fn observe(pod: Option<PodState>, missing: PodObservation) -> PodObservation {
                 finished_at: Some(now()),
             }),
             deleting: pod.deleting,
-            held: pod.held,
+            finalizer: pod.held,
             waiting: None,
             running: !pod.ended,
             active_deadline_seconds: None,

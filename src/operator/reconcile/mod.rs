@@ -189,7 +189,9 @@ impl Context {
         // Its pod waits for cnat's finalizer to go (terminating, or its outcome recorded): only a
         // reconcile, which sees the pod, decides that (a terminating or ended pod changes no
         // more, so nothing else would bring it).
-        if self.calls.held_pod_of(&at_key).is_some() || self.calls.holds_finished_pod(at) {
+        if self.calls.pod_awaiting_release(&at_key).is_some()
+            || self.calls.finalizer_on_finished_pod(at)
+        {
             wakeups.clear(&at_key);
             return true;
         }

@@ -50,7 +50,7 @@ fn running_pod() -> PodView {
         created_at: Some(time("2019-04-12T10:12:00.100Z")),
         end: None,
         deleting: false,
-        held: true,
+        finalizer: true,
         waiting: None,
         running: true,
         active_deadline_seconds: None,
@@ -523,7 +523,7 @@ fn done_is_final() {
     at.metadata.generation = Some(7);
     for observation in observations() {
         // Nothing more is written or created; what is left is letting go of its pod.
-        let held = matches!(&observation, PodObservation::Owned(view) if view.held);
+        let held = matches!(&observation, PodObservation::Owned(view) if view.finalizer);
         let call = if held {
             Call::ReleasePod
         } else {
@@ -557,7 +557,7 @@ fn a_pod_is_let_go_once_its_outcome_is_recorded() {
     assert_eq!((release.status, release.note), (None, None));
     // Already let go, or another pod by that name: nothing.
     let free = PodView {
-        held: false,
+        finalizer: false,
         ..ended.clone()
     };
     assert_eq!(
@@ -1282,7 +1282,7 @@ fn a_deleted_pod_is_released_only_once_the_status_names_it() {
     let d = decide(&recorded, &PodObservation::Owned(running_pod()), now);
     assert_eq!(d.call, Call::Nothing);
     let mut free = deleting(running_pod());
-    free.held = false;
+    free.finalizer = false;
     assert_eq!(
         decide(&recorded, &PodObservation::Owned(free), now).call,
         Call::Nothing
