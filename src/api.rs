@@ -45,18 +45,18 @@ pub struct AtSpec {
     /// `2019-04-12T10:12:00Z` or `2019-04-12T12:12:00+02:00`; or, with `timeZone`, a wall-clock
     /// time without offset, e.g. `2019-04-12T12:12:00`. A time in the past runs at once (unless
     /// `startingDeadlineSeconds` has passed).
-    #[schemars(length(max = crate::limits::MAX_SCHEDULE))]
+    #[schemars(length(max = crate::limits::bounds::MAX_SCHEDULE))]
     pub schedule: String,
     /// IANA time zone (e.g. `Europe/Berlin`) in which a `schedule` without offset is read, as in
     /// a CronJob. A wall-clock time that does not exist there (skipped by a daylight-saving
     /// change) or exists twice is refused with both instants it could mean.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = crate::limits::MAX_TIME_ZONE))]
+    #[schemars(length(max = crate::limits::bounds::MAX_TIME_ZONE))]
     pub time_zone: Option<String>,
     /// Shell command to run, passed to `/bin/sh -c`, so quoting, pipes and `&&` work as in a
     /// shell. It runs once; its exit code decides the outcome. At most 131,071 bytes (what Linux
     /// passes to a program as one argument): a longer script belongs in the image.
-    #[schemars(length(max = crate::limits::MAX_COMMAND))]
+    #[schemars(length(max = crate::limits::bounds::MAX_COMMAND))]
     pub command: String,
     /// If the command cannot start within this many seconds after its schedule (operator down,
     /// quota, policy), it never runs: the At ends `Done` with outcome `Missed`. Without it, an At
@@ -86,7 +86,7 @@ pub struct AtSpec {
 /// host namespaces or ports.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-#[schemars(transform = crate::limits::bound_template_schema)]
+#[schemars(transform = crate::limits::bounds::bound_template_schema)]
 pub struct AtPodTemplate {
     /// Labels and annotations added to the pod (cnat's own labels win over these).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -94,7 +94,7 @@ pub struct AtPodTemplate {
     /// Container image that runs the command; it must provide `/bin/sh`. Without it, the
     /// operator's default image runs it (`busybox:1.36` unless the operator names another).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = crate::limits::MAX_IMAGE))]
+    #[schemars(length(max = crate::limits::bounds::MAX_IMAGE))]
     pub image: Option<String>,
     /// When the node pulls `image`: `Always`, `IfNotPresent` or `Never`, as for any container.
     /// Without it, the operator's default, else Kubernetes' (`Always` for an image tagged
@@ -108,24 +108,24 @@ pub struct AtPodTemplate {
     /// Environment variables of the command: `value`, or `valueFrom` a Secret, ConfigMap or
     /// field of the pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = crate::limits::MAX_ENV))]
+    #[schemars(length(max = crate::limits::bounds::MAX_ENV))]
     pub env: Option<Vec<EnvVar>>,
     /// Service account the pod runs as. Its API token is mounted only when this is set; by
     /// default the pod has no token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = crate::limits::MAX_NAME))]
+    #[schemars(length(max = crate::limits::bounds::MAX_NAME))]
     pub service_account_name: Option<String>,
     /// Node labels the pod's node must have.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(extend("maxProperties" = crate::limits::MAX_ENTRIES))]
+    #[schemars(extend("maxProperties" = crate::limits::bounds::MAX_ENTRIES))]
     pub node_selector: Option<BTreeMap<String, String>>,
     /// Taints the pod tolerates.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = crate::limits::MAX_TOLERATIONS))]
+    #[schemars(length(max = crate::limits::bounds::MAX_TOLERATIONS))]
     pub tolerations: Option<Vec<Toleration>>,
     /// Secrets (in the At's namespace) holding credentials to pull `image`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = crate::limits::MAX_PULL_SECRETS))]
+    #[schemars(length(max = crate::limits::bounds::MAX_PULL_SECRETS))]
     pub image_pull_secrets: Option<Vec<LocalObjectReference>>,
 }
 
@@ -165,11 +165,11 @@ impl ImagePullPolicy {
 pub struct PodMetadata {
     /// Labels of the pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(extend("maxProperties" = crate::limits::MAX_ENTRIES))]
+    #[schemars(extend("maxProperties" = crate::limits::bounds::MAX_ENTRIES))]
     pub labels: Option<BTreeMap<String, String>>,
     /// Annotations of the pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(extend("maxProperties" = crate::limits::MAX_ENTRIES))]
+    #[schemars(extend("maxProperties" = crate::limits::bounds::MAX_ENTRIES))]
     pub annotations: Option<BTreeMap<String, String>>,
 }
 

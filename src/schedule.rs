@@ -1,6 +1,7 @@
 //! Parsing `spec.schedule` and working out how long until it is due. Pure: the clock is a parameter.
 
 use chrono::{DateTime, NaiveDateTime, Utc};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use std::time::Duration;
 use thiserror::Error;
 
@@ -166,6 +167,13 @@ fn quote(raw: &str) -> String {
     } else {
         format!("\"{shown}\"… ({} characters)", raw.chars().count())
     }
+}
+
+/// Converts a Kubernetes timestamp (jiff) to the chrono time the rest of cnat uses.
+pub fn to_chrono(time: &Time) -> DateTime<Utc> {
+    let ts = time.0;
+    DateTime::from_timestamp(ts.as_second(), ts.subsec_nanosecond().unsigned_abs())
+        .unwrap_or(DateTime::<Utc>::MIN_UTC)
 }
 
 #[cfg(test)]

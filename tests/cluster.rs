@@ -218,7 +218,7 @@ async fn ran_once(ats: &Api<At>, pods: &Api<Pod>, name: &str) -> (cnat::api::AtS
 fn pod_time(
     time: &k8s_openapi::apimachinery::pkg::apis::meta::v1::Time,
 ) -> chrono::DateTime<chrono::Utc> {
-    cnat::operator::pod::to_chrono(time)
+    cnat::schedule::to_chrono(time)
 }
 
 /// One At due at `due` (RFC 3339), running `command`.

@@ -6,12 +6,13 @@ use crate::operator::finalizer;
 use crate::operator::key::controller;
 use crate::operator::policy::RunPolicy;
 use crate::operator::signing::{Key, Signing, SIGNATURE_LEN};
+use crate::schedule::to_chrono;
 use chrono::{DateTime, Utc};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerStatus, Pod, PodSecurityContext, PodSpec, SeccompProfile,
     SecurityContext,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{Resource, ResourceExt};
 use thiserror::Error;
 
@@ -500,13 +501,6 @@ fn shorten(text: &str) -> String {
         Some((cut, _)) => format!("{}…", &text[..cut]),
         None => text.to_owned(),
     }
-}
-
-/// Converts a Kubernetes timestamp (jiff) to the chrono time the rest of cnat uses.
-pub fn to_chrono(time: &Time) -> DateTime<Utc> {
-    let ts = time.0;
-    DateTime::from_timestamp(ts.as_second(), ts.subsec_nanosecond().unsigned_abs())
-        .unwrap_or(DateTime::<Utc>::MIN_UTC)
 }
 
 #[cfg(test)]

@@ -156,7 +156,7 @@ async fn obtain(
             .metadata
             .creation_timestamp
             .as_ref()
-            .map(crate::operator::pod::to_chrono);
+            .map(crate::schedule::to_chrono);
         let bytes = secret.data.and_then(|mut data| data.remove(SECRET_KEY));
         let key = bytes
             .and_then(|ByteString(bytes)| Key::from_bytes(&bytes).ok())
@@ -187,7 +187,7 @@ async fn obtain(
                 .metadata
                 .creation_timestamp
                 .as_ref()
-                .map(crate::operator::pod::to_chrono),
+                .map(crate::schedule::to_chrono),
         }),
         Err(kube::Error::Api(status)) if status.is_already_exists() => {
             read(api.get(name).await.map_err(fail)?)

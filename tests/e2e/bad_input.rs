@@ -249,7 +249,7 @@ async fn no_at_stops_a_replica_and_each_extreme_at_shows_a_phase_or_a_reason() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    let created = cnat::operator::pod::to_chrono(pod.metadata.creation_timestamp.as_ref().unwrap());
+    let created = cnat::schedule::to_chrono(pod.metadata.creation_timestamp.as_ref().unwrap());
     // Creation timestamps have whole seconds.
     assert!(
         created <= due + chrono::Duration::seconds(2)

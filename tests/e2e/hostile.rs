@@ -1088,7 +1088,7 @@ async fn one_tenant_s_big_ats_and_pods_leave_the_leader_within_its_memory_and_on
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    let ran = cnat::operator::pod::to_chrono(pod.metadata.creation_timestamp.as_ref().unwrap());
+    let ran = cnat::schedule::to_chrono(pod.metadata.creation_timestamp.as_ref().unwrap());
     let peak = peak.take().max(rss(replica.child.id()));
     eprintln!(
         "big objects: 420 Ats of {} KiB in {ats_took:.1?}, 150 pods of about 800 KB of labels by {flood_took:.1?}; RSS {} MiB before, peak {} MiB; the normal At ran at {ran} (due {due})",

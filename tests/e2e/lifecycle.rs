@@ -138,7 +138,7 @@ async fn the_book_example_runs_once_and_failures_and_bad_schedules_show_on_the_a
     // Not before its time, and admitted in a namespace that enforces `restricted`.
     let pods: Api<Pod> = Api::namespaced(target.client.clone(), &ns);
     let pod = pods.get("example-at-pod").await.unwrap();
-    let created = cnat::operator::pod::to_chrono(pod.metadata.creation_timestamp.as_ref().unwrap());
+    let created = cnat::schedule::to_chrono(pod.metadata.creation_timestamp.as_ref().unwrap());
     assert!(
         created >= due - chrono::Duration::seconds(1),
         "ran early: {created} < {due}"

@@ -1462,9 +1462,16 @@ async fn a_deleted_at_leaves_nothing_behind_in_the_leader_s_maps() {
             AtKey::from(at),
             tokio::time::Instant::now() + Duration::from_secs(3600),
         );
+        // Known to the ledger only by a PENDING write (its write record gone: unwritten).
+        ledger.pending_written(&AtKey::from(at), "7");
     }
     h.ctx.forget_all_but(|known| known.name() == "other");
     assert_eq!(kept(&h.ctx), (1, 0, 1));
+    assert!(!ledger.pending_confirmed(&at_ref, Some("7")), "forgotten");
+    assert!(
+        ledger.pending_confirmed(&AtKey::from(&other), Some("7")),
+        "kept"
+    );
     h.finish(0).await;
 }
 
