@@ -506,6 +506,7 @@ fn shorten(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     fn build_default(at: &At) -> Pod {
         build(at, &RunPolicy::default())
