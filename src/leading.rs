@@ -9,9 +9,9 @@
 use crate::leader::{self, Leadership};
 use crate::observability::metrics::Metrics;
 use crate::operator::cache::AtCache;
-use crate::operator::contain::Quarantine;
 use crate::operator::controller;
 use crate::operator::events::EventSink;
+use crate::operator::quarantine::Quarantine;
 use crate::shard::Shards;
 use kube::runtime::events::Reporter;
 use std::future::Future;

@@ -335,8 +335,8 @@ enum RunError {
 async fn run(args: RunArgs) -> Result<(), RunError> {
     let identity = args.identity.clone().unwrap_or_else(cnat::identity);
     let telemetry = telemetry::init(args.log_format, &args.log, &identity)?;
-    // Panic messages go through the log, once each (see `operator::contain`).
-    cnat::operator::contain::install_hook();
+    // Panic messages go through the log, once each (see `operator::quarantine`).
+    cnat::operator::quarantine::install_hook();
     let result = serve(args, identity, telemetry.exporting()).await;
     // Whatever happened, the spans that tell about it reach the collector.
     telemetry.shutdown(TRACE_FLUSH_TIMEOUT).await;

@@ -10,9 +10,9 @@
 //! `cargo bench --bench cache` measures what that saves.
 
 use crate::api::{At, AtSpec, AtStatus, Phase};
-use crate::operator::contain::Quarantine;
 use crate::operator::key::AtKey;
 use crate::operator::pod::Stuck;
+use crate::operator::quarantine::Quarantine;
 use crate::schedule;
 use crate::shard;
 use chrono::{DateTime, Utc};
@@ -393,7 +393,7 @@ pub enum Change {
 pub struct AtCache {
     store: Store<CachedAt>,
     changes: broadcast::Sender<Change>,
-    /// At versions whose handling panicked, kept across leaderships (see `contain`).
+    /// At versions whose handling panicked, kept across leaderships (see `quarantine`).
     quarantine: Arc<Quarantine>,
     /// Cancelled when the watch task ended (it only does by a panic): the cache is frozen.
     stopped: tokio_util::sync::CancellationToken,

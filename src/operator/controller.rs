@@ -6,11 +6,11 @@
 
 use crate::observability::metrics::Metrics;
 use crate::operator::cache::{self, AtCache, CachedAt};
-use crate::operator::contain;
 use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
-use crate::operator::pods_first::InFlight;
 use crate::operator::policy::RunPolicy;
+use crate::operator::priority::InFlight;
+use crate::operator::quarantine;
 use crate::operator::reconcile::calls::Caches;
 use crate::operator::reconcile::{self, error_policy, reconcile, Context};
 use crate::operator::signing;
@@ -65,7 +65,7 @@ pub async fn run(
 }
 
 /// Runs the reconcile loop on `cache` until `stop` is cancelled; reconciles in flight then
-/// finish. It also ends when a reconcile panicked or one of its tasks ended (see `contain`): the
+/// finish. It also ends when a reconcile panicked or one of its tasks ended (see `quarantine`): the
 /// leader then releases the Lease and competes again.
 pub async fn run_with_cache(
     cache: AtCache,
@@ -138,16 +138,16 @@ pub async fn run_with_cache(
         "reconciling Ats"
     );
     // Exists once per context, which was just made.
-    let Some(retriggers) = ctx.scheduler().retriggers() else {
-        unreachable!("a new context hands out its retriggers");
+    let Some(requeues) = ctx.scheduler().requeues() else {
+        unreachable!("a new context hands out its requeues");
     };
     let tasks = spawn_tasks(&ctx, &at_store, orphaned, to_label);
     let fatal = ctx.fatal().clone();
-    let dropped_writing = ctx.writer().pods_first().writing.clone();
+    let dropped_writing = ctx.writer().priority().writing.clone();
     let dropped = ctx.clone();
     let controller = Controller::for_shared_stream(at_events, at_store)
         .owns_stream(pod_events)
-        .reconcile_on(retriggers.map(|at| CachedAt::key_of(&at)))
+        .reconcile_on(requeues.map(|at| CachedAt::key_of(&at)))
         .with_config(controller::Config::default().concurrency(settings.concurrency))
         .graceful_shutdown_on(stop.cancelled_owned())
         .run(reconcile_cached, error_policy_cached, ctx)
@@ -392,7 +392,7 @@ async fn reconcile_cached(
     if ctx.quarantined(&at) {
         return Ok(controller::Action::await_change());
     }
-    match contain::Caught::new(reconcile(at.clone(), ctx.clone())).await {
+    match quarantine::Caught::new(reconcile(at.clone(), ctx.clone())).await {
         Ok(result) => result,
         Err(panic) => {
             ctx.panicked(&at, "reconcile", &panic);

@@ -4,7 +4,7 @@
 //! lane, so one At's events go out in the order they were queued while other Ats' go at the
 //! same time; the replica's own events (its Lease's) have a lane of their own. An event may
 //! wait behind writes (`try_send_behind`): until pod creates and status writes are quiet
-//! (`PodsFirst`), at most `MAX_DEFER`, so late, never lost.
+//! (`Priority`), at most `MAX_DEFER`, so late, never lost.
 //!
 //! Each event is published by a fresh kube `Recorder`. A long-lived one keeps every event it
 //! published for six minutes (to count repeats as a series) and scans that whole cache on every
@@ -12,7 +12,7 @@
 //! cached events and a scan of them per event. cnat's events are one per transition (repeated
 //! refusals are told once), so a series has nothing to count and memory stays flat.
 
-use crate::operator::pods_first::PodsFirst;
+use crate::operator::priority::Priority;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, Recorder, Reporter};
@@ -48,7 +48,7 @@ struct Queued {
     event: Event,
     regarding: ObjectReference,
     /// The writes it waits for, and since when.
-    behind: Option<(PodsFirst, Instant)>,
+    behind: Option<(Priority, Instant)>,
 }
 
 impl EventSink {
@@ -101,7 +101,7 @@ impl EventSink {
         key: &impl Hash,
         event: Event,
         regarding: ObjectReference,
-        writes: &PodsFirst,
+        writes: &Priority,
     ) -> bool {
         self.queue(
             key,
@@ -116,7 +116,7 @@ impl EventSink {
         key: &impl Hash,
         mut event: Event,
         regarding: ObjectReference,
-        behind: Option<(PodsFirst, Instant)>,
+        behind: Option<(Priority, Instant)>,
     ) -> bool {
         event.note = event.note.map(|note| fit_note(&note));
         let queued = Queued {

@@ -7,7 +7,7 @@
 
 use crate::api::Phase;
 use crate::operator::cache::{self, CachedAt, Change};
-use crate::operator::contain;
+use crate::operator::quarantine;
 use crate::operator::reconcile::wakeups::{HORIZON, LOOK_AHEAD_EVERY};
 use crate::operator::reconcile::Context;
 use chrono::{DateTime, Utc};
@@ -101,7 +101,7 @@ fn needs_reconcile(ctx: &Context, cached: &CachedAt) -> bool {
     let Some(at) = cache::read(cached) else {
         return false;
     };
-    match contain::catch(|| ctx.needs_reconcile(&at)) {
+    match quarantine::catch(|| ctx.needs_reconcile(&at)) {
         Ok(true) => {
             // Its reconcile follows: it takes the At as decoded here.
             ctx.ledger().keep_decoded(Arc::new(at));
@@ -193,7 +193,7 @@ pub async fn look_ahead_once(ctx: &Arc<Context>, store: &Store<CachedAt>, until:
         let Some(at) = cache::read(cached) else {
             continue;
         };
-        if let Err(panic) = contain::catch(|| ctx.look_ahead(&at)) {
+        if let Err(panic) = quarantine::catch(|| ctx.look_ahead(&at)) {
             ctx.panicked(&at, "look", &panic);
         }
     }

@@ -12,7 +12,7 @@ const SRC_LINES: usize = 22_750;
 /// Lines of the largest file of `src/`, outside tests.
 const FILE_LINES: usize = 1_110;
 /// Fields of `reconcile::Context`.
-const CONTEXT_FIELDS: usize = 8;
+const CONTEXT_FIELDS: usize = 4;
 /// Methods of `reconcile::Context`, and the files its `impl` blocks are in.
 const CONTEXT_METHODS: usize = 20;
 const CONTEXT_FILES: usize = 1;

@@ -11,8 +11,8 @@ use crate::observability::metrics::Metrics;
 use crate::operator::cache::freshness::Freshness;
 use crate::operator::finalizer::{self, Candidate, Recorder, Removed};
 use crate::operator::key::{self, AtKey};
-use crate::operator::pods_first::PodsFirst;
 use crate::operator::policy::RunPolicy;
+use crate::operator::priority::Priority;
 use crate::operator::signing::Signing;
 use crate::operator::FIELD_MANAGER;
 use crate::{operator::pod, operator::slow_start, schedule, shard};
@@ -61,7 +61,8 @@ fn uid(at: &At) -> String {
     at.uid().unwrap_or_default()
 }
 
-fn key(at: &At) -> AtKey {
+/// `namespace/name`, how logs and errors name an At, and what per-At maps are keyed by.
+pub(super) fn key(at: &At) -> AtKey {
     AtKey::from(at)
 }
 
@@ -250,11 +251,7 @@ impl Calls {
     }
 
     /// Creates the pod once the API server confirms the At as decided on (`confirm`).
-    pub(super) async fn create_pod(
-        &self,
-        at: &At,
-        pods_first: &PodsFirst,
-    ) -> Result<Created, Error> {
+    pub(super) async fn create_pod(&self, at: &At, priority: &Priority) -> Result<Created, Error> {
         let params = PostParams {
             field_manager: Some(FIELD_MANAGER.into()),
             ..PostParams::default()
@@ -264,11 +261,11 @@ impl Calls {
             debug!(at = %key(at), "the At cache is behind the API server (listing, or its watch not open or silent); the pod create waits for it");
             return Ok(Created::Behind);
         }
-        let creating = pods_first.creating.enter();
+        let creating = priority.creating.enter();
         if !self.confirm(at).await? {
             return Ok(Created::Unconfirmed);
         }
-        let window = pods_first.window.enter().await;
+        let window = priority.window.enter().await;
         let created = self.pod_api(at).create(&params, &self.signed_pod(at)).await;
         window.answered(slow_start::reply(&created));
         drop(creating);

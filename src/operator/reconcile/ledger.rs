@@ -7,9 +7,9 @@
 //! burst.
 
 use crate::api::{At, Phase};
-use crate::operator::contain::Quarantine;
 use crate::operator::key::AtKey;
-use crate::operator::spare::{remove, shrink_if_sparse};
+use crate::operator::quarantine::Quarantine;
+use crate::operator::shrink::{lock, remove, shrink_if_sparse};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex};
@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 pub struct Ledger {
     /// The resourceVersion our last status write replaced, and the phase it wrote.
     superseded: Mutex<HashMap<AtKey, (String, Phase)>>,
-    /// At versions whose handling panicked: skipped until they change (see `contain`).
+    /// At versions whose handling panicked: skipped until they change (see `quarantine`).
     quarantine: Arc<Quarantine>,
     /// Ats a look found work for, as it decoded them, until their reconcile takes them.
     decoded: Mutex<HashMap<AtKey, Arc<At>>>,
@@ -181,10 +181,6 @@ impl Ledger {
     pub fn quarantined(&self, at: &AtKey, resource_version: Option<&str>) -> bool {
         self.quarantine.holds(at, resource_version)
     }
-}
-
-fn lock<T>(map: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    map.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

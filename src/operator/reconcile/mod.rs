@@ -3,11 +3,11 @@
 //! event in `writer`, and every next look and retry in `scheduler`. Each reconcile is a
 //! `reconcile` span and is counted in the metrics.
 
+pub mod apiserver_bugs;
 pub mod backlog;
 pub mod calls;
 pub mod decide;
 pub mod error;
-pub mod glitch;
 pub mod ledger;
 pub mod queue;
 pub mod scheduler;
@@ -16,13 +16,13 @@ pub mod writer;
 
 use crate::api::{At, Phase};
 use crate::observability::metrics::Metrics;
-use crate::operator::contain::{Panicked, Quarantine};
 use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;
+use crate::operator::quarantine::{Panicked, Quarantine};
 use crate::operator::signing::{Key, Signing};
 use crate::operator::{pod, reachability};
-use calls::{Caches, Calls, Clock, Created};
+use calls::{key, Caches, Calls, Clock, Created};
 use chrono::{DateTime, Utc};
 use decide::{decide, Call, Decision};
 use kube::runtime::controller::Action;
@@ -46,11 +46,6 @@ const MAX_STEPS: usize = 3;
 pub struct Context {
     /// The API calls besides status writes.
     calls: Calls,
-    clock: Clock,
-    metrics: Arc<Metrics>,
-    policy: RunPolicy,
-    /// What is remembered of each At between reconciles.
-    ledger: Arc<Ledger>,
     /// When each At is looked at again, and the retry policy.
     scheduler: Arc<Scheduler>,
     /// Status writes and events.
@@ -78,17 +73,13 @@ impl Context {
             caches,
             // A key of its own until `with_signing` gives the replicas' shared one.
             signing: Signing::new(Key::generate().0),
-            policy: policy.clone(),
-            metrics: metrics.clone(),
-            ledger: ledger.clone(),
-            clock: clock.clone(),
+            policy,
+            metrics,
+            ledger,
+            clock,
         };
         Context {
             calls,
-            clock,
-            metrics,
-            policy,
-            ledger,
             scheduler,
             writer: Arc::new(writer),
             fatal: CancellationToken::new(),
@@ -112,7 +103,7 @@ impl Context {
 
     /// What is remembered of each At between reconciles.
     pub fn ledger(&self) -> &Ledger {
-        &self.ledger
+        &self.calls.ledger
     }
 
     /// Cancelled once a reconcile panicked: the loop must end.
@@ -122,7 +113,7 @@ impl Context {
 
     /// Drops everything kept for a deleted At: its backoff, its last write, its wakeup.
     pub fn forget(&self, at: &AtKey) {
-        self.ledger.forget(at);
+        self.calls.ledger.forget(at);
         self.scheduler.forget(at);
     }
 
@@ -136,29 +127,29 @@ impl Context {
     /// Drops what is kept for Ats `known` does not hold any more (deletions a relist or a lagging
     /// feed did not report one by one).
     pub fn forget_all_but(&self, known: impl Fn(&AtKey) -> bool) {
-        self.ledger.retain(&known);
+        self.calls.ledger.retain(&known);
         // An At known only by its failures (its write unrecorded) may still have a pending
         // write or a quarantine kept in the ledger.
         for at in self.scheduler.retain(known) {
-            self.ledger.forget(&at);
+            self.calls.ledger.forget(&at);
         }
     }
 
     /// A panic while handling `at` at `place`: logged once with the At and the panic, counted,
     /// this version quarantined, and the loop ended (the leader releases the Lease).
     pub fn panicked(&self, at: &At, place: &'static str, panic: &Panicked) {
-        self.metrics.panicked(place);
+        self.calls.metrics.panicked(place);
         let at_key = key(at);
         tracing::error!(at = %at_key, place, %panic, "panic while handling this At; it is skipped until it changes, and leadership ends so the reconcile loop starts afresh. Please report this as a bug");
         let version = at.resource_version().unwrap_or_default();
-        self.ledger.quarantine().add(at_key, version);
+        self.calls.ledger.quarantine().add(at_key, version);
         self.fatal.cancel();
     }
 
     /// Whether this version of `at` is quarantined after a panic.
     pub fn quarantined(&self, at: &At) -> bool {
         let version = at.resource_version();
-        self.ledger.quarantined(&key(at), version.as_deref())
+        self.calls.ledger.quarantined(&key(at), version.as_deref())
     }
 
     /// Runs until dropped: the scheduler's probe of an unreachable API server
@@ -174,7 +165,7 @@ impl Context {
 
     /// The time now, by the injected clock.
     pub fn now(&self) -> DateTime<Utc> {
-        (self.clock)()
+        (self.calls.clock)()
     }
 
     /// Whether a watched version of `at` needs a reconcile now; if not, `wakeups` holds when it
@@ -195,7 +186,7 @@ impl Context {
             wakeups.clear(&at_key);
             return true;
         }
-        match wakeups::wake(at, (self.clock)(), &self.policy) {
+        match wakeups::wake(at, (self.calls.clock)(), &self.calls.policy) {
             Wake::Now => {
                 wakeups.clear(&at_key);
                 true
@@ -218,21 +209,21 @@ impl Context {
         if self.is_stale(at).is_some() || self.quarantined(at) {
             return;
         }
-        if let Wake::After(left) = wakeups::wake(at, (self.clock)(), &self.policy) {
+        if let Wake::After(left) = wakeups::wake(at, (self.calls.clock)(), &self.calls.policy) {
             self.scheduler.after(key(at), left);
         }
     }
 
     /// Whether Ats end with a TTL by default (`--default-ttl-seconds-after-finished`).
     pub fn ttl_by_default(&self) -> bool {
-        self.policy.ttl_seconds_after_finished.is_some()
+        self.calls.policy.ttl_seconds_after_finished.is_some()
     }
 
     /// The phase we wrote (or queued) over this version of `at`, if we did: the cache has not
     /// caught up with our write.
     fn is_stale(&self, at: &At) -> Option<Phase> {
         let version = at.resource_version();
-        self.ledger.stale(&key(at), version.as_deref())
+        self.calls.ledger.stale(&key(at), version.as_deref())
     }
 }
 
@@ -251,7 +242,9 @@ pub async fn reconcile(at: Arc<At>, ctx: Arc<Context>) -> Result<Action, Error> 
     );
     let started = Instant::now();
     let result = step(&at, &ctx).instrument(span.clone()).await;
-    ctx.metrics.reconciled(result.is_ok(), started.elapsed());
+    ctx.calls
+        .metrics
+        .reconciled(result.is_ok(), started.elapsed());
     if let Err(error) = &result {
         span.record("error", display(error));
         span.record("otel.status_code", "ERROR");
@@ -264,12 +257,12 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
     // Only an At that fell due while its PENDING write waits behind other writes goes ahead
     // with its pod (whose fixed name makes the create idempotent).
     let stale = ctx.is_stale(at);
-    let now = (ctx.clock)();
+    let now = (ctx.calls.clock)();
     let calls = &ctx.calls;
     let mut observation = calls.cached_pod(at);
     let mut taken = Vec::new();
     for _ in 0..MAX_STEPS {
-        let decision = decide(at, &observation, now, &ctx.policy);
+        let decision = decide(at, &observation, now, &ctx.calls.policy);
         let pending_write = stale == Some(Phase::Pending) && decision.call == Call::CreatePod;
         if stale.is_some() && !pending_write {
             taken.push("skip-stale");
@@ -291,7 +284,7 @@ async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
                 Some(found) => found,
             },
             Call::ReleasePod => calls.release_pod(at).await?,
-            Call::CreatePod => match calls.create_pod(at, ctx.writer.pods_first()).await? {
+            Call::CreatePod => match calls.create_pod(at, ctx.writer.priority()).await? {
                 Created::Yes => return Ok(ctx.defer(at, decision, now)),
                 Created::Found(found) => found,
                 // The watch brings the API server's version; the decision is made on that.
@@ -374,7 +367,9 @@ impl Context {
         let span = Span::current();
         let after = decision.status.as_ref().map_or(at.phase(), |s| s.phase);
         span.record("phase.after", after.as_str());
-        let spent = ((self.clock)() - decided_at).to_std().unwrap_or_default();
+        let spent = ((self.calls.clock)() - decided_at)
+            .to_std()
+            .unwrap_or_default();
         if let Some(left) = decision.requeue {
             // At most the wake-up index's horizon (an At may be due in 9999): a relative wait
             // (a RUNNING At's next look) is kept whole only within it; a PENDING At's status
@@ -397,11 +392,6 @@ fn call_name(call: Call) -> &'static str {
         Call::ReleasePod => "release-pod",
         Call::DeletePod => "delete-pod",
     }
-}
-
-/// `namespace/name`, how logs and errors name an At, and what per-At maps are keyed by.
-fn key(at: &At) -> AtKey {
-    AtKey::from(at)
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! The one way an At is looked at again, and the one retry policy. Every "look at this At
 //! again" goes through here:
 //!
-//! - now (`wake_up`): handed to the runtime as a retrigger, at most `backlog`'s limit of them
+//! - now (`wake_up`): handed to the runtime as a requeue, at most `backlog`'s limit of them
 //!   waiting in its queue;
 //! - later (`after`): the wake-up index (`wakeups`), for settled Ats, their next due time, and
 //!   failed queued status writes;
@@ -13,15 +13,15 @@
 //! Failures in a row are counted per At (`failed_*`, reset by `succeeded`), backed off by
 //! `backoff` (0.5 s doubling to 5 minutes, with jitter).
 
+use super::apiserver_bugs;
 use super::backlog::{self, Backlog};
 use super::error::Error;
-use super::glitch;
 use super::queue::Queue;
 use super::wakeups::Wakeups;
 use crate::operator::cache::freshness::Freshness;
 use crate::operator::key::AtKey;
 use crate::operator::reachability::{self, Reachability};
-use crate::operator::spare::{remove, shrink_if_sparse};
+use crate::operator::shrink::{lock, remove, shrink_if_sparse};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use kube::runtime::controller::Action;
 use std::collections::{HashMap, HashSet};
@@ -38,8 +38,8 @@ pub struct Scheduler {
     /// When settled Ats (and failed queued writes) are looked at again.
     wakeups: Arc<Wakeups>,
     /// Ats to reconcile now, outside the runtime's own requeues.
-    retriggers: Queue<AtKey>,
-    /// The retriggers handed to the runtime whose reconcile has not started.
+    requeues: Queue<AtKey>,
+    /// The requeues handed to the runtime whose reconcile has not started.
     backlog: Arc<Backlog>,
     /// Consecutive failures per At.
     pub(super) failures: Mutex<HashMap<AtKey, u32>>,
@@ -53,7 +53,7 @@ impl Default for Scheduler {
     fn default() -> Self {
         Scheduler {
             wakeups: Arc::default(),
-            retriggers: Queue::default(),
+            requeues: Queue::default(),
             backlog: Arc::new(Backlog::new(backlog::LIMIT)),
             failures: Mutex::default(),
             unreachable: Reachability::default(),
@@ -77,7 +77,7 @@ impl Scheduler {
     /// Reconciles `at` now.
     pub fn wake_up(&self, at: AtKey) {
         // Fails only once the loop has ended, when nothing is left to wake.
-        let _ = self.retriggers.send(at);
+        let _ = self.requeues.send(at);
     }
 
     /// Reconciles `at` after `left`, or earlier if it waits for an earlier instant already.
@@ -88,8 +88,8 @@ impl Scheduler {
     /// Ats to reconcile again, for `Controller::reconcile_on`, at most the backlog's limit of
     /// them waiting in the runtime's queue at once (each must be passed to `reconcile_starts`
     /// when its reconcile starts); `None` if already taken.
-    pub fn retriggers(&self) -> Option<impl futures::Stream<Item = AtKey> + use<>> {
-        Some(self.backlog.clone().gate(self.retriggers.take()?))
+    pub fn requeues(&self) -> Option<impl futures::Stream<Item = AtKey> + use<>> {
+        Some(self.backlog.clone().gate(self.requeues.take()?))
     }
 
     /// `at`'s reconcile starts: it no longer waits in the runtime's queue, and runs until the
@@ -145,7 +145,7 @@ impl Scheduler {
         if unanswered {
             self.unreachable.wait(at.clone());
         }
-        if api_error.is_some_and(|e| glitch::quiet(e, attempt)) {
+        if api_error.is_some_and(|e| apiserver_bugs::quiet(e, attempt)) {
             debug!(at = %at, %error, retry_in = ?delay, unanswered, attempt, "{what} failed on the API server's own error; retrying");
         } else {
             warn!(at = %at, %error, retry_in = ?delay, unanswered, "{what} failed");
@@ -239,8 +239,4 @@ pub fn retry_delay(attempt: u32) -> Duration {
         .build()
         .nth(attempt.saturating_sub(1) as usize)
         .unwrap_or(Duration::from_secs(300))
-}
-
-fn lock<T>(map: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    map.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -421,7 +421,7 @@ fn assert_event(sent: &Sent, type_: &str, reason: &str) {
 /// The slow-start window after the reconcile: `entered` creates let in, none left in it, and
 /// `open` wide (`FIRST`, one wider after an answer, narrowed after an overloaded one).
 fn assert_window(h: &Harness, open: usize, entered: u64, case: &str) {
-    let window = h.ctx.writer.pods_first().window.window();
+    let window = h.ctx.writer.priority().window.window();
     assert_eq!(
         (window.open, window.in_flight, window.entered),
         (open, 0, entered),
@@ -655,7 +655,7 @@ async fn no_pod_is_created_from_an_at_cache_that_is_behind() {
         answer("POST", EVENTS, 201, created_event()),
     ]);
     h.bookmarks.abort();
-    let mut retriggers = h.ctx.scheduler.retriggers().unwrap().boxed();
+    let mut requeues = h.ctx.scheduler.requeues().unwrap().boxed();
     let waker = tokio::spawn({
         let ctx = h.ctx.clone();
         async move { ctx.scheduler.wake_deferred(&ctx.calls.caches.ats).await }
@@ -684,7 +684,7 @@ async fn no_pod_is_created_from_an_at_cache_that_is_behind() {
 
     // The watch says something: the At is reconciled again at once, and its pod created.
     h.freshness.heard(Following::Watching);
-    let woken = tokio::time::timeout(Duration::from_millis(1), retriggers.next()).await;
+    let woken = tokio::time::timeout(Duration::from_millis(1), requeues.next()).await;
     assert_eq!(woken.unwrap(), Some(AtKey::from(&at)));
     h.reconcile(at).await.unwrap();
     assert_eq!(h.reads(), 1);
@@ -1048,7 +1048,7 @@ async fn api_errors_name_the_at_and_retry_with_growing_backoff() {
     h.store_unless_set(&at);
     // A window of four with one create of another At in it: the 503 cuts it to half the two
     // in flight, never below two.
-    let window = h.ctx.writer.pods_first().window.clone();
+    let window = h.ctx.writer.priority().window.clone();
     let (a, b) = (window.enter().await, window.enter().await);
     a.answered(slow_start::Reply::Answered);
     let other = window.enter().await;
@@ -1163,9 +1163,9 @@ async fn a_queued_status_write_that_fails_again_counts_on() {
         .lock()
         .unwrap()
         .insert(AtKey::new("default", "example-at"), 2);
-    let mut retriggers = Box::pin(h.ctx.scheduler.retriggers().unwrap());
+    let mut requeues = Box::pin(h.ctx.scheduler.requeues().unwrap());
     h.reconcile(example_at(None)).await.unwrap();
-    tokio::time::timeout(Duration::from_secs(60), retriggers.next())
+    tokio::time::timeout(Duration::from_secs(60), requeues.next())
         .await
         .expect("retried")
         .unwrap();
@@ -1173,7 +1173,7 @@ async fn a_queued_status_write_that_fails_again_counts_on() {
         h.ctx.scheduler.failures.lock().unwrap()["default/example-at"],
         3
     );
-    drop(retriggers);
+    drop(requeues);
     h.finish(2).await;
 }
 
@@ -1229,7 +1229,7 @@ async fn status_writes_after_a_pod_create_wait_until_no_pod_create_is_in_flight(
         answer("POST", EVENTS, 201, created_event()),
     ]);
     // Another At's pod create is in flight while this one's pod is created.
-    let other = h.ctx.writer.pods_first().creating.enter();
+    let other = h.ctx.writer.priority().creating.enter();
     assert_eq!(
         h.reconcile(example_at(None)).await.unwrap(),
         Action::await_change()
@@ -1241,7 +1241,7 @@ async fn status_writes_after_a_pod_create_wait_until_no_pod_create_is_in_flight(
         h.reconcile(example_at(None)).await.unwrap(),
         Action::await_change()
     );
-    assert_eq!(h.ctx.writer.pods_first().creating.in_flight(), 1);
+    assert_eq!(h.ctx.writer.priority().creating.in_flight(), 1);
 
     drop(other);
     let sent = h.finish(3).await;
@@ -1252,12 +1252,12 @@ async fn status_writes_after_a_pod_create_wait_until_no_pod_create_is_in_flight(
 #[tokio::test(start_paused = true)]
 async fn a_failed_follow_up_write_is_retried_by_a_new_reconcile_after_backoff() {
     let h = pod_created_then_status_write_fails();
-    let mut retriggers = Box::pin(h.ctx.scheduler.retriggers().unwrap());
+    let mut requeues = Box::pin(h.ctx.scheduler.requeues().unwrap());
     let started = tokio::time::Instant::now();
     h.reconcile(example_at(None)).await.unwrap();
-    let again = tokio::time::timeout(Duration::from_secs(5), retriggers.next())
+    let again = tokio::time::timeout(Duration::from_secs(5), requeues.next())
         .await
-        .expect("a retrigger")
+        .expect("a requeue")
         .unwrap();
     assert_eq!(again, ObjectRef::new("example-at").within("default"));
     let waited = started.elapsed();
@@ -1271,7 +1271,7 @@ async fn a_failed_follow_up_write_is_retried_by_a_new_reconcile_after_backoff() 
     );
     // The cached version is no longer skipped: the next reconcile acts on it.
     assert_eq!(h.ctx.is_stale(&example_at(None)), None);
-    drop(retriggers);
+    drop(requeues);
     h.finish(2).await;
 }
 
@@ -1289,7 +1289,7 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
             serde_json::json!({"major": "1", "minor": "24", "gitVersion": "v1.24.17", "gitCommit": "", "gitTreeState": "clean", "buildDate": "2023-08-24T00:00:00Z", "goVersion": "go1.20.7", "compiler": "gc", "platform": "linux/amd64"}),
         ),
     ]);
-    let mut retriggers = Box::pin(h.ctx.scheduler.retriggers().unwrap());
+    let mut requeues = Box::pin(h.ctx.scheduler.requeues().unwrap());
     let probe = tokio::spawn(h.ctx.clone().look_again());
     // The outage has lasted: eight failures already, so the backoff is past a minute.
     h.ctx
@@ -1315,7 +1315,7 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
     assert!(scheduler::retry_delay(9) >= Duration::from_secs(128));
 
     // Three probes go unanswered; the fourth answer brings the At back at once.
-    let again = tokio::time::timeout(Duration::from_secs(60), retriggers.next())
+    let again = tokio::time::timeout(Duration::from_secs(60), requeues.next())
         .await
         .expect("a retry when the server answered")
         .unwrap();
@@ -1324,7 +1324,7 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
     assert_eq!(h.ctx.scheduler.unreachable().waiting(), 0);
     probe.abort();
     let _ = probe.await;
-    drop(retriggers);
+    drop(requeues);
     h.finish(5).await;
 }
 
@@ -1376,7 +1376,7 @@ async fn an_at_due_while_its_pending_write_waits_gets_its_pod_without_waiting() 
         clock,
     );
     // Other pods are being created: the PENDING write waits in the queue.
-    let others = h.ctx.writer.pods_first().creating.enter();
+    let others = h.ctx.writer.priority().creating.enter();
     assert_eq!(
         h.reconcile(future.clone()).await.unwrap(),
         Action::await_change()
@@ -1409,7 +1409,7 @@ async fn events_wait_until_no_status_write_is_queued_but_at_most_two_seconds() {
         answer("POST", EVENTS, 201, created_event()),
     ]);
     // Another At's status write is queued (and stays: writes that never pause).
-    let other = h.ctx.writer.pods_first().writing.enter();
+    let other = h.ctx.writer.priority().writing.enter();
     h.reconcile(future).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1900)).await;
     assert_eq!(
@@ -1429,7 +1429,7 @@ async fn events_wait_until_no_status_write_is_queued_but_at_most_two_seconds() {
 /// Entries kept per At: backoffs, last writes, wake-ups.
 fn kept(ctx: &Context) -> (usize, usize, usize) {
     let (failures, wakeups) = ctx.scheduler.kept();
-    (failures, ctx.ledger.kept(), wakeups)
+    (failures, ctx.calls.ledger.kept(), wakeups)
 }
 
 #[tokio::test]
@@ -1438,7 +1438,7 @@ async fn a_deleted_at_leaves_nothing_behind_in_the_leader_s_maps() {
     let at = example_at(None);
     let at_ref = AtKey::from(&at);
     // A failure's backoff, a write's record, a wakeup: all kept per At.
-    let ledger = &h.ctx.ledger;
+    let ledger = &h.ctx.calls.ledger;
     h.ctx.scheduler.failed(&at_ref);
     ledger.written(
         at_ref.clone(),
@@ -1490,9 +1490,9 @@ async fn a_422_from_the_cel_rule_s_internal_error_is_retried() {
                 "message": "At.cnat.programming-kubernetes.info \"example-at\" is invalid: status: Invalid value: \"object\": internal error: runtime error: index out of range [4] with length 3 evaluating rule: status.phase cannot go back"}),
         ),
     ]);
-    let mut retriggers = Box::pin(h.ctx.scheduler.retriggers().unwrap());
+    let mut requeues = Box::pin(h.ctx.scheduler.requeues().unwrap());
     h.reconcile(example_at(None)).await.unwrap();
-    let again = tokio::time::timeout(Duration::from_secs(5), retriggers.next())
+    let again = tokio::time::timeout(Duration::from_secs(5), requeues.next())
         .await
         .expect("retried")
         .unwrap();
@@ -1507,43 +1507,42 @@ async fn a_422_from_the_cel_rule_s_internal_error_is_retried() {
         let series = format!(r#"cnat_status_writes_total{{phase="RUNNING",result="{result}"}} "#);
         assert!(metrics.contains(&format!("{series}{count}\n")), "{metrics}");
     }
-    drop(retriggers);
+    drop(requeues);
     h.finish(2).await;
 }
 
-/// The retriggers hand kube-runtime at most `backlog::LIMIT` Ats whose reconcile has not
+/// The requeues hand kube-runtime at most `backlog::LIMIT` Ats whose reconcile has not
 /// started; one more for each that starts, and for each request the runtime dropped (its At
 /// gone), not for a deletion alone (its request is still in the runtime).
 #[tokio::test(start_paused = true)]
 async fn retriggers_wait_for_room_in_the_backlog_which_starts_and_dropped_requests_make() {
     let h = harness(vec![]);
-    let mut retriggers = h.ctx.scheduler.retriggers().unwrap().boxed();
+    let mut requeues = h.ctx.scheduler.requeues().unwrap().boxed();
     let key = |i: usize| AtKey::new("default", &format!("at-{i}"));
     for i in 0..backlog::LIMIT + 3 {
         h.ctx.scheduler.wake_up(key(i));
     }
     let mut handed = Vec::new();
-    while let Ok(Some(at)) = tokio::time::timeout(Duration::from_millis(1), retriggers.next()).await
-    {
+    while let Ok(Some(at)) = tokio::time::timeout(Duration::from_millis(1), requeues.next()).await {
         handed.push(at);
     }
     assert_eq!(handed.len(), backlog::LIMIT);
     let wait = Duration::from_millis(1);
-    let full = tokio::time::timeout(wait, retriggers.next()).await;
+    let full = tokio::time::timeout(wait, requeues.next()).await;
     assert!(full.is_err(), "the backlog is full");
     let running = h.ctx.scheduler.reconcile_starts(&key(0));
-    let next = tokio::time::timeout(wait, retriggers.next()).await;
+    let next = tokio::time::timeout(wait, requeues.next()).await;
     assert_eq!(next.unwrap(), Some(key(backlog::LIMIT)));
     drop(running);
     h.ctx.forget(&key(1));
-    let full = tokio::time::timeout(wait, retriggers.next()).await;
+    let full = tokio::time::timeout(wait, requeues.next()).await;
     assert!(full.is_err(), "a deletion alone makes no room");
     h.ctx.scheduler.request_dropped(&key(1));
-    let next = tokio::time::timeout(wait, retriggers.next()).await;
+    let next = tokio::time::timeout(wait, requeues.next()).await;
     assert_eq!(next.unwrap(), Some(key(backlog::LIMIT + 1)));
-    let full = tokio::time::timeout(wait, retriggers.next()).await;
+    let full = tokio::time::timeout(wait, requeues.next()).await;
     assert!(full.is_err(), "the backlog is full again");
-    drop(retriggers);
+    drop(requeues);
     h.finish(0).await;
 }
 
@@ -1613,7 +1612,7 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
     let all = [&far, &soon, &expiring, &done];
     let (now, clock, store) = set_clock_and_cache(start, &all);
     let h = harness_at(vec![], clock);
-    let mut retriggers = Box::pin(h.ctx.scheduler.retriggers().unwrap());
+    let mut requeues = Box::pin(h.ctx.scheduler.requeues().unwrap());
     // As the watch brings them: only the At due within the hour gets an entry.
     for at in all {
         assert!(!h.ctx.needs_reconcile(at), "{:?}", at.metadata.name);
@@ -1656,7 +1655,7 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
     assert_eq!(h.ctx.scheduler.wakeups().when(&soon_key), None);
     assert_eq!(h.ctx.scheduler.wakeups().when(&done_key), None);
     assert_eq!(h.ctx.scheduler.wakeups().len(), 2);
-    let none = tokio::time::timeout(Duration::from_millis(10), retriggers.next()).await;
+    let none = tokio::time::timeout(Duration::from_millis(10), requeues.next()).await;
     assert!(none.is_err(), "the look-ahead reconciles nothing: {none:?}");
     h.finish(0).await;
 }
@@ -1675,7 +1674,7 @@ async fn the_look_ahead_runs_every_half_hour_and_after_a_clock_jump_looks_at_eve
     let (now, clock, store) = set_clock_and_cache(start, &[&first, &second, &jumped]);
     let h = harness_at(vec![], clock);
     h.wakeups.abort();
-    let mut retriggers = Box::pin(h.ctx.scheduler.retriggers().unwrap());
+    let mut requeues = Box::pin(h.ctx.scheduler.requeues().unwrap());
     let looking = tokio::spawn({
         let (ctx, store) = (h.ctx.clone(), store.clone());
         async move { crate::operator::triggers::look_ahead(&ctx, &store).await }
@@ -1705,15 +1704,14 @@ async fn the_look_ahead_runs_every_half_hour_and_after_a_clock_jump_looks_at_eve
         Some(t0 + Duration::from_secs(110 * 60))
     );
     assert_eq!(h.ctx.scheduler.wakeups().when(&jumped), None);
-    let none = tokio::time::timeout(Duration::from_millis(10), retriggers.next()).await;
+    let none = tokio::time::timeout(Duration::from_millis(10), requeues.next()).await;
     assert!(none.is_err(), "nothing reconciled: {none:?}");
     // The wall clock jumps ahead by three hours (say, the clock was set): at the next look,
     // at 90 minutes by tokio's clock, `jumped` (due at 200) is overdue and no index holds it.
     *now.lock().unwrap() += minutes(180);
     step(1).await;
     let mut woken = Vec::new();
-    while let Ok(Some(at)) =
-        tokio::time::timeout(Duration::from_millis(10), retriggers.next()).await
+    while let Ok(Some(at)) = tokio::time::timeout(Duration::from_millis(10), requeues.next()).await
     {
         woken.push(at);
     }

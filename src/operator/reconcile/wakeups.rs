@@ -19,7 +19,7 @@ use super::decide::{decide, Call, PodObservation};
 use crate::api::At;
 use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;
-use crate::operator::spare::shrink_if_sparse;
+use crate::operator::shrink::shrink_if_sparse;
 use chrono::{DateTime, Utc};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;

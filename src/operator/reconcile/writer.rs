@@ -1,6 +1,6 @@
 //! The one writer of Ats' statuses and of the events that tell their transitions. A reconcile
 //! writes a status at once (`write_now`: a refused pod's status says why before the reconcile
-//! backs off) or queues it behind the pod creates in flight (`queue`, see `PodsFirst`); both go
+//! backs off) or queues it behind the pod creates in flight (`queue`, see `Priority`); both go
 //! through `write`, which reads the API server's answer one way for both. A transition's event
 //! goes out after its write, through the one event queue (`EventSink`). A queued write that
 //! fails is retried by the `scheduler`.
@@ -14,7 +14,7 @@ use crate::api::{At, AtStatus, Phase};
 use crate::observability::metrics::{Metrics, WriteResult};
 use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
-use crate::operator::pods_first::{InFlightGuard, PodsFirst};
+use crate::operator::priority::{InFlightGuard, Priority};
 use crate::operator::FIELD_MANAGER;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
@@ -40,7 +40,7 @@ pub struct Writer {
     /// When an At whose queued write failed is looked at again.
     scheduler: Arc<Scheduler>,
     /// Pod creates and status writes in flight, which lower-priority writes wait for.
-    pods_first: PodsFirst,
+    priority: Priority,
     /// Status writes queued behind pod creates.
     queued: Queue<QueuedWrite>,
 }
@@ -121,14 +121,14 @@ impl Writer {
             metrics,
             ledger,
             scheduler,
-            pods_first: PodsFirst::default(),
+            priority: Priority::default(),
             queued: Queue::default(),
         }
     }
 
     /// Pod creates and status writes in flight.
-    pub fn pods_first(&self) -> &PodsFirst {
-        &self.pods_first
+    pub fn priority(&self) -> &Priority {
+        &self.priority
     }
 
     /// Writes the decided status now, then tells the transition: `Ok(true)` once written,
@@ -170,7 +170,7 @@ impl Writer {
             target,
             decision,
             parent: Span::current().context().span().span_context().clone(),
-            _writing: self.pods_first.writing.enter(),
+            _writing: self.priority.writing.enter(),
         };
         if !self.queued.send(job) {
             // Only after the writer stopped, i.e. the loop is ending: the next leader writes it.
@@ -208,11 +208,11 @@ impl Writer {
         let Some(status) = &decision.status else {
             return;
         };
-        self.pods_first.creating.idle().await;
+        self.priority.creating.idle().await;
         match self.write(target, status, decision).await {
             Written::Done => {
                 self.scheduler.succeeded(&target.key);
-                let behind = Some(&self.pods_first);
+                let behind = Some(&self.priority);
                 self.tell_transition(target, status, decision.note.as_ref(), behind);
             }
             Written::Conflict | Written::Gone | Written::Refused => {}
@@ -263,7 +263,7 @@ impl Writer {
                 Written::Gone
             }
             // Any other 422 is retried like other errors, the API server's own CEL failures
-            // among them (`glitch`).
+            // among them (`apiserver_bugs`).
             Err(kube::Error::Api(s)) if s.is_invalid() && target.out_of_range => {
                 self.refused_status(target, decision, &s);
                 Written::Refused
@@ -296,7 +296,7 @@ impl Writer {
         target: &Target,
         status: &AtStatus,
         note: Option<&Note>,
-        behind: Option<&PodsFirst>,
+        behind: Option<&Priority>,
     ) {
         let Some(note) = note else {
             return;
@@ -329,7 +329,7 @@ impl Writer {
         at: &AtKey,
         regarding: ObjectReference,
         event: Event,
-        behind: Option<&PodsFirst>,
+        behind: Option<&Priority>,
     ) {
         let queued = match behind {
             Some(writes) => self.events.try_send_behind(at, event, regarding, writes),
@@ -371,12 +371,7 @@ impl Writer {
             action: "Reconcile".into(),
             secondary: None,
         };
-        self.tell(
-            &target.key,
-            target.regarding(),
-            event,
-            Some(&self.pods_first),
-        );
+        self.tell(&target.key, target.regarding(), event, Some(&self.priority));
     }
 
     /// Tells, in a Warning event on the At, that cnat cannot read it (`why`), so it does nothing
@@ -392,7 +387,7 @@ impl Writer {
             action: "Reconcile".into(),
             secondary: None,
         };
-        self.tell(at, regarding, event, Some(&self.pods_first));
+        self.tell(at, regarding, event, Some(&self.priority));
     }
 }
 

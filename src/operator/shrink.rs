@@ -21,10 +21,16 @@ pub fn shrink_if_sparse<K: Eq + Hash, V, S: std::hash::BuildHasher>(map: &mut Ha
 
 /// Removes `key`'s entry from a shared map, then `shrink_if_sparse`.
 pub fn remove<K: Eq + Hash, V>(map: &Mutex<HashMap<K, V>>, key: &K) {
-    let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
+    let mut map = lock(map);
     if map.remove(key).is_some() {
         shrink_if_sparse(&mut map);
     }
+}
+
+/// Locks a shared map; a map whose holder panicked is still used (its state is kept whole by
+/// each single insert or remove).
+pub fn lock<T>(map: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    map.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

@@ -159,7 +159,9 @@ mod tests {
         install_hook();
         let caught = catch(|| -> u8 { panic!("boom {}", 7) }).unwrap_err();
         assert!(
-            caught.0.starts_with("boom 7 at src/operator/contain.rs:"),
+            caught
+                .0
+                .starts_with("boom 7 at src/operator/quarantine.rs:"),
             "{caught}"
         );
         assert_eq!(catch(|| 5), Ok(5));

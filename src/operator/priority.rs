@@ -1,7 +1,7 @@
 //! Pods first: when many Ats fall due together, the API server's write capacity goes to their
 //! pods before any status write or event of that wave, and to status writes before events.
 //! Pod creates and queued status writes are counted here (`InFlight`); the status writer waits
-//! until no pod create is in flight, an event until neither is (`PodsFirst::quiet`). Exactly
+//! until no pod create is in flight, an event until neither is (`Priority::quiet`). Exactly
 //! once does not depend on this: the pod's deterministic name does.
 
 use crate::operator::slow_start::SlowStart;
@@ -74,7 +74,7 @@ impl InFlight {
 
 /// The three priorities of writes: pod creates, then status writes, then events.
 #[derive(Clone, Default)]
-pub struct PodsFirst {
+pub struct Priority {
     /// Pod creates in flight (queued in `window` too).
     pub creating: InFlight,
     /// The window pod creates go out in (`slow_start`).
@@ -83,7 +83,7 @@ pub struct PodsFirst {
     pub writing: InFlight,
 }
 
-impl PodsFirst {
+impl Priority {
     /// Returns once neither pod creates nor status writes have been in flight for `QUIET`. Once
     /// that holds, every waiter passes at once: a wave's events pay the quiet period once, not
     /// once each.
@@ -112,24 +112,24 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_wave_s_events_pay_the_quiet_period_once() {
-        let pods_first = PodsFirst::default();
+        let priority = Priority::default();
         let started = Instant::now();
-        let write = pods_first.writing.enter();
+        let write = priority.writing.enter();
         tokio::time::advance(Duration::from_millis(5)).await;
         drop(write);
         // The first waiter waits until writes have been idle for the quiet period (20 ms)...
-        pods_first.quiet().await;
+        priority.quiet().await;
         assert_eq!(started.elapsed(), Duration::from_millis(25));
         // ...and every later one passes at once, while nothing is written.
         let later = Instant::now();
         for _ in 0..100 {
-            pods_first.quiet().await;
+            priority.quiet().await;
         }
         assert_eq!(later.elapsed(), Duration::ZERO);
         // A pod create starts the quiet period again.
-        drop(pods_first.creating.enter());
+        drop(priority.creating.enter());
         let after_create = Instant::now();
-        pods_first.quiet().await;
+        priority.quiet().await;
         assert_eq!(after_create.elapsed(), Duration::from_millis(20));
     }
 }

@@ -13,7 +13,7 @@ pub const QUIET_ATTEMPTS: u32 = 3;
 /// ...String.Size called using nil *String pointer". The same write succeeds when sent again.
 /// Only a 422 whose one cause is that failure: the API server joins every field error of a write
 /// into one answer, and a genuine refusal beside a glitch is not a glitch.
-pub fn is_cel_glitch(error: &kube::Error) -> bool {
+pub fn is_cel_race(error: &kube::Error) -> bool {
     let kube::Error::Api(status) = error else {
         return false;
     };
@@ -27,7 +27,7 @@ pub fn is_cel_glitch(error: &kube::Error) -> bool {
 /// Whether the `attempt`th failure in a row (1-based) of an At's reconcile or status write,
 /// with `error`, is logged at debug instead of WARN.
 pub fn quiet(error: &kube::Error, attempt: u32) -> bool {
-    is_cel_glitch(error) && attempt <= QUIET_ATTEMPTS
+    is_cel_race(error) && attempt <= QUIET_ATTEMPTS
 }
 
 #[cfg(test)]
@@ -72,7 +72,7 @@ mod tests {
         ] {
             let cause = format!("Invalid value: \"object\": {inner} {RULE}");
             let error = api(422, "Invalid", &[&cause]);
-            assert!(is_cel_glitch(&error), "{cause}");
+            assert!(is_cel_race(&error), "{cause}");
             assert!(quiet(&error, 1));
             assert!(quiet(&error, QUIET_ATTEMPTS));
             assert!(!quiet(&error, QUIET_ATTEMPTS + 1), "a glitch that keeps coming");
@@ -102,7 +102,7 @@ mod tests {
             kube::Error::Api(message_only.boxed()),
             kube::Error::LinesCodecMaxLineLengthExceeded,
         ] {
-            assert!(!is_cel_glitch(&error), "{error}");
+            assert!(!is_cel_race(&error), "{error}");
             assert!(!quiet(&error, 1), "{error}");
         }
     }
