@@ -138,8 +138,8 @@ pub async fn run_with_cache(
         "reconciling Ats"
     );
     // Exists once per context, which was just made.
-    let Some(requeues) = ctx.scheduler().requeues() else {
-        unreachable!("a new context hands out its requeues");
+    let Some(reconcile_now) = ctx.scheduler().reconcile_now() else {
+        unreachable!("a new context hands out its reconcile_now stream");
     };
     let tasks = spawn_tasks(&ctx, &at_store, orphaned, to_label);
     let fatal = ctx.fatal().clone();
@@ -147,7 +147,7 @@ pub async fn run_with_cache(
     let dropped = ctx.clone();
     let controller = Controller::for_shared_stream(at_events, at_store)
         .owns_stream(pod_events)
-        .reconcile_on(requeues.map(|at| CachedAt::key_of(&at)))
+        .reconcile_on(reconcile_now.map(|at| CachedAt::key_of(&at)))
         .with_config(controller::Config::default().concurrency(settings.concurrency))
         .graceful_shutdown_on(stop.cancelled_owned())
         .run(reconcile_cached, error_policy_cached, ctx)

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use syn::visit::Visit;
 
 /// Lines of `src/` outside tests (`tests.rs` files and `#[cfg(test)]` items left out).
-const SRC_LINES: usize = 22_750;
+const SRC_LINES: usize = 22_700;
 /// Lines of the largest file of `src/`, outside tests.
 const FILE_LINES: usize = 1_110;
 /// Fields of `reconcile::Context`.
@@ -16,6 +16,13 @@ const CONTEXT_FIELDS: usize = 4;
 /// Methods of `reconcile::Context`, and the files its `impl` blocks are in.
 const CONTEXT_METHODS: usize = 20;
 const CONTEXT_FILES: usize = 1;
+/// The import circles outside `operator/` today, each a parent module and children that use
+/// its items (`super::...`) while it calls theirs: none may be added; take one off when it is
+/// mended. Inside `operator/` there are none.
+const KNOWN_CIRCLES: &[&[&str]] = &[
+    &["conversion", "conversion::parts", "conversion::streaming"],
+    &["leader", "leader::balance", "leader::handover"],
+];
 
 /// One module of the crate: its path (`operator::reconcile`) and what it is made of.
 struct Module {
@@ -88,27 +95,51 @@ struct Uses {
     context_methods: usize,
 }
 
-/// Each path in `tokens` (an attribute's arguments) that starts with `crate`, `super` or
-/// `self`, as segments.
-fn paths_in(tokens: &proc_macro2::TokenStream) -> Vec<Vec<String>> {
-    let text = tokens.to_string();
-    let words: Vec<&str> = text.split_whitespace().collect();
+/// Each path of two or more segments in `tokens` (an attribute's arguments, a macro's body):
+/// `a::b` sequences of identifiers, in groups of any bracket too, and string literals that are
+/// a path (`#[serde(with = "crate::x")]`).
+fn paths_in(tokens: proc_macro2::TokenStream) -> Vec<Vec<String>> {
+    use proc_macro2::TokenTree;
     let mut found = Vec::new();
-    let mut i = 0;
-    while i < words.len() {
-        if matches!(words[i], "crate" | "super" | "self") {
-            let mut path = vec![words[i].to_owned()];
-            while i + 2 < words.len() && words[i + 1] == "::" {
-                let word = words[i + 2].trim_matches(|c: char| !c.is_alphanumeric() && c != '_');
-                path.push(word.to_owned());
-                i += 2;
+    let mut path: Vec<String> = Vec::new();
+    let mut colons = 0;
+    let flush = |path: &mut Vec<String>, found: &mut Vec<Vec<String>>| {
+        let path = std::mem::take(path);
+        if path.len() > 1 {
+            found.push(path);
+        }
+    };
+    for token in tokens {
+        match token {
+            TokenTree::Ident(ident) => {
+                if colons != 2 {
+                    flush(&mut path, &mut found);
+                }
+                path.push(ident.to_string());
+                colons = 0;
             }
-            if path.len() > 1 {
-                found.push(path);
+            TokenTree::Punct(punct) if punct.as_char() == ':' && colons < 2 => colons += 1,
+            other => {
+                flush(&mut path, &mut found);
+                colons = 0;
+                match other {
+                    TokenTree::Group(group) => found.extend(paths_in(group.stream())),
+                    TokenTree::Literal(literal) => {
+                        let text = literal.to_string();
+                        if let Ok(inner) = syn::parse_str::<syn::Path>(text.trim_matches('"')) {
+                            if inner.segments.len() > 1 && text.starts_with('"') {
+                                found.push(
+                                    inner.segments.iter().map(|s| s.ident.to_string()).collect(),
+                                );
+                            }
+                        }
+                    }
+                    _ => {}
+                }
             }
         }
-        i += 1;
     }
+    flush(&mut path, &mut found);
     found
 }
 
@@ -193,13 +224,12 @@ impl<'ast> Visit<'ast> for Uses {
         syn::visit::visit_impl_item_fn(self, item);
     }
 
+    /// A path in code: from `crate`, `super` or `self`, or from a child module's name
+    /// (`pack::unpack`), which `push` resolves against this module; any other (`std::mem`,
+    /// `Foo::new`) resolves to this module itself, or to an import its `use` already counts.
     fn visit_path(&mut self, path: &'ast syn::Path) {
         let segments: Vec<String> = path.segments.iter().map(|s| s.ident.to_string()).collect();
-        let anchored = matches!(
-            segments.first().map(String::as_str),
-            Some("crate" | "super" | "self")
-        );
-        if anchored && segments.len() > 1 {
+        if segments.len() > 1 && path.leading_colon.is_none() {
             self.push(segments, None);
         }
         syn::visit::visit_path(self, path);
@@ -209,10 +239,18 @@ impl<'ast> Visit<'ast> for Uses {
         // Doc comments are text; other attributes' arguments may name items
         // (`#[schemars(length(max = crate::limits::...))]`).
         if let syn::Meta::List(list) = &attr.meta {
-            for path in paths_in(&list.tokens) {
+            for path in paths_in(list.tokens.clone()) {
                 self.push(path, None);
             }
         }
+    }
+
+    /// A macro's body is tokens, not syntax: its paths are read as in attributes.
+    fn visit_macro(&mut self, mac: &'ast syn::Macro) {
+        for path in paths_in(mac.tokens.clone()) {
+            self.push(path, None);
+        }
+        syn::visit::visit_macro(self, mac);
     }
 
     fn visit_item_use(&mut self, item: &'ast syn::ItemUse) {
@@ -428,9 +466,27 @@ fn no_module_of_src_imports_one_that_imports_it_back() {
         "the import graph is read: {:?}",
         modules["operator::reconcile"].imports
     );
-    let found = circles(&modules);
+    // Links only the readers of attributes and of code (not `use`) find.
+    for (from, to) in [("api", "limits::bounds"), ("operator::signing", "schedule")] {
+        assert!(
+            modules[from].imports.contains(to),
+            "{from} is read as importing {to}: {:?}",
+            modules[from].imports
+        );
+    }
+    let found: BTreeSet<Vec<String>> = circles(&modules).into_iter().collect();
+    let known: BTreeSet<Vec<String>> = KNOWN_CIRCLES
+        .iter()
+        .map(|set| set.iter().map(|m| m.to_string()).collect())
+        .collect();
+    let new: Vec<_> = found.difference(&known).collect();
     assert!(
-        found.is_empty(),
-        "modules that import each other, in circles (move what both need into a module below them): {found:?}"
+        new.is_empty(),
+        "modules that import each other, in circles (move what both need into a module below them): {new:?}"
+    );
+    let mended: Vec<_> = known.difference(&found).collect();
+    assert!(
+        mended.is_empty(),
+        "circles gone: take them off KNOWN_CIRCLES: {mended:?}"
     );
 }

@@ -44,8 +44,8 @@
 //!   A watch whose version expired (410) is yielded as an error too (then listed again), as
 //!   kube-runtime does, so a relist is logged and backed off.
 
+use super::cached_at::CachedAt;
 use super::freshness::{Following, Freshness, SILENCE};
-use super::CachedAt;
 use futures::{AsyncBufReadExt, Stream, StreamExt};
 use kube::api::{ListParams, VersionMatch, WatchEvent, WatchParams};
 use kube::core::Request;

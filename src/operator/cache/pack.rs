@@ -11,11 +11,21 @@
 //! A status cnat writes that the examples no longer resemble still packs and reads back, only
 //! larger: that test packs an At through its whole life and bounds the size.
 
-use super::Rest;
 use crate::api::{AtSpec, AtStatus, Condition, Outcome, Phase};
 use chrono::{DateTime, TimeZone, Utc};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use serde::{Deserialize, Serialize};
 use std::sync::LazyLock;
+
+/// What a cached At's packed JSON holds: the At without what `CachedAt` keeps apart (name,
+/// namespace, resourceVersion) or the type says (apiVersion, kind).
+#[derive(Serialize, Deserialize)]
+pub struct Rest {
+    pub metadata: ObjectMeta,
+    pub spec: AtSpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<AtStatus>,
+}
 
 static DICTIONARY: LazyLock<Vec<u8>> = LazyLock::new(dictionary);
 

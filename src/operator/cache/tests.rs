@@ -1,7 +1,9 @@
 use super::*;
-use crate::api::{AtSpec, AtStatus, Condition, Outcome};
+use crate::api::{At, AtSpec, AtStatus, Condition, Outcome, Phase};
 use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::{Resource, ResourceExt};
 use serde_json::Value;
 use std::collections::BTreeMap;
 

@@ -1,6 +1,6 @@
 //! How many of the Ats cnat hands to kube-runtime's controller itself (wakeups, a first look at
-//! every At, retried writes: `Scheduler::requeues`) wait in the runtime's queue for a reconcile
-//! that has not started: at most the limit (`limit_for`); the rest wait in the requeue queue,
+//! every At, retried writes: `Scheduler::reconcile_now`) wait in the runtime's queue for a reconcile
+//! that has not started: at most the limit (`limit_for`); the rest wait in the scheduler's queue,
 //! a key each.
 //!
 //! The runtime's scheduler takes every request it is handed at once, into a `HashMap`, a
@@ -17,7 +17,7 @@
 //! already is passed on at once and not counted again: the runtime keeps one request per At, so
 //! it adds nothing to its maps, and it may be needed (a reconcile that was starting with an
 //! older version of the At). A full backlog from which nothing left for `STALE` while no
-//! reconcile ran is emptied: while the loop is idle the backlog cannot stop the requeues;
+//! reconcile ran is emptied: while the loop is idle the backlog cannot stop them;
 //! while other reconciles run, a full backlog waits for them.
 
 use crate::operator::key::AtKey;

@@ -44,7 +44,8 @@ const MAX_STEPS: usize = 3;
 
 /// What every reconcile shares: the executor's view of the cluster and the one writer.
 pub struct Context {
-    /// The API calls besides status writes.
+    /// The API calls besides status writes, and what they share with the reconcile: the
+    /// clock, the run policy, the metrics and the ledger.
     calls: Calls,
     /// When each At is looked at again, and the retry policy.
     scheduler: Arc<Scheduler>,

@@ -1,7 +1,7 @@
 //! The one way an At is looked at again, and the one retry policy. Every "look at this At
 //! again" goes through here:
 //!
-//! - now (`wake_up`): handed to the runtime as a requeue, at most `backlog`'s limit of them
+//! - now (`wake_up`): handed to the runtime to reconcile now, at most `backlog`'s limit of them
 //!   waiting in its queue;
 //! - later (`after`): the wake-up index (`wakeups`), for settled Ats, their next due time, and
 //!   failed queued status writes;
@@ -38,8 +38,8 @@ pub struct Scheduler {
     /// When settled Ats (and failed queued writes) are looked at again.
     wakeups: Arc<Wakeups>,
     /// Ats to reconcile now, outside the runtime's own requeues.
-    requeues: Queue<AtKey>,
-    /// The requeues handed to the runtime whose reconcile has not started.
+    reconcile_now: Queue<AtKey>,
+    /// The Ats handed to the runtime whose reconcile has not started.
     backlog: Arc<Backlog>,
     /// Consecutive failures per At.
     pub(super) failures: Mutex<HashMap<AtKey, u32>>,
@@ -53,7 +53,7 @@ impl Default for Scheduler {
     fn default() -> Self {
         Scheduler {
             wakeups: Arc::default(),
-            requeues: Queue::default(),
+            reconcile_now: Queue::default(),
             backlog: Arc::new(Backlog::new(backlog::LIMIT)),
             failures: Mutex::default(),
             unreachable: Reachability::default(),
@@ -63,7 +63,7 @@ impl Default for Scheduler {
 }
 
 impl Scheduler {
-    /// Retriggered Ats wait in the runtime's queue `limit` at a time (`backlog::limit_for` the
+    /// Ats handed to the runtime wait in the runtime's queue `limit` at a time (`backlog::limit_for` the
     /// loop's concurrency; `backlog::LIMIT` unless set).
     pub fn set_backlog_limit(&self, limit: usize) {
         self.backlog.set_limit(limit);
@@ -77,7 +77,7 @@ impl Scheduler {
     /// Reconciles `at` now.
     pub fn wake_up(&self, at: AtKey) {
         // Fails only once the loop has ended, when nothing is left to wake.
-        let _ = self.requeues.send(at);
+        let _ = self.reconcile_now.send(at);
     }
 
     /// Reconciles `at` after `left`, or earlier if it waits for an earlier instant already.
@@ -88,8 +88,8 @@ impl Scheduler {
     /// Ats to reconcile again, for `Controller::reconcile_on`, at most the backlog's limit of
     /// them waiting in the runtime's queue at once (each must be passed to `reconcile_starts`
     /// when its reconcile starts); `None` if already taken.
-    pub fn requeues(&self) -> Option<impl futures::Stream<Item = AtKey> + use<>> {
-        Some(self.backlog.clone().gate(self.requeues.take()?))
+    pub fn reconcile_now(&self) -> Option<impl futures::Stream<Item = AtKey> + use<>> {
+        Some(self.backlog.clone().gate(self.reconcile_now.take()?))
     }
 
     /// `at`'s reconcile starts: it no longer waits in the runtime's queue, and runs until the

@@ -655,7 +655,7 @@ async fn no_pod_is_created_from_an_at_cache_that_is_behind() {
         answer("POST", EVENTS, 201, created_event()),
     ]);
     h.bookmarks.abort();
-    let mut requeues = h.ctx.scheduler.requeues().unwrap().boxed();
+    let mut reconcile_now = h.ctx.scheduler.reconcile_now().unwrap().boxed();
     let waker = tokio::spawn({
         let ctx = h.ctx.clone();
         async move { ctx.scheduler.wake_deferred(&ctx.calls.caches.ats).await }
@@ -684,7 +684,7 @@ async fn no_pod_is_created_from_an_at_cache_that_is_behind() {
 
     // The watch says something: the At is reconciled again at once, and its pod created.
     h.freshness.heard(Following::Watching);
-    let woken = tokio::time::timeout(Duration::from_millis(1), requeues.next()).await;
+    let woken = tokio::time::timeout(Duration::from_millis(1), reconcile_now.next()).await;
     assert_eq!(woken.unwrap(), Some(AtKey::from(&at)));
     h.reconcile(at).await.unwrap();
     assert_eq!(h.reads(), 1);
@@ -1163,9 +1163,9 @@ async fn a_queued_status_write_that_fails_again_counts_on() {
         .lock()
         .unwrap()
         .insert(AtKey::new("default", "example-at"), 2);
-    let mut requeues = Box::pin(h.ctx.scheduler.requeues().unwrap());
+    let mut reconcile_now = Box::pin(h.ctx.scheduler.reconcile_now().unwrap());
     h.reconcile(example_at(None)).await.unwrap();
-    tokio::time::timeout(Duration::from_secs(60), requeues.next())
+    tokio::time::timeout(Duration::from_secs(60), reconcile_now.next())
         .await
         .expect("retried")
         .unwrap();
@@ -1173,7 +1173,7 @@ async fn a_queued_status_write_that_fails_again_counts_on() {
         h.ctx.scheduler.failures.lock().unwrap()["default/example-at"],
         3
     );
-    drop(requeues);
+    drop(reconcile_now);
     h.finish(2).await;
 }
 
@@ -1252,12 +1252,12 @@ async fn status_writes_after_a_pod_create_wait_until_no_pod_create_is_in_flight(
 #[tokio::test(start_paused = true)]
 async fn a_failed_follow_up_write_is_retried_by_a_new_reconcile_after_backoff() {
     let h = pod_created_then_status_write_fails();
-    let mut requeues = Box::pin(h.ctx.scheduler.requeues().unwrap());
+    let mut reconcile_now = Box::pin(h.ctx.scheduler.reconcile_now().unwrap());
     let started = tokio::time::Instant::now();
     h.reconcile(example_at(None)).await.unwrap();
-    let again = tokio::time::timeout(Duration::from_secs(5), requeues.next())
+    let again = tokio::time::timeout(Duration::from_secs(5), reconcile_now.next())
         .await
-        .expect("a requeue")
+        .expect("a reconcile now")
         .unwrap();
     assert_eq!(again, ObjectRef::new("example-at").within("default"));
     let waited = started.elapsed();
@@ -1271,7 +1271,7 @@ async fn a_failed_follow_up_write_is_retried_by_a_new_reconcile_after_backoff() 
     );
     // The cached version is no longer skipped: the next reconcile acts on it.
     assert_eq!(h.ctx.is_stale(&example_at(None)), None);
-    drop(requeues);
+    drop(reconcile_now);
     h.finish(2).await;
 }
 
@@ -1289,7 +1289,7 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
             serde_json::json!({"major": "1", "minor": "24", "gitVersion": "v1.24.17", "gitCommit": "", "gitTreeState": "clean", "buildDate": "2023-08-24T00:00:00Z", "goVersion": "go1.20.7", "compiler": "gc", "platform": "linux/amd64"}),
         ),
     ]);
-    let mut requeues = Box::pin(h.ctx.scheduler.requeues().unwrap());
+    let mut reconcile_now = Box::pin(h.ctx.scheduler.reconcile_now().unwrap());
     let probe = tokio::spawn(h.ctx.clone().look_again());
     // The outage has lasted: eight failures already, so the backoff is past a minute.
     h.ctx
@@ -1315,7 +1315,7 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
     assert!(scheduler::retry_delay(9) >= Duration::from_secs(128));
 
     // Three probes go unanswered; the fourth answer brings the At back at once.
-    let again = tokio::time::timeout(Duration::from_secs(60), requeues.next())
+    let again = tokio::time::timeout(Duration::from_secs(60), reconcile_now.next())
         .await
         .expect("a retry when the server answered")
         .unwrap();
@@ -1324,7 +1324,7 @@ async fn an_at_that_got_no_answer_is_retried_as_soon_as_the_api_server_answers_a
     assert_eq!(h.ctx.scheduler.unreachable().waiting(), 0);
     probe.abort();
     let _ = probe.await;
-    drop(requeues);
+    drop(reconcile_now);
     h.finish(5).await;
 }
 
@@ -1490,9 +1490,9 @@ async fn a_422_from_the_cel_rule_s_internal_error_is_retried() {
                 "message": "At.cnat.programming-kubernetes.info \"example-at\" is invalid: status: Invalid value: \"object\": internal error: runtime error: index out of range [4] with length 3 evaluating rule: status.phase cannot go back"}),
         ),
     ]);
-    let mut requeues = Box::pin(h.ctx.scheduler.requeues().unwrap());
+    let mut reconcile_now = Box::pin(h.ctx.scheduler.reconcile_now().unwrap());
     h.reconcile(example_at(None)).await.unwrap();
-    let again = tokio::time::timeout(Duration::from_secs(5), requeues.next())
+    let again = tokio::time::timeout(Duration::from_secs(5), reconcile_now.next())
         .await
         .expect("retried")
         .unwrap();
@@ -1507,42 +1507,44 @@ async fn a_422_from_the_cel_rule_s_internal_error_is_retried() {
         let series = format!(r#"cnat_status_writes_total{{phase="RUNNING",result="{result}"}} "#);
         assert!(metrics.contains(&format!("{series}{count}\n")), "{metrics}");
     }
-    drop(requeues);
+    drop(reconcile_now);
     h.finish(2).await;
 }
 
-/// The requeues hand kube-runtime at most `backlog::LIMIT` Ats whose reconcile has not
+/// `reconcile_now` hands kube-runtime at most `backlog::LIMIT` Ats whose reconcile has not
 /// started; one more for each that starts, and for each request the runtime dropped (its At
 /// gone), not for a deletion alone (its request is still in the runtime).
 #[tokio::test(start_paused = true)]
-async fn retriggers_wait_for_room_in_the_backlog_which_starts_and_dropped_requests_make() {
+async fn reconciles_now_wait_for_room_in_the_backlog_which_starts_and_dropped_requests_make() {
     let h = harness(vec![]);
-    let mut requeues = h.ctx.scheduler.requeues().unwrap().boxed();
+    let mut reconcile_now = h.ctx.scheduler.reconcile_now().unwrap().boxed();
     let key = |i: usize| AtKey::new("default", &format!("at-{i}"));
     for i in 0..backlog::LIMIT + 3 {
         h.ctx.scheduler.wake_up(key(i));
     }
     let mut handed = Vec::new();
-    while let Ok(Some(at)) = tokio::time::timeout(Duration::from_millis(1), requeues.next()).await {
+    while let Ok(Some(at)) =
+        tokio::time::timeout(Duration::from_millis(1), reconcile_now.next()).await
+    {
         handed.push(at);
     }
     assert_eq!(handed.len(), backlog::LIMIT);
     let wait = Duration::from_millis(1);
-    let full = tokio::time::timeout(wait, requeues.next()).await;
+    let full = tokio::time::timeout(wait, reconcile_now.next()).await;
     assert!(full.is_err(), "the backlog is full");
     let running = h.ctx.scheduler.reconcile_starts(&key(0));
-    let next = tokio::time::timeout(wait, requeues.next()).await;
+    let next = tokio::time::timeout(wait, reconcile_now.next()).await;
     assert_eq!(next.unwrap(), Some(key(backlog::LIMIT)));
     drop(running);
     h.ctx.forget(&key(1));
-    let full = tokio::time::timeout(wait, requeues.next()).await;
+    let full = tokio::time::timeout(wait, reconcile_now.next()).await;
     assert!(full.is_err(), "a deletion alone makes no room");
     h.ctx.scheduler.request_dropped(&key(1));
-    let next = tokio::time::timeout(wait, requeues.next()).await;
+    let next = tokio::time::timeout(wait, reconcile_now.next()).await;
     assert_eq!(next.unwrap(), Some(key(backlog::LIMIT + 1)));
-    let full = tokio::time::timeout(wait, requeues.next()).await;
+    let full = tokio::time::timeout(wait, reconcile_now.next()).await;
     assert!(full.is_err(), "the backlog is full again");
-    drop(requeues);
+    drop(reconcile_now);
     h.finish(0).await;
 }
 
@@ -1612,7 +1614,7 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
     let all = [&far, &soon, &expiring, &done];
     let (now, clock, store) = set_clock_and_cache(start, &all);
     let h = harness_at(vec![], clock);
-    let mut requeues = Box::pin(h.ctx.scheduler.requeues().unwrap());
+    let mut reconcile_now = Box::pin(h.ctx.scheduler.reconcile_now().unwrap());
     // As the watch brings them: only the At due within the hour gets an entry.
     for at in all {
         assert!(!h.ctx.needs_reconcile(at), "{:?}", at.metadata.name);
@@ -1655,7 +1657,7 @@ async fn the_look_ahead_indexes_an_at_once_its_time_comes_within_the_horizon() {
     assert_eq!(h.ctx.scheduler.wakeups().when(&soon_key), None);
     assert_eq!(h.ctx.scheduler.wakeups().when(&done_key), None);
     assert_eq!(h.ctx.scheduler.wakeups().len(), 2);
-    let none = tokio::time::timeout(Duration::from_millis(10), requeues.next()).await;
+    let none = tokio::time::timeout(Duration::from_millis(10), reconcile_now.next()).await;
     assert!(none.is_err(), "the look-ahead reconciles nothing: {none:?}");
     h.finish(0).await;
 }
@@ -1674,7 +1676,7 @@ async fn the_look_ahead_runs_every_half_hour_and_after_a_clock_jump_looks_at_eve
     let (now, clock, store) = set_clock_and_cache(start, &[&first, &second, &jumped]);
     let h = harness_at(vec![], clock);
     h.wakeups.abort();
-    let mut requeues = Box::pin(h.ctx.scheduler.requeues().unwrap());
+    let mut reconcile_now = Box::pin(h.ctx.scheduler.reconcile_now().unwrap());
     let looking = tokio::spawn({
         let (ctx, store) = (h.ctx.clone(), store.clone());
         async move { crate::operator::triggers::look_ahead(&ctx, &store).await }
@@ -1704,14 +1706,15 @@ async fn the_look_ahead_runs_every_half_hour_and_after_a_clock_jump_looks_at_eve
         Some(t0 + Duration::from_secs(110 * 60))
     );
     assert_eq!(h.ctx.scheduler.wakeups().when(&jumped), None);
-    let none = tokio::time::timeout(Duration::from_millis(10), requeues.next()).await;
+    let none = tokio::time::timeout(Duration::from_millis(10), reconcile_now.next()).await;
     assert!(none.is_err(), "nothing reconciled: {none:?}");
     // The wall clock jumps ahead by three hours (say, the clock was set): at the next look,
     // at 90 minutes by tokio's clock, `jumped` (due at 200) is overdue and no index holds it.
     *now.lock().unwrap() += minutes(180);
     step(1).await;
     let mut woken = Vec::new();
-    while let Ok(Some(at)) = tokio::time::timeout(Duration::from_millis(10), requeues.next()).await
+    while let Ok(Some(at)) =
+        tokio::time::timeout(Duration::from_millis(10), reconcile_now.next()).await
     {
         woken.push(at);
     }
