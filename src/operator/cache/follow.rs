@@ -2,17 +2,13 @@
 //! `watcher::Event`s kube-runtime's watcher gives, so the runtime's reflector store and backoff
 //! take them unchanged.
 //!
-//! Why not kube-runtime's watcher (kube 5): measured beside it with 100,000 Ats (the book,
-//! docs/src/performance/measurements.md, "The At cache: kube-runtime's watcher beside this
-//! follower"), on kube-apiserver v1.24 its paged lists, served from etcd, and its lists at
-//! `resourceVersion=0` both leave a cold replica without a full cache about 4.5x longer than
-//! the five shard lists here, at several times the API server's and etcd's CPU; a streaming
-//! list, which it offers, v1.24 refuses, and the watcher then asks for one again, never for a
-//! list (read in kube-runtime 5.0's `watcher.rs`, not run). Nor does
-//! it tell when its watch opened or last said something (bookmarks are not yielded), which
-//! `freshness` needs: pods are created only from a cache that is caught up. Here each body is
-//! decoded item by item while it arrives, on a blocking thread of its own, and each At is
-//! compacted into a `CachedAt` at once.
+//! Why not kube-runtime's watcher (kube 5): beside it on kube-apiserver v1.24 (the book's
+//! measurements, "The At cache: kube-runtime's watcher beside this follower") its lists leave a
+//! cold replica without a full cache 4.4x longer or more than the shard lists here; the
+//! streaming list v1.24 refuses it asks for again, never falling back to lists; and it does not
+//! say when its watch opened or last spoke, which `freshness` needs before any pod create. Here
+//! each body is decoded item by item while it arrives, on a blocking thread of its own, and
+//! each At is compacted into a `CachedAt` at once.
 //!
 //! - Where the API server streams lists (WatchList: on by default in kube-apiserver 1.32 and
 //!   from 1.34; measured against the lists below in docs/src/performance/measurements.md), every At
