@@ -290,6 +290,23 @@ async fn a_pod_someone_else_made_in_an_at_s_name_is_never_run_as_its_own() {
     let _operator = start_operator(&target.client, &ns);
     let ats: Api<At> = Api::namespaced(target.client.clone(), &ns);
     let pods: Api<Pod> = Api::namespaced(target.client.clone(), &ns);
+    // A pod the API server created before the signing key's Secret (or in its second) is
+    // taken as made by a release that did not sign (security.md): forged only once the leader
+    // made the key, and in a later second.
+    let secrets: Api<Secret> = Api::namespaced(target.client.clone(), &ns);
+    let signing_since = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            if let Some(secret) = secrets.get_opt("cnat-pod-signing").await.unwrap() {
+                break secret.metadata.creation_timestamp.unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .expect("the leader makes its signing key within a minute");
+    while jiff::Timestamp::now().as_second() <= signing_since.0.as_second() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let due = chrono::Utc::now() + chrono::Duration::seconds(4);
     let created = ats
         .create(&PostParams::default(), &at("victim", due, "echo real"))
@@ -332,7 +349,6 @@ async fn a_pod_someone_else_made_in_an_at_s_name_is_never_run_as_its_own() {
     );
     wait_events(&target.client, &ns, "victim", &["PodNameConflict"]).await;
     // The key is in its Secret, made by the operator on first use.
-    let secrets: Api<Secret> = Api::namespaced(target.client.clone(), &ns);
     let key = secrets.get("cnat-pod-signing").await.unwrap();
     assert_eq!(
         key.data.unwrap()[cnat::operator::signing::SECRET_KEY]
