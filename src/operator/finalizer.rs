@@ -16,6 +16,27 @@ use kube::{Api, ResourceExt};
 /// as `may_go` says.
 pub const FINALIZER: &str = "cnat.programming-kubernetes.info/run-once";
 
+/// A pod's finalizers the pod cache keeps whole (each a qualified name of at most 316
+/// characters, as the API server checks): of a pod with more, it keeps cnat's own and
+/// [`ELIDED`], so that whoever labels a pod as cnat's cannot make it cost the cache its size.
+pub const CACHED_FINALIZERS: usize = 16;
+
+/// Stands, in a cached pod, for finalizers the cache did not keep (`trim`): no finalizer, and
+/// never written; `remove` reads such a pod again before it writes.
+pub const ELIDED: &str = "cnat.programming-kubernetes.info/finalizers-not-cached";
+
+/// Bounds `finalizers` for the pod cache: at most [`CACHED_FINALIZERS`] whole, or else cnat's
+/// own (if there) and [`ELIDED`].
+pub fn trim(finalizers: &mut Vec<String>) {
+    if finalizers.len() > CACHED_FINALIZERS {
+        let own = finalizers.iter().any(|f| f == FINALIZER);
+        finalizers.clear();
+        finalizers.extend(own.then(|| FINALIZER.to_owned()));
+        finalizers.push(ELIDED.to_owned());
+        finalizers.shrink_to_fit();
+    }
+}
+
 /// Whether `pod` carries cnat's finalizer.
 pub fn is_present(pod: &Pod) -> bool {
     pod.finalizers().iter().any(|f| f == FINALIZER)
@@ -96,7 +117,8 @@ pub enum Removed {
 /// Removes cnat's finalizer from `found` if `allowed` says so of it, by a merge patch guarded by
 /// its resourceVersion (a merge patch replaces the whole list, so a finalizer added meanwhile is
 /// never lost; other finalizers stay). On a conflict the pod is read again and judged again,
-/// up to `conflicts` writes in all; past that, the last conflict is the error.
+/// up to `conflicts` writes in all; past that, the last conflict is the error. A cached pod
+/// whose finalizers the cache did not keep whole ([`ELIDED`]) is read again first.
 pub async fn remove(
     pods: &Api<Pod>,
     mut found: Pod,
@@ -108,6 +130,12 @@ pub async fn remove(
         ..PatchParams::default()
     };
     let name = found.name_any();
+    if found.finalizers().iter().any(|f| f == ELIDED) {
+        match pods.get_opt(&name).await? {
+            Some(fresh) => found = fresh,
+            None => return Ok(Removed::Gone),
+        }
+    }
     for attempt in 1..=conflicts {
         if !is_present(&found) || !allowed(&found) {
             return Ok(Removed::Kept(found));
@@ -263,5 +291,80 @@ mod tests {
         assert!(
             is_present(&pod(false)) && !awaits_release(&pod(false)) && awaits_release(&pod(true))
         );
+    }
+
+    #[test]
+    fn the_cache_keeps_a_few_finalizers_whole_and_of_more_only_cnat_s() {
+        let many = |n: usize, own: bool| -> Vec<String> {
+            let mut list: Vec<String> = (0..n).map(|i| format!("tenant.example/f{i}")).collect();
+            if own {
+                list.insert(n / 2, FINALIZER.into());
+            }
+            list
+        };
+        let mut few = many(CACHED_FINALIZERS - 1, true);
+        trim(&mut few);
+        assert_eq!(few, many(CACHED_FINALIZERS - 1, true), "kept whole");
+        let mut more = many(CACHED_FINALIZERS, true);
+        trim(&mut more);
+        assert_eq!(more, [FINALIZER, ELIDED]);
+        let mut others = many(CACHED_FINALIZERS + 1, false);
+        trim(&mut others);
+        assert_eq!(others, [ELIDED]);
+    }
+
+    /// `remove` of a cached pod whose finalizers were elided reads it first, and writes the
+    /// list it read less cnat's (never the placeholder).
+    #[tokio::test]
+    async fn a_pod_whose_finalizers_the_cache_elided_is_read_before_the_patch() {
+        use http_body_util::BodyExt;
+        use kube::client::Body;
+        let (service, mut handle) =
+            tower_test::mock::pair::<http::Request<Body>, http::Response<Body>>();
+        let fresh = {
+            let mut fresh = pod(true);
+            fresh.metadata.resource_version = Some("8".into());
+            fresh.metadata.finalizers = Some(many_finalizers());
+            fresh
+        };
+        let server = tokio::spawn(async move {
+            let (request, respond) = handle.next_request().await.unwrap();
+            assert_eq!(
+                (request.method().as_str(), request.uri().path()),
+                ("GET", "/api/v1/namespaces/ns/pods/x-pod")
+            );
+            respond.send_response(http::Response::new(Body::from(
+                serde_json::to_vec(&fresh).unwrap(),
+            )));
+            let (request, respond) = handle.next_request().await.unwrap();
+            assert_eq!(request.method().as_str(), "PATCH");
+            let body = request.into_body().collect().await.unwrap().to_bytes();
+            let patch: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            let mut released = fresh.clone();
+            released.metadata.finalizers = Some(many_finalizers()[1..].to_vec());
+            respond.send_response(http::Response::new(Body::from(
+                serde_json::to_vec(&released).unwrap(),
+            )));
+            patch
+        });
+        let mut cached = pod(true);
+        cached.metadata.finalizers = Some(many_finalizers());
+        let cached_list = cached.metadata.finalizers.as_mut().unwrap();
+        trim(cached_list);
+        assert!(cached_list.iter().any(|f| f == ELIDED));
+        let pods: Api<Pod> = Api::namespaced(kube::Client::new(service, "ns"), "ns");
+        let removed = remove(&pods, cached, |_| true, 2).await.unwrap();
+        assert!(matches!(removed, Removed::Released(_)), "{removed:?}");
+        let patch = server.await.unwrap();
+        let written = patch["metadata"]["finalizers"].as_array().unwrap();
+        assert_eq!(written.len(), CACHED_FINALIZERS + 1, "{patch}");
+        assert_eq!(patch["metadata"]["resourceVersion"], "8");
+        assert!(!written.iter().any(|f| f == FINALIZER || f == ELIDED));
+    }
+
+    fn many_finalizers() -> Vec<String> {
+        let mut list = vec![FINALIZER.to_owned()];
+        list.extend((0..=CACHED_FINALIZERS).map(|i| format!("tenant.example/f{i}")));
+        list
     }
 }

@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerStatus, Pod, PodSecurityContext, PodSpec, SeccompProfile,
     SecurityContext,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kube::{Resource, ResourceExt};
 use thiserror::Error;
 
@@ -179,9 +179,11 @@ pub fn trim(pod: &mut Pod) {
         pod.metadata.annotations = None;
     }
     // Whoever may create pods may label one as cnat's: of its labels only cnat's own, of its
-    // owners only its controller (the one reference cnat reads), so such a pod costs the cache
-    // a few hundred bytes whatever it carries. (Its finalizers stay whole: releasing cnat's
-    // keeps the others.)
+    // owners only its controller (the one reference cnat reads), of its finalizers a bounded
+    // few, so such a pod costs the cache a few hundred bytes whatever it carries.
+    if let Some(finalizers) = pod.metadata.finalizers.as_mut() {
+        finalizer::trim(finalizers);
+    }
     if let Some(labels) = pod.metadata.labels.as_mut() {
         labels.retain(|key, _| CACHED_LABELS.contains(&key.as_str()));
     }
@@ -257,10 +259,11 @@ pub fn is_signed(pod: &Pod, at_uid: &str, key: &Key) -> bool {
 
 /// Whether `pod` (by the name of `at`'s pod) is the pod cnat created for `at`: controlled by
 /// it, and signed by cnat for it, or named by its status once it is RUNNING or DONE (cnat wrote
-/// that status after creating the pod: a pod signed under a key since replaced), or created
-/// before cnat signed pods or in that second (`Signing::since`, by the API server's clock in
-/// whole seconds: a release before this one made it). Anyone who may create pods in the namespace can make one by that name with a
-/// controller reference to the At before cnat does; it is never taken for the At's own.
+/// that status after creating the pod: a pod signed under a key since replaced), or created,
+/// as was its At, before cnat signed pods or in that second (`Signing::since`, by the API
+/// server's clock in whole seconds: a release before this one made it). Anyone who may create
+/// pods in the namespace can make one by that name with a controller reference to the At
+/// before cnat does; it is never taken for the At's own.
 pub fn is_cnats(pod: &Pod, at: &At, signing: &Signing) -> bool {
     let Some(at_uid) = at.metadata.uid.as_deref() else {
         return false;
@@ -269,9 +272,10 @@ pub fn is_cnats(pod: &Pod, at: &At, signing: &Signing) -> bool {
         status.phase != crate::api::Phase::Pending
             && status.pod_name.as_deref() == pod.metadata.name.as_deref()
     });
-    let created = pod.metadata.creation_timestamp.as_ref().map(to_chrono);
-    // Both times are whole seconds: a pod of the second the key was made counts as before it.
-    let before_signing = matches!((created, signing.since), (Some(c), Some(s)) if c <= s);
+    // All three times are whole seconds: what was made in the key's second counts as before it.
+    let before = |created: Option<&Time>| matches!((created.map(to_chrono), signing.since), (Some(c), Some(s)) if c <= s);
+    let before_signing = before(pod.metadata.creation_timestamp.as_ref())
+        && before(at.metadata.creation_timestamp.as_ref());
     is_controlled_by(pod, at_uid)
         && (named || before_signing || is_signed(pod, at_uid, &signing.key))
 }
@@ -854,6 +858,10 @@ mod tests {
         for i in 0..16 {
             labels.insert(format!("tenant.example/l{i}"), big.clone());
         }
+        let finalizers = pod.metadata.finalizers.get_or_insert_default();
+        for i in 0..4_000 {
+            finalizers.push(format!("{}.tenant.example/f{i}", "d".repeat(250)));
+        }
         let owners = pod.metadata.owner_references.get_or_insert_default();
         for i in 0..100 {
             owners.push(
@@ -886,6 +894,8 @@ mod tests {
         assert_eq!(view(&pod), before, "what cnat reads is kept");
         assert_eq!(pod.metadata.labels, own_labels);
         assert_eq!(pod.metadata.owner_references, own_owner);
+        let elided = [finalizer::FINALIZER, finalizer::ELIDED].map(String::from);
+        assert_eq!(pod.metadata.finalizers.as_deref(), Some(&elided[..]));
         let size = serde_json::to_vec(&pod).unwrap().len();
         assert!(size < 1_500, "{size} bytes cached");
     }
@@ -911,6 +921,7 @@ mod tests {
             |t: &str| k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(t.parse().unwrap());
         let mut older = unsigned.clone();
         older.metadata.creation_timestamp = Some(time("2026-11-29T10:00:00Z"));
+        at.metadata.creation_timestamp = Some(time("2026-11-29T09:00:00Z"));
         let since = |t: &str| Signing {
             key: key.clone(),
             since: Some(to_chrono(&time(t))),
@@ -928,6 +939,23 @@ mod tests {
             !is_cnats(&unsigned, &at, &since("2026-11-29T10:00:01Z")),
             "no creation time"
         );
+        // Of an At made after the key (none of its pods can predate signing), or of unknown age.
+        at.metadata.creation_timestamp = Some(time("2026-11-29T10:00:02Z"));
+        assert!(
+            !is_cnats(&older, &at, &since("2026-11-29T10:00:01Z")),
+            "a newer At"
+        );
+        at.metadata.creation_timestamp = Some(time("2026-11-29T10:00:01Z"));
+        assert!(
+            is_cnats(&older, &at, &since("2026-11-29T10:00:01Z")),
+            "the key's second"
+        );
+        at.metadata.creation_timestamp = None;
+        assert!(
+            !is_cnats(&older, &at, &since("2026-11-29T10:00:01Z")),
+            "an At's age unknown"
+        );
+        at.metadata.creation_timestamp = Some(time("2026-11-29T09:00:00Z"));
         let mut forged_older = older.clone();
         forged_older.metadata.owner_references = None;
         assert!(!is_cnats(

@@ -80,7 +80,7 @@ fn message(at_uid: &str, pod_name: &str) -> Vec<u8> {
 pub enum SigningError {
     #[error("the signing key has {0} bytes; it needs at least 32")]
     Short(usize),
-    #[error("Secret {namespace}/{name} has no {SECRET_KEY:?} of at least 32 bytes; delete the Secret and cnat makes a new one (pods started but not yet recorded as RUNNING are then refused as not cnat's)")]
+    #[error("Secret {namespace}/{name} has no {SECRET_KEY:?} of at least 32 bytes; put 32 random bytes there, keeping the Secret (security.md: \"Pods cnat did not create\"; pods started but not yet recorded as RUNNING are then refused as not cnat's)")]
     Unusable { namespace: String, name: String },
     #[error("could not read or create Secret {namespace}/{name} (the operator's role needs get and create on it): {source}")]
     Api {

@@ -290,9 +290,9 @@ async fn a_pod_someone_else_made_in_an_at_s_name_is_never_run_as_its_own() {
     let _operator = start_operator(&target.client, &ns);
     let ats: Api<At> = Api::namespaced(target.client.clone(), &ns);
     let pods: Api<Pod> = Api::namespaced(target.client.clone(), &ns);
-    // A pod the API server created before the signing key's Secret (or in its second) is
-    // taken as made by a release that did not sign (security.md): forged only once the leader
-    // made the key, and in a later second.
+    // A pod the API server created, as its At, before the signing key's Secret (or in its
+    // second) is taken as made by a release that did not sign (security.md): the At is made
+    // only once the leader made the key, and in a later second.
     let secrets: Api<Secret> = Api::namespaced(target.client.clone(), &ns);
     let signing_since = tokio::time::timeout(Duration::from_secs(60), async {
         loop {
