@@ -1,5 +1,6 @@
-//! Conversion between the At's API versions, `v1alpha1` and `v1` (pure: JSON in, JSON out), and
-//! the `ConversionReview` the API server sends to the conversion webhook.
+//! Conversion between the At's API versions, `v1alpha1` and `v1` (pure: JSON in, JSON out); its
+//! children answer the `ConversionReview` the API server sends to the conversion webhook
+//! (`streaming`, with `parts` and `typed`).
 //!
 //! The two versions say the same things in different places: `v1` groups the pod's settings
 //! in `spec.template` and spells the phase in CamelCase. What `v1alpha1` cannot say,
@@ -16,8 +17,6 @@
 //! version's defaults when it decodes an object: a request's in its own version, a stored one's
 //! in the storage version), and never fails on a partial object.
 
-use kube::core::conversion::{ConversionResponse, ConversionReview};
-use kube::core::Status;
 use serde_json::{Map, Value};
 use thiserror::Error;
 
@@ -379,22 +378,6 @@ fn kind_of(value: &Value) -> &'static str {
         Value::String(_) => "a string",
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
-    }
-}
-
-/// The answer to a `ConversionReview` body (`apiextensions.k8s.io/v1`): every object converted,
-/// or a `Failure` naming the first that could not be, or, for a body that is not a
-/// ConversionReview, a `Failure` saying why. Never panics. The webhook streams the same answer
-/// (`streaming`); this collects it.
-pub fn review(body: &[u8]) -> ConversionReview {
-    let mut out = Vec::new();
-    let failure = |why: String| {
-        ConversionResponse::invalid(Status::failure(&why, "BadRequest")).into_review()
-    };
-    match streaming::answer(body, &mut out) {
-        Ok(_) => serde_json::from_slice(&out)
-            .unwrap_or_else(|e| failure(format!("cnat wrote an unreadable answer: {e}"))),
-        Err(broken) => failure(broken.to_string()),
     }
 }
 

@@ -13,6 +13,7 @@ use crate::operator::controller;
 use crate::operator::events::EventSink;
 use crate::operator::quarantine::Quarantine;
 use crate::shard::Shards;
+use crate::sync::lock;
 use kube::runtime::events::Reporter;
 use std::future::Future;
 use std::pin::Pin;
@@ -237,7 +238,7 @@ struct ShardCache {
 
 impl ShardCache {
     fn readied(&self) -> MutexGuard<'_, Option<Readied>> {
-        self.readied.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.readied)
     }
 
     fn start(&self) -> Readied {

@@ -23,6 +23,7 @@ pub mod serving;
 pub mod shard;
 pub mod smoke_test;
 pub mod storage_migration;
+pub mod sync;
 
 use thiserror::Error;
 

@@ -6,6 +6,7 @@
 //! when no answer comes.
 
 use crate::observability::metrics::Metrics;
+use crate::sync::lock;
 use futures::future::{BoxFuture, FutureExt, Shared};
 use k8s_openapi::api::authentication::v1::UserInfo;
 use k8s_openapi::api::authorization::v1::{
@@ -1098,7 +1099,7 @@ impl Inner {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Reviews> {
-        self.reviews.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.reviews)
     }
 }
 

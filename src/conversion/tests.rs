@@ -1,4 +1,6 @@
 use super::*;
+use kube::core::conversion::{ConversionResponse, ConversionReview};
+use kube::core::Status;
 use proptest::prelude::*;
 use serde_json::json;
 
@@ -771,4 +773,17 @@ fn pod_metadata_moved_into_the_annotation_is_read_within_the_object_s_budget() {
     assert!(envelope(&long).is_none());
     let short = json!({"podMetadata": {"labels": {"a": "b"}}}).to_string();
     assert!(envelope(&short).is_some());
+}
+
+/// The answer the webhook streams (`streaming::answer`) to a `ConversionReview` body, collected.
+fn review(body: &[u8]) -> ConversionReview {
+    let mut out = Vec::new();
+    let failure = |why: String| {
+        ConversionResponse::invalid(Status::failure(&why, "BadRequest")).into_review()
+    };
+    match streaming::answer(body, &mut out) {
+        Ok(_) => serde_json::from_slice(&out)
+            .unwrap_or_else(|e| failure(format!("cnat wrote an unreadable answer: {e}"))),
+        Err(broken) => failure(broken.to_string()),
+    }
 }

@@ -21,6 +21,7 @@
 //! one has stopped (a replica with the one Lease takes it at once, and the sharded ones give
 //! theirs up), and two layouts started together settle on the higher.
 
+use crate::sync::lock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -172,7 +173,7 @@ impl Balance {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     /// What the election's Leases said last, in a look sent at `sent`.

@@ -24,6 +24,7 @@ pub mod timing;
 pub use timing::{Timing, TimingError};
 
 use crate::operator::events::EventSink;
+use crate::sync::lock;
 use futures::stream::FusedStream;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -123,7 +124,7 @@ impl Default for Leadership {
 
 impl Leadership {
     fn held(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Instant>> {
-        self.held.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.held)
     }
 
     /// Whether this replica holds a Lease (the Lease; with shards, any of them).

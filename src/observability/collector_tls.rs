@@ -10,6 +10,7 @@
 //! the start with one line naming the variable, the file and the problem.
 
 use crate::observability::throttle::{Throttle, REPORT_EVERY};
+use crate::sync::lock;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::{ResolvesClientCert, WebPkiServerVerifier};
 use rustls::crypto::CryptoProvider;
@@ -247,7 +248,7 @@ impl Reloading {
     /// so handshakes do not wait on each other's file reads); a change that cannot be used is
     /// reported and the previous contents kept.
     fn current(&self) -> Arc<Loaded> {
-        let lock = || self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        let lock = || lock(&self.loaded);
         let held = lock().clone();
         let fresh = read(&self.files).and_then(|contents| {
             if contents == held.contents {

@@ -6,6 +6,7 @@ use crate::api::Phase;
 use crate::leader::Leadership;
 use crate::operator::cache::CachedAt;
 use crate::operator::pod::Stuck;
+use crate::sync::lock;
 use kube::runtime::reflector::Store;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
@@ -428,7 +429,7 @@ impl Metrics {
     /// Counts Ats by phase from `store` (the leader's cache; with Lease shards, one of the
     /// caches of the shards this replica leads) until `forget_ats` with the number returned.
     pub fn count_ats(&self, store: Store<CachedAt>) -> u64 {
-        let mut counted = self.ats.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counted = lock(&self.ats.0);
         counted.next += 1;
         let id = counted.next;
         counted.stores.push((id, store));
@@ -438,7 +439,7 @@ impl Metrics {
     /// Stops counting the Ats of the store `count_ats` numbered `id`: a replica that does not
     /// lead has no cache to count.
     pub fn forget_ats(&self, id: u64) {
-        let mut counted = self.ats.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counted = lock(&self.ats.0);
         counted.stores.retain(|(counted, _)| *counted != id);
     }
 
@@ -520,7 +521,7 @@ struct NamespaceLabels {
 impl Collector for AtCount {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let stores: Vec<Store<CachedAt>> = {
-            let counted = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            let counted = lock(&self.0);
             counted
                 .stores
                 .iter()

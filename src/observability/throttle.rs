@@ -1,6 +1,7 @@
 //! At most one report per period: a collector that keeps failing is worth a log line a minute,
 //! not one per export or connection.
 
+use crate::sync::lock;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -25,7 +26,7 @@ impl Throttle {
 
     /// Whether a report may go out at `now`; if so, the next one may only go out `every` later.
     pub fn allow(&self, now: Instant) -> bool {
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let mut last = lock(&self.last);
         match *last {
             Some(then) if now.saturating_duration_since(then) < self.every => false,
             _ => {

@@ -4,6 +4,7 @@
 
 use crate::operator::key::AtKey;
 use crate::operator::quarantine::Quarantine;
+use crate::sync::lock;
 pub use cached_at::{read, CacheError, CachedAt, Fault};
 use freshness::Freshness;
 use futures::StreamExt;
@@ -157,7 +158,7 @@ impl AtCache {
                 Err(error) => {
                     warn!(%error, "watching Ats");
                     if !progress.complete.is_cancelled() {
-                        let mut failed = progress.failed.lock().unwrap_or_else(|e| e.into_inner());
+                        let mut failed = lock(&progress.failed);
                         *failed = Some(error.to_string());
                     }
                     None
@@ -209,11 +210,7 @@ impl AtCache {
             return Ok(());
         }
         let received = self.listing.received.load(Ordering::Relaxed);
-        let failed = self
-            .listing
-            .failed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let failed = lock(&self.listing.failed);
         if failed.as_deref().is_some_and(needs_conversion_webhook) {
             // The list waits for the conversion webhook, which the webhook Service sends only
             // to ready replicas: when all replicas start at once while Ats are still stored as

@@ -13,6 +13,7 @@
 //! refusals are told once), so a series has nothing to count and memory stays flat.
 
 use crate::operator::priority::Priority;
+use crate::sync::lock;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, Recorder, Reporter};
@@ -186,11 +187,7 @@ impl<T> Lanes<T> {
 
     /// Each lane's receiving end as a stream; `None` once taken.
     pub fn take(&self) -> Option<Vec<impl futures::Stream<Item = T> + use<T>>> {
-        let receivers = self
-            .receivers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()?;
+        let receivers = lock(&self.receivers).take()?;
         Some(
             receivers
                 .into_iter()

@@ -5,6 +5,7 @@
 //! once does not depend on this: the pod's deterministic name does.
 
 use crate::operator::slow_start::SlowStart;
+use crate::sync::lock;
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -40,7 +41,7 @@ impl Drop for InFlightGuard {
         counted.count.send_modify(|n| {
             *n -= 1;
             if *n == 0 {
-                *counted.idle_since.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+                *lock(&counted.idle_since) = Instant::now();
             }
         });
     }
@@ -68,7 +69,7 @@ impl InFlight {
     /// Since when nothing is counted, or `None` while something is.
     fn idle_since(&self) -> Option<Instant> {
         let count = self.0.count.borrow();
-        (*count == 0).then(|| *self.0.idle_since.lock().unwrap_or_else(|e| e.into_inner()))
+        (*count == 0).then(|| *lock(&self.0.idle_since))
     }
 }
 

@@ -9,6 +9,7 @@
 //! to the catch (which logs it with the At), any other is logged as it happens.
 
 use crate::operator::key::AtKey;
+use crate::sync::lock;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::future::Future;
@@ -119,7 +120,7 @@ pub struct Quarantine(Mutex<HashMap<AtKey, (String, tokio::time::Instant)>>);
 
 impl Quarantine {
     pub fn add(&self, at: AtKey, resource_version: String) {
-        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = lock(&self.0);
         if map.len() >= MAX_QUARANTINED {
             map.clear();
         }
@@ -129,7 +130,7 @@ impl Quarantine {
 
     /// Whether this version of `at` is quarantined; a newer version, or time, ends it.
     pub fn holds(&self, at: &AtKey, resource_version: Option<&str>) -> bool {
-        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = lock(&self.0);
         match map.get(at) {
             None => false,
             Some((rv, until))
@@ -146,7 +147,7 @@ impl Quarantine {
     }
 
     pub fn remove(&self, at: &AtKey) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(at);
+        lock(&self.0).remove(at);
     }
 }
 

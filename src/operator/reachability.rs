@@ -7,6 +7,7 @@
 //! `Reachability` collects what waits for an answer and a probe loop (`probe`) asks the server
 //! a cheap question every `PROBE_EVERY` while anything waits; the first answer releases them all.
 
+use crate::sync::lock;
 use std::collections::HashSet;
 use std::hash::Hash;
 use std::sync::Mutex;
@@ -46,20 +47,17 @@ impl<T: Eq + Hash> Default for Reachability<T> {
 impl<T: Eq + Hash> Reachability<T> {
     /// `item` waits for the next answer from the API server.
     pub fn wait(&self, item: T) {
-        self.waiting
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(item);
+        lock(&self.waiting).insert(item);
         self.changed.notify_one();
     }
 
     /// How many wait now.
     pub fn waiting(&self) -> usize {
-        self.waiting.lock().unwrap_or_else(|e| e.into_inner()).len()
+        lock(&self.waiting).len()
     }
 
     fn take(&self) -> Vec<T> {
-        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        let mut waiting = lock(&self.waiting);
         // Taken whole, not drained: after an outage the set would keep room for every At.
         std::mem::take(&mut *waiting).into_iter().collect()
     }

@@ -3,6 +3,7 @@
 //! sized for all of them after they settled. Maps that shrink call `shrink_if_sparse` after
 //! removing.
 
+use crate::sync::lock;
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::Mutex;
@@ -25,12 +26,6 @@ pub fn remove<K: Eq + Hash, V>(map: &Mutex<HashMap<K, V>>, key: &K) {
     if map.remove(key).is_some() {
         shrink_if_sparse(&mut map);
     }
-}
-
-/// Locks a shared map; a map whose holder panicked is still used (its state is kept whole by
-/// each single insert or remove).
-pub fn lock<T>(map: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    map.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

@@ -1,23 +1,9 @@
-//! Slow start for pod creates: when many Ats fall due together, the first creates go out two at a
-//! time and each create answered while the window was in use lets one more out, so the window
-//! doubles each round trip until the reconciles' own limit (`--concurrency`) is what holds them.
-//! The API server works on the creates it has at once side by side on the same cores: handed
-//! many at the same instant, it likely answers the first only after all their work (the
-//! performance pages measure the first pod of a burst with and without slow start).
-//!
-//! The window is in use while at least half of it is in flight (RFC 7661's test for a window
-//! in use): only an answer then widens it. An answer while it is not in use narrows it to twice
-//! the creates that were in flight (never below `FIRST`; our rule, quicker than RFC 7661's), so
-//! the end of a wave, or creates that trickle in one at a time, leave it at two or three, and the
-//! next wave starts small whenever it comes. An answer that says the server is overloaded (429,
-//! a 5xx, no answer) cuts the window to half the creates in flight (RFC 5681's FlightSize / 2),
-//! once: the answers of creates sent before the cut tell of the same moment and neither cut nor
-//! widen it again. No answer to count (the reconcile ended first) frees the create's place and
-//! changes nothing else.
-//!
-//! A create waits at most `MAX_WAIT` for the window, then goes out past it: the window shapes a
-//! wave's start and never holds a create longer than that, so under a lasting overload the creates
-//! in flight are bounded by `--concurrency`, not by the window.
+//! Slow start for pod creates (docs/src/design/decisions.md, "Slow start for pod creates"):
+//! a wave's first creates go out two at a time; each create answered while at least half the
+//! window was in flight widens it by one, an answer while it was not in use narrows it to twice
+//! the creates in flight (never below `FIRST`), and an overloaded answer (429, a 5xx, none)
+//! halves it once per moment. A create waits at most `MAX_WAIT` for the window, then goes out
+//! past it, so `--concurrency` bounds the creates in flight, not the window.
 //!
 //! The decisions (`admit`, `answered`, `reply`) are pure and take the time; `SlowStart` holds
 //! the window and wakes waiters.

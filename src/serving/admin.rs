@@ -8,6 +8,7 @@
 use crate::leader::Leadership;
 use crate::observability::metrics::{self, Metrics};
 use crate::serving::guard::{self, Limits};
+use crate::sync::lock;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::routing::get;
@@ -88,10 +89,7 @@ impl Health {
 
     /// Not ready while `requirement` says `Err` (its message is the probe's answer).
     pub fn require(&self, requirement: impl Fn() -> Result<(), Unmet> + Send + Sync + 'static) {
-        self.required
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(Box::new(requirement));
+        lock(&self.required).push(Box::new(requirement));
     }
 
     /// The webhook server listens with a loaded certificate.
@@ -120,7 +118,7 @@ impl Health {
         } else if !self.webhooks_serving.load(Ordering::SeqCst) {
             Err("the webhook server is not serving yet".into())
         } else {
-            let required = self.required.lock().unwrap_or_else(|e| e.into_inner());
+            let required = lock(&self.required);
             required
                 .iter()
                 .try_for_each(|requirement| requirement().map_err(|unmet| unmet.to_string()))

@@ -18,6 +18,7 @@
 //!   the client is too slow), on top of the TLS handshake and header timeouts (which also close
 //!   idle connections).
 
+use crate::sync::lock;
 use axum::extract::{ConnectInfo, Request};
 use axum::http::{header, StatusCode};
 use axum::middleware::Next;
@@ -152,7 +153,7 @@ impl Slots {
     /// would go past the total or the client's share.
     pub fn take_n(self: &Arc<Self>, client: IpAddr, n: usize) -> Option<Slot> {
         let client = canonical(client);
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let mut held = lock(&self.held);
         let (all, clients) = &mut *held;
         let mine = clients.entry(client).or_insert(0);
         let total = match *mine + n > self.light {
@@ -207,7 +208,7 @@ pub struct Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let mut held = self.slots.held.lock().unwrap_or_else(|e| e.into_inner());
+        let mut held = lock(&self.slots.held);
         let (all, clients) = &mut *held;
         *all = all.saturating_sub(self.n);
         if let Some(mine) = clients.get_mut(&self.client) {
@@ -467,7 +468,7 @@ impl Connections {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, [Pool; 2]> {
-        self.pools.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.pools)
     }
 
     /// A place for a new connection from `client`, or `None` (then it is closed).

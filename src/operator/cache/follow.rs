@@ -10,23 +10,16 @@
 //! each body is decoded item by item while it arrives, on a blocking thread of its own, and
 //! each At is compacted into a `CachedAt` at once.
 //!
-//! - Where the API server streams lists (WatchList: on by default in kube-apiserver 1.32 and
-//!   from 1.34; measured against the lists below in docs/src/performance/measurements.md), every At
-//!   comes as a watch that first sends each At (`sendInitialEvents`), then a bookmark that says
-//!   they are all out, and goes on as the watch: one request, served from the API server's watch
-//!   cache, and no gap between list and watch. A server that refuses it (kube-apiserver before
-//!   1.27 forbids `resourceVersionMatch` on a watch, later ones refuse `sendInitialEvents` with
-//!   the feature off: 422 Invalid, or 400) gets the lists below from then on.
-//! - A list is five lists at once, one per shard of the Ats (`crate::shard`: the mutating
-//!   webhook labels each At with one of four shards; the fifth list has every other At):
-//!   kube-apiserver encodes each response on one core, so on two cores the lists arrive sooner
-//!   together than one list of everything (docs/src/design/decisions.md, "List shards"). Their Ats go
-//!   into the store as one list; a list that fails fails them all. Each list has its own
-//!   resourceVersion; the watch starts from the oldest, and until it passes the newest it skips
-//!   what the lists already held (`Replay`), so once it is past, the store is exactly what the
-//!   API server holds. Until then an At whose shard label changed while the lists ran may be in
-//!   the store as the older list saw it (both lists had it, and the reflector keeps the copy
-//!   that came last); the watch's next events, which replay that change, put it right.
+//! - Where the API server streams lists, every At comes from one watch (`sendInitialEvents`,
+//!   then a bookmark when they are all out) that goes on as the watch; a server that refuses it
+//!   (422 Invalid, or 400) gets the lists below from then on (docs/src/design/decisions.md,
+//!   "The first list and streaming lists").
+//! - A list is five lists at once, one per list shard (`crate::shard`) and one of every other
+//!   At (decisions.md, "List shards"). Their Ats go into the store as one list; a list that
+//!   fails fails them all. The watch starts from the oldest list's resourceVersion and, until it
+//!   passes the newest, skips what the lists already held (`Replay`): once past, the store is
+//!   exactly what the API server holds; until then an At relabelled while the lists ran may be
+//!   as the older list saw it, which the watch's next events put right.
 //! - The first list asks for `resourceVersion=0` (any version the API server has at hand: its
 //!   watch cache). Each later list, after a watch expired (410), asks for a version not older
 //!   than the newest the store holds (the last one the watch saw, or the newest list's while the

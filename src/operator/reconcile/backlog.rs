@@ -21,6 +21,7 @@
 //! while other reconciles run, a full backlog waits for them.
 
 use crate::operator::key::AtKey;
+use crate::sync::lock;
 use futures::{Stream, StreamExt};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -102,7 +103,7 @@ impl Backlog {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     /// `at` no longer waits: its reconcile started (`started`) or the runtime dropped its request

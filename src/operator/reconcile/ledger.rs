@@ -9,7 +9,8 @@
 use crate::api::{At, Phase};
 use crate::operator::key::AtKey;
 use crate::operator::quarantine::Quarantine;
-use crate::operator::shrink::{lock, remove, shrink_if_sparse};
+use crate::operator::shrink::{remove, shrink_if_sparse};
+use crate::sync::lock;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex};

@@ -1,6 +1,7 @@
 //! An unbounded queue whose receiving end is taken once, by the task that empties it: the
 //! status writer's jobs and the Ats to reconcile again (`Controller::reconcile_on`).
 
+use crate::sync::lock;
 use tokio::sync::mpsc;
 
 /// A queue's sending and receiving ends, as the reconciler holds them.
@@ -27,11 +28,7 @@ impl<T> Queue<T> {
 
     /// The receiving end as a stream; `None` once taken.
     pub fn take(&self) -> Option<impl futures::Stream<Item = T> + use<T>> {
-        let receiver = self
-            .receiver
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()?;
+        let receiver = lock(&self.receiver).take()?;
         Some(futures::stream::unfold(receiver, |mut rx| async {
             rx.recv().await.map(|item| (item, rx))
         }))

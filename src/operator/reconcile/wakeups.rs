@@ -20,6 +20,7 @@ use crate::api::At;
 use crate::operator::key::AtKey;
 use crate::operator::policy::RunPolicy;
 use crate::operator::shrink::shrink_if_sparse;
+use crate::sync::lock;
 use chrono::{DateTime, Utc};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -114,7 +115,7 @@ impl Wakeups {
     /// Sets `at`'s entry to `when` unless it has one that `replaces` says to keep; a `when`
     /// beyond the horizon leaves it without one.
     fn put(&self, at: AtKey, when: Instant, replaces: impl Fn(Instant) -> bool) {
-        let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+        let mut index = lock(&self.index);
         if let Some(&old) = index.by_at.get(&at) {
             if !replaces(old.0) {
                 return;
@@ -137,7 +138,7 @@ impl Wakeups {
 
     /// `at` needs no wakeup (it is being reconciled now, or was deleted).
     pub fn clear(&self, at: &AtKey) {
-        let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+        let mut index = lock(&self.index);
         if let Some(key) = index.by_at.remove(at) {
             index.by_time.remove(&key);
             shrink_if_sparse(&mut index.by_at);
@@ -146,7 +147,7 @@ impl Wakeups {
 
     /// Keeps only the Ats `known` holds.
     pub fn retain(&self, known: impl Fn(&AtKey) -> bool) {
-        let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+        let mut index = lock(&self.index);
         let gone: Vec<AtKey> = index.by_at.keys().filter(|k| !known(k)).cloned().collect();
         for at in gone {
             if let Some(entry) = index.by_at.remove(&at) {
@@ -158,17 +159,13 @@ impl Wakeups {
 
     /// When `at` is to be reconciled, if it waits in the index.
     pub fn when(&self, at: &AtKey) -> Option<Instant> {
-        let index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+        let index = lock(&self.index);
         index.by_at.get(at).map(|(when, _)| *when)
     }
 
     /// Entries now.
     pub fn len(&self) -> usize {
-        self.index
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .by_at
-            .len()
+        lock(&self.index).by_at.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -177,7 +174,7 @@ impl Wakeups {
 
     /// Removes and returns every At due at `now`, and the next instant after them.
     pub fn take_due(&self, now: Instant) -> (Vec<AtKey>, Option<Instant>) {
-        let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+        let mut index = lock(&self.index);
         let mut due = Vec::new();
         while let Some(entry) = index.by_time.first_entry() {
             if entry.key().0 > now {
