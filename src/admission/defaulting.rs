@@ -21,9 +21,9 @@ pub enum Target {
 }
 
 /// The JSON patch that applies cnat's defaults to `object` (an At as JSON, in `version`:
-/// `v1alpha1` or `v1`), in the request's own terms: the image where that version has it
-/// (`spec.image`, `spec.template.image`), the phase as it spells it (`PENDING`, `Pending`). It
-/// touches nothing else (the object may come without its metadata).
+/// `v1alpha1` or `v1`), in the request's own terms: a blank image removed where that version
+/// has it (`spec.image`, `spec.template.image`), the phase as it spells it (`PENDING`,
+/// `Pending`). It touches nothing else (the object may come without its metadata).
 pub fn patch(object: &Value, target: Target, version: &str) -> json_patch::Patch {
     let older = version == "v1alpha1";
     let mut defaulted = object.clone();
