@@ -248,8 +248,7 @@ impl Reloading {
     /// so handshakes do not wait on each other's file reads); a change that cannot be used is
     /// reported and the previous contents kept.
     fn current(&self) -> Arc<Loaded> {
-        let lock = || lock(&self.loaded);
-        let held = lock().clone();
+        let held = lock(&self.loaded).clone();
         let fresh = read(&self.files).and_then(|contents| {
             if contents == held.contents {
                 return Ok(None);
@@ -260,7 +259,7 @@ impl Reloading {
             Ok(None) => held,
             Ok(Some(new)) => {
                 let new = Arc::new(new);
-                let mut loaded = lock();
+                let mut loaded = lock(&self.loaded);
                 // Another handshake may have loaded the same change meanwhile: one log line.
                 if loaded.contents != new.contents {
                     info!(ca = ?self.files.ca.as_ref().map(|f| f.path.display().to_string()), client_certificate = ?self.files.client.as_ref().map(|(c, _)| c.path.display().to_string()), "reloaded the trace collector's TLS files");

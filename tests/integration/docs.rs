@@ -470,3 +470,39 @@ fn the_readme_is_short_and_its_links_lead_to_files_that_exist() {
     assert!(checked >= 10, "only {checked} links in README.md");
     assert!(broken.is_empty(), "README.md:\n{}", broken.join("\n"));
 }
+
+/// The pages for users and operators (the guide, the operating pages, the reference and the
+/// README) name no commit: figures with the build they came from, and history, belong in the
+/// performance pages.
+#[test]
+fn the_pages_for_users_and_operators_name_no_commit() {
+    let hex = |word: &str| {
+        (7..=40).contains(&word.len()) && word.chars().all(|c| matches!(c, '0'..='9' | 'a'..='f'))
+    };
+    let mut pages = vec![root().join("README.md")];
+    for folder in ["guide", "operating", "reference"] {
+        for entry in std::fs::read_dir(root().join("docs/src").join(folder)).unwrap() {
+            pages.push(entry.unwrap().path());
+        }
+    }
+    pages.retain(|p| p.extension().is_some_and(|e| e == "md"));
+    let mut found = Vec::new();
+    for page in &pages {
+        let text = std::fs::read_to_string(page).unwrap();
+        let words: Vec<&str> = text
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .filter(|w| !w.is_empty())
+            .collect();
+        for pair in words.windows(2) {
+            if matches!(pair[0], "commit" | "commits" | "checkout") && hex(pair[1]) {
+                found.push(format!("{}: {} {}", page.display(), pair[0], pair[1]));
+            }
+        }
+    }
+    assert!(pages.len() >= 15, "{pages:?}");
+    assert!(
+        found.is_empty(),
+        "move these to the performance pages:\n{}",
+        found.join("\n")
+    );
+}
