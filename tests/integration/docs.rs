@@ -506,3 +506,38 @@ fn the_pages_for_users_and_operators_name_no_commit() {
         found.join("\n")
     );
 }
+
+/// What the troubleshooting page quotes of cnat's own messages is what the code writes: each
+/// fragment is on the page and in `src/` (the rest of each quoted line is the API server's,
+/// the kubelet's, the scheduler's or Helm's, captured on a real cluster).
+#[test]
+fn the_troubleshooting_page_quotes_cnat_s_messages_as_the_code_writes_them() {
+    let page =
+        std::fs::read_to_string(root().join("docs/src/operating/troubleshooting.md")).unwrap();
+    let mut src = String::new();
+    let mut stack = vec![root().join("src")];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                src.push_str(&std::fs::read_to_string(path).unwrap());
+            }
+        }
+    }
+    let quoted = [
+        "cannot start the command: ",
+        "did not finish within spec.activeDeadlineSeconds (",
+        "of its start; cnat deleted it. Raise activeDeadlineSeconds if the command needs longer",
+        "the API server refused pod ",
+        "or have the operator default them (cnat run --default-requests / --default-limits); cnat retries with backoff",
+    ];
+    for fragment in quoted {
+        assert!(page.contains(fragment), "the page lacks {fragment:?}");
+        assert!(
+            src.contains(fragment),
+            "src/ no longer writes {fragment:?}: update the page"
+        );
+    }
+}
