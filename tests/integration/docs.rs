@@ -507,9 +507,10 @@ fn the_pages_for_users_and_operators_name_no_commit() {
     );
 }
 
-/// What the troubleshooting page quotes of cnat's own messages is what the code writes: each
-/// fragment is on the page and in `src/` (the rest of each quoted line is the API server's,
-/// the kubelet's, the scheduler's or Helm's, captured on a real cluster).
+/// What the troubleshooting page quotes of cnat's own messages is what the product code writes:
+/// each pair is the message as the page shows it and its format string in `src/` (test files and
+/// comments not counted); the rest of each quoted line is the API server's, the kubelet's, the
+/// scheduler's or Helm's, captured on a real cluster.
 #[test]
 fn the_troubleshooting_page_quotes_cnat_s_messages_as_the_code_writes_them() {
     let page =
@@ -521,23 +522,40 @@ fn the_troubleshooting_page_quotes_cnat_s_messages_as_the_code_writes_them() {
             let path = entry.unwrap().path();
             if path.is_dir() {
                 stack.push(path);
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                src.push_str(&std::fs::read_to_string(path).unwrap());
+            } else if path.extension().is_some_and(|e| e == "rs")
+                && path.file_name().is_some_and(|n| n != "tests.rs")
+            {
+                let text = std::fs::read_to_string(path).unwrap();
+                for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
+                    src.push_str(line);
+                    src.push('\n');
+                }
             }
         }
     }
     let quoted = [
-        "cannot start the command: ",
-        "did not finish within spec.activeDeadlineSeconds (",
-        "of its start; cnat deleted it. Raise activeDeadlineSeconds if the command needs longer",
-        "the API server refused pod ",
-        "or have the operator default them (cnat run --default-requests / --default-limits); cnat retries with backoff",
+        (
+            "pod no-image-pod cannot start the command: ErrImagePull",
+            "\"pod {pod_name} cannot start the command: {}\"",
+        ),
+        (
+            "pod no-node-pod did not finish within spec.activeDeadlineSeconds (5 s) of its start; cnat deleted it. Raise activeDeadlineSeconds if the command needs longer",
+            "\"pod {pod_name} did not finish within spec.activeDeadlineSeconds ({seconds} s) of its start; cnat deleted it. Raise activeDeadlineSeconds if the command needs longer\"",
+        ),
+        (
+            "the API server refused pod quota-test-pod: pods",
+            "\"the API server refused pod {pod_name}: {reason}; {}\"",
+        ),
+        (
+            "or have the operator default them (cnat run --default-requests / --default-limits); cnat retries with backoff",
+            "or have the operator default them (cnat run --default-requests / --default-limits); cnat retries with backoff\"",
+        ),
     ];
-    for fragment in quoted {
-        assert!(page.contains(fragment), "the page lacks {fragment:?}");
+    for (shown, written) in quoted {
+        assert!(page.contains(shown), "the page lacks {shown:?}");
         assert!(
-            src.contains(fragment),
-            "src/ no longer writes {fragment:?}: update the page"
+            src.contains(written),
+            "src/ no longer writes {written}: update the troubleshooting page"
         );
     }
 }
