@@ -268,26 +268,136 @@ fn schema_leaves(schema: &serde_json::Value, prefix: &str, leaves: &mut BTreeSet
     }
 }
 
-#[test]
-fn the_chart_values_reference_names_every_value_and_no_other() {
+/// The rows of the markdown tables in `text` whose first cell is one code span: that span and
+/// the row's other cells, trimmed.
+fn value_rows(text: &str) -> Vec<(String, Vec<String>)> {
+    text.lines()
+        .filter_map(|line| line.strip_prefix("| `"))
+        .filter_map(|rest| {
+            let (value, cells) = rest.split_once('`')?;
+            let cells = cells.strip_prefix(" |")?.trim_end().strip_suffix('|')?;
+            // A `|` inside a code span is not a cell border.
+            let mut out = vec![String::new()];
+            for (i, part) in cells.split('`').enumerate() {
+                if i > 0 {
+                    out.last_mut()?.push('`');
+                }
+                let mut parts = part.split('|');
+                out.last_mut()?.push_str(parts.next()?);
+                if i % 2 == 0 {
+                    out.extend(parts.map(str::to_owned));
+                } else {
+                    for p in parts {
+                        out.last_mut()?.push('|');
+                        out.last_mut()?.push_str(p);
+                    }
+                }
+            }
+            Some((value.to_owned(), out.iter().map(|c| c.trim().to_owned()).collect()))
+        })
+        .collect()
+}
+
+fn values_schema_leaves() -> BTreeSet<String> {
     let schema: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(root().join("charts/cnat/values.schema.json")).unwrap(),
     )
     .unwrap();
     let mut leaves = BTreeSet::new();
     schema_leaves(&schema, "", &mut leaves);
-    let text = page("reference/chart-values.md");
-    // The first cell of each table row, in backticks.
-    let documented: BTreeSet<String> = text
-        .lines()
-        .filter_map(|line| line.strip_prefix("| `"))
-        .filter_map(|rest| rest.split_once('`').map(|(value, _)| value.to_owned()))
+    leaves
+}
+
+#[test]
+fn the_chart_values_reference_names_every_value_and_no_other() {
+    let leaves = values_schema_leaves();
+    let documented: BTreeSet<String> = value_rows(&page("reference/chart-values.md"))
+        .into_iter()
+        .map(|(value, _)| value)
         .collect();
     let missing: Vec<_> = leaves.difference(&documented).collect();
     let unknown: Vec<_> = documented.difference(&leaves).collect();
     assert!(
         missing.is_empty() && unknown.is_empty(),
         "docs/src/reference/chart-values.md: not documented {missing:?}; documented but not in values.schema.json {unknown:?}"
+    );
+}
+
+/// `text` without markdown links (their words stay) up to the end of its first sentence.
+fn first_sentence(text: &str) -> String {
+    let mut plain = String::new();
+    let mut rest = text;
+    while let Some(open) = rest.find('[') {
+        let Some((words, after)) = rest[open + 1..].split_once("](") else {
+            break;
+        };
+        let Some((_, after)) = after.split_once(')') else {
+            break;
+        };
+        plain.push_str(&rest[..open]);
+        plain.push_str(words);
+        rest = after;
+    }
+    plain.push_str(rest);
+    let mut in_code = false;
+    for (i, c) in plain.char_indices() {
+        match c {
+            '`' => in_code = !in_code,
+            '.' if !in_code
+                && plain[i + 1..].starts_with(' ')
+                && !plain[..i].ends_with("e.g")
+                && !plain[..i].ends_with("i.e") =>
+            {
+                return plain[..=i].to_owned();
+            }
+            _ => {}
+        }
+    }
+    plain
+}
+
+const CHART_README: &str = "charts/cnat/README.md";
+const GENERATED_FROM: &str =
+    "<!-- generated from docs/src/reference/chart-values.md by tests/integration/docs.rs -->";
+const GENERATED_END: &str = "<!-- end of the generated values -->";
+
+/// The chart's README (what Artifact Hub and `helm show readme` show) lists every value with
+/// its default and the first sentence of its description, as the reference page has them, so
+/// it can neither miss a value nor disagree with `values.schema.json` or the book.
+/// `CNAT_BLESS=1` rewrites the table from the reference page.
+#[test]
+fn the_chart_readme_lists_every_value_as_the_reference_does() {
+    let reference = value_rows(&page("reference/chart-values.md"));
+    let mut table = String::from("| value | default | meaning |\n|---|---|---|\n");
+    for (value, cells) in &reference {
+        let [_type, default, description] = &cells[..] else {
+            panic!("docs/src/reference/chart-values.md: the row of `{value}` is not | value | type | default | description |");
+        };
+        table.push_str(&format!(
+            "| `{value}` | {default} | {} |\n",
+            first_sentence(description)
+        ));
+    }
+    let path = root().join(CHART_README);
+    let readme = std::fs::read_to_string(&path).unwrap();
+    let (Some(start), Some(end)) = (readme.find(GENERATED_FROM), readme.find(GENERATED_END)) else {
+        panic!("{CHART_README}: no generated values table (between {GENERATED_FROM} and {GENERATED_END})");
+    };
+    let start = start + GENERATED_FROM.len() + 1;
+    if std::env::var_os("CNAT_BLESS").is_some() {
+        std::fs::write(&path, format!("{}{table}{}", &readme[..start], &readme[end..])).unwrap();
+        return;
+    }
+    let shown = value_rows(&readme[start..end]);
+    let keys: BTreeSet<_> = shown.into_iter().map(|(value, _)| value).collect();
+    assert_eq!(
+        keys,
+        values_schema_leaves(),
+        "{CHART_README}: its values are not values.schema.json's (rewrite its table: CNAT_BLESS=1 cargo nextest run --cargo-profile suite --test integration -E 'test(the_chart_readme)')"
+    );
+    assert!(
+        readme[start..end] == table,
+        "{CHART_README}: its values table differs from docs/src/reference/chart-values.md (rewrite it: CNAT_BLESS=1 cargo nextest run --cargo-profile suite --test integration -E 'test(the_chart_readme)')"
     );
 }
 
