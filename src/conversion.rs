@@ -1,21 +1,6 @@
-//! Conversion between the At's API versions, `v1alpha1` and `v1` (pure: JSON in, JSON out); its
-//! children answer the `ConversionReview` the API server sends to the conversion webhook
-//! (`streaming`, with `parts` and `typed`).
-//!
-//! The two versions say the same things in different places: `v1` groups the pod's settings
-//! in `spec.template` and spells the phase in CamelCase. What `v1alpha1` cannot say,
-//! `spec.template.metadata` (the pod's labels and annotations) and
-//! `spec.template.imagePullPolicy`, travels in the annotation [`CARRIED_ANNOTATION`] as JSON, as
-//! Kubernetes' own conversions keep fields an older version lacks; a `v1` object that has that
-//! annotation itself gets its value carried in the same envelope. So does the absence of
-//! `spec.template.image` (the operator's default image runs such an At), which `v1alpha1`'s schema
-//! would otherwise turn into its default, `busybox`, on the next write as `v1alpha1`. So both round trips, `v1alpha1 -> v1 -> v1alpha1` and `v1 -> v1alpha1 -> v1`, give
-//! back the object they started from (property tests in `conversion/tests.rs`).
-//!
-//! The conversion works on the JSON as stored, not on typed structs: it moves what is there,
-//! `null`s and fields it does not know included, fills in no defaults (the API server applies a
-//! version's defaults when it decodes an object: a request's in its own version, a stored one's
-//! in the storage version), and never fails on a partial object.
+//! Conversion between the At's API versions, `v1alpha1` and `v1`, on the JSON as stored (pure);
+//! its children answer the `ConversionReview` the API server sends to the conversion webhook.
+//! See docs/src/guide/at-api.md, "Conversion".
 
 use serde_json::{Map, Value};
 use thiserror::Error;
@@ -25,8 +10,7 @@ pub const V1ALPHA1: &str = "cnat.programming-kubernetes.info/v1alpha1";
 /// `apiVersion` of the version kept and stored.
 pub const V1: &str = "cnat.programming-kubernetes.info/v1";
 /// On a `v1alpha1` object: what its `v1` form holds that `v1alpha1` cannot (`spec.template`'s
-/// `metadata` and `imagePullPolicy`, and this annotation's own value on the `v1` object if it had
-/// one), as JSON.
+/// `metadata` and `imagePullPolicy`, no image, this annotation's own `v1` value), as JSON.
 pub const CARRIED_ANNOTATION: &str = "cnat.programming-kubernetes.info/v1-fields";
 /// The `v1alpha1` spec fields that `v1` holds in `spec.template`, with the same names.
 pub const POD_FIELDS: [&str; 7] = [
@@ -62,9 +46,8 @@ pub enum ConversionError {
     TooLarge { index: usize, why: String },
 }
 
-/// `message` (about a `v1` object, as cnat's rules word it) as a `v1alpha1` writer reads it:
-/// the pod settings are in `spec` itself, the pod metadata in the carried annotation, and the
-/// phases are spelled `PENDING`, `RUNNING`, `DONE`.
+/// `message` (about a `v1` object, as cnat's rules word it) as a `v1alpha1` writer reads it: in
+/// that version's field paths and phase spellings.
 pub fn in_v1alpha1_terms(message: &str) -> String {
     let mut message = message
         .replace(
@@ -184,8 +167,7 @@ pub(crate) fn down(object: &mut Map<String, Value>) {
 }
 
 /// The longest value of [`CARRIED_ANNOTATION`] opened as an envelope: more than an At's pod
-/// metadata can hold (etcd keeps objects of at most 1.5 MiB), as long as the longest string a
-/// ConversionReview's fields may hold (`streaming::MAX_TOKEN`).
+/// metadata can hold, as long as the longest string a review may hold (`streaming::MAX_TOKEN`).
 const MAX_ENVELOPE: usize = 2 << 20;
 
 /// Keys of the envelope in [`CARRIED_ANNOTATION`].
@@ -204,11 +186,8 @@ const V1_ONLY: [(&str, &str); 2] = [
     ("imagePullPolicy", IMAGE_PULL_POLICY),
 ];
 
-/// What a `v1alpha1` object carries for `v1`: the template's fields `v1alpha1` has not (by their
-/// names in the template, in [`V1_ONLY`]'s order), whether the `v1` object named no image (then
-/// `busybox`, `v1alpha1`'s default, or no image at all, is no image again in `v1`; any other
-/// image a `v1alpha1` writer set is kept), and the value the annotation itself had on the `v1`
-/// object (when it had one that would otherwise be taken for this).
+/// What a `v1alpha1` object carries for `v1`: the template's fields `v1alpha1` has not (in
+/// [`V1_ONLY`]'s order), whether the `v1` object named no image, and the annotation's own value.
 #[derive(Debug, PartialEq)]
 struct Envelope {
     fields: Vec<(&'static str, Value)>,
@@ -216,11 +195,9 @@ struct Envelope {
     annotation: Option<String>,
 }
 
-/// `text` as an envelope, if it is exactly what `down` writes: canonical JSON (serde_json's
-/// own output, byte for byte) of an object with `podMetadata` (null, or labels and annotations
-/// that are maps of strings, as the v1 schema allows), `imagePullPolicy` (null, or one of the
-/// policies), `noImage` (`true`), and/or `annotation` (a string that is an envelope itself when
-/// nothing else is carried: `down` only wraps such a value).
+/// `text` as an envelope, if it is exactly what `down` writes: serde_json's own output, byte
+/// for byte, of an object with `podMetadata`, `imagePullPolicy`, `noImage` and/or `annotation`,
+/// each shaped as `down` writes it (`annotation` alone only when it is an envelope itself).
 fn envelope(text: &str) -> Option<Envelope> {
     // A made-up value longer than any envelope would otherwise be read into a tree many times
     // its size; an envelope is an object.

@@ -1,9 +1,6 @@
-//! The escalation guard: an At runs a pod with the image and command it names, so whoever
-//! creates an At (or changes its spec) must be allowed to create pods in its namespace. The
-//! validating webhook asks the API server with a SubjectAccessReview built from the request's
-//! `userInfo`, caches answers briefly per (user, groups, namespace), bounds the review's time, and
-//! denies, with a message naming the missing permission, when the answer is no or (by default)
-//! when no answer comes.
+//! The escalation guard: whoever creates an At (or changes its spec) must be allowed to create
+//! pods in its namespace, asked with a SubjectAccessReview; answers are cached and kept warm.
+//! See docs/src/operating/security.md, "No privilege escalation through Ats".
 
 use crate::observability::metrics::Metrics;
 use crate::sync::lock;
@@ -19,37 +16,22 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use tokio::time::{timeout, Instant, MissedTickBehavior};
 
-/// Most cached answers, and most bytes they may hold (each holds its identity twice: the key and
-/// the question); past either, expired answers are dropped, then answers used only once (the
-/// oldest first), and a new answer that still does not fit is not cached. An answer used more
-/// than once is never dropped to make room.
+/// Most cached answers, and most bytes they may hold; past either, expired answers are dropped,
+/// then answers used only once (the oldest first), never one used more than once.
 const MAX_CACHED: usize = 10_000;
 const MAX_CACHED_BYTES: usize = 16 << 20;
 
-/// The largest identity the guard asks about: its `userInfo` (user name, uid, groups and extra)
-/// counted as its text plus [`STRING_COST`] bytes a string, about what it takes in memory (so
-/// a million empty groups count as what they cost). Kubernetes sets no bound, but a real
-/// user's is a few hundred bytes to a few KiB (200 OIDC groups, where Azure AD stops listing
-/// them, count about 16 KiB); 64 KiB is four times that. A review with more is denied without
-/// asking: it could only be made up, and each one would cost the API server a
-/// SubjectAccessReview and this replica its size twice in the cache.
+/// The largest identity the guard asks about: its `userInfo` counted as its text plus
+/// [`STRING_COST`] bytes a string. A review with more is denied without asking.
 pub const MAX_USER_INFO_BYTES: usize = 64 << 10;
 
 /// What a string of an identity costs beyond its text: a `String` and its share of the list.
 pub const STRING_COST: usize = 48;
 
-/// Most reviews a replica sends per second, by why: for identities it has no answer for, in
-/// all and from one client address; and for identities it has or had (refreshes by the upkeep
-/// or by requests, a request's also within its client address's share; an identity allowed in
-/// a namespace within [`SEEN_FOR`] counts as one it has). Together at most 140 a second on
-/// average, keep-warm included (the known budget saves up four seconds' worth, for a round of
-/// the upkeep, which leaves one second's worth to requests). Of the new budget,
-/// [`NEW_RESERVED_PER_SECOND`] is kept for addresses that ask for fewer than
-/// [`LIGHT_PER_SECOND_PER_CLIENT`] a second: a few addresses inventing identities as fast as
-/// they may cannot take it from the API server's first applies by new users. A request past
-/// these is refused as busy, whatever `--access-review-on-error` says (a flood must not open
-/// the guard): answered 429 with `Retry-After: 1`, which kube-apiserver resends a second later
-/// within the webhook's timeout (see [`RETRY_WINDOW`]).
+/// Most reviews a replica sends per second: for identities it has no answer for, in all and from
+/// one client address, [`NEW_RESERVED_PER_SECOND`] of them kept for addresses asking fewer than
+/// [`LIGHT_PER_SECOND_PER_CLIENT`] a second; for those it has or had, [`KNOWN_PER_SECOND`]. A
+/// request past these is refused as busy, whatever `--access-review-on-error` says.
 pub const NEW_PER_SECOND: u32 = 40;
 pub const NEW_PER_SECOND_PER_CLIENT: u32 = 20;
 pub const NEW_RESERVED_PER_SECOND: u32 = 20;
@@ -57,12 +39,8 @@ pub const LIGHT_PER_SECOND_PER_CLIENT: u32 = 4;
 
 /// A resent review (the same identity and namespace from the same address as one refused as
 /// busy within this) may use the reserved new budget as an address asking lightly does, up to
-/// [`RETRIES_PER_SECOND_PER_CLIENT`] a second per address and [`RETRIES_PER_SECOND`] in all:
-/// the API server's own retries keep a share however many identities its address asks about.
-/// Each address's first refusals of its last [`MAX_REFUSALS_PER_CLIENT`] identities are
-/// remembered (by a keyed hash, for [`MAX_REFUSING_CLIENTS`] addresses at most: about 1.5 MiB
-/// in all); a refusal whose first cannot be told (not remembered, or its address had to forget
-/// one within the window lately) is to be denied, not resent.
+/// [`RETRIES_PER_SECOND_PER_CLIENT`] a second per address and [`RETRIES_PER_SECOND`] in all;
+/// a refusal whose first cannot be told is to be denied, not resent.
 pub const RETRY_WINDOW: Duration = Duration::from_secs(15);
 pub const RETRIES_PER_SECOND: u32 = 8;
 pub const RETRIES_PER_SECOND_PER_CLIENT: u32 = 2;
@@ -70,17 +48,14 @@ const MAX_REFUSALS_PER_CLIENT: usize = 64;
 const MAX_REFUSING_CLIENTS: usize = 1024;
 
 /// How long an identity allowed in a namespace counts as known after its answer, and how many
-/// such (identity, namespace) pairs a replica remembers (a hash and a time: about 40 bytes
-/// each in the map; past the bound the oldest half is forgotten).
+/// such (identity, namespace) pairs a replica remembers (past the bound, the older half goes).
 pub const SEEN_FOR: Duration = Duration::from_secs(24 * 3600);
 const MAX_SEEN: usize = 100_000;
 pub const KNOWN_PER_SECOND: u32 = 100;
 pub const KNOWN_PER_SECOND_PER_CLIENT: u32 = 30;
 
-/// Most reviews the background upkeep starts per second, on average (a round starts this many
-/// times its period in seconds), so many identities at once cannot flood the API server: past
-/// this, the answers tried longest ago go first and the rest wait for a later round. They are
-/// also taken from the `KNOWN_PER_SECOND` budget.
+/// Most reviews the background upkeep starts per second, on average (those tried longest ago
+/// first, the rest in a later round). They are also taken from the `KNOWN_PER_SECOND` budget.
 const MAX_REFRESHES_PER_SECOND: u32 = KNOWN_PER_SECOND;
 
 /// The shortest time between two rounds of the upkeep, whatever the TTL.
@@ -276,8 +251,8 @@ impl Budgets {
             new: Bucket::new(NEW_PER_SECOND, 1, now),
             new_by_client: HashMap::new(),
             light_by_client: HashMap::new(),
-            // Four seconds' worth: a round of the upkeep (a quarter TTL, 2.5 s by default)
-            // may start its budget at once, and a second's worth is left to requests.
+            // Four seconds' worth: a round of the upkeep may start its budget at once, and a
+            // second's worth is left to requests.
             known: Bucket::new(KNOWN_PER_SECOND, 4, now),
             known_by_client: HashMap::new(),
             retries: Bucket::new(RETRIES_PER_SECOND, 1, now),
@@ -425,7 +400,6 @@ impl Key {
     }
 }
 
-/// What one review came to.
 #[derive(Debug, Clone)]
 enum Reviewed {
     Allowed,
@@ -502,12 +476,8 @@ impl Reviews {
 
     /// Remembers that `key` from `client` was refused as busy at `now` (a request that arrived
     /// at `received`), unless it already was within [`RETRY_WINDOW`]; returns when the first
-    /// request refused so arrived, or `None` when that cannot be told:
-    /// not remembered, or the address had to forget a refusal within the window lately (then a
-    /// resend could pass for a first refusal again and again). An address keeps its last
-    /// [`MAX_REFUSALS_PER_CLIENT`]; at [`MAX_REFUSING_CLIENTS`] addresses, those without a
-    /// refusal within the window go (checked at most once a second), and a refusal from
-    /// another address is not remembered.
+    /// request refused so arrived, or `None` when that cannot be told (not remembered, or the
+    /// address had to forget a refusal within the window lately).
     fn refused(
         &mut self,
         client: std::net::IpAddr,
@@ -639,7 +609,7 @@ pub fn refreshes_in_time(settings: &Settings) -> bool {
 }
 
 /// The longest timeout under which background refreshes arrive in time: `cache_ttl / 2 -
-/// period / 2`, 3/8 of the TTL when a round is a quarter of it (3.75 s of 10 s).
+/// period / 2`, 3/8 of the TTL when a round is a quarter of it.
 pub fn timeout_limit(settings: &Settings) -> Duration {
     let (period, _) = cadence(settings);
     (settings.cache_ttl / 2).saturating_sub(period / 2)
@@ -692,13 +662,9 @@ fn retry_due(tried: Duration, settings: &Settings) -> bool {
     tried + period / 2 >= settings.cache_ttl / 2
 }
 
-/// Asks the API server, with a short-lived cache. Concurrent requests with the same key share
-/// one review (single flight); an answer past half its life is refreshed while it is still
-/// served, by the request that finds it so or, for answers used within `keep_warm`, by a
-/// background upkeep (rounds every quarter TTL, each answer refreshed every half TTL), so
-/// after the first request per key no admission waits on the API server while the key is used
-/// at least every `keep_warm` (and refreshes arrive in time, see [`refreshes_in_time`]). No
-/// answer is ever served older than `cache_ttl`.
+/// Asks the API server, with a short-lived cache: concurrent requests with the same key share
+/// one review, and answers used within `keep_warm` are refreshed in the background (see
+/// [`refreshes_in_time`]). No answer is ever served older than `cache_ttl`.
 pub struct AccessReviewer {
     inner: Arc<Inner>,
 }
@@ -710,9 +676,8 @@ struct Inner {
     reviews: Mutex<Reviews>,
 }
 
-/// Why a review is denied: who may not do what where, and what to do about it (the
-/// AdmissionReview's message, as kubectl prints it); or that the guard is busy (the request
-/// is to be answered 429, for the API server to resend it).
+/// Why a review is denied (the AdmissionReview's message), or that the guard is busy (the
+/// request is to be answered 429, for the API server to resend it).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct Denial {
@@ -729,10 +694,9 @@ impl Denial {
         }
     }
 
-    /// Refused as busy (the budgets of reviews were spent; [`busy`] says so in words): how long
-    /// ago the first request of this identity's review refused so from this address arrived
-    /// (for the first, how long it waited to be refused; [`Duration::MAX`] when that cannot be
-    /// told; see [`RETRY_WINDOW`]).
+    /// Refused as busy: how long ago the first request of this identity refused so from this
+    /// address arrived (for the first, how long it waited to be refused; [`Duration::MAX`] when
+    /// that cannot be told; see [`RETRY_WINDOW`]).
     pub fn busy_for(&self) -> Option<Duration> {
         self.busy
     }
@@ -794,9 +758,8 @@ impl AccessReviewer {
         self.check_for(UNKNOWN_CLIENT, user, namespace).await
     }
 
-    /// `check`, for a request from `client`: a review of an identity without an answer counts
-    /// against the budgets of new identities, in all and for `client`; one that has an
-    /// expired answer against the budget of known ones (see [`NEW_PER_SECOND`]).
+    /// `check`, for a request from `client`: its review counts against the budgets of new or
+    /// known identities, in all and for `client` (see [`NEW_PER_SECOND`]).
     pub async fn check_for(
         &self,
         client: std::net::IpAddr,
@@ -897,9 +860,8 @@ impl AccessReviewer {
 }
 
 /// The first `budget` of `due` answers (once used, last tried, last client, key) to refresh:
-/// each client address's in turn (the API server's answers are not starved by another caller's,
-/// however many it made), and within one address's, those used more than once first, then
-/// those tried longest ago.
+/// each client address's in turn, and within one address's, those used more than once first,
+/// then those tried longest ago.
 fn fair(mut due: Vec<(bool, Instant, std::net::IpAddr, Key)>, budget: usize) -> Vec<Key> {
     due.sort_by_key(|(once, tried, ..)| (*once, *tried));
     let mut queues: Vec<std::collections::VecDeque<Key>> = Vec::new();

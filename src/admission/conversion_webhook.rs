@@ -1,8 +1,6 @@
 //! The conversion webhook's HTTP side: the body is read as it arrives and the answer written as
-//! objects are converted (`conversion::streaming`), on a blocking thread, so a review holds
-//! one object in memory, never the body. Each review holds a slot (a few at once, fewer per
-//! client address, waiting for one up to a bound) and ends within a deadline however slowly the
-//! caller sends or reads.
+//! objects are converted (`conversion::streaming`), on a blocking thread, within a slot and a
+//! deadline. See docs/src/operating/security.md, "Hostile callers".
 
 use crate::conversion::streaming::{self, Answered};
 use crate::observability::metrics::Metrics;

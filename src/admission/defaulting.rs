@@ -1,11 +1,6 @@
 //! Defaults the mutating webhook applies, as RFC 6902 JSON patches. Pure and idempotent: the
 //! patch is the difference between the object and its defaulted form, so a reinvoked webhook
-//! (or an already defaulted object) gets an empty patch.
-//!
-//! The apiserver drops `.status` from a CREATE after mutating admission, so the phase added
-//! there is not what makes a new At show `PENDING`: the CRD's schema default for `status` is
-//! (applied whenever the object is read). The webhook still defaults the phase on `ats/status`
-//! writes that leave it out, and on API servers that keep status on create.
+//! gets an empty patch. See docs/src/operating/admission-webhooks.md, "Mutating".
 
 use crate::shard;
 use serde_json::{json, Value};
@@ -20,10 +15,9 @@ pub enum Target {
     Status,
 }
 
-/// The JSON patch that applies cnat's defaults to `object` (an At as JSON, in `version`:
-/// `v1alpha1` or `v1`), in the request's own terms: a blank image removed where that version
-/// has it (`spec.image`, `spec.template.image`), the phase as it spells it (`PENDING`,
-/// `Pending`). It touches nothing else (the object may come without its metadata).
+/// The JSON patch that applies cnat's defaults to `object` (an At as JSON, in `version`), in
+/// the request's own terms: a blank image removed, the phase as that version spells it. It
+/// touches nothing else (the object may come without its metadata).
 pub fn patch(object: &Value, target: Target, version: &str) -> json_patch::Patch {
     let older = version == "v1alpha1";
     let mut defaulted = object.clone();
@@ -39,12 +33,9 @@ pub fn patch(object: &Value, target: Target, version: &str) -> json_patch::Patch
     json_patch::diff(object, &defaulted)
 }
 
-/// The JSON patch that gives an At with these `labels` its shard label (`shard::LABEL`), as
-/// `shard::change_problem` allows it: on an update of an At whose stored copy (`old`'s labels)
-/// has a value, that value again when the label was removed (a `kubectl replace` of a manifest
-/// without it), nothing otherwise (a changed value is the validating webhook's to refuse);
-/// else, unless the label already holds a value, the one `shard::assign` gives for `seed` (any
-/// other text in it replaced).
+/// The JSON patch that gives an At with these `labels` its shard label (`shard::LABEL`): on an
+/// update whose stored copy (`old`'s labels) has a value, that value again if it was removed,
+/// else nothing; otherwise, unless the label holds a value, the one `shard::assign` gives `seed`.
 pub fn shard_label(
     labels: Option<&BTreeMap<String, String>>,
     old: Option<&BTreeMap<String, String>>,
@@ -67,10 +58,8 @@ pub fn shard_label(
     json_patch::diff(&before, &json!({"metadata": {"labels": after}}))
 }
 
-/// An image that is `null` or blank names none: it is removed, so the operator's default image
-/// runs the command (as when the field is left out; in `v1alpha1`, whose schema defaults it to
-/// `busybox`, the API server then fills that in). The image is not filled in here: which image
-/// an At without one runs is the operator's setting when its pod is made.
+/// An image that is `null` or blank names none: it is removed, and the operator's default image,
+/// chosen when the pod is made, runs the command. The image is not filled in here.
 fn drop_blank_image(at: &mut Value, older: bool) {
     let spec = at.get_mut("spec");
     let template = if older {

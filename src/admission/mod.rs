@@ -1,15 +1,6 @@
 //! Admission: the rules an At must follow before the API server stores it, the webhooks that
 //! apply them, and the same rules offline.
-//!
-//! - `webhook`: the webhooks' HTTP side: AdmissionReview in and out, over TLS.
-//! - `conversion_webhook`: the conversion webhook's HTTP side, read and answered as a stream.
-//! - `validation`: the rules an At must follow, shared with `cnat check`; pure.
-//! - `defaulting`: the mutating webhook's defaults as RFC 6902 JSON patches; pure.
-//! - `review`: an AdmissionReview's envelope, decoded straight into its request.
-//! - `mutating_review`: the part of an AdmissionReview the mutating webhook reads.
-//! - `validating_review`: the part the validating webhook reads when its fast path cannot.
-//! - `access_review`: the escalation guard: an At's author must be allowed to create its pod.
-//! - `check`: `cnat check`: the validating webhook's rules, offline, over manifest files.
+//! See docs/src/design/architecture.md, "The webhooks behind the Service".
 
 pub mod access_review;
 pub mod check;

@@ -1,9 +1,6 @@
-//! What the mutating webhook reads of an AdmissionReview, and nothing else: the request's uid,
-//! kind, operation, subresource, namespace and name, of the object its name, labels, spec and
-//! status, and of the old object its labels. The rest (the user, the resource, the options, the
-//! objects' other metadata such as managedFields, the old object's spec and status) is skipped while parsing instead of being built and
-//! dropped: decoding the whole review was the largest part of a mutating review's CPU in the
-//! webhook bench. The API server has checked the object's metadata before any webhook sees it.
+//! What the mutating webhook reads of an AdmissionReview; the rest is skipped while parsing (the
+//! API server has checked the object's metadata before any webhook sees it).
+//! See docs/src/design/decisions.md, "Lean admission decoding".
 
 use crate::admission::review::{Envelope, ReviewError};
 use crate::serving::bounded::Budget;
@@ -61,10 +58,9 @@ pub struct Metadata {
     pub labels: Option<BTreeMap<String, String>>,
 }
 
-/// A field as it is (present either way): an object decoded within [`FIELD_BUDGET`]; a list,
-/// which no At's spec or status is and nothing defaults inside, skipped as it is read (an empty
-/// list stands for it: the defaults leave it alone, and the API server's schema refuses it);
-/// `null` and other values as they are.
+/// A field as it is (present either way): an object decoded within [`FIELD_BUDGET`]; a list
+/// (no At's spec or status is one) skipped as it is read, an empty list standing for it; `null`
+/// and other values as they are.
 fn present<'de, D: Deserializer<'de>>(value: D) -> Result<Option<Value>, D::Error> {
     struct Field<'a>(&'a Budget);
     impl<'de> Visitor<'de> for Field<'_> {

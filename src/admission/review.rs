@@ -1,9 +1,6 @@
-//! An AdmissionReview as it arrives, decoded straight from the bytes into its request. kube's
-//! `AdmissionReview` flattens its type fields into the review, and a flattened field makes
-//! serde buffer the whole review (every string and map of both objects) and decode it a second
-//! time; decoding the review was 16-18% of a mutating review's CPU in the webhook bench's
-//! profile then. The rules are kube's: `apiVersion` and `kind` required, a request needed; a
-//! `response` (malformed or not) or any other field is ignored.
+//! An AdmissionReview as it arrives, decoded straight from the bytes into its request (kube's
+//! flattened type fields would make serde buffer it whole and decode it twice). kube's rules:
+//! `apiVersion` and `kind` required, a request needed, a `response` or any other field ignored.
 
 use kube::core::admission::AdmissionRequest;
 use kube::core::{Resource, TypeMeta};

@@ -1,9 +1,6 @@
-//! What the validating webhook reads of a review its fast path (a `v1` At decoded straight
-//! into kube's `AdmissionRequest<At>`) could not take: a `v1alpha1` At, an object that does not
-//! decode as an At, or another kind. Decoded once, with the objects as JSON within a budget
-//! each (`serving::bounded`), and everything else of the review (options, managedFields are
-//! part of the objects) skipped or typed: so a made-up body costs a bounded multiple of what it
-//! holds, whatever its shape.
+//! What the validating webhook reads of a review its typed paths could not take (too large, an
+//! object that does not decode as an At, another kind): decoded once, the objects within a budget
+//! each (`serving::bounded`), so a made-up body costs a bounded multiple of what it holds.
 
 use crate::admission::review::{Envelope, ReviewError};
 use crate::serving::bounded::{self, Budget};
@@ -51,8 +48,7 @@ fn object<'de, D: Deserializer<'de>>(value: D) -> Result<Option<Value>, D::Error
 /// escalation guard asks about (`access_review::MAX_USER_INFO_BYTES`), which denies more.
 pub const IDENTITY_BUDGET: usize = 1 << 20;
 
-/// The `userInfo`, decoded within [`IDENTITY_BUDGET`] (a list of a million empty groups is a
-/// few MiB of text and would be tens of MiB of strings).
+/// The `userInfo`, decoded within [`IDENTITY_BUDGET`].
 fn identity<'de, D: Deserializer<'de>>(value: D) -> Result<UserInfo, D::Error> {
     use serde::de::{DeserializeSeed, Error};
     let budget = Budget::new(IDENTITY_BUDGET);

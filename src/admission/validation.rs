@@ -14,9 +14,8 @@ pub use image::image_problem;
 const GENERATED_SUFFIX: &str = "xxxxx";
 
 /// Everything wrong with `at`, given the stored version `old` on an update. An update is
-/// checked only for what it changes in the spec, so label, annotation and finalizer edits of an
-/// At admitted earlier (under older rules, or with the webhook off) are never refused, but for
-/// its shard label, which keeps its value (`shard::change_problem`).
+/// checked only for what it changes in the spec, so metadata edits of an At admitted earlier are
+/// never refused, but for its shard label (`shard::change_problem`).
 pub fn spec_problems(at: &At, old: Option<&At>) -> Vec<String> {
     let mut problems = Vec::new();
     if let Some(old) = old {

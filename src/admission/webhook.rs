@@ -1,8 +1,6 @@
-//! The admission webhooks' HTTP side: AdmissionReview in, AdmissionReview out, over TLS, on
-//! every replica. The rules live in `validation` and `defaulting`; this module decodes,
-//! dispatches, always echoes the request uid, and answers bad input with a 400, never a panic.
-//! Each request is an `admission` span (a child of the caller's W3C `traceparent`, which
-//! kube-apiserver sends when its tracing is on) and is counted in the metrics.
+//! The admission webhooks' HTTP side: decodes, dispatches to the rules, always echoes the
+//! request uid, and answers bad input with a 400, never a panic.
+//! See docs/src/design/architecture.md, "The webhooks behind the Service".
 
 use crate::admission::access_review::AccessReviewer;
 use crate::admission::conversion_webhook;
@@ -43,31 +41,26 @@ pub const VALIDATING_PATH: &str = "/validating";
 pub const MUTATING_PATH: &str = "/mutating";
 /// Path of the conversion webhook (ConversionReviews of At objects, `crate::conversion`).
 pub const CONVERT_PATH: &str = "/convert";
-/// An AdmissionReview holds the object and the old object, each up to etcd's 1.5 MiB.
+/// An AdmissionReview holds the object and the old object, each up to etcd's largest object.
 pub const MAX_BODY: usize = 4 << 20;
 /// The admission bodies being read and decoded at once on a replica, in KiB, and from one
-/// client address: decoding takes a multiple of the body (up to about 40 times for a made-up
-/// one), so this bounds the memory of reviews in flight; a client that sends large reviews
-/// waits for its own earlier ones, not for everyone's. A review of an At is a few KiB.
+/// client address: a client that sends large reviews waits for its own earlier ones.
 pub const BODY_BUDGET_KIB: usize = 16 << 10;
 pub const BODY_BUDGET_PER_CLIENT_KIB: usize = 4 << 10;
-/// The last 4 MiB of the body budget are kept for addresses holding at most 512 KiB with them
-/// (kube-apiserver's reviews of ordinary Ats are a few KiB): four addresses sending large
-/// bodies slowly cannot take it all.
+/// The last part of the body budget, kept for addresses holding at most [`BODY_LIGHT_KIB`]
+/// with it: a few addresses sending large bodies slowly cannot take it all.
 pub const BODY_RESERVE_KIB: usize = 4 << 10;
 pub const BODY_LIGHT_KIB: usize = 512;
-/// The largest body the validating webhook decodes straight into typed structs: some of kube's
-/// types hold JSON values (`managedFields`, `options`) that a made-up body can make many times
-/// its size; a larger body (no review of an ordinary At is) takes the bounded path.
+/// The largest body the validating webhook decodes straight into typed structs (kube's hold
+/// JSON values a made-up body can blow up); a larger body takes the bounded path.
 pub const FAST_PATH_BODY: usize = 256 << 10;
 /// How long an admission review waits for room in the body budget before it is answered 429.
 pub const BODY_WAIT: Duration = Duration::from_secs(2);
 /// An admission review's whole body must come within this of its head (kube-apiserver sends it
 /// at once from memory): a client that sends it slowly is answered 408 and holds nothing after.
 pub const BODY_DEADLINE: Duration = Duration::from_secs(3);
-/// A client that has not finished its TLS handshake by then is dropped (no slowloris): a
-/// backstop, as the connection's first request, handshake included, must come within
-/// `guard::Limits::first_request_within` (3 s by default).
+/// A client that has not finished its TLS handshake by then is dropped: a backstop, as the
+/// first request must come within `guard::Limits::first_request_within`.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A client that has not sent its request headers by then is dropped.
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -173,11 +166,9 @@ fn client_of(request: &axum::extract::Request) -> IpAddr {
         .map_or(IpAddr::from([0, 0, 0, 0]), |info| info.0.ip())
 }
 
-/// The body of an admission request, charged to the body budget as it arrives (a client that
-/// sends slowly holds what it sent, not what it says it will send), or the answer that refuses
-/// it: 413 past [`MAX_BODY`], 429 when no room comes within [`BODY_WAIT`], 408 when the whole
-/// body has not come within [`BODY_DEADLINE`]. Once read, the request's connection is marked
-/// as being answered (not closed to make room for another client).
+/// The body of an admission request, charged to the body budget as it arrives, or the answer
+/// that refuses it: 413 past [`MAX_BODY`], 429 when no room comes within [`BODY_WAIT`], 408
+/// when it has not come within [`BODY_DEADLINE`]. Once read, the connection is marked answering.
 async fn read_body(
     budget: &Arc<Slots>,
     client: IpAddr,
@@ -255,10 +246,9 @@ async fn read_body(
 
 /// kube-apiserver's default timeout for a webhook call (`timeoutSeconds`).
 const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
-/// A review refused as busy is answered 429 (for kube-apiserver to resend it after
-/// `Retry-After: 1`) only while this much before the end of its call's timeout (the resend's
-/// second, its round trip, and the second kube-apiserver may round the timeout up by), and
-/// within [`RESEND_WITHIN`] of its first refusal: client-go resends at most 10 times.
+/// A review refused as busy is answered 429 only while this much is left of its call's timeout
+/// (the resend's second, its round trip, and the second kube-apiserver may round the timeout
+/// up by), and within [`RESEND_WITHIN`] of its first refusal.
 const RESEND_MARGIN: Duration = Duration::from_secs(3);
 const RESEND_WITHIN: Duration = Duration::from_secs(8);
 
@@ -332,10 +322,8 @@ async fn admit(
             };
             if let Err(denial) = checked {
                 let at = format!("{namespace}/{}", v.name);
-                // Busy: answered 429 while kube-apiserver has time to resend (it does, after
-                // Retry-After, within its timeout); then denied, never left to fail the call,
-                // which `failurePolicy: Ignore` would let through. Not an answer: not counted
-                // among the admissions (the guard counts its refusals).
+                // Busy: 429 while kube-apiserver has time to resend, then denied: a failed call
+                // would let it through under `failurePolicy: Ignore`. Not counted as an admission.
                 if resend(denial.busy_for(), call.timeout) {
                     span.set_attribute("busy", true);
                     return (
@@ -509,12 +497,8 @@ fn encode(mut response: AdmissionResponse) -> Vec<u8> {
 
 /// The validating webhook for an AdmissionReview body: denies an invalid At, a spec change
 /// after it started, and a status phase that goes back; says whose permission to create pods a
-/// create or spec change needs (the escalation guard). A `v1` At decodes straight into kube's
-/// request (the fast path), a `v1alpha1` one straight into typed fields converted to `v1` as
-/// they are read (`conversion::typed`): each costs about what the other does. Every other
-/// review (larger than `FAST_PATH_BODY`, not an At, or an object these paths do not take) is
-/// decoded once within bounds (`validating_review`) and judged by the same rules, an At whose
-/// stored copy cnat cannot read included.
+/// create or spec change needs (the escalation guard). A review the typed paths do not take is
+/// decoded within bounds (`validating_review`) and judged by the same rules.
 pub fn validating(body: &[u8]) -> Result<Verdict, ReviewError> {
     let small = body.len() <= FAST_PATH_BODY;
     if small && names_v1alpha1(body) {
@@ -535,8 +519,7 @@ pub fn validating(body: &[u8]) -> Result<Verdict, ReviewError> {
 }
 
 /// A review of a `v1alpha1` At, its objects decoded typed and converted to `v1` as they are
-/// read (`conversion::typed`); `None` for any other review, or an object that path does not
-/// take.
+/// read (`conversion::typed`); `None` for any other review, or an object that path refuses.
 fn typed_v1alpha1(body: &[u8]) -> Option<AdmissionRequest<At>> {
     let request = Envelope::<AdmissionRequest<AtV1alpha1>>::from_slice(body)
         .and_then(Envelope::admission_request)
@@ -566,12 +549,8 @@ fn typed_v1alpha1(body: &[u8]) -> Option<AdmissionRequest<At>> {
     })
 }
 
-/// Whether `body` looks like a review of a `v1alpha1` object: kube-apiserver writes the
-/// request's `kind` as `{"group":...,"version":"v1alpha1","kind":"At"}`, without spaces. Only a
-/// choice of path, not a judgement: the fast path would decode such a body in vain (a
-/// `v1alpha1` At is not a `v1` one), and the lean path judges every review by the same rules,
-/// so a body that says this elsewhere (in an annotation) or spaced differently is judged the
-/// same either way.
+/// Whether `body` looks like a review of a `v1alpha1` object, as kube-apiserver writes its
+/// `kind` (without spaces). Only a choice of path: every path judges by the same rules.
 fn names_v1alpha1(body: &[u8]) -> bool {
     static FINDER: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
         std::sync::LazyLock::new(|| memchr::memmem::Finder::new(br#""version":"v1alpha1""#));
@@ -642,12 +621,10 @@ fn judge_lean(types: kube::core::TypeMeta, mut request: validating_review::Reque
     judge(&request, older)
 }
 
-/// An update of an At whose stored copy does not decode as one (the operator's `Unreadable`
-/// event asks its owner to fix it with `kubectl edit`). What runs may change only as on any
-/// At: the spec stays frozen once the stored copy says it started (or says nothing cnat can
-/// read as "not started"), and a spec change is the fix, checked whole, by someone who may
-/// create pods there (the escalation guard). Metadata and status edits leave what runs as it
-/// is and pass, but for a change of the shard label (`shard::change_problem`, as on any At).
+/// An update of an At whose stored copy does not decode as one: the spec stays frozen once the
+/// stored copy says it started (or says nothing readable as "not started"), a spec change is
+/// checked whole and by the escalation guard, and metadata and status edits pass but for a
+/// change of the shard label.
 fn judge_unreadable_update(
     request: &validating_review::Request,
     object: &serde_json::Value,
@@ -806,10 +783,9 @@ fn refuse_untyped<T: Resource>(
     }
 }
 
-/// The mutating webhook for an AdmissionReview body: drops a blank `spec.template.image`
-/// (the operator's default image runs the command), defaults the phase, and labels the At with
-/// its list shard (`shard`), as an idempotent JSON patch. It works on the raw object, to see
-/// which fields are absent.
+/// The mutating webhook for an AdmissionReview body: drops a blank `spec.template.image`,
+/// defaults the phase and labels the At with its list shard, as an idempotent JSON patch, on
+/// the raw object, to see which fields are absent.
 pub fn mutating(body: &[u8]) -> Result<Verdict, ReviewError> {
     let mut request = mutating_review::decode(body)?;
     let response = mutate(&mut request);

@@ -1,12 +1,6 @@
-//! An At of a ConversionReview read in one pass as the parts the conversion moves, and written
-//! back: the top level, `metadata`, its `annotations`, `spec`, its `template` and `status` split
-//! into their members, and every other value kept as the JSON text it came as (managed fields,
-//! env, resources...), never decoded into a tree. So a conversion costs a scan of the object's
-//! bytes, a few small vectors and a copy of its text, whatever the object holds.
-//!
-//! It converts as [`super::convert`] does, which stays the definition: the answer's objects, read
-//! back, are what `convert` makes of the same objects (property test in `conversion/tests.rs`),
-//! with a key given twice read as JSON readers read it, the last one winning.
+//! An At of a ConversionReview read in one pass as the parts the conversion moves, every other
+//! value kept as the JSON text it came as; converted as [`super::convert`] does, which stays the
+//! definition. See docs/src/design/decisions.md, "Conversion, streamed".
 
 use super::{envelope, respelled, ConversionError, Envelope, CARRIED_ANNOTATION, POD_FIELDS};
 use super::{ANNOTATION, NO_IMAGE, V1, V1ALPHA1, V1ALPHA1_IMAGE, V1_ONLY};

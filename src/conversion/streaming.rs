@@ -1,27 +1,6 @@
-//! A `ConversionReview` answered as it is read: the objects are read, converted and written
-//! one at a time, so what one review holds in memory is one object (its text, at most
-//! [`OBJECT_BUDGET`] bytes, and its parts, charged to a [`Budget`] of as much) and the I/O
-//! buffers, however many objects the API server sends (an unpaged list of thousands) or
-//! however large a body a caller makes up. Pure: bytes in (`Read`), bytes out (`Write`).
-//!
-//! The review's fields are parsed from the stream (serde_json, within [`MAX_TOKEN`]); each
-//! object's text is cut out of it by `next_object` (a scan for where the object ends, which
-//! jumps through strings with `memchr`) and parsed once, from that slice, into the parts the
-//! conversion moves (`parts`), the rest of it kept as the text it came as. That costs about a
-//! third of decoding each object into a `serde_json::Value`, converting and encoding it again
-//! (the release build, counted by `scripts/perf-guard`: a page of 500 Ats 13.5 M instructions
-//! and 6,014 allocations, was 39.7 M and 26,512).
-//!
-//! kube-apiserver writes the request's `uid` and `desiredAPIVersion` before its `objects` (Go
-//! writes a struct's fields in their order; serde_json, sorting keys, does too for the version);
-//! a review whose objects come before `desiredAPIVersion` is refused, as nothing could be
-//! converted before knowing the version wanted. The answer's `uid` is written last, so the
-//! request's may come anywhere.
-//!
-//! Once the first object is written the answer says `Success`; an object that cannot be
-//! converted after that (never one the API server stored: only a made-up review has one) ends
-//! the answer with an error, which the HTTP side turns into a cut connection: the caller gets an
-//! error either way, and no half list is ever read as a whole one.
+//! A `ConversionReview` answered as it is read: objects are read, converted and written one at
+//! a time, within [`OBJECT_BUDGET`] and [`MAX_TOKEN`], however large the body. Pure: bytes in
+//! (`Read`), bytes out (`Write`). See docs/src/design/decisions.md, "Conversion, streamed".
 
 use super::{parts, ConversionError, V1, V1ALPHA1};
 use crate::serving::bounded::Budget;
@@ -33,13 +12,12 @@ use std::fmt;
 use std::io::{self, BufRead, Read, Write};
 use std::rc::Rc;
 
-/// What one object of a review may take in memory, decoded: many times what any At needs (an
-/// At is at most etcd's 1.5 MiB of JSON, mostly strings), and a bound on a made-up one.
+/// What one object of a review may take in memory, decoded: many times what any At needs (etcd
+/// bounds an At's JSON), and a bound on a made-up one.
 pub const OBJECT_BUDGET: usize = 16 << 20;
 
 /// The longest string or number read, in bytes of the body: the parser holds one whole before
-/// anything can look at it (a made-up `uid` of 400 MB would be 400 MB), and no At holds one
-/// longer than etcd's 1.5 MiB object.
+/// anything can look at it, and no At holds one longer than etcd's largest object.
 pub const MAX_TOKEN: usize = 2 << 20;
 
 /// How an answer ended.
@@ -477,12 +455,10 @@ fn syntax(why: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, why.to_owned())
 }
 
-/// Reads the next element of `objects` into `text` (the first when `first`): `false` at the
-/// list's end, whose `]` is left for the parser. The parser has just read the list's `[` when
-/// `Objects` is called, and holds no byte read ahead (serde_json looks ahead only at a value's
-/// start), so the body continues right there; what is read here the parser never sees. An
-/// element past [`OBJECT_BUDGET`] bytes is refused before more of it is read; its text is
-/// checked as JSON by `parts::read`.
+/// Reads the next element of `objects` into `text` (the first when `first`), unchecked as JSON
+/// (`parts::read` checks it): `false` at the list's end, whose `]` is left for the parser, which
+/// has just read the `[` and holds no byte read ahead. An element past [`OBJECT_BUDGET`] bytes
+/// is refused before more of it is read.
 fn next_object(body: &mut dyn BufRead, first: bool, text: &mut Vec<u8>) -> io::Result<bool> {
     text.clear();
     let mut next = skip_whitespace(body)?;

@@ -1,12 +1,6 @@
-//! A `v1alpha1` At decoded straight into typed fields and converted to the `v1` [`At`] without
-//! a JSON tree in between: the validating webhook's path for `v1alpha1` reviews, which otherwise
-//! decode the object as JSON, convert it ([`super::convert`]) and decode that again.
-//!
-//! It gives the very `At` that `convert` and a decode of its result give (property test in
-//! `conversion/tests.rs`), or fails: an object this does not take (a field of the wrong type, a
-//! key twice, a spec that is not an object) is left to that slower path, which says why it is not
-//! an At in its own words. Only the status, small and rare in a review, goes through JSON, to
-//! respell its phase.
+//! A `v1alpha1` At decoded straight into typed fields and converted to the `v1` [`At`]: the
+//! validating webhook's path for `v1alpha1` reviews. It gives the very `At` [`super::convert`]
+//! gives, or fails, and leaves the object to that slower path, which says why it is not an At.
 
 use super::{envelope, respell, Envelope, CARRIED_ANNOTATION, V1ALPHA1, V1ALPHA1_IMAGE};
 use crate::api::{At, AtPodTemplate, AtSpec, AtStatus, ImagePullPolicy, PodMetadata};

@@ -1,9 +1,6 @@
-//! The plain-HTTP admin endpoints every replica serves: `/healthz` (liveness), `/readyz`
-//! (readiness) and `/metrics` (Prometheus). Readiness never depends on leadership, or a rolling upgrade would deadlock
-//! waiting for a new pod that cannot become leader while the old one holds the Lease. It does
-//! depend on what `require` adds: `cnat run` requires a complete At cache (or a list that waits
-//! for the conversion webhook, see `AtCache::readiness`), so a rolling update keeps the old pods
-//! (and their leader) until the new one could lead at once.
+//! The plain-HTTP admin endpoints every replica serves: `/healthz`, `/readyz` and `/metrics`.
+//! Readiness never depends on leadership, only on what `require` adds.
+//! See docs/src/operating/high-availability.md, "Probes".
 
 use crate::leader::Leadership;
 use crate::observability::metrics::{self, Metrics};
@@ -20,8 +17,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// A client that has not sent its request headers by then is dropped; so is a kept connection
-/// idle for that long (the kubelet probes every few seconds, Prometheus every 15-60 s and
-/// reconnects at no cost).
+/// idle for that long (the kubelet and Prometheus reconnect at no cost).
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Serves `app` (the admin routes) on `listener` in plain HTTP/1.1 within `limits` (see

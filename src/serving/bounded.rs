@@ -1,9 +1,6 @@
-//! JSON from callers nobody vouches for, decoded within a memory bound. A `serde_json::Value`
-//! costs far more than its text: `[0,0,0,...]` is 2 bytes an element in the body and 32 bytes
-//! (and the vector's spare room) in memory, so a 60 MB body could take gigabytes. Here every
-//! value decoded is charged what it costs in memory (its node plus its text for strings and
-//! keys) against a budget, and decoding stops with an error the moment the budget is spent,
-//! before the memory is taken. Pure.
+//! JSON from callers nobody vouches for, decoded within a memory bound: every value is charged
+//! what it costs in memory as it is built, and decoding fails the moment the budget is spent,
+//! before the memory is taken. Pure. See docs/src/operating/security.md, "Hostile callers".
 
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};

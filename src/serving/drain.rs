@@ -1,9 +1,6 @@
-//! Draining before shutdown. From SIGTERM until the webhook server closes (the shutdown delay),
-//! every answer says `Connection: close`, so clients retire their keep-alive connections to
-//! this replica one request at a time, cleanly. Without it the connections still open when the
-//! server stops are closed under the client, and a request it sends at that moment fails:
-//! kube-apiserver's webhook client (Go) does not resend a POST that was already written, so
-//! that would be a failed `kubectl apply` (measured: one in the upgrade test's rolling update).
+//! Draining before shutdown: from SIGTERM until the webhook server closes, every answer says
+//! `Connection: close`, so clients retire their keep-alive connections one request at a time.
+//! See docs/src/operating/high-availability.md, "Shutdown".
 
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue};

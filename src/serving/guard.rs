@@ -1,22 +1,6 @@
-//! What any client of a port may hold. kube-apiserver presents no client certificate by
-//! default, so the webhook port cannot tell it from any other pod (and any pod can reach the
-//! admin port): these bounds (and the chart's NetworkPolicy) keep a client that connects and
-//! trickles, or floods, from holding memory or slots on a replica until the `Fail` policy blocks
-//! every At write. Each bound is per listener, and also per client address, so that one client
-//! (one pod, one node) cannot take what the API server needs:
-//!
-//! - connections: at most `max_connections_per_client` from one address, and
-//!   `max_connections` in all, shared max-min: when all are taken, a new connection from an
-//!   address holding fewer than another (by two) takes the place of one of that address's
-//!   connections, never of one whose request is being answered (see [`Pool::room`]); a client
-//!   that presented a certificate the client CA signed moves, after its handshake, into a pool
-//!   of its own that no other client can take; a new connection whose TLS handshake and first
-//!   request head have not come within `first_request_within` is closed;
-//! - requests: at most `max_in_flight` at once, `max_in_flight_per_client` from one address;
-//!   one more is answered 429 at once;
-//! - time: every request, its body included, is answered within `request_timeout` (408 when
-//!   the client is too slow), on top of the TLS handshake and header timeouts (which also close
-//!   idle connections).
+//! What any client of a port may hold: connections, requests in flight and time, per listener
+//! and per client address, so that no client can take what the API server needs.
+//! See docs/src/operating/security.md, "Hostile callers".
 
 use crate::sync::lock;
 use axum::extract::{ConnectInfo, Request};
@@ -52,12 +36,8 @@ pub struct Limits {
 }
 
 impl Default for Limits {
-    /// The webhook port's. kube-apiserver keeps a few connections per replica to a webhook
-    /// (a few dozen under a burst of writes) and waits at most 30 s (the webhooks here say
-    /// 5 s); these leave it ample room, and leave room for it when one other client takes all
-    /// it may. Requests in flight are bounded by the connections (one per connection, HTTP/1.1,
-    /// in either pool): what a request costs is bounded by the body budget and the conversion
-    /// slots.
+    /// The webhook port's: ample room for kube-apiserver's connections, even when another client
+    /// takes all it may. Requests in flight are bounded by the connections (one each, HTTP/1.1).
     fn default() -> Self {
         Limits {
             max_connections: 512,
@@ -263,7 +243,6 @@ pub struct Connection {
     stage: AtomicU8,
     /// Counted among the connections whose client presented a certificate.
     certified: AtomicBool,
-    /// When it was accepted.
     accepted: std::time::Instant,
     /// When its stage last changed, in milliseconds since the first connection of the process.
     since: AtomicU64,
@@ -333,10 +312,8 @@ struct Pool {
     by_client: HashMap<IpAddr, Vec<Arc<Connection>>>,
 }
 
-/// A pending connection younger than this is taken to make room only after every other kind:
-/// it is most likely a caller's new connection in its TLS handshake. So is a kept connection
-/// idle for less than this since its last answer: most likely the one its client sends its next
-/// request on (closing it then would fail that request).
+/// A pending connection younger than this, or a kept one idle for less than this since its last
+/// answer, is taken to make room only after every other kind: it is most likely about to be used.
 pub const YOUNG: Duration = Duration::from_secs(1);
 
 /// An address that could give up a place: how many it holds, and its first victim with the
@@ -353,17 +330,10 @@ enum Room {
 }
 
 impl Pool {
-    /// Max-min fairness: below the total, any address below its cap gets in; at the total, a
-    /// newcomer from an address holding `n` takes the place of a connection not being answered
-    /// of an address holding more than `n + 1` (the address holding the most first; when no
-    /// address holds more than one, a newcomer holding none may take the place of another's
-    /// only one), so each address keeps an equal share of the total however many others
-    /// connect. Within those: a pending connection older than [`YOUNG`] or one answering for
-    /// longer than `answer_within` (its client does not read) first, then one idle for at least
-    /// [`YOUNG`], then one receiving a body, then a younger pending or idle one (a caller's new
-    /// connection, in its TLS handshake, or the kept one it is about to send its next request
-    /// on); of each kind, the one in it the longest first. Addresses that have nothing to give
-    /// up do not count. Anyone else is refused.
+    /// Max-min fairness: at the total, a newcomer from an address holding `n` takes the place of
+    /// a connection not being answered of an address holding more than `n + 1`; addresses with
+    /// nothing to give up do not count, and anyone else is refused. The order of victims is in
+    /// docs/src/operating/security.md, "Many addresses".
     fn room(
         &self,
         client: IpAddr,
@@ -441,9 +411,8 @@ impl Pool {
     }
 }
 
-/// The connections of one listener, in two pools of `max_connections` each: any client's,
-/// and (once their TLS handshake shows it) those of clients that presented a certificate the
-/// client CA signed, which no other client can take. See [`Pool::room`] for who gets in.
+/// The connections of one listener, in two pools of `max_connections` each: any client's, and
+/// certified clients' (which no other client can take). See [`Pool::room`] for who gets in.
 #[derive(Debug)]
 pub struct Connections {
     total: usize,
@@ -722,8 +691,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
 }
 
 /// An HTTP/1.1 server on `listener` (non-blocking) through `acceptor`, shut down by `handle`,
-/// dropping a client whose request headers (or next request, on a kept connection) have not
-/// come within `header_timeout`.
+/// dropping a client whose (next) request headers have not come within `header_timeout`.
 pub fn http1_server<Acc>(
     listener: std::net::TcpListener,
     acceptor: Acc,
@@ -753,8 +721,7 @@ pub fn guarded(app: axum::Router, limits: Limits, what: &'static str) -> axum::R
 }
 
 /// The connection `request` came on (when served through [`Capped`]): a route that reads the
-/// body marks it [`Stage::Answering`] once it has, so that it is not closed to make room
-/// until the answer.
+/// body marks it [`Stage::Answering`] once it has, so that it is not closed to make room.
 pub fn connection_of(request: &Request) -> Option<Arc<Connection>> {
     request.extensions().get::<Arc<Connection>>().cloned()
 }
@@ -779,9 +746,7 @@ impl RequestGuard {
 }
 
 /// Refuses a request beyond the in-flight caps (429) and cuts one that is not answered, body
-/// read included, within the deadline (408). The client is the connection's peer (served with
-/// `into_make_service_with_connect_info::<SocketAddr>`); a request without one counts as
-/// `0.0.0.0`.
+/// read included, within the deadline (408). A request without a peer address counts as `0.0.0.0`.
 pub async fn guard(
     axum::extract::State(guard): axum::extract::State<RequestGuard>,
     request: Request,

@@ -1,15 +1,13 @@
-//! Listening sockets. The defaults are `[::]`, which on Linux accepts IPv4 and IPv6 alike, so
-//! IPv6-only and dual-stack clusters work; on a host without IPv6 the same port on `0.0.0.0`
-//! is used instead.
+//! Listening sockets: `[::]` accepts IPv4 and IPv6 alike on Linux; on a host without IPv6 the
+//! same port on `0.0.0.0` is used instead.
 
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use tracing::info;
 
-/// Connections the kernel may hold for a listener before it accepts them: under a flood of
-/// connections (which the caps then close) a probe's or the API server's connection must not
-/// find the queue full and have to retransmit its SYN a second later. Linux caps it at
-/// `net.core.somaxconn` (4096 by default).
+/// Connections the kernel may hold for a listener before it accepts them: under a flood, a
+/// probe's or the API server's connection must not find the queue full. Linux caps it at
+/// `net.core.somaxconn`.
 pub const BACKLOG: i32 = 4096;
 
 /// A non-blocking listener on `addr`, falling back from `[::]` to `0.0.0.0` when the host has

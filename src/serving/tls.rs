@@ -1,7 +1,6 @@
-//! TLS for the webhook server. The certificate and key come from files (a mounted Secret) and are
-//! reloaded when their contents change; Secret volumes change by symlink swap, which a re-read
-//! follows. New connections get the new certificate; open ones keep theirs. Also creates a
-//! development CA and serving certificate (`cnat certs`).
+//! TLS for the webhook server: the certificate and key from files (a mounted Secret), reloaded
+//! when their contents change, and `cnat certs`' development CA and serving certificate.
+//! See docs/src/operating/admission-webhooks.md, "Certificates".
 
 use axum_server::tls_rustls::RustlsConfig;
 use chrono::{Datelike, Utc};
@@ -54,11 +53,9 @@ pub enum TlsError {
     },
 }
 
-/// A server config for `files`: TLS 1.2 or 1.3, HTTP/1.1 (what kube-apiserver speaks to webhooks),
-/// and, with `client_ca`, client certificates asked for and verified: a client that presents
-/// one that CA did not sign is refused in the handshake; one that presents none gets through
-/// the handshake (kube-apiserver's conversion calls carry none, whatever its admission
-/// configuration says) and is marked so ([`Certified`]): the admission webhooks refuse it.
+/// A server config for `files`: TLS 1.2 or 1.3, HTTP/1.1, and, with `client_ca`, client
+/// certificates verified: one the CA did not sign fails the handshake; a client that presents
+/// none gets through, marked so ([`Certified`]), and the admission webhooks refuse it.
 pub fn server_config(files: &CertFiles) -> Result<Arc<ServerConfig>, TlsError> {
     let (cert_pem, key_pem) = (read(&files.cert)?, read(&files.key)?);
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
@@ -146,9 +143,8 @@ impl<S: crate::serving::guard::Tracked> Certifiable for tokio_rustls::server::Tl
     }
 }
 
-/// An acceptor around a TLS one that marks every request of a connection with its
-/// [`ClientCertificate`], and moves a connection whose client presented one into the pool no
-/// other client can take (closing it when that pool has no room for it either).
+/// An acceptor around a TLS one that marks every request with its [`ClientCertificate`], and
+/// moves a certified client's connection into its own pool (closing it when that has no room).
 #[derive(Clone)]
 pub struct Certified<A>(pub A);
 

@@ -1,8 +1,6 @@
 //! `spec.template.image`: a container image reference, by the grammar of distribution/reference
-//! (what the kubelet's container runtimes parse), checked with `container_image_dist_ref`: a
-//! scan of the string, no regex; a valid reference costs no allocation here. (`oci-spec`'s parser, used before, compiles a
-//! regex with Unicode classes repeated 128 times on first use: 17.5 MB of an idle replica's
-//! 21 MB heap peak, measured with heaptrack on 2026-11-26.)
+//! (what the kubelet's container runtimes parse), checked by a scan with no regex and, for a
+//! valid reference, no allocation. See docs/src/design/decisions.md, "Lean admission decoding".
 
 use container_image_dist_ref::{err::Kind, ImgRef};
 
@@ -133,9 +131,7 @@ impl Part {
 }
 
 /// Where `part` is in `image` (its byte offset and text), found as the kubelet splits a
-/// reference: the digest after `@`, the tag after a `:` past the last `/`, the registry host as
-/// the first component when it has a `.` or `:`, is `localhost` or has upper-case letters. Only
-/// for the parts whose characters are named in messages.
+/// reference; only for the parts whose characters are named in messages.
 fn region(image: &str, part: Part) -> Option<(usize, &str)> {
     let before = &image[..image.find('@').unwrap_or(image.len())];
     let slash = before.rfind('/').map_or(0, |i| i + 1);
@@ -155,8 +151,7 @@ fn region(image: &str, part: Part) -> Option<(usize, &str)> {
 }
 
 /// The parser's finding in words: which part, and what. Its index is not always where the
-/// fault is (it is off after a registry, for one), so the character named is found again here,
-/// in the part the parser blames.
+/// fault is (it is off after a registry), so the character is found again in the blamed part.
 fn reason(image: &str, kind: Kind) -> String {
     use Kind::*;
     let part = match kind {
