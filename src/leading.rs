@@ -1,10 +1,6 @@
-//! What a replica does while it leads: it reconciles the Ats its Lease covers. With one Lease
-//! (the default) that is every At, from the cache every replica keeps; with Lease shards
-//! (`--shards`), each shard's Lease is competed for on its own, and a replica caches a shard's
-//! Ats only while it leads the shard, or readies to (`ShardCache`).
-//!
-//! The election is `leader`'s, the reconcile loop `operator::controller`'s: this module joins
-//! them, and owns the shard caches' lifetimes.
+//! What a replica does while it leads: joins `leader`'s election to `operator::controller`'s
+//! loop, over the shared cache (one Lease) or each led shard's own `ShardCache` (`--shards`).
+//! See docs/src/design/architecture.md, "The Lease and the election".
 
 use crate::leader::{self, Leadership};
 use crate::observability::metrics::Metrics;
@@ -104,10 +100,9 @@ impl Election {
         ))
     }
 
-    /// How long a holder of a shard waits for a ready successor once stopping: what
-    /// `--shutdown-timeout` leaves after the step-down grace, the handover or the release (a
-    /// read and a write or two, each within a retry period), and closing the servers (a retry
-    /// period more). Zero, with a warning: a stopping replica releases its shards at once.
+    /// How long a stopping shard holder waits for a ready successor: `--shutdown-timeout` less
+    /// the step-down grace and four retry periods (handing over or releasing, then closing the
+    /// servers). Zero, with a warning: it releases its shards at once.
     fn handover_on_shutdown(&self) -> Duration {
         let after = self.timing.step_down_grace + self.timing.retry_period * 4;
         let room = self.shutdown_timeout.saturating_sub(after);
@@ -183,10 +178,8 @@ impl Election {
                     let cache = cache.clone();
                     async move { lead_shard(&cache, client, settings, events, metrics, stop).await }
                 };
-                // Competes once the replicas were counted (or a lease duration passed, and the
-                // Leases were looked at once at least), so that a replica that starts first does
-                // not take every shard to give most back, nor one that never saw the Leases
-                // take any.
+                // Competes once the replicas were counted (or, after a lease duration, looked
+                // at): a replica that starts first must not take every shard, nor a blind one any.
                 let able = {
                     let (counted, looked) = (balance.counted(), balance.looked());
                     async move {
@@ -288,9 +281,8 @@ impl leader::handover::Prepare for ShardCache {
     }
 }
 
-/// Leads one shard: lists its Ats (unless they were listed for a handover), then reconciles
-/// them until `stop`; ends early (so the Lease is released and competed for again) if the list
-/// is not done within the list limit from its start, or the cache stops following the Ats.
+/// Leads one shard: lists its Ats unless readied, then reconciles them until `stop`; ends early
+/// (the Lease is released) if the list misses its limit or the cache stops following the Ats.
 async fn lead_shard(
     shard: &ShardCache,
     client: kube::Client,

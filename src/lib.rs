@@ -1,12 +1,5 @@
 //! cnat: a Kubernetes operator for the `At` resource, "run this shell command once, at this time".
-//!
-//! The state machine (`operator::reconcile::decide`), schedule parsing (`schedule`) and pod naming
-//! and spec (`operator::pod`) are pure; Kubernetes I/O lives in `operator::reconcile` and
-//! `operator::controller`.
-//!
-//! Modules are grouped by concern: `operator` (reconciling Ats), `admission` (the webhooks and
-//! their rules), `serving` (admin endpoints, sockets, TLS) and `observability` (metrics, logs,
-//! traces); the At types, schedules, the election, the CLI and `kubectl at` stay at the top.
+//! Modules are grouped by concern; see docs/src/development.md, "Source layout".
 
 pub mod admission;
 pub mod api;

@@ -1,17 +1,6 @@
-//! The bounds on every number in an At's spec, shared by the CRD schema (`api`), the admission
-//! rules and `cnat check` (`admission::validation`), and the state machine, which gives an At
-//! stored before these bounds existed a terminal reason instead of doing arithmetic on it; and
-//! the bounds on every size an At's spec carries (its strings, lists and maps, and the whole
-//! spec), so that one tenant's Ats cannot make each replica's cache, which holds every At, grow
-//! without bound. The sizes are checked by the CRD schema where it can say them (lengths and
-//! counts, in characters) and by the admission rules (all of them; the whole spec in bytes), for
-//! new and changed fields only: an At admitted before keeps running. Pure.
-//!
-//! Each bound is the one Kubernetes uses for the same field: a pod's `activeDeadlineSeconds`
-//! must be between 1 and 2147483647 (the API server refuses the pod otherwise), and a Job's
-//! `ttlSecondsAfterFinished` is an int32; a CronJob's `startingDeadlineSeconds` has no upper
-//! bound in Kubernetes, so it gets the same 2147483647 (68 years), which keeps every instant
-//! cnat computes from it within what it can represent.
+//! The bounds on every number and size in an At's spec, shared by the CRD schema (`api`), the
+//! admission rules, `cnat check` and the state machine. Pure. See docs/src/guide/at-api.md,
+//! "Limits", and docs/src/guide/schedules.md, "Deadlines and clean-up".
 
 use crate::api::AtSpec;
 
@@ -120,9 +109,8 @@ fn sizes(spec: &AtSpec) -> [Size; 11] {
     ]
 }
 
-/// Every size of `spec` over its bound, and the whole spec over [`MAX_SPEC_BYTES`], each message
-/// naming the field, its size, the bound and the fix. `changed(field)` says which fields to
-/// check (`"spec"` for the whole spec).
+/// Every size of `spec` over its bound (the whole spec: [`MAX_SPEC_BYTES`]), each message naming
+/// field, size, bound and fix; `changed(field)` says which to check (`"spec"`: the whole spec).
 pub fn size_problems(spec: &AtSpec, changed: impl Fn(&str) -> bool) -> Vec<String> {
     let mut problems: Vec<String> = sizes(spec)
         .into_iter()
@@ -194,9 +182,8 @@ fn bounds(spec: &AtSpec) -> [Bound; 3] {
     ]
 }
 
-/// Every numeric field of `spec` outside its range, each message naming the field, the value,
-/// the range and the fix. `changed(field)` says which fields to check (an update is checked only
-/// for what it changes).
+/// Every numeric field of `spec` outside its range, each message naming field, value, range and
+/// fix; `changed(field)` says which to check (an update only for what it changes).
 pub fn problems(spec: &AtSpec, changed: impl Fn(&str) -> bool) -> Vec<String> {
     bounds(spec)
         .into_iter()

@@ -24,9 +24,8 @@ use tokio::time::{sleep_until, timeout, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-/// mimalloc instead of the C library's allocator, so every build (glibc here, the image's static
-/// musl) allocates with the allocator the benches measure; docs/src/design/decisions.md, "The
-/// allocator", says what it changed.
+/// mimalloc in every build (glibc or the image's musl), so the image allocates as benches measure.
+/// See docs/src/design/decisions.md, "The allocator".
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -47,12 +46,8 @@ fn main() -> ExitCode {
     }
 }
 
-/// Turns transparent huge pages off for this process (`PR_SET_THP_DISABLE`), before the
-/// runtime's threads allocate. mimalloc asks for huge pages on its arenas (`MADV_HUGEPAGE`), so
-/// where the kernel's THP mode is `madvise` (this machine's) or `always`, a heap of a few MiB
-/// spread over 2 MiB pages: an idle replica held 64 MiB, 35 MiB of it in huge pages; without
-/// them 21 MiB (docs/src/design/decisions.md, "The allocator"). Where the kernel refuses (older
-/// than 3.15, or a seccomp policy), nothing else changes.
+/// Turns transparent huge pages off for this process, before the runtime's threads allocate
+/// (docs/src/design/decisions.md, "The allocator"). Where the kernel refuses, nothing changes.
 fn no_transparent_huge_pages() {
     // SAFETY: prctl(PR_SET_THP_DISABLE) takes integer arguments only and changes a flag of this
     // process; it touches no memory of ours.
@@ -353,7 +348,6 @@ struct Serving {
     webhooks: Option<WebhookServer>,
 }
 
-/// The webhook server's task and handle.
 type WebhookServer = (
     JoinHandle<std::io::Result<()>>,
     axum_server::Handle<SocketAddr>,
@@ -382,10 +376,8 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), R
         timing.lease_duration,
         args.webhooks,
     ));
-    // With one Lease, every replica caches the Ats, so the next leader starts with all of them.
-    // Ready, and a candidate for the Lease, only with every At cached (required before
-    // `/readyz` answers). With Lease shards, a replica caches the Ats of the shards it leads
-    // only, from when it leads them.
+    // With one Lease every replica caches every At, and is ready and a candidate only once it
+    // has them all; with Lease shards a replica caches only the shards it leads.
     let cache = (args.shards.count() == 1).then(|| {
         cnat::operator::cache::AtCache::start_listing(
             &client,
@@ -511,10 +503,8 @@ fn lease_namespace(args: &RunArgs, client: &kube::Client) -> String {
         .unwrap_or_else(|| client.default_namespace().to_owned())
 }
 
-/// Not ready at once; then: stop reconciling and release the Lease, so another replica takes
-/// over at once; keep serving until the endpoint is out of Services (`--shutdown-delay`);
-/// finish requests in flight and close keep-alive connections. All within
-/// `--shutdown-timeout`.
+/// Not ready at once; then stops reconciling and releases the Lease, serves until
+/// `--shutdown-delay`, and finishes requests in flight, all within `--shutdown-timeout`.
 async fn shut_down(args: &RunArgs, serving: Serving, election: JoinHandle<()>) {
     let signalled = Instant::now();
     serving.health.set_not_ready();

@@ -46,9 +46,7 @@ pub enum ScheduleError {
 }
 
 /// Parses `schedule` into the instant it names: an RFC 3339 time with `Z` or an offset, or,
-/// when `zone` (an IANA name) is given, a wall-clock time without offset in that zone. A copy of
-/// the zone database is built into the binary; where the system has one (`/usr/share/zoneinfo`,
-/// also in the container image), jiff reads that.
+/// when `zone` (an IANA name) is given, a wall-clock time without offset in that zone.
 pub fn parse(raw: &str, zone: Option<&str>) -> Result<DateTime<Utc>, ScheduleError> {
     let instant = parse_any(raw, zone)?;
     if !(earliest()..=latest()).contains(&instant) {

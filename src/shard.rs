@@ -1,24 +1,6 @@
-//! Ats split by a label, for two things. Pure; shared by the mutating webhook (which labels
-//! each At it admits), the At cache and the leader.
-//!
-//! - **List shards**: a replica that starts lists the Ats with several requests at once.
-//!   kube-apiserver encodes a list response on one goroutine; measured on v1.24 with 100,000
-//!   PENDING Ats on this project's 2-core machine (docs/src/design/decisions.md, "List
-//!   shards"), one list at `resourceVersion=0` took 8.0-9.3 s to arrive, the five lists of four
-//!   shards at once 4.8-7.1 s: the server encodes them on both cores.
-//! - **Lease shards** (`cnat run --shards N`, `Shards`): the Ats are split among N Leases, and
-//!   each replica caches and reconciles only the Ats of the Leases it holds.
-//!
-//! The label's value is one of `VALUES` numbers, `0`..`59`, from a hash of the At's name: list
-//! shard `value % SHARDS`, Lease shard `value % N`. 60 splits evenly into 1, 2, 3, 4, 5, 6, 10,
-//! 12, 15, 20, 30 and 60 Lease shards (others within one value of even). Ats labelled by
-//! builds before Lease shards have values `0`..`3`, which read the same way.
-//!
-//! The lists together hold every At exactly once whatever the labels say: one list per list
-//! shard, and one of every At whose label is missing or anything else (Ats stored before the
-//! webhook labelled them, created while it was not called, or labelled by hand). So a wrong or
-//! missing label makes the list slower, never incomplete. Likewise every At is in exactly one
-//! Lease shard: such Ats are in shard 0.
+//! Ats split by a shard label: list shard `value % SHARDS`, Lease shard `value % N`. Pure.
+//! Whatever the labels say, every At is in exactly one list and one Lease shard.
+//! See docs/src/design/decisions.md, "List shards" and "Lease shards".
 
 use std::collections::BTreeMap;
 
@@ -32,9 +14,7 @@ pub const SHARDS: usize = 4;
 pub const VALUES: usize = 60;
 
 /// The shard label's value for an At, from `seed`: its `namespace/name`, or anything unique to
-/// it when it has no name yet (a create with `generateName`). The same seed always gets the same
-/// value (XXH3, whose output its specification fixes), and names that differ in one character
-/// spread over every shard.
+/// it before it has a name (`generateName`). Stable: XXH3's output is fixed by its specification.
 pub fn assign(seed: &str) -> String {
     (xxhash_rust::xxh3::xxh3_64(seed.as_bytes()) % VALUES as u64).to_string()
 }
@@ -46,15 +26,10 @@ pub fn value_of(labels: Option<&BTreeMap<String, String>>) -> Option<u8> {
     (usize::from(value) < VALUES && value.to_string() == *text).then_some(value)
 }
 
-/// What an update may do to the shard label, as the validating webhook (and, for the first
-/// rule, the chart's ValidatingAdmissionPolicy) checks it: once the label holds a value `assign`
-/// gives, that value never changes and the label is not removed (the mutating webhook puts a
-/// removed one back), so an At never moves between Lease shards; a leader that lags behind
-/// cannot take it for one of its own (`operator::reconcile`'s own-write shortcut relies on
-/// this). An At without such a value (stored before the webhook labelled Ats, or while it was
-/// not called) may get the one `assign(seed())` gives (what the mutating webhook and
-/// `cnat migrate-storage` do), and nothing else. `seed` makes the At's `namespace/name` (only
-/// when needed).
+/// What an update may do to the shard label (the validating webhook checks it): a value `assign`
+/// gives never changes nor goes, so an At never moves between Lease shards (`operator::reconcile`'s
+/// own-write shortcut relies on this); an At without one may get `assign(seed())`'s, nothing
+/// else. `seed` makes the At's `namespace/name` (only when needed).
 pub fn change_problem(
     seed: impl FnOnce() -> String,
     old: Option<&BTreeMap<String, String>>,
@@ -150,9 +125,8 @@ impl Shards {
         value_of(labels).map_or(0, |value| usize::from(value) % self.count)
     }
 
-    /// The label selector of shard `shard`'s Ats, and of their pods (which carry the At's
-    /// label): `None` for one shard (every At). Shard 0's names the other shards' values, so it
-    /// also selects every At without a value.
+    /// The label selector of shard `shard`'s Ats and their pods: `None` for one shard (every
+    /// At); shard 0's also selects every At without a value.
     pub fn selector(&self, shard: usize) -> Option<String> {
         let theirs = |of: usize| (0..VALUES).filter(move |v| v % self.count == of);
         match shard {

@@ -1,15 +1,6 @@
-//! `cnat migrate-storage`: rewrites every At so that etcd holds it in the CRD's storage version,
-//! then sets the CRD's `status.storedVersions` to that version alone, after which an older
-//! version can stop being served. What kube-storage-version-migrator does, for one resource.
-//!
-//! Each At is read (paged) in the storage version and written back unchanged with its
-//! resourceVersion as precondition: the API server encodes it anew in the storage version, and
-//! skips the write when the stored bytes would not change (already migrated), so running it
-//! again, after an interruption or twice, costs a read and a no-op per At. Safe while the
-//! operator runs: a write that conflicts with another (409) reads the At again and retries; an
-//! At deleted meanwhile is skipped; Ats created or changed meanwhile are written in the storage
-//! version by whoever writes them. Each write passes the admission webhooks as an UPDATE (the
-//! mutating webhook adds a missing list-shard label then).
+//! `cnat migrate-storage`: rewrites every At in the CRD's storage version, then sets the CRD's
+//! `status.storedVersions` to it alone. Safe to run again, and while the operator runs.
+//! See docs/src/operating/upgrading.md, "Storage migration".
 
 use futures::StreamExt;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -21,7 +12,6 @@ use thiserror::Error;
 
 /// The At CRD.
 pub const CRD_NAME: &str = "ats.cnat.programming-kubernetes.info";
-/// Field manager of the writes.
 const MANAGER: &str = "cnat-migrate-storage";
 /// Writes of one object that may conflict in a row before giving up on it.
 const MAX_CONFLICTS: usize = 10;
@@ -327,9 +317,8 @@ pub async fn migrate(
         report.left.sort_by(|a, b| a.object.cmp(&b.object));
         return Err(MigrateError::LeftBehind(Box::new(report)));
     }
-    // Only if the storage version is still the one every object was written in, and the CRD
-    // has not changed since it was read (the resourceVersion makes the patch a precondition).
-    // A dry run sends the patch as a dry run: a missing right shows now, not after the writes.
+    // Only if the storage version and the CRD are unchanged (its resourceVersion is the patch's
+    // precondition). A dry run patches as a dry run: a missing right shows now.
     let stored_versions = |source| MigrateError::StoredVersions {
         crd: options.crd.clone(),
         version: version.clone(),

@@ -1,10 +1,6 @@
-//! `kubectl at`: the Unix at(1) experience for Ats. `kubectl at TIME -- COMMAND` creates one,
-//! `-l` lists them (atq), `-r` deletes (atrm), `-c` prints a command (at -c), `--wait` follows
-//! one to its end and exits with the command's exit code.
-//!
-//! `time` reads at(1)'s TIME, `show` renders what is printed; both are pure. This module parses
-//! the command line, builds the At (checked with the webhook's rules before anything is sent)
-//! and talks to the API server.
+//! `kubectl at`: the Unix at(1) experience for Ats. This module parses the command line, builds
+//! the At (checked with the webhook's rules before anything is sent) and talks to the API server.
+//! See docs/src/guide/kubectl-at.md.
 
 pub mod show;
 pub mod time;

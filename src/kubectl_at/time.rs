@@ -1,18 +1,5 @@
 //! The TIME of `kubectl at TIME`, read as at(1) users write it. Pure: the current time and the
-//! user's time zone come in as a `Zoned`.
-//!
-//! Forms (case does not matter; `+5min` and `+ 5 minutes` alike):
-//! - `now`, `now + N UNIT` with UNIT seconds, minutes, hours, days or weeks (and their
-//!   abbreviations `s`, `sec`, `m`, `min`, `h`, `d`, `w`);
-//! - a time of day, `18:00`, `1800`, `6pm`, `6:30am`, `noon`, `midnight`, `teatime` (16:00):
-//!   today, or tomorrow when it has passed today; followed or preceded by a day to fix it:
-//!   `today`, `tomorrow`, a weekday (`friday`: the next one, today if still ahead) or a date
-//!   (`2026-11-22`); and optionally an increment (`noon tomorrow + 1 week`);
-//! - an RFC 3339 time (`2026-11-22T18:00:00Z`, `...+01:00`), or one without offset in the zone.
-//!
-//! Wall-clock times are read in the zone: a time the clocks skip (daylight saving begins) means
-//! the same moment as the time that far after the skip (02:30 becomes 03:30), and a time that
-//! happens twice means the first of them, as `TZ=... date -d` and cron do.
+//! user's time zone come in as a `Zoned`. See docs/src/guide/kubectl-at.md, "TIME".
 
 use jiff::civil::{Date, Time, Weekday};
 use jiff::tz::{Disambiguation, TimeZone};

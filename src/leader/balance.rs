@@ -1,25 +1,6 @@
-//! How many Lease shards (`cnat run --shards N`) a replica leads: pure decisions (`Standing`),
-//! and the `Balance` the shards' elections of one replica share.
-//!
-//! Each replica aims at its share, `ceil(shards / replicas)`, the replicas being those whose
-//! membership Lease is live (`members`). It takes a free or expired shard only while it leads
-//! fewer than its share (counting the shards it is taking), so the replicas under theirs take
-//! a free shard first, and one replica never takes every free shard at once. It gives up one
-//! shard at a time, and the next only after a look at the Leases sent after that, while no
-//! shard is free and it leads more than its share, or (the one leading most, first by identity)
-//! two more than the replica that leads fewest; a shard it gave up it takes again only as a
-//! rescue. No shard waits for long whatever the counts say: a
-//! shard free for a whole lease duration is taken by anyone (a rescue: its taker then gives
-//! none up for `KEEP_AFTER_RESCUE` lease durations), and nobody gives a shard up while one is
-//! free, so a replica whose count of replicas is wrong or stale never leaves a shard without a
-//! leader.
-//!
-//! Layouts: while a Lease of another layout is held (the one Lease, or shards of another N:
-//! replicas of an older or newer configuration during a rollout), a replica takes no shard;
-//! and it gives up those it leads when that layout outranks its own (the one Lease outranks
-//! shards, more shards outrank fewer). So during a rollout the new layout waits until the old
-//! one has stopped (a replica with the one Lease takes it at once, and the sharded ones give
-//! theirs up), and two layouts started together settle on the higher.
+//! How many Lease shards a replica leads: pure decisions (`Standing`), and the `Balance` one
+//! replica's shard elections share. Whatever the counts say, no shard stays without a leader.
+//! See docs/src/design/decisions.md, "Lease shards".
 
 use crate::sync::lock;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -62,10 +43,8 @@ impl Default for View {
     }
 }
 
-/// How long after taking a shard that had been free for a whole lease duration (so the counts
-/// were wrong: nobody under its share took it) a replica gives none up, in lease durations: a
-/// replica counted but not leading (stuck) would otherwise have the shard given up and taken
-/// back over and over.
+/// Lease durations after a rescue (a shard taken once free a whole lease duration) during which
+/// the replica gives no shard up, so a stuck replica's shard is not passed back and forth.
 const KEEP_AFTER_RESCUE: u32 = 10;
 
 /// Lease durations after giving a shard up during which this replica takes it again only as a
@@ -96,7 +75,8 @@ impl Standing {
             && (self.leading < self.share() || free_for >= lease_duration)
     }
 
-    /// Whether to give one shard up (see the module docs).
+    /// Whether to give one shard up: any while outranked; else, with no shard free and no recent
+    /// rescue, when over its share or (first to give) two above the replica leading fewest.
     pub fn gives_one_up(&self) -> bool {
         if self.view.outranked {
             return self.leading > 0;
@@ -110,9 +90,8 @@ impl Standing {
     }
 }
 
-/// What the shard elections of one replica share: how many shards it leads (`Leadership`) and
-/// is taking, what the election's Leases say (written by `members`), and whether one of its
-/// shards is being given up.
+/// What one replica's shard elections share: the shards it leads and is taking, what the Leases
+/// say (written by `members`), and whether a shard is being given up.
 #[derive(Debug)]
 pub struct Balance {
     shards: usize,
@@ -124,9 +103,8 @@ pub struct Balance {
     counted: CancellationToken,
     /// Cancelled once the Leases were looked at.
     looked: CancellationToken,
-    /// Asks for a look at the Leases now: an election was refused a free shard, and the count
-    /// it was refused on may be stale (a replica that stopped deleted its membership Lease just
-    /// before releasing its shards).
+    /// Asks for a look at the Leases now: an election was refused a free shard on a count that
+    /// may be stale.
     look: tokio::sync::Notify,
 }
 
@@ -221,9 +199,8 @@ impl Balance {
         self.standing_of(&self.state())
     }
 
-    /// A place among the shards this replica leads, for a shard free for `free_for`, if it may
-    /// take one now (`rescue_only`: only as a rescue, free for a whole lease duration); held
-    /// until the shard is led (`Reservation::led`) or the take failed.
+    /// A place among the shards this replica leads, for a shard free for `free_for`, if it may take
+    /// one now (`rescue_only`: only if free a whole lease duration); held until led or dropped.
     pub fn try_reserve(
         self: &Arc<Self>,
         free_for: Duration,
@@ -250,9 +227,8 @@ impl Balance {
         })
     }
 
-    /// Whether the caller is to give its shard up: `Some` for one shard at a time, after a look
-    /// at the Leases newer than the last one given up (every shard at once while an outranking
-    /// layout leads); the shard is given up when the `Yielding` is dropped.
+    /// `Some` if the caller is to give its shard up: one at a time, each after a newer look at the
+    /// Leases (all at once while outranked); the next may follow once the `Yielding` drops.
     pub fn try_yield(self: &Arc<Self>) -> Option<Yielding> {
         let state = self.state();
         let standing = self.standing_of(&state);
@@ -303,9 +279,8 @@ impl Drop for Reservation {
     }
 }
 
-/// One shard being given up (`Balance::try_yield`); the next may be once it is dropped, after
-/// the shard's Lease was released and the replica no longer counts it, and a newer look at the
-/// Leases.
+/// One shard being given up (`Balance::try_yield`): drop it once the shard's Lease is released
+/// and no longer counted; the next waits for a newer look at the Leases.
 #[derive(Debug)]
 pub struct Yielding(Option<Arc<Balance>>);
 

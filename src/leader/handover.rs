@@ -1,22 +1,6 @@
 //! Handing a Lease over to a successor that is ready to lead (with Lease shards: one that has
-//! listed the shard's Ats), instead of releasing it and leaving the Ats without a leader while
-//! the next one lists them.
-//!
-//! 1. The holder, about to give the Lease up (shutdown, or a shard given up for the balance),
-//!    asks for a successor: its renewals carry the annotation `record::HANDING_OVER`. It goes on
-//!    reconciling meanwhile.
-//! 2. A candidate that may take the shard (`balance::Balance::try_reserve`) readies itself
-//!    (`Prepare`), then says so on the Lease (`record::PREFERRED_HOLDER`, a compare-and-swap:
-//!    of two ready candidates one is named).
-//! 3. The holder, watching its Lease, stops reconciling (the step-down grace, as on shutdown)
-//!    and writes the named candidate as the holder (a compare-and-swap on the version that named
-//!    it). The successor, watching the Lease, sees itself named and leads at once.
-//!
-//! A holder that finds no successor within `Handover::limit` (none may take the shard)
-//! releases the Lease as before; so does one whose handover write fails, and one that learns
-//! meanwhile that no other replica is left (`Elector::no_successor`), at once. Only one
-//! replica reconciles at any instant: the holder stops before it names its successor, and the
-//! successor starts only once named.
+//! listed the shard's Ats). The holder stops before it names its successor: one leads at a time.
+//! See docs/src/design/decisions.md, "Lease shards".
 
 use super::balance::Reservation;
 use super::record::{self, Known, Next, Offer, Seen};
@@ -97,7 +81,6 @@ impl Readying {
         self.ready
     }
 
-    /// Still readying.
     pub(super) fn is_running(&self) -> bool {
         self.task.is_some()
     }
@@ -225,9 +208,8 @@ pub(super) fn found(
 }
 
 impl Elector {
-    /// Starts handing the Lease over for `leaving`, unless no successor can be ready: without
-    /// handovers, alone among the replicas, or giving shards up to a layout that outranks ours
-    /// (its replicas compete for other Leases).
+    /// Starts handing the Lease over for `leaving`; `Err(leaving)` when no successor can be ready
+    /// (no handovers, no other replica, or giving shards up to an outranking layout).
     pub(super) fn begin_handover(&self, leaving: Leaving) -> Result<HandingOver, Leaving> {
         let Some(handover) = &self.settings.handover else {
             return Err(leaving);
@@ -253,9 +235,8 @@ impl Elector {
         })
     }
 
-    /// No replica can take the Lease over: this one is alone among the replicas it counts
-    /// (every other one left, on `helm uninstall` say), or another layout leads (its replicas
-    /// compete for other Leases, and those of ours take no shard meanwhile).
+    /// No replica can take the Lease over: this one is alone among the replicas it counts, or
+    /// another layout leads (its replicas compete for other Leases).
     pub(super) fn no_successor(&self) -> bool {
         self.settings.balance.as_ref().is_none_or(|balance| {
             let view = balance.view();
@@ -263,9 +244,8 @@ impl Elector {
         })
     }
 
-    /// What a candidate does about a handover of the Lease: ready itself (if it may take the
-    /// shard), and once ready say so (`Next::Offer`); forget what it readied when another was
-    /// named or the holder went on. `None`: compete as without one.
+    /// A candidate's step in a handover: ready itself if it may take the shard, then offer
+    /// (`Next::Offer`); drop that once another is named or the holder stays. `None`: as usual.
     pub(super) fn readying_step(
         &self,
         c: &mut Campaign,
@@ -382,9 +362,8 @@ impl Elector {
         })
     }
 
-    /// A candidate that stops after it named itself on the Lease takes its name back (or, if it
-    /// was already handed the Lease, releases it), so that the holder does not hand the shard to
-    /// a replica that will never lead it. Best effort: the Lease expires otherwise.
+    /// On stopping, a candidate named on the Lease takes its name back (or releases the Lease it
+    /// was already handed). Best effort: the Lease expires otherwise.
     pub(super) async fn withdraw(&self, c: &Campaign) {
         // Only a candidate that readied can have named itself (an offer whose answer was lost
         // may have landed).

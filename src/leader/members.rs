@@ -1,16 +1,6 @@
-//! Who competes for the Lease shards (`cnat run --shards N`), and what the Leases of the
-//! election say: each replica holds a membership Lease of its own, named for it, labelled with
-//! the election's name and annotated with its N, and renews it every retry period; every
-//! replica lists the Leases of its namespace as often, and from them sees (`View`) how many
-//! replicas of its layout live, how many shards each leads, how many are free, and whether a
-//! Lease of another layout (the one Lease, or shards of another N) is held.
-//!
-//! A Lease is live while it changes (its resourceVersion) within a lease duration of this
-//! replica's own clock, as the election judges the shards' Leases: clock skew between nodes
-//! does not matter. A replica that shuts down deletes its membership Lease at once (and goes on
-//! looking until its shards are given up); one that died is counted until its Lease has been
-//! still for a lease duration, and the Lease is deleted (with its version as a precondition)
-//! once it has been still for `FORGET_AFTER` lease durations.
+//! Who competes for the Lease shards: each replica renews a membership Lease and lists the
+//! namespace's Leases every retry period; a Lease is live while it changes on our own clock.
+//! See docs/src/operating/high-availability.md, "Lease shards".
 
 use super::balance::{Balance, View};
 use super::store::{within, LeaseError};
@@ -46,8 +36,7 @@ pub fn lease_name(election: &str, identity: &str) -> String {
 }
 
 /// The Lease of shard `index` of `count` in the election `election`: `ELECTION-INDEX-of-COUNT`,
-/// so that replicas that split the Ats differently (during a change of `--shards`) never
-/// compete for the same Lease, and each can tell the other's.
+/// so replicas of different `--shards` never compete for the same Lease.
 pub fn shard_lease_name(election: &str, index: usize, count: usize) -> String {
     format!("{election}-{index}-of-{count}")
 }
@@ -235,10 +224,8 @@ fn membership(settings: &Settings, name: &str, shards: usize, wall: jiff::Timest
 }
 
 /// Renews this replica's membership Lease and tells `balance` what the election's Leases say,
-/// every retry period until `shutdown`; then deletes its membership Lease, and goes on telling
-/// `balance` what the Leases say (a holder handing a shard over on shutdown learns that every
-/// other replica left too) until `over`. `settings` names the election (`lease_name`), not a
-/// shard.
+/// every retry period until `shutdown`; then deletes it and only looks on until `over`.
+/// `settings` names the election (`lease_name`), not a shard.
 pub async fn run(
     client: Client,
     settings: Settings,
@@ -316,9 +303,8 @@ pub async fn run(
             failing = false;
         }
         let now = Instant::now();
-        // A gap since the last list (an outage): what did not change meanwhile was not seen,
-        // not still; judged afresh from now (else a replica back first would find every other
-        // one dead, and take every shard).
+        // After a gap (an outage), unseen is not still: judge afresh, or a replica back first
+        // would find every other one dead.
         if listed_at.is_some_and(|at| now.saturating_duration_since(at) > timing.retry_period * 2) {
             observed.seen_again(now);
         }

@@ -1,18 +1,6 @@
-//! Leadership: replicas compete for a `coordination.k8s.io/v1` Lease, and only the holder runs
-//! the reconcile loop.
-//!
-//! - `timing`: durations and their invariants (client-go's defaults).
-//! - `record`: pure decisions on the Lease record: when it is free or expired (on our own
-//!   clock, so clock skew between nodes does not matter), and the compare-and-swap writes.
-//! - `store`: the Lease on the API server: get, create, merge patches that carry
-//!   `metadata.resourceVersion` (a precondition: 409 when stale), and a watch of that one object.
-//! - this module: the loop. Candidates watch the Lease and take it the moment it is released
-//!   or expires; the leader renews, and stops reconciling at its renew deadline, counted from
-//!   when its last successful renewal was *sent*; on shutdown the loop gets a short grace and is
-//!   then aborted, before the Lease is released.
-//!
-//! Leases give no fencing, so correctness never rests on this alone: pods have fixed names and
-//! status writes carry resourceVersion preconditions.
+//! Leadership: replicas compete for a Lease, and only the holder runs the reconcile loop. Leases
+//! give no fencing: correctness rests on fixed pod names and status preconditions.
+//! See docs/src/design/architecture.md, "The Lease and the election".
 
 pub mod balance;
 pub mod handover;
@@ -179,12 +167,9 @@ impl Leadership {
     }
 }
 
-/// Once `able` completes, competes for the Lease until `shutdown`; while holding it, runs
-/// `work`. `work` gets a token that asks it to stop; on shutdown it has `step_down_grace` to do
-/// so before it is aborted and the Lease released. When renewals fail until the renew deadline,
-/// it is aborted at once. `cnat run` passes the At cache's first complete list as `able`: a
-/// replica that would lead on a partial cache would reconcile nothing for as long as its list
-/// takes, while the replica it took the Lease from could have gone on.
+/// Once `able` completes, competes for the Lease until `shutdown`, running `work` while holding
+/// it. `work`'s token asks it to stop: on shutdown it has `step_down_grace`, then is aborted and
+/// the Lease released; at the renew deadline it is aborted at once.
 pub async fn run<W, F, A>(
     client: Client,
     settings: Settings,
@@ -337,9 +322,8 @@ impl Elector {
         &self.settings.identity
     }
 
-    /// Competes until this replica holds the Lease (`None` on shutdown). The watch brings every
-    /// change at once; after a retry period without news the Lease is read again, so a broken
-    /// watch only slows a handover to an expiry, never stops one.
+    /// Competes until this replica holds the Lease (`None` on shutdown); after a retry period
+    /// without watch news it reads the Lease, so a broken watch only slows a handover to an expiry.
     async fn campaign(
         &self,
         shutdown: &CancellationToken,
@@ -568,9 +552,8 @@ impl Elector {
         }
     }
 
-    /// Counts and logs a failed attempt; returns the pause before the next. No answer at all
-    /// (the API server is down or restarting): ask again soon, so leadership resumes right after
-    /// it is back. An answer that refused us (a missing namespace, RBAC) backs off.
+    /// Counts and logs a failed attempt; returns the pause before the next: short when the API
+    /// server gave no answer, backing off when it refused (a missing namespace, RBAC).
     fn failed_attempt(&self, c: &mut Campaign, error: &LeaseError) -> Duration {
         c.failures += 1;
         let failures = c.failures;
@@ -602,9 +585,8 @@ impl Elector {
         }
     }
 
-    /// Leads until shutdown or a failed loop (then the loop gets the step-down grace, is aborted,
-    /// and the Lease released) or until no renewal lands before the renew deadline or someone
-    /// else holds the Lease (then the loop is aborted at once).
+    /// Leads until shutdown or a shard given up (the loop gets the step-down grace), the loop
+    /// ends, or the Lease is lost (the renew deadline, or another holder: aborted at once).
     async fn lead<W, F>(&self, won: Won, work: &W, shutdown: &CancellationToken) -> Ended
     where
         W: Fn(CancellationToken) -> F,
@@ -636,10 +618,9 @@ impl Elector {
         self.step_down(why, &held).await
     }
 
-    /// Renews the Lease every retry period while it is held; returns why holding it ended and
-    /// the last tenure. On shutdown or a shard given up, with a handover (`handover`), it goes on
-    /// leading until a successor is ready (or the handover's limit, or no other replica is left
-    /// to take it).
+    /// Renews the Lease every retry period while it is held; returns why holding ended and the
+    /// last tenure. Leaving with a handover, it leads on until a successor is ready, its limit, or
+    /// no other replica is left.
     async fn hold(
         &self,
         mut held: Held,
@@ -722,9 +703,8 @@ impl Elector {
                     let left = held
                         .deadline(timing.renew_deadline)
                         .saturating_duration_since(Instant::now());
-                    // A renewal may wait for its answer (one that comes late still keeps the
-                    // Lease), but not for all the time left: a connection that hangs must
-                    // leave room for another try.
+                    // A late answer still keeps the Lease, but a hung connection must leave
+                    // room for another try.
                     let limit = timing.retry_period.max(left / 2);
                     let asks = handing_over.is_some();
                     renewal = Some(Box::pin(self.renew(held.resource_version.clone(), limit, asks)));
@@ -734,9 +714,8 @@ impl Elector {
         (why, held)
     }
 
-    /// Logs a failed renewal and returns when to try again: within a retry period, and before
-    /// the renew deadline. Leadership is at risk only when the deadline is less than a retry
-    /// period away; a failed renewal before that is retried.
+    /// Logs a failed renewal (a warning once the renew deadline is less than a retry period away)
+    /// and returns when to try again: within a retry period, and before the deadline.
     fn renewal_failed(&self, held: &Held, error: &LeaseError) -> Instant {
         let timing = self.settings.timing;
         let left = held
@@ -750,9 +729,8 @@ impl Elector {
         Instant::now() + timing.retry_period.min(left / 2)
     }
 
-    /// Stops the reconcile loop (unless it ended by itself): on shutdown it gets the step-down
-    /// grace, within the tenure; otherwise, or past that, it is aborted at its next await point,
-    /// so no reconcile starts or continues after this.
+    /// Stops the reconcile loop unless it ended: leaving, after the step-down grace (within the
+    /// tenure); otherwise at once. No reconcile starts or continues after this returns.
     async fn stop_work(
         &self,
         why: &Why,

@@ -1,11 +1,6 @@
 //! Pure decisions about the Lease record: what a candidate does next, when a leader must stop,
 //! and the compare-and-swap writes. No clock is read here: `now` is a parameter.
-//!
-//! Skew tolerance is client-go's: a candidate never trusts the timestamps in the record (they
-//! come from another node's clock). It remembers when, on its own monotonic clock, it saw the
-//! record change, and treats the Lease as expired only when `leaseDurationSeconds` has passed
-//! since then. Every write carries the `resourceVersion` it was computed from, so a decision
-//! made on a stale view fails with 409 instead of overwriting someone else's write.
+//! See docs/src/operating/high-availability.md, "How the election works".
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
@@ -39,8 +34,7 @@ pub struct Seen {
 pub const HANDING_OVER: &str = "cnat.programming-kubernetes.info/handing-over";
 
 /// Set by the candidate that is ready to lead (its identity): the holder stops reconciling and
-/// writes it as the holder. Kubernetes' coordinated leader election calls this a Lease's
-/// `preferredHolder`; that field is not served before v1.31, so an annotation carries it.
+/// writes it as the holder.
 pub const PREFERRED_HOLDER: &str = "cnat.programming-kubernetes.info/preferred-holder";
 
 /// What a candidate makes of a handover on the Lease (`offer`).
@@ -68,9 +62,8 @@ pub fn offer(seen: &Seen, me: &str) -> Offer {
 }
 
 impl Seen {
-    /// The Lease as read or watched at `now`; `previous` keeps `changed_at` when its spec did not
-    /// change, so re-reading an unchanged Lease (or one whose annotations alone changed) never
-    /// postpones its expiry.
+    /// The Lease as read or watched at `now`; `previous` keeps `changed_at` unless the spec
+    /// changed, so neither a re-read nor a change of annotations alone postpones its expiry.
     pub fn observe(lease: &Lease, previous: Option<&Seen>, ours: Duration, now: Instant) -> Seen {
         let spec = lease.spec.clone().unwrap_or_default();
         let resource_version = lease.metadata.resource_version.clone().unwrap_or_default();

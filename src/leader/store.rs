@@ -96,9 +96,8 @@ impl LeaseApi {
         self.swap_within(patch, self.limit).await
     }
 
-    /// `swap`, waiting up to `limit` for the answer: a leader's renewal may wait longer than a
-    /// retry period (an answer that comes late still keeps the Lease, and a renewal sent again
-    /// would only load a busy API server more).
+    /// `swap`, waiting up to `limit` for the answer: a late answer still keeps the Lease, and a
+    /// renewal sent again would only load a busy API server more.
     pub async fn swap_within(&self, patch: &Value, limit: Duration) -> Result<Written, LeaseError> {
         debug_assert!(patch["metadata"]["resourceVersion"].is_string());
         let params = PatchParams::default();
@@ -111,9 +110,8 @@ impl LeaseApi {
         )
     }
 
-    /// Every change of the Lease (`fieldSelector=metadata.name=<name>`), as `Some(lease)`, or
-    /// `None` when it is deleted. Watch errors are retried with kube-runtime's backoff and
-    /// yielded, so the caller can log them.
+    /// Every change of the Lease as `Some(lease)`, `None` when it is deleted; watch errors are
+    /// retried with kube-runtime's backoff and yielded for the caller to log.
     pub fn watch(&self) -> impl Stream<Item = Result<Option<Lease>, watcher::Error>> + Send {
         let fields = format!("metadata.name={}", self.name);
         watcher(self.api.clone(), watcher::Config::default().fields(&fields))

@@ -4,10 +4,8 @@
 /// The largest value of every seconds field: `2^31 - 1`, about 68 years.
 pub const MAX_SECONDS: i64 = i32::MAX as i64;
 
-/// The most bytes of `spec.command` (the schema counts characters, the webhook bytes): the
-/// longest argument Linux passes to a program on 4 KiB pages (`MAX_ARG_STRLEN`, 128 KiB with its
-/// terminating zero); `/bin/sh -c` could not start a longer one there (`E2BIG`). A longer script
-/// belongs in the image (an environment variable has the same limit).
+/// The most bytes of `spec.command` (the schema counts characters): the longest argument Linux
+/// passes to a program on 4 KiB pages (`MAX_ARG_STRLEN` less its terminating zero).
 pub const MAX_COMMAND: usize = 131_071;
 /// The most characters of `spec.schedule` (an RFC 3339 time has at most 35).
 pub const MAX_SCHEDULE: usize = 64;
@@ -18,9 +16,7 @@ pub const MAX_TIME_ZONE: usize = 64;
 pub const MAX_IMAGE: usize = 1024;
 /// The most characters of `spec.template.serviceAccountName` (a DNS subdomain).
 pub const MAX_NAME: usize = 253;
-/// The most variables in `spec.template.env`. The counts are far above what a command's pod
-/// needs, so that no At admitted before them is over one; [`MAX_SPEC_BYTES`] bounds what they
-/// hold together.
+/// The most variables in `spec.template.env`; [`MAX_SPEC_BYTES`] bounds what they hold together.
 pub const MAX_ENV: usize = 1024;
 /// The most entries of `spec.template.nodeSelector`, and of the pod's labels and of its
 /// annotations (`spec.template.metadata`).
@@ -33,9 +29,8 @@ pub const MAX_PULL_SECRETS: usize = 64;
 /// settings. Each cached At costs about this much at most, plus its metadata.
 pub const MAX_SPEC_BYTES: usize = 262_144;
 
-/// The most characters of a string inside the pod template that Kubernetes' types carry
-/// without a bound of their own (env names and references, toleration keys, resource claim
-/// names): more than any valid one has.
+/// The most characters of a pod-template string with no bound of its own in Kubernetes' types
+/// (env names and references, toleration keys, claim names): more than any valid one has.
 pub const MAX_FIELD: usize = 1024;
 /// The most characters of an env variable's `value`: the longest string Linux passes to a
 /// program, as for the command.
@@ -46,13 +41,9 @@ pub const MAX_LABEL_VALUE: usize = 63;
 /// claims).
 pub const MAX_ITEMS: usize = 64;
 
-/// Bounds, in the CRD schema of the pod template, every string, map and list that has no bound
-/// of its own: those of Kubernetes' types (`EnvVar`, `Toleration`, `ResourceRequirements`,
-/// ...), whose schemas carry none. Strings get [`MAX_FIELD`] characters (an env `value`
-/// [`MAX_ENV_VALUE`], a label value [`MAX_LABEL_VALUE`], an annotation value
-/// [`MAX_SPEC_BYTES`]), maps [`MAX_ENTRIES`] entries, lists [`MAX_ITEMS`] items. Quantities
-/// (int or string) keep Kubernetes' own pattern. The webhook bounds the whole spec in bytes
-/// besides (`limits::size_problems`).
+/// Bounds, in the CRD schema of the pod template, every string, map and list of Kubernetes'
+/// types that has no bound: strings [`MAX_FIELD`] characters (but see `bound`), maps
+/// [`MAX_ENTRIES`] entries, lists [`MAX_ITEMS`] items. Quantities keep Kubernetes' own pattern.
 pub fn bound_template_schema(schema: &mut schemars::Schema) {
     let mut value = serde_json::Value::from(std::mem::take(schema));
     bound(&mut value, "");
