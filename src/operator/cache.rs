@@ -1,6 +1,6 @@
 //! The Ats as every replica caches them, leader or not, so a replica that becomes leader starts
-//! from a full cache instead of listing every At first: `AtCache`, the store of `CachedAt`s
-//! (`cached_at`) that `follow` keeps up with the API server, and the feed of its changes.
+//! from a full cache: `AtCache`, the store of `CachedAt`s that `follow` keeps up, and its feed.
+//! See docs/src/design/decisions.md, "The At cache".
 
 use crate::operator::key::AtKey;
 use crate::operator::quarantine::Quarantine;
@@ -42,9 +42,7 @@ pub struct AtCache {
     quarantine: Arc<Quarantine>,
     /// Cancelled when the watch task ended (it only does by a panic): the cache is frozen.
     stopped: tokio_util::sync::CancellationToken,
-    /// How far the first list has come.
     listing: Arc<ListProgress>,
-    /// Whether the store is caught up with the API server now.
     freshness: Freshness,
     /// Whether it lists by a streaming watch (`follow`).
     streams: Arc<std::sync::atomic::AtomicBool>,
@@ -63,11 +61,9 @@ struct ListProgress {
     failed: std::sync::Mutex<Option<String>>,
 }
 
-/// Whether a list failed because no conversion webhook answered the API server at all (its
-/// message: "conversion webhook for GROUP/VERSION, Kind=At failed: Post ...: EOF", or a refused
-/// or reset connection, or a Service without endpoints). Not for a webhook that answered
-/// wrongly or could not be trusted (x509, a `Failure` result): readiness would not help there,
-/// and an unready replica keeps a rolling update from stopping the old leader.
+/// Whether a list failed because no conversion webhook answered the API server at all (EOF, a
+/// refused or reset connection, no endpoints); not for one that answered wrongly or could not be
+/// trusted (x509, a `Failure` result), where being ready would not help.
 fn needs_conversion_webhook(error: &str) -> bool {
     error.contains("conversion webhook for")
         && [
@@ -212,10 +208,8 @@ impl AtCache {
         let received = self.listing.received.load(Ordering::Relaxed);
         let failed = lock(&self.listing.failed);
         if failed.as_deref().is_some_and(needs_conversion_webhook) {
-            // The list waits for the conversion webhook, which the webhook Service sends only
-            // to ready replicas: when all replicas start at once while Ats are still stored as
-            // v1alpha1, none would ever be ready. So ready (webhooks serve), but no candidate
-            // for the Lease until the list completes (`listed`).
+            // The list waits for the conversion webhook, which the Service sends only to ready
+            // replicas: ready, then, but no candidate for the Lease until the list completes.
             return Ok(());
         }
         Err(StillListing {
@@ -246,7 +240,7 @@ impl AtCache {
         &self.store
     }
 
-    /// Every change from now on; `Lagged` when the receiver fell more than 4096 behind.
+    /// Every change from now on; `Lagged` when the receiver fell more than `CHANGES` behind.
     pub fn subscribe(&self) -> broadcast::Receiver<Change> {
         self.changes.subscribe()
     }
@@ -275,9 +269,6 @@ mod pack;
 
 /// Retrying a failed watch (the At cache's and the leader's pod watch): 100 ms doubling to
 /// 500 ms, plus up to as much again of jitter, so never more than 1 s; reset by any event.
-/// kube's default grows to 30 s, which after an API server outage leaves the caches (and new
-/// Ats) waiting up to that long after the server is back; one request a second per watch is
-/// cheap.
 pub fn watch_backoff() -> kube::runtime::watcher::ExponentialBackoff {
     backon::ExponentialBuilder::new()
         .with_min_delay(std::time::Duration::from_millis(100))

@@ -1,8 +1,6 @@
-//! Wires the reconciler to the cluster: the Ats every replica caches (`cache::AtCache`), a
-//! watch of only the pods cnat created (by label), and kube-runtime's `Controller` for queueing
-//! and concurrency; each At's next look within the hour waits in the wake-up index
-//! (`reconcile::wakeups`; a look-ahead puts later ones in), not in the runtime's requeue queue. The pods, usually far fewer than the Ats, are watched by the
-//! leader only.
+//! Wires the reconciler to the cluster: the At cache, the leader's watch of cnat's pods,
+//! kube-runtime's `Controller`, and the tasks beside it, supervised.
+//! See docs/src/design/architecture.md, "The reconcile loop" and "The pod watch".
 
 use crate::observability::metrics::Metrics;
 use crate::operator::cache::{self, AtCache, CachedAt};
@@ -65,8 +63,7 @@ pub async fn run(
 }
 
 /// Runs the reconcile loop on `cache` until `stop` is cancelled; reconciles in flight then
-/// finish. It also ends when a reconcile panicked or one of its tasks ended (see `quarantine`): the
-/// leader then releases the Lease and competes again.
+/// finish. It also ends when a reconcile panicked or one of its tasks ended (see `quarantine`).
 pub async fn run_with_cache(
     cache: AtCache,
     client: Client,
@@ -75,8 +72,7 @@ pub async fn run_with_cache(
     metrics: Arc<Metrics>,
     stop: CancellationToken,
 ) {
-    // No pod is created or taken for an At's own without the signing key: without it, this
-    // leadership ends (the Lease is released and sought again after a retry period).
+    // No pod is created or taken for an At's own without the signing key: this leadership ends.
     let signing = match settings.signing.signing(&client).await {
         Ok(signing) => signing,
         Err(error) => {
@@ -184,16 +180,12 @@ struct PodWork {
 /// Pods without a shard value told once each, at most this many remembered (then forgotten).
 const UNLABELLED_REMEMBERED: usize = 10_000;
 
-/// Pods per page of the pod watch's lists. kube-client decodes a page whole before the pods
-/// are trimmed, and anyone who may create pods can label theirs as cnat's with up to the API
-/// server's limit each: 10 a page bounds what a list holds at once to ten such pods' text and
-/// what it decodes to (see `hostile::one_tenant_s_big_ats_and_pods...` and the security page).
-/// A thousand of cnat's own pods take a hundred requests.
+/// Pods per page of the pod watch's lists: a page is decoded whole before its pods are trimmed,
+/// and anyone may label a pod as cnat's (docs/src/operating/security.md, "What one At can cost").
 const POD_LIST_PAGE: u32 = 10;
 
-/// The leader's pod watch (the pods `selector` selects), into its pod cache; a pod of a gone At
-/// that waits for cnat's finalizer goes to `work.orphans`. Deletions too: a pod that vanishes
-/// must end its At.
+/// The leader's pod watch (the pods `selector` selects, deletions too), into its pod cache; a
+/// pod of a gone At that waits for cnat's finalizer goes to `work.orphans`.
 fn pod_events(
     pods: Api<Pod>,
     selector: &str,
@@ -226,12 +218,8 @@ fn pod_events(
         })
 }
 
-/// The loop's tasks beside the runtime: the first look at every cached At, the status
-/// writer, the reachability probe, the wakeups and their look-ahead, deferred pod creates and the
-/// release of orphaned pods. They live and
-/// die with the loop: a stopping leader drops the status writes it has not made, and its
-/// successor makes them from what it observes (the events of writes made still go out: they
-/// wait in the replica's event queue).
+/// The loop's tasks beside the runtime. They live and die with the loop: a stopping leader drops
+/// the status writes it has not made, and its successor makes them from what it observes.
 fn spawn_tasks(
     ctx: &Arc<Context>,
     store: &Store<CachedAt>,
@@ -339,10 +327,8 @@ async fn supervise(
         tokio::select! {
             _ = &mut controller => {
                 // Stopped on purpose (a handover, a shutdown): the status writes decided so far
-                // (the `Running` write of a pod just created among them) land before the loop
-                // ends, so that no pod waits for a next leader to record it (on uninstall there
-                // is none). Within `DRAIN`, and within what the leader gives a stopping loop (its
-                // step-down grace), which aborts it past that.
+                // land first, so that no pod waits for a next leader to record it (on uninstall
+                // there is none); within `DRAIN` and the step-down grace, which aborts the loop.
                 if timeout(DRAIN, writing.idle()).await.is_err() {
                     warn!(left = writing.in_flight(), "status writes still queued when the reconcile loop stopped; the next leader makes them");
                 }

@@ -1,16 +1,6 @@
-//! The one queue of Kubernetes Events, so that nothing waits for one: the status write is what
-//! matters, and the event tells the same story for `kubectl describe`. Events go out in
-//! `LANES` lanes, each in order: what is queued with one key (an At) always takes the same
-//! lane, so one At's events go out in the order they were queued while other Ats' go at the
-//! same time; the replica's own events (its Lease's) have a lane of their own. An event may
-//! wait behind writes (`try_send_behind`): until pod creates and status writes are quiet
-//! (`Priority`), at most `MAX_DEFER`, so late, never lost.
-//!
-//! Each event is published by a fresh kube `Recorder`. A long-lived one keeps every event it
-//! published for six minutes (to count repeats as a series) and scans that whole cache on every
-//! publish: with 100,000 Ats created at a few hundred a second that is tens of thousands of
-//! cached events and a scan of them per event. cnat's events are one per transition (repeated
-//! refusals are told once), so a series has nothing to count and memory stays flat.
+//! The one queue of Kubernetes Events, so that nothing waits for one: `LANES` lanes, one At's
+//! events in order in one lane, each published by a fresh kube `Recorder`.
+//! See docs/src/design/decisions.md, "Events after the writes".
 
 use crate::operator::priority::Priority;
 use crate::sync::lock;
@@ -26,10 +16,8 @@ use tracing::{debug, warn};
 
 /// Events published at once (each one API request), in as many lanes.
 pub const LANES: usize = 8;
-/// Ats' events waiting in all lanes together (each holds its `LANES`th part; the replica's
-/// own lane holds as much again); past a lane's part they are dropped (and counted by the
-/// caller): nothing waits for room, least of all the leader's renewals, and the At's status
-/// holds the same facts.
+/// Ats' events waiting in all lanes together (each holds its `LANES`th part; the replica's own
+/// lane as much again); past a lane's part they are dropped (and counted by the caller).
 pub const QUEUE: usize = 4096;
 /// The longest an event waits for pod creates and status writes to be quiet.
 pub const MAX_DEFER: Duration = Duration::from_secs(2);

@@ -1,8 +1,6 @@
 //! cnat's finalizer on the pods it creates (`pod::build` adds it): the one rule for when it may
-//! go (`may_go`) and the one way it is removed (`remove`), for the reconcile, the release of a
-//! deleted At's pod and `cnat release`. It keeps a pod until its At's status names it, so that
-//! a pod deleted before its `Running` write landed is seen by the next leader instead of run
-//! again, and, while a leader records, until the pod's outcome is recorded.
+//! go (`may_go`) and the one way it is removed (`remove`).
+//! See docs/src/design/decisions.md, "Never twice".
 
 use crate::api::{At, Phase};
 use crate::operator::{key, FIELD_MANAGER};
@@ -10,15 +8,12 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, ResourceExt};
 
-/// Finalizer on every pod cnat creates: the pod object stays (terminating) until the At's status
-/// records it, so a pod deleted before that write landed (a leader change in between) is still
-/// seen by the next leader, which reports it instead of creating a second one. cnat removes it
-/// as `may_go` says.
+/// Finalizer on every pod cnat creates: the pod stays (terminating) until the At's status
+/// records it, so the next leader sees a pod deleted before that write landed (see `may_go`).
 pub const FINALIZER: &str = "cnat.programming-kubernetes.info/run-once";
 
-/// A pod's finalizers the pod cache keeps whole (each a qualified name of at most 316
-/// characters, as the API server checks): of a pod with more, it keeps cnat's own and
-/// [`ELIDED`], so that whoever labels a pod as cnat's cannot make it cost the cache its size.
+/// A pod's finalizers the pod cache keeps whole (each at most 316 characters): of a pod with more,
+/// it keeps cnat's own and [`ELIDED`], so a pod labelled as cnat's cannot bloat the cache.
 pub const CACHED_FINALIZERS: usize = 16;
 
 /// Stands, in a cached pod, for finalizers the cache did not keep (`trim`): no finalizer, and
@@ -78,11 +73,9 @@ impl<'a> Candidate<'a> {
 }
 
 /// Whether cnat's finalizer may go from `pod`, whose At (by its controller reference's name) is
-/// `at`: always when the At is gone or is another At by that name (nothing is left to record
-/// it), or when both are being deleted. Otherwise only once the At's status names the pod: while
-/// a leader records, once it is DONE and the reconcile has nothing more to write, or RUNNING
-/// with the pod being deleted (its end is then recorded from its absence); with no recorder,
-/// once it is RUNNING or DONE.
+/// `at`: always when the At is gone, is another At by that name, or both are being deleted.
+/// Otherwise once the At's status names the pod: while a leader records, DONE and settled, or
+/// RUNNING and settled with the pod being deleted; with no recorder, RUNNING or DONE.
 pub fn may_go(pod: Candidate, at: Option<&At>, recorder: Recorder) -> bool {
     let Some(at) = at.filter(|at| at.metadata.uid.as_deref() == pod.controller) else {
         return true;
@@ -114,11 +107,9 @@ pub enum Removed {
     Gone,
 }
 
-/// Removes cnat's finalizer from `found` if `allowed` says so of it, by a merge patch guarded by
-/// its resourceVersion (a merge patch replaces the whole list, so a finalizer added meanwhile is
-/// never lost; other finalizers stay). On a conflict the pod is read again and judged again,
-/// up to `conflicts` writes in all; past that, the last conflict is the error. A cached pod
-/// whose finalizers the cache did not keep whole ([`ELIDED`]) is read again first.
+/// Removes cnat's finalizer from `found` if `allowed` says so, by a merge patch guarded by its
+/// resourceVersion (other finalizers stay); a conflict reads and judges the pod again, up to
+/// `conflicts` writes in all, then is the error. An [`ELIDED`] pod is read again first.
 pub async fn remove(
     pods: &Api<Pod>,
     mut found: Pod,

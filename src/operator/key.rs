@@ -1,7 +1,6 @@
 //! An At's name: its namespace and name as one shared string, `namespace/name` (neither can
-//! contain a `/`), cheap to clone (one `Arc`) and to hash. Every per-At map, queue, log line and
-//! error of the operator names an At by it; `ObjectRef`s are made from it only where kube's
-//! runtime wants one. Looked up by `&str` too (`Borrow<str>`), so `map["ns/name"]` works.
+//! contain a `/`), cheap to clone (one `Arc`) and to hash, and looked up by `&str` too
+//! (`Borrow<str>`), so `map["ns/name"]` works.
 
 use crate::api::At;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;

@@ -85,9 +85,8 @@ pub(crate) fn is_dns_subdomain(name: &str) -> bool {
 }
 
 /// The pod that runs `at`'s command: controlled by the At, never restarted, with the At's pod
-/// settings (the policy's defaults where it has none), and within the `restricted` Pod Security
-/// profile whatever the At says (no At field can touch the security context, volumes, host
-/// namespaces or ports), so it is admitted in namespaces that enforce it.
+/// settings (the policy's defaults where it has none), within the `restricted` Pod Security
+/// profile whatever the At says (docs/src/operating/security.md, "Locked-down pods").
 pub fn build(at: &At, policy: &RunPolicy) -> Pod {
     let spec = &at.spec;
     let at_name = at.name_any();
@@ -179,8 +178,7 @@ pub fn trim(pod: &mut Pod) {
         pod.metadata.annotations = None;
     }
     // Whoever may create pods may label one as cnat's: of its labels only cnat's own, of its
-    // owners only its controller (the one reference cnat reads), of its finalizers a bounded
-    // few, so such a pod costs the cache a few hundred bytes whatever it carries.
+    // owners only its controller, of its finalizers a bounded few.
     if let Some(finalizers) = pod.metadata.finalizers.as_mut() {
         finalizer::trim(finalizers);
     }
@@ -258,12 +256,8 @@ pub fn is_signed(pod: &Pod, at_uid: &str, key: &Key) -> bool {
 }
 
 /// Whether `pod` (by the name of `at`'s pod) is the pod cnat created for `at`: controlled by
-/// it, and signed by cnat for it, or named by its status once it is RUNNING or DONE (cnat wrote
-/// that status after creating the pod: a pod signed under a key since replaced), or created,
-/// as was its At, before cnat signed pods or in that second (`Signing::since`, by the API
-/// server's clock in whole seconds: a release before this one made it). Anyone who may create
-/// pods in the namespace can make one by that name with a controller reference to the At
-/// before cnat does; it is never taken for the At's own.
+/// it, and signed by cnat for it, or named by its status once it is RUNNING or DONE, or created,
+/// as was its At, by the second `Signing::since` (a release that did not sign made it).
 pub fn is_cnats(pod: &Pod, at: &At, signing: &Signing) -> bool {
     let Some(at_uid) = at.metadata.uid.as_deref() else {
         return false;
@@ -332,9 +326,8 @@ pub enum Stuck {
     CreateContainerError,
 }
 
-/// The At condition that is False while its pod cannot start the command (its image, its
-/// container's configuration, no node for it), with the kind of trouble as its reason; True once
-/// it could after all. Absent while nothing stood in its way.
+/// The At condition that is False while its pod cannot start the command, with the kind of
+/// trouble as its reason; True once it could after all; absent while nothing stood in its way.
 pub const POD_STARTED: &str = "PodStarted";
 
 impl Stuck {

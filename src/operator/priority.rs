@@ -1,8 +1,6 @@
 //! Pods first: when many Ats fall due together, the API server's write capacity goes to their
 //! pods before any status write or event of that wave, and to status writes before events.
-//! Pod creates and queued status writes are counted here (`InFlight`); the status writer waits
-//! until no pod create is in flight, an event until neither is (`Priority::quiet`). Exactly
-//! once does not depend on this: the pod's deterministic name does.
+//! See docs/src/design/decisions.md, "Pods first".
 
 use crate::operator::slow_start::SlowStart;
 use crate::sync::lock;
@@ -85,9 +83,8 @@ pub struct Priority {
 }
 
 impl Priority {
-    /// Returns once neither pod creates nor status writes have been in flight for `QUIET`. Once
-    /// that holds, every waiter passes at once: a wave's events pay the quiet period once, not
-    /// once each.
+    /// Returns once neither pod creates nor status writes have been in flight for `QUIET`; then
+    /// every waiter passes at once, so a wave's events pay the quiet period once.
     pub async fn quiet(&self) {
         loop {
             self.creating.idle().await;

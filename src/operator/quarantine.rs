@@ -1,12 +1,6 @@
-//! Panics in the reconcile loop. A bug must not leave a leader that holds the Lease and does
-//! nothing: where the At being worked on is known (its reconcile, the look that decides whether
-//! it needs one), a panic is caught, logged once with that At, counted, and ends the loop, so the
-//! leader releases the Lease and competes again; the At's version that panicked is quarantined
-//! (skipped until it changes), so one bad At cannot make that a loop. Any other task of the
-//! reconcile loop is supervised by the loop itself (`controller`).
-//!
-//! `install_hook` routes every panic message through the log: a panic inside a catch is handed
-//! to the catch (which logs it with the At), any other is logged as it happens.
+//! Panics in the reconcile loop: caught with the At being worked on, they end the loop (the
+//! Lease is released) and quarantine that version of the At.
+//! See docs/src/design/decisions.md, "No At can stop the operator".
 
 use crate::operator::key::AtKey;
 use crate::sync::lock;

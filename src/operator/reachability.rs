@@ -1,11 +1,5 @@
 //! After an API server outage, work resumes when the server answers again, not when each
-//! waiter's backoff happens to end. A request that got no answer at all (connection refused or
-//! reset, a timeout) says nothing about the request itself, so its retry should not wait out an
-//! exponential backoff grown during the outage; one that got an answer (any status, even 5xx
-//! from a failing webhook) backs off as usual.
-//!
-//! `Reachability` collects what waits for an answer and a probe loop (`probe`) asks the server
-//! a cheap question every `PROBE_EVERY` while anything waits; the first answer releases them all.
+//! waiter's backoff happens to end. See docs/src/design/decisions.md, "Recovery after an outage".
 
 use crate::sync::lock;
 use std::collections::HashSet;
@@ -20,8 +14,7 @@ pub const PROBE_EVERY: Duration = Duration::from_millis(250);
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Whether `error` means the API server gave no answer (rather than answering no): the
-/// connection failed, timed out, or broke off while the answer was read. The one notion of "no
-/// answer", for retries (`Scheduler`) and for the pod creates' window (`slow_start::reply`).
+/// connection failed, timed out, or broke off while the answer was read.
 pub fn unanswered(error: &kube::Error) -> bool {
     matches!(
         error,

@@ -1,13 +1,6 @@
-//! `cnat release`: removes cnat's finalizer from the pods that no longer need it, for when no
-//! replica will run again (`helm uninstall` runs it in a pre-delete hook). The finalizer keeps a
-//! pod until its At's status names it, so that a pod deleted before its `Running` write landed
-//! is seen by the next leader instead of run again. So a pod is let go only when its At's status
-//! names it (`Running` or `Done`), its At is gone (or is another At by that name now), or both
-//! are being deleted (`finalizer::may_go`); a pod
-//! of an At whose status does not name it yet is kept and reported (a replica records it; run
-//! `cnat release` again after). An At left `Running` records nothing more until cnat runs again.
-//! Each pod is patched with its resourceVersion as precondition (other finalizers stay); one
-//! that changed meanwhile is read again. Pods are listed in pages, metadata only.
+//! `cnat release`: removes cnat's finalizer from the pods that no longer need it
+//! (`finalizer::may_go`), for when no replica will run again (`helm uninstall`'s pre-delete hook).
+//! See docs/src/operating/install.md, "Uninstalling".
 
 use crate::api::At;
 use crate::operator::finalizer::{self, Candidate, Recorder, Removed};
@@ -74,9 +67,7 @@ pub enum Stopped {
 }
 
 /// Scales Deployment `namespace/name` (the operator) to 0 and waits, up to `wait`, until none
-/// of its pods is left: a replica that stops finishes its reconciles and their status writes
-/// first, so that once it is gone no pod is created or recorded any more, and a release after
-/// it finds every pod of an At that ran named by the At's status (`helm uninstall`'s hook).
+/// of its pods is left, so that no pod is created or recorded after `Stopped`.
 pub async fn stop_deployment(
     client: &Client,
     namespace: &str,

@@ -1,7 +1,5 @@
-//! Memory a map keeps after a burst. A `HashMap` never gives back the table it grew to: the
-//! per-At bookkeeping of a leader that watched 100,000 Ats being created would keep tables
-//! sized for all of them after they settled. Maps that shrink call `shrink_if_sparse` after
-//! removing.
+//! Memory a map keeps after a burst: a `HashMap` never gives back the table it grew to, so
+//! per-At maps call `shrink_if_sparse` after removing.
 
 use crate::sync::lock;
 use std::collections::HashMap;
@@ -12,10 +10,7 @@ use std::sync::Mutex;
 const SMALL: usize = 1024;
 
 /// Shrinks `map`'s table to one for four times its length (at least `SMALL`) when it is larger
-/// than that. `shrink_to` does nothing, in constant time, unless the table would get smaller,
-/// and then halves it at least, rehashing what is left: removals stay amortized O(1), and the
-/// room left means inserts do not grow it again at once. (`capacity()` cannot tell: deleted
-/// entries count against it while their slots are still allocated.)
+/// than that; removals stay amortized O(1), as `shrink_to` at least halves a table it shrinks.
 pub fn shrink_if_sparse<K: Eq + Hash, V, S: std::hash::BuildHasher>(map: &mut HashMap<K, V, S>) {
     map.shrink_to((map.len() * 4).max(SMALL));
 }

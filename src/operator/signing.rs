@@ -1,10 +1,6 @@
-//! cnat's signature on the pods it creates: the pod of an At is `NAME-pod`, controlled by the
-//! At, and anyone who may create pods in the namespace can create a pod by that name with a
-//! controller reference to the At's uid (which anyone who may read the At can see) before cnat
-//! does. A signature only cnat's replicas can make tells cnat's pod from such a one: an HMAC
-//! (SHA-256) of the At's uid and the pod's name under a key the replicas share, kept in a
-//! Secret in the operator's namespace, which the first replica to need it creates. A tenant who
-//! cannot read that Secret cannot sign a pod.
+//! cnat's signature on the pods it creates (an HMAC-SHA256 of the At's uid and the pod's name
+//! under a key kept in a Secret), which tells them from a pod someone else made by that name.
+//! See docs/src/operating/security.md, "Pods cnat did not create".
 
 use base64::Engine;
 use k8s_openapi::api::core::v1::Secret;
@@ -91,8 +87,7 @@ pub enum SigningError {
 }
 
 /// The key pods are signed with, and since when cnat signs: a pod the API server created before
-/// `since` (the Secret's creation, by the first release that signs) was made by a release that
-/// did not sign, and counts as cnat's without a signature.
+/// `since` (the Secret's creation) counts as cnat's without a signature.
 #[derive(Debug, Clone)]
 pub struct Signing {
     pub key: Key,

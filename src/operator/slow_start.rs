@@ -1,12 +1,6 @@
-//! Slow start for pod creates (docs/src/design/decisions.md, "Slow start for pod creates"):
-//! a wave's first creates go out two at a time; each create answered while at least half the
-//! window was in flight widens it by one, an answer while it was not in use narrows it to twice
-//! the creates in flight (never below `FIRST`), and an overloaded answer (429, a 5xx, none)
-//! halves it once per moment. A create waits at most `MAX_WAIT` for the window, then goes out
-//! past it, so `--concurrency` bounds the creates in flight, not the window.
-//!
-//! The decisions (`admit`, `answered`, `reply`) are pure and take the time; `SlowStart` holds
-//! the window and wakes waiters.
+//! Slow start for pod creates: a wave's first creates go out `FIRST` at a time, the window widens
+//! while in use; the decisions (`admit`, `answered`, `reply`) are pure, `SlowStart` holds it.
+//! See docs/src/design/decisions.md, "Slow start for pod creates".
 
 use std::time::Duration;
 use tokio::sync::watch;
@@ -27,9 +21,8 @@ pub struct Window {
     pub open: usize,
     /// How many are.
     pub in_flight: usize,
-    /// How often the window was halved: a create remembers the number it entered under, and only
-    /// the answers of creates sent since the last cut change the window's width upwards or cut
-    /// it again (the others tell of the moment it was cut for).
+    /// How often the window was halved: only the answers of creates sent since the last cut
+    /// widen it or cut it again.
     pub cuts: u64,
     /// Creates let in since the window was made (in it, or past it after `MAX_WAIT`).
     pub entered: u64,

@@ -1,9 +1,6 @@
-//! What brings an At to a reconcile besides the runtime's own requeues: the At cache's changes,
-//! filtered to the Ats with work now (`needs_reconcile`: settled ones wait in the wake-up
-//! index); a first look at every cached At, due ones first; after a relist or a lagging feed, a
-//! sweep that forgets deleted Ats and releases their held pods; a look-ahead that puts Ats into
-//! the wake-up index as their time comes within its horizon; and an event for a cached At that
-//! does not decode.
+//! What brings an At to a reconcile besides the runtime's own requeues: the At cache's changes
+//! filtered to Ats with work now, first looks, sweeps after a relist, and the look-ahead.
+//! See docs/src/design/decisions.md, "The wake-up index".
 
 use crate::api::Phase;
 use crate::operator::cache::{self, CachedAt, Change};
@@ -19,10 +16,9 @@ use std::sync::Arc;
 use tokio::sync::{broadcast, mpsc};
 use tracing::warn;
 
-/// The cached Ats with work now, as the cache's changes bring them; settled ones wait in one
-/// ordered index until they fall due, or for the look-ahead while that is over an hour off (see
-/// `reconcile::wakeups`). Deletions are forgotten (and
-/// their held pods released), a relist or a lag looks at every At again.
+/// The cached Ats with work now, as the cache's changes bring them (settled ones wait in the
+/// wake-up index); deletions are forgotten (their held pods released), a relist or a lag looks
+/// at every At again.
 pub fn at_events(
     changes: broadcast::Receiver<Change>,
     ctx: Arc<Context>,
@@ -116,8 +112,7 @@ fn needs_reconcile(ctx: &Context, cached: &CachedAt) -> bool {
 }
 
 /// Reconciles every cached At that needs it now; the others go into `wakeups`. Ats due within
-/// `DUE_SOON` come first (reading every cached At back takes a while: the performance pages
-/// measure it), then those that run; it yields to other tasks every 1000 Ats.
+/// `DUE_SOON` come first, then those that run.
 pub async fn look_at_all(ctx: &Arc<Context>, store: &Store<CachedAt>) {
     let now = ctx.now();
     let mut ats = store.state();
@@ -137,9 +132,8 @@ pub async fn look_at_all(ctx: &Arc<Context>, store: &Store<CachedAt>) {
     }
 }
 
-/// Runs until dropped: every `LOOK_AHEAD_EVERY`, `look_ahead_once`. Should the wall clock
-/// have passed the end of the horizon the last look covered (it jumped ahead, or the process was
-/// stopped that long), Ats may have fallen due outside the index: a look at every At instead.
+/// Runs until dropped: every `LOOK_AHEAD_EVERY`, `look_ahead_once`, or a look at every At should
+/// the wall clock have passed the end of the horizon the last look covered.
 pub async fn look_ahead(ctx: &Arc<Context>, store: &Store<CachedAt>) {
     let start = tokio::time::Instant::now() + LOOK_AHEAD_EVERY;
     let mut every = tokio::time::interval_at(start, LOOK_AHEAD_EVERY);
@@ -167,11 +161,9 @@ fn horizon_end(now: DateTime<Utc>) -> DateTime<Utc> {
     now + chrono::TimeDelta::from_std(HORIZON).unwrap_or(chrono::TimeDelta::MAX)
 }
 
-/// Puts into the wake-up index every cached At whose next reconcile comes by `until`
-/// (`Context::look_ahead`), of those it does not hold yet that may have one
-/// (`may_come_within`); an At changed since this look began is left to its change. It yields
-/// to other tasks every 1000 Ats. A panic deciding an At is caught: the At is quarantined, the
-/// loop ends.
+/// Puts into the wake-up index every cached At whose next reconcile comes by `until`, of those it
+/// does not hold yet that may have one (`may_come_within`); an At changed since this look began
+/// is left to its change. A panic deciding an At is caught: the At is quarantined, the loop ends.
 pub async fn look_ahead_once(ctx: &Arc<Context>, store: &Store<CachedAt>, until: DateTime<Utc>) {
     let ttl_by_default = ctx.ttl_by_default();
     for (i, cached) in store.state().iter().enumerate() {
@@ -199,11 +191,9 @@ pub async fn look_ahead_once(ctx: &Arc<Context>, store: &Store<CachedAt>, until:
     }
 }
 
-/// Whether `at` may have a reconcile due by `until` that no index holds, going by what the
-/// cache keeps apart (no At is read back for this): a PENDING At due by then, or a DONE At with
-/// a TTL (its spec's, or `ttl_by_default`). Not a RUNNING At: its next look is never set
-/// further off than the horizon. Not a PENDING At whose schedule does not parse: nothing is
-/// due until it changes.
+/// Whether `at` may have a reconcile due by `until` that no index holds, by what the cache keeps
+/// apart (no At read back): a PENDING At due by then, or a DONE At with a TTL (its spec's, or
+/// `ttl_by_default`). Not RUNNING: its next look is never further off than the horizon.
 fn may_come_within(at: &CachedAt, until: DateTime<Utc>, ttl_by_default: bool) -> bool {
     match at.phase() {
         Phase::Pending => at.due().is_some_and(|due| due <= until),
@@ -213,9 +203,7 @@ fn may_come_within(at: &CachedAt, until: DateTime<Utc>, ttl_by_default: bool) ->
 }
 
 /// Where `at` comes in a first look at every At: PENDING and due by `soon` (the look's start
-/// plus `DUE_SOON`, by when it is likely to have reached it), earliest first; then RUNNING
-/// (its pod may have ended); then the rest. A new leader's first look reads every cached At
-/// back: an At falling due meanwhile would otherwise wait for its turn among them.
+/// plus `DUE_SOON`), earliest first; then RUNNING (its pod may have ended); then the rest.
 fn first_look_order(at: &CachedAt, soon: DateTime<Utc>) -> (u8, Option<DateTime<Utc>>) {
     match at.phase() {
         Phase::Pending if at.due().is_some_and(|due| due <= soon) => (0, at.due()),
@@ -224,7 +212,7 @@ fn first_look_order(at: &CachedAt, soon: DateTime<Utc>) -> (u8, Option<DateTime<
     }
 }
 
-/// How far ahead a first look counts an At as due: longer than reading 100,000 cached Ats back.
+/// How far ahead a first look counts an At as due: longer than reading every cached At back.
 const DUE_SOON: chrono::TimeDelta = chrono::TimeDelta::seconds(1);
 
 #[cfg(test)]

@@ -1,10 +1,6 @@
-//! `CachedAt` is an At in the form the cache keeps: at 100,000 Ats a typed `At` (each string
-//! its own allocation) would be most of the operator's memory. It
-//! keeps the name and namespace (all the runtime's store and queue key on), the resourceVersion
-//! (which the watch resumes from), what the metrics read on every scrape (phase, due instant,
-//! namespace), and the rest of the At as its JSON, compressed by LZ4 against a dictionary of what
-//! every At repeats (`pack`), read back with `at()` when a reconcile or wake-up needs it.
-//! `cargo bench --bench cache` measures what that saves.
+//! `CachedAt`: an At in the compact form the cache keeps (name, namespace, resourceVersion and
+//! what the metrics read kept apart, the rest as packed JSON), read back with `at()`.
+//! See docs/src/design/decisions.md, "The At cache".
 
 use super::meta;
 use super::pack::{self, Rest};
@@ -22,9 +18,7 @@ use serde::Deserialize;
 use std::borrow::Cow;
 use tracing::error;
 
-/// An At as the cache keeps it (see the module docs). Decoded from the API server's JSON as an
-/// `At`, trimmed (no managed fields or annotations, which nothing here reads) and compacted. An
-/// At that does not decode (a value the schema lets through but the At type cannot hold, e.g. an
+/// An At as the cache keeps it, trimmed and compacted. An At that does not decode (e.g. an
 /// `exitCode` past int32, which kube-apiserver does not check) is kept as unreadable, with the
 /// reason: one such At must not fail the list of every At.
 #[derive(Clone, Debug)]
@@ -33,9 +27,8 @@ pub struct CachedAt {
     /// `packed`.
     metadata: ObjectMeta,
     phase: Phase,
-    /// Its shard label's value (`shard::value_of`), `NO_VALUE` when it has none: which of the
-    /// shard lists holds it (a watch that follows several lists uses that to tell what they
-    /// already held), and the label itself, which is not kept twice.
+    /// Its shard label's value (`shard::value_of`), `NO_VALUE` when it has none: which shard list
+    /// holds it, and the label itself, which is not kept twice.
     label: u8,
     /// The instant the schedule names; `None` when it does not parse.
     due: Option<DateTime<Utc>>,
@@ -59,9 +52,8 @@ impl<'de> Deserialize<'de> for CachedAt {
     }
 }
 
-/// What the cache decodes of an At: its metadata without managedFields and annotations, which
-/// nothing here reads and which are most of an At's bytes (the decoder skips them without
-/// building them), its spec and its status.
+/// What the cache decodes of an At: its metadata without managedFields and annotations
+/// (`meta::KeptMeta`), its spec and its status.
 #[derive(Deserialize)]
 struct Incoming {
     metadata: meta::KeptMeta,
@@ -174,9 +166,8 @@ impl From<At> for CachedAt {
             ..ObjectMeta::default()
         };
         let label = label_of(&metadata);
-        // Of the rest of its metadata only what cnat reads, all of it of bounded size: not its
-        // labels (the shard label's value is `label`), annotations, finalizers, owner references
-        // or managed fields, which its writer may make as large as the API server allows.
+        // Of the rest of its metadata only what cnat reads, all of bounded size: not its labels,
+        // annotations, finalizers, owner references or managed fields, which may be huge.
         let metadata = ObjectMeta {
             uid: metadata.uid,
             generation: metadata.generation,

@@ -1,41 +1,6 @@
-//! How the At cache follows the Ats: lists, decoded as they stream in, then a watch; the same
-//! `watcher::Event`s kube-runtime's watcher gives, so the runtime's reflector store and backoff
-//! take them unchanged.
-//!
-//! Why not kube-runtime's watcher (kube 5): beside it on kube-apiserver v1.24 (the book's
-//! measurements, "The At cache: kube-runtime's watcher beside this follower") its lists leave a
-//! cold replica without a full cache 4.4x longer or more than the shard lists here; the
-//! streaming list v1.24 refuses it asks for again, never falling back to lists; and it does not
-//! say when its watch opened or last spoke, which `freshness` needs before any pod create. Here
-//! each body is decoded item by item while it arrives, on a blocking thread of its own, and
-//! each At is compacted into a `CachedAt` at once.
-//!
-//! - Where the API server streams lists, every At comes from one watch (`sendInitialEvents`,
-//!   then a bookmark when they are all out) that goes on as the watch; a server that refuses it
-//!   (422 Invalid, or 400) gets the lists below from then on (docs/src/design/decisions.md,
-//!   "The first list and streaming lists").
-//! - A list is five lists at once, one per list shard (`crate::shard`) and one of every other
-//!   At (decisions.md, "List shards"). Their Ats go into the store as one list; a list that
-//!   fails fails them all. The watch starts from the oldest list's resourceVersion and, until it
-//!   passes the newest, skips what the lists already held (`Replay`): once past, the store is
-//!   exactly what the API server holds; until then an At relabelled while the lists ran may be
-//!   as the older list saw it, which the watch's next events put right.
-//! - The first list asks for `resourceVersion=0` (any version the API server has at hand: its
-//!   watch cache). Each later list, after a watch expired (410), asks for a version not older
-//!   than the newest the store holds (the last one the watch saw, or the newest list's while the
-//!   watch still replays), so the cache never goes back in time.
-//! - An API server whose resourceVersions are not numbers (which the replay compares) gets one
-//!   list of every At from then on.
-//! - A watch ends normally after its timeout; it is started again from the last version seen
-//!   (bookmarks keep that fresh). A watch silent for `freshness::SILENCE` (75 s), a list body
-//!   silent for `IDLE`, or an answer that does not start within `IDLE`, is taken for a dead
-//!   connection (kube-client sets no read timeout): the watch is started again, the list failed.
-//! - After each step the follower tells `freshness` where it is (listing, connecting, watching)
-//!   and whether its watch just opened or said something: pods are created only from a cache
-//!   that is caught up.
-//! - Errors are yielded as `watcher::Error`s for the caller's backoff; the next poll retries.
-//!   A watch whose version expired (410) is yielded as an error too (then listed again), as
-//!   kube-runtime does, so a relist is logged and backed off.
+//! How the At cache follows the Ats: a streaming list where offered, else the shard lists at
+//! once, decoded as they stream in, then a watch; as kube-runtime's `watcher::Event`s.
+//! See docs/src/design/decisions.md, "The first list and streaming lists" and "List shards".
 
 use super::cached_at::CachedAt;
 use super::freshness::{Following, Freshness, SILENCE};
@@ -62,8 +27,7 @@ const INITIAL_EVENTS_END: &str = "k8s.io/initial-events-end";
 /// Seconds a watch asks to last (kube-runtime's watcher asks the same).
 const WATCH_TIMEOUT: u32 = 290;
 /// A watch with no event (bookmarks included) for this long is taken for dead and started
-/// again (`freshness::SILENCE`; kube-runtime waits for the watch's whole timeout, 295 s, during
-/// which its cache may be behind).
+/// again (`freshness::SILENCE`).
 const WATCH_IDLE: Duration = SILENCE;
 /// An answer that does not start, or a list body that stops, for this long is dead
 /// (kube-apiserver ends any request after 60 s by default).
@@ -93,7 +57,6 @@ enum State {
     Watching(String, EventStream, Option<Replay>),
 }
 
-/// What the follower works with.
 struct Follower {
     client: Client,
     url: String,
@@ -113,10 +76,8 @@ struct Follower {
 }
 
 /// Follows the Ats (of `namespace`, or all; only those `selector` selects, if given) with
-/// `client`, as kube-runtime's `watcher` does (see the module docs for the difference); `held`
-/// is the store its events go into, and
-/// `freshness` hears where the follower is after each step. `streaming`: list by a streaming
-/// watch where the API server offers one (set to `false` when the server refuses it).
+/// `client`; `held` is the store its events go into, `freshness` hears where it is after each
+/// step. `streaming`: list by a streaming watch where offered (set to `false` when refused).
 pub fn follow(
     client: Client,
     namespace: Option<String>,
@@ -176,8 +137,7 @@ async fn step(state: State, follower: &mut Follower) -> Stepped {
         }
     };
     // A watch replaying what the lists held counts as watching: the events between the lists
-    // come at once when it opens (the API server has them at hand), while the end of the replay
-    // may wait for the next change of an At (a quiet API server sends no bookmark to end it).
+    // come at once when it opens, while the replay's end may wait for the next change of an At.
     let following = match &next {
         State::List(_) | State::Listing(_) | State::Streaming(..) => Following::Listing,
         State::Watch(..) => Following::Connecting,
@@ -365,7 +325,6 @@ async fn read_listed(mut listing: Listing, follower: &mut Follower) -> Stepped {
     }
 }
 
-/// Starts a watch from `version`.
 async fn watch(version: String, replay: Option<Replay>, follower: &Follower) -> Stepped {
     // Bookmarks are on by default.
     let params = follower.selected(WatchParams::default().timeout(WATCH_TIMEOUT));
@@ -559,16 +518,8 @@ impl Replay {
     }
 
     /// Whether the store already holds what `seen` (at `version`) did, the store holding its At
-    /// at version `stored` (`None`: not at all); notes the deletions it lets through.
-    ///
-    /// - The store holds the At: the event is news if it is newer than the stored copy (which
-    ///   came from a list, or from an event since).
-    /// - It does not, and no event of this replay deleted it: the event is news if it is newer
-    ///   than the At's own list. If not, that list saw the At after the event and did not hold
-    ///   it: it was deleted or moved to another list by then, and a later event says so.
-    /// - This replay deleted it: its own list's copy may have been lost (an older copy from
-    ///   another list, which the At had been in, went into the store after it, and that copy
-    ///   was then deleted), so every later event is news.
+    /// at version `stored` (`None`: not at all); notes the deletions it lets through. The rule
+    /// and why it holds: docs/src/design/decisions.md, "List shards".
     fn holds(&mut self, seen: &Seen, version: u64, stored: Option<u64>) -> bool {
         let held = match stored {
             Some(stored) => version <= stored,

@@ -1,30 +1,13 @@
-//! Whether the At cache is caught up with the API server: the follower says where it is
-//! (listing, connecting, following an open watch) and when its watch last opened or said
-//! something (an event or a bookmark); a pod is created from the cache only while it is caught
-//! up (`reconcile::calls`). Judged by a pure function of that and the time.
-//!
-//! A cache is behind while it lists (at start, or again after its watch expired: the store
-//! keeps what it held before until the list ends), while no watch is open (between a watch's
-//! end or failure and the next one), and while its watch has been silent for longer than
-//! `SILENCE`: the follower then starts it again from the last version it saw (one request,
-//! served from the API server's watch cache), and the cache counts as caught up again once the
-//! new watch is open (its first events are what it missed, sent at once).
-//!
-//! A watch that opens but then passes nothing on (a proxy holding the body) is noticed only
-//! where the API server sends a quiet watch bookmarks: kube-apiserver v1.37 sends one every 60 s
-//! (the first 60 s after the watch opens, once the server has seen a change of that resource
-//! since it started), so there such a watch is restarted after `SILENCE`; v1.24 sent a quiet
-//! watch none in its 290 s, so there a quiet watch and a held one look the same and each restart
-//! is trusted. Creating a pod does not rest on this
-//! alone: the At is confirmed first (`reconcile::calls`).
+//! Whether the At cache is caught up with the API server (a pod is created from it only then),
+//! judged by a pure function of where the follower is, when its watch last spoke, and the time.
+//! See docs/src/design/decisions.md, "Freshness".
 
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// A watch that said nothing (not even a bookmark) for this long is not trusted, and is
-/// started again: v1.37 bookmarks a quiet watch every 60 s; v1.24 sent none in 290 s
-/// (docs/src/design/decisions.md, "Freshness"), so there a quiet watch is started again every 75 s: one cheap request.
+/// started again (docs/src/design/decisions.md, "Freshness").
 pub const SILENCE: Duration = Duration::from_secs(75);
 
 /// Where the follower is.
@@ -72,9 +55,8 @@ impl Default for Freshness {
 }
 
 impl Freshness {
-    /// The follower is now `following`, and heard from its watch if `heard`. Subscribers are
-    /// woken only when that may change whether the cache is caught up (where the follower is,
-    /// or a word after a silence past `SILENCE`), not for every event of a busy watch.
+    /// The follower is now `following`, and heard from its watch if `heard`. Subscribers are woken
+    /// only when that may change whether the cache is caught up, not for each event of a watch.
     pub fn set(&self, following: Following, heard: bool) {
         let now = Instant::now();
         self.heard.send_if_modified(|last| {

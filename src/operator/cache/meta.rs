@@ -1,7 +1,6 @@
 //! An At's metadata as the cache decodes it: `ObjectMeta` without `managedFields` and
-//! `annotations`, which nothing here reads and which are most of an At's bytes. The decoder
-//! skips them without building them (serde's `IgnoredAny`), and builds every other field of
-//! `ObjectMeta` with that field's own type.
+//! `annotations`, which nothing here reads and which are most of an At's bytes; the decoder
+//! skips them without building them (serde's `IgnoredAny`).
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};

@@ -1,15 +1,6 @@
 //! How a cached At's JSON is packed: LZ4 with a dictionary of what every At's JSON repeats (its
-//! keys, condition types and reasons, cnat's messages, the shape of its times), so that each At
-//! keeps little more than what is its own (uid, times, schedule, command). Without it, LZ4 finds
-//! the repeats within one At only (the test
-//! `the_cache_packs_an_at_to_a_fraction_of_lz4_alone_in_every_phase` of `decide` holds what it
-//! saves; `cargo bench --bench cache` measures the store; the figures are in
-//! docs/src/performance/measurements.md).
-//!
-//! The dictionary is built in this process from the examples below and never changes while the
-//! process runs; nothing packed leaves the process, so a later version may change it freely.
-//! A status cnat writes that the examples no longer resemble still packs and reads back, only
-//! larger: that test packs an At through its whole life and bounds the size.
+//! keys, condition types and reasons, cnat's messages, the shape of its times), built in-process.
+//! See docs/src/design/decisions.md, "The At cache".
 
 use crate::api::{AtSpec, AtStatus, Condition, Outcome, Phase};
 use chrono::{DateTime, TimeZone, Utc};
