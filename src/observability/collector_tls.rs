@@ -1,13 +1,6 @@
-//! TLS to the trace collector: the CA bundle that verifies it and the client certificate it may
-//! require, named by the standard OpenTelemetry variables (`OTEL_EXPORTER_OTLP_CERTIFICATE`,
-//! `..._CLIENT_CERTIFICATE`, `..._CLIENT_KEY`, their `_TRACES_` variants first).
-//!
-//! The files are read again whenever a connection to the collector is made, so a mounted Secret
-//! that is updated in place (by symlink swap) is picked up without a restart: new connections
-//! verify with the new CA and present the new client certificate; an open connection keeps the
-//! ones it was made with. A changed file that cannot be used is reported (at most once a minute)
-//! and the previous contents kept. At start, a file that is missing, unreadable or not PEM stops
-//! the start with one line naming the variable, the file and the problem.
+//! TLS to the trace collector: the CA bundle and client certificate the OTLP variables name,
+//! read again for every new connection (a file that cannot be used keeps the previous ones).
+//! See docs/src/operating/observability.md, "TLS to the collector".
 
 use crate::observability::throttle::{Throttle, REPORT_EVERY};
 use crate::sync::lock;
@@ -244,9 +237,8 @@ struct Reloading {
 }
 
 impl Reloading {
-    /// The files as they are now: read again, parsed again if they changed (outside the lock,
-    /// so handshakes do not wait on each other's file reads); a change that cannot be used is
-    /// reported and the previous contents kept.
+    /// The files as they are now: read again, parsed again (outside the lock) if they changed;
+    /// a change that cannot be used is reported and the previous contents kept.
     fn current(&self) -> Arc<Loaded> {
         let held = lock(&self.loaded).clone();
         let fresh = read(&self.files).and_then(|contents| {
@@ -354,10 +346,8 @@ impl ResolvesClientCert for Reloading {
     }
 }
 
-/// A TLS client config for the collector: TLS 1.2 or 1.3 (ALPN is the connector's to set),
-/// verifying with the CA
-/// bundle (or the system's roots) and presenting the client certificate when one is set, both
-/// read again for each new connection. Fails when a file cannot be used now.
+/// A TLS client config for the collector (TLS 1.2 or 1.3; ALPN is the connector's to set),
+/// its files read again for each new connection. Fails when a file cannot be used now.
 pub fn client_config(files: TlsFiles) -> Result<Arc<ClientConfig>, TlsFileError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let loaded = load(&files, read(&files)?, &provider, system_roots)?;
@@ -384,10 +374,9 @@ pub fn client_config(files: TlsFiles) -> Result<Arc<ClientConfig>, TlsFileError>
     Ok(Arc::new(config))
 }
 
-/// Why a TLS connection to the collector at `uri` fails, if it does: a handshake that fails, or
-/// (TLS 1.3) the alert a collector sends after the handshake when it refuses our client
-/// certificate, which the exporters only see as "broken pipe" or "network error". `None` when
-/// the connection is made and the collector says nothing within `wait`.
+/// Why a TLS connection to the collector at `uri` fails: its handshake, or (TLS 1.3) the alert
+/// of a refused client certificate, which exporters show only as "broken pipe". `None` when the
+/// connection is made and the collector says nothing within `wait`.
 pub async fn diagnose(
     config: Arc<ClientConfig>,
     uri: http::Uri,

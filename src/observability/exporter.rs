@@ -1,12 +1,6 @@
-//! The OTLP span exporter for the endpoint and protocol the standard `OTEL_*` variables name.
-//!
-//! Plain `http://` endpoints (and schemeless gRPC ones with `OTEL_EXPORTER_OTLP_INSECURE=true`)
-//! are left to opentelemetry-otlp as they are. For `https://` (and schemeless gRPC ones without
-//! `INSECURE`), cnat hands the exporter a connection made with `collector_tls`: the CA bundle
-//! and client certificate are read again for every new connection, which no exporter built
-//! from a fixed TLS config would do. Either way, failed exports are logged at most once a
-//! minute with the reason; spans never wait for the collector (the batch processor drops what
-//! does not fit its queue).
+//! The OTLP span exporter for the endpoint and protocol the standard `OTEL_*` variables name;
+//! over TLS, with connections made by `collector_tls` (its files read again for each one).
+//! See docs/src/operating/observability.md, "Traces" and "TLS to the collector".
 
 use super::collector_tls::{self, TlsFileError, TlsFiles};
 use super::throttle::{Throttle, REPORT_EVERY};
@@ -230,9 +224,8 @@ impl<C: opentelemetry_http::HttpClient + 'static> opentelemetry_http::HttpClient
     }
 }
 
-/// An exporter whose failures are logged, at most once a minute, with the reason: the
-/// exporter's own error and, over TLS, what a connection of our own finds out (a collector
-/// that refuses our client certificate says so only in a TLS alert the exporter does not show).
+/// An exporter whose failures are logged at most once per `REPORT_EVERY`, with the exporter's
+/// error and, over TLS, what a connection of our own finds out (`collector_tls::diagnose`).
 #[derive(Debug)]
 pub struct Reported<E> {
     exporter: E,

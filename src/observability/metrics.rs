@@ -23,9 +23,8 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 /// The `Content-Type` of `/metrics` in Prometheus's classic text format.
 pub const CLASSIC_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
-/// The classic Prometheus text format (0.0.4) of OpenMetrics text as `Metrics::encode` writes
-/// it: a counter's `HELP` and `TYPE` name its samples (`x_total`, not `x`), and there is no
-/// `# EOF`, `# UNIT` or `_created` sample. Everything else is the same in both formats.
+/// The classic Prometheus text format (0.0.4) of `Metrics::encode`'s OpenMetrics text: a
+/// counter's `HELP` and `TYPE` name `x_total`, and no `# EOF`, `# UNIT` or `_created` lines.
 pub fn classic(openmetrics: &str) -> String {
     let counters: std::collections::HashSet<&str> = openmetrics
         .lines()
@@ -579,8 +578,7 @@ impl Collector for AtCount {
 }
 
 /// How long past its schedule a PENDING At must be to count as overdue: in a burst, Ats due
-/// this instant wait a moment for their pods (1000 take about 2 s on a real API server), which
-/// is not what the gauge is for.
+/// this instant wait a moment for their pods, which is not what the gauge is for.
 pub const OVERDUE_AFTER: chrono::TimeDelta = chrono::TimeDelta::seconds(30);
 
 /// PENDING Ats whose schedule is more than `OVERDUE_AFTER` before `now`, counted by namespace.

@@ -1,10 +1,5 @@
 //! Observability: what cnat tells about itself, as metrics, logs and traces.
-//!
-//! - `metrics`: Prometheus metrics, served by `serving::admin` on `/metrics`.
-//! - `telemetry`: log lines carrying trace and span ids, and OpenTelemetry traces over OTLP.
-//! - `collector_tls`: TLS and mutual TLS to the trace collector, its files re-read per connection.
-//! - `exporter`: the OTLP span exporter for the configured endpoint and protocol.
-//! - `throttle`: at most one report per period.
+//! See docs/src/operating/observability.md, and docs/src/development.md, "Source layout".
 
 pub mod collector_tls;
 pub mod exporter;

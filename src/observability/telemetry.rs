@@ -1,7 +1,6 @@
-//! Telemetry: log lines (JSON in a cluster, text on a terminal), each carrying the trace and span
-//! id of the span it was written in; and OpenTelemetry traces, exported over OTLP when an endpoint
-//! is set with the standard `OTEL_*` variables. Spans are recorded (and get ids) either way, so
-//! logs can always be correlated with the caller's `traceparent`.
+//! Log lines (JSON in a cluster, text on a terminal) carrying their span's trace and span ids,
+//! and OpenTelemetry traces, exported over OTLP when an `OTEL_*` variable sets an endpoint.
+//! See docs/src/operating/observability.md, "Traces" and "Logs".
 
 use crate::cli::LogFormat;
 use opentelemetry::trace::{SpanId, TraceContextExt, TraceId, TracerProvider as _};
@@ -74,10 +73,8 @@ pub fn init(format: LogFormat, directives: &str, identity: &str) -> Result<Telem
         })?;
     let (provider, exporting) = tracer_provider(identity)?;
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    // Spans go to OpenTelemetry whatever the log level: only cnat's own, which are few.
-    // Without busy/idle times (a clock read on every span entry and exit; an admission enters
-    // its span several times), thread and source-location attributes, which nobody reads; a
-    // span keeps its start, end and cnat's own attributes.
+    // Spans go to OpenTelemetry whatever the log level: only cnat's own, which are few. No
+    // busy/idle times (a clock read per span entry and exit), threads or source locations.
     let traces = tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("cnat"))
         .with_tracked_inactivity(false)
@@ -205,9 +202,8 @@ where
     }
 }
 
-/// The OpenTelemetry ids of span `id`. The caller must hold no lock on the span's extensions.
-/// Works with the global subscriber `init` installs: from inside a subscriber, a scoped one
-/// (`with_default`) is out of reach.
+/// The OpenTelemetry ids of span `id`. The caller must hold no lock on the span's extensions;
+/// only the global subscriber (`init`'s) is reachable from inside a subscriber, not a scoped one.
 fn ids(id: &span::Id) -> Option<(TraceId, SpanId)> {
     let context = tracing::dispatcher::get_default(|dispatch| {
         tracing_opentelemetry::get_otel_context(id, dispatch)

@@ -6,13 +6,9 @@
 /// keeps coming is a WARN like any other failure.
 pub const QUIET_ATTEMPTS: u32 = 3;
 
-/// kube-apiserver v1.24.0-v1.24.9 (with the `CustomResourceValidationExpressions` gate on) and
-/// v1.25.0-v1.25.5 fail some concurrent writes with 422 `internal error: ... evaluating rule:`
-/// for the CRD's transition rule: a data race in cel-go (kubernetes/kubernetes#114661). Seen
-/// on the real v1.24.0 as "index out of range [5] with length 4" and as "value method
-/// ...String.Size called using nil *String pointer". The same write succeeds when sent again.
-/// Only a 422 whose one cause is that failure: the API server joins every field error of a write
-/// into one answer, and a genuine refusal beside a glitch is not a glitch.
+/// kube-apiserver v1.24.0-v1.24.9 and v1.25.0-v1.25.5 fail some concurrent writes with 422
+/// `internal error: ... evaluating rule:` (cel-go's data race, kubernetes/kubernetes#114661).
+/// Only a 422 whose one cause is that failure: a genuine refusal beside a glitch is not one.
 pub fn is_cel_race(error: &kube::Error) -> bool {
     let kube::Error::Api(status) = error else {
         return false;

@@ -1,24 +1,6 @@
-//! How many of the Ats cnat hands to kube-runtime's controller itself (wakeups, a first look at
-//! every At, retried writes: `Scheduler::reconcile_now`) wait in the runtime's queue for a reconcile
-//! that has not started: at most the limit (`limit_for`); the rest wait in the scheduler's queue,
-//! a key each.
-//!
-//! The runtime's scheduler takes every request it is handed at once, into a `HashMap`, a
-//! `DelayQueue` and a `HashSet` that never give back what they grew to: after a new leader's
-//! first look handed it every At to write, it held them for the rest of the leadership
-//! (docs/src/performance/measurements.md, "What a writing replica holds"). With at most the limit of these waiting, they add no more than that to those
-//! maps (the At watch's changes, pod events and the error policy's requeues are not gated). The
-//! limit is eight times the reconciles that run at once, 256 at least, so the runtime never
-//! waits for work. With Lease shards each shard's leadership has a backlog of its own.
-//!
-//! A key leaves the backlog when its reconcile starts, or when the runtime drops its request
-//! (the At was gone from the cache: `controller::Error::ObjectNotFound`; a deleted At's request
-//! stays in the runtime until then, so its deletion alone makes no room). A key that waits
-//! already is passed on at once and not counted again: the runtime keeps one request per At, so
-//! it adds nothing to its maps, and it may be needed (a reconcile that was starting with an
-//! older version of the At). A full backlog from which nothing left for `STALE` while no
-//! reconcile ran is emptied: while the loop is idle the backlog cannot stop them;
-//! while other reconciles run, a full backlog waits for them.
+//! How many of the Ats cnat hands to kube-runtime's controller itself (`Scheduler::reconcile_now`)
+//! wait in the runtime's queue for a reconcile that has not started; the rest wait in cnat's.
+//! See docs/src/design/decisions.md, "A bounded backlog for kube-runtime's queue".
 
 use crate::operator::key::AtKey;
 use crate::sync::lock;
@@ -30,9 +12,8 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tracing::warn;
 
-/// Ats handed to the runtime whose reconcile has not started, at most: eight times the
-/// reconciles that run at once by default (`--concurrency` 32). A reconcile that starts leaves
-/// the backlog, so this bounds what waits, never what runs.
+/// Ats handed to the runtime whose reconcile has not started, at most: eight times the default
+/// `--concurrency` (32). A reconcile that starts leaves, so this bounds what waits, not what runs.
 pub const LIMIT: usize = 256;
 /// The backlog for a reconcile loop running `concurrency` reconciles at once (0: no limit):
 /// `LIMIT`, or eight times the concurrency where that is more; no limit with none.
@@ -176,8 +157,7 @@ impl Backlog {
     }
 
     /// The keys of `keys`, each new one handed over once fewer than the limit wait; one that
-    /// waits already is passed on at once, uncounted (the runtime merges it into the waiting
-    /// request, or, if its reconcile is starting, runs it again after that one).
+    /// waits already is passed on at once, uncounted (the runtime keeps one request per At).
     pub fn gate(
         self: Arc<Self>,
         keys: impl Stream<Item = AtKey> + Send + 'static,

@@ -138,13 +138,10 @@ impl Calls {
             .map(|_| key)
     }
 
-    /// Removes cnat's finalizer from a pod whose At is gone: nothing is left to record. The
-    /// caches may lag, so the API server is asked first: a pod whose At still exists is left to
-    /// that At's reconcile, unless both are being deleted (`finalizer::may_go`).
+    /// Removes cnat's finalizer from a pod whose At is gone, asking the API server first: a pod
+    /// whose At still exists is left to its reconcile, unless both are being deleted.
     pub async fn release_orphan(&self, found: &ObjectRef<Pod>) {
-        // Retried a few times with the one backoff (a terminating pod changes no more, so no
-        // event would bring it back); past that, the next relist or the next leader finds it
-        // again.
+        // Retried here: a terminating pod changes no more, so no event would bring it back.
         let released = (|| self.try_release_orphan(found))
             .retry(scheduler::backoff().with_max_times(ORPHAN_ATTEMPTS - 1))
             .notify(|error, retry_in| debug!(pod = %found, %error, ?retry_in, "removing cnat's finalizer failed; retrying"))
@@ -159,9 +156,7 @@ impl Calls {
     }
 
     /// Gives a pod without a shard value (started before Lease shards) its At's, so that the
-    /// leader of the At's shard, whose pod watch selects by that label, sees it. The pod and
-    /// the At are read from the API server; a pod of another At (by uid), or of an At without a
-    /// value, is left as it is.
+    /// At's shard leader sees it; a pod of another At (by uid), or of an At without one, is left.
     pub async fn label_pod_with_shard(&self, found: &ObjectRef<Pod>) {
         let namespace = found.namespace.as_deref().unwrap_or_default();
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
@@ -228,9 +223,8 @@ impl Calls {
         finalizer::remove(&pods, current, allowed, 1).await
     }
 
-    /// Removes cnat's finalizer from the At's pod (`decide` asks for it: `finalizer::may_go`),
-    /// then says what is left of the pod. The cached copy first (its resourceVersion guards the
-    /// patch), read only if it is missing or stale; only the At's own pod.
+    /// Removes cnat's finalizer from the At's own pod (`decide` asks for it), then says what is
+    /// left of it. The cached copy's resourceVersion guards the patch; read if missing or stale.
     pub(super) async fn release_pod(&self, at: &At) -> Result<PodObservation, Error> {
         let name = pod::name_for(&at.name_any());
         let fail = |source| Error::ReleasePod {
@@ -306,16 +300,9 @@ impl Calls {
         built
     }
 
-    /// Whether the API server confirms `at` as the cache showed it: a cache that is behind
-    /// (relisting, a stuck watch, a new leader's) may still show an At as PENDING that is DONE,
-    /// deleted, or another At by that name, and its pod must not run again. Confirmed without a
-    /// request when the cached version is the one this leadership's own last status write left
-    /// PENDING (the API server answered that write, and nobody else created a pod from it since:
-    /// `Ledger::pending_written`) and the At has a shard label value, which the webhooks never
-    /// let change (`shard::change_problem`), so no other leader runs it; otherwise by a quorum
-    /// read of the At. The first way does not see an edit or deletion of the At after that write
-    /// which the cache has not shown yet (normally milliseconds): as if it had come just after
-    /// the create.
+    /// Whether the API server confirms `at` as the cache showed it: without a request if this
+    /// leadership's own last status write left this version PENDING and the At has a shard label
+    /// value, else by a quorum read (docs/src/operating/security.md, "Never twice").
     async fn confirm(&self, at: &At) -> Result<bool, Error> {
         let version = at.metadata.resource_version.as_deref();
         let fenced = shard::value_of(at.metadata.labels.as_ref()).is_some();
@@ -366,10 +353,9 @@ impl Calls {
         }
     }
 
-    /// Deletes the pod of `at` (its deadline passed): `None` once deleted. Only a pod `at`
-    /// controls that has not ended, as last seen: the delete is conditional on that copy's uid
-    /// and resourceVersion, and on a conflict the pod is read again, once. A pod that is gone,
-    /// ended, or not this At's is returned to be decided on instead.
+    /// Deletes the pod of `at` (its deadline passed), conditional on the uid and resourceVersion
+    /// seen (re-read once on a conflict): `None` once deleted; a pod that is gone, ended, or not
+    /// this At's is returned to be decided on instead.
     pub(super) async fn delete_pod(&self, at: &At) -> Result<Option<PodObservation>, Error> {
         let name = pod::name_for(&at.name_any());
         let fail = |source| Error::DeletePod {

@@ -1,9 +1,6 @@
-//! The At state machine: the observed At, what is known of its pod and the time now decide what
-//! to do next. Pure: no client, no clock, no async, so every path is unit-tested.
-//!
-//! PENDING -> RUNNING -> DONE. The pod is created before RUNNING is written (no status write
-//! delays the command), and its deterministic name makes creation idempotent: an At whose pod
-//! already exists adopts it only if it controls it, so a command never runs twice.
+//! The At state machine, pure: the At, what is known of its pod and the time now decide the next
+//! step (PENDING -> RUNNING -> DONE; the pod is created before RUNNING is written).
+//! See docs/src/design/decisions.md, "Functional core, imperative shell" and "Never twice".
 
 use crate::api::{At, AtStatus, Condition, Outcome, Phase};
 use crate::operator::finalizer::{self, Candidate, Recorder};
@@ -179,8 +176,7 @@ fn pending(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
 }
 
 /// The instant a PENDING At is due, or why it cannot run as stored (a reason and a message):
-/// a spec outside the CRD's bounds (stored before it had them, or with the webhook off), a
-/// schedule or time zone that does not parse.
+/// a spec outside the CRD's bounds, a schedule or time zone that does not parse.
 fn due_instant(at: &At) -> Result<DateTime<Utc>, (&'static str, String)> {
     let out_of_range = limits::problems(&at.spec, |_| true);
     if !out_of_range.is_empty() {
@@ -254,9 +250,7 @@ fn due_now(
 
 /// Whether the API server's copy of an At (`fresh`; `None`: gone) confirms a decision made on
 /// `cached` to create its pod: the same At (uid), not being deleted, its spec and shard label
-/// value unchanged (an At that got its first value may have moved to another Lease shard,
-/// whose leader runs it), and not started (PENDING or no status yet; our own PENDING write may
-/// have landed meanwhile).
+/// value unchanged, and not started (PENDING or no status yet).
 pub fn confirms_create(cached: &At, fresh: Option<&At>) -> bool {
     let value = |at: &At| crate::shard::value_of(at.metadata.labels.as_ref());
     fresh.is_some_and(|fresh| {
@@ -378,13 +372,10 @@ fn running(at: &At, pod: &PodObservation, now: DateTime<Utc>, policy: &RunPolicy
     }
 }
 
-/// An owned pod is the truth: RUNNING while it runs (looked at again every `running_recheck`,
-/// in case its deletion was never seen, and at its deadline), DONE once it ended. A pod still
-/// running (or still not started) its own `activeDeadlineSeconds` after its start is deleted,
-/// and the At DONE with `DeadlineExceeded`, as the Job controller ends a Job's pods: the
-/// kubelet's own enforcement of the pod's deadline comes later, and never for a pod no node
-/// took. A pod being deleted that ended past its deadline is recorded so too (the status write
-/// after cnat's delete may have been lost).
+/// An owned pod is the truth: RUNNING while it runs (looked at again every `running_recheck`
+/// and at its deadline), DONE once it ended. Not ended `activeDeadlineSeconds` after its start,
+/// it is deleted and the At DONE with `DeadlineExceeded`; so too if it ended past that while
+/// being deleted (the status write after cnat's delete may have been lost).
 fn from_pod(at: &At, view: &PodView, now: DateTime<Utc>, policy: &RunPolicy) -> Decision {
     let deadline = view.active_deadline_seconds;
     let mut next = Next::new(at, Phase::Running, now);
@@ -569,8 +560,7 @@ impl<'a> Next<'a> {
     }
 
     /// The pod cannot start the command: `PodStarted=False` with the kind of trouble, and a
-    /// warning. While the kind stays the same, the message recorded first stays (the kubelet's
-    /// and the scheduler's retries reword theirs), so retries write nothing.
+    /// warning; while the kind stays the same, the first message stays, so retries write nothing.
     fn stuck(self, pod_name: &str, waiting: &Waiting) -> Self {
         let reason = waiting.stuck.reason();
         let recorded = self.at.status.as_ref().and_then(|s| {
@@ -617,8 +607,7 @@ impl<'a> Next<'a> {
     }
 
     /// The pod ended with an exit code, so its command started: a `PodStarted=False` left from
-    /// when it was stuck turns True (the pod may have run and ended between two looks). The
-    /// event is the end's.
+    /// when it was stuck turns True. The event is the end's.
     fn ran(self, end: &PodEnd) -> Self {
         if end.exit_code.is_none() || !self.stuck_before() {
             return self;

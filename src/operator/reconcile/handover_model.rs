@@ -1,17 +1,6 @@
-//! A model of two replicas, their caches and the API server, explored exhaustively: every
-//! interleaving of reconciles by whichever replica leads (with the real `decide` and
-//! `confirms_create`), the kubelet ending the pod, a pod deleted by hand, TTL deletion (an At
-//! with and one without `ttlSecondsAfterFinished: 0`), the garbage collector and orphan release,
-//! caches catching up (or not), time passing (the At falls due) and Lease handovers at any
-//! moment. It checks that an At's command never runs twice: with the quorum read before each pod
-//! create there is no such interleaving, nor when the read is skipped for a version the
-//! leader's own PENDING write made in this leadership (`Ledger::pending_written`); without the
-//! read, the search finds the one of issue 39 (a new leader whose cache still shows as PENDING
-//! an At that ran). What it abstracts: one reconcile is one step (its pod create and status
-//! write land together; a write the leader queued and lost is not modelled), one leader at a
-//! time, a replica's At and pod caches catch up together, and a stuck watch is not noticed (the
-//! cache counts as caught up, as `cache::freshness` trusts a watch that reopens and passes
-//! nothing on).
+//! A model of two replicas, their caches and the API server, explored exhaustively with the real
+//! `decide` and `confirms_create`: no At's command runs twice (without the read: issue 39's).
+//! See docs/src/design/decisions.md, "Never twice" (what it explores and what it abstracts).
 
 use super::decide::{confirms_create, decide, Call, PodObservation};
 use crate::api::{At, AtPodTemplate, AtSpec, AtStatus, Phase};
@@ -352,9 +341,7 @@ fn a_ledger_kept_across_leaderships_would_run_it_twice() {
     assert!(twice.trusted_own_write, "{twice:?}");
 }
 
-/// The dangerous situations were reached, each with a stale cache that could lead: the At
-/// deleted after it ran (TTL); its pod let go once DONE and deleted by hand; its pod gone while
-/// the At is DONE and kept.
+/// The dangerous situations were reached, each with a stale cache that could lead.
 fn dangers_reached(seen: &HashSet<State>) {
     let reached = |what: &str, holds: &dyn Fn(&State) -> bool| {
         assert!(seen.iter().any(holds), "never reached: {what}");

@@ -1,10 +1,6 @@
-//! What the leader remembers of each At between reconciles, in one place with one `forget`
-//! (when it is looked at again is the `scheduler`'s): the resourceVersion its last status write
-//! replaced (a cache still showing it is stale), and whether a version of it is quarantined
-//! after a panic; and, between the look that found work for an At
-//! and its reconcile, the At as that look decoded it (`decoded`: decompressed and decoded once
-//! per change, not twice). Every map is keyed by `AtKey` and gives its spare room back after a
-//! burst.
+//! What the leader remembers of each At between reconciles, with one `forget`: the version its
+//! last status write replaced, its own PENDING write, quarantine, the At a look decoded.
+//! See docs/src/design/architecture.md, "The reconcile loop".
 
 use crate::api::{At, Phase};
 use crate::operator::key::AtKey;
@@ -23,9 +19,8 @@ pub struct Ledger {
     quarantine: Arc<Quarantine>,
     /// Ats a look found work for, as it decoded them, until their reconcile takes them.
     decoded: Mutex<HashMap<AtKey, Arc<At>>>,
-    /// Per At, the version this leadership's last status write made (or, for a write that
-    /// changed nothing, found) while leaving the At PENDING: a hash of the At's key, to a hash of
-    /// that resourceVersion (two integers, not a key and a string).
+    /// Per At, the version this leadership's last status write made (or found) leaving the At
+    /// PENDING: a hash of the At's key, to a hash of that resourceVersion.
     pending_written: Mutex<HashMap<u64, u64>>,
     hasher: RandomState,
 }
@@ -104,9 +99,8 @@ impl Ledger {
         lock(&self.superseded).insert(at, (resource_version, phase));
     }
 
-    /// This leadership's status write left `at` PENDING at `resource_version`: the API server
-    /// held that version, with that status, when the write's precondition passed, and this
-    /// leader has led since, so nobody else created a pod from it (`pending_confirmed`).
+    /// This leadership's status write left `at` PENDING at `resource_version`, which the API
+    /// server held when the precondition passed: nobody else created a pod from it since.
     pub fn pending_written(&self, at: &AtKey, resource_version: &str) {
         let (key, version) = (
             self.hasher.hash_one(at),

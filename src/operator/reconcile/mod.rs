@@ -1,7 +1,6 @@
-//! Reconciling Ats: `decide` is the pure state machine; this module carries its decisions out,
-//! one step at a time (`step`), with the pod and At calls in `calls`, every status write and
-//! event in `writer`, and every next look and retry in `scheduler`. Each reconcile is a
-//! `reconcile` span and is counted in the metrics.
+//! Reconciling Ats: carries `decide`'s decisions out one step at a time (`step`), through
+//! `calls`, `writer` and `scheduler`; each reconcile is a `reconcile` span.
+//! See docs/src/design/architecture.md, "The reconcile loop".
 
 pub mod apiserver_bugs;
 pub mod backlog;
@@ -153,9 +152,8 @@ impl Context {
         self.calls.ledger.quarantined(&key(at), version.as_deref())
     }
 
-    /// Runs until dropped: the scheduler's probe of an unreachable API server
-    /// (`Scheduler::probe`), and its wake-up of pod creates put off while the At cache was
-    /// behind (`Scheduler::wake_deferred`).
+    /// Runs until dropped: the scheduler's probe of an unreachable API server (`probe`), and its
+    /// wake-up of pod creates put off while the At cache was behind (`wake_deferred`).
     pub async fn look_again(self: Arc<Self>) {
         let probe = self
             .scheduler
@@ -178,9 +176,8 @@ impl Context {
         let wakeups = self.scheduler.wakeups();
         // By name only: the index holds one small key per waiting At.
         let at_key = key(at);
-        // Its pod waits for cnat's finalizer to go (terminating, or its outcome recorded): only a
-        // reconcile, which sees the pod, decides that (a terminating or ended pod changes no
-        // more, so nothing else would bring it).
+        // Its pod waits for cnat's finalizer to go: only a reconcile, which sees the pod, decides
+        // that (a terminating or ended pod changes no more, so nothing else would bring it).
         if self.calls.pod_awaiting_release(&at_key).is_some()
             || self.calls.finalizer_on_finished_pod(at)
         {
@@ -204,8 +201,7 @@ impl Context {
     }
 
     /// The look-ahead's part (`triggers::look_ahead`): puts `at` into the wake-up index if its
-    /// next reconcile comes within the horizon. Never reconciles it: an At with work now is
-    /// already on its way (woken, queued or running), and a second request would only repeat it.
+    /// next reconcile comes within the horizon; never reconciles it (work now is on its way).
     pub fn look_ahead(&self, at: &At) {
         if self.is_stale(at).is_some() || self.quarantined(at) {
             return;
@@ -254,9 +250,8 @@ pub async fn reconcile(at: Arc<At>, ctx: Arc<Context>) -> Result<Action, Error> 
 }
 
 async fn step(at: &Arc<At>, ctx: &Arc<Context>) -> Result<Action, Error> {
-    // A version whose status write we queued or made: acting on it again would redo that step.
-    // Only an At that fell due while its PENDING write waits behind other writes goes ahead
-    // with its pod (whose fixed name makes the create idempotent).
+    // A version whose status write we queued or made is not acted on again, except to create
+    // the pod of an At that fell due while its PENDING write waits (the create is idempotent).
     let stale = ctx.is_stale(at);
     let now = (ctx.calls.clock)();
     let calls = &ctx.calls;
@@ -360,10 +355,8 @@ impl Context {
         action
     }
 
-    /// Records the phase decided on and sets when to look again (or earlier, if its wakeup
-    /// already says so), shortened by the time spent since `decided_at`, in the wake-up index:
-    /// not as a requeue of the runtime, whose queue would keep an entry per waiting At, its
-    /// tables never shrinking, beside the index's.
+    /// Records the phase decided on and sets when to look again in the wake-up index (or
+    /// earlier, if its wakeup already says so), shortened by the time spent since `decided_at`.
     fn settled(&self, at: &At, decision: &Decision, decided_at: DateTime<Utc>) -> Action {
         let span = Span::current();
         let after = decision.status.as_ref().map_or(at.phase(), |s| s.phase);
@@ -372,10 +365,8 @@ impl Context {
             .to_std()
             .unwrap_or_default();
         if let Some(left) = decision.requeue {
-            // At most the wake-up index's horizon (an At may be due in 9999): a relative wait
-            // (a RUNNING At's next look) is kept whole only within it; a PENDING At's status
-            // write then sets its whole remaining time (`needs_reconcile`), which beyond the
-            // horizon leaves it to the look-ahead.
+            // At most the index's horizon (an At may be due in 9999): beyond it, the look-ahead
+            // puts the At in (`needs_reconcile` sets a PENDING At's whole remaining time).
             let left = left.saturating_sub(spent).min(wakeups::HORIZON);
             span.record("requeue.seconds", left.as_secs_f64());
             self.scheduler.after(key(at), left);

@@ -1,17 +1,6 @@
-//! The one way an At is looked at again, and the one retry policy. Every "look at this At
-//! again" goes through here:
-//!
-//! - now (`wake_up`): handed to the runtime to reconcile now, at most `backlog`'s limit of them
-//!   waiting in its queue;
-//! - later (`after`): the wake-up index (`wakeups`), for settled Ats, their next due time, and
-//!   failed queued status writes;
-//! - after a failed reconcile (`failed_reconcile`): the runtime's requeue after the backoff (a
-//!   wake-up would be cleared by the next watched change that needs no reconcile);
-//! - when the API server answers again (`probe`): whatever failed without an answer;
-//! - when the At cache has caught up (`wake_deferred`): pod creates put off while it was behind.
-//!
-//! Failures in a row are counted per At (`failed_*`, reset by `succeeded`), backed off by
-//! `backoff` (0.5 s doubling to 5 minutes, with jitter).
+//! The one way an At is looked at again (now, later, after a failed reconcile, when the API
+//! server answers again, when the At cache has caught up) and the one retry policy.
+//! See docs/src/design/architecture.md, "The reconcile loop".
 
 use super::apiserver_bugs;
 use super::backlog::{self, Backlog};
@@ -86,9 +75,8 @@ impl Scheduler {
         self.wakeups.set_earlier_in(at, left);
     }
 
-    /// Ats to reconcile again, for `Controller::reconcile_on`, at most the backlog's limit of
-    /// them waiting in the runtime's queue at once (each must be passed to `reconcile_starts`
-    /// when its reconcile starts); `None` if already taken.
+    /// Ats to reconcile again, for `Controller::reconcile_on`, at most the backlog's limit waiting
+    /// at once (each must be passed to `reconcile_starts` when it starts); `None` if taken.
     pub fn reconcile_now(&self) -> Option<impl futures::Stream<Item = AtKey> + use<>> {
         Some(self.backlog.clone().gate(self.reconcile_now.take()?))
     }
@@ -135,9 +123,8 @@ impl Scheduler {
         &self.unreachable
     }
 
-    /// Counts one more failure of `at`, lets one without an answer wait for the API server
-    /// (its next answer brings a retry), logs `error` (`what` failed) and returns the backoff
-    /// before the next attempt.
+    /// Counts one more failure of `at`, lets one without an answer wait for the API server, logs
+    /// `error` (`what` failed) and returns the backoff before the next attempt.
     fn retry(&self, at: &AtKey, error: &Error, what: &str) -> Duration {
         let attempt = self.failed(at);
         let delay = retry_delay(attempt);

@@ -1,19 +1,6 @@
 //! Which watched Ats need a reconcile now, and when the rest must be looked at: one ordered
-//! index instead of a reconcile (and a runtime timer) per At.
-//!
-//! A new leader lists every At. Most of them are settled: PENDING with the right status until
-//! their time, or DONE. Reconciling each only to learn that wastes seconds at 100,000 Ats while
-//! an At that is due now waits in the same queue. So the watch stream passes on only the Ats
-//! `wake` says need work now; the others go into `Wakeups` under the instant they fall due
-//! (or nowhere, when nothing will ever be due or it is beyond the horizon, below) and are
-//! reconciled then.
-//!
-//! The index holds only the next `HORIZON`: an At whose next reconcile is further off (a
-//! PENDING At's due time, a DONE At's TTL) is in no index (its cached form is all it costs,
-//! less than an entry here), and a look-ahead over the cache every
-//! `LOOK_AHEAD_EVERY` (`triggers::look_ahead`) puts it in once its time comes within the
-//! horizon, at least `HORIZON - LOOK_AHEAD_EVERY` before it. A reconcile's own wait (a RUNNING
-//! At's next look) is never set further off than the horizon.
+//! index of the next `HORIZON` instead of a reconcile (and a runtime timer) per At.
+//! See docs/src/design/decisions.md, "The wake-up index".
 
 use super::decide::{decide, Call, PodObservation};
 use crate::api::At;
@@ -54,9 +41,8 @@ pub enum Wake {
     OnChange,
 }
 
-/// Decides from the At alone, as its reconcile would with no pod in the cache. A cached pod
-/// only matters for Ats whose reconcile looks it up (`Now`), and a pod that appears triggers its
-/// At's reconcile by itself.
+/// Decides from the At alone, as its reconcile would with no pod in the cache: a pod that
+/// appears triggers its At's reconcile by itself.
 pub fn wake(at: &At, now: DateTime<Utc>, policy: &RunPolicy) -> Wake {
     let decision = decide(at, &PodObservation::NotCached, now, policy);
     if decision.call != Call::Nothing || decision.status.is_some() || decision.retry {

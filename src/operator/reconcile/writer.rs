@@ -1,9 +1,6 @@
-//! The one writer of Ats' statuses and of the events that tell their transitions. A reconcile
-//! writes a status at once (`write_now`: a refused pod's status says why before the reconcile
-//! backs off) or queues it behind the pod creates in flight (`queue`, see `Priority`); both go
-//! through `write`, which reads the API server's answer one way for both. A transition's event
-//! goes out after its write, through the one event queue (`EventSink`). A queued write that
-//! fails is retried by the `scheduler`.
+//! The one writer of Ats' statuses, at once (`write_now`) or queued behind the pod creates in
+//! flight (`queue`), and of the events that tell their transitions, after their writes.
+//! See docs/src/design/decisions.md, "Pods first" and "Events after the writes".
 
 use super::decide::{Decision, Note, Severity};
 use super::error::Error;
@@ -45,8 +42,7 @@ pub struct Writer {
     queued: Queue<QueuedWrite>,
 }
 
-/// What a status write keeps of its At: when Ats are created faster than their statuses can be
-/// written, thousands of writes wait in the queue, and whole Ats would cost several KiB each.
+/// What a status write keeps of its At (thousands of queued writes may wait: not whole Ats).
 pub struct Target {
     key: AtKey,
     uid: Option<String>,
@@ -179,8 +175,7 @@ impl Writer {
     }
 
     /// The queue's writers, each write once no pod create is in flight. Runs until every
-    /// `Writer` handle is gone (or it is dropped with the reconcile loop); `None` if already
-    /// taken.
+    /// `Writer` handle is gone (or dropped with the loop); `None` if already taken.
     pub fn queued_writes(&self) -> Option<impl std::future::Future<Output = ()> + use<>> {
         let jobs = self.queued.take()?;
         Some(jobs.for_each_concurrent(WRITERS, |job| async move {
@@ -340,10 +335,8 @@ impl Writer {
         }
     }
 
-    /// The API server validates the whole At on a status write, so an At whose spec breaks the
-    /// CRD's schema (stored before the schema had today's bounds) can get no status at all
-    /// (422). Retrying cannot help: the decided event tells the story instead, with the
-    /// server's words, and this version is left alone until it changes.
+    /// An At whose spec breaks the CRD's schema can get no status at all (422): the decided
+    /// event tells it instead, with the server's words, and this version is left alone.
     fn refused_status(&self, target: &Target, decision: &Decision, refusal: &kube::core::Status) {
         let told = decision.note.as_ref().map_or_else(
             || {
