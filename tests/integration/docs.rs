@@ -293,7 +293,10 @@ fn value_rows(text: &str) -> Vec<(String, Vec<String>)> {
                     }
                 }
             }
-            Some((value.to_owned(), out.iter().map(|c| c.trim().to_owned()).collect()))
+            Some((
+                value.to_owned(),
+                out.iter().map(|c| c.trim().to_owned()).collect(),
+            ))
         })
         .collect()
 }
@@ -385,7 +388,11 @@ fn the_chart_readme_lists_every_value_as_the_reference_does() {
     };
     let start = start + GENERATED_FROM.len() + 1;
     if std::env::var_os("CNAT_BLESS").is_some() {
-        std::fs::write(&path, format!("{}{table}{}", &readme[..start], &readme[end..])).unwrap();
+        std::fs::write(
+            &path,
+            format!("{}{table}{}", &readme[..start], &readme[end..]),
+        )
+        .unwrap();
         return;
     }
     let shown = value_rows(&readme[start..end]);
