@@ -63,26 +63,33 @@ fn no_transparent_huge_pages() {
     }
 }
 
+/// A command's failure, printed as `cnat COMMAND: ERROR` (exit code 1).
+type Failure = Box<dyn std::error::Error>;
+
 async fn command(command: Command) -> ExitCode {
-    match command {
-        Command::Crd(args) => crd(args),
-        Command::Check(args) => check(args),
-        Command::Certs(args) => certs(args),
-        Command::SmokeTest(args) => smoke_test(args).await,
-        Command::MigrateStorage(args) => migrate_storage(args).await,
-        Command::Release(args) => release(args).await,
-        Command::Run(args) => match run(*args).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(error) => {
-                eprintln!("cnat: {error}");
-                ExitCode::FAILURE
-            }
-        },
-    }
+    let (name, outcome) = match command {
+        Command::Crd(args) => ("cnat crd", crd(args)),
+        Command::Check(args) => return check(args),
+        Command::Certs(args) => ("cnat certs", certs(args)),
+        Command::SmokeTest(args) => ("cnat smoke-test", smoke_test(args).await),
+        Command::MigrateStorage(args) => ("cnat migrate-storage", migrate_storage(args).await),
+        Command::Release(args) => ("cnat release", release(args).await),
+        Command::Run(args) => (
+            "cnat",
+            run(*args)
+                .await
+                .map(|()| ExitCode::SUCCESS)
+                .map_err(Failure::from),
+        ),
+    };
+    outcome.unwrap_or_else(|error| {
+        eprintln!("{name}: {error}");
+        ExitCode::FAILURE
+    })
 }
 
 /// `cnat crd`: the CRD on stdout, conversion by the given Service (and CA).
-fn crd(args: CrdArgs) -> ExitCode {
+fn crd(args: CrdArgs) -> Result<ExitCode, Failure> {
     let (namespace, name) = &args.conversion_service;
     let mut client = api::conversion_service(namespace, name);
     if let Some(path) = &args.ca_bundle {
@@ -90,21 +97,16 @@ fn crd(args: CrdArgs) -> ExitCode {
             Ok(pem) if is_pem_certificates(&pem) => {
                 client.ca_bundle = Some(k8s_openapi::ByteString(pem));
             }
-            Ok(_) => {
-                eprintln!(
-                    "cnat crd: --ca-bundle {}: no PEM certificate in it; give the CA's PEM file (ca.crt from `cnat certs`)",
-                    path.display()
-                );
-                return ExitCode::FAILURE;
-            }
-            Err(error) => {
-                eprintln!("cnat crd: --ca-bundle {}: {error}", path.display());
-                return ExitCode::FAILURE;
-            }
+            Ok(_) => return Err(format!(
+                "--ca-bundle {}: no PEM certificate in it; give the CA's PEM file (ca.crt from `cnat certs`)",
+                path.display()
+            )
+            .into()),
+            Err(error) => return Err(format!("--ca-bundle {}: {error}", path.display()).into()),
         }
     }
     print!("{}", api::crd_to_yaml(&api::crd_with(client)));
-    ExitCode::SUCCESS
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Whether `pem` holds one or more certificates and nothing unreadable.
@@ -133,44 +135,20 @@ fn check(args: CheckArgs) -> ExitCode {
 }
 
 /// `cnat smoke-test`: one At through its whole life; exit 1 unless it succeeded.
-async fn smoke_test(args: SmokeTestArgs) -> ExitCode {
-    let client = match cnat::client().await {
-        Ok(client) => client,
-        Err(error) => {
-            eprintln!("cnat smoke-test: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let namespace = args
-        .namespace
-        .or_else(|| {
-            std::env::var("POD_NAMESPACE")
-                .ok()
-                .filter(|ns| !ns.is_empty())
-        })
-        .unwrap_or_else(|| client.default_namespace().to_owned());
-    match cnat::smoke_test::run(client, &namespace, args.timeout).await {
-        Ok(report) => {
-            println!("{report}");
-            ExitCode::SUCCESS
-        }
-        Err(error) => {
-            eprintln!("cnat smoke-test: {error}");
-            ExitCode::FAILURE
-        }
-    }
+async fn smoke_test(args: SmokeTestArgs) -> Result<ExitCode, Failure> {
+    let client = cnat::client().await?;
+    let namespace = namespace_or_own(args.namespace, &client);
+    println!(
+        "{}",
+        cnat::smoke_test::run(client, &namespace, args.timeout).await?
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `cnat migrate-storage`: progress per page on stderr, the result on stdout.
-async fn migrate_storage(args: MigrateStorageArgs) -> ExitCode {
+async fn migrate_storage(args: MigrateStorageArgs) -> Result<ExitCode, Failure> {
     use cnat::storage_migration::{migrate, Options};
-    let client = match cnat::client().await {
-        Ok(client) => client,
-        Err(error) => {
-            eprintln!("cnat migrate-storage: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
+    let client = cnat::client().await?;
     let options = Options {
         dry_run: args.dry_run,
         page_size: args.page_size,
@@ -198,28 +176,14 @@ async fn migrate_storage(args: MigrateStorageArgs) -> ExitCode {
             )
         }
     };
-    match migrate(client, &options, progress).await {
-        Ok(report) => {
-            println!("{report}");
-            ExitCode::SUCCESS
-        }
-        Err(error) => {
-            eprintln!("cnat migrate-storage: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    println!("{}", migrate(client, &options, progress).await?);
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `cnat release`: every pod let go of cnat's finalizer; the count on stdout, failures on
 /// stderr.
-async fn release(args: ReleaseArgs) -> ExitCode {
-    let client = match cnat::client().await {
-        Ok(client) => client,
-        Err(error) => {
-            eprintln!("cnat release: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
+async fn release(args: ReleaseArgs) -> Result<ExitCode, Failure> {
+    let client = cnat::client().await?;
     let stopping = args.stop_deployment.is_some();
     if stopping {
         // A first pass while the operator still serves the CRD's conversion (an At stored in
@@ -232,72 +196,53 @@ async fn release(args: ReleaseArgs) -> ExitCode {
     }
     if let Some((namespace, name)) = &args.stop_deployment {
         use cnat::operator::release::{stop_deployment, Stopped};
-        match stop_deployment(&client, namespace, name, args.stop_timeout).await {
-            Ok(Stopped::Stopped) => println!("stopped Deployment {namespace}/{name}"),
-            Ok(Stopped::Absent) => println!("no Deployment {namespace}/{name}: nothing to stop"),
-            Ok(Stopped::Scaled) => println!(
+        match stop_deployment(&client, namespace, name, args.stop_timeout).await? {
+            Stopped::Stopped => println!("stopped Deployment {namespace}/{name}"),
+            Stopped::Absent => println!("no Deployment {namespace}/{name}: nothing to stop"),
+            Stopped::Scaled => println!(
                 "scaled Deployment {namespace}/{name} to 0 (it selects its pods by no label: not waited for)"
             ),
-            Ok(Stopped::StillRunning(left)) => eprintln!(
+            Stopped::StillRunning(left) => eprintln!(
                 "cnat release: {left} pod(s) of Deployment {namespace}/{name} still there after {:?}; releasing anyway (a pod they create from now on keeps cnat's finalizer: run cnat release again once they are gone)",
                 args.stop_timeout
             ),
-            Err(error) => {
-                eprintln!("cnat release: {error}");
-                return ExitCode::FAILURE;
-            }
         }
     }
-    match cnat::operator::release::release_all(client, args.namespace.as_deref()).await {
-        Ok(released) => {
-            println!(
-                "released {} pod(s) from cnat's finalizer",
-                released.released
-            );
-            for (pod, why) in &released.kept {
-                eprintln!("cnat release: pod {pod}: {why}");
-            }
-            if !released.kept.is_empty() && stopping {
-                // The operator is gone: nothing will record them; the uninstall goes on.
-                eprintln!("cnat release: {} pod(s) keep cnat's finalizer, so that their command never runs twice should cnat be installed again; to let one go: kubectl patch pod NAME -n NAMESPACE --type=json -p '[{{\"op\":\"remove\",\"path\":\"/metadata/finalizers\"}}]'", released.kept.len());
-            }
-            if released.kept.is_empty() || stopping {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            }
-        }
-        Err(error) => {
-            eprintln!("cnat release: {error}");
-            ExitCode::FAILURE
-        }
+    let released = cnat::operator::release::release_all(client, args.namespace.as_deref()).await?;
+    println!(
+        "released {} pod(s) from cnat's finalizer",
+        released.released
+    );
+    for (pod, why) in &released.kept {
+        eprintln!("cnat release: pod {pod}: {why}");
     }
+    if !released.kept.is_empty() && stopping {
+        // The operator is gone: nothing will record them; the uninstall goes on.
+        eprintln!("cnat release: {} pod(s) keep cnat's finalizer, so that their command never runs twice should cnat be installed again; to let one go: kubectl patch pod NAME -n NAMESPACE --type=json -p '[{{\"op\":\"remove\",\"path\":\"/metadata/finalizers\"}}]'", released.kept.len());
+    }
+    Ok(if released.kept.is_empty() || stopping {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 /// `cnat certs`: a development CA and serving certificate.
-fn certs(args: CertsArgs) -> ExitCode {
-    let written = tls::generate(&args.service, &args.namespace, args.days)
-        .and_then(|c| c.write(&args.out_dir));
-    match written {
-        Ok(files) => {
-            let dir = args.out_dir.display();
-            println!(
-                "wrote {dir}/ca.crt, {} and {}",
-                files.cert.display(),
-                files.key.display()
-            );
-            println!(
-                "serving certificate for {}.{}.svc (and localhost), valid {} days",
-                args.service, args.namespace, args.days
-            );
-            println!("caBundle for the webhook configurations: base64 -w0 {dir}/ca.crt");
-            ExitCode::SUCCESS
-        }
-        Err(error) => {
-            eprintln!("cnat certs: {error}");
-            ExitCode::FAILURE
-        }
-    }
+fn certs(args: CertsArgs) -> Result<ExitCode, Failure> {
+    let files = tls::generate(&args.service, &args.namespace, args.days)
+        .and_then(|c| c.write(&args.out_dir))?;
+    let dir = args.out_dir.display();
+    println!(
+        "wrote {dir}/ca.crt, {} and {}",
+        files.cert.display(),
+        files.key.display()
+    );
+    println!(
+        "serving certificate for {}.{}.svc (and localhost), valid {} days",
+        args.service, args.namespace, args.days
+    );
+    println!("caBundle for the webhook configurations: base64 -w0 {dir}/ca.crt");
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Why `cnat run` stopped with an error (printed as `cnat: ...`, exit code 1).
@@ -399,7 +344,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), R
             }
         }
     };
-    let lease_namespace = lease_namespace(&args, &client);
+    let lease_namespace = namespace_or_own(args.lease_namespace.clone(), &client);
     let signing = cnat::operator::signing::Source::secret(
         lease_namespace.clone(),
         args.pod_signing_secret.clone(),
@@ -490,11 +435,10 @@ async fn start_servers(
     Ok((serving, admin_addr))
 }
 
-/// The Lease's namespace: `--lease-namespace`, else this pod's (downward API), else the
+/// `given`, else this pod's namespace (`POD_NAMESPACE`, from the downward API), else the
 /// client's default.
-fn lease_namespace(args: &RunArgs, client: &kube::Client) -> String {
-    args.lease_namespace
-        .clone()
+fn namespace_or_own(given: Option<String>, client: &kube::Client) -> String {
+    given
         .or_else(|| {
             std::env::var("POD_NAMESPACE")
                 .ok()

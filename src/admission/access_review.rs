@@ -340,9 +340,6 @@ impl Budgets {
     }
 }
 
-/// Where a request came from when the caller does not say (`check`, `cached`).
-const UNKNOWN_CLIENT: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
-
 /// The message when no answer came and the guard denies.
 pub fn unanswered(namespace: &str, error: &str) -> String {
     format!(
@@ -477,7 +474,8 @@ impl Reviews {
     /// Remembers that `key` from `client` was refused as busy at `now` (a request that arrived
     /// at `received`), unless it already was within [`RETRY_WINDOW`]; returns when the first
     /// request refused so arrived, or `None` when that cannot be told (not remembered, or the
-    /// address had to forget a refusal within the window lately).
+    /// address had to forget a refusal within the window lately: else a resend could pass for a
+    /// first refusal again and again).
     fn refused(
         &mut self,
         client: std::net::IpAddr,
@@ -733,12 +731,8 @@ impl AccessReviewer {
     }
 
     /// The verdict from a cached answer, without waiting: `None` when there is none (then
-    /// `check`). An answer past half its life is refreshed in the background.
-    pub fn cached(&self, user: &UserInfo, namespace: &str) -> Option<Result<(), Denial>> {
-        self.cached_for(UNKNOWN_CLIENT, user, namespace)
-    }
-
-    /// `cached`, for a request from `client` (an identity over the bound is denied at once).
+    /// `check_received`); an identity over the bound is denied at once. An answer past half its
+    /// life is refreshed in the background.
     pub fn cached_for(
         &self,
         client: std::net::IpAddr,
@@ -753,25 +747,9 @@ impl AccessReviewer {
         Some(self.verdict(user, namespace, answer).map_err(Denial::new))
     }
 
-    /// `Ok` when `user` may create pods in `namespace`, else the denial message.
-    pub async fn check(&self, user: &UserInfo, namespace: &str) -> Result<(), Denial> {
-        self.check_for(UNKNOWN_CLIENT, user, namespace).await
-    }
-
-    /// `check`, for a request from `client`: its review counts against the budgets of new or
-    /// known identities, in all and for `client` (see [`NEW_PER_SECOND`]).
-    pub async fn check_for(
-        &self,
-        client: std::net::IpAddr,
-        user: &UserInfo,
-        namespace: &str,
-    ) -> Result<(), Denial> {
-        self.check_received(client, user, namespace, Instant::now())
-            .await
-    }
-
-    /// `check_for`, for a request that arrived at `received`: a refusal as busy counts from
-    /// the arrival of the first request refused so ([`Denial::busy_for`]).
+    /// `Ok` when `user` may create pods in `namespace`, else the denial. Its review counts against
+    /// the budgets of new or known identities, in all and for `client` ([`NEW_PER_SECOND`]); a
+    /// refusal as busy counts from the arrival of the first request refused so ([`Denial::busy_for`]).
     pub async fn check_received(
         &self,
         client: std::net::IpAddr,

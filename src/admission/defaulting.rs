@@ -1,6 +1,7 @@
 //! Defaults the mutating webhook applies, as RFC 6902 JSON patches. Pure and idempotent: the
 //! patch is the difference between the object and its defaulted form, so a reinvoked webhook
-//! gets an empty patch. See docs/src/operating/admission-webhooks.md, "Mutating".
+//! gets an empty patch. See docs/src/operating/admission-webhooks.md, "Mutating" and "Why a new
+//! At shows Pending".
 
 use crate::shard;
 use serde_json::{json, Value};

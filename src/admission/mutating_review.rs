@@ -59,7 +59,8 @@ pub struct Metadata {
 }
 
 /// A field as it is (present either way): an object decoded within [`FIELD_BUDGET`]; a list
-/// (no At's spec or status is one) skipped as it is read, an empty list standing for it; `null`
+/// (no At's spec or status is one) skipped as it is read, an empty list standing for it (nothing
+/// defaults inside it, the defaults leave it alone, and the API server's schema refuses it); `null`
 /// and other values as they are.
 fn present<'de, D: Deserializer<'de>>(value: D) -> Result<Option<Value>, D::Error> {
     struct Field<'a>(&'a Budget);

@@ -51,8 +51,9 @@ pub const BODY_BUDGET_PER_CLIENT_KIB: usize = 4 << 10;
 /// with it: a few addresses sending large bodies slowly cannot take it all.
 pub const BODY_RESERVE_KIB: usize = 4 << 10;
 pub const BODY_LIGHT_KIB: usize = 512;
-/// The largest body the validating webhook decodes straight into typed structs (kube's hold
-/// JSON values a made-up body can blow up); a larger body takes the bounded path.
+/// The largest body the validating webhook decodes straight into typed structs (some of kube's
+/// types hold JSON values, `managedFields` and `options`, that a made-up body can blow up); a
+/// larger body takes the bounded path.
 pub const FAST_PATH_BODY: usize = 256 << 10;
 /// How long an admission review waits for room in the body budget before it is answered 429.
 pub const BODY_WAIT: Duration = Duration::from_secs(2);

@@ -1,6 +1,7 @@
 //! A `v1alpha1` At decoded straight into typed fields and converted to the `v1` [`At`]: the
-//! validating webhook's path for `v1alpha1` reviews. It gives the very `At` [`super::convert`]
-//! gives, or fails, and leaves the object to that slower path, which says why it is not an At.
+//! validating webhook's path for `v1alpha1` reviews. It gives the very `At` that
+//! [`super::convert`] and a decode of its result give, or fails, leaving the object to the JSON
+//! path (`validating_review`), which says why it is not an At.
 
 use super::{envelope, respell, Envelope, CARRIED_ANNOTATION, V1ALPHA1, V1ALPHA1_IMAGE};
 use crate::api::{At, AtPodTemplate, AtSpec, AtStatus, ImagePullPolicy, PodMetadata};

@@ -43,7 +43,8 @@ impl Default for View {
     }
 }
 
-/// Lease durations after a rescue (a shard taken once free a whole lease duration) during which
+/// Lease durations after a rescue (a shard free a whole lease duration, taken by a replica at or
+/// over its share, or one only rescuing) during which
 /// the replica gives no shard up, so a stuck replica's shard is not passed back and forth.
 const KEEP_AFTER_RESCUE: u32 = 10;
 

@@ -1,5 +1,6 @@
 //! Who competes for the Lease shards: each replica renews a membership Lease and lists the
-//! namespace's Leases every retry period; a Lease is live while it changes on our own clock.
+//! namespace's Leases every retry period; a Lease is live while its resourceVersion changes
+//! within a lease duration, on our own clock.
 //! See docs/src/operating/high-availability.md, "Lease shards".
 
 use super::balance::{Balance, View};

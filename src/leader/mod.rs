@@ -729,8 +729,8 @@ impl Elector {
         Instant::now() + timing.retry_period.min(left / 2)
     }
 
-    /// Stops the reconcile loop unless it ended: leaving, after the step-down grace (within the
-    /// tenure); otherwise at once. No reconcile starts or continues after this returns.
+    /// Stops the reconcile loop unless it ended: leaving, asked to stop and aborted past the
+    /// step-down grace (within the tenure); otherwise aborted at once. No reconcile starts or continues after this returns.
     async fn stop_work(
         &self,
         why: &Why,

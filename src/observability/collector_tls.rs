@@ -237,7 +237,8 @@ struct Reloading {
 }
 
 impl Reloading {
-    /// The files as they are now: read again, parsed again (outside the lock) if they changed;
+    /// The files as they are now: read again, parsed again (outside the lock, so handshakes do
+    /// not wait on each other's file reads) if they changed;
     /// a change that cannot be used is reported and the previous contents kept.
     fn current(&self) -> Arc<Loaded> {
         let held = lock(&self.loaded).clone();

@@ -269,6 +269,7 @@ mod pack;
 
 /// Retrying a failed watch (the At cache's and the leader's pod watch): 100 ms doubling to
 /// 500 ms, plus up to as much again of jitter, so never more than 1 s; reset by any event.
+/// Why so short: docs/src/design/decisions.md, "Recovery after an outage".
 pub fn watch_backoff() -> kube::runtime::watcher::ExponentialBackoff {
     backon::ExponentialBuilder::new()
         .with_min_delay(std::time::Duration::from_millis(100))

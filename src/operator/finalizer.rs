@@ -107,8 +107,9 @@ pub enum Removed {
     Gone,
 }
 
-/// Removes cnat's finalizer from `found` if `allowed` says so, by a merge patch guarded by its
-/// resourceVersion (other finalizers stay); a conflict reads and judges the pod again, up to
+/// Removes cnat's finalizer from `found` if `allowed` says so, by a merge patch, which replaces
+/// the whole list: guarded by its resourceVersion, so a finalizer added meanwhile is never lost
+/// (other finalizers stay); a conflict reads and judges the pod again, up to
 /// `conflicts` writes in all, then is the error. An [`ELIDED`] pod is read again first.
 pub async fn remove(
     pods: &Api<Pod>,
@@ -147,7 +148,8 @@ pub async fn remove(
     Ok(Removed::Kept(found))
 }
 
-/// The merge patch that removes cnat's finalizer from `pod`, guarded by its resourceVersion.
+/// The merge patch that removes cnat's finalizer from `pod`: the whole list less cnat's, guarded
+/// by its resourceVersion.
 fn without_finalizer(pod: &Pod) -> serde_json::Value {
     let others: Vec<&String> = pod
         .finalizers()

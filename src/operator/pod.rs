@@ -257,7 +257,8 @@ pub fn is_signed(pod: &Pod, at_uid: &str, key: &Key) -> bool {
 
 /// Whether `pod` (by the name of `at`'s pod) is the pod cnat created for `at`: controlled by
 /// it, and signed by cnat for it, or named by its status once it is RUNNING or DONE, or created,
-/// as was its At, by the second `Signing::since` (a release that did not sign made it).
+/// as was its At, no later than the second of `Signing::since` (the API server's clock, in whole
+/// seconds: a release that did not sign made it).
 pub fn is_cnats(pod: &Pod, at: &At, signing: &Signing) -> bool {
     let Some(at_uid) = at.metadata.uid.as_deref() else {
         return false;

@@ -67,7 +67,7 @@ pub enum Stopped {
 }
 
 /// Scales Deployment `namespace/name` (the operator) to 0 and waits, up to `wait`, until none
-/// of its pods is left, so that no pod is created or recorded after `Stopped`.
+/// of its pods is left, so that no pod is created or recorded once it returns `Stopped::Stopped`.
 pub async fn stop_deployment(
     client: &Client,
     namespace: &str,

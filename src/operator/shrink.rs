@@ -10,7 +10,9 @@ use std::sync::Mutex;
 const SMALL: usize = 1024;
 
 /// Shrinks `map`'s table to one for four times its length (at least `SMALL`) when it is larger
-/// than that; removals stay amortized O(1), as `shrink_to` at least halves a table it shrinks.
+/// than that; removals stay amortized O(1), as `shrink_to` at least halves a table it shrinks
+/// and does nothing, in constant time, unless the table would get smaller. (`capacity()` cannot
+/// tell: deleted entries count against it while their slots are still allocated.)
 pub fn shrink_if_sparse<K: Eq + Hash, V, S: std::hash::BuildHasher>(map: &mut HashMap<K, V, S>) {
     map.shrink_to((map.len() * 4).max(SMALL));
 }

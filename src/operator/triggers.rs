@@ -212,7 +212,7 @@ fn first_look_order(at: &CachedAt, soon: DateTime<Utc>) -> (u8, Option<DateTime<
     }
 }
 
-/// How far ahead a first look counts an At as due: longer than reading every cached At back.
+/// How far ahead a first look counts an At as due: longer than reading 100,000 cached Ats back.
 const DUE_SOON: chrono::TimeDelta = chrono::TimeDelta::seconds(1);
 
 #[cfg(test)]

@@ -24,11 +24,15 @@ use tokio::net::TcpStream;
 /// The bounds of one listener.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
+    /// Connections in all, shared max-min between client addresses ([`Pool`]).
     pub max_connections: usize,
     pub max_connections_per_client: usize,
+    /// Requests answered at once, in all and from one address; one more is answered 429.
     pub max_in_flight: usize,
     pub max_in_flight_per_client: usize,
+    /// Every request, its body included, is answered within this (408 when the client is slow).
     pub request_timeout: Duration,
+    /// A new connection whose TLS handshake and first request head take longer is closed.
     pub first_request_within: Duration,
     /// A connection answering a request for longer than this (its client does not read the
     /// answer) may be closed to make room like any other.

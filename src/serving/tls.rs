@@ -55,7 +55,8 @@ pub enum TlsError {
 
 /// A server config for `files`: TLS 1.2 or 1.3, HTTP/1.1, and, with `client_ca`, client
 /// certificates verified: one the CA did not sign fails the handshake; a client that presents
-/// none gets through, marked so ([`Certified`]), and the admission webhooks refuse it.
+/// none gets through, marked so ([`Certified`]), and the admission webhooks refuse it
+/// (kube-apiserver's conversion calls carry none, whatever its admission configuration says).
 pub fn server_config(files: &CertFiles) -> Result<Arc<ServerConfig>, TlsError> {
     let (cert_pem, key_pem) = (read(&files.cert)?, read(&files.key)?);
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)

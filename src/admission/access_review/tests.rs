@@ -5,6 +5,35 @@ use kube::client::Body;
 use serde_json::Value;
 use tokio::task::JoinHandle;
 
+/// Where a request came from when the caller does not say (`check`, `cached`).
+const UNKNOWN_CLIENT: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
+
+/// The reviewer as the tests ask it, for a request without an address or arrival time.
+impl AccessReviewer {
+    /// The verdict from a cached answer, without waiting: `None` when there is none (then
+    /// `check`). An answer past half its life is refreshed in the background.
+    fn cached(&self, user: &UserInfo, namespace: &str) -> Option<Result<(), Denial>> {
+        self.cached_for(UNKNOWN_CLIENT, user, namespace)
+    }
+
+    /// `Ok` when `user` may create pods in `namespace`, else the denial message.
+    async fn check(&self, user: &UserInfo, namespace: &str) -> Result<(), Denial> {
+        self.check_for(UNKNOWN_CLIENT, user, namespace).await
+    }
+
+    /// `check`, for a request from `client`: its review counts against the budgets of new or
+    /// known identities, in all and for `client` (see [`NEW_PER_SECOND`]).
+    async fn check_for(
+        &self,
+        client: std::net::IpAddr,
+        user: &UserInfo,
+        namespace: &str,
+    ) -> Result<(), Denial> {
+        self.check_received(client, user, namespace, Instant::now())
+            .await
+    }
+}
+
 fn fixture(name: &str) -> Value {
     let path = format!(
         "{}/tests/fixtures/api-k8s-1.24/{name}",

@@ -1,5 +1,6 @@
 //! A model of two replicas, their caches and the API server, explored exhaustively with the real
-//! `decide` and `confirms_create`: no At's command runs twice (without the read: issue 39's).
+//! `decide` and `confirms_create`: no At's command runs twice (without the quorum read
+//! the search finds issue 39's double run).
 //! See docs/src/design/decisions.md, "Never twice" (what it explores and what it abstracts).
 
 use super::decide::{confirms_create, decide, Call, PodObservation};
