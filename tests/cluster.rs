@@ -336,6 +336,8 @@ async fn installed_as_users_do_cnat_runs_real_pods_survives_upgrades_and_kills_a
     a_failing_command_records_its_exit_code_and_output(&cluster).await;
     step("kubectl at --wait");
     kubectl_at_wait_returns_the_exit_code(&cluster);
+    step("admin commands: kubectl cnat, kubectl exec");
+    admin_commands_run_as_a_kubectl_plugin_and_from_the_image(&cluster);
     step("a ResourceQuota");
     a_quota_refusal_shows_on_the_at(&cluster).await;
     step("pods that cannot start show on their Ats; deadlines met");
@@ -512,6 +514,73 @@ async fn a_failing_command_records_its_exit_code_and_output(cluster: &Cluster) {
         pod.spec.unwrap().containers[0].image.as_deref(),
         Some("busybox:1.36")
     );
+}
+
+/// The admin commands as the operating pages show them: `cnat` installed as the kubectl plugin
+/// `kubectl-cnat` (the user's own kubeconfig and rights: `migrate-storage` rewrites Ats and the
+/// CRD's status), and from the operator's image with `kubectl exec` (the operator's rights:
+/// `release`, `crd`).
+fn admin_commands_run_as_a_kubectl_plugin_and_from_the_image(cluster: &Cluster) {
+    let bin = cluster.dir.join("clients/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::copy(env!("CARGO_BIN_EXE_cnat"), bin.join("kubectl-cnat")).unwrap();
+    let path = std::env::join_paths(
+        std::iter::once(bin).chain(std::env::split_paths(&std::env::var_os("PATH").unwrap())),
+    )
+    .unwrap();
+    let kubectl = Path::new(ROOT).join(".tools/envtest-1.37/kubectl");
+    let plugin = |args: &[&str]| {
+        let output = run(
+            cluster.command(&kubectl).env("PATH", &path).args(args),
+            None,
+        );
+        succeeded(&format!("kubectl {args:?}"), &output)
+    };
+    let migrated = plugin(&["cnat", "migrate-storage"]);
+    eprintln!("cluster test: kubectl cnat migrate-storage: {migrated}");
+    assert!(
+        migrated.starts_with("ats.cnat.programming-kubernetes.info: ")
+            && migrated.contains("storedVersions"),
+        "{migrated}"
+    );
+    let released = succeeded(
+        "kubectl exec deploy/cnat -- /cnat release",
+        &cluster.kubectl(
+            &[
+                "exec",
+                "-n",
+                SYSTEM,
+                &format!("deploy/{RELEASE}"),
+                "--",
+                "/cnat",
+                "release",
+            ],
+            None,
+        ),
+    );
+    eprintln!("cluster test: kubectl exec deploy/cnat -- /cnat release: {released}");
+    assert!(
+        released.starts_with("released ") && released.contains("pod(s) from cnat's finalizer"),
+        "{released}"
+    );
+    let crd = succeeded(
+        "kubectl exec deploy/cnat -- /cnat crd",
+        &cluster.kubectl(
+            &[
+                "exec",
+                "-n",
+                SYSTEM,
+                &format!("deploy/{RELEASE}"),
+                "--",
+                "/cnat",
+                "crd",
+                "--conversion-service",
+                &format!("{SYSTEM}/{RELEASE}-webhook"),
+            ],
+            None,
+        ),
+    );
+    assert!(crd.contains("kind: CustomResourceDefinition"), "{crd}");
 }
 
 /// The plugin as users run it: its exit code is the container's, its output the pod's log.
