@@ -43,6 +43,8 @@ const RELEASE: &str = "cnat";
 const SYSTEM: &str = "cnat-system";
 /// Where the user's Ats go.
 const TEAM: &str = "team-a";
+/// The namespace of an At running when cnat is uninstalled without its hook.
+const LEFT_BEHIND: &str = "team-b";
 /// The node's address (scripts/cluster): pods reach the host there.
 const NODE_ADDRESS: &str = "10.244.0.1";
 /// The operator's default image, as a cluster without Docker Hub has it: busybox, on the node
@@ -332,6 +334,8 @@ async fn installed_as_users_do_cnat_runs_real_pods_survives_upgrades_and_kills_a
     the_notes_example_runs(&cluster, &notes).await;
     step("a malformed At");
     a_malformed_at_is_refused_by_the_webhook_through_its_service(&cluster);
+    step("a caBundle that does not match the certificate");
+    a_foreign_ca_bundle_fails_admission_with_x509_until_restored(&cluster).await;
     step("a failing command");
     a_failing_command_records_its_exit_code_and_output(&cluster).await;
     step("kubectl at --wait");
@@ -494,6 +498,86 @@ fn a_malformed_at_is_refused_by_the_webhook_through_its_service(cluster: &Cluste
         ) && stderr.contains("spec.schedule"),
         "{stderr}"
     );
+}
+
+/// The mutating webhook's `caBundle` replaced by another CA (here the cluster's own), as a
+/// re-rendered chart or a hand-made configuration can leave it: every At write is refused with
+/// an x509 error naming the webhook (the troubleshooting page quotes it); restored, writes pass.
+async fn a_foreign_ca_bundle_fails_admission_with_x509_until_restored(cluster: &Cluster) {
+    use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+    use kube::api::{Patch, PatchParams};
+    let configs: Api<MutatingWebhookConfiguration> = Api::all(cluster.client.clone());
+    let config = configs
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|c| {
+            c.webhooks
+                .iter()
+                .flatten()
+                .any(|w| w.name.starts_with("default.ats."))
+        })
+        .expect("cnat's MutatingWebhookConfiguration");
+    let original = config.webhooks.as_ref().unwrap()[0]
+        .client_config
+        .ca_bundle
+        .clone()
+        .expect("a caBundle");
+    let kubeconfig = Kubeconfig::read_from(&cluster.kubeconfig).unwrap();
+    let named = kubeconfig.clusters[0].cluster.clone().unwrap();
+    let foreign = named.certificate_authority_data.unwrap_or_else(|| {
+        use base64::Engine;
+        let file = named.certificate_authority.expect("the cluster's CA");
+        base64::engine::general_purpose::STANDARD.encode(std::fs::read(file).unwrap())
+    });
+    let set = |bundle: serde_json::Value| {
+        let configs = configs.clone();
+        let name = config.name_any();
+        async move {
+            let patch = serde_json::json!([{"op": "replace",
+                "path": "/webhooks/0/clientConfig/caBundle", "value": bundle}]);
+            configs
+                .patch(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::<()>::Json(serde_json::from_value(patch).unwrap()),
+                )
+                .await
+                .unwrap();
+        }
+    };
+    let at = "apiVersion: cnat.programming-kubernetes.info/v1\nkind: At\nmetadata: {name: x509-probe}\nspec:\n  schedule: \"2030-01-01T00:00:00Z\"\n  command: \"echo never\"\n";
+    let dry_run = || {
+        cluster.kubectl(
+            &["apply", "--dry-run=server", "-n", TEAM, "-f", "-"],
+            Some(at),
+        )
+    };
+    set(serde_json::Value::String(foreign)).await;
+    let refused = eventually(
+        "an At write refused for the foreign caBundle",
+        Duration::from_secs(30),
+        async || {
+            let output = dry_run();
+            let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+            (!output.status.success() && stderr.contains("x509")).then_some(stderr)
+        },
+    )
+    .await;
+    eprintln!("cluster test: kubectl apply with a foreign caBundle: {refused}");
+    assert!(
+        refused.contains("failed calling webhook \"default.ats.cnat.programming-kubernetes.info\""),
+        "{refused}"
+    );
+    set(serde_json::to_value(&original).unwrap()).await;
+    eventually(
+        "At writes admitted again with the caBundle restored",
+        Duration::from_secs(30),
+        async || dry_run().status.success().then_some(()),
+    )
+    .await;
 }
 
 /// A command that fails, in an image the At names itself (which wins over the operator's).
@@ -1228,6 +1312,34 @@ async fn an_uninstall_whose_hook_cannot_run_fails_within_its_deadline(cluster: &
         "--set",
         "releaseHookDeadlineSeconds=30",
     ]);
+    // An At running when cnat goes away: its pod keeps cnat's finalizer (below, its namespace
+    // then stays Terminating until `cnat release`).
+    let namespaces: Api<Namespace> = Api::all(cluster.client.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({"metadata": {"name": LEFT_BEHIND}}))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let ats: Api<At> = Api::namespaced(cluster.client.clone(), LEFT_BEHIND);
+    let command = "trap 'exit 0' TERM; sleep 600 & wait";
+    // Refused by the admission webhooks until a replica of the new release serves them.
+    eventually("the At created", DONE_WITHIN, async || {
+        ats.create(
+            &PostParams::default(),
+            &at("long", chrono::Utc::now(), command),
+        )
+        .await
+        .ok()
+    })
+    .await;
+    eventually("the At running", DONE_WITHIN, async || {
+        let status = ats.get("long").await.ok()?.status?;
+        (status.phase == Phase::Running).then_some(())
+    })
+    .await;
     let quota = serde_json::json!({"apiVersion": "v1", "kind": "ResourceQuota",
         "metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "0"}}});
     let quotas: Api<k8s_openapi::api::core::v1::ResourceQuota> =
@@ -1259,6 +1371,7 @@ async fn an_uninstall_whose_hook_cannot_run_fails_within_its_deadline(cluster: &
     assert!(took < Duration::from_secs(90), "{took:?}");
     cluster.helm(&["uninstall", RELEASE, "-n", SYSTEM, "--no-hooks"]);
     quotas.delete("no-pods", &Default::default()).await.unwrap();
+    a_namespace_stays_terminating_until_cnat_release(cluster).await;
     // The hook's Role and RoleBinding went with the failed hook (hook-failed).
     let roles: Api<k8s_openapi::api::rbac::v1::Role> =
         Api::namespaced(cluster.client.clone(), SYSTEM);
@@ -1271,4 +1384,72 @@ async fn an_uninstall_whose_hook_cannot_run_fails_within_its_deadline(cluster: &
         .map(|role| role.name_any())
         .collect();
     assert!(!left.contains(&format!("{RELEASE}-release")), "{left:?}");
+}
+
+/// The namespace of a pod that keeps cnat's finalizer, cnat gone: deleted, it stays
+/// `Terminating` with the pod in it (as the troubleshooting page shows) until `cnat release`
+/// lets the pod go (its At went with the namespace).
+async fn a_namespace_stays_terminating_until_cnat_release(cluster: &Cluster) {
+    let namespaces: Api<Namespace> = Api::all(cluster.client.clone());
+    namespaces
+        .delete(LEFT_BEHIND, &DeleteParams::default())
+        .await
+        .unwrap();
+    // Its pod deleted, its command ended, and there it stays.
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), LEFT_BEHIND);
+    eventually(
+        "the pod deleted, its command ended, its finalizer kept",
+        Duration::from_secs(60),
+        async || {
+            let pod = pods.get("long-pod").await.ok()?;
+            let ended = pod.status.as_ref()?.phase.as_deref() == Some("Succeeded");
+            (ended && pod.metadata.deletion_timestamp.is_some()).then_some(())
+        },
+    )
+    .await;
+    let namespace = succeeded(
+        "kubectl get namespace",
+        &cluster.kubectl(&["get", "namespace", LEFT_BEHIND], None),
+    );
+    let left = succeeded(
+        "kubectl get pods",
+        &cluster.kubectl(
+            &[
+                "get",
+                "pods",
+                "-n",
+                LEFT_BEHIND,
+                "-o",
+                "custom-columns=NAME:.metadata.name,DELETED:.metadata.deletionTimestamp,FINALIZERS:.metadata.finalizers",
+            ],
+            None,
+        ),
+    );
+    eprintln!("cluster test: a namespace left behind:\n{namespace}{left}");
+    assert!(namespace.contains("Terminating"), "{namespace}");
+    assert!(
+        left.contains("cnat.programming-kubernetes.info/run-once"),
+        "{left}"
+    );
+    let released = succeeded(
+        "cnat release --namespace",
+        &run(
+            cluster.command(env!("CARGO_BIN_EXE_cnat")).args([
+                "release",
+                "--namespace",
+                LEFT_BEHIND,
+            ]),
+            None,
+        ),
+    );
+    assert_eq!(released.trim(), "released 1 pod(s) from cnat's finalizer");
+    eventually(
+        "the namespace gone",
+        Duration::from_secs(90),
+        async || match namespaces.get_opt(LEFT_BEHIND).await {
+            Ok(None) => Some(()),
+            _ => None,
+        },
+    )
+    .await;
 }
