@@ -1,20 +1,19 @@
 //! cnat on a real one-node cluster (`scripts/cluster up`, v1.37, or `scripts/cluster up 1.24`:
 //! etcd, kube-apiserver, kube-controller-manager, kube-scheduler, a kubelet running containerd
-//! and runc, kube-proxy, a CNI bridge), installed with Helm from `charts/cnat` and the image
-//! `scripts/image` builds, with the commands docs/src/operating/install.md and upgrading.md
-//! show. Pods really run: the output, exit codes and deadlines the Ats record come from
-//! containers, webhooks are called through their Service, and the Deployment's own rollout
-//! replaces the replicas.
+//! and runc, kube-proxy, a CNI bridge), installed with Helm from the chart `scripts/release`
+//! packages (its image the release's) and upgraded to `charts/cnat`, with the commands
+//! docs/src/operating/install.md and upgrading.md show. Pods really run: the output, exit codes
+//! and deadlines the Ats record come from containers, webhooks are called through their
+//! Service, and the Deployment's own rollout replaces the replicas.
 //!
 //! The cluster is named by `CNAT_CLUSTER_KUBECONFIG`; it must have the images `cnat:<appVersion>`
-//! and `cnat:<appVersion>-next` (the build under test, twice: the upgrade changes the tag) and
-//! `busybox:1.36` (which the test tags [`MIRROR`] on the node, the operator's default image for
-//! a cluster without Docker Hub). `scripts/test` does all of it; by hand:
+//! and `cnat:<appVersion>-next` (the build under test, twice: the upgrade changes the tag),
+//! [`RELEASED`]`:<appVersion>` (from target/dist) and `busybox:1.36` (which the test tags
+//! [`MIRROR`] on the node, the operator's default image for a cluster without Docker Hub).
+//! `scripts/test` does all of it (`scripts/test-steps cluster-up`); by hand:
 //!
 //! ```sh
-//! scripts/cluster up
-//! scripts/image cnat cnat:0.2.0 target/images/a.tar target/suite/cnat   # and cnat:0.2.0-next
-//! scripts/cluster load target/images/a.tar target/images/b.tar
+//! scripts/test-steps cluster-up 1.37     # or scripts/cluster up, scripts/image, scripts/release, scripts/cluster load
 //! CNAT_CLUSTER_KUBECONFIG=/tmp/cnat-cluster/admin.kubeconfig cargo nextest run --cargo-profile suite --test cluster
 //! ```
 //!
@@ -45,6 +44,8 @@ const SYSTEM: &str = "cnat-system";
 const TEAM: &str = "team-a";
 /// The namespace of an At running when cnat is uninstalled without its hook.
 const LEFT_BEHIND: &str = "team-b";
+/// The image repository of the release the test packages (scripts/release --repository).
+const RELEASED: &str = "cnat.test/release/cnat";
 /// The node's address (scripts/cluster): pods reach the host there.
 const NODE_ADDRESS: &str = "10.244.0.1";
 /// The operator's default image, as a cluster without Docker Hub has it: busybox, on the node
@@ -387,7 +388,22 @@ async fn install(cluster: &Cluster, otlp: std::net::SocketAddr) -> String {
         .output()
         .unwrap();
     succeeded("ctr images tag", &tagged);
-    let chart = Path::new(ROOT).join("charts/cnat");
+    // The chart as a release publishes it (scripts/release, run by scripts/test-steps
+    // cluster-up): packaged, its image the release's, the archives' checksums right.
+    let dist = Path::new(ROOT).join("target/dist");
+    let chart = dist.join(format!("cnat-{}.tgz", cluster.app_version));
+    assert!(
+        chart.exists(),
+        "{}: run scripts/release --binaries target/suite --repository {RELEASED} target/dist, and load its image",
+        chart.display()
+    );
+    let checked = run(
+        Command::new("sha256sum")
+            .args(["--check", "--strict", "SHA256SUMS"])
+            .current_dir(&dist),
+        None,
+    );
+    succeeded("sha256sum --check SHA256SUMS", &checked);
     let endpoint = format!("tracing.otlpEndpoint=http://{otlp}");
     let default_image = format!("runDefaults.image={MIRROR}");
     let out = cluster.helm(&[
@@ -411,6 +427,9 @@ async fn install(cluster: &Cluster, otlp: std::net::SocketAddr) -> String {
     ]);
     let deployments: Api<Deployment> = Api::namespaced(cluster.client.clone(), SYSTEM);
     let deployment = deployments.get(RELEASE).await.unwrap();
+    let pod_spec = deployment.spec.template.spec.as_ref();
+    let image = pod_spec.and_then(|p| p.containers[0].image.clone());
+    assert_eq!(image, Some(format!("{RELEASED}:{}", cluster.app_version)));
     let status = deployment.status.unwrap();
     assert_eq!(status.ready_replicas, Some(3), "{status:?}");
     let replicas = replicas(cluster).await;
