@@ -29,12 +29,14 @@ pub enum ConnectError {
     Client(kube::Error),
 }
 
-/// A client for the cluster found the standard way: the in-cluster service account when running
-/// in a pod, else `KUBECONFIG` or `~/.kube/config`.
+/// A client for the cluster found the standard way: a `KUBECONFIG` that is set (as kubectl, so
+/// that `kubectl cnat` in a pod talks to kubectl's cluster), else the in-cluster service account
+/// when running in a pod, else `~/.kube/config`.
 pub async fn client() -> Result<kube::Client, ConnectError> {
+    let named = std::env::var_os("KUBECONFIG").is_some_and(|path| !path.is_empty());
     let config = match kube::Config::incluster() {
-        Ok(config) => config,
-        Err(_) => kube::Config::infer()
+        Ok(config) if !named => config,
+        _ => kube::Config::infer()
             .await
             .map_err(ConnectError::NoConfig)?,
     };

@@ -107,6 +107,8 @@ impl Cluster {
         let scratch = self.dir.join("clients");
         command
             .env("KUBECONFIG", &self.kubeconfig)
+            // Never the cluster this test may itself run in.
+            .env_remove("KUBERNETES_SERVICE_HOST")
             .env("KUBECACHEDIR", scratch.join("kube-cache"))
             .env("HELM_CACHE_HOME", scratch.join("helm-cache"))
             .env("HELM_CONFIG_HOME", scratch.join("helm-config"))
@@ -539,7 +541,13 @@ async fn a_foreign_ca_bundle_fails_admission_with_x509_until_restored(cluster: &
                 .any(|w| w.name.starts_with("default.ats."))
         })
         .expect("cnat's MutatingWebhookConfiguration");
-    let original = config.webhooks.as_ref().unwrap()[0]
+    let index = config
+        .webhooks
+        .iter()
+        .flatten()
+        .position(|w| w.name.starts_with("default.ats."))
+        .unwrap();
+    let original = config.webhooks.as_ref().unwrap()[index]
         .client_config
         .ca_bundle
         .clone()
@@ -556,7 +564,7 @@ async fn a_foreign_ca_bundle_fails_admission_with_x509_until_restored(cluster: &
         let name = config.name_any();
         async move {
             let patch = serde_json::json!([{"op": "replace",
-                "path": "/webhooks/0/clientConfig/caBundle", "value": bundle}]);
+                "path": format!("/webhooks/{index}/clientConfig/caBundle"), "value": bundle}]);
             configs
                 .patch(
                     &name,
@@ -575,22 +583,24 @@ async fn a_foreign_ca_bundle_fails_admission_with_x509_until_restored(cluster: &
         )
     };
     set(serde_json::Value::String(foreign)).await;
-    let refused = eventually(
-        "an At write refused for the foreign caBundle",
-        Duration::from_secs(30),
-        async || {
-            let output = dry_run();
-            let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-            (!output.status.success() && stderr.contains("x509")).then_some(stderr)
-        },
-    )
-    .await;
+    // Polled by hand, so that the bundle is restored before anything is asserted.
+    let mut refused = None;
+    for _ in 0..150 {
+        let output = dry_run();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        if !output.status.success() && stderr.contains("x509") {
+            refused = Some(stderr);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    set(serde_json::to_value(&original).unwrap()).await;
+    let refused = refused.expect("an At write refused for the foreign caBundle within 30 s");
     eprintln!("cluster test: kubectl apply with a foreign caBundle: {refused}");
     assert!(
         refused.contains("failed calling webhook \"default.ats.cnat.programming-kubernetes.info\""),
         "{refused}"
     );
-    set(serde_json::to_value(&original).unwrap()).await;
     eventually(
         "At writes admitted again with the caBundle restored",
         Duration::from_secs(30),
@@ -619,11 +629,9 @@ async fn a_failing_command_records_its_exit_code_and_output(cluster: &Cluster) {
     );
 }
 
-/// The admin commands as the operating pages show them: `cnat` installed as the kubectl plugin
-/// `kubectl-cnat` (the user's own kubeconfig and rights: `migrate-storage` rewrites Ats and the
-/// CRD's status), and from the operator's image with `kubectl exec` (the operator's rights:
-/// `release`, `crd`).
-fn admin_commands_run_as_a_kubectl_plugin_and_from_the_image(cluster: &Cluster) {
+/// `kubectl ARGS` with the `cnat` binary on the `PATH` as the kubectl plugin `kubectl-cnat`, as
+/// the command line page has users install it: its standard output; it must succeed.
+fn kubectl_cnat(cluster: &Cluster, args: &[&str]) -> String {
     let bin = cluster.dir.join("clients/bin");
     std::fs::create_dir_all(&bin).unwrap();
     std::fs::copy(env!("CARGO_BIN_EXE_cnat"), bin.join("kubectl-cnat")).unwrap();
@@ -632,39 +640,23 @@ fn admin_commands_run_as_a_kubectl_plugin_and_from_the_image(cluster: &Cluster) 
     )
     .unwrap();
     let kubectl = Path::new(ROOT).join(".tools/envtest-1.37/kubectl");
-    let plugin = |args: &[&str]| {
-        let output = run(
-            cluster.command(&kubectl).env("PATH", &path).args(args),
-            None,
-        );
-        succeeded(&format!("kubectl {args:?}"), &output)
-    };
-    let migrated = plugin(&["cnat", "migrate-storage"]);
+    let output = run(
+        cluster.command(&kubectl).env("PATH", &path).args(args),
+        None,
+    );
+    succeeded(&format!("kubectl {args:?}"), &output)
+}
+
+/// The admin commands as the command line page shows them: `kubectl cnat migrate-storage` (the
+/// user's own kubeconfig and rights: it rewrites Ats and the CRD's status), and `cnat crd` from
+/// the operator's image with `kubectl exec` (its conversion CA as mounted).
+fn admin_commands_run_as_a_kubectl_plugin_and_from_the_image(cluster: &Cluster) {
+    let migrated = kubectl_cnat(cluster, &["cnat", "migrate-storage"]);
     eprintln!("cluster test: kubectl cnat migrate-storage: {migrated}");
     assert!(
         migrated.starts_with("ats.cnat.programming-kubernetes.info: ")
             && migrated.contains("storedVersions"),
         "{migrated}"
-    );
-    let released = succeeded(
-        "kubectl exec deploy/cnat -- /cnat release",
-        &cluster.kubectl(
-            &[
-                "exec",
-                "-n",
-                SYSTEM,
-                &format!("deploy/{RELEASE}"),
-                "--",
-                "/cnat",
-                "release",
-            ],
-            None,
-        ),
-    );
-    eprintln!("cluster test: kubectl exec deploy/cnat -- /cnat release: {released}");
-    assert!(
-        released.starts_with("released ") && released.contains("pod(s) from cnat's finalizer"),
-        "{released}"
     );
     let crd = succeeded(
         "kubectl exec deploy/cnat -- /cnat crd",
@@ -677,13 +669,16 @@ fn admin_commands_run_as_a_kubectl_plugin_and_from_the_image(cluster: &Cluster) 
                 "--",
                 "/cnat",
                 "crd",
-                "--conversion-service",
-                &format!("{SYSTEM}/{RELEASE}-webhook"),
+                "--ca-bundle",
+                "/etc/cnat/tls/ca.crt",
             ],
             None,
         ),
     );
-    assert!(crd.contains("kind: CustomResourceDefinition"), "{crd}");
+    assert!(
+        crd.contains("kind: CustomResourceDefinition") && crd.contains("caBundle: "),
+        "{crd}"
+    );
 }
 
 /// The plugin as users run it: its exit code is the container's, its output the pod's log.
@@ -1390,6 +1385,18 @@ async fn an_uninstall_whose_hook_cannot_run_fails_within_its_deadline(cluster: &
     assert!(took < Duration::from_secs(90), "{took:?}");
     cluster.helm(&["uninstall", RELEASE, "-n", SYSTEM, "--no-hooks"]);
     quotas.delete("no-pods", &Default::default()).await.unwrap();
+    // No replica left to let the pod go (the uninstall does not wait for them).
+    eventually("every replica gone", Duration::from_secs(60), async || {
+        // Deleted ones too: a replica shutting down may still lead.
+        let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), SYSTEM);
+        let selector = format!("app.kubernetes.io/instance={RELEASE},app.kubernetes.io/name=cnat");
+        let left = pods
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .ok()?;
+        left.items.is_empty().then_some(())
+    })
+    .await;
     a_namespace_stays_terminating_until_cnat_release(cluster).await;
     // The hook's Role and RoleBinding went with the failed hook (hook-failed).
     let roles: Api<k8s_openapi::api::rbac::v1::Role> =
@@ -1414,15 +1421,14 @@ async fn a_namespace_stays_terminating_until_cnat_release(cluster: &Cluster) {
         .delete(LEFT_BEHIND, &DeleteParams::default())
         .await
         .unwrap();
-    // Its pod deleted, its command ended, and there it stays.
+    // Its pod deleted, and there it stays.
     let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), LEFT_BEHIND);
     eventually(
-        "the pod deleted, its command ended, its finalizer kept",
+        "the pod deleted, its finalizer kept",
         Duration::from_secs(60),
         async || {
             let pod = pods.get("long-pod").await.ok()?;
-            let ended = pod.status.as_ref()?.phase.as_deref() == Some("Succeeded");
-            (ended && pod.metadata.deletion_timestamp.is_some()).then_some(())
+            pod.metadata.deletion_timestamp.is_some().then_some(())
         },
     )
     .await;
@@ -1450,17 +1456,7 @@ async fn a_namespace_stays_terminating_until_cnat_release(cluster: &Cluster) {
         left.contains("cnat.programming-kubernetes.info/run-once"),
         "{left}"
     );
-    let released = succeeded(
-        "cnat release --namespace",
-        &run(
-            cluster.command(env!("CARGO_BIN_EXE_cnat")).args([
-                "release",
-                "--namespace",
-                LEFT_BEHIND,
-            ]),
-            None,
-        ),
-    );
+    let released = kubectl_cnat(cluster, &["cnat", "release", "--namespace", LEFT_BEHIND]);
     assert_eq!(released.trim(), "released 1 pod(s) from cnat's finalizer");
     eventually(
         "the namespace gone",

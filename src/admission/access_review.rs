@@ -797,7 +797,7 @@ impl AccessReviewer {
 
     /// The cached answer for `key` if younger than the TTL, marked used; past half its life, a
     /// refresh is started (one at a time, half a TTL after the last one started). An expired
-    /// answer is marked used too: it stays warm (and is not forgotten) while `check` asks.
+    /// answer is marked used too: it stays warm (and is not forgotten) while `check_received` asks.
     fn fresh(&self, reviews: &mut Reviews, key: Key, client: std::net::IpAddr) -> Option<Reviewed> {
         let ttl = self.inner.settings.cache_ttl;
         let now = Instant::now();

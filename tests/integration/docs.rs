@@ -330,7 +330,17 @@ fn the_chart_values_reference_names_every_value_and_no_other() {
 fn first_sentence(text: &str) -> String {
     let mut plain = String::new();
     let mut rest = text;
-    while let Some(open) = rest.find('[') {
+    // A `[` of a link, outside code spans.
+    let link = |s: &str| {
+        s.char_indices()
+            .scan(false, |in_code, (i, c)| {
+                *in_code ^= c == '`';
+                Some((i, c, *in_code))
+            })
+            .find(|&(_, c, in_code)| c == '[' && !in_code)
+            .map(|(i, _, _)| i)
+    };
+    while let Some(open) = link(rest) {
         let Some((words, after)) = rest[open + 1..].split_once("](") else {
             break;
         };
@@ -666,6 +676,10 @@ fn the_troubleshooting_page_quotes_cnat_s_messages_as_the_code_writes_them() {
         (
             "or have the operator default them (cnat run --default-requests / --default-limits); cnat retries with backoff",
             "or have the operator default them (cnat run --default-requests / --default-limits); cnat retries with backoff\"",
+        ),
+        (
+            "released 1 pod(s) from cnat's finalizer",
+            "\"released {} pod(s) from cnat's finalizer\"",
         ),
     ];
     for (shown, written) in quoted {
