@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use syn::visit::Visit;
 
 /// Lines of `src/` outside tests (`tests.rs` files and `#[cfg(test)]` items left out).
-const SRC_LINES: usize = 22_700;
+const SRC_LINES: usize = 21_900;
 /// Lines of the largest file of `src/`, outside tests.
 const FILE_LINES: usize = 1_110;
 /// Fields of `reconcile::Context`.
