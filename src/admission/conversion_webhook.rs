@@ -4,9 +4,9 @@
 
 use crate::conversion::streaming::{self, Answered};
 use crate::observability::metrics::Metrics;
-use crate::serving::guard::{Connection, Slots, Stage};
+use crate::serving::guard::{self, Connection, Slots, Stage};
 use axum::body::Body;
-use axum::http::{header, StatusCode};
+use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
@@ -52,12 +52,9 @@ pub async fn convert(
 ) -> Response {
     let started = Instant::now();
     let Some(slot) = slots.wait_n(client, 1, started + SLOT_WAIT).await else {
-        return (
-            StatusCode::TOO_MANY_REQUESTS,
-            [(header::RETRY_AFTER, "1")],
-            "cnat: too many conversions in flight on this replica (from this client, or in all); retry\n",
-        )
-            .into_response();
+        return guard::busy(
+            "cnat: too many conversions in flight on this replica (from this client, or in all); retry\n".into(),
+        );
     };
     // Not closed to make room from now until the answer is written.
     if let Some(connection) = connection {

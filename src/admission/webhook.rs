@@ -224,12 +224,9 @@ async fn read_body(
         if kib > charged {
             let wait = deadline.min(tokio::time::Instant::now() + BODY_WAIT);
             let Some(more) = budget.wait_n(client, kib - charged, wait).await else {
-                return Err((
-                    StatusCode::TOO_MANY_REQUESTS,
-                    [(header::RETRY_AFTER, "1")],
-                    "cnat: too many admission review bytes in flight on this replica (from this client, or in all); retry\n",
-                )
-                    .into_response());
+                return Err(guard::busy(
+                    "cnat: too many admission review bytes in flight on this replica (from this client, or in all); retry\n".into(),
+                ));
             };
             match &mut held {
                 Some(held) => held.merge(more),
@@ -327,12 +324,7 @@ async fn admit(
                 // would let it through under `failurePolicy: Ignore`. Not counted as an admission.
                 if resend(denial.busy_for(), call.timeout) {
                     span.set_attribute("busy", true);
-                    return (
-                        StatusCode::TOO_MANY_REQUESTS,
-                        [(header::RETRY_AFTER, "1")],
-                        format!("At {at}: {denial}\n"),
-                    )
-                        .into_response();
+                    return guard::busy(format!("At {at}: {denial}\n"));
                 }
                 v.response = v.response.clone().deny(format!("At {at}: {denial}"));
             }

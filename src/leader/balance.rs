@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-use super::Leadership;
+use super::leadership::Leadership;
 
 /// What the election's Leases say (`members::view`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

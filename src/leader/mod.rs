@@ -4,29 +4,28 @@
 
 pub mod balance;
 pub mod handover;
+mod leadership;
 pub mod members;
 pub mod record;
+mod renewal;
 pub mod store;
 pub mod timing;
 
+pub use leadership::{Leadership, WallClock};
 pub use timing::{Timing, TimingError};
 
 use crate::operator::events::EventSink;
-use crate::sync::lock;
 use futures::stream::FusedStream;
-use futures::StreamExt;
+use futures::{Stream, StreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::runtime::events::{Event, EventType};
 use kube::runtime::watcher;
 use kube::{Api, Client, Resource};
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use record::{Held, Known, Next, Reread, Seen};
-use std::collections::BTreeMap;
-use std::fmt;
+use record::{Held, Known, Next, Offer, Reread, Seen};
+use renewal::{held, Renewal, RenewalFuture};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use store::{holder_name, LeaseApi, LeaseError, Written};
 use tokio::time::{sleep, sleep_until, timeout, Instant};
@@ -36,42 +35,6 @@ use tracing::{debug, info, warn};
 
 /// How soon a candidate asks again after the API server gave no answer.
 const UNANSWERED_RETRY: Duration = Duration::from_millis(500);
-
-/// The shortest wait for a renewal's answer, however close the renew deadline is (the loop stops
-/// at the deadline whatever the renewal is doing).
-const MIN_RENEWAL_WAIT: Duration = Duration::from_millis(100);
-
-/// The wall clock whose time goes into `acquireTime`/`renewTime` (informational only: no
-/// decision reads them). Injected so tests can give each replica a skewed clock.
-#[derive(Clone)]
-pub struct WallClock(Arc<dyn Fn() -> jiff::Timestamp + Send + Sync>);
-
-impl WallClock {
-    /// The system clock.
-    pub fn system() -> Self {
-        WallClock(Arc::new(jiff::Timestamp::now))
-    }
-
-    pub fn new(now: impl Fn() -> jiff::Timestamp + Send + Sync + 'static) -> Self {
-        WallClock(Arc::new(now))
-    }
-
-    pub fn now(&self) -> jiff::Timestamp {
-        (self.0)()
-    }
-}
-
-impl Default for WallClock {
-    fn default() -> Self {
-        Self::system()
-    }
-}
-
-impl fmt::Debug for WallClock {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "WallClock({})", self.now())
-    }
-}
 
 /// Which Lease to compete for, as whom, and how.
 #[derive(Debug, Clone)]
@@ -87,84 +50,6 @@ pub struct Settings {
     /// With Lease shards: how this replica readies itself to be handed a shard, and how long it
     /// waits for a ready successor before releasing one (`None`: it releases at once).
     pub handover: Option<handover::Handover>,
-}
-
-/// What health checks and metrics can read about this replica's leadership: of the one Lease,
-/// or with Lease shards of every shard's.
-#[derive(Debug)]
-pub struct Leadership {
-    /// The Leases this replica holds, each with when it was last renewed.
-    held: Mutex<BTreeMap<String, Instant>>,
-    transitions: AtomicU64,
-    handovers: Histogram,
-}
-
-impl Default for Leadership {
-    fn default() -> Self {
-        Leadership {
-            held: Mutex::default(),
-            transitions: AtomicU64::new(0),
-            // 10 ms to about 82 s.
-            handovers: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
-        }
-    }
-}
-
-impl Leadership {
-    fn held(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Instant>> {
-        lock(&self.held)
-    }
-
-    /// Whether this replica holds a Lease (the Lease; with shards, any of them).
-    pub fn is_leader(&self) -> bool {
-        self.leading() > 0
-    }
-
-    /// How many Leases this replica holds.
-    pub fn leading(&self) -> usize {
-        self.held().len()
-    }
-
-    /// The names of the Leases this replica holds.
-    pub fn leases(&self) -> Vec<String> {
-        self.held().keys().cloned().collect()
-    }
-
-    /// How many times this replica became or stopped being leader (of any Lease).
-    pub fn transitions(&self) -> u64 {
-        self.transitions.load(Ordering::SeqCst)
-    }
-
-    /// While leading, the time since the last successful renewal of the Lease renewed longest
-    /// ago (with shards, one stuck shard is not hidden by the others' renewals).
-    pub fn since_renewal(&self) -> Option<Duration> {
-        self.held().values().map(|renewed| renewed.elapsed()).max()
-    }
-
-    /// Seconds from the Lease being seen free (released) or expired until this replica led.
-    pub fn handovers(&self) -> &Histogram {
-        &self.handovers
-    }
-
-    /// Lease `lease` held (`true`) or no more (`false`).
-    pub(crate) fn set_leading(&self, lease: &str, leading: bool) {
-        let changed = if leading {
-            self.held()
-                .insert(lease.to_owned(), Instant::now())
-                .is_none()
-        } else {
-            self.held().remove(lease).is_some()
-        };
-        if changed {
-            self.transitions.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    fn renewed(&self, lease: &str) {
-        if let Some(renewed) = self.held().get_mut(lease) {
-            *renewed = Instant::now();
-        }
-    }
 }
 
 /// Once `able` completes, competes for the Lease until `shutdown`, running `work` while holding
@@ -254,20 +139,6 @@ struct Won {
     /// With shards: this shard's place among those the replica leads, until it is counted.
     reserved: Option<balance::Reservation>,
 }
-
-/// What one renewal attempt came to.
-enum Renewal {
-    /// Renewed (`true`: with the ask for a successor, `record::HANDING_OVER`), and the ready
-    /// successor the Lease names, if any.
-    Renewed(Held, bool, Option<handover::Successor>),
-    /// A conflict, but the Lease is still ours at this newer version (and the successor it
-    /// names: a candidate's write is a conflict for us).
-    StillOurs(String, Option<handover::Successor>),
-    Gone(Option<String>),
-    Failed(LeaseError),
-}
-
-type RenewalFuture = Pin<Box<dyn Future<Output = Renewal> + Send>>;
 
 /// What a campaign knows between its steps.
 struct Campaign {
@@ -603,7 +474,7 @@ impl Elector {
         }
         if let Some(free) = won.free_since {
             let took = Instant::now().saturating_duration_since(free);
-            self.leadership.handovers.observe(took.as_secs_f64());
+            self.leadership.handovers().observe(took.as_secs_f64());
         }
         // Best effort, and never awaited: renewals must not wait on event publishing.
         self.tell(
@@ -630,7 +501,7 @@ impl Elector {
         let timing = self.settings.timing;
         let mut renewal: Option<RenewalFuture> = None;
         let mut renew_at = held.sent + timing.retry_period;
-        let mut handing_over: Option<handover::HandingOver> = None;
+        let mut handing_over: Option<HandingOver> = None;
         let why = loop {
             let until = handing_over.as_ref().map(|h| h.until);
             tokio::select! {
@@ -649,7 +520,7 @@ impl Elector {
                 },
                 result = &mut *task => break Why::LoopEnded(format!("{result:?}")),
                 news = async { handing_over.as_mut().expect("a handover").news().await }, if handing_over.is_some() => {
-                    if let Some(why) = handover::found(&mut handing_over, news) {
+                    if let Some(why) = found(&mut handing_over, news) {
                         break why;
                     }
                 }
@@ -665,7 +536,7 @@ impl Elector {
                             renew_at = renewed.sent + timing.retry_period;
                             held = renewed;
                             self.leadership.renewed(&self.settings.lease_name);
-                            if let Some(why) = handover::found(&mut handing_over, successor) {
+                            if let Some(why) = found(&mut handing_over, successor) {
                                 break why;
                             }
                             if handing_over.is_some() && self.no_successor() {
@@ -691,7 +562,7 @@ impl Elector {
                         Renewal::StillOurs(version, successor) => {
                             held.resource_version = version;
                             renew_at = Instant::now();
-                            if let Some(why) = handover::found(&mut handing_over, successor) {
+                            if let Some(why) = found(&mut handing_over, successor) {
                                 break why;
                             }
                         }
@@ -707,7 +578,14 @@ impl Elector {
                     // room for another try.
                     let limit = timing.retry_period.max(left / 2);
                     let asks = handing_over.is_some();
-                    renewal = Some(Box::pin(self.renew(held.resource_version.clone(), limit, asks)));
+                    renewal = Some(renewal::renew(
+                        self.leases.clone(),
+                        self.me().to_owned(),
+                        self.settings.clock.now(),
+                        held.resource_version.clone(),
+                        limit,
+                        asks,
+                    ));
                 }
             }
         };
@@ -848,49 +726,6 @@ impl Elector {
         );
     }
 
-    /// One renewal on `version`; on a conflict the Lease is read again to tell a foreign write
-    /// (still ours) from a takeover.
-    fn renew(
-        &self,
-        version: String,
-        limit: Duration,
-        handing_over: bool,
-    ) -> impl Future<Output = Renewal> + Send + 'static {
-        let asking = handing_over.then(|| self.me().to_owned());
-        let (leases, me, wall) = (
-            self.leases.clone(),
-            self.me().to_owned(),
-            self.settings.clock.now(),
-        );
-        async move {
-            let sent = Instant::now();
-            let patch = record::renew_patch(&version, wall, asking.as_deref());
-            match leases
-                .swap_within(&patch, limit.max(MIN_RENEWAL_WAIT))
-                .await
-            {
-                Ok(Written::Done(lease)) => {
-                    let successor = handover::Successor::named_on(&lease, &me);
-                    Renewal::Renewed(held(&lease, sent), handing_over, successor)
-                }
-                Ok(Written::Missing) => Renewal::Gone(None),
-                Ok(Written::Conflict) => match leases.get().await {
-                    Ok(lease) => match record::reread(lease.as_ref(), &me) {
-                        Reread::StillOurs { resource_version } => {
-                            let successor = lease
-                                .as_ref()
-                                .and_then(|lease| handover::Successor::named_on(lease, &me));
-                            Renewal::StillOurs(resource_version, successor)
-                        }
-                        Reread::Gone { holder } => Renewal::Gone(holder),
-                    },
-                    Err(error) => Renewal::Failed(error),
-                },
-                Err(error) => Renewal::Failed(error),
-            }
-        }
-    }
-
     /// Gives the Lease up so a candidate takes over at once, but only while it is ours: the
     /// write carries our last version, and a conflict is resolved by reading who holds it.
     async fn release(&self, held: &Held) {
@@ -956,60 +791,243 @@ impl Elector {
     }
 }
 
-/// Our tenure from a write that landed, sent at `sent`.
-fn held(lease: &Lease, sent: Instant) -> Held {
-    Held {
-        resource_version: lease.metadata.resource_version.clone().unwrap_or_default(),
-        sent,
+/// A holder handing its Lease over: it reconciles on, and watches its Lease for a ready
+/// successor, until `until`.
+struct HandingOver {
+    leaving: Leaving,
+    until: Instant,
+    /// Shutting down: `until` fits the shutdown timeout.
+    stopping: bool,
+    watch: Pin<Box<dyn Stream<Item = Result<Option<Lease>, watcher::Error>> + Send>>,
+    watch_open: bool,
+    me: String,
+}
+
+impl HandingOver {
+    /// The replica started shutting down while it hands a shard over for the balance: the
+    /// handover ends within what the shutdown timeout leaves room for.
+    fn stop(&mut self, on_shutdown: Duration) {
+        self.until = self.until.min(Instant::now() + on_shutdown);
+        self.stopping = true;
+    }
+
+    /// The next change of the Lease: the successor it names, if any (never completes once the
+    /// watch has ended).
+    async fn news(&mut self) -> Option<handover::Successor> {
+        if !self.watch_open {
+            return std::future::pending().await;
+        }
+        match self.watch.next().await {
+            Some(Ok(Some(lease))) => handover::Successor::named_on(&lease, &self.me),
+            Some(Ok(None) | Err(_)) => None,
+            None => {
+                self.watch_open = false;
+                None
+            }
+        }
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// While handing over, a successor the Lease names ends the handover: why leading ends.
+fn found(
+    handing_over: &mut Option<HandingOver>,
+    successor: Option<handover::Successor>,
+) -> Option<Why> {
+    let successor = successor?;
+    let handing = handing_over.take()?;
+    Some(Why::HandOver {
+        successor,
+        then: handing.leaving,
+    })
+}
 
-    #[tokio::test]
-    async fn leadership_counts_the_leases_held_and_each_change() {
-        let leadership = Leadership::default();
-        assert_eq!(
-            (leadership.is_leader(), leadership.since_renewal()),
-            (false, None)
-        );
-        leadership.set_leading("a", true);
-        leadership.set_leading("a", true);
-        leadership.set_leading("b", true);
-        assert_eq!((leadership.is_leader(), leadership.leading()), (true, 2));
-        assert_eq!(leadership.leases(), ["a", "b"]);
-        assert!(leadership.since_renewal().unwrap() < Duration::from_secs(1));
-        leadership.set_leading("a", false);
-        assert!(leadership.is_leader());
-        leadership.set_leading("b", false);
-        leadership.set_leading("b", false);
-        assert_eq!(
-            (leadership.leading(), leadership.since_renewal()),
-            (0, None)
-        );
-        assert_eq!(leadership.transitions(), 4);
+impl Elector {
+    /// Starts handing the Lease over for `leaving`; `Err(leaving)` when no successor can be ready
+    /// (no handovers, no other replica, or giving shards up to an outranking layout).
+    fn begin_handover(&self, leaving: Leaving) -> Result<HandingOver, Leaving> {
+        let Some(handover) = &self.settings.handover else {
+            return Err(leaving);
+        };
+        let outranked = matches!(&leaving, Leaving::Yielded(yielding) if yielding.outranked());
+        let stopping = matches!(leaving, Leaving::Shutdown);
+        let limit = if stopping {
+            handover.limit.min(handover.on_shutdown)
+        } else {
+            handover.limit
+        };
+        if self.no_successor() || outranked || limit.is_zero() {
+            return Err(leaving);
+        }
+        info!(lease = %self.name(), ?limit, "handing the lease over: reconciling on until another replica is ready to lead");
+        Ok(HandingOver {
+            leaving,
+            until: Instant::now() + limit,
+            stopping,
+            watch: Box::pin(self.leases.watch()),
+            watch_open: true,
+            me: self.me().to_owned(),
+        })
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn the_lease_renewed_longest_ago_is_the_one_liveness_sees() {
-        let leadership = Leadership::default();
-        leadership.set_leading("stuck", true);
-        leadership.set_leading("fine", true);
-        tokio::time::advance(Duration::from_secs(20)).await;
-        leadership.renewed("fine");
-        let since = leadership.since_renewal().unwrap();
-        assert!(since >= Duration::from_secs(20), "{since:?}");
-        leadership.set_leading("stuck", false);
-        assert!(leadership.since_renewal().unwrap() < Duration::from_secs(1));
+    /// No replica can take the Lease over: this one is alone among the replicas it counts, or
+    /// another layout leads (its replicas compete for other Leases).
+    fn no_successor(&self) -> bool {
+        self.settings.balance.as_ref().is_none_or(|balance| {
+            let view = balance.view();
+            view.replicas <= 1 || view.another_layout_leads || view.outranked
+        })
     }
 
-    #[test]
-    fn the_wall_clock_can_be_skewed() {
-        let ahead = WallClock::new(|| jiff::Timestamp::now() + jiff::SignedDuration::from_secs(5));
-        let gap = ahead.now().duration_since(WallClock::system().now());
-        assert!(gap.as_secs_f64() > 4.9, "{gap:?}");
-        assert!(format!("{ahead:?}").starts_with("WallClock("));
+    /// A candidate's step in a handover: ready itself if it may take the shard, then offer
+    /// (`Next::Offer`); drop that once another is named or the holder stays. `None`: as usual.
+    fn readying_step(&self, c: &mut Campaign, now: Instant, stopping: bool) -> Option<Next> {
+        let handover = self.settings.handover.as_ref()?;
+        let Known::Seen(seen) = &c.known else {
+            return None;
+        };
+        match record::offer(seen, self.me()) {
+            Offer::Open => match &c.readying {
+                // A replica stopping readies itself for nothing.
+                None if stopping => None,
+                None => {
+                    let balance = self.settings.balance.as_ref()?;
+                    let rescue_only = c.rescue_only_until.is_some_and(|until| now < until);
+                    if let Some(reserved) = balance.try_reserve(Duration::ZERO, rescue_only) {
+                        info!(lease = %self.name(), holder = holder_name(seen), "the holder hands the lease over: readying to lead");
+                        c.readying = Some(handover::Readying::start(handover, reserved));
+                    }
+                    None
+                }
+                // A replica stopping offers nothing (it would have to take it back).
+                Some(readying) if readying.is_ready() && !stopping => Some(Next::Offer {
+                    resource_version: seen.resource_version.clone(),
+                }),
+                Some(_) => None,
+            },
+            Offer::Ours => None,
+            Offer::Taken => {
+                if c.readying.take().is_some() {
+                    debug!(lease = %self.name(), successor = seen.preferred_holder.as_deref().unwrap_or_default(), "another replica is to take the lease over");
+                }
+                None
+            }
+            Offer::None => {
+                // Held on by its holder or taken by another: what was readied is not needed.
+                let another_holds = seen.holder.as_deref().is_some_and(|h| h != self.me());
+                if another_holds && now < seen.expires_at() {
+                    c.readying = None;
+                }
+                None
+            }
+        }
+    }
+
+    /// Says on the Lease that this replica is ready to lead (`record::PREFERRED_HOLDER`).
+    async fn offer(
+        &self,
+        c: &mut Campaign,
+        resource_version: &str,
+    ) -> Result<Option<Won>, LeaseError> {
+        let patch = record::prefer_patch(resource_version, self.me());
+        match self.leases.swap(&patch).await {
+            Ok(Written::Done(lease)) => {
+                info!(lease = %self.name(), "ready to lead: asked the holder to hand the lease over");
+                if let Some(readying) = c.readying.as_mut() {
+                    readying.offered = true;
+                }
+                c.known = self.observe(Some(&lease), &mut c.last, Instant::now());
+                c.news_at = Instant::now();
+                Ok(None)
+            }
+            Ok(Written::Conflict | Written::Missing) => {
+                c.known = Known::Unknown;
+                Ok(None)
+            }
+            Err(error) => {
+                c.known = Known::Unknown;
+                Err(error)
+            }
+        }
+    }
+
+    /// Writes `successor` as the Lease's holder, on the version that named it (read again once
+    /// if our own renewal changed it since).
+    async fn hand_over(&self, successor: &handover::Successor) -> Result<(), LeaseError> {
+        let timing = self.settings.timing;
+        let mut named = successor.clone();
+        for _ in 0..2 {
+            let patch = record::hand_over_patch(
+                &named.resource_version,
+                &named.identity,
+                named.transitions + 1,
+                timing.lease_seconds(),
+                self.settings.clock.now(),
+            );
+            match self.leases.swap(&patch).await? {
+                Written::Done(_) => return Ok(()),
+                Written::Missing => return Err(LeaseError::Gone),
+                Written::Conflict => {
+                    let lease = self.leases.get().await?.ok_or(LeaseError::Gone)?;
+                    match handover::Successor::named_on(&lease, self.me()) {
+                        Some(now_named) if now_named.identity == successor.identity => {
+                            named = now_named
+                        }
+                        _ => return Err(LeaseError::Changed),
+                    }
+                }
+            }
+        }
+        Err(LeaseError::Changed)
+    }
+
+    /// Whether `successor` holds the Lease now (a handover whose answer was lost may have
+    /// landed).
+    async fn handed_to(&self, successor: &handover::Successor) -> bool {
+        self.leases.get().await.is_ok_and(|lease| {
+            matches!(
+                record::reread(lease.as_ref(), successor.identity()),
+                record::Reread::StillOurs { .. }
+            )
+        })
+    }
+
+    /// On stopping, a candidate named on the Lease takes its name back (or releases the Lease it
+    /// was already handed). Best effort: the Lease expires otherwise.
+    async fn withdraw(&self, c: &Campaign) {
+        // Only a candidate that readied can have named itself (an offer whose answer was lost
+        // may have landed).
+        if c.readying.is_none() {
+            return;
+        }
+        let attempt = async {
+            // A conflict (the holder renewed, or just handed the Lease over to us): read again.
+            for _ in 0..3 {
+                let Some(lease) = self.leases.get().await? else {
+                    return Ok::<_, LeaseError>("the lease is gone");
+                };
+                let seen = Seen::observe(&lease, None, Duration::ZERO, Instant::now());
+                let patch = if seen.holder.as_deref() == Some(self.me()) {
+                    record::release_patch(&seen.resource_version, self.settings.clock.now())
+                } else if seen.preferred_holder.as_deref() == Some(self.me()) {
+                    record::unprefer_patch(&seen.resource_version)
+                } else {
+                    return Ok("not named");
+                };
+                match self.leases.swap(&patch).await? {
+                    Written::Done(_) => return Ok("withdrawn"),
+                    Written::Missing => return Ok("the lease is gone"),
+                    Written::Conflict => {}
+                }
+            }
+            Err(LeaseError::Changed)
+        };
+        match attempt.await {
+            Ok(outcome) => {
+                debug!(lease = %self.name(), outcome, "stopping: withdrew from the handover")
+            }
+            Err(error) => {
+                warn!(lease = %self.name(), %error, "stopping: could not withdraw from the handover; the lease expires instead")
+            }
+        }
     }
 }

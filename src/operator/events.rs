@@ -67,14 +67,7 @@ impl EventSink {
             regarding,
             behind: None,
         };
-        match self.replica.try_send(queued) {
-            Ok(()) => true,
-            Err(mpsc::error::TrySendError::Full(_)) => false,
-            Err(mpsc::error::TrySendError::Closed(_)) => {
-                debug!("event publishers stopped; event dropped");
-                false
-            }
-        }
+        sent(self.replica.try_send(queued))
     }
 
     /// Queues `event` about `regarding` in the lane of `key`, its note cut to what the API
@@ -113,13 +106,18 @@ impl EventSink {
             regarding,
             behind,
         };
-        match self.lanes.try_send(key, queued) {
-            Ok(()) => true,
-            Err(mpsc::error::TrySendError::Full(_)) => false,
-            Err(mpsc::error::TrySendError::Closed(_)) => {
-                debug!("event publishers stopped; event dropped");
-                false
-            }
+        sent(self.lanes.try_send(key, queued))
+    }
+}
+
+/// Whether a queue took the event (a full queue or stopped publishers drop it).
+fn sent<T>(result: Result<(), mpsc::error::TrySendError<T>>) -> bool {
+    match result {
+        Ok(()) => true,
+        Err(mpsc::error::TrySendError::Full(_)) => false,
+        Err(mpsc::error::TrySendError::Closed(_)) => {
+            debug!("event publishers stopped; event dropped");
+            false
         }
     }
 }

@@ -766,12 +766,9 @@ pub async fn guard(
             connection.set(Stage::Idle);
         }
         let what = guard.what;
-        return (
-            StatusCode::TOO_MANY_REQUESTS,
-            [(header::RETRY_AFTER, "1")],
-            format!("cnat: too many {what} in flight on this replica (from this client, or in all); retry\n"),
-        )
-            .into_response();
+        return busy(format!(
+            "cnat: too many {what} in flight on this replica (from this client, or in all); retry\n"
+        ));
     };
     if let Some(connection) = &connection {
         // A request without a body (a GET) is answered at once; one with a body once the
@@ -850,6 +847,15 @@ impl http_body::Body for UntilWritten {
     }
 }
 
+/// 429 with `Retry-After: 1` (kube-apiserver resends such an answer to an admission review).
+pub fn busy(message: String) -> Response {
+    (
+        StatusCode::TOO_MANY_REQUESTS,
+        [(header::RETRY_AFTER, "1")],
+        message,
+    )
+        .into_response()
+}
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,7 +3,9 @@
 //! the replica leads after the old leader ran the Ats, and creates no pod again; and a handover
 //! in the middle of a burst creates each At's pod exactly once.
 
-use crate::support::envtest::{finish_pod, install_crd, lease_holder, ControlPlane, Replica};
+use crate::support::envtest::{
+    finish_pod, garbage_collector_maps_ats, install_crd, lease_holder, ControlPlane, Replica,
+};
 use crate::support::process::{get, probe};
 use crate::support::proxy::Proxy;
 use crate::support::until_some as until;
@@ -114,6 +116,9 @@ impl Scene {
         install_crd(&admin, &cnat::api::crd_yaml()).await;
         let lease_ns = plane.namespace(&format!("{test}-lease"), &[]).await;
         let ns = plane.namespace(test, &[]).await;
+        if plane.has_controller_manager() {
+            garbage_collector_maps_ats(&admin, &ns).await;
+        }
         let creations = Creations::watch(&admin, &ns).await;
         let proxy = match proxied {
             true => Some(Proxy::start(admin.clone()).await),

@@ -681,6 +681,10 @@ fn the_troubleshooting_page_quotes_cnat_s_messages_as_the_code_writes_them() {
             "released 1 pod(s) from cnat's finalizer",
             "\"released {} pod(s) from cnat's finalizer\"",
         ),
+        (
+            "\"message\":\"could not acquire the lease; retrying\"",
+            "\"could not acquire the lease; retrying\"",
+        ),
     ];
     for (shown, written) in quoted {
         assert!(page.contains(shown), "the page lacks {shown:?}");

@@ -899,6 +899,53 @@ pub async fn install_crd(client: &Client, yaml: &str) {
         .expect("CRD watch");
 }
 
+/// Waits until kube-controller-manager's garbage collector can map the At kind, so that the
+/// pods of deleted Ats go as in a cluster where the CRD is not new. It learns a new CRD at its
+/// next discovery (every 30 s), and until then backs off, up to tens of seconds, on every object
+/// whose owner it cannot map: a pod owned by an At deleted meanwhile stayed 41 s more. The probe
+/// is a ConfigMap in `ns` owned by an At that does not exist, made anew every 2 s (a new object
+/// starts with no backoff) until the collector deletes one.
+pub async fn garbage_collector_maps_ats(client: &Client, ns: &str) {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+    use kube::api::DeleteParams;
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+    let started = Instant::now();
+    for attempt in 0.. {
+        let name = format!("garbage-collector-probe-{attempt}");
+        let probe = ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                owner_references: Some(vec![OwnerReference {
+                    api_version: cnat::conversion::V1.into(),
+                    kind: "At".into(),
+                    name: "no-such-at".into(),
+                    uid: "00000000-0000-0000-0000-000000000001".into(),
+                    ..OwnerReference::default()
+                }]),
+                ..ObjectMeta::default()
+            },
+            ..ConfigMap::default()
+        };
+        maps.create(&PostParams::default(), &probe)
+            .await
+            .expect("the garbage collector's probe created");
+        let tried = Instant::now();
+        while tried.elapsed() < Duration::from_secs(2) {
+            if maps.get_opt(&name).await.expect("probe read").is_none() {
+                let waited = started.elapsed();
+                return eprintln!("the garbage collector maps Ats: after {waited:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the garbage collector never deleted a ConfigMap owned by a missing At within 120 s"
+        );
+        let _ = maps.delete(&name, &DeleteParams::default()).await;
+    }
+}
+
 /// Waits up to `timeout` until `check` holds for At `name`, and returns it.
 pub async fn wait_at(
     ats: &Api<cnat::api::At>,
