@@ -218,7 +218,7 @@ async fn release(args: ReleaseArgs) -> Result<ExitCode, Failure> {
     }
     if !released.kept.is_empty() && stopping {
         // The operator is gone: nothing will record them; the uninstall goes on.
-        eprintln!("cnat release: {} pod(s) keep cnat's finalizer, so that their command never runs twice should cnat be installed again; to let one go: kubectl patch pod NAME -n NAMESPACE --type=json -p '[{{\"op\":\"remove\",\"path\":\"/metadata/finalizers\"}}]'", released.kept.len());
+        eprintln!("cnat release: {} pod(s) keep cnat's finalizer, so that their command never runs twice should cnat be installed again; to let one go (other finalizers stay): kubectl get pod NAME -n NAMESPACE -o json | jq '.metadata.finalizers -= [\"{}\"]' | kubectl replace -f -", released.kept.len(), cnat::operator::finalizer::FINALIZER);
     }
     Ok(if released.kept.is_empty() || stopping {
         ExitCode::SUCCESS

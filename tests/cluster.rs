@@ -10,10 +10,12 @@
 //! and `cnat:<appVersion>-next` (the build under test, twice: the upgrade changes the tag),
 //! [`RELEASED`]`:<appVersion>` (from target/dist) and `busybox:1.36` (which the test tags
 //! [`MIRROR`] on the node, the operator's default image for a cluster without Docker Hub).
-//! `scripts/test` does all of it (`scripts/test-steps cluster-up`); by hand:
+//! `scripts/test` does all of it (`scripts/test-steps cluster-artifacts`, then `cluster-up`); by
+//! hand, after a build of the `suite` profile:
 //!
 //! ```sh
-//! scripts/test-steps cluster-up 1.37     # or scripts/cluster up, scripts/image, scripts/release, scripts/cluster load
+//! scripts/test-steps cluster-artifacts   # scripts/image twice and scripts/release, into target/
+//! scripts/test-steps cluster-up 1.37     # scripts/cluster up, then scripts/cluster load of those
 //! CNAT_CLUSTER_KUBECONFIG=/tmp/cnat-cluster/admin.kubeconfig cargo nextest run --cargo-profile suite --test cluster
 //! ```
 //!
@@ -391,7 +393,7 @@ async fn install(cluster: &Cluster, otlp: std::net::SocketAddr) -> String {
         .unwrap();
     succeeded("ctr images tag", &tagged);
     // The chart as a release publishes it (scripts/release, run by scripts/test-steps
-    // cluster-up): packaged, its image the release's, the archives' checksums right.
+    // cluster-artifacts): packaged, its image the release's, the archives' checksums right.
     let dist = Path::new(ROOT).join("target/dist");
     let chart = dist.join(format!("cnat-{}.tgz", cluster.app_version));
     assert!(

@@ -1,6 +1,6 @@
-//! Leadership: replicas compete for a Lease, and only the holder runs the reconcile loop. Leases
-//! give no fencing: correctness rests on fixed pod names and status preconditions.
-//! See docs/src/design/architecture.md, "The Lease and the election".
+//! Leadership: replicas compete for a Lease, only the holder reconciles, and a holder stops
+//! before it names its successor. Leases give no fencing: correctness rests on fixed pod names
+//! and status preconditions. See docs/src/design/architecture.md, "The Lease and the election".
 
 pub mod balance;
 pub mod handover;

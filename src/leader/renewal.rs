@@ -28,9 +28,8 @@ pub(super) enum Renewal {
 
 pub(super) type RenewalFuture = Pin<Box<dyn Future<Output = Renewal> + Send>>;
 
-/// One renewal on `version` by `me` (`asking`: with the ask for a successor), waiting at most
-/// `limit` (and at least `MIN_RENEWAL_WAIT`) for its answer; on a conflict the Lease is read
-/// again to tell a foreign write (still ours) from a takeover.
+/// One renewal on `version` by `me` (`asking`: for a successor), waiting `limit` (at least
+/// `MIN_RENEWAL_WAIT`); on a conflict, a read tells a foreign write (still ours) from a takeover.
 pub(super) fn renew(
     leases: LeaseApi,
     me: String,

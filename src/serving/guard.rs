@@ -856,6 +856,7 @@ pub fn busy(message: String) -> Response {
     )
         .into_response()
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;

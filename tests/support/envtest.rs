@@ -903,8 +903,8 @@ pub async fn install_crd(client: &Client, yaml: &str) {
 /// pods of deleted Ats go as in a cluster where the CRD is not new. It learns a new CRD at its
 /// next discovery (every 30 s), and until then backs off, up to tens of seconds, on every object
 /// whose owner it cannot map: a pod owned by an At deleted meanwhile stayed 41 s more. The probe
-/// is a ConfigMap in `ns` owned by an At that does not exist, made anew every 2 s (a new object
-/// starts with no backoff) until the collector deletes one.
+/// is a ConfigMap in `ns` owned by an At that does not exist, made anew every 2 s with another
+/// owner (a new owner starts with no backoff) until the collector deletes one.
 pub async fn garbage_collector_maps_ats(client: &Client, ns: &str) {
     use k8s_openapi::api::core::v1::ConfigMap;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -920,7 +920,8 @@ pub async fn garbage_collector_maps_ats(client: &Client, ns: &str) {
                     api_version: cnat::conversion::V1.into(),
                     kind: "At".into(),
                     name: "no-such-at".into(),
-                    uid: "00000000-0000-0000-0000-000000000001".into(),
+                    // Another owner each time: the collector backs off per owner.
+                    uid: format!("00000000-0000-0000-0000-{attempt:012}"),
                     ..OwnerReference::default()
                 }]),
                 ..ObjectMeta::default()
