@@ -251,6 +251,34 @@ pub struct RunArgs {
     #[arg(long, env = "CNAT_TLS_RELOAD_INTERVAL", default_value = "10s", value_parser = duration)]
     pub tls_reload_interval: Duration,
 
+    /// Keep the webhook's CA and serving certificate in this Secret of the Lease's namespace,
+    /// instead of reading --tls-cert and --tls-key: the first replica makes it, every replica
+    /// serves it, keeps the webhook configurations' and the CRD's caBundle trusting it, and
+    /// rotates it before it expires. Unset: the files.
+    #[arg(long, env = "CNAT_WEBHOOK_CERTS_SECRET")]
+    pub webhook_certs_secret: Option<String>,
+
+    /// With --webhook-certs-secret: the name of the mutating and of the validating webhook
+    /// configuration whose webhooks calling this Service get the caBundle.
+    #[arg(long, env = "CNAT_WEBHOOK_CONFIGURATION", default_value = "cnat")]
+    pub webhook_configuration: String,
+
+    /// With --webhook-certs-secret: the webhook Service (in the Lease's namespace) the
+    /// certificate is for, and that webhooks and the CRD's conversion must call to get the
+    /// caBundle.
+    #[arg(long, env = "CNAT_WEBHOOK_SERVICE", default_value = "cnat-webhook")]
+    pub webhook_service: String,
+
+    /// With --webhook-certs-secret: more DNS names or IP addresses for the certificate (comma
+    /// separated); a webhook calling a URL with one of them as its host gets the caBundle too.
+    #[arg(long, env = "CNAT_WEBHOOK_CERT_NAMES", value_delimiter = ',')]
+    pub webhook_cert_names: Vec<String>,
+
+    /// With --webhook-certs-secret: how long a new CA is trusted before it signs the served
+    /// certificate, and how long the CA it replaces stays trusted after.
+    #[arg(long, env = "CNAT_WEBHOOK_CA_OVERLAP", default_value = "10m", value_parser = duration)]
+    pub webhook_ca_overlap: Duration,
+
     /// Name of the coordination.k8s.io/v1 Lease the replicas compete for.
     #[arg(long, env = "CNAT_LEASE_NAME", default_value = "cnat")]
     pub lease_name: String,

@@ -3,6 +3,7 @@
 
 pub mod admission;
 pub mod api;
+pub mod certs;
 pub mod cli;
 pub mod conversion;
 pub mod kubectl_at;

@@ -267,6 +267,10 @@ enum RunError {
     WebhookAddr { addr: SocketAddr, why: String },
     #[error("the At cache stopped following the Ats")]
     CacheStopped,
+    #[error("the webhook certificate's keeper stopped before a certificate was ready")]
+    CertificatesStopped,
+    #[error("--webhook-ca-overlap {0:?}: must be from 1s to 168h (7 days); 10m is the default")]
+    CaOverlap(Duration),
     #[error("--lease-name {0:?} is {len} characters; with --shards it names the membership Leases by the label {label}, whose value may have at most 63: use a shorter name", len = .0.len(), label = leader::members::LABEL)]
     LeaseNameTooLong(String),
 }
@@ -420,7 +424,8 @@ async fn start_servers(
             draining: draining.clone(),
             certified_only: args.webhook_client_ca.is_some(),
         };
-        Some(start_webhooks(args, shared, close_servers.clone()).await?)
+        let stop = close_servers.clone();
+        Some(start_webhooks(args, shared, client, &health, stop).await?)
     } else {
         None
     };
@@ -471,24 +476,29 @@ async fn shut_down(args: &RunArgs, serving: Serving, election: JoinHandle<()>) {
     }
 }
 
-/// Starts the HTTPS webhook server and its certificate reloader; returns once it listens.
+/// Starts the HTTPS webhook server and its certificate's keeper or reloader; returns once it
+/// listens (with --webhook-certs-secret, once the Secret has a certificate).
 async fn start_webhooks(
     args: &RunArgs,
     shared: webhook::Shared,
+    client: &kube::Client,
+    health: &Health,
     stop_reloading: CancellationToken,
 ) -> Result<WebhookServer, RunError> {
-    let files = CertFiles {
-        cert: args.tls_cert.clone(),
-        key: args.tls_key.clone(),
-        client_ca: args.webhook_client_ca.clone(),
+    let config = match &args.webhook_certs_secret {
+        None => {
+            let files = CertFiles {
+                cert: args.tls_cert.clone(),
+                key: args.tls_key.clone(),
+                client_ca: args.webhook_client_ca.clone(),
+            };
+            let config = RustlsConfig::from_config(tls::server_config(&files)?);
+            let (interval, stop) = (args.tls_reload_interval, stop_reloading);
+            tokio::spawn(tls::reload_on_change(files, config.clone(), interval, stop));
+            config
+        }
+        Some(secret) => keep_certificates(args, secret, client, health, stop_reloading).await?,
     };
-    let config = RustlsConfig::from_config(tls::server_config(&files)?);
-    tokio::spawn(tls::reload_on_change(
-        files,
-        config.clone(),
-        args.tls_reload_interval,
-        stop_reloading,
-    ));
     let handle = axum_server::Handle::new();
     let addr = args.webhook_addr;
     let listener = cnat::serving::listen::bind(addr).map_err(|e| RunError::WebhookAddr {
@@ -511,6 +521,59 @@ async fn start_webhooks(
     };
     info!(addr = %bound, "serving admission webhooks");
     Ok((server, handle))
+}
+
+/// The webhook server's TLS config from the Secret `secret`, kept by `certs::run` until `stop`.
+async fn keep_certificates(
+    args: &RunArgs,
+    secret: &str,
+    client: &kube::Client,
+    health: &Health,
+    stop: CancellationToken,
+) -> Result<RustlsConfig, RunError> {
+    use cnat::certs;
+    let namespace = namespace_or_own(args.lease_namespace.clone(), client);
+    let service = &args.webhook_service;
+    let overlap = args.webhook_ca_overlap;
+    if !(Duration::from_secs(1)..=Duration::from_secs(7 * 86_400)).contains(&overlap) {
+        return Err(RunError::CaOverlap(overlap));
+    }
+    let policy = certs::rotation::Policy {
+        overlap: jiff::SignedDuration::try_from(overlap).unwrap_or(jiff::SignedDuration::MAX),
+        ..Default::default()
+    };
+    let settings = certs::Settings {
+        here: certs::targets::Here {
+            names: certs::Settings::names(&namespace, service, &args.webhook_cert_names),
+            namespace: namespace.clone(),
+            service: service.clone(),
+        },
+        secret: secret.to_owned(),
+        namespace,
+        configuration: args.webhook_configuration.clone(),
+        crd: <cnat::api::At as kube::CustomResourceExt>::crd_name().to_owned(),
+        policy,
+        clock: cnat::leader::WallClock::system(),
+    };
+    let source = format!("Secret {}/{}", settings.namespace, settings.secret);
+    let status = Arc::new(certs::Status::new(&settings));
+    let readiness = status.clone();
+    health.require(move || readiness.readiness().map_err(Into::into));
+    let (serve, mut identities) = tokio::sync::watch::channel(None);
+    tokio::spawn(certs::run(client.clone(), settings, serve, status, stop.clone()));
+    info!("waiting for the webhook certificate in {source}");
+    let first = match identities.wait_for(Option::is_some).await {
+        Ok(first) => first.clone().unwrap_or_else(|| unreachable!("waited for Some")),
+        Err(_) => return Err(RunError::CertificatesStopped),
+    };
+    let client_ca = args.webhook_client_ca.clone();
+    let config = tls::identity_config(&first, &source, client_ca.clone())?;
+    let config = RustlsConfig::from_config(config);
+    let (interval, reloading) = (args.tls_reload_interval, config.clone());
+    tokio::spawn(async move {
+        tls::follow_identities(identities, &source, client_ca, reloading, interval, stop).await
+    });
+    Ok(config)
 }
 
 /// Cancels `shutdown` on the first SIGTERM or SIGINT.

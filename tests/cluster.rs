@@ -340,7 +340,7 @@ async fn installed_as_users_do_cnat_runs_real_pods_survives_upgrades_and_kills_a
     step("a malformed At");
     a_malformed_at_is_refused_by_the_webhook_through_its_service(&cluster);
     step("a caBundle that does not match the certificate");
-    a_foreign_ca_bundle_fails_admission_with_x509_until_restored(&cluster).await;
+    a_foreign_ca_bundle_is_written_back_by_cnat(&cluster).await;
     step("a failing command");
     a_failing_command_records_its_exit_code_and_output(&cluster).await;
     step("kubectl at --wait");
@@ -359,6 +359,10 @@ async fn installed_as_users_do_cnat_runs_real_pods_survives_upgrades_and_kills_a
     an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(&cluster).await;
     step("the pod whose Secret was missing started");
     the_pod_started_once_its_secret_existed(&cluster).await;
+    step("helm template | kubectl apply under load");
+    let mut values = install_values(otlp);
+    values.push(format!("image.tag={}-next", cluster.app_version));
+    gitops_re_applies_fail_no_admission(&cluster, &values).await;
     step("the leader killed");
     killing_the_leader_runs_every_at_once(&cluster).await;
     step("helm uninstall while Ats fall due");
@@ -377,6 +381,17 @@ async fn installed_as_users_do_cnat_runs_real_pods_survives_upgrades_and_kills_a
         an_uninstall_whose_hook_cannot_run_fails_within_its_deadline(&cluster).await;
     }
     step("done");
+}
+
+/// The values the release is installed with: three replicas, the Ats' default image
+/// [`MIRROR`] (on the node, never pulled), traces to the collector at `otlp`.
+fn install_values(otlp: std::net::SocketAddr) -> Vec<String> {
+    vec![
+        "replicaCount=3".into(),
+        format!("runDefaults.image={MIRROR}"),
+        "runDefaults.imagePullPolicy=Never".into(),
+        format!("tracing.otlpEndpoint=http://{otlp}"),
+    ]
 }
 
 /// `helm install` as the install page shows it for a cluster without Docker Hub (three
@@ -408,27 +423,22 @@ async fn install(cluster: &Cluster, otlp: std::net::SocketAddr) -> String {
         None,
     );
     succeeded("sha256sum --check SHA256SUMS", &checked);
-    let endpoint = format!("tracing.otlpEndpoint=http://{otlp}");
-    let default_image = format!("runDefaults.image={MIRROR}");
-    let out = cluster.helm(&[
+    let mut args = vec![
         "install",
         RELEASE,
         chart.to_str().unwrap(),
         "-n",
         SYSTEM,
         "--create-namespace",
-        "--set",
-        "replicaCount=3",
         "--wait",
-        "--set",
-        &default_image,
-        "--set",
-        "runDefaults.imagePullPolicy=Never",
         "--timeout",
         "300s",
-        "--set",
-        &endpoint,
-    ]);
+    ];
+    let values = install_values(otlp);
+    for value in &values {
+        args.extend(["--set", value.as_str()]);
+    }
+    let out = cluster.helm(&args);
     let deployments: Api<Deployment> = Api::namespaced(cluster.client.clone(), SYSTEM);
     let deployment = deployments.get(RELEASE).await.unwrap();
     let pod_spec = deployment.spec.template.spec.as_ref();
@@ -524,9 +534,9 @@ fn a_malformed_at_is_refused_by_the_webhook_through_its_service(cluster: &Cluste
 }
 
 /// The mutating webhook's `caBundle` replaced by another CA (here the cluster's own), as a
-/// re-rendered chart or a hand-made configuration can leave it: every At write is refused with
-/// an x509 error naming the webhook (the troubleshooting page quotes it); restored, writes pass.
-async fn a_foreign_ca_bundle_fails_admission_with_x509_until_restored(cluster: &Cluster) {
+/// hand-made configuration or another tool can leave it: cnat writes its own back; then At
+/// writes pass.
+async fn a_foreign_ca_bundle_is_written_back_by_cnat(cluster: &Cluster) {
     use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
     use kube::api::{Patch, PatchParams};
     let configs: Api<MutatingWebhookConfiguration> = Api::all(cluster.client.clone());
@@ -585,30 +595,110 @@ async fn a_foreign_ca_bundle_fails_admission_with_x509_until_restored(cluster: &
         )
     };
     set(serde_json::Value::String(foreign)).await;
-    // Polled by hand, so that the bundle is restored before anything is asserted.
+    let changed = std::time::Instant::now();
+    // cnat keeps the caBundle (webhook.certs.mode operator, the default): it writes its own
+    // back. Until then writes may be refused with an x509 error naming the webhook (the
+    // troubleshooting page quotes it).
     let mut refused = None;
-    for _ in 0..150 {
+    let mut restored = None;
+    while changed.elapsed() < Duration::from_secs(30) {
         let output = dry_run();
         let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
         if !output.status.success() && stderr.contains("x509") {
-            refused = Some(stderr);
+            refused.get_or_insert(stderr);
+        }
+        let live = configs.get(&config.name_any()).await.unwrap();
+        let bundle = live.webhooks.unwrap()[index].client_config.ca_bundle.clone();
+        if bundle.as_ref() == Some(&original) {
+            restored = Some(changed.elapsed());
             break;
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    set(serde_json::to_value(&original).unwrap()).await;
-    let refused = refused.expect("an At write refused for the foreign caBundle within 30 s");
-    eprintln!("cluster test: kubectl apply with a foreign caBundle: {refused}");
-    assert!(
-        refused.contains("failed calling webhook \"default.ats.cnat.programming-kubernetes.info\""),
-        "{refused}"
-    );
+    let Some(restored) = restored else {
+        set(serde_json::to_value(&original).unwrap()).await;
+        panic!("cnat did not write its caBundle back within 30 s");
+    };
+    eprintln!("cluster test: a foreign caBundle written back by cnat after {restored:?}; refusal seen meanwhile: {refused:?}");
+    if let Some(refused) = refused {
+        assert!(
+            refused.contains("failed calling webhook \"default.ats.cnat.programming-kubernetes.info\""),
+            "{refused}"
+        );
+    }
     eventually(
         "At writes admitted again with the caBundle restored",
         Duration::from_secs(30),
         async || dry_run().status.success().then_some(()),
     )
     .await;
+}
+
+/// The release as GitOps tools deploy it: rendered by `helm template` (no lookup, no hooks),
+/// with the values and chart it runs with since the upgrade step, applied by kubectl twice client-side, then server-side by
+/// another field manager, under a stream of At creates: no create fails (the caBundle cnat
+/// writes is in no manifest, so no apply removes it).
+async fn gitops_re_applies_fail_no_admission(cluster: &Cluster, values: &[String]) {
+    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let creator = creates_until(&ats, "gitops", &stop);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The chart the upgrade step installed (this checkout's, its image cnat:<appVersion>-next).
+    let chart = Path::new(ROOT).join("charts/cnat");
+    let mut args = vec!["template", RELEASE, chart.to_str().unwrap(), "-n", SYSTEM, "--no-hooks"];
+    for value in values {
+        args.extend(["--set", value.as_str()]);
+    }
+    let rendered = cluster.helm(&args);
+    let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(&rendered).unwrap();
+    for doc in docs.iter().filter(|d| d.is_object()) {
+        let hooks = doc["webhooks"].as_array().into_iter().flatten();
+        let conversion = &doc["spec"]["conversion"]["webhook"]["clientConfig"];
+        assert!(
+            hooks.chain([conversion]).all(|h| h["clientConfig"]["caBundle"].is_null()
+                && h["caBundle"].is_null()),
+            "mode operator renders no caBundle: {doc}"
+        );
+    }
+    // cnat would write a removed caBundle back within a second: its write's time in the
+    // configuration's managedFields shows whether an apply removed it.
+    let injected = async || {
+        use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+        let configs: Api<MutatingWebhookConfiguration> = Api::all(cluster.client.clone());
+        let config = configs.get(RELEASE).await.unwrap();
+        let fields = config.metadata.managed_fields.unwrap_or_default();
+        let entry = fields
+            .into_iter()
+            .find(|f| f.manager.as_deref() == Some("cnat-ca-injector"));
+        entry.and_then(|f| f.time).map(|t| t.0)
+    };
+    let before = injected().await;
+    assert!(before.is_some(), "no caBundle written by cnat-ca-injector");
+    for extra in [
+        &[][..],
+        &[],
+        &["--server-side", "--force-conflicts", "--field-manager=gitops"],
+    ] {
+        let mut apply = vec!["apply", "-f", "-"];
+        apply.extend(extra);
+        let output = cluster.kubectl(&apply, Some(&rendered));
+        succeeded(&format!("kubectl {apply:?}"), &output);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    stop.cancel();
+    let (created, failed) = creator.await.unwrap();
+    assert!(
+        failed.is_empty(),
+        "{} of {} creates failed: {failed:?}",
+        failed.len(),
+        created.len() + failed.len()
+    );
+    assert!(created.len() > 30, "only {} Ats created", created.len());
+    assert_eq!(injected().await, before, "an apply removed the caBundle (cnat wrote it again)");
+    eprintln!(
+        "cluster test: helm template | kubectl apply twice, then --server-side: {} creates meanwhile, none failed",
+        created.len()
+    );
 }
 
 /// A command that fails, in an image the At names itself (which wins over the operator's).
@@ -671,14 +761,13 @@ fn admin_commands_run_as_a_kubectl_plugin_and_from_the_image(cluster: &Cluster) 
                 "--",
                 "/cnat",
                 "crd",
-                "--ca-bundle",
-                "/etc/cnat/tls/ca.crt",
             ],
             None,
         ),
     );
+    // In mode operator cnat writes the applied CRD's caBundle itself.
     assert!(
-        crd.contains("kind: CustomResourceDefinition") && crd.contains("caBundle: "),
+        crd.contains("kind: CustomResourceDefinition") && crd.contains("name: cnat-webhook"),
         "{crd}"
     );
 }
@@ -1020,16 +1109,18 @@ async fn every_replica_serves_webhooks_and_metrics_and_traces_reach_the_collecto
     );
 }
 
-/// `helm upgrade` to the second tag as the upgrading page shows it, while a client creates an
-/// At every 100 ms (one in ten due 2 to 6 s later, the rest in an hour): no create fails, every
-/// At due runs once, on time.
-async fn an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(cluster: &Cluster) {
-    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
-    let stop = tokio_util::sync::CancellationToken::new();
-    let creator = {
-        let ats = ats.clone();
-        let stop = stop.clone();
-        tokio::spawn(async move {
+/// Creates an At in team-a every 100 ms until `stop`, named `PREFIX-load-I` for the one in ten
+/// that falls due 2 to 6 s later (about one pod a second: what one 2-core node starts without a
+/// backlog) and `PREFIX-later-I` for the rest (due an hour later); the names created and the
+/// failures.
+fn creates_until(
+    ats: &Api<At>,
+    prefix: &'static str,
+    stop: &tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<(Vec<String>, Vec<String>)> {
+    let ats = ats.clone();
+    let stop = stop.clone();
+    tokio::spawn(async move {
             let mut created = Vec::new();
             let mut failed = Vec::new();
             let mut tick = tokio::time::interval(Duration::from_millis(100));
@@ -1038,13 +1129,11 @@ async fn an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(clu
             let mut i = 0u32;
             while !stop.is_cancelled() {
                 tick.tick().await;
-                // One in ten falls due 2 to 6 s later (about one pod a second: what one
-                // 2-core node starts without a backlog); the rest an hour later.
                 let runs = i.is_multiple_of(10);
                 let name = if runs {
-                    format!("load-{i}")
+                    format!("{prefix}-load-{i}")
                 } else {
-                    format!("later-{i}")
+                    format!("{prefix}-later-{i}")
                 };
                 let wait = if runs {
                     2000 + (i as i64 / 10 % 5) * 1000
@@ -1063,7 +1152,15 @@ async fn an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(clu
             }
             (created, failed)
         })
-    };
+}
+
+/// `helm upgrade` to the second tag as the upgrading page shows it, while a client creates an
+/// At every 100 ms (one in ten due 2 to 6 s later, the rest in an hour): no create fails, every
+/// At due runs once, on time.
+async fn an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(cluster: &Cluster) {
+    let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let creator = creates_until(&ats, "upgrade", &stop);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let chart = Path::new(ROOT).join("charts/cnat");
     let tag = format!("image.tag={}-next", cluster.app_version);
@@ -1119,7 +1216,7 @@ async fn an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(clu
     );
     let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), TEAM);
     let mut late = Vec::new();
-    for name in created.iter().filter(|n| n.starts_with("load-")) {
+    for name in created.iter().filter(|n| n.contains("-load-")) {
         let (status, pod) = ran_once(&ats, &pods, name).await;
         // The run's start as cnat records it (status.startTime, when it decided to create the
         // pod), and the pod's creation as the API server records it (whole seconds).
@@ -1144,7 +1241,7 @@ async fn an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(clu
     eprintln!(
         "cluster test: {} Ats created during the upgrade, {} of them due: each ran once, none late",
         created.len(),
-        created.iter().filter(|n| n.starts_with("load-")).count()
+        created.iter().filter(|n| n.contains("-load-")).count()
     );
 }
 

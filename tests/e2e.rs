@@ -20,6 +20,8 @@ mod admission;
 mod bad_input;
 #[path = "e2e/cel.rs"]
 mod cel;
+#[path = "e2e/certs.rs"]
+mod certs;
 #[path = "e2e/chart.rs"]
 mod chart;
 #[path = "e2e/demo.rs"]

@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
+use crate::certs::material::Pair;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -59,7 +61,16 @@ pub enum TlsError {
 /// (kube-apiserver's conversion calls carry none, whatever its admission configuration says).
 pub fn server_config(files: &CertFiles) -> Result<Arc<ServerConfig>, TlsError> {
     let (cert_pem, key_pem) = (read(&files.cert)?, read(&files.key)?);
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
+    server_config_from(&cert_pem, &key_pem, files)
+}
+
+/// `server_config` for a certificate and key given as PEM (`files` names them in errors).
+fn server_config_from(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+    files: &CertFiles,
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
         .filter_map(Result::ok)
         .collect();
     if chain.is_empty() {
@@ -67,7 +78,7 @@ pub fn server_config(files: &CertFiles) -> Result<Arc<ServerConfig>, TlsError> {
             path: files.cert.clone(),
         });
     }
-    let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| TlsError::Key {
+    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| TlsError::Key {
         path: files.key.clone(),
         reason: e.to_string(),
     })?;
@@ -225,6 +236,70 @@ pub async fn reload_on_change(
             }
             Err(error) => {
                 warn!(%error, "the webhook certificate changed but cannot be used; keeping the previous one")
+            }
+        }
+    }
+}
+
+/// How the keys of the Secret `source` names read in errors.
+fn secret_files(source: &str, client_ca: Option<PathBuf>) -> CertFiles {
+    CertFiles {
+        cert: PathBuf::from(format!("{source} tls.crt")),
+        key: PathBuf::from(format!("{source} tls.key")),
+        client_ca,
+    }
+}
+
+/// `server_config` for a leaf from the Secret `source` names.
+pub fn identity_config(
+    pair: &Pair,
+    source: &str,
+    client_ca: Option<PathBuf>,
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let files = secret_files(source, client_ca);
+    server_config_from(pair.cert.as_bytes(), pair.key.as_bytes(), &files)
+}
+
+/// Serves each leaf `identities` sends (`certs::run`'s, from the Secret `source` names), with
+/// the client CA file read anew at each, and whenever that file changes (checked every
+/// `interval`), until `stop`. A leaf that cannot be used is reported and the previous one kept.
+pub async fn follow_identities(
+    mut identities: watch::Receiver<Option<Pair>>,
+    source: &str,
+    client_ca: Option<PathBuf>,
+    config: RustlsConfig,
+    interval: Duration,
+    stop: CancellationToken,
+) {
+    let files = secret_files(source, client_ca);
+    let ca_contents = |files: &CertFiles| files.client_ca.as_ref().and_then(|ca| std::fs::read(ca).ok());
+    let mut loaded_ca = None;
+    let mut first = true;
+    loop {
+        if !first {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                changed = identities.changed() => if changed.is_err() { return },
+                _ = tokio::time::sleep(interval) => {
+                    if ca_contents(&files) == loaded_ca {
+                        continue;
+                    }
+                }
+            }
+        }
+        first = false;
+        let Some(pair) = identities.borrow_and_update().clone() else {
+            continue;
+        };
+        let ca = ca_contents(&files);
+        match server_config_from(pair.cert.as_bytes(), pair.key.as_bytes(), &files) {
+            Ok(new) => {
+                config.reload_from_config(new);
+                loaded_ca = ca;
+                info!(%source, "loaded the webhook certificate");
+            }
+            Err(error) => {
+                warn!(%error, "the webhook certificate cannot be used; keeping the previous one")
             }
         }
     }

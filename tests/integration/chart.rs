@@ -255,7 +255,12 @@ fn the_operator_pod_runs_locked_down() {
     assert_eq!(sc.allow_privilege_escalation, Some(false));
     assert_eq!(sc.read_only_root_filesystem, Some(true));
     assert_eq!(sc.capabilities.unwrap().drop.unwrap(), ["ALL"]);
-    // The certificate Secret is mounted whole: a subPath mount never sees a renewed certificate.
+    // In mode chart the certificate Secret is mounted whole: a subPath mount never sees a
+    // renewed certificate. (In mode operator, the default, nothing is mounted.)
+    let pod = Rendered::new(&["webhook.certs.mode=chart"])
+        .pod_template()
+        .spec
+        .unwrap();
     let mounts = pod.containers[0].volume_mounts.clone().unwrap();
     assert!(mounts.iter().all(|m| m.sub_path.is_none()));
     assert_eq!(mounts[0].mount_path, "/etc/cnat/tls");
@@ -298,6 +303,23 @@ fn rbac_is_exactly_what_the_operator_uses() {
                 None
             ),
             rule(&["events.k8s.io"], &["events"], &["create", "patch"], None),
+            // The webhook certificate cnat keeps (webhook.certs.mode operator, the default for
+            // a new install): the caBundle of its own configurations and of the At CRD.
+            rule(
+                &["admissionregistration.k8s.io"],
+                &[
+                    "mutatingwebhookconfigurations",
+                    "validatingwebhookconfigurations"
+                ],
+                &["get", "list", "watch", "patch"],
+                Some(&["cnat"])
+            ),
+            rule(
+                &["apiextensions.k8s.io"],
+                &["customresourcedefinitions"],
+                &["get", "list", "watch", "patch"],
+                Some(&["ats.cnat.programming-kubernetes.info"])
+            ),
             rule(
                 &["authorization.k8s.io"],
                 &["subjectaccessreviews"],
@@ -306,10 +328,29 @@ fn rbac_is_exactly_what_the_operator_uses() {
             ),
         ]
     );
-    // Without the escalation guard, no access reviews.
+    // Without the escalation guard, no access reviews; with the chart's certificate, nothing
+    // for webhook configurations or CRDs.
     let unguarded: ClusterRole =
         Rendered::new(&["webhook.accessReview.enabled=false"]).one("ClusterRole");
-    assert_eq!(unguarded.rules.unwrap().len(), 4);
+    assert_eq!(unguarded.rules.unwrap().len(), 6);
+    for sets in [
+        "webhook.certs.mode=chart",
+        "certManager.enabled=true",
+        "webhook.certs.existingSecret=mine",
+    ] {
+        let rendered = render(&[sets, "webhook.certs.caBundle=Q0E="]).unwrap();
+        let rules = |kind: &str| {
+            rendered
+                .iter()
+                .filter(|o| o["kind"] == kind)
+                .flat_map(|o| o["rules"].as_array().cloned().unwrap_or_default())
+                .map(|r| r.to_string())
+                .collect::<String>()
+        };
+        let (cluster, roles) = (rules("ClusterRole"), rules("Role"));
+        assert!(!cluster.contains("webhookconfigurations") && !cluster.contains("customresourcedefinitions"), "{sets}: {cluster}");
+        assert!(!roles.contains("webhook-certs"), "{sets}: {roles}");
+    }
     let role: Role = rendered
         .all::<Role>("Role")
         .into_iter()
@@ -329,6 +370,13 @@ fn rbac_is_exactly_what_the_operator_uses() {
             // The pod signing key's Secret, which the first replica that needs it makes.
             rule(&[""], &["secrets"], &["get"], Some(&["cnat-pod-signing"])),
             rule(&[""], &["secrets"], &["create"], None),
+            // The webhook certificate's Secret, which the first replica makes.
+            rule(
+                &[""],
+                &["secrets"],
+                &["get", "list", "watch", "update"],
+                Some(&["cnat-webhook-certs"])
+            ),
         ]
     );
     // The replicas are told that Secret's name.
@@ -346,10 +394,11 @@ fn rbac_is_exactly_what_the_operator_uses() {
     assert_eq!(rendered.all::<Value>("Role").len(), 3);
 }
 
-/// The webhook configurations point at the Service and trust a CA that signed the served certificate.
+/// In mode chart, the webhook configurations point at the Service and trust a CA that signed
+/// the served certificate.
 #[test]
 fn the_webhooks_trust_the_certificate_the_pods_serve() {
-    let rendered = Rendered::new(&[]);
+    let rendered = Rendered::new(&["webhook.certs.mode=chart"]);
     let service: Service = rendered.named("Service", "cnat-webhook");
     assert_eq!(service.metadata.name.as_deref(), Some("cnat-webhook"));
     let secret: Secret = rendered.one("Secret");
@@ -561,6 +610,8 @@ fn bad_values_are_rejected_by_the_schema() {
         ("replicaCount=0", "/replicaCount"),
         ("logs.format=xml", "/logs/format"),
         ("webhook.failurePolicy=Sometimes", "/webhook/failurePolicy"),
+        ("webhook.certs.mode=manual", "/webhook/certs/mode"),
+        ("webhook.certs.caOverlap=soon", "/webhook/certs/caOverlap"),
         ("webhook.timeoutSeconds=60", "/webhook/timeoutSeconds"),
         (
             "leaderElection.leaseDuration=soon",
@@ -670,7 +721,6 @@ fn the_default_install_renders_exactly_these_objects() {
         "RoleBinding",
         "RoleBinding",
         "RoleBinding",
-        "Secret",
         "Service",
         "Service",
         "ServiceAccount",
@@ -980,10 +1030,9 @@ fn collector_tls_secrets_are_mounted_whole_and_named_by_the_standard_variables()
         "the image's CA bundle unless a Secret is named: {env:?}"
     );
     let pod = none.pod_template().spec.unwrap();
-    assert_eq!(
-        pod.volumes.unwrap().len(),
-        1,
-        "only the webhook certificate"
+    assert!(
+        pod.volumes.is_none(),
+        "nothing mounted (mode operator: the certificate comes from the API)"
     );
 
     let rendered = Rendered::new(&[
@@ -1261,7 +1310,7 @@ fn helm_3_and_helm_4_both_lint_render_and_validate_the_chart() {
 /// generated CA changes on every render (every sync rotates it). With cert-manager or your own
 /// Secret, renders are identical, which is why the README and NOTES send GitOps users there.
 #[test]
-fn only_cert_manager_and_existing_secret_render_the_same_twice() {
+fn only_mode_chart_renders_a_new_ca_each_time() {
     let webhook_objects = |sets: &[&str]| -> Vec<Value> {
         render(sets)
             .unwrap()
@@ -1275,9 +1324,15 @@ fn only_cert_manager_and_existing_secret_render_the_same_twice() {
             })
             .collect()
     };
-    let generated = webhook_objects(&[]);
-    assert_ne!(generated, webhook_objects(&[]), "a new CA per render");
+    let generated = webhook_objects(&["webhook.certs.mode=chart"]);
+    assert_ne!(
+        generated,
+        webhook_objects(&["webhook.certs.mode=chart"]),
+        "a new CA per render"
+    );
     for sets in [
+        vec![],
+        vec!["webhook.certs.mode=operator"],
         vec!["certManager.enabled=true"],
         vec![
             "webhook.certs.existingSecret=my-tls",
@@ -1305,9 +1360,53 @@ fn only_cert_manager_and_existing_secret_render_the_same_twice() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&notes.stdout);
     assert!(
-        stdout.contains("helm template") && stdout.contains("certManager.enabled"),
-        "NOTES warn GitOps users: {stdout}"
+        stdout.contains("kept by cnat in the Secret cnat-webhook-certs")
+            && stdout.contains("never replace"),
+        "NOTES say who keeps the certificate: {stdout}"
     );
+    let chart_mode = Command::new(helm())
+        .args(["install", "cnat", CHART, "--dry-run", "--namespace", "cnat-system"])
+        .args(["--set", "webhook.certs.mode=chart"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&chart_mode.stdout);
+    assert!(
+        stdout.contains("helm template") && stdout.contains("webhook.certs.mode=operator"),
+        "NOTES warn GitOps users of mode chart: {stdout}"
+    );
+}
+
+/// In mode operator (the default of a new install, and always under `helm template`), the chart
+/// renders no certificate, no caBundle and no certificate volume: the replicas are told the
+/// Secret, configurations and Service whose certificate they keep.
+#[test]
+fn in_mode_operator_the_chart_renders_no_certificate_and_tells_the_replicas_what_to_keep() {
+    for sets in [&[][..], &["webhook.certs.mode=operator"]] {
+        let rendered = Rendered::new(sets);
+        assert!(rendered.all::<Value>("Secret").is_empty(), "{sets:?}");
+        for kind in ["MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"] {
+            let config: Value = rendered.one(kind);
+            let hooks = config["webhooks"].as_array().unwrap();
+            assert!(hooks.iter().all(|h| h["clientConfig"]["caBundle"].is_null()), "{config}");
+            assert!(config["metadata"]["annotations"].is_null(), "no cert-manager injection");
+        }
+        let crd: Value = rendered.one("CustomResourceDefinition");
+        let client = &crd["spec"]["conversion"]["webhook"]["clientConfig"];
+        assert!(client["caBundle"].is_null() && client["service"]["name"] == "cnat-webhook");
+        let env = plain_env(&rendered);
+        assert_eq!(env["CNAT_WEBHOOK_CERTS_SECRET"], "cnat-webhook-certs");
+        assert_eq!(env["CNAT_WEBHOOK_CONFIGURATION"], "cnat");
+        assert_eq!(env["CNAT_WEBHOOK_SERVICE"], "cnat-webhook");
+        assert_eq!(env["CNAT_WEBHOOK_CA_OVERLAP"], "10m");
+        assert!(!env.contains_key("CNAT_TLS_CERT"));
+        let pod = rendered.pod_template().spec.unwrap();
+        assert!(pod.volumes.is_none(), "{:?}", pod.volumes);
+        assert!(pod.containers[0].volume_mounts.is_none());
+    }
+    // The other modes keep the certificate volume and files.
+    let chart = Rendered::new(&["webhook.certs.mode=chart"]);
+    assert_eq!(plain_env(&chart)["CNAT_TLS_CERT"], "/etc/cnat/tls/tls.crt");
+    assert!(!plain_env(&chart).contains_key("CNAT_WEBHOOK_CERTS_SECRET"));
 }
 
 #[test]

@@ -36,6 +36,27 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s-webhook" (include "cnat.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{- /* Where the webhook certificate comes from: "cert-manager", "existing" (a Secret you keep),
+"operator" (cnat keeps it in <fullname>-webhook-certs) or "chart" (generated here, reused through
+`lookup`). webhook.certs.mode=auto is "operator" except on an upgrade of a release whose chart
+generated the certificate (its Secret exists, and no Secret cnat keeps): that one stays "chart",
+since a render without its caBundle would delete it before any replica could write one (docs:
+Certificates). */ -}}
+{{- define "cnat.certMode" -}}
+{{- if .Values.certManager.enabled }}cert-manager
+{{- else if .Values.webhook.certs.existingSecret }}existing
+{{- else if eq (.Values.webhook.certs.mode | default "auto") "auto" }}
+{{- $kept := lookup "v1" "Secret" .Release.Namespace (include "cnat.operatorCertSecret" .) }}
+{{- $generated := lookup "v1" "Secret" .Release.Namespace (printf "%s-webhook-tls" (include "cnat.fullname" .)) }}
+{{- if and .Release.IsUpgrade $generated (not $kept) }}chart{{ else }}operator{{ end }}
+{{- else }}{{ .Values.webhook.certs.mode }}
+{{- end }}
+{{- end }}
+
+{{- define "cnat.operatorCertSecret" -}}
+{{- printf "%s-webhook-certs" (include "cnat.fullname" .) }}
+{{- end }}
+
 {{- define "cnat.certSecret" -}}
 {{- default (printf "%s-webhook-tls" (include "cnat.fullname" .)) .Values.webhook.certs.existingSecret }}
 {{- end }}
