@@ -137,7 +137,7 @@ pub async fn run(
         serve,
         status,
         served_signer: None,
-        trusted_since: None,
+        trusted_since: Vec::new(),
         refused: false,
     };
     keeper.keep(stores, &mut woken, stop).await;
@@ -197,8 +197,8 @@ struct Keeper {
     status: Arc<Status>,
     /// The CA of the leaf this replica serves.
     served_signer: Option<Fingerprint>,
-    /// A CA every target trusts, and since when (this replica's clock).
-    trusted_since: Option<(Fingerprint, Instant)>,
+    /// The CAs of the bundle every target trusts, and since when (this replica's clock).
+    trusted_since: Vec<(Fingerprint, Instant)>,
     /// Whether the foreign Secret was reported.
     refused: bool,
 }
@@ -306,13 +306,21 @@ impl Keeper {
         let Ok(signer) = contents.signer() else {
             return Ok(wait);
         };
-        let trusted = rotation::trusted_everywhere(&trust, &signer);
-        let since = match self.trusted_since {
-            Some((ca, at)) if trusted && ca == signer => Some(at),
-            _ if trusted => Some(Instant::now()),
-            _ => None,
-        };
-        self.trusted_since = since.map(|at| (signer, at));
+        // Since when every target trusts each CA of the bundle (a published CA's count starts
+        // before it signs: at the switch, replicas serve its leaf at once).
+        self.trusted_since
+            .retain(|(ca, _)| wanted.contains(ca) && rotation::trusted_everywhere(&trust, ca));
+        for ca in &wanted {
+            let known = self.trusted_since.iter().any(|(seen, _)| seen == ca);
+            if !known && rotation::trusted_everywhere(&trust, ca) {
+                self.trusted_since.push((*ca, Instant::now()));
+            }
+        }
+        let since = self
+            .trusted_since
+            .iter()
+            .find(|(ca, _)| *ca == signer)
+            .map(|(_, at)| *at);
         let current = self.serve.borrow().clone();
         if current.as_ref() != Some(&contents.leaf) {
             let trusted_for = since.and_then(|at| jiff::SignedDuration::try_from(at.elapsed()).ok());
@@ -413,11 +421,13 @@ impl Keeper {
                 info!(target = %live.what(), "the webhook CA bundle written");
                 Ok(())
             }
-            // 422: a `test` of the patch failed, the object changed (its watch event follows).
+            // 422 without causes: a `test` of the patch failed, the object changed (its watch
+            // event follows).
             Err(kube::Error::Api(status))
                 if status.is_conflict()
                     || status.is_not_found()
-                    || (status.code == 422 && status.message.contains("test")) =>
+                    || (status.code == 422
+                        && status.details.as_ref().is_none_or(|d| d.causes.is_empty())) =>
             {
                 Ok(())
             }

@@ -148,10 +148,10 @@ pub fn next_step(found: &Found, targets: &[Target], policy: &Policy, now: Timest
         }
         Found::Stored(stored) => stored,
     };
-    let others = stored
-        .bundle
-        .iter()
-        .any(|c| c.fingerprint != stored.ca.fingerprint);
+    let next_fingerprint = stored.next.as_ref().map(|n| n.fingerprint);
+    let others = stored.bundle.iter().any(|c| {
+        c.fingerprint != stored.ca.fingerprint && Some(c.fingerprint) != next_fingerprint
+    });
     if (stored.next.is_some() && stored.published_at.is_none())
         || (others && stored.switched_at.is_none())
     {
