@@ -114,8 +114,18 @@ pub async fn run(
     let crds = Api::all(client.clone());
     let stores = Stores {
         secret: follow(secrets.clone(), by_name(&settings.secret), &wake, &stop),
-        mutating: follow(mutating.clone(), by_name(&settings.configuration), &wake, &stop),
-        validating: follow(validating.clone(), by_name(&settings.configuration), &wake, &stop),
+        mutating: follow(
+            mutating.clone(),
+            by_name(&settings.configuration),
+            &wake,
+            &stop,
+        ),
+        validating: follow(
+            validating.clone(),
+            by_name(&settings.configuration),
+            &wake,
+            &stop,
+        ),
         crd: follow(crds.clone(), by_name(&settings.crd), &wake, &stop),
     };
     let synced = async {
@@ -179,7 +189,9 @@ async fn drive<K: Send + 'static>(
         };
         match event {
             None => return,
-            Some(Err(error)) => warn!(%error, "watching the webhook certificate's objects; retrying"),
+            Some(Err(error)) => {
+                warn!(%error, "watching the webhook certificate's objects; retrying")
+            }
             Some(Ok(_)) => {
                 let _ = wake.try_send(());
             }
@@ -207,7 +219,12 @@ struct Keeper {
 const LONGEST_WAIT: Duration = Duration::from_secs(600);
 
 impl Keeper {
-    async fn keep(mut self, stores: Stores, woken: &mut mpsc::Receiver<()>, stop: CancellationToken) {
+    async fn keep(
+        mut self,
+        stores: Stores,
+        woken: &mut mpsc::Receiver<()>,
+        stop: CancellationToken,
+    ) {
         let retries = || {
             backon::ExponentialBuilder::default()
                 .with_min_delay(Duration::from_secs(1))
@@ -264,7 +281,10 @@ impl Keeper {
         let mut wait = LONGEST_WAIT;
         match &step {
             Step::Refuse => {
-                let why = format!("Secret {}/{} is not cnat's (no label app.kubernetes.io/managed-by=cnat)", s.namespace, s.secret);
+                let why = format!(
+                    "Secret {}/{} is not cnat's (no label app.kubernetes.io/managed-by=cnat)",
+                    s.namespace, s.secret
+                );
                 self.status.set(Err(why));
                 if !self.refused {
                     warn!(secret = %format!("{}/{}", s.namespace, s.secret), "the webhook certificate's Secret exists but is not cnat's (no label app.kubernetes.io/managed-by=cnat): nothing is written to it; delete it, or name another with --webhook-certs-secret");
@@ -296,7 +316,11 @@ impl Keeper {
             return Ok(wait);
         };
         let bundle = contents.bundle_pem();
-        let wanted: Vec<Fingerprint> = contents.bundle.iter().map(|c| c.facts.fingerprint).collect();
+        let wanted: Vec<Fingerprint> = contents
+            .bundle
+            .iter()
+            .map(|c| c.facts.fingerprint)
+            .collect();
         let mut failed = false;
         for live in &lives {
             if let Some(patch) = live.patch(&bundle, &wanted) {
@@ -323,7 +347,8 @@ impl Keeper {
             .map(|(_, at)| *at);
         let current = self.serve.borrow().clone();
         if current.as_ref() != Some(&contents.leaf) {
-            let trusted_for = since.and_then(|at| jiff::SignedDuration::try_from(at.elapsed()).ok());
+            let trusted_for =
+                since.and_then(|at| jiff::SignedDuration::try_from(at.elapsed()).ok());
             let overlap = s.policy.overlap;
             if rotation::may_serve(self.served_signer.as_ref(), &signer, trusted_for, overlap) {
                 info!(ca = %material::hex(&signer), "serving the webhook certificate from Secret {}/{}", s.namespace, s.secret);
@@ -414,7 +439,9 @@ impl Keeper {
             Kind::ValidatingWebhookConfiguration => {
                 self.validating.patch(name, &params, &patch).await.map(drop)
             }
-            Kind::CustomResourceDefinition => self.crds.patch(name, &params, &patch).await.map(drop),
+            Kind::CustomResourceDefinition => {
+                self.crds.patch(name, &params, &patch).await.map(drop)
+            }
         };
         match result {
             Ok(()) => {

@@ -560,10 +560,18 @@ async fn keep_certificates(
     let readiness = status.clone();
     health.require(move || readiness.readiness().map_err(Into::into));
     let (serve, mut identities) = tokio::sync::watch::channel(None);
-    tokio::spawn(certs::run(client.clone(), settings, serve, status, stop.clone()));
+    tokio::spawn(certs::run(
+        client.clone(),
+        settings,
+        serve,
+        status,
+        stop.clone(),
+    ));
     info!("waiting for the webhook certificate in {source}");
     let first = match identities.wait_for(Option::is_some).await {
-        Ok(first) => first.clone().unwrap_or_else(|| unreachable!("waited for Some")),
+        Ok(first) => first
+            .clone()
+            .unwrap_or_else(|| unreachable!("waited for Some")),
         Err(_) => return Err(RunError::CertificatesStopped),
     };
     let client_ca = args.webhook_client_ca.clone();

@@ -608,7 +608,10 @@ async fn a_foreign_ca_bundle_is_written_back_by_cnat(cluster: &Cluster) {
             refused.get_or_insert(stderr);
         }
         let live = configs.get(&config.name_any()).await.unwrap();
-        let bundle = live.webhooks.unwrap()[index].client_config.ca_bundle.clone();
+        let bundle = live.webhooks.unwrap()[index]
+            .client_config
+            .ca_bundle
+            .clone();
         if bundle.as_ref() == Some(&original) {
             restored = Some(changed.elapsed());
             break;
@@ -622,7 +625,9 @@ async fn a_foreign_ca_bundle_is_written_back_by_cnat(cluster: &Cluster) {
     eprintln!("cluster test: a foreign caBundle written back by cnat after {restored:?}; refusal seen meanwhile: {refused:?}");
     if let Some(refused) = refused {
         assert!(
-            refused.contains("failed calling webhook \"default.ats.cnat.programming-kubernetes.info\""),
+            refused.contains(
+                "failed calling webhook \"default.ats.cnat.programming-kubernetes.info\""
+            ),
             "{refused}"
         );
     }
@@ -645,7 +650,14 @@ async fn gitops_re_applies_fail_no_admission(cluster: &Cluster, values: &[String
     tokio::time::sleep(Duration::from_secs(2)).await;
     // The chart the upgrade step installed (this checkout's, its image cnat:<appVersion>-next).
     let chart = Path::new(ROOT).join("charts/cnat");
-    let mut args = vec!["template", RELEASE, chart.to_str().unwrap(), "-n", SYSTEM, "--no-hooks"];
+    let mut args = vec![
+        "template",
+        RELEASE,
+        chart.to_str().unwrap(),
+        "-n",
+        SYSTEM,
+        "--no-hooks",
+    ];
     for value in values {
         args.extend(["--set", value.as_str()]);
     }
@@ -655,8 +667,9 @@ async fn gitops_re_applies_fail_no_admission(cluster: &Cluster, values: &[String
         let hooks = doc["webhooks"].as_array().into_iter().flatten();
         let conversion = &doc["spec"]["conversion"]["webhook"]["clientConfig"];
         assert!(
-            hooks.chain([conversion]).all(|h| h["clientConfig"]["caBundle"].is_null()
-                && h["caBundle"].is_null()),
+            hooks
+                .chain([conversion])
+                .all(|h| h["clientConfig"]["caBundle"].is_null() && h["caBundle"].is_null()),
             "mode operator renders no caBundle: {doc}"
         );
     }
@@ -677,7 +690,11 @@ async fn gitops_re_applies_fail_no_admission(cluster: &Cluster, values: &[String
     for extra in [
         &[][..],
         &[],
-        &["--server-side", "--force-conflicts", "--field-manager=gitops"],
+        &[
+            "--server-side",
+            "--force-conflicts",
+            "--field-manager=gitops",
+        ],
     ] {
         let mut apply = vec!["apply", "-f", "-"];
         apply.extend(extra);
@@ -694,7 +711,11 @@ async fn gitops_re_applies_fail_no_admission(cluster: &Cluster, values: &[String
         created.len() + failed.len()
     );
     assert!(created.len() > 30, "only {} Ats created", created.len());
-    assert_eq!(injected().await, before, "an apply removed the caBundle (cnat wrote it again)");
+    assert_eq!(
+        injected().await,
+        before,
+        "an apply removed the caBundle (cnat wrote it again)"
+    );
     eprintln!(
         "cluster test: helm template | kubectl apply twice, then --server-side: {} creates meanwhile, none failed",
         created.len()
@@ -1121,37 +1142,37 @@ fn creates_until(
     let ats = ats.clone();
     let stop = stop.clone();
     tokio::spawn(async move {
-            let mut created = Vec::new();
-            let mut failed = Vec::new();
-            let mut tick = tokio::time::interval(Duration::from_millis(100));
-            // A stalled create delays the next ones rather than firing a burst after it.
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut i = 0u32;
-            while !stop.is_cancelled() {
-                tick.tick().await;
-                let runs = i.is_multiple_of(10);
-                let name = if runs {
-                    format!("{prefix}-load-{i}")
-                } else {
-                    format!("{prefix}-later-{i}")
-                };
-                let wait = if runs {
-                    2000 + (i as i64 / 10 % 5) * 1000
-                } else {
-                    3_600_000
-                };
-                let due = chrono::Utc::now() + chrono::Duration::milliseconds(wait);
-                match ats
-                    .create(&PostParams::default(), &at(&name, due, "true"))
-                    .await
-                {
-                    Ok(_) => created.push(name),
-                    Err(e) => failed.push(format!("{name}: {e}")),
-                }
-                i += 1;
+        let mut created = Vec::new();
+        let mut failed = Vec::new();
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        // A stalled create delays the next ones rather than firing a burst after it.
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut i = 0u32;
+        while !stop.is_cancelled() {
+            tick.tick().await;
+            let runs = i.is_multiple_of(10);
+            let name = if runs {
+                format!("{prefix}-load-{i}")
+            } else {
+                format!("{prefix}-later-{i}")
+            };
+            let wait = if runs {
+                2000 + (i as i64 / 10 % 5) * 1000
+            } else {
+                3_600_000
+            };
+            let due = chrono::Utc::now() + chrono::Duration::milliseconds(wait);
+            match ats
+                .create(&PostParams::default(), &at(&name, due, "true"))
+                .await
+            {
+                Ok(_) => created.push(name),
+                Err(e) => failed.push(format!("{name}: {e}")),
             }
-            (created, failed)
-        })
+            i += 1;
+        }
+        (created, failed)
+    })
 }
 
 /// `helm upgrade` to the second tag as the upgrading page shows it, while a client creates an

@@ -54,7 +54,9 @@ fn validity(
     let at = |t: Timestamp| {
         time::OffsetDateTime::from_unix_timestamp(t.as_second()).map_err(|_| MaterialError::Time(t))
     };
-    let start = now.saturating_sub(SKEW).map_err(|_| MaterialError::Time(now))?;
+    let start = now
+        .saturating_sub(SKEW)
+        .map_err(|_| MaterialError::Time(now))?;
     params.not_before = at(start)?;
     params.not_after = at(not_after)?;
     Ok(())
@@ -64,12 +66,15 @@ fn validity(
 pub fn new_ca(now: Timestamp, valid: SignedDuration) -> Result<Pair, MaterialError> {
     let key = KeyPair::generate()?;
     let mut params = CertificateParams::new(Vec::<String>::new())?;
-    params
-        .distinguished_name
-        .push(DnType::CommonName, format!("cnat webhook CA {}", now.as_second()));
+    params.distinguished_name.push(
+        DnType::CommonName,
+        format!("cnat webhook CA {}", now.as_second()),
+    );
     params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
     params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let end = now.saturating_add(valid).map_err(|_| MaterialError::Time(now))?;
+    let end = now
+        .saturating_add(valid)
+        .map_err(|_| MaterialError::Time(now))?;
     validity(&mut params, now, end)?;
     let cert = params.self_signed(&key)?;
     Ok(Pair {
@@ -92,7 +97,9 @@ pub fn new_leaf(
     let key = KeyPair::generate()?;
     let mut params = CertificateParams::new(names.to_vec())?;
     if let Some(first) = names.first() {
-        params.distinguished_name.push(DnType::CommonName, first.clone());
+        params
+            .distinguished_name
+            .push(DnType::CommonName, first.clone());
     }
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
@@ -123,10 +130,12 @@ pub fn read(pem: &[u8], what: &'static str) -> Result<Vec<Parsed>, MaterialError
             what,
             why: e.to_string(),
         })?;
-        let not_after = Timestamp::from_second(cert.validity().not_after.timestamp())
-            .map_err(|e| MaterialError::Unreadable {
-                what,
-                why: e.to_string(),
+        let not_after =
+            Timestamp::from_second(cert.validity().not_after.timestamp()).map_err(|e| {
+                MaterialError::Unreadable {
+                    what,
+                    why: e.to_string(),
+                }
             })?;
         found.push(Parsed {
             facts: Facts {
@@ -231,7 +240,11 @@ mod tests {
             "a leaf never outlives its CA"
         );
         assert!(fits(&leaf_read[0].der, &ca_read[0].der, &names));
-        assert!(fits(&leaf_read[0].der, &ca_read[0].der, &["::1".to_owned()]));
+        assert!(fits(
+            &leaf_read[0].der,
+            &ca_read[0].der,
+            &["::1".to_owned()]
+        ));
         assert!(!fits(
             &leaf_read[0].der,
             &ca_read[0].der,
@@ -251,9 +264,15 @@ mod tests {
     fn unreadable_pem_says_which_key() {
         let e = read(b"hello", "ca.crt").unwrap_err().to_string();
         assert_eq!(e, "no PEM certificate in ca.crt");
-        let e = read(b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n", "tls.crt")
-            .unwrap_err()
-            .to_string();
-        assert!(e.starts_with("tls.crt is not a readable certificate"), "{e}");
+        let e = read(
+            b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+            "tls.crt",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("tls.crt is not a readable certificate"),
+            "{e}"
+        );
     }
 }

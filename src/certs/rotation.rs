@@ -149,23 +149,25 @@ pub fn next_step(found: &Found, targets: &[Target], policy: &Policy, now: Timest
         Found::Stored(stored) => stored,
     };
     let next_fingerprint = stored.next.as_ref().map(|n| n.fingerprint);
-    let others = stored.bundle.iter().any(|c| {
-        c.fingerprint != stored.ca.fingerprint && Some(c.fingerprint) != next_fingerprint
-    });
+    let others = stored
+        .bundle
+        .iter()
+        .any(|c| c.fingerprint != stored.ca.fingerprint && Some(c.fingerprint) != next_fingerprint);
     if (stored.next.is_some() && stored.published_at.is_none())
         || (others && stored.switched_at.is_none())
     {
         return Step::Stamp;
     }
     let leaf_due = renewal(&stored.leaf, policy.leaf_renew_before);
-    let leaf_needed =
-        stored.request == Some(Request::Leaf) || !stored.leaf_fits || now >= leaf_due;
+    let leaf_needed = stored.request == Some(Request::Leaf) || !stored.leaf_fits || now >= leaf_due;
     if let (Some(next), Some(published)) = (&stored.next, stored.published_at) {
         if leaf_needed {
             // From the current CA, whatever the rotation waits for.
             return Step::RenewLeaf;
         }
-        let dwell_ends = published.saturating_add(policy.overlap).unwrap_or(published);
+        let dwell_ends = published
+            .saturating_add(policy.overlap)
+            .unwrap_or(published);
         return if now < dwell_ends {
             Step::Wait {
                 until: Some(dwell_ends.min(leaf_due)),

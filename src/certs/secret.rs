@@ -105,7 +105,11 @@ pub fn decode(secret: &Secret) -> Result<Contents, MaterialError> {
     };
     let empty = BTreeMap::new();
     let annotations = secret.metadata.annotations.as_ref().unwrap_or(&empty);
-    let at = |key: &str| annotations.get(key).and_then(|v| v.parse::<Timestamp>().ok());
+    let at = |key: &str| {
+        annotations
+            .get(key)
+            .and_then(|v| v.parse::<Timestamp>().ok())
+    };
     let request = match annotations.get(ROTATE).map(String::as_str) {
         Some("ca") => Some(Request::Ca),
         Some("leaf") => Some(Request::Leaf),
@@ -146,7 +150,10 @@ pub fn encode(mut secret: Secret, contents: &Contents) -> Secret {
         .labels
         .get_or_insert_with(BTreeMap::new)
         .insert(MANAGED_BY.0.into(), MANAGED_BY.1.into());
-    let annotations = secret.metadata.annotations.get_or_insert_with(BTreeMap::new);
+    let annotations = secret
+        .metadata
+        .annotations
+        .get_or_insert_with(BTreeMap::new);
     let mut set = |key: &str, at: Option<Timestamp>| match at {
         Some(at) => {
             annotations.insert(key.into(), at.to_string());
@@ -296,17 +303,36 @@ mod tests {
             .insert(ROTATE.into(), "ca".into());
         let (found2, contents) = found(Some(&asked), &names());
         assert_eq!(next_step(&found2, &[], &policy, now), Step::Publish);
-        let published = after(&Step::Publish, contents.as_ref(), &[], &names(), &policy, now)
-            .unwrap()
-            .unwrap();
+        let published = after(
+            &Step::Publish,
+            contents.as_ref(),
+            &[],
+            &names(),
+            &policy,
+            now,
+        )
+        .unwrap()
+        .unwrap();
         let secret = encode(asked, &published);
-        assert!(!secret.metadata.annotations.as_ref().unwrap().contains_key(ROTATE));
+        assert!(!secret
+            .metadata
+            .annotations
+            .as_ref()
+            .unwrap()
+            .contains_key(ROTATE));
         let later = now + policy.overlap;
         let (found3, contents) = found(Some(&secret), &names());
         assert_eq!(next_step(&found3, &[], &policy, later), Step::Switch);
-        let switched = after(&Step::Switch, contents.as_ref(), &[], &names(), &policy, later)
-            .unwrap()
-            .unwrap();
+        let switched = after(
+            &Step::Switch,
+            contents.as_ref(),
+            &[],
+            &names(),
+            &policy,
+            later,
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(switched.ca, published.next.clone().unwrap());
         assert_eq!(switched.bundle.len(), 2, "the old CA stays for the overlap");
         let secret = encode(secret, &switched);

@@ -245,14 +245,22 @@ mod tests {
         let live = mutating(
             &config(
                 &[Some(both.as_str()), Some(a.as_str()), Some(b.as_str())],
-                &["", "https://127.0.0.1:8443/mutating", "https://elsewhere:443/"],
+                &[
+                    "",
+                    "https://127.0.0.1:8443/mutating",
+                    "https://elsewhere:443/",
+                ],
             ),
             &here(),
         );
         let (target, found) = live.trust();
         let a_facts = read(a.as_bytes(), "a").unwrap()[0].facts.clone();
         assert_eq!(target, Target::Trusts(vec![a_facts.clone()]));
-        assert_eq!(found.len(), 3, "both of the first webhook's, one of the second's");
+        assert_eq!(
+            found.len(),
+            3,
+            "both of the first webhook's, one of the second's"
+        );
         // Already trusting exactly {a}: the third webhook calls elsewhere and is never written,
         // the first gets {a}.
         let patch = live.patch(&a, &[a_facts.fingerprint]).unwrap();
@@ -260,12 +268,19 @@ mod tests {
         assert_eq!(ops.as_array().unwrap().len(), 3, "{ops}");
         assert_eq!(ops[0]["path"], "/metadata/resourceVersion");
         assert_eq!(ops[0]["value"], "7");
-        assert_eq!(ops[1], json!({"op": "test", "path": "/webhooks/0/name", "value": "w0.cnat"}));
+        assert_eq!(
+            ops[1],
+            json!({"op": "test", "path": "/webhooks/0/name", "value": "w0.cnat"})
+        );
         assert_eq!(ops[2]["path"], "/webhooks/0/clientConfig/caBundle");
         // Applied to the object, the patch leaves nothing to do.
         let mut object = serde_json::to_value(config(
             &[Some(both.as_str()), Some(a.as_str()), Some(b.as_str())],
-            &["", "https://127.0.0.1:8443/mutating", "https://elsewhere:443/"],
+            &[
+                "",
+                "https://127.0.0.1:8443/mutating",
+                "https://elsewhere:443/",
+            ],
         ))
         .unwrap();
         json_patch::patch(&mut object, &patch).unwrap();
@@ -299,9 +314,14 @@ mod tests {
         };
         let a = ca();
         let fp = read(a.as_bytes(), "a").unwrap()[0].facts.fingerprint;
-        let patch = crd(&object("cnat-system"), &here()).patch(&a, &[fp]).unwrap();
+        let patch = crd(&object("cnat-system"), &here())
+            .patch(&a, &[fp])
+            .unwrap();
         let ops = serde_json::to_value(&patch).unwrap();
-        assert_eq!(ops[1]["path"], "/spec/conversion/webhook/clientConfig/caBundle");
+        assert_eq!(
+            ops[1]["path"],
+            "/spec/conversion/webhook/clientConfig/caBundle"
+        );
         assert_eq!(crd(&object("other"), &here()).trust().0, Target::Ignored);
     }
 }

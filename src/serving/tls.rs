@@ -2,6 +2,7 @@
 //! when their contents change, and `cnat certs`' development CA and serving certificate.
 //! See docs/src/operating/admission-webhooks.md, "Certificates".
 
+use crate::certs::material::Pair;
 use axum_server::tls_rustls::RustlsConfig;
 use chrono::{Datelike, Utc};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
@@ -12,7 +13,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
-use crate::certs::material::Pair;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -272,7 +272,12 @@ pub async fn follow_identities(
     stop: CancellationToken,
 ) {
     let files = secret_files(source, client_ca);
-    let ca_contents = |files: &CertFiles| files.client_ca.as_ref().and_then(|ca| std::fs::read(ca).ok());
+    let ca_contents = |files: &CertFiles| {
+        files
+            .client_ca
+            .as_ref()
+            .and_then(|ca| std::fs::read(ca).ok())
+    };
     let mut loaded_ca = None;
     let mut first = true;
     loop {

@@ -36,12 +36,14 @@ fn configurations(objects: &[Value], service: std::net::SocketAddr, ns: &str) ->
                 hook["clientConfig"]["caBundle"].is_null(),
                 "mode operator renders no caBundle: {hook}"
             );
-            let path = hook["clientConfig"]["service"]["path"].as_str().unwrap().to_owned();
+            let path = hook["clientConfig"]["service"]["path"]
+                .as_str()
+                .unwrap()
+                .to_owned();
             hook["clientConfig"] = json!({
                 "url": format!("https://localhost:{}{path}", service.port()),
             });
-            hook["namespaceSelector"] =
-                json!({"matchLabels": {"kubernetes.io/metadata.name": ns}});
+            hook["namespaceSelector"] = json!({"matchLabels": {"kubernetes.io/metadata.name": ns}});
         }
     }
     configs
@@ -71,7 +73,9 @@ async fn served(replica: &Replica, bundle: &[u8]) -> Option<Vec<u8>> {
     let ca = replica.log.with_extension("bundle.pem");
     std::fs::write(&ca, bundle).unwrap();
     let config = crate::support::https::trusting_config(&ca);
-    let stream = tokio::net::TcpStream::connect(replica.webhook).await.unwrap();
+    let stream = tokio::net::TcpStream::connect(replica.webhook)
+        .await
+        .unwrap();
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
     let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
         .connect(name, stream)
@@ -201,13 +205,28 @@ async fn replicas_keep_one_certificate_through_re_applies_and_a_ca_rotation() {
     let secrets: Api<Secret> = Api::namespaced(admin.clone(), &ns);
     let secret = secrets.get(&secret_name).await.unwrap();
     let labels = secret.metadata.labels.clone().unwrap_or_default();
-    assert_eq!(labels.get("app.kubernetes.io/managed-by").map(String::as_str), Some("cnat"));
+    assert_eq!(
+        labels
+            .get("app.kubernetes.io/managed-by")
+            .map(String::as_str),
+        Some("cnat")
+    );
     let first_ca = key(&secret, "ca.crt").to_vec();
     let bundle = key(&secret, "ca-bundle.crt").to_vec();
-    assert_eq!(bundle_in_configuration(&admin, &fullname).await, Some(bundle.clone()), "{}", logs());
+    assert_eq!(
+        bundle_in_configuration(&admin, &fullname).await,
+        Some(bundle.clone()),
+        "{}",
+        logs()
+    );
     for replica in &replicas {
         let serving = served(replica, &bundle).await;
-        assert_eq!(serving, Some(der(key(&secret, "tls.crt"))), "{}", replica.identity);
+        assert_eq!(
+            serving,
+            Some(der(key(&secret, "tls.crt"))),
+            "{}",
+            replica.identity
+        );
     }
 
     // Under a stream of creates: the configurations applied again as they were, then
@@ -222,14 +241,36 @@ async fn replicas_keep_one_certificate_through_re_applies_and_a_ca_rotation() {
     let before = writes();
     kubectl_apply(plane, &configs, &[]);
     kubectl_apply(plane, &configs, &[]);
-    assert_eq!(bundle_in_configuration(&admin, &fullname).await, Some(bundle.clone()), "client-side apply kept the caBundle");
-    kubectl_apply(plane, &configs, &["--server-side", "--field-manager=gitops"]);
-    assert_eq!(bundle_in_configuration(&admin, &fullname).await, Some(bundle.clone()), "server-side apply kept the caBundle");
+    assert_eq!(
+        bundle_in_configuration(&admin, &fullname).await,
+        Some(bundle.clone()),
+        "client-side apply kept the caBundle"
+    );
+    kubectl_apply(
+        plane,
+        &configs,
+        &["--server-side", "--field-manager=gitops"],
+    );
+    assert_eq!(
+        bundle_in_configuration(&admin, &fullname).await,
+        Some(bundle.clone()),
+        "server-side apply kept the caBundle"
+    );
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(writes(), before, "no apply removed the caBundle: {}", logs());
-    let rotate = json!({"metadata": {"annotations": {"cnat.programming-kubernetes.info/rotate": "ca"}}});
+    assert_eq!(
+        writes(),
+        before,
+        "no apply removed the caBundle: {}",
+        logs()
+    );
+    let rotate =
+        json!({"metadata": {"annotations": {"cnat.programming-kubernetes.info/rotate": "ca"}}});
     secrets
-        .patch(&secret_name, &PatchParams::default(), &Patch::Merge(&rotate))
+        .patch(
+            &secret_name,
+            &PatchParams::default(),
+            &Patch::Merge(&rotate),
+        )
         .await
         .unwrap();
     // Published, switched after the overlap, the old CA retired after another: one CA again,
@@ -252,19 +293,31 @@ async fn replicas_keep_one_certificate_through_re_applies_and_a_ca_rotation() {
         let serving = crate::support::until_some(Duration::from_secs(20), async || {
             (served(replica, &bundle).await.as_ref() == Some(&want)).then_some(())
         });
-        assert!(serving.await.is_some(), "{} serves the old leaf: {}", replica.identity, logs());
+        assert!(
+            serving.await.is_some(),
+            "{} serves the old leaf: {}",
+            replica.identity,
+            logs()
+        );
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     stop.store(true, Ordering::SeqCst);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let failures = failures.lock().unwrap().clone();
     let created = created.load(Ordering::SeqCst);
-    assert!(failures.is_empty(), "{} of {} creates failed: {failures:?}\n{}", failures.len(), created + failures.len(), logs());
+    assert!(
+        failures.is_empty(),
+        "{} of {} creates failed: {failures:?}\n{}",
+        failures.len(),
+        created + failures.len(),
+        logs()
+    );
     assert!(created >= 30, "only {created} creates");
     // Nothing refused: the chart's RBAC is all the certificate keeper needs.
     let log = logs();
     assert!(
-        !log.contains("cannot write the webhook") && !log.contains("watching the webhook certificate's objects"),
+        !log.contains("cannot write the webhook")
+            && !log.contains("watching the webhook certificate's objects"),
         "{log}"
     );
     let injected = Api::<MutatingWebhookConfiguration>::all(admin.clone())
@@ -278,5 +331,8 @@ async fn replicas_keep_one_certificate_through_re_applies_and_a_ca_rotation() {
         .iter()
         .filter_map(|m| m.manager.clone())
         .collect();
-    assert!(managers.contains(&cnat::certs::FIELD_MANAGER.to_owned()), "{managers:?}");
+    assert!(
+        managers.contains(&cnat::certs::FIELD_MANAGER.to_owned()),
+        "{managers:?}"
+    );
 }

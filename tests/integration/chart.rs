@@ -348,7 +348,11 @@ fn rbac_is_exactly_what_the_operator_uses() {
                 .collect::<String>()
         };
         let (cluster, roles) = (rules("ClusterRole"), rules("Role"));
-        assert!(!cluster.contains("webhookconfigurations") && !cluster.contains("customresourcedefinitions"), "{sets}: {cluster}");
+        assert!(
+            !cluster.contains("webhookconfigurations")
+                && !cluster.contains("customresourcedefinitions"),
+            "{sets}: {cluster}"
+        );
         assert!(!roles.contains("webhook-certs"), "{sets}: {roles}");
     }
     let role: Role = rendered
@@ -1365,7 +1369,14 @@ fn only_mode_chart_renders_a_new_ca_each_time() {
         "NOTES say who keeps the certificate: {stdout}"
     );
     let chart_mode = Command::new(helm())
-        .args(["install", "cnat", CHART, "--dry-run", "--namespace", "cnat-system"])
+        .args([
+            "install",
+            "cnat",
+            CHART,
+            "--dry-run",
+            "--namespace",
+            "cnat-system",
+        ])
         .args(["--set", "webhook.certs.mode=chart"])
         .output()
         .unwrap();
@@ -1384,11 +1395,22 @@ fn in_mode_operator_the_chart_renders_no_certificate_and_tells_the_replicas_what
     for sets in [&[][..], &["webhook.certs.mode=operator"]] {
         let rendered = Rendered::new(sets);
         assert!(rendered.all::<Value>("Secret").is_empty(), "{sets:?}");
-        for kind in ["MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"] {
+        for kind in [
+            "MutatingWebhookConfiguration",
+            "ValidatingWebhookConfiguration",
+        ] {
             let config: Value = rendered.one(kind);
             let hooks = config["webhooks"].as_array().unwrap();
-            assert!(hooks.iter().all(|h| h["clientConfig"]["caBundle"].is_null()), "{config}");
-            assert!(config["metadata"]["annotations"].is_null(), "no cert-manager injection");
+            assert!(
+                hooks
+                    .iter()
+                    .all(|h| h["clientConfig"]["caBundle"].is_null()),
+                "{config}"
+            );
+            assert!(
+                config["metadata"]["annotations"].is_null(),
+                "no cert-manager injection"
+            );
         }
         let crd: Value = rendered.one("CustomResourceDefinition");
         let client = &crd["spec"]["conversion"]["webhook"]["clientConfig"];

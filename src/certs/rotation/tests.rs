@@ -86,10 +86,7 @@ fn a_settled_secret_waits_until_its_leaf_is_due_and_renews_it_then() {
         next_step(&found, &targets, &policy(), t(60 * DAY - 1)),
         Step::Wait { until: Some(due) }
     );
-    assert_eq!(
-        next_step(&found, &targets, &policy(), due),
-        Step::RenewLeaf
-    );
+    assert_eq!(next_step(&found, &targets, &policy(), due), Step::RenewLeaf);
 }
 
 #[test]
@@ -118,7 +115,12 @@ fn a_ca_due_or_asked_for_is_published_before_anything_else() {
         "day 900 is 100 days before the CA's end"
     );
     assert_eq!(
-        next_step(&Found::Stored(stored.clone()), &[], &policy(), t(900 * DAY - 1)),
+        next_step(
+            &Found::Stored(stored.clone()),
+            &[],
+            &policy(),
+            t(900 * DAY - 1)
+        ),
         Step::RenewLeaf
     );
     stored.request = Some(Request::Ca);
@@ -242,8 +244,14 @@ fn a_new_ca_s_leaf_is_served_only_once_every_target_trusted_it_for_an_overlap() 
     let overlap = SignedDuration::from_secs(600);
     let long = Some(overlap);
     let short = Some(SignedDuration::from_secs(599));
-    assert!(may_serve(None, &[2; 32], None, overlap), "a first leaf at once");
-    assert!(may_serve(Some(&[2; 32]), &[2; 32], None, overlap), "a renewal at once");
+    assert!(
+        may_serve(None, &[2; 32], None, overlap),
+        "a first leaf at once"
+    );
+    assert!(
+        may_serve(Some(&[2; 32]), &[2; 32], None, overlap),
+        "a renewal at once"
+    );
     assert!(!may_serve(Some(&[1; 32]), &[2; 32], None, overlap));
     assert!(!may_serve(Some(&[1; 32]), &[2; 32], short, overlap));
     assert!(may_serve(Some(&[1; 32]), &[2; 32], long, overlap));
@@ -311,7 +319,10 @@ impl World {
     }
 
     fn views(&self) -> Vec<Target> {
-        self.targets.iter().map(|c| Target::Trusts(c.clone())).collect()
+        self.targets
+            .iter()
+            .map(|c| Target::Trusts(c.clone()))
+            .collect()
     }
 
     fn apply(&mut self, step: Step, policy: &Policy) {
