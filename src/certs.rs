@@ -279,6 +279,7 @@ impl Keeper {
         let (found, contents) = secret::found(secret.as_deref(), &s.here.names);
         let step = rotation::next_step(&found, &trust, &s.policy, now);
         let mut wait = LONGEST_WAIT;
+        let mut step_failed = false;
         match &step {
             Step::Refuse => {
                 let why = format!(
@@ -302,14 +303,19 @@ impl Keeper {
                 let adopted = adopted(step, seen.iter().flatten());
                 let names = &s.here.names;
                 let after = secret::after(step, contents.as_ref(), &adopted, names, &s.policy, now);
-                return match after {
-                    Ok(Some(after)) => self.write(secret.as_deref(), step, &after).await,
-                    Ok(None) => Ok(wait),
+                match after {
+                    // Its watch event wakes the next look.
+                    Ok(Some(after)) => match self.write(secret.as_deref(), step, &after).await {
+                        Ok(()) => return Ok(LONGEST_WAIT),
+                        // Then what the Secret holds is still bundled and served.
+                        Err(()) => step_failed = true,
+                    },
+                    Ok(None) => {}
                     Err(error) => {
                         warn!(%error, ?step, "cannot make the webhook certificate");
-                        Err(())
+                        step_failed = true;
                     }
-                };
+                }
             }
         }
         let Some(contents) = contents else {
@@ -364,7 +370,7 @@ impl Keeper {
         {
             self.status.set(Ok(()));
         }
-        if failed {
+        if failed || step_failed {
             Err(())
         } else {
             Ok(wait)
@@ -378,7 +384,7 @@ impl Keeper {
         before: Option<&Secret>,
         step: &Step,
         after: &secret::Contents,
-    ) -> Result<Duration, ()> {
+    ) -> Result<(), ()> {
         let s = &self.settings;
         let params = PostParams {
             field_manager: Some(FIELD_MANAGER.into()),
@@ -410,11 +416,10 @@ impl Keeper {
                 let step = format!("{step:?}");
                 let step = step.split([' ', '{']).next().unwrap_or_default();
                 info!(step, secret = %format!("{}/{}", s.namespace, s.secret), "webhook certificate step written");
-                // Its watch event wakes the next look.
-                Ok(LONGEST_WAIT)
+                Ok(())
             }
             Err(kube::Error::Api(status)) if status.is_conflict() || status.is_already_exists() => {
-                Ok(LONGEST_WAIT)
+                Ok(())
             }
             Err(error) => {
                 warn!(%error, secret = %format!("{}/{}", s.namespace, s.secret), "cannot write the webhook certificate's Secret; retrying");

@@ -275,7 +275,8 @@ pub struct RunArgs {
     pub webhook_cert_names: Vec<String>,
 
     /// With --webhook-certs-secret: how long a new CA is trusted before it signs the served
-    /// certificate, and how long the CA it replaces stays trusted after.
+    /// certificate, and a replica waits before it serves a certificate of another CA; the CA a
+    /// rotation replaced stays trusted for two overlaps. From 1s to 168h.
     #[arg(long, env = "CNAT_WEBHOOK_CA_OVERLAP", default_value = "10m", value_parser = duration)]
     pub webhook_ca_overlap: Duration,
 

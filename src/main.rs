@@ -267,7 +267,7 @@ enum RunError {
     WebhookAddr { addr: SocketAddr, why: String },
     #[error("the At cache stopped following the Ats")]
     CacheStopped,
-    #[error("the webhook certificate's keeper stopped before a certificate was ready")]
+    #[error("stopped before the webhook certificate was ready (see the warnings before this)")]
     CertificatesStopped,
     #[error("--webhook-ca-overlap {0:?}: must be from 1s to 168h (7 days); 10m is the default")]
     CaOverlap(Duration),
@@ -338,7 +338,7 @@ async fn serve(args: RunArgs, identity: String, exporting: bool) -> Result<(), R
         let cache = cache.clone();
         health.require(move || cache.readiness().map_err(Into::into));
     }
-    let (serving, admin_addr) = start_servers(&args, &client, &metrics, health).await?;
+    let (serving, admin_addr) = start_servers(&args, &client, &metrics, health, &shutdown).await?;
     let cache_stopped = {
         let stopped = cache.as_ref().map(|cache| cache.stopped());
         async move {
@@ -395,6 +395,7 @@ async fn start_servers(
     client: &kube::Client,
     metrics: &Arc<Metrics>,
     health: Arc<Health>,
+    shutdown: &CancellationToken,
 ) -> Result<(Serving, SocketAddr), RunError> {
     let listener =
         cnat::serving::listen::bind(args.admin_addr).map_err(|source| RunError::AdminAddr {
@@ -425,7 +426,7 @@ async fn start_servers(
             certified_only: args.webhook_client_ca.is_some(),
         };
         let stop = close_servers.clone();
-        Some(start_webhooks(args, shared, client, &health, stop).await?)
+        Some(start_webhooks(args, shared, client, &health, (stop, shutdown)).await?)
     } else {
         None
     };
@@ -483,7 +484,7 @@ async fn start_webhooks(
     shared: webhook::Shared,
     client: &kube::Client,
     health: &Health,
-    stop_reloading: CancellationToken,
+    (stop_reloading, shutdown): (CancellationToken, &CancellationToken),
 ) -> Result<WebhookServer, RunError> {
     let config = match &args.webhook_certs_secret {
         None => {
@@ -497,7 +498,10 @@ async fn start_webhooks(
             tokio::spawn(tls::reload_on_change(files, config.clone(), interval, stop));
             config
         }
-        Some(secret) => keep_certificates(args, secret, client, health, stop_reloading).await?,
+        Some(secret) => {
+            let stop = stop_reloading;
+            keep_certificates(args, secret, client, health, (stop, shutdown)).await?
+        }
     };
     let handle = axum_server::Handle::new();
     let addr = args.webhook_addr;
@@ -529,7 +533,7 @@ async fn keep_certificates(
     secret: &str,
     client: &kube::Client,
     health: &Health,
-    stop: CancellationToken,
+    (stop, shutdown): (CancellationToken, &CancellationToken),
 ) -> Result<RustlsConfig, RunError> {
     use cnat::certs;
     let namespace = namespace_or_own(args.lease_namespace.clone(), client);
@@ -568,11 +572,14 @@ async fn keep_certificates(
         stop.clone(),
     ));
     info!("waiting for the webhook certificate in {source}");
-    let first = match identities.wait_for(Option::is_some).await {
-        Ok(first) => first
-            .clone()
-            .unwrap_or_else(|| unreachable!("waited for Some")),
-        Err(_) => return Err(RunError::CertificatesStopped),
+    // A SIGTERM before the first certificate stops the wait (and the keeper) at once.
+    let first = tokio::select! {
+        first = identities.wait_for(Option::is_some) => first.ok().and_then(|f| f.clone()),
+        _ = shutdown.cancelled() => None,
+    };
+    let Some(first) = first else {
+        stop.cancel();
+        return Err(RunError::CertificatesStopped);
     };
     let client_ca = args.webhook_client_ca.clone();
     let config = tls::identity_config(&first, &source, client_ca.clone())?;

@@ -702,15 +702,7 @@ async fn gitops_re_applies_fail_no_admission(cluster: &Cluster, values: &[String
         succeeded(&format!("kubectl {apply:?}"), &output);
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
-    stop.cancel();
-    let (created, failed) = creator.await.unwrap();
-    assert!(
-        failed.is_empty(),
-        "{} of {} creates failed: {failed:?}",
-        failed.len(),
-        created.len() + failed.len()
-    );
-    assert!(created.len() > 30, "only {} Ats created", created.len());
+    let created = all_created(&stop, creator, 30).await;
     assert_eq!(
         injected().await,
         before,
@@ -1178,6 +1170,29 @@ fn creates_until(
 /// `helm upgrade` to the second tag as the upgrading page shows it, while a client creates an
 /// At every 100 ms (one in ten due 2 to 6 s later, the rest in an hour): no create fails, every
 /// At due runs once, on time.
+/// Stops `creator` (of `creates_until`); the names it created, once none failed and more than
+/// `at_least` were created.
+async fn all_created(
+    stop: &tokio_util::sync::CancellationToken,
+    creator: tokio::task::JoinHandle<(Vec<String>, Vec<String>)>,
+    at_least: usize,
+) -> Vec<String> {
+    stop.cancel();
+    let (created, failed) = creator.await.unwrap();
+    assert!(
+        failed.is_empty(),
+        "{} of {} creates failed: {failed:?}",
+        failed.len(),
+        created.len() + failed.len()
+    );
+    assert!(
+        created.len() > at_least,
+        "only {} Ats created",
+        created.len()
+    );
+    created
+}
+
 async fn an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(cluster: &Cluster) {
     let ats: Api<At> = Api::namespaced(cluster.client.clone(), TEAM);
     let stop = tokio_util::sync::CancellationToken::new();
@@ -1209,15 +1224,7 @@ async fn an_upgrade_under_load_fails_no_apply_and_runs_every_at_once_on_time(clu
     succeeded("helm upgrade", &upgraded);
     // Ats keep falling due after the rollout, on the new replicas.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    stop.cancel();
-    let (created, failed) = creator.await.unwrap();
-    assert!(
-        failed.is_empty(),
-        "{} of {} creates failed: {failed:?}",
-        failed.len(),
-        created.len() + failed.len()
-    );
-    assert!(created.len() > 50, "only {} Ats created", created.len());
+    let created = all_created(&stop, creator, 50).await;
     let deployments: Api<Deployment> = Api::namespaced(cluster.client.clone(), SYSTEM);
     let image = deployments
         .get(RELEASE)

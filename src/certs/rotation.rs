@@ -72,7 +72,8 @@ pub struct Stored {
     pub request: Option<Request>,
 }
 
-/// The Secret as found.
+/// The Secret as found (one per look: its size does not matter).
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Found {
     Missing,
@@ -161,24 +162,28 @@ pub fn next_step(found: &Found, targets: &[Target], policy: &Policy, now: Timest
     let leaf_due = renewal(&stored.leaf, policy.leaf_renew_before);
     let leaf_needed = stored.request == Some(Request::Leaf) || !stored.leaf_fits || now >= leaf_due;
     if let (Some(next), Some(published)) = (&stored.next, stored.published_at) {
-        if leaf_needed {
-            // From the current CA, whatever the rotation waits for.
+        // A leaf that must change now is renewed from the current CA, whatever the rotation
+        // waits for; one merely due waits for the switch (a leaf is never valid past its CA,
+        // so near the CA's end a renewed one would be due again at once).
+        let broken = stored.request == Some(Request::Leaf)
+            || !stored.leaf_fits
+            || (now >= stored.leaf.not_after && now < stored.ca.not_after);
+        if broken {
             return Step::RenewLeaf;
         }
         let dwell_ends = published
             .saturating_add(policy.overlap)
             .unwrap_or(published);
+        let expiry = (stored.leaf.not_after > now).then_some(stored.leaf.not_after);
         return if now < dwell_ends {
             Step::Wait {
-                until: Some(dwell_ends.min(leaf_due)),
+                until: Some(expiry.map_or(dwell_ends, |e| e.min(dwell_ends))),
             }
         } else if trusted_everywhere(targets, &next.fingerprint) {
             Step::Switch
         } else {
             // The injection makes every target trust it; its write wakes this up.
-            Step::Wait {
-                until: Some(leaf_due),
-            }
+            Step::Wait { until: expiry }
         };
     }
     let ca_due = renewal(&stored.ca, policy.ca_renew_before);

@@ -150,9 +150,9 @@ fn a_published_ca_signs_only_after_the_overlap_and_once_every_target_trusts_it()
     assert_eq!(
         next_step(&found, &one_lags, &policy(), t(5000)),
         Step::Wait {
-            until: Some(t(60 * DAY))
+            until: Some(t(90 * DAY))
         },
-        "until a target trusts it (its write wakes the keeper), or the leaf is due"
+        "until a target trusts it (its write wakes the keeper), or the leaf expires"
     );
 }
 
@@ -198,6 +198,36 @@ fn a_leaf_due_during_a_rotation_is_renewed_from_the_current_ca() {
         next_step(&Found::Stored(stored), &lagging, &policy(), t(200)),
         Step::RenewLeaf,
         "a target that never trusts the new CA does not hold the leaf back"
+    );
+}
+
+#[test]
+fn a_leaf_merely_due_during_a_rotation_waits_for_the_switch() {
+    // Near the CA's end a leaf renewed from it would be due again at once: no renewal loop.
+    let mut stored = settled();
+    stored.ca.not_after = t(20 * DAY);
+    stored.leaf.not_after = t(20 * DAY);
+    stored.next = Some(cert(2, t(2000 * DAY)));
+    stored.bundle.push(cert(2, t(2000 * DAY)));
+    stored.published_at = Some(t(0));
+    let lagging = [trusting(&[1])];
+    let found = Found::Stored(stored.clone());
+    assert_eq!(
+        next_step(&found, &lagging, &policy(), t(100)),
+        Step::Wait {
+            until: Some(t(600))
+        }
+    );
+    assert_eq!(
+        next_step(&found, &lagging, &policy(), t(700)),
+        Step::Wait {
+            until: Some(t(20 * DAY))
+        }
+    );
+    // Both expired: nothing a renewal could mend, and no wait that ends at once.
+    assert_eq!(
+        next_step(&found, &lagging, &policy(), t(30 * DAY)),
+        Step::Wait { until: None }
     );
 }
 
