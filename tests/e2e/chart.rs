@@ -262,6 +262,65 @@ async fn the_chart_installs_upgrades_rolls_back_and_uninstalls_on_a_real_server(
         .await
         .unwrap()
         .is_some());
+
+    // A release whose chart generated its certificate (mode chart, as every release before mode
+    // operator) keeps it on `helm upgrade` with the new default `auto` (what `--reset-values`, or
+    // `--reuse-values` from a chart without the value, gives): a render without its caBundle
+    // would delete it before any replica could write one.
+    install(kubeconfig, &["webhook.certs.mode=chart"]);
+    let bundle = || async {
+        use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+        let configs: Api<MutatingWebhookConfiguration> = Api::all(admin.clone());
+        let config = configs.get("cnat").await.unwrap();
+        config.webhooks.unwrap()[0].client_config.ca_bundle.clone()
+    };
+    let generated = bundle().await;
+    assert!(generated.is_some());
+    let upgrade = ["upgrade", "cnat", chart, "--namespace", "cnat-system"];
+    helm(kubeconfig, &[&upgrade[..], &["--reset-values"]].concat());
+    assert_eq!(
+        bundle().await,
+        generated,
+        "the upgrade kept the chart's caBundle"
+    );
+    let env = || async {
+        let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
+            Api::namespaced(admin.clone(), "cnat-system");
+        let deployment = deployments.get("cnat").await.unwrap();
+        let spec = deployment.spec.template.spec.unwrap();
+        let env = spec.containers[0].env.clone().unwrap_or_default();
+        env.into_iter().map(|e| e.name).collect::<Vec<_>>()
+    };
+    let names = env().await;
+    assert!(
+        names.contains(&"CNAT_TLS_CERT".to_owned())
+            && !names.contains(&"CNAT_WEBHOOK_CERTS_SECRET".to_owned()),
+        "{names:?}"
+    );
+    // Moved on purpose (upgrading.md): mode operator, no caBundle rendered any more.
+    let moved = [
+        &upgrade[..],
+        &["--reuse-values", "--set", "webhook.certs.mode=operator"],
+    ];
+    helm(kubeconfig, &moved.concat());
+    assert_eq!(
+        bundle().await,
+        None,
+        "helm removed the caBundle it rendered before"
+    );
+    assert!(env()
+        .await
+        .contains(&"CNAT_WEBHOOK_CERTS_SECRET".to_owned()));
+    helm(
+        kubeconfig,
+        &[
+            "uninstall",
+            "cnat",
+            "--namespace",
+            "cnat-system",
+            "--no-hooks",
+        ],
+    );
 }
 
 #[tokio::test]
