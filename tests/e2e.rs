@@ -44,6 +44,8 @@ mod never_twice;
 mod rbac;
 #[path = "e2e/release.rs"]
 mod release;
+#[path = "e2e/requests.rs"]
+mod requests;
 #[path = "e2e/storage_migration.rs"]
 mod storage_migration;
 #[path = "e2e/upgrade.rs"]

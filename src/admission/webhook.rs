@@ -303,8 +303,7 @@ async fn admit(
     let caller = opentelemetry::global::get_text_map_propagator(|propagator| {
         propagator.extract(&HeaderExtractor(headers))
     });
-    // Only fails when no tracing-opentelemetry layer is installed; then there is nothing to link.
-    let _ = span.set_parent(caller);
+    crate::observability::telemetry::continue_trace(&span, caller);
     let mut verdict = span.in_scope(|| review(body));
     if let (Ok(v), Some(reviewer)) = (verdict.as_mut(), &shared.reviewer) {
         if let Some((user, namespace)) = v.access.take().filter(|_| v.response.allowed) {

@@ -11,12 +11,12 @@ use opentelemetry_sdk::Resource;
 use std::io::IsTerminal;
 use std::time::Duration;
 use thiserror::Error;
-use tracing::{span, Event, Level, Subscriber};
+use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::filter::Targets;
 use tracing_subscriber::fmt::format::{Format, Writer};
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::layer::SubscriberExt;
-use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::registry::{LookupSpan, SpanRef};
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
@@ -73,14 +73,17 @@ pub fn init(format: LogFormat, directives: &str, identity: &str) -> Result<Telem
         })?;
     let (provider, exporting) = tracer_provider(identity)?;
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    // Spans go to OpenTelemetry whatever the log level: only cnat's own, which are few. No
+    // With an exporter, spans go to OpenTelemetry whatever the log level: only cnat's own. No
     // busy/idle times (a clock read per span entry and exit), threads or source locations.
-    let traces = tracing_opentelemetry::layer()
-        .with_tracer(provider.tracer("cnat"))
-        .with_tracked_inactivity(false)
-        .with_threads(false)
-        .with_location(false)
-        .with_filter(Targets::new().with_target("cnat", Level::INFO));
+    // Without one, no OpenTelemetry span is built at all (see `continue_trace`).
+    let traces = exporting.then(|| {
+        tracing_opentelemetry::layer()
+            .with_tracer(provider.tracer("cnat"))
+            .with_tracked_inactivity(false)
+            .with_threads(false)
+            .with_location(false)
+            .with_filter(Targets::new().with_target("cnat", Level::INFO))
+    });
     let registry = tracing_subscriber::registry().with(traces);
     if json(format) {
         registry.with(json_layer().with_filter(filter)).try_init()?;
@@ -173,9 +176,11 @@ where
         .with_target("target")
         .with_span_list("spans");
     layer.add_multiple_dynamic_fields(|event, context, fields| {
-        if let Some((trace, span)) = context.event_span(event).and_then(|s| ids(&s.id())) {
+        if let Some((trace, span)) = context.event_span(event).and_then(|s| ids(&s)) {
             let _ = fields.write_field("trace_id", trace.to_string());
-            let _ = fields.write_field("span_id", span.to_string());
+            if let Some(span) = span {
+                let _ = fields.write_field("span_id", span.to_string());
+            }
         }
     });
     layer
@@ -195,22 +200,60 @@ where
         mut writer: Writer<'_>,
         event: &Event<'_>,
     ) -> std::fmt::Result {
-        if let Some((trace, span)) = ctx.parent_span().and_then(|s| ids(&s.id())) {
-            write!(writer, "trace_id={trace} span_id={span} ")?;
+        if let Some((trace, span)) = ctx.parent_span().and_then(|s| ids(&s)) {
+            write!(writer, "trace_id={trace} ")?;
+            if let Some(span) = span {
+                write!(writer, "span_id={span} ")?;
+            }
         }
         self.0.format_event(ctx, writer, event)
     }
 }
 
-/// The OpenTelemetry ids of span `id`. The caller must hold no lock on the span's extensions;
-/// only the global subscriber (`init`'s) is reachable from inside a subscriber, not a scoped one.
-fn ids(id: &span::Id) -> Option<(TraceId, SpanId)> {
-    let context = tracing::dispatcher::get_default(|dispatch| {
-        tracing_opentelemetry::get_otel_context(id, dispatch)
-    })?;
-    let span = context.span();
-    let ids = span.span_context();
-    ids.is_valid().then(|| (ids.trace_id(), ids.span_id()))
+/// The trace of a caller's request (its `traceparent`), kept on the span of ours that serves
+/// it while no span is exported: no OpenTelemetry span of ours exists then, the caller's does.
+#[derive(Debug, Clone, Copy)]
+struct CallerTrace(TraceId);
+
+/// Makes `span` part of the trace `caller` carries: with an exporter, its OpenTelemetry parent;
+/// without, the trace id its log lines (and those of the spans inside it) carry, with no span
+/// id, there being no span of ours. A `caller` without a valid span context changes nothing.
+pub fn continue_trace(span: &tracing::Span, caller: opentelemetry::Context) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    use tracing_subscriber::registry::SpanData;
+    let remote = caller.span().span_context().clone();
+    if !remote.is_valid() || span.set_parent(caller).is_ok() {
+        return;
+    }
+    span.with_subscriber(|(id, dispatch)| {
+        let registry = dispatch.downcast_ref::<tracing_subscriber::Registry>();
+        if let Some(data) = registry.and_then(|registry| registry.span_data(id)) {
+            data.extensions_mut()
+                .insert(CallerTrace(remote.trace_id()));
+        }
+    });
+}
+
+/// The trace and span ids the log lines of `span` carry: its OpenTelemetry ids when spans are
+/// exported, else a caller's trace id kept by [`continue_trace`] on it or a span around it.
+/// Only the global subscriber (`init`'s) is reachable from inside a subscriber, not a scoped one.
+fn ids<S>(span: &SpanRef<'_, S>) -> Option<(TraceId, Option<SpanId>)>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    let exported = tracing::dispatcher::get_default(|dispatch| {
+        tracing_opentelemetry::get_otel_context(&span.id(), dispatch)
+    });
+    if let Some(context) = exported {
+        let span = context.span();
+        let ids = span.span_context();
+        return ids
+            .is_valid()
+            .then(|| (ids.trace_id(), Some(ids.span_id())));
+    }
+    span.scope()
+        .find_map(|span| span.extensions().get::<CallerTrace>().copied())
+        .map(|CallerTrace(trace)| (trace, None))
 }
 
 #[cfg(test)]

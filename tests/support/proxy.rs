@@ -44,6 +44,8 @@ struct State {
     lists_held: std::sync::atomic::AtomicUsize,
     /// The At watch events passed to the replica so far (what its cache saw).
     forwarded: Mutex<String>,
+    /// Every request of the replica so far, as `verb resource` (`Proxy::requests`).
+    requests: Mutex<Vec<String>>,
 }
 
 impl Proxy {
@@ -59,6 +61,7 @@ impl Proxy {
             hold_lists: watch::Sender::new(false),
             lists_held: Default::default(),
             forwarded: Mutex::default(),
+            requests: Mutex::default(),
         });
         let shared = state.clone();
         let task = tokio::spawn(async move {
@@ -108,6 +111,42 @@ impl Proxy {
     pub fn forwarded(&self) -> String {
         self.state.forwarded.lock().unwrap().clone()
     }
+
+    /// Every request the replica sent so far, oldest first, each as its verb (Kubernetes'
+    /// words: `get`, `list`, `watch`, `create`, `update`, `patch`, `delete`) and resource with
+    /// its subresource (`pods`, `ats/status`), e.g. `patch ats/status`.
+    pub fn requests(&self) -> Vec<String> {
+        self.state.requests.lock().unwrap().clone()
+    }
+}
+
+/// `verb resource` for a request to the API server (see `Proxy::requests`).
+fn verb_and_resource(method: &http::Method, path: &str, watching: bool) -> String {
+    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    // After /api/v1 or /apis/GROUP/VERSION; a namespaced resource after namespaces/NAME.
+    let mut rest = match segments.first() {
+        Some(&"api") => segments.get(2..).unwrap_or_default(),
+        _ => segments.get(3..).unwrap_or_default(),
+    };
+    if rest.first() == Some(&"namespaces") && rest.len() > 2 {
+        rest = &rest[2..];
+    }
+    let resource = match rest {
+        [resource] | [resource, _] => resource.to_string(),
+        [resource, _, sub, ..] => format!("{resource}/{sub}"),
+        [] => path.to_owned(),
+    };
+    let verb = match *method {
+        http::Method::GET if watching => "watch",
+        http::Method::GET if rest.len() == 1 => "list",
+        http::Method::GET => "get",
+        http::Method::POST => "create",
+        http::Method::PUT => "update",
+        http::Method::PATCH => "patch",
+        http::Method::DELETE => "delete",
+        _ => method.as_str(),
+    };
+    format!("{verb} {resource}")
 }
 
 async fn forward(
@@ -131,6 +170,8 @@ async fn forward(
         ats && watching,
         ats && (!watching || streaming) && parts.method == http::Method::GET,
     );
+    let request = verb_and_resource(&parts.method, parts.uri.path(), watching);
+    state.requests.lock().unwrap().push(request);
     if list {
         // The replica lists: what expired it is over.
         state.expiring.send_replace(false);

@@ -1,0 +1,318 @@
+//! `cargo bench --bench due -- --real --vs-jobs [N]`: cnat beside the peer users would pick
+//! instead, the Job controller (kube-controller-manager with its stock settings), on the real
+//! control plane `KUBEBUILDER_ASSETS` holds, in one run: N Jobs of one pod each created at
+//! once, then N Ats due at their creation, then N Jobs again (a server that slows down or speeds
+//! up over the run favours neither). Each round has three phases:
+//!
+//! - **to the last pod**: from the first create to the last pod seen (a pod watch here);
+//! - **to finished**: a kubelet stand-in ends every pod at once (exit 0, its status written over
+//!   8 connections), until every Job is `Complete` / every At `Done`;
+//! - **to released**: until no pod holds its controller's finalizer any more (the Job
+//!   controller's `batch.kubernetes.io/job-tracking`, cnat's `run-once`) and kube-apiserver
+//!   answered no request for 3 s (events and late status writes are counted where they land).
+//!
+//! Per phase: the wall time, kube-apiserver's CPU seconds (from `/proc`) and the requests it
+//! answered (`apiserver_request_total`, every client: the bench's own creates, pod-status
+//! writes and watches are the same N in both), by verb and resource; then per Job and per At
+//! over the whole life. The operator is the `cnat run` release binary, one replica.
+
+use crate::envtest::{self, ControlPlane};
+use crate::real::{self, requests_answered, watch_pods};
+use futures::StreamExt;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+/// The Job controller's finalizer on the pods it tracks.
+const JOB_TRACKING: &str = "batch.kubernetes.io/job-tracking";
+/// How long kube-apiserver must answer no request for a round to be over.
+const QUIET: Duration = Duration::from_secs(3);
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Jobs,
+    Ats,
+}
+
+/// One phase of a round: its wall time, kube-apiserver's CPU seconds and requests answered.
+struct Phase {
+    took: Duration,
+    cpu: f64,
+    requests: HashMap<String, f64>,
+}
+
+pub async fn run(n: usize) {
+    let (plane, admin) = real::start(
+        "| round | N | to the last pod: time / kube-apiserver CPU / requests | to finished | to released and quiet | whole life per object: requests / kube-apiserver CPU ms |",
+    )
+    .await;
+    let mut rounds = Vec::new();
+    for (index, kind) in [Kind::Jobs, Kind::Ats, Kind::Jobs].into_iter().enumerate() {
+        let phases = round(plane, &admin, kind, n, index).await;
+        let name = match kind {
+            Kind::Jobs => "Jobs",
+            Kind::Ats => "Ats",
+        };
+        let cells: Vec<String> = phases
+            .iter()
+            .map(|p| format!("{:.1?} / {:.1} s / {:.0}", p.took, p.cpu, total(&p.requests)))
+            .collect();
+        let requests: f64 = phases.iter().map(|p| total(&p.requests)).sum();
+        let cpu: f64 = phases.iter().map(|p| p.cpu).sum();
+        println!(
+            "| {name} | {n} | {} | {:.2} / {:.2} |",
+            cells.join(" | "),
+            requests / n as f64,
+            cpu * 1e3 / n as f64
+        );
+        rounds.push((name, phases));
+    }
+    println!();
+    println!("Requests per object over the whole life, by verb and resource (every client):");
+    for (name, phases) in &rounds {
+        let mut whole: HashMap<&str, f64> = HashMap::new();
+        for phase in phases {
+            for (what, count) in &phase.requests {
+                *whole.entry(what.as_str()).or_default() += count;
+            }
+        }
+        let mut rows: Vec<(&str, f64)> = whole.into_iter().filter(|(_, c)| *c >= 1.0).collect();
+        rows.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
+        let rows: Vec<String> = rows
+            .iter()
+            .map(|(what, count)| format!("{what} {:.2}", count / n as f64))
+            .collect();
+        println!("- {name}: {}", rows.join(", "));
+    }
+}
+
+fn total(requests: &HashMap<String, f64>) -> f64 {
+    requests.values().sum()
+}
+
+/// One round: `n` Jobs or Ats in a namespace of their own, through the three phases.
+async fn round(
+    plane: &'static ControlPlane,
+    admin: &Client,
+    kind: Kind,
+    n: usize,
+    index: usize,
+) -> Vec<Phase> {
+    let server: Vec<u32> = crate::rss::processes_under(&plane.dir)
+        .into_iter()
+        .filter(|(name, _)| name == "kube-apiserver")
+        .map(|(_, pid)| pid)
+        .collect();
+    let cpu = || -> f64 { server.iter().map(|pid| crate::rss::cpu_seconds(*pid)).sum() };
+    let ns = plane.namespace(&format!("vs-jobs-{index}"), &[]).await;
+    let _operator = (kind == Kind::Ats).then(|| {
+        plane.replica(
+            &format!("vs-jobs-{index}"),
+            &ns,
+            &[&format!("--namespace={ns}"), "--log=warn", "--webhooks=false"],
+        )
+    });
+    if kind == Kind::Ats {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while envtest::lease_holder(admin, &ns, "cnat").await.is_none() {
+            assert!(Instant::now() < deadline, "the operator never led");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    quiet(admin).await;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
+    let mut phases = Vec::new();
+    let mut mark = Mark::now(admin, &cpu).await;
+
+    // To the last pod.
+    let seen = tokio::spawn(watch_pods(pods.clone(), n));
+    match kind {
+        Kind::Jobs => {
+            let jobs: Api<Job> = Api::namespaced(admin.clone(), &ns);
+            concurrently(n, |i| {
+                let jobs = jobs.clone();
+                async move {
+                    jobs.create(&PostParams::default(), &job(&format!("job-{i}")))
+                        .await
+                        .unwrap();
+                }
+            })
+            .await;
+        }
+        Kind::Ats => {
+            let ats: Api<cnat::api::At> = Api::namespaced(admin.clone(), &ns);
+            real::create_ats(&ats, n, "at", chrono::Utc::now()).await;
+        }
+    }
+    let seen = tokio::time::timeout(Duration::from_secs(600), seen)
+        .await
+        .expect("every pod within ten minutes")
+        .unwrap();
+    phases.push(mark.phase(admin, &cpu).await);
+
+    // To finished: every pod ends at once.
+    let finished = tokio::spawn(watch_finished(admin.clone(), ns.clone(), kind, n));
+    let names: Vec<String> = seen.into_keys().collect();
+    concurrently(n, |i| {
+        let (pods, name) = (pods.clone(), names[i].clone());
+        async move {
+            let now = jiff::Timestamp::now().to_string();
+            let status = json!({"status": {"phase": "Succeeded", "containerStatuses": [{
+                "name": "command", "image": "busybox", "imageID": "", "ready": false,
+                "restartCount": 0,
+                "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                                         "startedAt": now, "finishedAt": now}}}]}});
+            pods.patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+                .await
+                .unwrap();
+        }
+    })
+    .await;
+    tokio::time::timeout(Duration::from_secs(600), finished)
+        .await
+        .expect("every one finished within ten minutes")
+        .unwrap();
+    phases.push(mark.phase(admin, &cpu).await);
+
+    // To released and quiet.
+    let finalizer = match kind {
+        Kind::Jobs => JOB_TRACKING,
+        Kind::Ats => cnat::operator::finalizer::FINALIZER,
+    };
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let list = pods.list(&Default::default()).await.unwrap();
+        let held = list
+            .items
+            .iter()
+            .filter(|pod| pod.finalizers().iter().any(|f| f == finalizer))
+            .count();
+        if held == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{held} pods still hold {finalizer}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    quiet(admin).await;
+    let mut last = mark.phase(admin, &cpu).await;
+    // The quiet wait's own time and the lists above are the bench's, not the round's.
+    last.took = last.took.saturating_sub(QUIET);
+    phases.push(last);
+    phases
+}
+
+/// Where a phase started: its instant, kube-apiserver's CPU seconds and request counts.
+struct Mark {
+    at: Instant,
+    cpu: f64,
+    requests: HashMap<String, f64>,
+}
+
+impl Mark {
+    async fn now(admin: &Client, cpu: &impl Fn() -> f64) -> Mark {
+        Mark {
+            requests: requests_answered(admin).await.expect("the server's metrics"),
+            at: Instant::now(),
+            cpu: cpu(),
+        }
+    }
+
+    /// The phase from this mark to now; this mark moves to now.
+    async fn phase(&mut self, admin: &Client, cpu: &impl Fn() -> f64) -> Phase {
+        let next = Mark::now(admin, cpu).await;
+        let requests = next
+            .requests
+            .iter()
+            .map(|(what, count)| {
+                let before = self.requests.get(what).copied().unwrap_or(0.0);
+                (what.clone(), count - before)
+            })
+            .filter(|(_, count)| *count >= 0.5)
+            .collect();
+        let phase = Phase {
+            took: next.at - self.at,
+            cpu: next.cpu - self.cpu,
+            requests,
+        };
+        *self = next;
+        phase
+    }
+}
+
+/// Until kube-apiserver answered no request (but the bench's scrapes) for [`QUIET`], at most a
+/// minute.
+async fn quiet(admin: &Client) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = requests_answered(admin).await.map(|r| total(&r));
+    while Instant::now() < deadline {
+        tokio::time::sleep(QUIET).await;
+        let now = requests_answered(admin).await.map(|r| total(&r));
+        if now == last {
+            return;
+        }
+        last = now;
+    }
+}
+
+/// A Job of one pod running `true`, as a script at the time (or a CronJob) would create it.
+fn job(name: &str) -> Job {
+    serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {"spec": {
+                "restartPolicy": "Never",
+                "containers": [{"name": "command", "image": "busybox", "command": ["sh", "-c", "true"]}],
+            }},
+        },
+    }))
+    .unwrap()
+}
+
+/// Until all `n` Jobs of `namespace` are `Complete`, or all `n` Ats `Done`.
+async fn watch_finished(admin: Client, namespace: String, kind: Kind, n: usize) {
+    let mut finished = HashSet::new();
+    match kind {
+        Kind::Jobs => {
+            let jobs: Api<Job> = Api::namespaced(admin, &namespace);
+            let stream = watcher(jobs, watcher::Config::default())
+                .default_backoff()
+                .applied_objects();
+            futures::pin_mut!(stream);
+            while finished.len() < n {
+                let Some(next) = stream.next().await else {
+                    panic!("the Job watch ended");
+                };
+                let Ok(job) = next else {
+                    continue;
+                };
+                let complete = job.status.as_ref().and_then(|s| s.conditions.as_ref());
+                if complete.is_some_and(|c| c.iter().any(|c| c.type_ == "Complete" && c.status == "True")) {
+                    finished.insert(job.name_any());
+                }
+            }
+        }
+        Kind::Ats => {
+            real::watch_done(Api::namespaced(admin, &namespace), n).await;
+        }
+    }
+}
+
+/// Runs `each(i)` for `0..n`, 8 at once (the connections of the floors and the stand-in).
+async fn concurrently<F, Fut>(n: usize, each: F)
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    futures::stream::iter(0..n)
+        .for_each_concurrent(8, each)
+        .await;
+}
