@@ -12,7 +12,7 @@ pub mod targets;
 
 use crate::leader::WallClock;
 use backon::BackoffBuilder;
-use futures::{Stream, StreamExt};
+use futures::StreamExt;
 use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
 };
@@ -62,6 +62,11 @@ impl Settings {
         names.extend(extra.iter().filter(|n| !n.trim().is_empty()).cloned());
         names
     }
+
+    /// The Secret as `namespace/name`.
+    fn secret_ref(&self) -> String {
+        format!("{}/{}", self.namespace, self.secret)
+    }
 }
 
 /// This replica's certificate state, for its readiness: ready once it serves a leaf every target
@@ -72,9 +77,9 @@ pub struct Status(Mutex<Result<(), String>>);
 
 impl Status {
     pub fn new(settings: &Settings) -> Self {
+        let secret = settings.secret_ref();
         Status(Mutex::new(Err(format!(
-            "waiting for the webhook certificate in Secret {}/{}",
-            settings.namespace, settings.secret
+            "waiting for the webhook certificate in Secret {secret}"
         ))))
     }
 
@@ -172,31 +177,16 @@ where
 {
     let (store, writer) = reflector::store();
     let events = watcher(api, config).default_backoff().reflect(writer);
-    tokio::spawn(drive(events, wake.clone(), stop.clone()));
-    store
-}
-
-async fn drive<K: Send + 'static>(
-    events: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
-    wake: mpsc::Sender<()>,
-    stop: CancellationToken,
-) {
-    let mut events = std::pin::pin!(events);
-    loop {
-        let event = tokio::select! {
-            _ = stop.cancelled() => return,
-            event = events.next() => event,
-        };
+    let wake = wake.clone();
+    let events = events.take_until(stop.clone().cancelled_owned());
+    tokio::spawn(events.for_each(move |event| {
         match event {
-            None => return,
-            Some(Err(error)) => {
-                warn!(%error, "watching the webhook certificate's objects; retrying")
-            }
-            Some(Ok(_)) => {
-                let _ = wake.try_send(());
-            }
+            Err(error) => warn!(%error, "watching the webhook certificate's objects; retrying"),
+            Ok(_) => _ = wake.try_send(()),
         }
-    }
+        std::future::ready(())
+    }));
+    store
 }
 
 struct Keeper {
@@ -282,13 +272,13 @@ impl Keeper {
         let mut step_failed = false;
         match &step {
             Step::Refuse => {
+                let secret = s.secret_ref();
                 let why = format!(
-                    "Secret {}/{} is not cnat's (no label app.kubernetes.io/managed-by=cnat)",
-                    s.namespace, s.secret
+                    "Secret {secret} is not cnat's (no label app.kubernetes.io/managed-by=cnat)"
                 );
                 self.status.set(Err(why));
                 if !self.refused {
-                    warn!(secret = %format!("{}/{}", s.namespace, s.secret), "the webhook certificate's Secret exists but is not cnat's (no label app.kubernetes.io/managed-by=cnat): nothing is written to it; delete it, or name another with --webhook-certs-secret");
+                    warn!(%secret, "the webhook certificate's Secret exists but is not cnat's (no label app.kubernetes.io/managed-by=cnat): nothing is written to it; delete it, or name another with --webhook-certs-secret");
                     self.refused = true;
                 }
                 return Ok(wait);
@@ -357,7 +347,7 @@ impl Keeper {
                 since.and_then(|at| jiff::SignedDuration::try_from(at.elapsed()).ok());
             let overlap = s.policy.overlap;
             if rotation::may_serve(self.served_signer.as_ref(), &signer, trusted_for, overlap) {
-                info!(ca = %material::hex(&signer), "serving the webhook certificate from Secret {}/{}", s.namespace, s.secret);
+                info!(ca = %material::hex(&signer), "serving the webhook certificate from Secret {}", s.secret_ref());
                 self.serve.send_replace(Some(contents.leaf.clone()));
                 self.served_signer = Some(signer);
             } else if let Some(left) = trusted_for.and_then(|d| (overlap - d).try_into().ok()) {
@@ -415,14 +405,14 @@ impl Keeper {
             Ok(_) => {
                 let step = format!("{step:?}");
                 let step = step.split([' ', '{']).next().unwrap_or_default();
-                info!(step, secret = %format!("{}/{}", s.namespace, s.secret), "webhook certificate step written");
+                info!(step, secret = %s.secret_ref(), "webhook certificate step written");
                 Ok(())
             }
             Err(kube::Error::Api(status)) if status.is_conflict() || status.is_already_exists() => {
                 Ok(())
             }
             Err(error) => {
-                warn!(%error, secret = %format!("{}/{}", s.namespace, s.secret), "cannot write the webhook certificate's Secret; retrying");
+                warn!(%error, secret = %s.secret_ref(), "cannot write the webhook certificate's Secret; retrying");
                 Err(())
             }
         }

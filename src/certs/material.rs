@@ -117,26 +117,19 @@ pub fn new_leaf(
 
 /// Every certificate in `pem` (`what` names it in errors).
 pub fn read(pem: &[u8], what: &'static str) -> Result<Vec<Parsed>, MaterialError> {
+    let unreadable = |e: &dyn std::fmt::Display| MaterialError::Unreadable {
+        what,
+        why: e.to_string(),
+    };
     let mut found = Vec::new();
     for block in x509_parser::pem::Pem::iter_from_buffer(pem) {
-        let block = block.map_err(|e| MaterialError::Unreadable {
-            what,
-            why: e.to_string(),
-        })?;
+        let block = block.map_err(|e| unreadable(&e))?;
         if block.label != "CERTIFICATE" {
             continue;
         }
-        let cert = block.parse_x509().map_err(|e| MaterialError::Unreadable {
-            what,
-            why: e.to_string(),
-        })?;
-        let not_after =
-            Timestamp::from_second(cert.validity().not_after.timestamp()).map_err(|e| {
-                MaterialError::Unreadable {
-                    what,
-                    why: e.to_string(),
-                }
-            })?;
+        let cert = block.parse_x509().map_err(|e| unreadable(&e))?;
+        let not_after = Timestamp::from_second(cert.validity().not_after.timestamp())
+            .map_err(|e| unreadable(&e))?;
         found.push(Parsed {
             facts: Facts {
                 fingerprint: fingerprint(&block.contents),

@@ -10,6 +10,7 @@ use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration, WebhookClientConfig,
 };
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::ByteString;
 use kube::ResourceExt;
 use serde_json::json;
 
@@ -22,8 +23,15 @@ pub struct Here {
 }
 
 impl Here {
-    fn calls_here(&self, service: Option<(&str, &str)>, url: Option<&str>) -> bool {
-        match (service, url) {
+    /// For a client config that calls this release's server, the certificates of its bundle
+    /// (none when it is missing or unreadable); `None` when it calls another server.
+    fn kept(
+        &self,
+        service: Option<(&str, &str)>,
+        url: Option<&str>,
+        bundle: Option<&ByteString>,
+    ) -> Option<Vec<Parsed>> {
+        let here = match (service, url) {
             (Some((namespace, name)), _) => namespace == self.namespace && name == self.service,
             (None, Some(url)) => url
                 .parse::<http::Uri>()
@@ -31,7 +39,12 @@ impl Here {
                 .and_then(|uri| uri.host().map(|h| h.trim_matches(['[', ']']).to_owned()))
                 .is_some_and(|host| self.names.contains(&host)),
             (None, None) => false,
-        }
+        };
+        here.then(|| {
+            bundle
+                .and_then(|b| material::read(&b.0, "caBundle").ok())
+                .unwrap_or_default()
+        })
     }
 }
 
@@ -42,7 +55,8 @@ struct Holder {
     client_config: String,
     /// For a webhook in a list: the pointer to its name and the name (the patch tests it).
     name: Option<(String, String)>,
-    bundle: Option<Vec<u8>>,
+    /// The certificates of its bundle, read once.
+    certs: Vec<Parsed>,
 }
 
 /// Which kind of object holds the bundles.
@@ -63,52 +77,45 @@ pub struct Live {
 }
 
 fn webhooks<'a>(
-    (kind, name): (Kind, String),
-    resource_version: Option<String>,
+    kind: Kind,
+    object: &impl ResourceExt,
     hooks: impl Iterator<Item = (&'a str, &'a WebhookClientConfig)>,
     here: &Here,
 ) -> Live {
     let holders = hooks
         .enumerate()
-        .filter(|(_, (_, config))| {
+        .filter_map(|(i, (name, config))| {
             let service = config.service.as_ref();
-            here.calls_here(
+            let certs = here.kept(
                 service.map(|s| (s.namespace.as_str(), s.name.as_str())),
                 config.url.as_deref(),
-            )
-        })
-        .map(|(i, (name, config))| Holder {
-            client_config: format!("/webhooks/{i}/clientConfig"),
-            name: Some((format!("/webhooks/{i}/name"), name.to_owned())),
-            bundle: config.ca_bundle.as_ref().map(|b| b.0.clone()),
+                config.ca_bundle.as_ref(),
+            )?;
+            Some(Holder {
+                client_config: format!("/webhooks/{i}/clientConfig"),
+                name: Some((format!("/webhooks/{i}/name"), name.to_owned())),
+                certs,
+            })
         })
         .collect();
     Live {
         kind,
-        name,
-        resource_version,
+        name: object.name_any(),
+        resource_version: object.resource_version(),
         holders,
     }
 }
 
 pub fn mutating(config: &MutatingWebhookConfiguration, here: &Here) -> Live {
     let hooks = config.webhooks.iter().flatten();
-    webhooks(
-        (Kind::MutatingWebhookConfiguration, config.name_any()),
-        config.resource_version(),
-        hooks.map(|h| (h.name.as_str(), &h.client_config)),
-        here,
-    )
+    let hooks = hooks.map(|h| (h.name.as_str(), &h.client_config));
+    webhooks(Kind::MutatingWebhookConfiguration, config, hooks, here)
 }
 
 pub fn validating(config: &ValidatingWebhookConfiguration, here: &Here) -> Live {
     let hooks = config.webhooks.iter().flatten();
-    webhooks(
-        (Kind::ValidatingWebhookConfiguration, config.name_any()),
-        config.resource_version(),
-        hooks.map(|h| (h.name.as_str(), &h.client_config)),
-        here,
-    )
+    let hooks = hooks.map(|h| (h.name.as_str(), &h.client_config));
+    webhooks(Kind::ValidatingWebhookConfiguration, config, hooks, here)
 }
 
 pub fn crd(crd: &CustomResourceDefinition, here: &Here) -> Live {
@@ -118,24 +125,24 @@ pub fn crd(crd: &CustomResourceDefinition, here: &Here) -> Live {
         .as_ref()
         .and_then(|c| c.webhook.as_ref())
         .and_then(|w| w.client_config.as_ref());
-    let holders = config
-        .filter(|config| {
-            let service = config.service.as_ref();
-            here.calls_here(
-                service.map(|s| (s.namespace.as_str(), s.name.as_str())),
-                config.url.as_deref(),
-            )
-        })
-        .map(|config| Holder {
+    let holder = config.and_then(|config| {
+        let service = config.service.as_ref();
+        let certs = here.kept(
+            service.map(|s| (s.namespace.as_str(), s.name.as_str())),
+            config.url.as_deref(),
+            config.ca_bundle.as_ref(),
+        )?;
+        Some(Holder {
             client_config: "/spec/conversion/webhook/clientConfig".into(),
             name: None,
-            bundle: config.ca_bundle.as_ref().map(|b| b.0.clone()),
-        });
+            certs,
+        })
+    });
     Live {
         kind: Kind::CustomResourceDefinition,
         name: crd.name_any(),
         resource_version: crd.resource_version(),
-        holders: holders.into_iter().collect(),
+        holders: holder.into_iter().collect(),
     }
 }
 
@@ -151,19 +158,18 @@ impl Live {
         if self.holders.is_empty() {
             return (Target::Ignored, Vec::new());
         }
-        let read = |h: &Holder| {
-            h.bundle
-                .as_deref()
-                .and_then(|pem| material::read(pem, "caBundle").ok())
-                .unwrap_or_default()
-        };
-        let all: Vec<Vec<Parsed>> = self.holders.iter().map(read).collect();
+        let all = &self.holders;
         let common = all[0]
+            .certs
             .iter()
-            .filter(|c| all.iter().all(|h| h.iter().any(|o| o.facts == c.facts)))
+            .filter(|c| {
+                all.iter()
+                    .all(|h| h.certs.iter().any(|o| o.facts == c.facts))
+            })
             .map(|c| c.facts.clone())
             .collect();
-        (Target::Trusts(common), all.into_iter().flatten().collect())
+        let found = all.iter().flat_map(|h| h.certs.iter().cloned()).collect();
+        (Target::Trusts(common), found)
     }
 
     /// The JSON patch that makes every one of its webhooks trust exactly `bundle` (PEM, whose
@@ -171,14 +177,7 @@ impl Live {
     /// `None` when they already do.
     pub fn patch(&self, bundle: &str, wanted: &[Fingerprint]) -> Option<json_patch::Patch> {
         let differs = |h: &&Holder| {
-            let have: Vec<Fingerprint> = h
-                .bundle
-                .as_deref()
-                .and_then(|pem| material::read(pem, "caBundle").ok())
-                .unwrap_or_default()
-                .iter()
-                .map(|c| c.facts.fingerprint)
-                .collect();
+            let have: Vec<Fingerprint> = h.certs.iter().map(|c| c.facts.fingerprint).collect();
             !same_set(&have, wanted)
         };
         let stale: Vec<&Holder> = self.holders.iter().filter(differs).collect();

@@ -196,6 +196,7 @@ impl Balance {
         }
     }
 
+    #[cfg(test)]
     pub fn standing(&self) -> Standing {
         self.standing_of(&self.state())
     }

@@ -49,10 +49,13 @@ impl fmt::Debug for Handover {
 /// `keep`, what was readied is discarded.
 pub(super) struct Readying {
     prepare: Arc<dyn Prepare>,
-    /// Its place among the shards this replica leads (`None` once readying failed).
-    reserved: Option<Reservation>,
-    task: Option<AbortOnDropHandle<bool>>,
-    ready: bool,
+    /// Its place among the shards this replica leads (`None` once readying failed): then a take
+    /// need not reserve one.
+    pub(super) reserved: Option<Reservation>,
+    /// Running while `Some`.
+    pub(super) task: Option<AbortOnDropHandle<bool>>,
+    /// Ready to lead: time to say so on the Lease.
+    pub(super) ready: bool,
     /// It named itself on the Lease.
     pub(super) offered: bool,
     kept: bool,
@@ -71,15 +74,6 @@ impl Readying {
         }
     }
 
-    /// Ready to lead: time to say so on the Lease.
-    pub(super) fn is_ready(&self) -> bool {
-        self.ready
-    }
-
-    pub(super) fn is_running(&self) -> bool {
-        self.task.is_some()
-    }
-
     /// Completes when readying ends (never, once it has).
     pub(super) async fn finished(&mut self) {
         let Some(task) = self.task.as_mut() else {
@@ -94,11 +88,6 @@ impl Readying {
             self.reserved = None;
             self.prepare.discard();
         }
-    }
-
-    /// It holds a place among the shards this replica leads (a take need not reserve one).
-    pub(super) fn holds_place(&self) -> bool {
-        self.reserved.is_some()
     }
 
     /// The Lease is this replica's: what was readied is used (the leadership's work finds it),
@@ -127,8 +116,10 @@ pub(super) struct Successor {
 }
 
 impl Successor {
-    /// The ready candidate `seen` names, if it is held by `me` and asks for a successor.
-    pub(super) fn named(seen: &Seen, me: &str) -> Option<Self> {
+    /// The ready candidate `lease` names, if it is held by `me` and asks for a successor.
+    pub(super) fn named_on(lease: &Lease, me: &str) -> Option<Self> {
+        // Only the annotations and holder are read: the durations do not matter here.
+        let seen = Seen::observe(lease, None, Duration::ZERO, Instant::now());
         let ours = seen.holder.as_deref() == Some(me);
         match &seen.preferred_holder {
             Some(ready) if ours && seen.handing_over && ready != me => Some(Successor {
@@ -138,16 +129,5 @@ impl Successor {
             }),
             _ => None,
         }
-    }
-
-    /// The ready candidate `lease` names, if it is held by `me` and asks for a successor.
-    pub(super) fn named_on(lease: &Lease, me: &str) -> Option<Self> {
-        // Only the annotations and holder are read: the durations do not matter here.
-        let seen = Seen::observe(lease, None, Duration::ZERO, Instant::now());
-        Self::named(&seen, me)
-    }
-
-    pub(super) fn identity(&self) -> &str {
-        &self.identity
     }
 }

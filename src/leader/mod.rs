@@ -287,10 +287,7 @@ impl Elector {
             _ => return step,
         };
         // Readied for this Lease: its place was reserved then (and goes to the leadership).
-        if c.readying
-            .as_ref()
-            .is_some_and(handover::Readying::holds_place)
-        {
+        if c.readying.as_ref().is_some_and(|r| r.reserved.is_some()) {
             return step;
         }
         let rescue_only = c.rescue_only_until.is_some_and(|until| now < until);
@@ -315,19 +312,18 @@ impl Elector {
             timing.lease_seconds(),
             self.settings.clock.now(),
         );
-        match self.leases.create(&lease).await {
-            Ok(Written::Done(created)) => Ok(Some(Won {
+        match self.leases.create(&lease).await? {
+            Written::Done(created) => Ok(Some(Won {
                 held: held(&created, now),
                 free_since: None,
                 reserved: None,
             })),
-            Ok(Written::Conflict) => {
+            Written::Conflict => {
                 c.known = Known::Unknown;
                 Ok(None)
             }
             // The namespace is missing: a configuration error, retried with pauses.
-            Ok(Written::Missing) => Err(LeaseError::NoNamespace(self.name())),
-            Err(error) => Err(error),
+            Written::Missing => Err(LeaseError::NoNamespace(self.name())),
         }
     }
 
@@ -353,26 +349,22 @@ impl Elector {
             timing.lease_seconds(),
             self.settings.clock.now(),
         );
-        match self.leases.swap(&patch).await {
-            Ok(Written::Done(taken)) => Ok(Some(Won {
+        // On an error the write may have landed: `failed_attempt` has the next step read.
+        match self.leases.swap(&patch).await? {
+            Written::Done(taken) => Ok(Some(Won {
                 held: held(&taken, now),
                 free_since,
                 reserved: None,
             })),
             // Someone wrote first; read what they wrote.
-            Ok(Written::Conflict) => {
+            Written::Conflict => {
                 debug!(lease = %self.name(), "the lease changed before we could take it");
                 c.known = Known::Unknown;
                 Ok(None)
             }
-            Ok(Written::Missing) => {
+            Written::Missing => {
                 c.known = Known::Missing;
                 Ok(None)
-            }
-            Err(error) => {
-                // The write may have landed: read before deciding again.
-                c.known = Known::Unknown;
-                Err(error)
             }
         }
     }
@@ -386,10 +378,7 @@ impl Elector {
         until: Instant,
     ) {
         let reread_at = c.news_at + self.settings.timing.retry_period;
-        let readying_runs = c
-            .readying
-            .as_ref()
-            .is_some_and(handover::Readying::is_running);
+        let readying_runs = c.readying.as_ref().is_some_and(|r| r.task.is_some());
         let readying = c.readying.as_mut();
         tokio::select! {
             // Readied (or not): offer to lead, or wait as before.
@@ -423,8 +412,9 @@ impl Elector {
         }
     }
 
-    /// Counts and logs a failed attempt; returns the pause before the next: short when the API
-    /// server gave no answer, backing off when it refused (a missing namespace, RBAC).
+    /// Counts and logs a failed attempt (a write may have landed: the next step reads); returns
+    /// the pause before the next: short when the API server gave no answer, backing off when it
+    /// refused (a missing namespace, RBAC).
     fn failed_attempt(&self, c: &mut Campaign, error: &LeaseError) -> Duration {
         c.failures += 1;
         let failures = c.failures;
@@ -511,10 +501,7 @@ impl Elector {
                     // Handing a shard over for the balance: within the shutdown's room now.
                     Some(handing) => handing.stop(self.settings.handover.as_ref().map_or(Duration::ZERO, |h| h.on_shutdown)),
                     None => match self.begin_handover(Leaving::Shutdown) {
-                        Ok(handing) => {
-                            handing_over = Some(handing);
-                            renew_at = Instant::now();
-                        }
+                        Ok(handing) => (handing_over, renew_at) = (Some(handing), Instant::now()),
                         Err(leaving) => break Why::Leaving(leaving),
                     },
                 },
@@ -551,10 +538,7 @@ impl Elector {
                                 }
                             } else if let Some(yielding) = self.settings.balance.as_ref().and_then(|b| b.try_yield()) {
                                 match self.begin_handover(Leaving::Yielded(yielding)) {
-                                    Ok(handing) => {
-                                        handing_over = Some(handing);
-                                        renew_at = Instant::now();
-                                    }
+                                    Ok(handing) => (handing_over, renew_at) = (Some(handing), Instant::now()),
                                     Err(leaving) => break Why::Leaving(leaving),
                                 }
                             }
@@ -636,23 +620,20 @@ impl Elector {
 
     /// Releases the Lease on shutdown or when the loop ended, and tells why leading ended.
     async fn step_down(&self, why: Why, held: &Held) -> Ended {
+        let limit = self.settings.timing.retry_period * 2;
         let reason = match why {
             Why::Leaving(leaving) => return self.leave(leaving, held).await,
-            Why::HandOver { successor, then } => match timeout(
-                self.settings.timing.retry_period * 2,
-                self.hand_over(&successor),
-            )
-            .await
-            .unwrap_or(Err(LeaseError::Timeout(
-                self.settings.timing.retry_period * 2,
-            ))) {
+            Why::HandOver { successor, then } => match timeout(limit, self.hand_over(&successor))
+                .await
+                .unwrap_or(Err(LeaseError::Timeout(limit)))
+            {
                 Ok(()) => return self.handed_over(&successor, then),
                 // The write may have landed though its answer was lost.
                 Err(_) if self.handed_to(&successor).await => {
                     return self.handed_over(&successor, then)
                 }
                 Err(error) => {
-                    warn!(lease = %self.name(), successor = %successor.identity(), %error, "could not hand the lease over; releasing it");
+                    warn!(lease = %self.name(), successor = %successor.identity, %error, "could not hand the lease over; releasing it");
                     return self.leave(then, held).await;
                 }
             },
@@ -665,9 +646,7 @@ impl Elector {
             Why::LoopEnded(result) => {
                 // Let another replica (or this one, after a pause) start afresh.
                 self.release(held).await;
-                let reason = format!("the reconcile loop ended unexpectedly: {result}");
-                self.lost(&reason);
-                return Ended::Lost { gave_up: false };
+                format!("the reconcile loop ended unexpectedly: {result}")
             }
         };
         self.lost(&reason);
@@ -710,7 +689,7 @@ impl Elector {
         };
         let message = format!(
             "handed the lease over to {}, ready to lead: {why}",
-            successor.identity()
+            successor.identity
         );
         self.tell(EventType::Normal, "LeaderHandedOver", &message);
         ended
@@ -899,7 +878,7 @@ impl Elector {
                     None
                 }
                 // A replica stopping offers nothing (it would have to take it back).
-                Some(readying) if readying.is_ready() && !stopping => Some(Next::Offer {
+                Some(readying) if readying.ready && !stopping => Some(Next::Offer {
                     resource_version: seen.resource_version.clone(),
                 }),
                 Some(_) => None,
@@ -929,8 +908,8 @@ impl Elector {
         resource_version: &str,
     ) -> Result<Option<Won>, LeaseError> {
         let patch = record::prefer_patch(resource_version, self.me());
-        match self.leases.swap(&patch).await {
-            Ok(Written::Done(lease)) => {
+        match self.leases.swap(&patch).await? {
+            Written::Done(lease) => {
                 info!(lease = %self.name(), "ready to lead: asked the holder to hand the lease over");
                 if let Some(readying) = c.readying.as_mut() {
                     readying.offered = true;
@@ -939,13 +918,9 @@ impl Elector {
                 c.news_at = Instant::now();
                 Ok(None)
             }
-            Ok(Written::Conflict | Written::Missing) => {
+            Written::Conflict | Written::Missing => {
                 c.known = Known::Unknown;
                 Ok(None)
-            }
-            Err(error) => {
-                c.known = Known::Unknown;
-                Err(error)
             }
         }
     }
@@ -985,7 +960,7 @@ impl Elector {
     async fn handed_to(&self, successor: &handover::Successor) -> bool {
         self.leases.get().await.is_ok_and(|lease| {
             matches!(
-                record::reread(lease.as_ref(), successor.identity()),
+                record::reread(lease.as_ref(), &successor.identity),
                 record::Reread::StillOurs { .. }
             )
         })

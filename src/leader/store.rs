@@ -70,24 +70,14 @@ impl LeaseApi {
         }
     }
 
-    async fn bounded<T>(
-        &self,
-        call: impl Future<Output = Result<T, kube::Error>>,
-    ) -> Result<T, LeaseError> {
-        within(self.limit, call).await
-    }
-
     /// The Lease, or `None` when there is none.
     pub async fn get(&self) -> Result<Option<Lease>, LeaseError> {
-        self.bounded(self.api.get_opt(&self.name)).await
+        within(self.limit, self.api.get_opt(&self.name)).await
     }
 
     /// Creates it; `Conflict` when another candidate was first.
     pub async fn create(&self, lease: &Lease) -> Result<Written, LeaseError> {
-        answer(
-            self.bounded(self.api.create(&PostParams::default(), lease))
-                .await,
-        )
+        answer(within(self.limit, self.api.create(&PostParams::default(), lease)).await)
     }
 
     /// A merge patch carrying `metadata.resourceVersion`: the API server applies it only if the
