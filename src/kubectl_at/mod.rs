@@ -300,7 +300,7 @@ pub fn build(
                         .collect::<Result<_, Error>>()?,
                 ),
                 service_account_name: args.service_account.clone(),
-                node_selector: non_empty_map(
+                node_selector: non_empty(
                     args.node_selector
                         .iter()
                         .map(|pair| key_value("--node-selector", pair))
@@ -419,24 +419,29 @@ fn toleration(text: &str) -> Toleration {
     }
 }
 
-fn non_empty<T>(items: Vec<T>) -> Option<Vec<T>> {
-    (!items.is_empty()).then_some(items)
-}
-
-fn non_empty_map(items: BTreeMap<String, String>) -> Option<BTreeMap<String, String>> {
-    (!items.is_empty()).then_some(items)
+/// `None` for an empty list or map.
+fn non_empty<T: Default + PartialEq>(items: T) -> Option<T> {
+    (items != T::default()).then_some(items)
 }
 
 /// The At as `-o` asks for it.
 pub fn render(at: &At, output: Output) -> Result<String, Error> {
     let value = serde_json::to_value(at).map_err(|e| Error::Invalid(e.to_string()))?;
     match output {
-        Output::Json => serde_json::to_string_pretty(&value)
-            .map(|s| s + "\n")
-            .map_err(|e| Error::Invalid(e.to_string())),
-        Output::Yaml => serde_saphyr::to_string(&value).map_err(|e| Error::Invalid(e.to_string())),
         Output::Name => Ok(format!("at.{}/{}\n", crate::api::GROUP, at.name_any())),
+        _ => serialize(&value, output),
     }
+}
+
+/// `value` as `-o json` (ending in a newline) or `-o yaml`.
+fn serialize(value: &serde_json::Value, output: Output) -> Result<String, Error> {
+    let text = match output {
+        Output::Json => serde_json::to_string_pretty(value)
+            .map(|s| s + "\n")
+            .map_err(|e| e.to_string()),
+        _ => serde_saphyr::to_string(value).map_err(|e| e.to_string()),
+    };
+    text.map_err(Error::Invalid)
 }
 
 /// Runs `kubectl at` with `args`; what it prints goes to `out` and `err`.
@@ -587,18 +592,10 @@ async fn list(
             .iter()
             .map(|at| render(at, Output::Name))
             .collect::<Result<String, _>>()?,
-        Some(format) => {
-            let value =
-                serde_json::json!({"apiVersion": "v1", "kind": "List", "items": list.items});
-            match format {
-                Output::Json => {
-                    serde_json::to_string_pretty(&value)
-                        .map_err(|e| Error::Invalid(e.to_string()))?
-                        + "\n"
-                }
-                _ => serde_saphyr::to_string(&value).map_err(|e| Error::Invalid(e.to_string()))?,
-            }
-        }
+        Some(format) => serialize(
+            &serde_json::json!({"apiVersion": "v1", "kind": "List", "items": list.items}),
+            format,
+        )?,
     };
     out.write_all(text.as_bytes()).map_err(io)?;
     Ok(ExitCode::SUCCESS)
@@ -692,6 +689,7 @@ async fn wait(
     err: &mut impl Write,
 ) -> Result<At, Error> {
     let gone = || Error::Server(format!("At {name} was deleted while waiting for it"));
+    let unwritten = |e: std::io::Error| Error::Server(e.to_string());
     let started = reached(ats, name, &[Phase::Running, Phase::Done])
         .await?
         .ok_or_else(gone)?;
@@ -715,9 +713,7 @@ async fn wait(
                         line.clear();
                         match stream.read_until(b'\n', &mut line).await {
                             Ok(0) => break,
-                            Ok(_) => out
-                                .write_all(&line)
-                                .map_err(|e| Error::Server(e.to_string()))?,
+                            Ok(_) => out.write_all(&line).map_err(unwritten)?,
                             Err(e) => {
                                 // The stream broke (kubelet gone, connection lost): the exit
                                 // code still comes from the At.
@@ -725,7 +721,7 @@ async fn wait(
                                     err,
                                     "kubectl at: reading the output of pod {pod_name} stopped: {e}"
                                 )
-                                .map_err(|e| Error::Server(e.to_string()))?;
+                                .map_err(unwritten)?;
                                 break;
                             }
                         }
@@ -757,10 +753,9 @@ async fn wait(
             Some(pod_name) => {
                 let why = last_error
                     .unwrap_or_else(|| "the pod finished before its logs were read".into());
-                writeln!(err, "kubectl at: the output of pod {pod_name} is gone ({why}); the exit code follows").map_err(|e| Error::Server(e.to_string()))?;
+                writeln!(err, "kubectl at: the output of pod {pod_name} is gone ({why}); the exit code follows").map_err(unwritten)?;
             }
-            None => writeln!(err, "kubectl at: At {name} never had a pod")
-                .map_err(|e| Error::Server(e.to_string()))?,
+            None => writeln!(err, "kubectl at: At {name} never had a pod").map_err(unwritten)?,
         }
     }
     Ok(done)

@@ -84,7 +84,7 @@ pub fn table(ats: &[At], now: Timestamp, zone: &TimeZone, namespaces: bool) -> S
             row.push(
                 status
                     .and_then(|s| s.outcome)
-                    .map(outcome)
+                    .map(|o| format!("{o:?}"))
                     .unwrap_or_default(),
             );
             row.push(
@@ -119,10 +119,6 @@ pub fn table(ats: &[At], now: Timestamp, zone: &TimeZone, namespaces: bool) -> S
         out.push('\n');
     }
     out
-}
-
-fn outcome(outcome: Outcome) -> String {
-    format!("{outcome:?}")
 }
 
 /// How `--wait` ends for a finished At: the command's exit code, or why there is none.

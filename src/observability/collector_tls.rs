@@ -2,6 +2,7 @@
 //! read again for every new connection (a file that cannot be used keeps the previous ones).
 //! See docs/src/operating/observability.md, "TLS to the collector".
 
+use super::first_set;
 use crate::observability::throttle::{Throttle, REPORT_EVERY};
 use crate::sync::lock;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -37,6 +38,16 @@ pub const KEY_VARS: [&str; 2] = [
 pub struct FileVar {
     pub var: &'static str,
     pub path: PathBuf,
+}
+
+impl FileVar {
+    /// The `File` error: this file cannot be used, for `problem`.
+    fn error(&self, problem: String) -> TlsFileError {
+        TlsFileError::File {
+            file: self.clone(),
+            problem,
+        }
+    }
 }
 
 impl std::fmt::Display for FileVar {
@@ -78,12 +89,9 @@ impl TlsFiles {
     /// The files named by `var` (the environment), the `_TRACES_` variables first.
     pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Self, TlsFileError> {
         let first = |names: [&'static str; 2]| {
-            names.into_iter().find_map(|name| {
-                let value = var(name).filter(|v| !v.trim().is_empty())?;
-                Some(FileVar {
-                    var: name,
-                    path: PathBuf::from(value.trim()),
-                })
+            first_set(&var, names).map(|(name, path)| FileVar {
+                var: name,
+                path: PathBuf::from(path),
             })
         };
         let client = match (first(CERT_VARS), first(KEY_VARS)) {
@@ -128,10 +136,7 @@ struct Loaded {
 /// Reads every file; an unreadable one is a `File` error naming it.
 fn read(files: &TlsFiles) -> Result<Contents, TlsFileError> {
     let read = |file: &FileVar| {
-        std::fs::read(&file.path).map_err(|e| TlsFileError::File {
-            file: file.clone(),
-            problem: format!("cannot read it: {e}"),
-        })
+        std::fs::read(&file.path).map_err(|e| file.error(format!("cannot read it: {e}")))
     };
     Ok(Contents {
         ca: files.ca.as_ref().map(read).transpose()?,
@@ -147,16 +152,12 @@ fn certificates(
 ) -> Result<Vec<CertificateDer<'static>>, TlsFileError> {
     let mut certs = Vec::new();
     for cert in CertificateDer::pem_slice_iter(bytes) {
-        certs.push(cert.map_err(|e| TlsFileError::File {
-            file: file.clone(),
-            problem: format!("not a PEM certificate file: {e}"),
-        })?);
+        certs.push(cert.map_err(|e| file.error(format!("not a PEM certificate file: {e}")))?);
     }
     if certs.is_empty() {
-        return Err(TlsFileError::File {
-            file: file.clone(),
-            problem: "no PEM certificate in it (expected -----BEGIN CERTIFICATE-----)".into(),
-        });
+        return Err(
+            file.error("no PEM certificate in it (expected -----BEGIN CERTIFICATE-----)".into())
+        );
     }
     Ok(certs)
 }
@@ -172,10 +173,9 @@ fn load(
     match (&files.ca, &contents.ca) {
         (Some(file), Some(bytes)) => {
             for cert in certificates(file, bytes)? {
-                roots.add(cert).map_err(|e| TlsFileError::File {
-                    file: file.clone(),
-                    problem: format!("not a usable CA certificate: {e}"),
-                })?;
+                roots
+                    .add(cert)
+                    .map_err(|e| file.error(format!("not a usable CA certificate: {e}")))?;
             }
         }
         _ => {
@@ -188,19 +188,14 @@ fn load(
     let verifier = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
         .build()
         .map_err(|e| match &files.ca {
-            Some(file) => TlsFileError::File {
-                file: file.clone(),
-                problem: format!("not a usable CA bundle: {e}"),
-            },
+            Some(file) => file.error(format!("not a usable CA bundle: {e}")),
             None => TlsFileError::NoRoots,
         })?;
     let client = match (&files.client, &contents.cert, &contents.key) {
         (Some((cert_file, key_file)), Some(cert), Some(key)) => {
             let chain = certificates(cert_file, cert)?;
-            let key_der = PrivateKeyDer::from_pem_slice(key).map_err(|e| TlsFileError::File {
-                file: key_file.clone(),
-                problem: format!("no usable PEM private key in it ({e})"),
-            })?;
+            let key_der = PrivateKeyDer::from_pem_slice(key)
+                .map_err(|e| key_file.error(format!("no usable PEM private key in it ({e})")))?;
             let identity = CertifiedKey::from_der(chain, key_der, provider).map_err(|e| {
                 TlsFileError::Mismatch {
                     cert: cert_file.clone(),

@@ -62,13 +62,7 @@ pub enum Route {
 
 /// The route the variables ask for (`var` reads the environment).
 pub fn route(var: impl Fn(&str) -> Option<String>) -> Route {
-    let first = |names: [&'static str; 2]| {
-        names.into_iter().find_map(|name| {
-            let value = var(name).filter(|v| !v.trim().is_empty())?;
-            Some((name, value.trim().to_owned()))
-        })
-    };
-    let Some((endpoint_var, endpoint)) = first(ENDPOINT_VARS) else {
+    let Some((endpoint_var, endpoint)) = super::first_set(&var, ENDPOINT_VARS) else {
         return Route::Library;
     };
     // As opentelemetry-otlp reads them: the first protocol it knows (any case), else its

@@ -9,12 +9,15 @@ use crate::operator::pod::Stuck;
 use crate::sync::lock;
 use kube::runtime::reflector::Store;
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabelSet, EncodeLabelValue, EncodeMetric,
+};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Metric, Registry};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -60,12 +63,6 @@ const LATENESS_BUCKETS: [f64; 16] = [
     3600.0,
 ];
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct ReconcileLabels {
-    /// `ok`, or `error` when the reconcile is retried with backoff.
-    result: &'static str,
-}
-
 /// One admission request.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct AdmissionLabels {
@@ -76,6 +73,10 @@ pub struct AdmissionLabels {
     pub allowed: bool,
 }
 
+/// Any other label set: (name, value) pairs, encoded in this order (as a derived
+/// `EncodeLabelSet` encodes its fields).
+type Labels<const N: usize> = [(&'static str, &'static str); N];
+
 /// The `reason` values of `cnat_pods_refused_total`.
 const REFUSAL_REASONS: [&str; 5] = [
     "quota_needs_resources",
@@ -84,12 +85,6 @@ const REFUSAL_REASONS: [&str; 5] = [
     "policy",
     "invalid",
 ];
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct RefusalLabels {
-    /// `quota_needs_resources`, `quota_exceeded`, `pod_security`, `policy` (403s) or `invalid`.
-    reason: &'static str,
-}
 
 /// How a status write ended: the `result` of `cnat_status_writes_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,48 +122,30 @@ impl WriteResult {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct StatusWriteLabels {
-    /// `PENDING`, `RUNNING` or `DONE`: the phase written.
-    phase: &'static str,
-    /// `WriteResult::label`.
-    result: &'static str,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct ConversionLabels {
-    /// `success`, or `failure` when the review was answered with a Failure.
-    result: &'static str,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct WebhookLabels {
-    webhook: &'static str,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct AccessReviewLabels {
-    /// `request` (an admission found no answer and waited) or `refresh` (of a cached answer).
-    trigger: &'static str,
-    /// `allowed`, `denied` or `unanswered` (an error, a timeout, an evaluation error).
-    outcome: &'static str,
-}
-
 /// Every metric cnat exports.
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
-    reconciles: Family<ReconcileLabels, Counter>,
+    /// By `result`: `ok`, or `error` when the reconcile is retried with backoff.
+    reconciles: Family<Labels<1>, Counter>,
     reconcile_duration: Histogram,
     admissions: Family<AdmissionLabels, Counter>,
-    admission_duration: Family<WebhookLabels, Histogram, fn() -> Histogram>,
-    access_reviews: Family<AccessReviewLabels, Histogram, fn() -> Histogram>,
-    conversions: Family<ConversionLabels, Counter>,
+    /// By `webhook`.
+    admission_duration: Family<Labels<1>, Histogram, fn() -> Histogram>,
+    /// By `trigger` (`request` or `refresh`) and `outcome` (`allowed`, `denied`, `unanswered`).
+    access_reviews: Family<Labels<2>, Histogram, fn() -> Histogram>,
+    /// By `result`: `success`, or `failure` when the review was answered with a Failure.
+    conversions: Family<Labels<1>, Counter>,
     lateness: Histogram,
-    pods_refused: Family<RefusalLabels, Counter>,
-    panics: Family<PanicLabels, Counter>,
+    /// By `reason`: one of `REFUSAL_REASONS`.
+    pods_refused: Family<Labels<1>, Counter>,
+    /// By `place`: `reconcile` (an At's reconcile), `look` (deciding whether an At needs one)
+    /// or `task` (another task of the reconcile loop).
+    panics: Family<Labels<1>, Counter>,
     events_dropped: Counter,
-    status_writes: Family<StatusWriteLabels, Counter>,
+    /// By `phase` (`PENDING`, `RUNNING` or `DONE`: the phase written) and `result`
+    /// (`WriteResult::label`).
+    status_writes: Family<Labels<2>, Counter>,
     creates: PodCreates,
     ats: Arc<AtCount>,
 }
@@ -176,176 +153,155 @@ pub struct Metrics {
 /// What stood between a pod create decided on and the create (issue 39, "never twice").
 #[derive(Debug)]
 struct PodCreates {
-    /// How the API server confirmed the At before the create, by `by`.
-    confirmed: Family<ConfirmLabels, Counter>,
+    /// How the API server confirmed the At before the create, by `by`: `read` (a quorum read
+    /// of the At) or `own_write` (the cached version is one this leader's own status write
+    /// made: no request).
+    confirmed: Family<Labels<1>, Counter>,
     /// Creates not made: the API server's copy was not the cache's.
     unconfirmed: Counter,
     /// Creates put off: the At cache was behind.
     deferred: Counter,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct ConfirmLabels {
-    /// `read` (a quorum read of the At) or `own_write` (the cached version is one this leader's
-    /// own status write made: no request).
-    by: &'static str,
+/// Registers `metric` as `name`, returning it to be updated.
+fn register<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
 }
 
-impl PodCreates {
-    fn register(registry: &mut Registry) -> Self {
-        let confirmed: Family<ConfirmLabels, Counter> = Family::default();
-        for by in ["read", "own_write"] {
-            drop(confirmed.get_or_create(&ConfirmLabels { by }));
-        }
-        let (unconfirmed, deferred) = (Counter::default(), Counter::default());
-        registry.register(
-            "cnat_pod_create_confirmations",
-            "Pod creates whose At the API server confirmed as the cache showed it, by how: read (a quorum read of the At just before: it exists with that uid and spec, not being deleted, not started) or own_write (the cached version is the one this leader's own last status write left Pending: no request)",
-            confirmed.clone(),
-        );
-        registry.register(
-            "cnat_pod_creates_unconfirmed",
-            "Pod creates not made because the API server's copy of the At (a quorum read just before) was not the cache's: DONE, deleted, changed or another At by that name; the cache was behind",
-            unconfirmed.clone(),
-        );
-        registry.register(
-            "cnat_pod_creates_deferred",
-            "Pod create attempts put off because the At cache was behind the API server (listing, no watch open, or its watch silent for 75 s); the At is decided again as soon as the cache has caught up, or after 1 s",
-            deferred.clone(),
-        );
-        PodCreates {
-            confirmed,
-            unconfirmed,
-            deferred,
-        }
+/// A counter family with each of `label_sets` at 0 from the start, so the first count is an
+/// increase.
+fn from_zero<const N: usize>(
+    label_sets: impl IntoIterator<Item = Labels<N>>,
+) -> Family<Labels<N>, Counter> {
+    let family = Family::default();
+    for labels in label_sets {
+        drop(family.get_or_create(&labels));
     }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct PanicLabels {
-    /// `reconcile` (an At's reconcile), `look` (deciding whether an At needs one) or `task`
-    /// (another task of the reconcile loop).
-    place: &'static str,
+    family
 }
 
 impl Metrics {
     /// The registry, reading leadership from `leadership` at each scrape.
     pub fn new(leadership: Arc<Leadership>) -> Self {
-        let reconciles = Family::default();
-        let reconcile_duration = Histogram::new(exponential_buckets(0.001, 2.0, 14));
-        let admissions = Family::default();
-        let admission_duration: Family<_, _, fn() -> Histogram> =
-            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.0001, 2.0, 14)));
-        let access_reviews: Family<_, _, fn() -> Histogram> =
-            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.0005, 2.0, 14)));
-        let conversions: Family<ConversionLabels, Counter> = Family::default();
-        for result in ["success", "failure"] {
-            drop(conversions.get_or_create(&ConversionLabels { result }));
-        }
-        let lateness = Histogram::new(LATENESS_BUCKETS);
-        let pods_refused: Family<RefusalLabels, Counter> = Family::default();
-        // Every reason at 0 from the start, so the first refusal is an increase.
-        for reason in REFUSAL_REASONS {
-            drop(pods_refused.get_or_create(&RefusalLabels { reason }));
-        }
-        let panics: Family<PanicLabels, Counter> = Family::default();
-        for place in ["reconcile", "look", "task"] {
-            drop(panics.get_or_create(&PanicLabels { place }));
-        }
-        let events_dropped = Counter::default();
-        let status_writes: Family<StatusWriteLabels, Counter> = Family::default();
-        for phase in [Phase::Pending, Phase::Running, Phase::Done] {
-            for result in WriteResult::ALL {
-                let (phase, result) = (phase.metric_label(), result.label());
-                drop(status_writes.get_or_create(&StatusWriteLabels { phase, result }));
-            }
-        }
-        let ats = Arc::new(AtCount::default());
         let mut registry = Registry::default();
-        registry.register(
-            "cnat_reconciles",
-            "Reconciles of an At, by result",
-            reconciles.clone(),
-        );
-        registry.register(
-            "cnat_reconcile_duration_seconds",
-            "Time one reconcile took, API calls included",
-            reconcile_duration.clone(),
-        );
-        registry.register(
-            "cnat_admission_requests",
-            "AdmissionReviews answered, by webhook, operation and whether they were allowed",
-            admissions.clone(),
-        );
-        registry.register(
-            "cnat_admission_duration_seconds",
-            "Time from receiving an AdmissionReview to answering it, by webhook",
-            admission_duration.clone(),
-        );
-        registry.register(
-            "cnat_access_review_duration_seconds",
-            "SubjectAccessReviews the escalation guard sent and how long each took, by trigger (request: an admission found no cached answer and waited for it; refresh: of a cached answer, ahead of expiry or a retry, which an admission waits for only when the answer expired meanwhile) and outcome (allowed, denied, unanswered)",
-            access_reviews.clone(),
-        );
-        registry.register(
-            "cnat_conversion_reviews",
-            "ConversionReviews answered (At objects between v1alpha1 and v1), by result",
-            conversions.clone(),
-        );
-        registry.register(
-            "cnat_run_lateness_seconds",
-            "How long after its schedule an At's pod was created",
-            lateness.clone(),
-        );
-        registry.register(
-            "cnat_pods_refused",
-            "Pod creates the API server refused, by reason: a quota (quota_needs_resources, quota_exceeded), pod_security, another policy, or invalid; the At stays Pending and is retried (invalid: until its spec changes)",
-            pods_refused.clone(),
-        );
-        registry.register(
-            "cnat_panics",
-            "Panics in the reconcile loop, by place (reconcile, look, task); each ends leadership, releases the Lease and starts the loop again",
-            panics.clone(),
-        );
-        registry.register(
-            "cnat_events_dropped",
-            "Kubernetes Events not published because the queue of events waiting was full (the At's status holds the same facts)",
-            events_dropped.clone(),
-        );
-        registry.register(
-            "cnat_status_writes",
-            "At status writes (each a compare-and-swap on the version decided on), by the phase written and result: written, conflict (the At changed since; decided again), gone (deleted), refused (the API server refuses any status for this At: a spec value outside the CRD's bounds) or failed (retried with backoff)",
-            status_writes.clone(),
-        );
-        let creates = PodCreates::register(&mut registry);
-        registry.register(
-            "cnat_leader_handover_seconds",
-            "On the replica that became leader: time from seeing the Lease released or expired until it led",
-            leadership.handovers().clone(),
-        );
-        registry.register_collector(Box::new(LeaderCollector(leadership)));
-        registry.register_collector(Box::new(ats.clone()));
+        let r = &mut registry;
+        let status_writes = [Phase::Pending, Phase::Running, Phase::Done]
+            .into_iter()
+            .flat_map(|phase| {
+                let phase = phase.metric_label();
+                WriteResult::ALL.map(|result| [("phase", phase), ("result", result.label())])
+            });
+        // The struct's fields register in the order written: the order of /metrics.
         Metrics {
+            reconciles: register(
+                r,
+                "cnat_reconciles",
+                "Reconciles of an At, by result",
+                Family::default(),
+            ),
+            reconcile_duration: register(
+                r,
+                "cnat_reconcile_duration_seconds",
+                "Time one reconcile took, API calls included",
+                Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            ),
+            admissions: register(
+                r,
+                "cnat_admission_requests",
+                "AdmissionReviews answered, by webhook, operation and whether they were allowed",
+                Family::default(),
+            ),
+            admission_duration: register(
+                r,
+                "cnat_admission_duration_seconds",
+                "Time from receiving an AdmissionReview to answering it, by webhook",
+                Family::<_, _, fn() -> Histogram>::new_with_constructor(|| {
+                    Histogram::new(exponential_buckets(0.0001, 2.0, 14))
+                }),
+            ),
+            access_reviews: register(
+                r,
+                "cnat_access_review_duration_seconds",
+                "SubjectAccessReviews the escalation guard sent and how long each took, by trigger (request: an admission found no cached answer and waited for it; refresh: of a cached answer, ahead of expiry or a retry, which an admission waits for only when the answer expired meanwhile) and outcome (allowed, denied, unanswered)",
+                Family::<_, _, fn() -> Histogram>::new_with_constructor(|| {
+                    Histogram::new(exponential_buckets(0.0005, 2.0, 14))
+                }),
+            ),
+            conversions: register(
+                r,
+                "cnat_conversion_reviews",
+                "ConversionReviews answered (At objects between v1alpha1 and v1), by result",
+                from_zero(["success", "failure"].map(|result| [("result", result)])),
+            ),
+            lateness: register(
+                r,
+                "cnat_run_lateness_seconds",
+                "How long after its schedule an At's pod was created",
+                Histogram::new(LATENESS_BUCKETS),
+            ),
+            pods_refused: register(
+                r,
+                "cnat_pods_refused",
+                "Pod creates the API server refused, by reason: a quota (quota_needs_resources, quota_exceeded), pod_security, another policy, or invalid; the At stays Pending and is retried (invalid: until its spec changes)",
+                from_zero(REFUSAL_REASONS.map(|reason| [("reason", reason)])),
+            ),
+            panics: register(
+                r,
+                "cnat_panics",
+                "Panics in the reconcile loop, by place (reconcile, look, task); each ends leadership, releases the Lease and starts the loop again",
+                from_zero(["reconcile", "look", "task"].map(|place| [("place", place)])),
+            ),
+            events_dropped: register(
+                r,
+                "cnat_events_dropped",
+                "Kubernetes Events not published because the queue of events waiting was full (the At's status holds the same facts)",
+                Counter::default(),
+            ),
+            status_writes: register(
+                r,
+                "cnat_status_writes",
+                "At status writes (each a compare-and-swap on the version decided on), by the phase written and result: written, conflict (the At changed since; decided again), gone (deleted), refused (the API server refuses any status for this At: a spec value outside the CRD's bounds) or failed (retried with backoff)",
+                from_zero(status_writes),
+            ),
+            creates: PodCreates {
+                confirmed: register(
+                    r,
+                    "cnat_pod_create_confirmations",
+                    "Pod creates whose At the API server confirmed as the cache showed it, by how: read (a quorum read of the At just before: it exists with that uid and spec, not being deleted, not started) or own_write (the cached version is the one this leader's own last status write left Pending: no request)",
+                    from_zero(["read", "own_write"].map(|by| [("by", by)])),
+                ),
+                unconfirmed: register(
+                    r,
+                    "cnat_pod_creates_unconfirmed",
+                    "Pod creates not made because the API server's copy of the At (a quorum read just before) was not the cache's: DONE, deleted, changed or another At by that name; the cache was behind",
+                    Counter::default(),
+                ),
+                deferred: register(
+                    r,
+                    "cnat_pod_creates_deferred",
+                    "Pod create attempts put off because the At cache was behind the API server (listing, no watch open, or its watch silent for 75 s); the At is decided again as soon as the cache has caught up, or after 1 s",
+                    Counter::default(),
+                ),
+            },
+            ats: {
+                r.register(
+                    "cnat_leader_handover_seconds",
+                    "On the replica that became leader: time from seeing the Lease released or expired until it led",
+                    leadership.handovers().clone(),
+                );
+                r.register_collector(Box::new(LeaderCollector(leadership)));
+                let ats = Arc::new(AtCount::default());
+                r.register_collector(Box::new(ats.clone()));
+                ats
+            },
             registry,
-            reconciles,
-            reconcile_duration,
-            admissions,
-            admission_duration,
-            access_reviews,
-            conversions,
-            lateness,
-            pods_refused,
-            panics,
-            events_dropped,
-            status_writes,
-            creates,
-            ats,
         }
     }
 
     /// A panic in the reconcile loop, at `place` (`reconcile`, `look` or `task`).
     pub fn panicked(&self, place: &'static str) {
-        self.panics.get_or_create(&PanicLabels { place }).inc();
+        self.panics.get_or_create(&[("place", place)]).inc();
     }
 
     /// An event was dropped: its queue was full.
@@ -355,10 +311,8 @@ impl Metrics {
 
     /// A status write of `phase` ended with `result`.
     pub fn status_written(&self, phase: Phase, result: WriteResult) {
-        let (phase, result) = (phase.metric_label(), result.label());
-        self.status_writes
-            .get_or_create(&StatusWriteLabels { phase, result })
-            .inc();
+        let labels = [("phase", phase.metric_label()), ("result", result.label())];
+        self.status_writes.get_or_create(&labels).inc();
     }
 
     /// A pod create was not made: the API server's copy of the At was not the cache's.
@@ -368,10 +322,7 @@ impl Metrics {
 
     /// The API server confirmed a pod create's At, `by` a read or the leader's own write.
     pub fn create_confirmed(&self, by: &'static str) {
-        self.creates
-            .confirmed
-            .get_or_create(&ConfirmLabels { by })
-            .inc();
+        self.creates.confirmed.get_or_create(&[("by", by)]).inc();
     }
 
     /// A pod create was put off: the At cache was behind.
@@ -381,26 +332,19 @@ impl Metrics {
 
     /// The API server refused a pod create for `reason` (a `Refusal` label, or `invalid`).
     pub fn pod_refused(&self, reason: &'static str) {
-        self.pods_refused
-            .get_or_create(&RefusalLabels { reason })
-            .inc();
+        self.pods_refused.get_or_create(&[("reason", reason)]).inc();
     }
 
     pub fn reconciled(&self, ok: bool, took: Duration) {
         let result = if ok { "ok" } else { "error" };
-        self.reconciles
-            .get_or_create(&ReconcileLabels { result })
-            .inc();
+        self.reconciles.get_or_create(&[("result", result)]).inc();
         self.reconcile_duration.observe(took.as_secs_f64());
     }
 
     pub fn admitted(&self, labels: AdmissionLabels, took: Duration) {
-        let webhook = WebhookLabels {
-            webhook: labels.webhook,
-        };
         self.admissions.get_or_create(&labels).inc();
         self.admission_duration
-            .get_or_create(&webhook)
+            .get_or_create(&[("webhook", labels.webhook)])
             .observe(took.as_secs_f64());
     }
 
@@ -408,16 +352,14 @@ impl Metrics {
     /// `refresh`), its `outcome` (`allowed`, `denied` or `unanswered`) and how long it took.
     pub fn access_reviewed(&self, trigger: &'static str, outcome: &'static str, took: Duration) {
         self.access_reviews
-            .get_or_create(&AccessReviewLabels { trigger, outcome })
+            .get_or_create(&[("trigger", trigger), ("outcome", outcome)])
             .observe(took.as_secs_f64());
     }
 
     /// A ConversionReview was answered: every object converted (`ok`) or a Failure.
     pub fn converted(&self, ok: bool) {
         let result = if ok { "success" } else { "failure" };
-        self.conversions
-            .get_or_create(&ConversionLabels { result })
-            .inc();
+        self.conversions.get_or_create(&[("result", result)]).inc();
     }
 
     /// A pod was created `late` after its At's schedule (zero when early, which cannot happen).
@@ -472,22 +414,29 @@ impl Collector for LeaderCollector {
             transitions.metric_type(),
         )?;
         transitions.encode(metric)?;
-        let mut family = encoder.encode_descriptor(
+        gauges(
+            &mut encoder,
             "cnat_lease_held",
             "1 for each Lease this replica holds, by its name (with --shards, one per shard it leads)",
-            None,
-            prometheus_client::metrics::MetricType::Gauge,
-        )?;
-        for lease in self.0.leases() {
-            ConstGauge::new(1).encode(family.encode_family(&LeaseLabels { lease })?)?;
-        }
-        Ok(())
+            "lease",
+            self.0.leases().into_iter().map(|lease| (lease, 1)),
+        )
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct LeaseLabels {
-    lease: String,
+/// A gauge family `name`: one gauge for each (value of the label `label`, gauge) of `samples`.
+fn gauges<V: EncodeLabelValue>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    label: &'static str,
+    samples: impl IntoIterator<Item = (V, usize)>,
+) -> Result<(), std::fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (value, count) in samples {
+        ConstGauge::new(count as i64).encode(family.encode_family(&[(label, value)])?)?;
+    }
+    Ok(())
 }
 
 /// The leader's At cache, when there is one.
@@ -499,22 +448,6 @@ struct AtCount(Mutex<CountedStores>);
 struct CountedStores {
     next: u64,
     stores: Vec<(u64, Store<CachedAt>)>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct PhaseLabels {
-    phase: &'static str,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct StuckLabels {
-    reason: &'static str,
-}
-
-/// Not `namespace`: scrapers set that label to the operator's own namespace.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct NamespaceLabels {
-    at_namespace: String,
 }
 
 impl Collector for AtCount {
@@ -531,49 +464,38 @@ impl Collector for AtCount {
             return Ok(());
         }
         let ats: Vec<_> = stores.iter().flat_map(Store::state).collect();
-        let mut family = encoder.encode_descriptor(
+        // Phases in v1alpha1's spelling, kept: dashboards and alerts select on it.
+        gauges(
+            &mut encoder,
             "cnat_ats",
             "Ats by phase, as the leader sees them (only the leader reports this)",
-            None,
-            prometheus_client::metrics::MetricType::Gauge,
+            "phase",
+            [Phase::Pending, Phase::Running, Phase::Done].map(|phase| {
+                let count = ats.iter().filter(|at| at.phase() == phase).count();
+                (phase.metric_label(), count)
+            }),
         )?;
-        for phase in [Phase::Pending, Phase::Running, Phase::Done] {
-            let labels = PhaseLabels {
-                // v1alpha1's spelling, kept: dashboards and alerts select on it.
-                phase: phase.metric_label(),
-            };
-            let count = ats.iter().filter(|at| at.phase() == phase).count();
-            ConstGauge::new(count as i64).encode(family.encode_family(&labels)?)?;
-        }
-        let mut family = encoder.encode_descriptor(
+        gauges(
+            &mut encoder,
             "cnat_ats_stuck",
             "RUNNING Ats whose pod cannot start the command, by the kind of trouble their status shows (the At's reason: an image that cannot be pulled, a missing Secret, no node that fits; only the leader reports this)",
-            None,
-            prometheus_client::metrics::MetricType::Gauge,
+            "reason",
+            Stuck::ALL.map(|stuck| {
+                let count = ats
+                    .iter()
+                    .filter(|at| at.phase() == Phase::Running && at.stuck() == Some(stuck))
+                    .count();
+                (stuck.reason(), count)
+            }),
         )?;
-        for stuck in Stuck::ALL {
-            let labels = StuckLabels {
-                reason: stuck.reason(),
-            };
-            let count = ats
-                .iter()
-                .filter(|at| at.phase() == Phase::Running && at.stuck() == Some(stuck))
-                .count();
-            ConstGauge::new(count as i64).encode(family.encode_family(&labels)?)?;
-        }
-        let mut family = encoder.encode_descriptor(
+        // Not `namespace`: scrapers set that label to the operator's own namespace.
+        gauges(
+            &mut encoder,
             "cnat_ats_overdue",
             "Pending Ats more than 30 s past their schedule, by the Ats' namespace (only the leader reports this; a namespace appears only while it has some): they should be running",
-            None,
-            prometheus_client::metrics::MetricType::Gauge,
-        )?;
-        for (namespace, count) in overdue(ats.iter().map(|at| at.as_ref()), chrono::Utc::now()) {
-            let labels = NamespaceLabels {
-                at_namespace: namespace,
-            };
-            ConstGauge::new(count as i64).encode(family.encode_family(&labels)?)?;
-        }
-        Ok(())
+            "at_namespace",
+            overdue(ats.iter().map(|at| at.as_ref()), chrono::Utc::now()),
+        )
     }
 }
 

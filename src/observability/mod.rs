@@ -7,6 +7,18 @@ pub mod metrics;
 pub mod telemetry;
 pub mod throttle;
 
+/// The first of `names` (OTLP variables, the most specific first) that `var` (the environment)
+/// sets to more than blanks, with its value trimmed.
+fn first_set(
+    var: impl Fn(&str) -> Option<String>,
+    names: [&'static str; 2],
+) -> Option<(&'static str, String)> {
+    names.into_iter().find_map(|name| {
+        let value = var(name).filter(|v| !v.trim().is_empty())?;
+        Some((name, value.trim().to_owned()))
+    })
+}
+
 /// The environment as a test gives it: `vars`, nothing else.
 #[cfg(test)]
 pub(crate) mod test_env {

@@ -115,9 +115,8 @@ fn tracer_provider(identity: &str) -> Result<(SdkTracerProvider, bool), Error> {
 /// Whether the environment asks for trace export: an OTLP endpoint is set, and neither
 /// `OTEL_SDK_DISABLED=true` nor `OTEL_TRACES_EXPORTER=none` turns it off.
 pub fn export_configured(var: impl Fn(&str) -> Option<String>) -> bool {
-    let set = |name: &str| var(name).is_some_and(|v| !v.trim().is_empty());
     let is = |name: &str, value: &str| var(name).is_some_and(|v| v.trim() == value);
-    ENDPOINT_VARS.iter().any(|name| set(name))
+    super::first_set(&var, ENDPOINT_VARS).is_some()
         && !is("OTEL_SDK_DISABLED", "true")
         && !is("OTEL_TRACES_EXPORTER", "none")
 }
