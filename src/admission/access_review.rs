@@ -12,6 +12,7 @@ use k8s_openapi::api::authorization::v1::{
 use kube::api::PostParams;
 use kube::{Api, Client};
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use tokio::time::{timeout, Instant, MissedTickBehavior};
@@ -266,56 +267,31 @@ impl Budgets {
     fn take(&mut self, client: std::net::IpAddr, known: bool, resent: bool, now: Instant) -> bool {
         let client = crate::serving::guard::canonical(client);
         if known {
-            let mut mine = *bucket_of(
-                &mut self.known_by_client,
-                client,
-                KNOWN_PER_SECOND_PER_CLIENT,
-                now,
-            );
+            let rate = KNOWN_PER_SECOND_PER_CLIENT;
+            let mut mine = *bucket_of(&mut self.known_by_client, client, rate, now);
             if !mine.take(now) || !self.known.take(now) {
                 return false;
             }
-            *bucket_of(
-                &mut self.known_by_client,
-                client,
-                KNOWN_PER_SECOND_PER_CLIENT,
-                now,
-            ) = mine;
+            *bucket_of(&mut self.known_by_client, client, rate, now) = mine;
             return true;
         }
-        let mut mine = *bucket_of(
-            &mut self.new_by_client,
-            client,
-            NEW_PER_SECOND_PER_CLIENT,
-            now,
-        );
+        let (rate, light_rate) = (NEW_PER_SECOND_PER_CLIENT, LIGHT_PER_SECOND_PER_CLIENT);
+        let mut mine = *bucket_of(&mut self.new_by_client, client, rate, now);
         if !mine.take(now) {
             return false;
         }
-        let light = &mut self.light_by_client;
-        let mut light_trial = *bucket_of(light, client, LIGHT_PER_SECOND_PER_CLIENT, now);
-        let reserve = match light_trial.take(now) {
+        let mut light = *bucket_of(&mut self.light_by_client, client, light_rate, now);
+        let reserve = match light.take(now) {
             true => 0.0,
             false => f64::from(NEW_RESERVED_PER_SECOND),
         };
         let taken = self.new.take_above(reserve, now)
             || (resent && reserve > 0.0 && self.take_resent(client, now));
-        if !taken {
-            return false;
+        if taken {
+            *bucket_of(&mut self.new_by_client, client, rate, now) = mine;
+            *bucket_of(&mut self.light_by_client, client, light_rate, now) = light;
         }
-        *bucket_of(
-            &mut self.new_by_client,
-            client,
-            NEW_PER_SECOND_PER_CLIENT,
-            now,
-        ) = mine;
-        *bucket_of(
-            &mut self.light_by_client,
-            client,
-            LIGHT_PER_SECOND_PER_CLIENT,
-            now,
-        ) = light_trial;
-        true
+        taken
     }
 
     /// A resent review from `client` that found only the reserve left: taken from it within
@@ -483,7 +459,6 @@ impl Reviews {
         now: Instant,
         received: Instant,
     ) -> Option<Instant> {
-        use std::hash::BuildHasher;
         let client = crate::serving::guard::canonical(client);
         let recent = |at: &Instant| now.duration_since(*at) < RETRY_WINDOW;
         let first = self.first_refused(client, key, now);
@@ -522,7 +497,6 @@ impl Reviews {
     /// When `key` from `client` was first refused as busy, if within [`RETRY_WINDOW`] of `now`
     /// (then it is being resent).
     fn first_refused(&self, client: std::net::IpAddr, key: &Key, now: Instant) -> Option<Instant> {
-        use std::hash::BuildHasher;
         let client = crate::serving::guard::canonical(client);
         let hash = self.hasher.hash_one(key);
         let refusals = self.refused.get(&client)?;
@@ -533,17 +507,14 @@ impl Reviews {
 
     /// Whether `key` was allowed within [`SEEN_FOR`] of `now`.
     fn seen(&self, key: &Key, now: Instant) -> bool {
-        use std::hash::BuildHasher;
-        let hash = self.hasher.hash_one(key);
         self.seen
-            .get(&hash)
+            .get(&self.hasher.hash_one(key))
             .is_some_and(|at| now.duration_since(*at) < SEEN_FOR)
     }
 
     /// Remembers that `key` was allowed at `now`; past [`MAX_SEEN`], pairs older than
     /// [`SEEN_FOR`] go, then (if that left more than 9/10 of the bound) the older half.
     fn allowed(&mut self, key: &Key, now: Instant) {
-        use std::hash::BuildHasher;
         if self.seen.len() >= MAX_SEEN {
             self.seen.retain(|_, at| now.duration_since(*at) < SEEN_FOR);
             if self.seen.len() >= MAX_SEEN * 9 / 10 {
@@ -554,8 +525,7 @@ impl Reviews {
                 self.seen.retain(|_, at| *at > middle);
             }
         }
-        let hash = self.hasher.hash_one(key);
-        self.seen.insert(hash, now);
+        self.seen.insert(self.hasher.hash_one(key), now);
     }
 
     fn remove(&mut self, key: &Key) {

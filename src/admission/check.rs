@@ -109,24 +109,17 @@ fn check_document(source: &str, document: Value, report: &mut Report) {
         .to_owned();
     // A v1alpha1 At is checked as the API server will store it: as v1, by the same rules.
     let older = document["apiVersion"] == conversion::V1ALPHA1;
-    let document = match conversion::convert(0, document, conversion::V1) {
-        Ok(v1) => v1,
-        Err(e) => {
-            report
-                .problems
-                .push(format!("{source}: At {name} is not a valid At: {e}"));
-            return;
-        }
-    };
-    match serde_json::from_value::<At>(document) {
+    let at = conversion::convert(0, document, conversion::V1)
+        .map_err(|e| e.to_string())
+        .and_then(|v1| serde_json::from_value::<At>(v1).map_err(|e| e.to_string()));
+    match at {
         Ok(at) => {
             let problems = validation::spec_problems(&at, None);
             if !problems.is_empty() {
                 let summary = validation::summary(&at, &problems);
-                let summary = if older {
-                    conversion::in_v1alpha1_terms(&summary)
-                } else {
-                    summary
+                let summary = match older {
+                    true => conversion::in_v1alpha1_terms(&summary),
+                    false => summary,
                 };
                 report.problems.push(format!("{source}: {summary}"));
             }

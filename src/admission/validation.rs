@@ -24,9 +24,7 @@ pub fn spec_problems(at: &At, old: Option<&At>) -> Vec<String> {
     let (new, was) = (&at.spec, old.map(|o| &o.spec));
     let changed = |same: &dyn Fn(&AtSpec) -> bool| was.is_none_or(|w| !same(w));
     if old.is_none() {
-        if let Some(problem) = name_problem(at) {
-            problems.push(problem);
-        }
+        problems.extend(name_problem(at));
     }
     let t = &new.template;
     let sizes = crate::limits::size_problems(new, |field| match field {
@@ -77,9 +75,7 @@ pub fn spec_problems(at: &At, old: Option<&At>) -> Vec<String> {
         }
     }
     problems.extend(pod_settings::problems(new, was));
-    if let Some(problem) = old.and_then(|old| immutability_problem(at, old)) {
-        problems.push(problem);
-    }
+    problems.extend(old.and_then(|old| immutability_problem(at, old)));
     problems
 }
 

@@ -25,7 +25,7 @@ use axum_server::tls_rustls::{RustlsAcceptor, RustlsConfig};
 use axum_server::Handle;
 use base64::Engine;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, Operation};
-use kube::core::{GroupVersionKind, Resource};
+use kube::core::GroupVersionKind;
 use opentelemetry::trace::Status;
 use opentelemetry_http::HeaderExtractor;
 use serde::Deserialize;
@@ -113,7 +113,7 @@ pub fn router(shared: Shared) -> Router {
                         .into_response();
                 }
                 let received = tokio::time::Instant::now();
-                let client = client_of(&request);
+                let client = guard::client_of(&request);
                 let headers = request.headers().clone();
                 let timeout = call_timeout(request.uri());
                 match read_body(&served.bodies, client, request).await {
@@ -137,7 +137,7 @@ pub fn router(shared: Shared) -> Router {
             CONVERT_PATH,
             post(
                 |State(served): State<Served>, request: axum::extract::Request| async move {
-                    let client = client_of(&request);
+                    let client = guard::client_of(&request);
                     let metrics = served.shared.metrics.clone();
                     let connection = guard::connection_of(&request);
                     conversion_webhook::convert(
@@ -157,14 +157,6 @@ pub fn router(shared: Shared) -> Router {
 /// Whether the caller presented a client certificate (which the TLS handshake verified).
 fn certified(request: &axum::extract::Request) -> bool {
     request.extensions().get::<tls::ClientCertificate>() == Some(&tls::ClientCertificate(true))
-}
-
-/// The address of the caller, as `serve` records it (`0.0.0.0` when it is not known).
-fn client_of(request: &axum::extract::Request) -> IpAddr {
-    request
-        .extensions()
-        .get::<axum::extract::ConnectInfo<SocketAddr>>()
-        .map_or(IpAddr::from([0, 0, 0, 0]), |info| info.0.ip())
 }
 
 /// The body of an admission request, charged to the body budget as it arrives, or the answer
@@ -382,11 +374,6 @@ pub struct Verdict {
 }
 
 impl Verdict {
-    fn on<T: Resource>(request: &AdmissionRequest<T>, response: AdmissionResponse) -> Self {
-        let (namespace, name) = (request.namespace.clone(), request.name.clone());
-        Verdict::about(&request.kind, &request.operation, namespace, name, response)
-    }
-
     fn about(
         kind: &GroupVersionKind,
         operation: &Operation,
@@ -557,7 +544,8 @@ fn judge(request: &AdmissionRequest<At>, older: bool) -> Verdict {
         // The rules name v1's fields; a v1alpha1 writer has them in `spec` itself.
         response.result.message = crate::conversion::in_v1alpha1_terms(&response.result.message);
     }
-    let mut verdict = Verdict::on(request, response);
+    let (namespace, name) = (request.namespace.clone(), request.name.clone());
+    let mut verdict = Verdict::about(&request.kind, &request.operation, namespace, name, response);
     verdict.access = runs_pod_for(request);
     verdict
 }
@@ -566,22 +554,21 @@ fn judge(request: &AdmissionRequest<At>, older: bool) -> Verdict {
 fn judge_lean(types: kube::core::TypeMeta, mut request: validating_review::Request) -> Verdict {
     let mut response = allowed(&request.uid);
     response.types = types.clone();
-    let about = |response| {
-        let (namespace, name) = (request.namespace.clone(), request.name.clone());
-        Verdict::about(&request.kind, &request.operation, namespace, name, response)
-    };
     if !concerns_ats(&request.kind) {
         let kind = &request.kind;
-        return about(response.deny(format!(
+        return verdict_on(&request, response.deny(format!(
             "cnat reviews only {GROUP} At objects (v1, v1alpha1), not {}/{} {}; check the webhook's rules",
             kind.group, kind.version, kind.kind
         )));
     }
     if !writes(&request.operation) {
-        return about(response);
+        return verdict_on(&request, response);
     }
     let Some(object) = request.object.take() else {
-        return about(response.deny("the AdmissionReview has no object to review"));
+        return verdict_on(
+            &request,
+            response.deny("the AdmissionReview has no object to review"),
+        );
     };
     let older = request.kind.version == "v1alpha1";
     let old = request.old_object.as_ref().map(at_of);
@@ -590,7 +577,7 @@ fn judge_lean(types: kube::core::TypeMeta, mut request: validating_review::Reque
     }
     let at = match as_at(object) {
         Ok(at) => at,
-        Err(why) => return about(response.deny(why)),
+        Err(why) => return verdict_on(&request, response.deny(why)),
     };
     let request = AdmissionRequest {
         types,
@@ -613,6 +600,12 @@ fn judge_lean(types: kube::core::TypeMeta, mut request: validating_review::Reque
     judge(&request, older)
 }
 
+/// The verdict `response` gives on `request`, a review the fast path could not take.
+fn verdict_on(request: &validating_review::Request, response: AdmissionResponse) -> Verdict {
+    let (namespace, name) = (request.namespace.clone(), request.name.clone());
+    Verdict::about(&request.kind, &request.operation, namespace, name, response)
+}
+
 /// An update of an At whose stored copy does not decode as one: the spec stays frozen once the
 /// stored copy says it started (or says nothing readable as "not started"), a spec change is
 /// checked whole and by the escalation guard, and metadata and status edits pass but for a
@@ -623,10 +616,7 @@ fn judge_unreadable_update(
     response: AdmissionResponse,
     older: bool,
 ) -> Verdict {
-    let verdict = |response| {
-        let (namespace, name) = (request.namespace.clone(), request.name.clone());
-        Verdict::about(&request.kind, &request.operation, namespace, name, response)
-    };
+    let verdict = |response| verdict_on(request, response);
     let in_terms = |message: String| match older {
         true => crate::conversion::in_v1alpha1_terms(&message),
         false => message,
@@ -748,7 +738,11 @@ fn runs_pod_for(
 fn validate(request: &AdmissionRequest<At>) -> AdmissionResponse {
     let response = AdmissionResponse::from(request);
     let (true, Some(at)) = (writes(&request.operation), request.object.as_ref()) else {
-        return refuse_untyped(request, response);
+        // Deletes and connects are not reviewed; a create or update without an object is refused.
+        return match writes(&request.operation) {
+            true => response.deny("the AdmissionReview has no object to review"),
+            false => response,
+        };
     };
     let old = request.old_object.as_ref();
     let problems = match (is_status(request.sub_resource.as_deref()), old) {
@@ -763,18 +757,6 @@ fn validate(request: &AdmissionRequest<At>) -> AdmissionResponse {
     }
 }
 
-/// Deletes and connects are not reviewed; a create or update without an object is refused.
-fn refuse_untyped<T: Resource>(
-    request: &AdmissionRequest<T>,
-    response: AdmissionResponse,
-) -> AdmissionResponse {
-    if writes(&request.operation) {
-        response.deny("the AdmissionReview has no object to review")
-    } else {
-        response
-    }
-}
-
 /// The mutating webhook for an AdmissionReview body: drops a blank `spec.template.image`,
 /// defaults the phase and labels the At with its list shard, as an idempotent JSON patch, on
 /// the raw object, to see which fields are absent.
@@ -782,13 +764,8 @@ pub fn mutating(body: &[u8]) -> Result<Verdict, ReviewError> {
     let mut request = mutating_review::decode(body)?;
     let response = mutate(&mut request);
     let (namespace, name) = (request.namespace, request.name);
-    Ok(Verdict::about(
-        &request.kind,
-        &request.operation,
-        namespace,
-        name,
-        response,
-    ))
+    let verdict = Verdict::about(&request.kind, &request.operation, namespace, name, response);
+    Ok(verdict)
 }
 
 fn mutate(request: &mut mutating_review::Request) -> AdmissionResponse {

@@ -27,7 +27,8 @@ impl Budget {
         }
     }
 
-    fn spend<E: de::Error>(&self, bytes: usize) -> Result<(), E> {
+    /// Charges `bytes` decoded within this budget (by a [`Bounded`] seed, or by something else).
+    pub fn charge<E: de::Error>(&self, bytes: usize) -> Result<(), E> {
         match self.left.get().checked_sub(bytes) {
             Some(left) => {
                 self.left.set(left);
@@ -38,11 +39,6 @@ impl Budget {
                 self.limit >> 10
             ))),
         }
-    }
-
-    /// Charges `bytes` held by something else decoded within this budget.
-    pub fn charge<E: de::Error>(&self, bytes: usize) -> Result<(), E> {
-        self.spend(bytes)
     }
 
     /// A seed that decodes one value within what is left of this budget.
@@ -71,37 +67,37 @@ impl<'de> Visitor<'de> for Bounded<'_> {
     }
 
     fn visit_bool<E: de::Error>(self, v: bool) -> Result<Value, E> {
-        self.0.spend(NODE)?;
+        self.0.charge(NODE)?;
         Ok(Value::Bool(v))
     }
 
     fn visit_i64<E: de::Error>(self, v: i64) -> Result<Value, E> {
-        self.0.spend(NODE)?;
+        self.0.charge(NODE)?;
         Ok(Value::Number(v.into()))
     }
 
     fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value, E> {
-        self.0.spend(NODE)?;
+        self.0.charge(NODE)?;
         Ok(Value::Number(v.into()))
     }
 
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
-        self.0.spend(NODE)?;
+        self.0.charge(NODE)?;
         Ok(Number::from_f64(v).map_or(Value::Null, Value::Number))
     }
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Value, E> {
-        self.0.spend(NODE + v.len())?;
+        self.0.charge(NODE + v.len())?;
         Ok(Value::String(v.to_owned()))
     }
 
     fn visit_string<E: de::Error>(self, v: String) -> Result<Value, E> {
-        self.0.spend(NODE + v.len())?;
+        self.0.charge(NODE + v.len())?;
         Ok(Value::String(v))
     }
 
     fn visit_unit<E: de::Error>(self) -> Result<Value, E> {
-        self.0.spend(NODE)?;
+        self.0.charge(NODE)?;
         Ok(Value::Null)
     }
 
@@ -114,7 +110,7 @@ impl<'de> Visitor<'de> for Bounded<'_> {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
-        self.0.spend(NODE)?;
+        self.0.charge(NODE)?;
         let mut items = Vec::new();
         while let Some(item) = seq.next_element_seed(self)? {
             items.push(item);
@@ -123,10 +119,10 @@ impl<'de> Visitor<'de> for Bounded<'_> {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
-        self.0.spend(NODE)?;
+        self.0.charge(NODE)?;
         let mut fields = Map::new();
         while let Some(key) = map.next_key::<String>()? {
-            self.0.spend(key.len())?;
+            self.0.charge(key.len())?;
             let value = map.next_value_seed(self)?;
             fields.insert(key, value);
         }

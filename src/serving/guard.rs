@@ -128,11 +128,6 @@ impl Slots {
         }
     }
 
-    /// A slot for `client`, or `None` when the total or the client's share is taken.
-    pub fn take(self: &Arc<Self>, client: IpAddr) -> Option<Slot> {
-        self.take_n(client, 1)
-    }
-
     /// `n` units for `client` at once (e.g. the KiB of a request body), or `None` when they
     /// would go past the total or the client's share.
     pub fn take_n(self: &Arc<Self>, client: IpAddr, n: usize) -> Option<Slot> {
@@ -504,6 +499,7 @@ impl Connections {
     }
 
     /// How many connections `client` holds, in both pools (for tests).
+    #[cfg(test)]
     pub fn held_by(&self, client: IpAddr) -> usize {
         let client = canonical(client);
         let pools = self.lock();
@@ -528,11 +524,6 @@ impl<A> Capped<A> {
             inner,
             connections: Connections::new(limits),
         }
-    }
-
-    /// The connections held (for tests).
-    pub fn connections(&self) -> Arc<Connections> {
-        self.connections.clone()
     }
 }
 
@@ -730,6 +721,15 @@ pub fn connection_of(request: &Request) -> Option<Arc<Connection>> {
     request.extensions().get::<Arc<Connection>>().cloned()
 }
 
+/// The address of the caller, as `into_make_service_with_connect_info::<SocketAddr>()` records
+/// it (`0.0.0.0` when it is not known).
+pub fn client_of(request: &Request) -> IpAddr {
+    request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map_or(IpAddr::from([0, 0, 0, 0]), |info| info.0.ip())
+}
+
 /// The middleware state: requests in flight and the deadline.
 #[derive(Clone)]
 pub struct RequestGuard {
@@ -756,12 +756,9 @@ pub async fn guard(
     request: Request,
     next: Next,
 ) -> Response {
-    let client = request
-        .extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .map_or(IpAddr::from([0, 0, 0, 0]), |info| info.0.ip());
+    let client = client_of(&request);
     let connection = connection_of(&request);
-    let Some(_permit) = guard.in_flight.take(client) else {
+    let Some(_permit) = guard.in_flight.take_n(client, 1) else {
         if let Some(connection) = &connection {
             connection.set(Stage::Idle);
         }
