@@ -266,9 +266,7 @@ impl Phase {
             Phase::Done => "Done",
         }
     }
-}
 
-impl Phase {
     /// The `phase` label of `cnat_ats`: `PENDING`, `RUNNING` or `DONE`, as since v1alpha1, so
     /// that dashboards and alerts keep working across the API change.
     pub fn metric_label(self) -> &'static str {

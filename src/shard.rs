@@ -64,24 +64,18 @@ pub fn change_problem(
     })
 }
 
-/// `label in (values)`.
-fn in_values(values: impl Iterator<Item = usize>) -> String {
+/// `label <operator> (values)`, `operator` being `in` or `notin`.
+fn requirement(operator: &str, values: impl Iterator<Item = usize>) -> String {
     let values: Vec<String> = values.map(|v| v.to_string()).collect();
-    format!("{LABEL} in ({})", values.join(","))
-}
-
-/// `label notin (values)`.
-fn not_in_values(values: impl Iterator<Item = usize>) -> String {
-    let values: Vec<String> = values.map(|v| v.to_string()).collect();
-    format!("{LABEL} notin ({})", values.join(","))
+    format!("{LABEL} {operator} ({})", values.join(","))
 }
 
 /// The label selectors of the lists that together return every At once: list shard `i` for
 /// `i` in `0..SHARDS`, then every other At.
 pub fn selectors() -> Vec<String> {
     (0..SHARDS)
-        .map(|i| in_values((i..VALUES).step_by(SHARDS)))
-        .chain([not_in_values(0..VALUES)])
+        .map(|i| requirement("in", (i..VALUES).step_by(SHARDS)))
+        .chain([requirement("notin", 0..VALUES)])
         .collect()
 }
 
@@ -131,8 +125,11 @@ impl Shards {
         let theirs = |of: usize| (0..VALUES).filter(move |v| v % self.count == of);
         match shard {
             _ if self.count == 1 => None,
-            0 => Some(not_in_values((0..VALUES).filter(|v| v % self.count != 0))),
-            shard => Some(in_values(theirs(shard))),
+            0 => Some(requirement(
+                "notin",
+                (0..VALUES).filter(|v| v % self.count != 0),
+            )),
+            shard => Some(requirement("in", theirs(shard))),
         }
     }
 }

@@ -85,28 +85,25 @@ pub struct Left {
 impl Left {
     /// `object` could not be written back: why (`error`), and what to do about it.
     fn new(object: String, error: &kube::Error) -> Self {
-        let (why, fix) = match error {
-            kube::Error::Api(status) if status.message.contains("conversion webhook") => (
-                status.message.clone(),
-                "the API server could not convert it: is a cnat replica of this release running (it serves /convert)?",
-            ),
-            kube::Error::Api(status) if status.message.contains("webhook") => (
-                status.message.clone(),
-                "an admission webhook refused the unchanged object, or could not be called: fix what it names (or the webhook)",
-            ),
-            kube::Error::Api(status) if status.code == 422 => (
-                status.message.clone(),
-                "its stored value breaks today's schema (a value outside the bounds): fix the field named (kubectl edit) or delete the object",
-            ),
-            kube::Error::Api(status) if status.code == 403 => (
-                status.message.clone(),
-                "grant the migration's user update on this resource (or run it as one who has it)",
-            ),
-            kube::Error::Api(status) => (
-                status.message.clone(),
-                "fix what the API server names",
-            ),
-            other => (other.to_string(), "check that the API server answers"),
+        let fix = match error {
+            kube::Error::Api(status) if status.message.contains("conversion webhook") => {
+                "the API server could not convert it: is a cnat replica of this release running (it serves /convert)?"
+            }
+            kube::Error::Api(status) if status.message.contains("webhook") => {
+                "an admission webhook refused the unchanged object, or could not be called: fix what it names (or the webhook)"
+            }
+            kube::Error::Api(status) if status.code == 422 => {
+                "its stored value breaks today's schema (a value outside the bounds): fix the field named (kubectl edit) or delete the object"
+            }
+            kube::Error::Api(status) if status.code == 403 => {
+                "grant the migration's user update on this resource (or run it as one who has it)"
+            }
+            kube::Error::Api(_) => "fix what the API server names",
+            _ => "check that the API server answers",
+        };
+        let why = match error {
+            kube::Error::Api(status) => status.message.clone(),
+            other => other.to_string(),
         };
         Left { object, why, fix }
     }

@@ -1,9 +1,9 @@
 //! An At of a ConversionReview read in one pass as the parts the conversion moves, every other
-//! value kept as the JSON text it came as; converted as [`super::convert`] does, which stays the
-//! definition. See docs/src/design/decisions.md, "Conversion, streamed".
+//! value kept as the JSON text it came as; converted as the model in `conversion/tests.rs`,
+//! the definition, does. See docs/src/design/decisions.md, "Conversion, streamed".
 
-use super::{envelope, respelled, ConversionError, Envelope, CARRIED_ANNOTATION, POD_FIELDS};
-use super::{ANNOTATION, NO_IMAGE, V1, V1ALPHA1, V1ALPHA1_IMAGE, V1_ONLY};
+use super::rules::{envelope, respelled, ConversionError, Envelope, CARRIED_ANNOTATION};
+use super::rules::{ANNOTATION, NO_IMAGE, POD_FIELDS, V1, V1ALPHA1, V1ALPHA1_IMAGE, V1_ONLY};
 use crate::serving::bounded::Budget;
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
@@ -290,7 +290,7 @@ pub fn convert<'a>(
     Ok(object)
 }
 
-/// `v1alpha1` to `v1`, as `super::up`.
+/// `v1alpha1` to `v1`, as the model's `up`.
 fn up(object: &mut Members) {
     let Some(Part::Object(spec)) = get_mut(object, "spec") else {
         return phase(object, true);
@@ -324,7 +324,7 @@ fn up(object: &mut Members) {
     phase(object, true);
 }
 
-/// `v1` to `v1alpha1`, as `super::down`.
+/// `v1` to `v1alpha1`, as the model's `down`.
 fn down(object: &mut Members, budget: &Budget) -> Result<(), String> {
     let mut moved = Vec::new();
     if let Some(Part::Object(spec)) = get_mut(object, "spec") {
@@ -347,8 +347,8 @@ fn down(object: &mut Members, budget: &Budget) -> Result<(), String> {
     if wrap {
         let mut carried = serde_json::Map::new();
         for (key, value) in moved {
-            // Read as JSON, within the object's budget, to be written as `super::down` writes
-            // it (canonical, as `envelope` wants it back).
+            // Read as JSON, within the object's budget, to be written as the model's `down`
+            // writes it (canonical, as `envelope` wants it back).
             let text = match value {
                 Part::Raw(text) => text,
                 Part::Object(members) => Cow::Owned(text_of(&members)),
@@ -370,7 +370,7 @@ fn down(object: &mut Members, budget: &Budget) -> Result<(), String> {
     Ok(())
 }
 
-/// Respells `status.phase` as `super::phase` does.
+/// Respells `status.phase` as the model's `phase` does.
 fn phase(object: &mut Members, to_v1: bool) {
     let Some(Part::Object(status)) = get_mut(object, "status") else {
         return;
@@ -397,7 +397,7 @@ fn carried(object: &Members) -> Option<String> {
     get(annotations, CARRIED_ANNOTATION).and_then(as_string)
 }
 
-/// Sets the carried annotation to `value`, or removes it, as `super::set_annotation`.
+/// Sets the carried annotation to `value`, or removes it, as the model's `set_annotation`.
 fn set_annotation(object: &mut Members, value: Option<String>) {
     if get(object, "metadata").is_none() {
         object.push((Cow::Borrowed("metadata"), Part::Object(Members::new())));
@@ -454,7 +454,8 @@ pub fn write(members: &Members, out: &mut impl Write) -> io::Result<()> {
     out.write_all(b"}")
 }
 
-fn text_of(members: &Members) -> String {
+/// An object's members as JSON text.
+pub(super) fn text_of(members: &Members) -> String {
     let mut out = Vec::new();
     let _ = write(members, &mut out);
     String::from_utf8(out).unwrap_or_default()

@@ -271,38 +271,18 @@ impl<'de, W: Write> Visitor<'de> for Review<'_, '_, W> {
 }
 
 /// The keys cnat reads, without allocating for the others.
+#[derive(serde::Deserialize)]
+#[serde(field_identifier, rename_all = "camelCase")]
 enum Key {
     ApiVersion,
     Kind,
     Request,
     Uid,
+    #[serde(rename = "desiredAPIVersion")]
     Desired,
     Objects,
+    #[serde(other)]
     Other,
-}
-
-impl<'de> serde::Deserialize<'de> for Key {
-    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Keys;
-        impl Visitor<'_> for Keys {
-            type Value = Key;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a field name")
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Key, E> {
-                Ok(match v {
-                    "apiVersion" => Key::ApiVersion,
-                    "kind" => Key::Kind,
-                    "request" => Key::Request,
-                    "uid" => Key::Uid,
-                    "desiredAPIVersion" => Key::Desired,
-                    "objects" => Key::Objects,
-                    _ => Key::Other,
-                })
-            }
-        }
-        d.deserialize_identifier(Keys)
-    }
 }
 
 struct Request<'a, 'r, W>(&'a RefCell<State<'r, W>>);

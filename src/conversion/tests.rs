@@ -2,7 +2,7 @@ use super::*;
 use kube::core::conversion::{ConversionResponse, ConversionReview};
 use kube::core::Status;
 use proptest::prelude::*;
-use serde_json::json;
+use serde_json::{json, Map, Value};
 
 /// Any JSON value, a few levels deep: what a field may hold as far as the conversion cares.
 fn any_json() -> impl Strategy<Value = Value> {
@@ -390,7 +390,9 @@ proptest! {
         if version.is_none() {
             at.as_object_mut().unwrap().remove("apiVersion");
         }
-        let slow = convert(0, at.clone(), V1)
+        let defined = model::convert(0, at.clone(), V1);
+        prop_assert_eq!(&convert(0, at.clone(), V1), &defined);
+        let slow = defined
             .map_err(|e| e.to_string())
             .and_then(|v1| serde_json::from_value::<crate::api::At>(v1).map_err(|e| e.to_string()));
         let text = serde_json::to_vec(&at).unwrap();
@@ -415,11 +417,17 @@ proptest! {
             "request": {"uid": "u-p", "desiredAPIVersion": desired, "objects": objects}});
         let body = if pretty { serde_json::to_vec_pretty(&body) } else { serde_json::to_vec(&body) }.unwrap();
         let response = review(&body).response.unwrap();
+        let converted: Result<Vec<Value>, ConversionError> = objects
+            .iter()
+            .enumerate()
+            .map(|(i, object)| convert(i, object.clone(), desired))
+            .collect();
         let expected: Result<Vec<Value>, ConversionError> = objects
             .into_iter()
             .enumerate()
-            .map(|(i, object)| convert(i, object, desired))
+            .map(|(i, object)| model::convert(i, object, desired))
             .collect();
+        prop_assert_eq!(&converted, &expected);
         match expected {
             Ok(expected) => {
                 prop_assert_eq!(response.result.message, "");
@@ -685,7 +693,8 @@ fn keys_given_twice_escapes_and_spacing_read_as_json_readers_read_them() {
                 r#"{{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview","request":{{"uid":"u","desiredAPIVersion":"{desired}","objects":[ {text} , {text} ]}}}}"#
             );
             let object: Value = serde_json::from_str(text).unwrap();
-            let expected = convert(0, object, desired).unwrap();
+            let expected = model::convert(0, object.clone(), desired).unwrap();
+            assert_eq!(convert(0, object, desired).unwrap(), expected);
             let response = review(body.as_bytes()).response.unwrap();
             assert_eq!(response.result.message, "", "{text}");
             assert_eq!(response.converted_objects, vec![expected.clone(), expected]);
@@ -785,5 +794,184 @@ fn review(body: &[u8]) -> ConversionReview {
         Ok(_) => serde_json::from_slice(&out)
             .unwrap_or_else(|e| failure(format!("cnat wrote an unreadable answer: {e}"))),
         Err(broken) => failure(broken.to_string()),
+    }
+}
+
+/// The definition of the conversion, on a `Value`: what `convert` (the streamed parts) and the
+/// typed path are tested against.
+mod model {
+    use crate::conversion::rules::*;
+    use serde_json::{Map, Value};
+
+    /// `object` (the `index`th of a request) as `desired` (`V1ALPHA1` or `V1`).
+    pub(super) fn convert(
+        index: usize,
+        object: Value,
+        desired: &str,
+    ) -> Result<Value, ConversionError> {
+        if desired != V1 && desired != V1ALPHA1 {
+            return Err(ConversionError::UnknownTarget(desired.to_owned()));
+        }
+        let Value::Object(mut object) = object else {
+            return Err(ConversionError::NotAnObject {
+                index,
+                found: kind_of(&object),
+            });
+        };
+        let version = object
+            .get("apiVersion")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        match version {
+            v if v == desired => {}
+            V1ALPHA1 => up(&mut object),
+            V1 => down(&mut object),
+            other => {
+                return Err(ConversionError::UnknownSource {
+                    index,
+                    name: name_of(&object),
+                    version: other.to_owned(),
+                })
+            }
+        }
+        object.insert("apiVersion".into(), Value::String(desired.to_owned()));
+        Ok(Value::Object(object))
+    }
+
+    /// `v1alpha1` to `v1`, in place (`apiVersion` untouched).
+    fn up(object: &mut Map<String, Value>) {
+        let Some(Value::Object(spec)) = object.get_mut("spec") else {
+            // No spec (the schema requires one): nothing to move, and the annotation stays.
+            return phase(object, true);
+        };
+        let mut template = Map::new();
+        for field in POD_FIELDS {
+            if let Some(value) = spec.remove(field) {
+                template.insert(field.to_owned(), value);
+            }
+        }
+        // What this object held as v1 and v1alpha1 cannot: only an envelope as `down` writes it is
+        // opened, so any other value stays where it is and comes back unchanged.
+        let envelope = carried_annotation(object).and_then(envelope);
+        if let Some(Envelope {
+            fields,
+            no_image,
+            annotation,
+        }) = envelope
+        {
+            for (field, value) in fields {
+                template.insert(field.to_owned(), value);
+            }
+            if no_image && template.get("image").is_none_or(|i| i == V1ALPHA1_IMAGE) {
+                template.remove("image");
+            }
+            set_annotation(object, annotation);
+        }
+        if let Some(Value::Object(spec)) = object.get_mut("spec") {
+            spec.insert("template".into(), Value::Object(template));
+        }
+        phase(object, true);
+    }
+
+    /// `v1` to `v1alpha1`, in place (`apiVersion` untouched).
+    fn down(object: &mut Map<String, Value>) {
+        let mut carried = Map::new();
+        if let Some(Value::Object(spec)) = object.get_mut("spec") {
+            // (A template that is not an object, which the schema does not let through, is dropped.)
+            if let Some(Value::Object(mut template)) = spec.remove("template") {
+                for (field, key) in V1_ONLY {
+                    if let Some(value) = template.remove(field) {
+                        carried.insert(key.into(), value);
+                    }
+                }
+                if template.get("image").is_none_or(Value::is_null) {
+                    carried.insert(NO_IMAGE.into(), Value::Bool(true));
+                }
+                // Every other field of the template is a pod field: v1alpha1 has them in `spec`.
+                spec.extend(template);
+            }
+        }
+        let annotation = carried_annotation(object).map(str::to_owned);
+        // An annotation of this name that `up` would not open stays as it is; one it would open
+        // (a v1 object carrying what looks like an envelope) goes into the envelope itself.
+        let wrap = !carried.is_empty() || annotation.as_deref().and_then(envelope).is_some();
+        if wrap {
+            if let Some(annotation) = annotation {
+                carried.insert(ANNOTATION.into(), Value::String(annotation));
+            }
+            let text = serde_json::to_string(&Value::Object(carried)).unwrap_or_default();
+            set_annotation(object, Some(text));
+        }
+        phase(object, false);
+    }
+
+    /// Respells `status.phase` by `PHASES`, to v1's spelling when `to_v1`, else to v1alpha1's; a
+    /// value not in the table stays as it is.
+    fn phase(object: &mut Map<String, Value>, to_v1: bool) {
+        if let Some(Value::Object(status)) = object.get_mut("status") {
+            respell(status, to_v1);
+        }
+    }
+
+    /// The value of the carried annotation on `object`, if it has one.
+    fn carried_annotation(object: &Map<String, Value>) -> Option<&str> {
+        object
+            .get("metadata")?
+            .get("annotations")?
+            .get(CARRIED_ANNOTATION)?
+            .as_str()
+    }
+
+    /// Sets the carried annotation to `value`, or removes it (and the annotations map when it then
+    /// holds nothing, as the API server never stores an empty one).
+    fn set_annotation(object: &mut Map<String, Value>, value: Option<String>) {
+        let meta = object
+            .entry("metadata")
+            .or_insert_with(|| Value::Object(Map::new()));
+        let Value::Object(meta) = meta else {
+            return;
+        };
+        match value {
+            Some(value) => {
+                let annotations = meta
+                    .entry("annotations")
+                    .or_insert_with(|| Value::Object(Map::new()));
+                if !annotations.is_object() {
+                    *annotations = Value::Object(Map::new());
+                }
+                if let Value::Object(annotations) = annotations {
+                    annotations.insert(CARRIED_ANNOTATION.into(), Value::String(value));
+                }
+            }
+            None => {
+                if let Some(Value::Object(annotations)) = meta.get_mut("annotations") {
+                    annotations.remove(CARRIED_ANNOTATION);
+                    if annotations.is_empty() {
+                        meta.remove("annotations");
+                    }
+                }
+            }
+        }
+    }
+
+    fn name_of(object: &Map<String, Value>) -> String {
+        let meta = object.get("metadata");
+        let field = |f: &str| meta.and_then(|m| m.get(f)).and_then(Value::as_str);
+        match (field("namespace"), field("name")) {
+            (Some(ns), Some(name)) => format!("{ns}/{name}"),
+            (None, Some(name)) => name.to_owned(),
+            _ => "no name".to_owned(),
+        }
+    }
+
+    fn kind_of(value: &Value) -> &'static str {
+        match value {
+            Value::Null => "null",
+            Value::Bool(_) => "a boolean",
+            Value::Number(_) => "a number",
+            Value::String(_) => "a string",
+            Value::Array(_) => "an array",
+            Value::Object(_) => "an object",
+        }
     }
 }

@@ -3,7 +3,7 @@
 //! [`super::convert`] and a decode of its result give, or fails, leaving the object to the JSON
 //! path (`validating_review`), which says why it is not an At.
 
-use super::{envelope, respell, Envelope, CARRIED_ANNOTATION, V1ALPHA1, V1ALPHA1_IMAGE};
+use super::rules::{envelope, respell, Envelope, CARRIED_ANNOTATION, V1ALPHA1, V1ALPHA1_IMAGE};
 use crate::api::{At, AtPodTemplate, AtSpec, AtStatus, ImagePullPolicy, PodMetadata};
 use k8s_openapi::api::core::v1::{EnvVar, LocalObjectReference, ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
