@@ -80,7 +80,7 @@ pub async fn run_with_cache(
             return;
         }
     };
-    let pods = pod_api(&client, settings.namespace.as_deref());
+    let pods = crate::operator::pod_api(&client, settings.namespace.as_deref());
     let (pod_store, pod_writer) = reflector::store();
     let caches = Caches {
         pods: pod_store,
@@ -296,7 +296,7 @@ fn spawn_tasks(
 /// Runs `act` on each pod `received` brings, `ORPHAN_RELEASES` at once, until the sender goes;
 /// then says it was `task`.
 async fn each_pod<F, Fut>(
-    received: mpsc::UnboundedReceiver<ObjectRef<Pod>>,
+    mut received: mpsc::UnboundedReceiver<ObjectRef<Pod>>,
     ctx: Arc<Context>,
     task: &'static str,
     act: F,
@@ -305,11 +305,9 @@ where
     F: Fn(Arc<Context>, ObjectRef<Pod>) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
-    futures::stream::unfold(received, |mut rx| async {
-        rx.recv().await.map(|found| (found, rx))
-    })
-    .for_each_concurrent(ORPHAN_RELEASES, |found| act(ctx.clone(), found))
-    .await;
+    futures::stream::poll_fn(move |cx| received.poll_recv(cx))
+        .for_each_concurrent(ORPHAN_RELEASES, |found| act(ctx.clone(), found))
+        .await;
     task
 }
 
@@ -405,12 +403,5 @@ struct ForgetAts(Arc<Metrics>, u64);
 impl Drop for ForgetAts {
     fn drop(&mut self) {
         self.0.forget_ats(self.1);
-    }
-}
-
-fn pod_api(client: &Client, namespace: Option<&str>) -> Api<Pod> {
-    match namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
     }
 }

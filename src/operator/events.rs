@@ -44,10 +44,8 @@ impl EventSink {
     /// Starts the lanes' publishers on the current tokio runtime, reporting as `reporter`.
     pub fn start(client: kube::Client, reporter: Reporter) -> Self {
         let lanes = Lanes::default();
-        let (replica, replica_lane) = mpsc::channel(QUEUE / LANES);
-        let replica_lane = futures::stream::unfold(replica_lane, |mut rx| async {
-            rx.recv().await.map(|item| (item, rx))
-        });
+        let (replica, mut replica_lane) = mpsc::channel(QUEUE / LANES);
+        let replica_lane = futures::stream::poll_fn(move |cx| replica_lane.poll_recv(cx));
         for lane in lanes.take().into_iter().flatten() {
             spawn_publisher(lane, &client, &reporter);
         }
@@ -60,53 +58,35 @@ impl EventSink {
 
     /// Queues an event about this replica itself (its Lease) in its own lane, in order and
     /// never behind Ats' events; `false` when the lane is full and it was dropped.
-    pub fn try_send_replica(&self, mut event: Event, regarding: ObjectReference) -> bool {
-        event.note = event.note.map(|note| fit_note(&note));
-        let queued = Queued {
-            event,
-            regarding,
-            behind: None,
-        };
-        sent(self.replica.try_send(queued))
+    pub fn try_send_replica(&self, event: Event, regarding: ObjectReference) -> bool {
+        sent(self.replica.try_send(Queued::new(event, regarding, None)))
     }
 
     /// Queues `event` about `regarding` in the lane of `key`, its note cut to what the API
     /// server accepts, without waiting: `false` when the lane is full (or the publishers
-    /// stopped) and it was dropped.
-    pub fn try_send(&self, key: &impl Hash, event: Event, regarding: ObjectReference) -> bool {
-        self.queue(key, event, regarding, None)
-    }
-
-    /// `try_send`, the event going out once `writes` are quiet (at most `MAX_DEFER` from now).
-    pub fn try_send_behind(
+    /// stopped) and it was dropped. With `behind`, the event goes out once those writes are
+    /// quiet (at most `MAX_DEFER` from now).
+    pub fn try_send(
         &self,
         key: &impl Hash,
         event: Event,
         regarding: ObjectReference,
-        writes: &Priority,
+        behind: Option<&Priority>,
     ) -> bool {
-        self.queue(
-            key,
-            event,
-            regarding,
-            Some((writes.clone(), Instant::now())),
-        )
-    }
-
-    fn queue(
-        &self,
-        key: &impl Hash,
-        mut event: Event,
-        regarding: ObjectReference,
-        behind: Option<(Priority, Instant)>,
-    ) -> bool {
-        event.note = event.note.map(|note| fit_note(&note));
-        let queued = Queued {
-            event,
-            regarding,
-            behind,
-        };
+        let queued = Queued::new(event, regarding, behind);
         sent(self.lanes.try_send(key, queued))
+    }
+}
+
+impl Queued {
+    /// `event`, its note cut to what the API server accepts, waiting for `behind` from now.
+    fn new(mut event: Event, regarding: ObjectReference, behind: Option<&Priority>) -> Self {
+        event.note = event.note.map(|note| fit_note(&note));
+        Queued {
+            event,
+            regarding,
+            behind: behind.map(|writes| (writes.clone(), Instant::now())),
+        }
     }
 }
 
@@ -177,11 +157,7 @@ impl<T> Lanes<T> {
         Some(
             receivers
                 .into_iter()
-                .map(|receiver| {
-                    futures::stream::unfold(receiver, |mut rx| async {
-                        rx.recv().await.map(|item| (item, rx))
-                    })
-                })
+                .map(|mut rx| futures::stream::poll_fn(move |cx| rx.poll_recv(cx)))
                 .collect(),
         )
     }

@@ -3,10 +3,10 @@
 //! See docs/src/design/decisions.md, "Never twice".
 
 use crate::api::{At, Phase};
-use crate::operator::{key, FIELD_MANAGER};
+use crate::operator::{key, patch_params};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Patch, PatchParams};
-use kube::{Api, ResourceExt};
+use kube::api::Patch;
+use kube::{Api, Client, ResourceExt};
 
 /// Finalizer on every pod cnat creates: the pod stays (terminating) until the At's status
 /// records it, so the next leader sees a pod deleted before that write landed (see `may_go`).
@@ -96,6 +96,23 @@ pub fn may_go(pod: Candidate, at: Option<&At>, recorder: Recorder) -> bool {
     }
 }
 
+/// The At of `namespace` named by `pod`'s controller reference, as the API server holds it now
+/// (`None`: no controller reference, or no such At).
+pub async fn controlling_at(
+    client: &Client,
+    namespace: &str,
+    pod: &Pod,
+) -> Result<Option<At>, kube::Error> {
+    match key::controller(pod) {
+        Some(owner) => {
+            Api::<At>::namespaced(client.clone(), namespace)
+                .get_opt(&owner.name)
+                .await
+        }
+        None => Ok(None),
+    }
+}
+
 /// What `remove` did.
 #[derive(Debug)]
 pub enum Removed {
@@ -117,10 +134,7 @@ pub async fn remove(
     allowed: impl Fn(&Pod) -> bool,
     conflicts: usize,
 ) -> Result<Removed, kube::Error> {
-    let params = PatchParams {
-        field_manager: Some(FIELD_MANAGER.into()),
-        ..PatchParams::default()
-    };
+    let params = patch_params();
     let name = found.name_any();
     if found.finalizers().iter().any(|f| f == ELIDED) {
         match pods.get_opt(&name).await? {

@@ -62,6 +62,7 @@ impl AtKey {
     }
 }
 
+#[cfg(test)]
 impl From<&ObjectRef<At>> for AtKey {
     fn from(at: &ObjectRef<At>) -> Self {
         AtKey::new(at.namespace.as_deref().unwrap_or_default(), &at.name)
@@ -75,6 +76,7 @@ impl From<&At> for AtKey {
 }
 
 /// The same At as a reference to it (for tests and logs that hold one).
+#[cfg(test)]
 impl PartialEq<ObjectRef<At>> for AtKey {
     fn eq(&self, other: &ObjectRef<At>) -> bool {
         other.namespace.as_deref().unwrap_or_default() == self.namespace()

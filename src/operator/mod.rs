@@ -19,5 +19,25 @@ pub mod signing;
 pub mod slow_start;
 pub mod triggers;
 
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::PatchParams;
+use kube::{Api, Client};
+
 /// The field manager of every write cnat makes.
 pub const FIELD_MANAGER: &str = "cnat";
+
+/// The parameters of every patch cnat makes (as `FIELD_MANAGER`).
+pub fn patch_params() -> PatchParams {
+    PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PatchParams::default()
+    }
+}
+
+/// The pods of `namespace`, or of every namespace.
+pub fn pod_api(client: &Client, namespace: Option<&str>) -> Api<Pod> {
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}

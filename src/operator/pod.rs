@@ -9,8 +9,8 @@ use crate::operator::signing::{Key, Signing, SIGNATURE_LEN};
 use crate::schedule::to_chrono;
 use chrono::{DateTime, Utc};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerStatus, Pod, PodSecurityContext, PodSpec, SeccompProfile,
-    SecurityContext,
+    Capabilities, Container, ContainerStatus, Pod, PodCondition, PodSecurityContext, PodSpec,
+    PodStatus, SeccompProfile, SecurityContext,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kube::{Resource, ResourceExt};
@@ -198,46 +198,41 @@ pub fn trim(pod: &mut Pod) {
             active_deadline_seconds: Some(seconds),
             ..PodSpec::default()
         });
-    if let Some(status) = pod.status.as_mut() {
-        // Only the scheduler's refusal (`waiting_of` reads it).
-        if let Some(conditions) = status.conditions.as_mut() {
-            conditions.retain(|c| c.type_ == "PodScheduled" && c.status == "False");
-            for condition in conditions.iter_mut() {
-                condition.last_probe_time = None;
-                condition.last_transition_time = None;
-                condition.observed_generation = None;
-            }
+    // Only what `view` reads: of the conditions the scheduler's refusal (`waiting_of`), of the
+    // containers the command's, its state.
+    pod.status = pod.status.take().map(|status| {
+        let conditions: Vec<PodCondition> = status
+            .conditions
+            .into_iter()
+            .flatten()
+            .filter(|c| c.type_ == "PodScheduled" && c.status == "False")
+            .map(|c| PodCondition {
+                type_: c.type_,
+                status: c.status,
+                reason: c.reason,
+                message: c.message,
+                ..PodCondition::default()
+            })
+            .collect();
+        let container = status
+            .container_statuses
+            .into_iter()
+            .flatten()
+            .find(|c| c.name == CONTAINER)
+            .map(|c| ContainerStatus {
+                name: c.name,
+                state: c.state,
+                ..ContainerStatus::default()
+            });
+        PodStatus {
+            phase: status.phase,
+            reason: status.reason,
+            message: status.message,
+            conditions: (!conditions.is_empty()).then_some(conditions),
+            container_statuses: container.map(|c| vec![c]),
+            ..PodStatus::default()
         }
-        if status.conditions.as_ref().is_some_and(Vec::is_empty) {
-            status.conditions = None;
-        }
-        status.init_container_statuses = None;
-        status.ephemeral_container_statuses = None;
-        status.host_ips = None;
-        status.pod_ips = None;
-        status.host_ip = None;
-        status.pod_ip = None;
-        status.resources = None;
-        status.allocated_resources = None;
-        status.resource_claim_statuses = None;
-        status.extended_resource_claim_status = None;
-        status.node_allocatable_resource_claim_statuses = None;
-        status.volume_health = None;
-        // Only the command's container (`view` reads no other).
-        if let Some(containers) = status.container_statuses.as_mut() {
-            containers.retain(|c| c.name == CONTAINER);
-            containers.truncate(1);
-        }
-        for container in status.container_statuses.iter_mut().flatten() {
-            container.last_state = None;
-            container.image = String::new();
-            container.image_id = String::new();
-            container.container_id = None;
-            container.volume_mounts = None;
-            container.resources = None;
-            container.allocated_resources = None;
-        }
-    }
+    });
 }
 
 /// Signs `pod` as cnat's pod of the At whose uid is `at_uid` (a `SIGNATURE` among the At's

@@ -54,12 +54,7 @@ pub fn install_hook() {
 }
 
 fn describe(info: &std::panic::PanicHookInfo<'_>) -> String {
-    let payload = info.payload();
-    let text = payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".to_owned());
+    let text = message_of(info.payload());
     match info.location() {
         Some(at) => format!("{text} at {}:{}", at.file(), at.line()),
         None => text,
@@ -73,16 +68,16 @@ pub fn catch<T>(f: impl FnOnce() -> T) -> Result<T, Panicked> {
     let was = CATCHING.replace(true);
     let result = catch_unwind(AssertUnwindSafe(f));
     CATCHING.set(was);
-    result.map_err(|payload| {
-        let message = CAUGHT.take().unwrap_or_else(|| {
-            payload
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "(no message)".to_owned())
-        });
-        Panicked(message)
-    })
+    result.map_err(|payload| Panicked(CAUGHT.take().unwrap_or_else(|| message_of(&*payload))))
+}
+
+/// What a panic's payload says.
+fn message_of(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".to_owned())
 }
 
 /// A future whose panics (in any poll) become `Err`.

@@ -2,12 +2,11 @@
 //! (`finalizer::may_go`), for when no replica will run again (`helm uninstall`'s pre-delete hook).
 //! See docs/src/operating/install.md, "Uninstalling".
 
-use crate::api::At;
 use crate::operator::finalizer::{self, Candidate, Recorder, Removed};
-use crate::operator::{key, pod, FIELD_MANAGER};
+use crate::operator::{patch_params, pod, pod_api};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::{ListParams, Patch};
 use kube::core::PartialObjectMeta;
 use kube::{Api, Client, ResourceExt};
 
@@ -94,12 +93,8 @@ pub async fn stop_deployment(
         .collect::<Vec<_>>()
         .join(",");
     let scale = serde_json::json!({"spec": {"replicas": 0}});
-    let params = PatchParams {
-        field_manager: Some(FIELD_MANAGER.into()),
-        ..PatchParams::default()
-    };
     deployments
-        .patch_scale(name, &params, &Patch::Merge(&scale))
+        .patch_scale(name, &patch_params(), &Patch::Merge(&scale))
         .await
         .map_err(fail)?;
     if selector.is_empty() {
@@ -126,10 +121,7 @@ pub async fn stop_deployment(
 
 /// Releases the pods cnat created that no longer need its finalizer, in `namespace` or in all.
 pub async fn release_all(client: Client, namespace: Option<&str>) -> Result<Released, ListError> {
-    let pods: Api<Pod> = match namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
+    let pods = pod_api(&client, namespace);
     let mut released = Released::default();
     let mut token: Option<String> = None;
     loop {
@@ -183,13 +175,9 @@ pub async fn release_all(client: Client, namespace: Option<&str>) -> Result<Rele
 }
 
 async fn release_if_recorded(client: &Client, namespace: &str, found: Pod) -> Outcome {
-    let ats: Api<At> = Api::namespaced(client.clone(), namespace);
-    let at = match key::controller(&found) {
-        Some(owner) => match ats.get_opt(&owner.name).await {
-            Ok(at) => at,
-            Err(error) => return Outcome::Kept(format!("reading its At: {error}")),
-        },
-        None => None,
+    let at = match finalizer::controlling_at(client, namespace, &found).await {
+        Ok(at) => at,
+        Err(error) => return Outcome::Kept(format!("reading its At: {error}")),
     };
     let allowed = |pod: &Pod| finalizer::may_go(Candidate::of(pod), at.as_ref(), Recorder::Nobody);
     if !allowed(&found) {

@@ -17,12 +17,14 @@ pub fn shrink_if_sparse<K: Eq + Hash, V, S: std::hash::BuildHasher>(map: &mut Ha
     map.shrink_to((map.len() * 4).max(SMALL));
 }
 
-/// Removes `key`'s entry from a shared map, then `shrink_if_sparse`.
-pub fn remove<K: Eq + Hash, V>(map: &Mutex<HashMap<K, V>>, key: &K) {
+/// Removes `key`'s entry from a shared map, then `shrink_if_sparse`; returns its value.
+pub fn remove<K: Eq + Hash, V>(map: &Mutex<HashMap<K, V>>, key: &K) -> Option<V> {
     let mut map = lock(map);
-    if map.remove(key).is_some() {
+    let removed = map.remove(key);
+    if removed.is_some() {
         shrink_if_sparse(&mut map);
     }
+    removed
 }
 
 #[cfg(test)]

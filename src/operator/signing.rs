@@ -146,12 +146,12 @@ async fn obtain(
         name: name.to_owned(),
         source,
     };
+    let since = |secret: &Secret| {
+        let created = secret.metadata.creation_timestamp.as_ref();
+        created.map(crate::schedule::to_chrono)
+    };
     let read = |secret: Secret| {
-        let since = secret
-            .metadata
-            .creation_timestamp
-            .as_ref()
-            .map(crate::schedule::to_chrono);
+        let since = since(&secret);
         let bytes = secret.data.and_then(|mut data| data.remove(SECRET_KEY));
         let key = bytes
             .and_then(|ByteString(bytes)| Key::from_bytes(&bytes).ok())
@@ -178,11 +178,7 @@ async fn obtain(
     match api.create(&PostParams::default(), &secret).await {
         Ok(created) => Ok(Signing {
             key,
-            since: created
-                .metadata
-                .creation_timestamp
-                .as_ref()
-                .map(crate::schedule::to_chrono),
+            since: since(&created),
         }),
         Err(kube::Error::Api(status)) if status.is_already_exists() => {
             read(api.get(name).await.map_err(fail)?)

@@ -182,6 +182,7 @@ impl SlowStart {
     }
 
     /// The window now.
+    #[cfg(test)]
     pub fn window(&self) -> Window {
         *self.0.borrow()
     }

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::ResourceExt;
 use std::sync::Arc;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{broadcast, broadcast::error::RecvError, mpsc};
 use tracing::warn;
 
 /// The cached Ats with work now, as the cache's changes bring them (settled ones wait in the
@@ -39,20 +39,18 @@ pub fn at_events(
                             let _ = orphans.send(held);
                         }
                     }
-                    Ok(Change::Relisted) => {
+                    // Relisted, or fell behind: whatever was missed is in the cache.
+                    seen @ (Ok(Change::Relisted) | Err(RecvError::Lagged(_))) => {
+                        if let Err(RecvError::Lagged(missed)) = seen {
+                            warn!(
+                                missed,
+                                "reconcile loop fell behind the At watch; looking at every At"
+                            );
+                        }
                         sweep(&ctx, &store, &orphans);
                         look_at_all(&ctx, &store).await;
                     }
-                    // Fell behind: whatever was missed is in the cache.
-                    Err(broadcast::error::RecvError::Lagged(missed)) => {
-                        warn!(
-                            missed,
-                            "reconcile loop fell behind the At watch; looking at every At"
-                        );
-                        sweep(&ctx, &store, &orphans);
-                        look_at_all(&ctx, &store).await;
-                    }
-                    Err(broadcast::error::RecvError::Closed) => return None,
+                    Err(RecvError::Closed) => return None,
                 }
             }
         },

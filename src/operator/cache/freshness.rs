@@ -70,6 +70,7 @@ impl Freshness {
     }
 
     /// The watch said something (an event or a bookmark) while `following`.
+    #[cfg(test)]
     pub fn heard(&self, following: Following) {
         self.set(following, true);
     }

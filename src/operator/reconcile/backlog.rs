@@ -60,12 +60,6 @@ impl Drop for Running {
     }
 }
 
-impl Default for Backlog {
-    fn default() -> Self {
-        Backlog::new(LIMIT)
-    }
-}
-
 impl Backlog {
     /// A backlog of at most `limit` Ats (at least one).
     pub fn new(limit: usize) -> Self {

@@ -14,12 +14,12 @@ use crate::operator::key::{self, AtKey};
 use crate::operator::policy::RunPolicy;
 use crate::operator::priority::Priority;
 use crate::operator::signing::Signing;
-use crate::operator::FIELD_MANAGER;
+use crate::operator::{patch_params, FIELD_MANAGER};
 use crate::{operator::pod, operator::slow_start, schedule, shard};
 use backon::Retryable;
 use chrono::{DateTime, Utc};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{DeleteParams, Patch, PostParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client, ResourceExt};
@@ -55,10 +55,6 @@ pub struct Calls {
 /// `at`'s namespace (`""` for none).
 pub(super) fn namespace(at: &At) -> String {
     at.namespace().unwrap_or_default()
-}
-
-fn uid(at: &At) -> String {
-    at.uid().unwrap_or_default()
 }
 
 /// `namespace/name`, how logs and errors name an At, and what per-At maps are keyed by.
@@ -160,7 +156,6 @@ impl Calls {
     pub async fn label_pod_with_shard(&self, found: &ObjectRef<Pod>) {
         let namespace = found.namespace.as_deref().unwrap_or_default();
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        let ats: Api<At> = Api::namespaced(self.client.clone(), namespace);
         let labelled = async {
             let Some(current) = pods.get_opt(&found.name).await? else {
                 return Ok(None);
@@ -168,11 +163,9 @@ impl Calls {
             if shard::value_of(current.metadata.labels.as_ref()).is_some() {
                 return Ok(None);
             }
-            let Some(owner) = key::controller(&current) else {
-                return Ok(None);
-            };
-            let at = ats.get_opt(&owner.name).await?;
-            let Some(at) = at.filter(|at| at.uid().as_deref() == Some(owner.uid.as_str())) else {
+            let at = finalizer::controlling_at(&self.client, namespace, &current).await?;
+            let owner = key::controller(&current).map(|owner| owner.uid.as_str());
+            let Some(at) = at.filter(|at| at.uid().as_deref() == owner) else {
                 return Ok(None);
             };
             let Some(value) = shard::value_of(at.metadata.labels.as_ref()) else {
@@ -180,11 +173,7 @@ impl Calls {
             };
             let patch =
                 serde_json::json!({"metadata": {"labels": {shard::LABEL: value.to_string()}}});
-            let params = PatchParams {
-                field_manager: Some(FIELD_MANAGER.into()),
-                ..PatchParams::default()
-            };
-            pods.patch(&found.name, &params, &Patch::Merge(patch))
+            pods.patch(&found.name, &patch_params(), &Patch::Merge(patch))
                 .await?;
             Ok::<_, kube::Error>(Some(value))
         };
@@ -208,13 +197,7 @@ impl Calls {
         if !finalizer::awaits_release(&current) {
             return Ok(Removed::Kept(current));
         }
-        let at = match key::controller(&current) {
-            Some(owner) => {
-                let ats: Api<At> = Api::namespaced(self.client.clone(), namespace);
-                ats.get_opt(&owner.name).await?
-            }
-            None => None,
-        };
+        let at = finalizer::controlling_at(&self.client, namespace, &current).await?;
         let unrecorded = Recorder::Leader { settled: false };
         let allowed = |pod: &Pod| {
             finalizer::awaits_release(pod)
@@ -235,7 +218,7 @@ impl Calls {
         let Some(found) = self.cached_or_read(at, &name).await.map_err(fail)? else {
             return Ok(PodObservation::Missing);
         };
-        let ours = |found: &Pod| pod::is_controlled_by(found, &uid(at));
+        let ours = |found: &Pod| pod::is_controlled_by(found, &at.uid().unwrap_or_default());
         match finalizer::remove(&self.pod_api(at), found, ours, 2).await {
             Ok(Removed::Released(found) | Removed::Kept(found)) => Ok(self.observe(&found, at)),
             Ok(Removed::Gone) => Ok(PodObservation::Missing),
@@ -296,7 +279,7 @@ impl Calls {
     /// `at`'s pod as cnat creates it, signed.
     fn signed_pod(&self, at: &At) -> Pod {
         let mut built = pod::build(at, &self.policy);
-        pod::sign(&mut built, &uid(at), &self.signing.key);
+        pod::sign(&mut built, &at.uid().unwrap_or_default(), &self.signing.key);
         built
     }
 

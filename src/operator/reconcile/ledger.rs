@@ -54,7 +54,7 @@ impl Ledger {
     pub fn forget(&self, at: &AtKey) {
         remove(&self.superseded, at);
         remove(&self.decoded, at);
-        self.forget_pending_written(at);
+        remove(&self.pending_written, &self.hasher.hash_one(at));
         self.quarantine.remove(at);
     }
 
@@ -76,6 +76,7 @@ impl Ledger {
     }
 
     /// Last writes kept now (for tests of forgetting).
+    #[cfg(test)]
     pub fn kept(&self) -> usize {
         lock(&self.superseded).len()
     }
@@ -138,13 +139,6 @@ impl Ledger {
         }
     }
 
-    fn forget_pending_written(&self, at: &AtKey) {
-        let mut written = lock(&self.pending_written);
-        if written.remove(&self.hasher.hash_one(at)).is_some() {
-            shrink_if_sparse(&mut written);
-        }
-    }
-
     /// The write recorded for `at` did not land.
     pub fn unwritten(&self, at: &AtKey) {
         remove(&self.superseded, at);
@@ -161,14 +155,7 @@ impl Ledger {
 
     /// The At kept for `at`'s reconcile, if it is the version the cache holds now.
     pub fn take_decoded(&self, at: &AtKey, resource_version: Option<&str>) -> Option<Arc<At>> {
-        let kept = {
-            let mut decoded = lock(&self.decoded);
-            let kept = decoded.remove(at);
-            if kept.is_some() {
-                shrink_if_sparse(&mut decoded);
-            }
-            kept
-        }?;
+        let kept = remove(&self.decoded, at)?;
         (kept.metadata.resource_version.as_deref() == resource_version).then_some(kept)
     }
 

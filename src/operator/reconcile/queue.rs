@@ -28,9 +28,7 @@ impl<T> Queue<T> {
 
     /// The receiving end as a stream; `None` once taken.
     pub fn take(&self) -> Option<impl futures::Stream<Item = T> + use<T>> {
-        let receiver = lock(&self.receiver).take()?;
-        Some(futures::stream::unfold(receiver, |mut rx| async {
-            rx.recv().await.map(|item| (item, rx))
-        }))
+        let mut rx = lock(&self.receiver).take()?;
+        Some(futures::stream::poll_fn(move |cx| rx.poll_recv(cx)))
     }
 }

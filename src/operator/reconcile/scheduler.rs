@@ -119,6 +119,7 @@ impl Scheduler {
     }
 
     /// Ats waiting for the API server to answer again.
+    #[cfg(test)]
     pub fn unreachable(&self) -> &Reachability<AtKey> {
         &self.unreachable
     }
@@ -207,6 +208,7 @@ impl Scheduler {
     }
 
     /// Entries kept now: failures, wake-ups (for tests of forgetting).
+    #[cfg(test)]
     pub fn kept(&self) -> (usize, usize) {
         (lock(&self.failures).len(), self.wakeups.len())
     }

@@ -150,10 +150,12 @@ impl Wakeups {
     }
 
     /// Entries now.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         lock(&self.index).by_at.len()
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

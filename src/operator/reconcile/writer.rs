@@ -12,10 +12,9 @@ use crate::observability::metrics::{Metrics, WriteResult};
 use crate::operator::events::EventSink;
 use crate::operator::key::AtKey;
 use crate::operator::priority::{InFlightGuard, Priority};
-use crate::operator::FIELD_MANAGER;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
-use kube::api::{Patch, PatchParams};
+use kube::api::Patch;
 use kube::runtime::events::{Event, EventType};
 use kube::{Api, Client, Resource};
 use serde_json::json;
@@ -231,10 +230,7 @@ impl Writer {
     /// The status subresource only, guarded by the resourceVersion decided on.
     async fn write(&self, target: &Target, status: &AtStatus, decision: &Decision) -> Written {
         let patch = status_patch(target.resource_version.as_deref(), status);
-        let params = PatchParams {
-            field_manager: Some(FIELD_MANAGER.into()),
-            ..PatchParams::default()
-        };
+        let params = crate::operator::patch_params();
         let api: Api<At> = Api::namespaced(self.client.clone(), target.key.namespace());
         let written = match api
             .patch_status(target.key.name(), &params, &Patch::Merge(&patch))
@@ -305,16 +301,11 @@ impl Writer {
             Severity::Normal => info!(at = %at, from, to, reason, "{logged}"),
             Severity::Warning => warn!(at = %at, from, to, reason, "{logged}"),
         }
-        let event = Event {
-            type_: match note.severity {
-                Severity::Normal => EventType::Normal,
-                Severity::Warning => EventType::Warning,
-            },
-            reason: note.reason.into(),
-            note: Some(note.message.clone()),
-            action: "Reconcile".into(),
-            secondary: None,
+        let type_ = match note.severity {
+            Severity::Normal => EventType::Normal,
+            Severity::Warning => EventType::Warning,
         };
+        let event = reconcile_event(type_, reason, note.message.clone());
         self.tell(at, target.regarding(), event, behind);
     }
 
@@ -326,11 +317,7 @@ impl Writer {
         event: Event,
         behind: Option<&Priority>,
     ) {
-        let queued = match behind {
-            Some(writes) => self.events.try_send_behind(at, event, regarding, writes),
-            None => self.events.try_send(at, event, regarding),
-        };
-        if !queued {
+        if !self.events.try_send(at, event, regarding, behind) {
             self.metrics.event_dropped();
         }
     }
@@ -353,17 +340,8 @@ impl Writer {
             },
         );
         warn!(at = %target.key, reason = decision.note.as_ref().map(|n| n.reason), "the API server refuses any status for this At (its spec breaks the CRD's schema); told in an event only");
-        let event = Event {
-            type_: EventType::Warning,
-            reason: decision
-                .note
-                .as_ref()
-                .map_or("InvalidSpec", |n| n.reason)
-                .into(),
-            note: Some(told),
-            action: "Reconcile".into(),
-            secondary: None,
-        };
+        let reason = decision.note.as_ref().map_or("InvalidSpec", |n| n.reason);
+        let event = reconcile_event(EventType::Warning, reason, told);
         self.tell(&target.key, target.regarding(), event, Some(&self.priority));
     }
 
@@ -371,16 +349,22 @@ impl Writer {
     /// with it until it is fixed.
     pub fn report_unreadable(&self, at: &AtKey, regarding: ObjectReference, why: &str) {
         warn!(at = %at, "an At that does not decode as an At is left alone until it changes");
-        let event = Event {
-            type_: EventType::Warning,
-            reason: "Unreadable".into(),
-            note: Some(format!(
-                "cnat cannot read this At ({why}), so it does nothing with it; fix the field named (kubectl edit) and it runs"
-            )),
-            action: "Reconcile".into(),
-            secondary: None,
-        };
+        let note = format!(
+            "cnat cannot read this At ({why}), so it does nothing with it; fix the field named (kubectl edit) and it runs"
+        );
+        let event = reconcile_event(EventType::Warning, "Unreadable", note);
         self.tell(at, regarding, event, Some(&self.priority));
+    }
+}
+
+/// An event of the reconcile: `reason`, with `note`.
+fn reconcile_event(type_: EventType, reason: &str, note: String) -> Event {
+    Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: "Reconcile".into(),
+        secondary: None,
     }
 }
 
