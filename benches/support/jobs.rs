@@ -60,7 +60,14 @@ pub async fn run(n: usize) {
         };
         let cells: Vec<String> = phases
             .iter()
-            .map(|p| format!("{:.1?} / {:.1} s / {:.0}", p.took, p.cpu, total(&p.requests)))
+            .map(|p| {
+                format!(
+                    "{:.1?} / {:.1} s / {:.0}",
+                    p.took,
+                    p.cpu,
+                    total(&p.requests)
+                )
+            })
             .collect();
         let requests: f64 = phases.iter().map(|p| total(&p.requests)).sum();
         let cpu: f64 = phases.iter().map(|p| p.cpu).sum();
@@ -114,7 +121,11 @@ async fn round(
         plane.replica(
             &format!("vs-jobs-{index}"),
             &ns,
-            &[&format!("--namespace={ns}"), "--log=warn", "--webhooks=false"],
+            &[
+                &format!("--namespace={ns}"),
+                "--log=warn",
+                "--webhooks=false",
+            ],
         )
     });
     if kind == Kind::Ats {
@@ -219,7 +230,9 @@ struct Mark {
 impl Mark {
     async fn now(admin: &Client, cpu: &impl Fn() -> f64) -> Mark {
         Mark {
-            requests: requests_answered(admin).await.expect("the server's metrics"),
+            requests: requests_answered(admin)
+                .await
+                .expect("the server's metrics"),
             at: Instant::now(),
             cpu: cpu(),
         }
@@ -295,7 +308,10 @@ async fn watch_finished(admin: Client, namespace: String, kind: Kind, n: usize) 
                     continue;
                 };
                 let complete = job.status.as_ref().and_then(|s| s.conditions.as_ref());
-                if complete.is_some_and(|c| c.iter().any(|c| c.type_ == "Complete" && c.status == "True")) {
+                if complete.is_some_and(|c| {
+                    c.iter()
+                        .any(|c| c.type_ == "Complete" && c.status == "True")
+                }) {
                     finished.insert(job.name_any());
                 }
             }

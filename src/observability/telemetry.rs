@@ -227,8 +227,7 @@ pub fn continue_trace(span: &tracing::Span, caller: opentelemetry::Context) {
     span.with_subscriber(|(id, dispatch)| {
         let registry = dispatch.downcast_ref::<tracing_subscriber::Registry>();
         if let Some(data) = registry.and_then(|registry| registry.span_data(id)) {
-            data.extensions_mut()
-                .insert(CallerTrace(remote.trace_id()));
+            data.extensions_mut().insert(CallerTrace(remote.trace_id()));
         }
     });
 }

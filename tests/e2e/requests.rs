@@ -67,7 +67,11 @@ async fn one_ats_life_costs_at_most_its_budget_of_requests() {
         let done = at.status.is_some_and(|s| s.phase == Phase::Done);
         (done && !finalizer::is_present(&pod)).then_some(())
     });
-    assert!(over.await.is_some(), "never DONE and released: {}", replica.log_text());
+    assert!(
+        over.await.is_some(),
+        "never DONE and released: {}",
+        replica.log_text()
+    );
     let requests = quiet(&proxy).await;
 
     let mut counted: BTreeMap<&str, usize> = BTreeMap::new();
@@ -85,7 +89,10 @@ async fn one_ats_life_costs_at_most_its_budget_of_requests() {
             format!("{key}: {} (budget {})", n.unwrap_or(&0), b.unwrap_or(&0))
         })
         .collect();
-    eprintln!("one At's life, requests by verb and resource:\n{}", table.join("\n"));
+    eprintln!(
+        "one At's life, requests by verb and resource:\n{}",
+        table.join("\n")
+    );
     let over: Vec<&String> = (table.iter())
         .filter(|row| {
             let key = row.split(':').next().unwrap_or_default();
