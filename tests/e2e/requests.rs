@@ -20,6 +20,10 @@ use std::time::Duration;
 
 /// The requests one At's life costs, by verb and resource: the committed budget.
 const BUDGET: &[(&str, usize)] = &[
+    // The quorum read before the pod's create: the cache's version of the At is the API
+    // server's (no pod twice after a handover, docs/src/operating/security.md "Never twice");
+    // skipped only where this leader's own PENDING write made that version.
+    ("get ats", 1),
     // The pod that runs the command.
     ("create pods", 1),
     // RUNNING (with the pod's name), then DONE.
