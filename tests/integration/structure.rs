@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use syn::visit::Visit;
 
 /// Lines of `src/` outside tests (`tests.rs` files and `#[cfg(test)]` items left out).
-const SRC_LINES: usize = 23_510;
+const SRC_LINES: usize = 23_013;
 /// Lines of the largest file of `src/`, outside tests.
-const FILE_LINES: usize = 1_110;
+const FILE_LINES: usize = 1_015;
 /// Fields of `reconcile::Context`.
 const CONTEXT_FIELDS: usize = 4;
 /// Methods of `reconcile::Context`, and the files its `impl` blocks are in.
