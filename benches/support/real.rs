@@ -434,7 +434,7 @@ pub async fn end_every_pod(pods: &Api<Pod>, n: usize) {
 }
 
 /// How `requests_answered` names the server's count of conversions by a webhook.
-const CONVERSIONS: &str = "conversions by the webhook (the server's count)";
+pub const CONVERSIONS: &str = "conversions by the webhook (the server's count)";
 
 /// The requests answered between two `requests_answered`, most first, as `verb resource count`
 /// joined by commas; "not read" when either scrape failed.
