@@ -3,7 +3,7 @@
 //! by verb and resource at a proxy between the replica and the API server, against a committed
 //! budget. Any count above its budget fails; one below it asks for the budget to be lowered
 //! (in this file, saying why). The Lease's renewals (a replica's, whatever the Ats) are left
-//! out. See docs/src/performance/measurements.md, "Requests per At".
+//! out. See docs/src/performance/measurements.md, "Beside the Job controller".
 
 use crate::lifecycle::at;
 use crate::support::envtest::{finish_pod, install_crd, lease_holder};
