@@ -412,8 +412,14 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
 /// The kubelet stand-in: every pod `at-{i}-pod` ends (exit 0), `CONNECTIONS` status writes at
 /// once.
 pub async fn end_every_pod(pods: &Api<Pod>, n: usize) {
-    concurrently(n, |i| {
-        let pods = pods.clone();
+    let names: Vec<String> = (0..n).map(|i| format!("at-{i}-pod")).collect();
+    end_pods(pods, &names).await;
+}
+
+/// The kubelet stand-in: every pod of `names` ends (exit 0), `CONNECTIONS` status writes at once.
+pub async fn end_pods(pods: &Api<Pod>, names: &[String]) {
+    concurrently(names.len(), |i| {
+        let (pods, name) = (pods.clone(), &names[i]);
         async move {
             let now = jiff::Timestamp::now().to_string();
             let status = json!({"status": {"phase": "Succeeded", "containerStatuses": [{
@@ -421,13 +427,9 @@ pub async fn end_every_pod(pods: &Api<Pod>, n: usize) {
                 "restartCount": 0,
                 "state": {"terminated": {"exitCode": 0, "reason": "Completed",
                                          "startedAt": now, "finishedAt": now}}}]}});
-            pods.patch_status(
-                &format!("at-{i}-pod"),
-                &PatchParams::default(),
-                &Patch::Merge(&status),
-            )
-            .await
-            .unwrap();
+            pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+                .await
+                .unwrap();
         }
     })
     .await;

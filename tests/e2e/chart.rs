@@ -220,18 +220,7 @@ async fn the_chart_installs_upgrades_rolls_back_and_uninstalls_on_a_real_server(
     );
     assert_eq!(replicas(&admin).await, default_replicas);
 
-    // Without hooks: no kubelet runs the pre-delete hook's Job here, and helm would wait for it
-    // (`tests/e2e/release.rs` runs the hook's command, `cnat release`).
-    helm(
-        kubeconfig,
-        &[
-            "uninstall",
-            "cnat",
-            "--namespace",
-            "cnat-system",
-            "--no-hooks",
-        ],
-    );
+    uninstall(kubeconfig);
     for (group, version, kind) in cluster_scoped {
         let left = released(&admin, &discovery, group, version, kind).await;
         assert!(left.is_empty(), "{kind} left after uninstall: {left:?}");
@@ -311,16 +300,7 @@ async fn the_chart_installs_upgrades_rolls_back_and_uninstalls_on_a_real_server(
     assert!(env()
         .await
         .contains(&"CNAT_WEBHOOK_CERTS_SECRET".to_owned()));
-    helm(
-        kubeconfig,
-        &[
-            "uninstall",
-            "cnat",
-            "--namespace",
-            "cnat-system",
-            "--no-hooks",
-        ],
-    );
+    uninstall(kubeconfig);
 }
 
 #[tokio::test]
@@ -580,4 +560,19 @@ async fn the_admission_policy_refuses_malformed_ats_while_no_replica_answers() {
     ats.patch("good-0", &PatchParams::default(), &Patch::Json::<()>(nulls))
         .await
         .expect("nulls in the spec of a RUNNING At");
+}
+
+/// `helm uninstall` of the release, without hooks: no kubelet runs the pre-delete hook's Job
+/// here, and helm would wait for it (`tests/e2e/release.rs` runs the hook's command).
+fn uninstall(kubeconfig: &std::path::Path) {
+    helm(
+        kubeconfig,
+        &[
+            "uninstall",
+            "cnat",
+            "--namespace",
+            "cnat-system",
+            "--no-hooks",
+        ],
+    );
 }
