@@ -57,7 +57,13 @@ async fn one_ats_life_costs_at_most_its_budget_of_requests() {
     let before = quiet(&proxy).await.len();
 
     let ats: Api<At> = Api::namespaced(admin.clone(), &ns);
-    let new = at("life", chrono::Utc::now(), "true");
+    // Due already at the first look (2 s ago), so never first written PENDING with its
+    // scheduled time: that write happens only when the replica sees it a moment before due.
+    let new = at(
+        "life",
+        chrono::Utc::now() - chrono::Duration::seconds(2),
+        "true",
+    );
     ats.create(&PostParams::default(), &new).await.unwrap();
     let pods: Api<Pod> = Api::namespaced(admin.clone(), &ns);
     let created = until(Duration::from_secs(30), async || {
