@@ -452,6 +452,12 @@ pub fn waiting_of(pod: &Pod) -> Option<Waiting> {
         })
 }
 
+/// Whether `pod` ended (`Succeeded` or `Failed`): it changes no more.
+pub fn has_ended(pod: &Pod) -> bool {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    matches!(phase, Some("Succeeded" | "Failed"))
+}
+
 fn end_of(pod: &Pod) -> Option<PodEnd> {
     let status = pod.status.as_ref()?;
     let succeeded = match status.phase.as_deref() {

@@ -1,15 +1,17 @@
 //! What brings an At to a reconcile besides the runtime's own requeues: the At cache's changes
-//! filtered to Ats with work now, first looks, sweeps after a relist, and the look-ahead.
+//! filtered to Ats with work now, first looks, looks after a pod list, sweeps after a relist,
+//! and the look-ahead.
 //! See docs/src/design/decisions.md, "The wake-up index".
 
 use crate::api::Phase;
 use crate::operator::cache::{self, CachedAt, Change};
-use crate::operator::quarantine;
 use crate::operator::reconcile::wakeups::{HORIZON, LOOK_AHEAD_EVERY};
 use crate::operator::reconcile::Context;
+use crate::operator::{finalizer, pod, quarantine};
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::ResourceExt;
 use std::sync::Arc;
@@ -72,13 +74,35 @@ fn sweep(ctx: &Context, store: &Store<CachedAt>, orphans: &mpsc::UnboundedSender
 
 /// Whether the owner At of `found` is gone from `store` (or is another At by that name now).
 pub fn owner_gone(found: &Pod, store: &Store<CachedAt>) -> bool {
-    let Some(owner) = crate::operator::key::controller(found) else {
+    let Some((owner, key)) = owner_of(found) else {
         return true;
     };
-    let key = ObjectRef::new(&owner.name).within(&found.namespace().unwrap_or_default());
     match store.get(&key).as_deref().and_then(cache::read) {
         Some(at) => at.uid().as_deref() != Some(owner.uid.as_str()),
         None => true,
+    }
+}
+
+/// The controlling owner of `found` and the cache key of the At by its name.
+fn owner_of(found: &Pod) -> Option<(&OwnerReference, ObjectRef<CachedAt>)> {
+    let owner = crate::operator::key::controller(found)?;
+    let key = ObjectRef::new(&owner.name).within(&found.namespace().unwrap_or_default());
+    Some((owner, key))
+}
+
+/// Looks at the cached Ats whose pods hold cnat's finalizer though they ended or are being
+/// deleted, once the pod watch's list is in the pod cache. The reconciles the listed pods
+/// brought one by one ran before it was: kube-runtime's reflector swaps a list's pods in only
+/// when the list ends, and such a pod changes no more, so nothing else would bring its At.
+pub fn look_at_holders(ctx: &Arc<Context>, store: &Store<CachedAt>) {
+    let holders = ctx.calls().cached_pods(|found| {
+        finalizer::is_present(found)
+            && (found.metadata.deletion_timestamp.is_some() || pod::has_ended(found))
+    });
+    for found in &holders {
+        if let Some(cached) = owner_of(found).and_then(|(_, key)| store.get(&key)) {
+            look(ctx, &cached);
+        }
     }
 }
 
@@ -120,13 +144,17 @@ pub async fn look_at_all(ctx: &Arc<Context>, store: &Store<CachedAt>) {
         if i % 1000 == 999 {
             tokio::task::yield_now().await;
         }
-        if cached.unreadable().is_some() {
-            report(ctx, cached);
-            continue;
-        }
-        if needs_reconcile(ctx, cached) {
-            ctx.scheduler().wake_up(CachedAt::key(cached));
-        }
+        look(ctx, cached);
+    }
+}
+
+/// Reconciles `cached` if it needs it now (else it goes into `wakeups`), or tells that it does
+/// not decode as an At.
+fn look(ctx: &Arc<Context>, cached: &CachedAt) {
+    if cached.unreadable().is_some() {
+        report(ctx, cached);
+    } else if needs_reconcile(ctx, cached) {
+        ctx.scheduler().wake_up(CachedAt::key(cached));
     }
 }
 

@@ -306,6 +306,61 @@ async fn a_restarted_operator_does_not_run_a_command_again() {
     second.abort();
 }
 
+/// A new leader lists the pods page by page; kube-runtime's reflector puts them into its pod
+/// cache only when the list ends, after the reconciles each listed pod brought. The pods of DONE
+/// Ats that still hold cnat's finalizer must be let go all the same: they change no more.
+#[tokio::test]
+async fn a_new_leader_lets_go_of_the_pods_of_done_ats_it_lists_page_by_page() {
+    const ATS: usize = 30;
+    let server = ApiServer::new();
+    let first = start(&server);
+    for i in 0..ATS {
+        server.create(
+            Resource::Ats,
+            at_json(&format!("at-{i}"), "2019-04-12T10:12:00Z", "true"),
+        );
+    }
+    for i in 0..ATS {
+        wait_phase(&server, &format!("at-{i}"), Phase::Running).await;
+    }
+    first.abort();
+    let _ = first.await;
+    // While no leader runs: every pod ended, and its At was recorded DONE (as a leader that
+    // stopped before letting the pods go would have left them).
+    let done = json!({"phase": "Done", "outcome": "Succeeded", "exitCode": 0,
+                      "reason": "Succeeded", "message": "the command exited 0"});
+    for i in 0..ATS {
+        server.finish_pod("default", &format!("at-{i}-pod"), 0);
+        server.change_unseen(Resource::Ats, "default", &format!("at-{i}"), |at| {
+            let pod_name = json!(format!("at-{i}-pod"));
+            at["status"] = done.clone();
+            at["status"]["podName"] = pod_name;
+        });
+    }
+    // The pod list's pages (10 pods each) take long enough for the reconciles to run first.
+    server.set_list_latency(Duration::from_millis(200));
+    let second = start(&server);
+    let holding = || {
+        server
+            .list(Resource::Pods)
+            .iter()
+            .filter(|pod| {
+                pod["metadata"]["finalizers"]
+                    .as_array()
+                    .is_some_and(|f| !f.is_empty())
+            })
+            .count()
+    };
+    let released = support::until(Duration::from_secs(10), || holding() == 0).await;
+    assert!(
+        released,
+        "{} of {ATS} pods still hold the finalizer",
+        holding()
+    );
+    assert_eq!(server.count("POST pods"), ATS);
+    second.abort();
+}
+
 #[tokio::test]
 async fn a_pod_the_at_does_not_own_is_left_alone() {
     let server = ApiServer::new();

@@ -74,13 +74,17 @@ impl Calls {
     /// The pods in the pod cache that wait for cnat's finalizer to go while `owner_gone` says
     /// their At is gone.
     pub fn pods_awaiting_release(&self, owner_gone: impl Fn(&Pod) -> bool) -> Vec<ObjectRef<Pod>> {
-        self.caches
-            .pods
-            .state()
+        self.cached_pods(|found| finalizer::awaits_release(found) && owner_gone(found))
             .iter()
-            .filter(|found| finalizer::awaits_release(found) && owner_gone(found))
             .map(|found| ObjectRef::from_obj(found.as_ref()))
             .collect()
+    }
+
+    /// The pods in the pod cache that `select` selects.
+    pub fn cached_pods(&self, select: impl Fn(&Pod) -> bool) -> Vec<Arc<Pod>> {
+        let mut pods = self.caches.pods.state();
+        pods.retain(|found| select(found));
+        pods
     }
 
     /// Whether `at` is DONE and its pod, in the pod cache, still holds cnat's finalizer.
