@@ -116,16 +116,14 @@ pub async fn run_with_cache(
         Some(shard) => format!("{},{shard}", pod::SELECTOR),
         None => pod::SELECTOR.to_owned(),
     };
-    let (listed, pod_lists) = mpsc::unbounded_channel();
     let pod_events = pod_events(
         pods,
         &pod_selector,
         pod_writer,
-        at_store.clone(),
+        (ctx.clone(), at_store.clone()),
         PodWork {
             orphans: orphans.clone(),
             unlabelled,
-            listed,
         },
     );
     // Subscribed before the first look at the cache, so no change falls between the two.
@@ -139,7 +137,7 @@ pub async fn run_with_cache(
     let Some(reconcile_now) = ctx.scheduler().reconcile_now() else {
         unreachable!("a new context hands out its reconcile_now stream");
     };
-    let tasks = spawn_tasks(&ctx, &at_store, orphaned, to_label, pod_lists);
+    let tasks = spawn_tasks(&ctx, &at_store, orphaned, to_label);
     let fatal = ctx.fatal().clone();
     let dropped_writing = ctx.writer().priority().writing.clone();
     let dropped = ctx.clone();
@@ -177,8 +175,6 @@ struct PodWork {
     orphans: mpsc::UnboundedSender<ObjectRef<Pod>>,
     /// With Lease shards: pods without a shard value, once each.
     unlabelled: Option<mpsc::UnboundedSender<ObjectRef<Pod>>>,
-    /// Each list of the pod watch, once its pods are in the pod cache.
-    listed: mpsc::UnboundedSender<()>,
 }
 
 /// Pods without a shard value told once each, at most this many remembered (then forgotten).
@@ -189,20 +185,20 @@ const UNLABELLED_REMEMBERED: usize = 10_000;
 const POD_LIST_PAGE: u32 = 10;
 
 /// The leader's pod watch (the pods `selector` selects, deletions too), into its pod cache; a
-/// pod of a gone At that waits for cnat's finalizer goes to `work.orphans`, and the end of
-/// each list to `work.listed`.
+/// pod of a gone At that waits for cnat's finalizer goes to `work.orphans`; once a list is in
+/// the cache, `triggers::look_at_holders`.
 fn pod_events(
     pods: Api<Pod>,
     selector: &str,
     writer: reflector::store::Writer<Pod>,
-    ats: Store<CachedAt>,
+    (ctx, ats): (Arc<Context>, Store<CachedAt>),
     work: PodWork,
 ) -> impl futures::Stream<Item = Result<Pod, watcher::Error>> + Send {
     let PodWork {
         orphans,
         unlabelled,
-        listed,
     } = work;
+    let holders_of = ats.clone();
     let mut told = std::collections::HashSet::new();
     let config = watcher::Config::default()
         .labels(selector)
@@ -213,7 +209,7 @@ fn pod_events(
         .reflect(writer)
         .inspect_ok(move |event| {
             if matches!(event, watcher::Event::InitDone) {
-                let _ = listed.send(());
+                triggers::look_at_holders(&ctx, &holders_of);
             }
         })
         .touched_objects()
@@ -240,7 +236,6 @@ fn spawn_tasks(
     store: &Store<CachedAt>,
     orphaned: mpsc::UnboundedReceiver<ObjectRef<Pod>>,
     unlabelled: Option<mpsc::UnboundedReceiver<ObjectRef<Pod>>>,
-    mut pod_lists: mpsc::UnboundedReceiver<()>,
 ) -> JoinSet<&'static str> {
     let mut tasks: JoinSet<&'static str> = JoinSet::new();
     // Every At already cached. A cache still listing says `Relisted` when it has them all.
@@ -251,15 +246,6 @@ fn spawn_tasks(
                 triggers::look_at_all(&ctx, &store).await;
             }
             FIRST_LOOK
-        }
-    });
-    tasks.spawn({
-        let (ctx, store) = (ctx.clone(), store.clone());
-        async move {
-            while pod_lists.recv().await.is_some() {
-                triggers::look_at_holders(&ctx, &store);
-            }
-            "looks after pod lists"
         }
     });
     // Exists once per context, which was just made.
