@@ -21,6 +21,7 @@
 //!     cargo bench --bench due -- --real  # the same burst on a real kube-apiserver (KUBEBUILDER_ASSETS)
 //!     cargo bench --bench due -- --real --kwok 1000  # on KWOK nodes beside the stand-in, 10,000 pending
 //!     cargo bench --bench due -- --real --vs-jobs 1000  # 1000 Jobs, 1000 Ats, 1000 Jobs: requests and CPU
+//!     cargo bench --bench due -- --real --vs-jobs --kwok 1000  # the same, the pods on KWOK nodes
 //!     cargo bench --bench due -- --real 100000  # pending Ats, a rolling step, five handovers
 //!     cargo bench --bench due -- --real --rolling 50000  # a rolling replacement of 3 replicas
 //!     cargo bench --bench due -- --real --shards=6 100000 300000  # Lease shards, 3 replicas
@@ -90,7 +91,8 @@ async fn main() {
         return;
     }
     if std::env::args().any(|a| a == "--real") && std::env::args().any(|a| a == "--vs-jobs") {
-        jobs::run(sizes.first().copied().unwrap_or(1000)).await;
+        let kwok = std::env::args().any(|a| a == "--kwok");
+        jobs::run(sizes.first().copied().unwrap_or(1000), kwok).await;
         return;
     }
     if std::env::args().any(|a| a == "--real") && std::env::args().any(|a| a == "--kwok") {

@@ -6,7 +6,9 @@
 //!
 //! - **to the last pod**: from the first create to the last pod seen (a pod watch here);
 //! - **to finished**: a kubelet stand-in ends every pod at once (exit 0, its status written over
-//!   8 connections), until every Job is `Complete` / every At `Done`;
+//!   8 connections), until every Job is `Complete` / every At `Done`; with `--kwok`, the real
+//!   kube-scheduler binds the pods to KWOK nodes (⌈N/100⌉, for the whole run) and KWOK runs and
+//!   ends them (`ControlPlane::kwok_nodes`), as a node's kubelet would;
 //! - **to released**: until no pod holds its controller's finalizer any more (the Job
 //!   controller's `batch.kubernetes.io/job-tracking`, cnat's `run-once`) and kube-apiserver
 //!   answered no request for 3 s (events and late status writes are counted where they land).
@@ -17,14 +19,17 @@
 //! over the whole life. The operator is the `cnat run` release binary, one replica. Lease
 //! requests are left out of the totals and of "quiet": cnat's replica renews its Lease every
 //! 2 s whatever it does, and envtest's kube-controller-manager runs without leader election (in
-//! a cluster it renews its own Lease too); they are listed with the verbs.
+//! a cluster it renews its own Lease too); they are listed with the verbs. The replica serves
+//! the CRD's conversion webhook, which the CRD points at for its round, as a Service would. After
+//! each round (not measured) its pods and Jobs or Ats are deleted, so that no round runs beside
+//! another's objects.
 
 use crate::envtest::{self, ControlPlane};
 use crate::real::{self, requests_answered, watch_pods};
 use futures::StreamExt;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::PostParams;
+use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
@@ -52,14 +57,23 @@ struct Phase {
     controller: f64,
 }
 
-pub async fn run(n: usize) {
+pub async fn run(n: usize, kwok: bool) {
     let (plane, admin) = real::start(
         "| round | N | to the last pod: time / kube-apiserver CPU / requests | to finished | to released and quiet | whole life per object: requests / kube-apiserver CPU ms (cnat's replica's CPU ms) |",
     )
     .await;
+    // The nodes' processes run until `_nodes` goes, at the end of the run.
+    let _nodes = match kwok {
+        true => Some(
+            plane
+                .kwok_nodes(&admin, n.div_ceil(crate::kwok::PODS_PER_NODE), None)
+                .await,
+        ),
+        false => None,
+    };
     let mut rounds = Vec::new();
     for (index, kind) in [Kind::Jobs, Kind::Ats, Kind::Jobs].into_iter().enumerate() {
-        let phases = round(plane, &admin, kind, n, index).await;
+        let phases = round(plane, &admin, (kind, kwok), n, index).await;
         let name = match kind {
             Kind::Jobs => "Jobs",
             Kind::Ats => "Ats",
@@ -109,9 +123,9 @@ pub async fn run(n: usize) {
     }
 }
 
-/// The requests of a phase but the Lease's (and the count of conversion webhook calls, which
-/// are no requests: the shipped CRD's webhook names a Service that is not there) (a replica renews its own every 2 s whatever the
-/// Ats; kube-controller-manager runs here without leader election: see the module comment).
+/// The requests of a phase but the Lease's (a replica renews its own every 2 s whatever the
+/// Ats; kube-controller-manager runs here without leader election: see the module comment), and
+/// but the count of the conversion webhook's calls, which are no requests to kube-apiserver.
 fn total(requests: &HashMap<String, f64>) -> f64 {
     (requests.iter())
         .filter(|(what, _)| !what.ends_with(" leases") && what.as_str() != real::CONVERSIONS)
@@ -123,7 +137,7 @@ fn total(requests: &HashMap<String, f64>) -> f64 {
 async fn round(
     plane: &'static ControlPlane,
     admin: &Client,
-    kind: Kind,
+    (kind, kwok): (Kind, bool),
     n: usize,
     index: usize,
 ) -> Vec<Phase> {
@@ -137,14 +151,12 @@ async fn round(
         plane.replica(
             &format!("vs-jobs-{index}"),
             &ns,
-            &[
-                &format!("--namespace={ns}"),
-                "--log=warn",
-                "--webhooks=false",
-            ],
+            &[&format!("--namespace={ns}"), "--log=warn"],
         )
     });
-    if kind == Kind::Ats {
+    if let Some(operator) = &operator {
+        real::wait_ready(operator, Duration::from_secs(30)).await;
+        real::converting_by(admin, operator).await;
         let deadline = Instant::now() + Duration::from_secs(30);
         while envtest::lease_holder(admin, &ns, "cnat").await.is_none() {
             assert!(Instant::now() < deadline, "the operator never led");
@@ -189,8 +201,10 @@ async fn round(
 
     // To finished: every pod ends at once.
     let finished = tokio::spawn(watch_finished(admin.clone(), ns.clone(), kind, n));
-    let names: Vec<String> = seen.into_keys().collect();
-    real::end_pods(&pods, &names).await;
+    if !kwok {
+        let names: Vec<String> = seen.into_keys().collect();
+        real::end_pods(&pods, &names).await;
+    }
     tokio::time::timeout(Duration::from_secs(600), finished)
         .await
         .expect("every one finished within ten minutes")
@@ -231,7 +245,41 @@ async fn round(
     // The quiet wait's own time and the lists above are the bench's, not the round's.
     last.took = last.took.saturating_sub(QUIET);
     phases.push(last);
+    remove(admin, &ns, kind).await;
     phases
+}
+
+/// Deletes the round's pods, then its Jobs or Ats, and waits until all are gone.
+async fn remove(admin: &Client, ns: &str, kind: Kind) {
+    delete_all(Api::<Pod>::namespaced(admin.clone(), ns)).await;
+    match kind {
+        Kind::Jobs => delete_all(Api::<Job>::namespaced(admin.clone(), ns)).await,
+        Kind::Ats => delete_all(Api::<cnat::api::At>::namespaced(admin.clone(), ns)).await,
+    }
+}
+
+/// Deletes every object `api` reaches and waits until all are gone, at most 120 s.
+async fn delete_all<K>(api: Api<K>)
+where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let everything = ListParams::default();
+    api.delete_collection(&DeleteParams::default(), &everything)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let left = api.list_metadata(&everything).await.unwrap().items.len();
+        if left == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{left} {} still there 120 s after their deletion",
+            K::plural(&())
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// Where a phase started: its instant, kube-apiserver's CPU seconds and request counts.

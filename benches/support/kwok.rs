@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 /// Pods a KWOK node takes (a kubelet's default `maxPods`, 110), and the pods a node is counted
 /// for: some room, as a scheduler spreading pods leaves it.
-const PODS_PER_NODE: usize = 100;
+pub const PODS_PER_NODE: usize = 100;
 /// Ats pending beside each burst, unless `--pending=P` says otherwise.
 const PENDING: usize = 10_000;
 

@@ -254,19 +254,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
     // What the operator holds before any At: its start, one empty list and its servers.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_idle = crate::rss::rss_kib(&operator.child.id().to_string());
-    let crd = cnat::api::crd_with(
-        k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::WebhookClientConfig {
-            url: Some(format!(
-                "https://127.0.0.1:{}/convert",
-                operator.webhook.port()
-            )),
-            ca_bundle: Some(k8s_openapi::ByteString(
-                std::fs::read(operator.ca()).unwrap(),
-            )),
-            service: None,
-        },
-    );
-    envtest::install_crd(admin, &cnat::api::crd_to_yaml(&crd)).await;
+    converting_by(admin, &operator).await;
     // Time to create them and let their PENDING writes settle before they fall due.
     let lead = Duration::from_secs(5) + create_floor * 4;
     let due_instant = Instant::now() + lead;
@@ -1195,6 +1183,23 @@ async fn cold_replica(
     );
     let summary = (cached_after, rss, logged);
     (Cold { row, summary }, new)
+}
+
+/// Points the CRD's conversion webhook at `operator` (a Service's work, for one replica).
+pub async fn converting_by(admin: &Client, operator: &envtest::Replica) {
+    let crd = cnat::api::crd_with(
+        k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::WebhookClientConfig {
+            url: Some(format!(
+                "https://127.0.0.1:{}/convert",
+                operator.webhook.port()
+            )),
+            ca_bundle: Some(k8s_openapi::ByteString(
+                std::fs::read(operator.ca()).unwrap(),
+            )),
+            service: None,
+        },
+    );
+    envtest::install_crd(admin, &cnat::api::crd_to_yaml(&crd)).await;
 }
 
 /// Until the replica's `/readyz` answers 200.
