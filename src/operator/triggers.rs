@@ -91,17 +91,25 @@ fn owner_of(found: &Pod) -> Option<(&OwnerReference, ObjectRef<CachedAt>)> {
 }
 
 /// Looks at the cached Ats whose pods hold cnat's finalizer though they ended or are being
-/// deleted, once the pod watch's list is in the pod cache. The reconciles the listed pods
-/// brought one by one ran before it was: kube-runtime's reflector swaps a list's pods in only
-/// when the list ends, and such a pod changes no more, so nothing else would bring its At.
+/// deleted, once a list of the pod watch is in the pod cache: kube-runtime's reflector puts a
+/// list's pods in only when the list ends, so the reconciles the listed pods brought before that
+/// found none, and such a pod changes no more. Runs in the pod watch's stream: a pass over the
+/// cached pods, one At read back per such pod.
 pub fn look_at_holders(ctx: &Arc<Context>, store: &Store<CachedAt>) {
     let holders = ctx.calls().cached_pods(|found| {
         finalizer::is_present(found)
             && (found.metadata.deletion_timestamp.is_some() || pod::has_ended(found))
     });
     for found in &holders {
-        if let Some(cached) = owner_of(found).and_then(|(_, key)| store.get(&key)) {
-            look(ctx, &cached);
+        let Some((owner, key)) = owner_of(found) else {
+            continue;
+        };
+        // An At that does not decode was reported when it came.
+        let owned = |cached: &Arc<CachedAt>| cached.uid().as_deref() == Some(owner.uid.as_str());
+        if let Some(cached) = store.get(&key).filter(owned) {
+            if needs_reconcile(ctx, &cached) {
+                ctx.scheduler().wake_up(CachedAt::key(&cached));
+            }
         }
     }
 }
@@ -144,17 +152,13 @@ pub async fn look_at_all(ctx: &Arc<Context>, store: &Store<CachedAt>) {
         if i % 1000 == 999 {
             tokio::task::yield_now().await;
         }
-        look(ctx, cached);
-    }
-}
-
-/// Reconciles `cached` if it needs it now (else it goes into `wakeups`), or tells that it does
-/// not decode as an At.
-fn look(ctx: &Arc<Context>, cached: &CachedAt) {
-    if cached.unreadable().is_some() {
-        report(ctx, cached);
-    } else if needs_reconcile(ctx, cached) {
-        ctx.scheduler().wake_up(CachedAt::key(cached));
+        if cached.unreadable().is_some() {
+            report(ctx, cached);
+            continue;
+        }
+        if needs_reconcile(ctx, cached) {
+            ctx.scheduler().wake_up(CachedAt::key(cached));
+        }
     }
 }
 

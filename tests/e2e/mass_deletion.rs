@@ -57,6 +57,7 @@ async fn deleting_a_thousand_ats_and_then_their_namespace_logs_no_warnings() {
             tokio::time::Instant::now() < deadline,
             "the Ats were never deleted: {error}"
         );
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while !ats
