@@ -358,6 +358,8 @@ async fn a_new_leader_lets_go_of_the_pods_of_done_ats_it_lists_page_by_page() {
         holding()
     );
     assert_eq!(server.count("POST pods"), ATS);
+    // One finalizer removal a pod, none made twice.
+    assert_eq!(server.count("PATCH pods"), ATS);
     second.abort();
 }
 
