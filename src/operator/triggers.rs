@@ -101,15 +101,11 @@ pub fn look_at_holders(ctx: &Arc<Context>, store: &Store<CachedAt>) {
             && (found.metadata.deletion_timestamp.is_some() || pod::has_ended(found))
     });
     for found in &holders {
-        let Some((owner, key)) = owner_of(found) else {
-            continue;
-        };
-        // An At that does not decode was reported when it came.
-        let owned = |cached: &Arc<CachedAt>| cached.uid().as_deref() == Some(owner.uid.as_str());
-        if let Some(cached) = store.get(&key).filter(owned) {
-            if needs_reconcile(ctx, &cached) {
-                ctx.scheduler().wake_up(CachedAt::key(&cached));
-            }
+        // Whether the At by that name owns the pod, its reconcile tells. An At that does not
+        // decode was reported when it came.
+        let owner = owner_of(found).and_then(|(_, key)| store.get(&key));
+        if let Some(cached) = owner.filter(|cached| needs_reconcile(ctx, cached)) {
+            ctx.scheduler().wake_up(CachedAt::key(&cached));
         }
     }
 }
