@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use syn::visit::Visit;
 
 /// Lines of `src/` outside tests (`tests.rs` files and `#[cfg(test)]` items left out).
-const SRC_LINES: usize = 23_013;
+const SRC_LINES: usize = 23_062;
 /// Lines of the largest file of `src/`, outside tests.
 const FILE_LINES: usize = 1_015;
 /// Fields of `reconcile::Context`.
