@@ -63,13 +63,11 @@ pub async fn run(n: usize, kwok: bool) {
     )
     .await;
     // The nodes' processes run until `_nodes` goes, at the end of the run.
-    let _nodes = match kwok {
-        true => Some(
-            plane
-                .kwok_nodes(&admin, n.div_ceil(crate::kwok::PODS_PER_NODE), None)
-                .await,
-        ),
-        false => None,
+    let nodes = n.div_ceil(crate::kwok::PODS_PER_NODE);
+    let _nodes = if kwok {
+        Some(plane.kwok_nodes(&admin, nodes, None).await)
+    } else {
+        None
     };
     let mut rounds = Vec::new();
     for (index, kind) in [Kind::Jobs, Kind::Ats, Kind::Jobs].into_iter().enumerate() {
