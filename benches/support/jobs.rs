@@ -14,8 +14,9 @@
 //!   answered no request for 3 s (events and late status writes are counted where they land).
 //!
 //! Per phase: the wall time, kube-apiserver's CPU seconds (from `/proc`) and the requests it
-//! answered (`apiserver_request_total`, every client: the bench's own creates, pod-status
-//! writes and watches are the same N in both), by verb and resource; then per Job and per At
+//! answered (`apiserver_request_total`, every client: the bench's own creates, the stand-in's
+//! (or KWOK's) pod-status writes and watches are the same N in both), by verb and resource; then
+//! per Job and per At
 //! over the whole life. The operator is the `cnat run` release binary, one replica. Lease
 //! requests are left out of the totals and of "quiet": cnat's replica renews its Lease every
 //! 2 s whatever it does, and envtest's kube-controller-manager runs without leader election (in
