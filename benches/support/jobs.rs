@@ -263,15 +263,20 @@ where
     K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
     let everything = ListParams::default();
-    // A server slow to delete them all may answer after the client's read timeout: it deletes
-    // them all the same, as the wait below sees.
-    if let Err(error) = api
+    let deadline = Instant::now() + Duration::from_secs(120);
+    // A server slow to delete them all may answer after the client's read timeout: a second
+    // request deletes whatever is left.
+    while let Err(error) = api
         .delete_collection(&DeleteParams::default(), &everything)
         .await
     {
-        eprintln!("deleting every {}: {error}", K::plural(&()));
+        assert!(
+            Instant::now() < deadline,
+            "deleting every {}: {error}",
+            K::plural(&())
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let left = api.list_metadata(&everything).await.unwrap().items.len();
         if left == 0 {

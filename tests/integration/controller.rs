@@ -307,8 +307,8 @@ async fn a_restarted_operator_does_not_run_a_command_again() {
 }
 
 /// A new leader lists the pods page by page; kube-runtime's reflector puts them into its pod
-/// cache only when the list ends, after the reconciles each listed pod brought. The pods of DONE
-/// Ats that still hold cnat's finalizer must be let go all the same: they change no more.
+/// cache only when the list ends, after the reconciles the first pages' pods brought. The pods
+/// of DONE Ats that still hold cnat's finalizer must be let go all the same: they change no more.
 #[tokio::test]
 async fn a_new_leader_lets_go_of_the_pods_of_done_ats_it_lists_page_by_page() {
     const ATS: usize = 30;
