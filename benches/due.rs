@@ -22,6 +22,7 @@
 //!     cargo bench --bench due -- --real --kwok 1000  # on KWOK nodes beside the stand-in, 10,000 pending
 //!     cargo bench --bench due -- --real --vs-jobs 1000  # 1000 Jobs, 1000 Ats, 1000 Jobs: requests and CPU
 //!     cargo bench --bench due -- --real --vs-jobs --kwok 1000  # the same, the pods on KWOK nodes
+//!     cargo bench --bench due -- --real --vs-jobs --only-v1 1000  # the same, the CRD serving v1 alone
 //!     cargo bench --bench due -- --real 100000  # pending Ats, a rolling step, five handovers
 //!     cargo bench --bench due -- --real --rolling 50000  # a rolling replacement of 3 replicas
 //!     cargo bench --bench due -- --real --shards=6 100000 300000  # Lease shards, 3 replicas
@@ -92,7 +93,8 @@ async fn main() {
     }
     if std::env::args().any(|a| a == "--real") && std::env::args().any(|a| a == "--vs-jobs") {
         let kwok = std::env::args().any(|a| a == "--kwok");
-        jobs::run(sizes.first().copied().unwrap_or(1000), kwok).await;
+        let only_v1 = std::env::args().any(|a| a == "--only-v1");
+        jobs::run(sizes.first().copied().unwrap_or(1000), kwok, only_v1).await;
         return;
     }
     if std::env::args().any(|a| a == "--real") && std::env::args().any(|a| a == "--kwok") {

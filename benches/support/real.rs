@@ -1187,7 +1187,15 @@ async fn cold_replica(
 
 /// Points the CRD's conversion webhook at `operator` (a Service's work, for one replica).
 pub async fn converting_by(admin: &Client, operator: &envtest::Replica) {
-    let crd = cnat::api::crd_with(
+    let crd = crd_converting_by(operator);
+    envtest::install_crd(admin, &cnat::api::crd_to_yaml(&crd)).await;
+}
+
+/// The At CRD whose conversion webhook is `operator`'s `/convert`.
+pub fn crd_converting_by(
+    operator: &envtest::Replica,
+) -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+    cnat::api::crd_with(
         k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::WebhookClientConfig {
             url: Some(format!(
                 "https://127.0.0.1:{}/convert",
@@ -1198,8 +1206,7 @@ pub async fn converting_by(admin: &Client, operator: &envtest::Replica) {
             )),
             service: None,
         },
-    );
-    envtest::install_crd(admin, &cnat::api::crd_to_yaml(&crd)).await;
+    )
 }
 
 /// Until the replica's `/readyz` answers 200.

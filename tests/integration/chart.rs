@@ -786,6 +786,15 @@ fn the_crd_is_installed_kept_on_uninstall_and_can_be_left_out() {
         .map(|v| (v.name.as_str(), v.served, v.storage))
         .collect();
     assert_eq!(versions, [("v1", true, true), ("v1alpha1", true, false)]);
+    // Not serving v1alpha1 keeps it listed (it may still be a stored version) and keeps the
+    // conversion webhook (Ats stored as v1alpha1 are still read through it).
+    let v1_only: CustomResourceDefinition =
+        Rendered::new(&["crd.serveV1alpha1=false"]).one("CustomResourceDefinition");
+    let versions: Vec<(&str, bool, bool)> = (v1_only.spec.versions.iter())
+        .map(|v| (v.name.as_str(), v.served, v.storage))
+        .collect();
+    assert_eq!(versions, [("v1", true, true), ("v1alpha1", false, false)]);
+    assert_eq!(v1_only.spec.conversion, crd.spec.conversion);
     assert!(Rendered::new(&["crd.install=false"])
         .all::<Value>("CustomResourceDefinition")
         .is_empty());
