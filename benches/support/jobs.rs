@@ -87,7 +87,7 @@ pub async fn run(n: usize, kwok: bool, only_v1: bool) {
             format!("kube-apiserver's CPU in the {SETTLE:?} after the CRD's re-install for the Ats round (left out): {cpu:.1} s")
         }));
         notes.extend(reviews.map(|reviews| {
-            let counted: f64 = phases.iter().filter_map(|p| p.requests.get(real::CONVERSIONS)).sum();
+            let counted: f64 = (phases.iter().filter_map(|p| p.requests.get(real::CONVERSIONS))).fold(0.0, |a, b| a + b);
             format!("ConversionReviews cnat's replica answered over the Ats round: {reviews} (kube-apiserver counted {counted:.0} conversions)")
         }));
         let name = match kind {
@@ -231,9 +231,7 @@ async fn round(
         let mut crd = real::crd_converting_by(operator);
         if only_v1 {
             // What `crd.serveV1alpha1=false` installs.
-            for version in &mut crd.spec.versions {
-                version.served = version.name == "v1";
-            }
+            crd.spec.versions.retain(|version| version.name == "v1");
         }
         envtest::install_crd(admin, &cnat::api::crd_to_yaml(&crd)).await;
         // kube-apiserver rebuilds the CRD's storage, OpenAPI and discovery for the re-installed

@@ -37,6 +37,8 @@ const PREVIOUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/.tools/cnat-0.1.0-5
 const GROUP: &str = "cnat.programming-kubernetes.info";
 /// Replicas' flags: a shutdown delay that outlasts the Services' readiness poll (500 ms), as
 /// the chart's does the endpoints controller's.
+/// The At CRD's name.
+const CRD: &str = "ats.cnat.programming-kubernetes.info";
 const FLAGS: [&str; 2] = ["--shutdown-delay=2s", "--shutdown-timeout=10s"];
 
 /// The CRD as the release before `v1` shipped it: its `v1alpha1` (frozen since in
@@ -581,6 +583,21 @@ async fn the_upgrade_to_v1_keeps_every_at_runs_each_once_and_fails_no_create() {
     )
     .await;
 
+    // `crd.serveV1alpha1=false`, the CRD without v1alpha1, is refused while Ats may be stored
+    // as v1alpha1, naming why.
+    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
+    let mut without_v1alpha1 = crd.clone();
+    without_v1alpha1.spec.versions.retain(|v| v.name == "v1");
+    let apply = PatchParams::apply("cnat-e2e").force();
+    let refused = crds
+        .patch(CRD, &apply, &Patch::Apply(&without_v1alpha1))
+        .await;
+    assert!(
+        matches!(&refused, Err(kube::Error::Api(e))
+            if e.code == 422 && e.message.contains("storedVersions") && e.message.contains("v1alpha1")),
+        "{refused:?}"
+    );
+
     // Storage migration, with the operator running: every At rewritten as v1.
     let migrated = tokio::process::Command::new(env!("CARGO_BIN_EXE_cnat"))
         .arg("migrate-storage")
@@ -593,9 +610,8 @@ async fn the_upgrade_to_v1_keeps_every_at_runs_each_once_and_fails_no_create() {
         "{}",
         String::from_utf8_lossy(&migrated.stderr)
     );
-    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
     let stored = crds
-        .get("ats.cnat.programming-kubernetes.info")
+        .get(CRD)
         .await
         .unwrap()
         .status
@@ -631,6 +647,31 @@ async fn the_upgrade_to_v1_keeps_every_at_runs_each_once_and_fails_no_create() {
         pods_now,
         due.len() + 1,
         "the due Ats and after-restart, once each"
+    );
+
+    // Then v1alpha1 can go: the Ats read as v1 as before; v1alpha1 is not found.
+    let listed = v1_api.list(&Default::default()).await.unwrap().items.len();
+    crds.patch(CRD, &apply, &Patch::Apply(&without_v1alpha1))
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match old_api.get("made-as-v1").await {
+            Err(kube::Error::Api(e)) if e.code == 404 => break,
+            other => assert!(
+                std::time::Instant::now() < deadline,
+                "v1alpha1 still served 30 s after the CRD left it out: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        v1_api.get("made-as-v1").await.unwrap().data["spec"],
+        made.data["spec"]
+    );
+    assert_eq!(
+        v1_api.list(&Default::default()).await.unwrap().items.len(),
+        listed
     );
     drop(cold);
 }

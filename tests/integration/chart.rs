@@ -786,14 +786,14 @@ fn the_crd_is_installed_kept_on_uninstall_and_can_be_left_out() {
         .map(|v| (v.name.as_str(), v.served, v.storage))
         .collect();
     assert_eq!(versions, [("v1", true, true), ("v1alpha1", true, false)]);
-    // Not serving v1alpha1 keeps it listed (it may still be a stored version) and keeps the
-    // conversion webhook (Ats stored as v1alpha1 are still read through it).
+    // Without v1alpha1 the CRD lists v1 alone, as before, with the same conversion webhook.
     let v1_only: CustomResourceDefinition =
         Rendered::new(&["crd.serveV1alpha1=false"]).one("CustomResourceDefinition");
     let versions: Vec<(&str, bool, bool)> = (v1_only.spec.versions.iter())
         .map(|v| (v.name.as_str(), v.served, v.storage))
         .collect();
-    assert_eq!(versions, [("v1", true, true), ("v1alpha1", false, false)]);
+    assert_eq!(versions, [("v1", true, true)]);
+    assert_eq!(v1_only.spec.versions[0], crd.spec.versions[0]);
     assert_eq!(v1_only.spec.conversion, crd.spec.conversion);
     assert!(Rendered::new(&["crd.install=false"])
         .all::<Value>("CustomResourceDefinition")
