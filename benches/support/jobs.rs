@@ -23,7 +23,11 @@
 //! a cluster it renews its own Lease too); they are listed with the verbs. The replica serves
 //! the CRD's conversion webhook, which the CRD points at for its round, as a Service would. After
 //! each round (not measured) its pods and Jobs or Ats are deleted, so that no round runs beside
-//! another's objects.
+//! another's objects. The Ats round starts [`SETTLE`] after that re-install (kube-apiserver's
+//! work for a changed CRD, reported, is not the round's). `--only-v1`: the CRD lists `v1` alone
+//! for the Ats round, as `crd.serveV1alpha1=false` installs it (no conversion webhook calls).
+//! After the table: the conversions kube-apiserver had the webhook make (by version) and the
+//! ConversionReviews the replica answered.
 
 use crate::envtest::{self, ControlPlane};
 use crate::real::{self, requests_answered, watch_pods};
