@@ -183,6 +183,9 @@ async fn conversions_by_version(admin: &Client) -> String {
         .iter()
         .map(|((from, to), count)| format!("{from:?} -> {to:?}: {count:.0}"))
         .collect();
+    if pairs.is_empty() {
+        return "none".to_owned();
+    }
     pairs.join(", ")
 }
 
@@ -335,7 +338,7 @@ async fn round(
     phases.push(last);
     let reviews = reviews()
         .zip(reviews_before)
-        .map(|(after, before)| after - before);
+        .map(|(after, before)| after.saturating_sub(before));
     remove(admin, &ns, kind).await;
     Round {
         phases,

@@ -12,7 +12,8 @@
 //! new one is ready), and a rolling restart of a new one. Then every replica stops at once and
 //! two new ones start while Ats are still stored as `v1alpha1` (reading one from etcd needs the
 //! conversion webhook, which the Service sends only to ready replicas; on 1.24 a quorum list
-//! does too); last `cnat migrate-storage`.
+//! does too); then `cnat migrate-storage`; last the CRD without `v1alpha1`
+//! (`crd.serveV1alpha1=false`), refused before the migration and taken after it.
 
 use crate::support::envtest::{
     install_crd, own_control_plane, register_webhooks, ControlPlane, Replica,
@@ -32,13 +33,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// The At CRD's name.
+const CRD: &str = "ats.cnat.programming-kubernetes.info";
 /// The release before `v1`, as `scripts/previous-release` builds it.
 const PREVIOUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/.tools/cnat-0.1.0-5e30406");
 const GROUP: &str = "cnat.programming-kubernetes.info";
 /// Replicas' flags: a shutdown delay that outlasts the Services' readiness poll (500 ms), as
 /// the chart's does the endpoints controller's.
-/// The At CRD's name.
-const CRD: &str = "ats.cnat.programming-kubernetes.info";
 const FLAGS: [&str; 2] = ["--shutdown-delay=2s", "--shutdown-timeout=10s"];
 
 /// The CRD as the release before `v1` shipped it: its `v1alpha1` (frozen since in
@@ -673,5 +674,48 @@ async fn the_upgrade_to_v1_keeps_every_at_runs_each_once_and_fails_no_create() {
         v1_api.list(&Default::default()).await.unwrap().items.len(),
         listed
     );
+    // And no write needs the conversion webhook any more: a v1 write of an At once written as
+    // v1alpha1, and a new At that runs, make no ConversionReview.
+    let reviews = || -> f64 { cold.iter().map(conversion_reviews).sum() };
+    let reviews_before = reviews();
+    assert!(
+        reviews_before > 0.0,
+        "the replicas answered conversions before"
+    );
+    let label = json!({"metadata": {"labels": {"touched": "by-v1"}}});
+    v1_api
+        .patch("made-as-v1", &PatchParams::default(), &Patch::Merge(&label))
+        .await
+        .unwrap();
+    let due = (chrono::Utc::now() + chrono::Duration::seconds(1)).to_rfc3339();
+    v1_api
+        .create(
+            &PostParams::default(),
+            &at(
+                "v1",
+                "after-v1alpha1",
+                json!({"schedule": due, "command": "true"}),
+            ),
+        )
+        .await
+        .unwrap();
+    crate::support::envtest::wait_at(
+        &Api::<cnat::api::At>::namespaced(admin.clone(), &ns),
+        "after-v1alpha1",
+        Duration::from_secs(60),
+        |at| at.status.as_ref().is_some_and(|s| s.pod_name.is_some()),
+    )
+    .await;
+    assert_eq!(reviews(), reviews_before);
     drop(cold);
+}
+
+/// The ConversionReviews `replica` answered, by its own count.
+fn conversion_reviews(replica: &Replica) -> f64 {
+    let (_, metrics) =
+        crate::support::process::get(replica.admin, "/metrics").expect("the replica's /metrics");
+    (metrics.lines())
+        .filter(|line| line.starts_with("cnat_conversion_reviews_total"))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
