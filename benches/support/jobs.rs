@@ -91,7 +91,7 @@ pub async fn run(n: usize, kwok: bool, only_v1: bool) {
             format!("kube-apiserver's CPU in the {SETTLE:?} after the CRD's re-install for the Ats round (left out): {cpu:.1} s")
         }));
         notes.extend(reviews.map(|reviews| {
-            let counted: f64 = (phases.iter().filter_map(|p| p.requests.get(real::CONVERSIONS))).fold(0.0, |a, b| a + b);
+            let counted = (phases.iter()).fold(0.0, |sum, p| sum + real::conversions(&p.requests));
             format!("ConversionReviews cnat's replica answered over the Ats round: {reviews} (kube-apiserver counted {counted:.0} conversions)")
         }));
         let name = match kind {
@@ -133,12 +133,22 @@ pub async fn run(n: usize, kwok: bool, only_v1: bool) {
                 *whole.entry(what.as_str()).or_default() += count;
             }
         }
-        let mut rows: Vec<(&str, f64)> = whole.into_iter().filter(|(_, c)| *c >= 1.0).collect();
+        // What rounds to 0.00 per object is summed into one figure at the end.
+        let (mut rows, rest): (Vec<(&str, f64)>, Vec<_>) = (whole.into_iter())
+            .filter(|(_, c)| *c >= 1.0)
+            .partition(|(_, c)| c / n as f64 >= 0.005);
         rows.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
-        let rows: Vec<String> = rows
+        let mut rows: Vec<String> = rows
             .iter()
             .map(|(what, count)| format!("{what} {:.2}", count / n as f64))
             .collect();
+        if !rest.is_empty() {
+            let count: f64 = rest.iter().map(|(_, c)| c).sum();
+            rows.push(format!(
+                "and {} more kinds, {count:.0} requests in all",
+                rest.len()
+            ));
+        }
         println!("- {name}: {}", rows.join(", "));
     }
     println!();
@@ -152,37 +162,16 @@ pub async fn run(n: usize, kwok: bool, only_v1: bool) {
 }
 
 /// kube-apiserver's count of the conversions it had a CRD's conversion webhook make, by the
-/// versions from and to (`crd_name` and `succeeded` summed), as `from -> to: count` pairs.
+/// versions from and to, as `from -> to: count` pairs; "none" when there were none.
 async fn conversions_by_version(admin: &Client) -> String {
-    let request = http::Request::get("/metrics").body(Vec::new()).unwrap();
-    let text = admin.request_text(request).await.unwrap_or_default();
-    let mut counts: std::collections::BTreeMap<(String, String), f64> = Default::default();
-    for line in text.lines() {
-        let Some(rest) = line
-            .strip_prefix("apiserver_crd_conversion_webhook_duration_seconds_count{")
-            .or_else(|| {
-                line.strip_prefix("apiserver_crd_webhook_conversion_duration_seconds_count{")
-            })
-        else {
-            continue;
-        };
-        let Some((labels, value)) = rest.rsplit_once("} ") else {
-            continue;
-        };
-        let label = |name: &str| {
-            (labels.split("\",").map(|l| l.trim_end_matches('"')))
-                .find_map(|l| l.strip_prefix(&format!("{name}=\"")))
-                .unwrap_or("")
-                .to_owned()
-        };
-        *counts
-            .entry((label("from_version"), label("to_version")))
-            .or_default() += value.trim().parse::<f64>().unwrap_or(0.0);
-    }
-    let pairs: Vec<String> = counts
-        .iter()
-        .map(|((from, to), count)| format!("{from:?} -> {to:?}: {count:.0}"))
+    let counts = requests_answered(admin).await.unwrap_or_default();
+    let mut pairs: Vec<String> = (counts.iter())
+        .filter_map(|(what, count)| {
+            let versions = what.strip_prefix(real::CONVERSIONS)?.trim();
+            Some(format!("{versions}: {count:.0}"))
+        })
         .collect();
+    pairs.sort();
     if pairs.is_empty() {
         return "none".to_owned();
     }
@@ -194,7 +183,7 @@ async fn conversions_by_version(admin: &Client) -> String {
 /// but the count of the conversion webhook's calls, which are no requests to kube-apiserver.
 fn total(requests: &HashMap<String, f64>) -> f64 {
     (requests.iter())
-        .filter(|(what, _)| !what.ends_with(" leases") && what.as_str() != real::CONVERSIONS)
+        .filter(|(what, _)| !what.ends_with(" leases") && !what.starts_with(real::CONVERSIONS))
         .map(|(_, count)| count)
         .sum()
 }

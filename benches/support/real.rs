@@ -360,7 +360,7 @@ async fn burst(plane: &'static ControlPlane, admin: &Client, n: usize) {
             let counts = requests_answered(admin)
                 .await
                 .expect("the server's metrics");
-            counts.get(CONVERSIONS).copied().unwrap_or(0.0)
+            conversions(&counts)
         };
         let calls_before = calls().await;
         for _ in 0..3 {
@@ -423,8 +423,16 @@ pub async fn end_pods(pods: &Api<Pod>, names: &[String]) {
     .await;
 }
 
-/// How `requests_answered` names the server's count of conversions by a webhook.
+/// How `requests_answered` names the server's count of conversions by a webhook: this, then
+/// ` from -> to` (the versions).
 pub const CONVERSIONS: &str = "conversions by the webhook (the server's count)";
+
+/// The conversions by a webhook in `requests_answered`'s counts, every version summed.
+pub fn conversions(counts: &HashMap<String, f64>) -> f64 {
+    (counts.iter())
+        .filter(|(what, _)| what.starts_with(CONVERSIONS))
+        .fold(0.0, |sum, (_, count)| sum + count) // not `sum()`: none would give -0
+}
 
 /// The requests answered between two `requests_answered`, most first, as `verb resource count`
 /// joined by commas; "not read" when either scrape failed.
@@ -449,9 +457,10 @@ pub fn requests_since(
 }
 
 /// kube-apiserver's count of requests answered so far (`apiserver_request_total`), by verb
-/// and resource (with subresource), every client and code summed; and, as "conversions by the
-/// webhook (the server's count)", the conversions it had the CRDs' conversion webhooks make.
-/// `None` when the server did not answer.
+/// and resource (with subresource), every client and code summed; and, as [`CONVERSIONS`]
+/// followed by ` from -> to`, the conversions it had the CRDs' conversion webhooks make, by
+/// the versions converted from and to (CRDs and outcomes summed). `None` when the server did
+/// not answer.
 pub async fn requests_answered(admin: &Client) -> Option<HashMap<String, f64>> {
     let request = http::Request::get("/metrics").body(Vec::new()).unwrap();
     let text = admin.request_text(request).await.ok()?;
@@ -464,17 +473,12 @@ pub async fn requests_answered(admin: &Client) -> Option<HashMap<String, f64>> {
             .or_else(|| {
                 line.strip_prefix("apiserver_crd_webhook_conversion_duration_seconds_count{")
             });
-        if let Some((_, value)) = conversions.and_then(|rest| rest.rsplit_once("} ")) {
-            *counts.entry(CONVERSIONS.to_owned()).or_insert(0.0) +=
-                value.trim().parse::<f64>().unwrap_or(0.0);
-            continue;
-        }
-        let Some(rest) = line.strip_prefix("apiserver_request_total{") else {
+        let requests = line.strip_prefix("apiserver_request_total{");
+        let Some((labels, value)) = (conversions.or(requests)).and_then(|r| r.rsplit_once("} "))
+        else {
             continue;
         };
-        let Some((labels, value)) = rest.rsplit_once("} ") else {
-            continue;
-        };
+        let value = value.trim().parse::<f64>().unwrap_or(0.0);
         let label = |name: &str| {
             labels
                 .split("\",")
@@ -482,6 +486,13 @@ pub async fn requests_answered(admin: &Client) -> Option<HashMap<String, f64>> {
                 .map(|v| v.trim_end_matches('"').to_owned())
                 .unwrap_or_default()
         };
+        if conversions.is_some() {
+            let (from, to) = (label("from_version"), label("to_version"));
+            *counts
+                .entry(format!("{CONVERSIONS} {from} -> {to}"))
+                .or_insert(0.0) += value;
+            continue;
+        }
         let (verb, resource, sub) = (label("verb"), label("resource"), label("subresource"));
         if resource.is_empty() {
             continue; // a path such as /metrics: the bench's own scrape
@@ -490,7 +501,7 @@ pub async fn requests_answered(admin: &Client) -> Option<HashMap<String, f64>> {
             "" => format!("{verb} {resource}"),
             _ => format!("{verb} {resource}/{sub}"),
         };
-        *counts.entry(what).or_insert(0.0) += value.trim().parse::<f64>().unwrap_or(0.0);
+        *counts.entry(what).or_insert(0.0) += value;
     }
     Some(counts)
 }
