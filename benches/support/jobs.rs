@@ -145,8 +145,9 @@ pub async fn run(n: usize, kwok: bool, only_v1: bool) {
         if !rest.is_empty() {
             let count: f64 = rest.iter().map(|(_, c)| c).sum();
             rows.push(format!(
-                "and {} more kinds, {count:.0} requests in all",
-                rest.len()
+                "and {} more kinds, {count:.0} over the round ({:.3} per object)",
+                rest.len(),
+                count / n as f64
             ));
         }
         println!("- {name}: {}", rows.join(", "));
@@ -184,8 +185,7 @@ async fn conversions_by_version(admin: &Client) -> String {
 fn total(requests: &HashMap<String, f64>) -> f64 {
     (requests.iter())
         .filter(|(what, _)| !what.ends_with(" leases") && !what.starts_with(real::CONVERSIONS))
-        .map(|(_, count)| count)
-        .sum()
+        .fold(0.0, |sum, (_, count)| sum + count)
 }
 
 /// What one round measured.
