@@ -27,7 +27,9 @@
 //! work for a changed CRD, reported, is not the round's). `--only-v1`: the CRD lists `v1` alone
 //! for the Ats round, as `crd.serveV1alpha1=false` installs it (no conversion webhook calls).
 //! After the table: the conversions kube-apiserver had the webhook make (by version) and the
-//! ConversionReviews the replica answered.
+//! ConversionReviews the replica answered; kube-apiserver's CPU with nothing to do, read for
+//! [`IDLE`] before the first round, and each round's CPU per object less that rate over the
+//! round's wall time.
 
 use crate::envtest::{self, ControlPlane};
 use crate::real::{self, requests_answered, watch_pods};
@@ -50,6 +52,8 @@ const QUIET: Duration = Duration::from_secs(3);
 const SETTLE: Duration = Duration::from_secs(10);
 /// The replica's count of the ConversionReviews it answered.
 const REVIEWS: &str = "cnat_conversion_reviews_total";
+/// How long the bench reads kube-apiserver's CPU with nothing to do, before the first round.
+const IDLE: Duration = Duration::from_secs(20);
 
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
@@ -79,7 +83,17 @@ pub async fn run(n: usize, kwok: bool, only_v1: bool) {
     } else {
         None
     };
+    // kube-apiserver's CPU with nothing to do (its own periodic work, the controller manager's
+    // and, with `--kwok`, the nodes' heartbeats), which accrues over a round's wall time
+    // whatever the round does: the longer Jobs rounds gather more of it.
+    quiet(&admin).await;
+    let idle = {
+        let before = server_cpu(plane);
+        tokio::time::sleep(IDLE).await;
+        (server_cpu(plane) - before) / IDLE.as_secs_f64()
+    };
     let mut rounds = Vec::new();
+    let mut net = Vec::new();
     let mut notes = Vec::new();
     for (index, kind) in [Kind::Jobs, Kind::Ats, Kind::Jobs].into_iter().enumerate() {
         let Round {
@@ -94,10 +108,7 @@ pub async fn run(n: usize, kwok: bool, only_v1: bool) {
             let counted = (phases.iter()).fold(0.0, |sum, p| sum + real::conversions(&p.requests));
             format!("ConversionReviews cnat's replica answered over the Ats round: {reviews} (kube-apiserver counted {counted:.0} conversions)")
         }));
-        let name = match kind {
-            Kind::Jobs => "Jobs",
-            Kind::Ats => "Ats",
-        };
+        let name = name_of(kind);
         let cells: Vec<String> = phases
             .iter()
             .map(|p| {
@@ -111,6 +122,8 @@ pub async fn run(n: usize, kwok: bool, only_v1: bool) {
             .collect();
         let requests: f64 = phases.iter().map(|p| total(&p.requests)).sum();
         let cpu: f64 = phases.iter().map(|p| p.cpu).sum();
+        let took: f64 = phases.iter().map(|p| p.took.as_secs_f64()).sum();
+        net.push((name_of(kind), took, (cpu - idle * took) * 1e3 / n as f64));
         let controller: f64 = phases.iter().map(|p| p.controller).sum();
         let controller = match kind {
             Kind::Jobs => String::new(),
@@ -160,6 +173,40 @@ pub async fn run(n: usize, kwok: bool, only_v1: bool) {
         "kube-apiserver's conversion counts over the run, by version: {}",
         conversions_by_version(&admin).await
     );
+    let rounds: Vec<String> = (net.iter())
+        .map(|(name, took, ms)| format!("{name} {ms:.2} ms per object ({took:.0} s)"))
+        .collect();
+    println!(
+        "kube-apiserver's CPU with nothing to do ({IDLE:?} before the first round): {:.0} ms a second; the rounds' CPU less that over their wall time: {}",
+        idle * 1e3,
+        rounds.join(", ")
+    );
+    let jobs: Vec<f64> = (net.iter())
+        .filter(|(name, ..)| *name == "Jobs")
+        .map(|(.., ms)| *ms)
+        .collect();
+    if let Some((.., ats)) = net.iter().find(|(name, ..)| *name == "Ats") {
+        let mean = jobs.iter().sum::<f64>() / jobs.len() as f64;
+        println!(
+            "so the Ats' {ats:.2} ms is {:.2}x the Jobs rounds' mean",
+            ats / mean
+        );
+    }
+}
+
+fn name_of(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Jobs => "Jobs",
+        Kind::Ats => "Ats",
+    }
+}
+
+/// kube-apiserver's CPU seconds so far (its processes under the control plane's directory).
+fn server_cpu(plane: &ControlPlane) -> f64 {
+    (crate::rss::processes_under(&plane.dir).into_iter())
+        .filter(|(name, _)| name == "kube-apiserver")
+        .map(|(_, pid)| crate::rss::cpu_seconds(pid))
+        .sum()
 }
 
 /// kube-apiserver's count of the conversions it had a CRD's conversion webhook make, by the
@@ -206,11 +253,6 @@ async fn round(
     n: usize,
     index: usize,
 ) -> Round {
-    let server: Vec<u32> = crate::rss::processes_under(&plane.dir)
-        .into_iter()
-        .filter(|(name, _)| name == "kube-apiserver")
-        .map(|(_, pid)| pid)
-        .collect();
     let ns = plane.namespace(&format!("vs-jobs-{index}"), &[]).await;
     let operator = (kind == Kind::Ats).then(|| {
         plane.replica(
@@ -219,7 +261,7 @@ async fn round(
             &[&format!("--namespace={ns}"), "--log=warn"],
         )
     });
-    let server_cpu = || -> f64 { server.iter().map(|pid| crate::rss::cpu_seconds(*pid)).sum() };
+    let server_cpu = || server_cpu(plane);
     let mut settling = None;
     if let Some(operator) = &operator {
         real::wait_ready(operator, Duration::from_secs(30)).await;
