@@ -28,8 +28,8 @@
 //! for the Ats round, as `crd.serveV1alpha1=false` installs it (no conversion webhook calls).
 //! After the table: the conversions kube-apiserver had the webhook make (by version) and the
 //! ConversionReviews the replica answered; kube-apiserver's CPU with nothing to do, read for
-//! [`IDLE`] before the first round, and each round's CPU per object less that rate over the
-//! round's wall time.
+//! [`IDLE`] before the first round and after the last, and each round's CPU per object less
+//! the two readings' mean rate times the round's wall time.
 
 use crate::envtest::{self, ControlPlane};
 use crate::real::{self, requests_answered, watch_pods};
@@ -52,7 +52,8 @@ const QUIET: Duration = Duration::from_secs(3);
 const SETTLE: Duration = Duration::from_secs(10);
 /// The replica's count of the ConversionReviews it answered.
 const REVIEWS: &str = "cnat_conversion_reviews_total";
-/// How long the bench reads kube-apiserver's CPU with nothing to do, before the first round.
+/// How long the bench reads kube-apiserver's CPU with nothing to do, before the first round and
+/// again after the last.
 const IDLE: Duration = Duration::from_secs(20);
 
 #[derive(Clone, Copy, PartialEq)]
@@ -64,6 +65,8 @@ enum Kind {
 /// One phase of a round: its wall time, kube-apiserver's CPU seconds and requests answered.
 struct Phase {
     took: Duration,
+    /// The wall time `cpu` was read over (`took`, but for the last phase also the quiet wait).
+    wall: Duration,
     cpu: f64,
     requests: HashMap<String, f64>,
     /// The CPU seconds of cnat's replica (a process of its own); none for the Job controller
@@ -83,15 +86,7 @@ pub async fn run(n: usize, kwok: bool, only_v1: bool) {
     } else {
         None
     };
-    // kube-apiserver's CPU with nothing to do (its own periodic work, the controller manager's
-    // and, with `--kwok`, the nodes' heartbeats), which accrues over a round's wall time
-    // whatever the round does: the longer Jobs rounds gather more of it.
-    quiet(&admin).await;
-    let idle = {
-        let before = server_cpu(plane);
-        tokio::time::sleep(IDLE).await;
-        (server_cpu(plane) - before) / IDLE.as_secs_f64()
-    };
+    let idle_before = idle(plane, &admin).await;
     let mut rounds = Vec::new();
     let mut net = Vec::new();
     let mut notes = Vec::new();
@@ -122,8 +117,8 @@ pub async fn run(n: usize, kwok: bool, only_v1: bool) {
             .collect();
         let requests: f64 = phases.iter().map(|p| total(&p.requests)).sum();
         let cpu: f64 = phases.iter().map(|p| p.cpu).sum();
-        let took: f64 = phases.iter().map(|p| p.took.as_secs_f64()).sum();
-        net.push((name_of(kind), took, (cpu - idle * took) * 1e3 / n as f64));
+        let wall: f64 = phases.iter().map(|p| p.wall.as_secs_f64()).sum();
+        net.push((name_of(kind), wall, cpu));
         let controller: f64 = phases.iter().map(|p| p.controller).sum();
         let controller = match kind {
             Kind::Jobs => String::new(),
@@ -173,13 +168,22 @@ pub async fn run(n: usize, kwok: bool, only_v1: bool) {
         "kube-apiserver's conversion counts over the run, by version: {}",
         conversions_by_version(&admin).await
     );
-    let rounds: Vec<String> = (net.iter())
-        .map(|(name, took, ms)| format!("{name} {ms:.2} ms per object ({took:.0} s)"))
+    let idle_after = idle(plane, &admin).await;
+    println!(
+        "kube-apiserver's CPU with nothing to do ({IDLE:?} before the first round, and after the last): {:.1} and {:.1} ms a second",
+        idle_before * 1e3,
+        idle_after * 1e3
+    );
+    let rate = (idle_before + idle_after) / 2.0;
+    let net: Vec<(&str, f64, f64)> = (net.iter())
+        .map(|(name, wall, cpu)| (*name, *wall, (cpu - rate * wall) * 1e3 / n as f64))
+        .collect();
+    let shown: Vec<String> = (net.iter())
+        .map(|(name, wall, ms)| format!("{name} {ms:.2} ms per object ({wall:.0} s)"))
         .collect();
     println!(
-        "kube-apiserver's CPU with nothing to do ({IDLE:?} before the first round): {:.0} ms a second; the rounds' CPU less that over their wall time: {}",
-        idle * 1e3,
-        rounds.join(", ")
+        "each round's CPU less the two readings' mean rate times its wall time: {}",
+        shown.join(", ")
     );
     let jobs: Vec<f64> = (net.iter())
         .filter(|(name, ..)| *name == "Jobs")
@@ -188,10 +192,21 @@ pub async fn run(n: usize, kwok: bool, only_v1: bool) {
     if let Some((.., ats)) = net.iter().find(|(name, ..)| *name == "Ats") {
         let mean = jobs.iter().sum::<f64>() / jobs.len() as f64;
         println!(
-            "so the Ats' {ats:.2} ms is {:.2}x the Jobs rounds' mean",
+            "so the Ats' {ats:.2} ms is {:.3}x the Jobs rounds' mean",
             ats / mean
         );
     }
+}
+
+/// kube-apiserver's CPU seconds a second over [`IDLE`] once it answered nothing for [`QUIET`]
+/// (its own periodic work, the controller manager's and, with `--kwok`, the nodes'
+/// heartbeats): what accrues over a round's wall time whatever the round does, so that the
+/// longer Jobs rounds gather more of it.
+async fn idle(plane: &ControlPlane, admin: &Client) -> f64 {
+    quiet(admin).await;
+    let before = server_cpu(plane);
+    tokio::time::sleep(IDLE).await;
+    (server_cpu(plane) - before) / IDLE.as_secs_f64()
 }
 
 fn name_of(kind: Kind) -> &'static str {
@@ -203,10 +218,16 @@ fn name_of(kind: Kind) -> &'static str {
 
 /// kube-apiserver's CPU seconds so far (its processes under the control plane's directory).
 fn server_cpu(plane: &ControlPlane) -> f64 {
-    (crate::rss::processes_under(&plane.dir).into_iter())
+    let server: Vec<u32> = (crate::rss::processes_under(&plane.dir).into_iter())
         .filter(|(name, _)| name == "kube-apiserver")
-        .map(|(_, pid)| crate::rss::cpu_seconds(pid))
-        .sum()
+        .map(|(_, pid)| pid)
+        .collect();
+    assert!(
+        !server.is_empty(),
+        "no kube-apiserver under {}",
+        plane.dir.display()
+    );
+    server.into_iter().map(crate::rss::cpu_seconds).sum()
 }
 
 /// kube-apiserver's count of the conversions it had a CRD's conversion webhook make, by the
@@ -454,6 +475,7 @@ impl Mark {
             .collect();
         let phase = Phase {
             took: next.at - self.at,
+            wall: next.at - self.at,
             cpu: next.cpu.0 - self.cpu.0,
             requests,
             controller: next.cpu.1 - self.cpu.1,
@@ -464,7 +486,7 @@ impl Mark {
 }
 
 /// Until kube-apiserver answered no request (but the bench's scrapes) for [`QUIET`], at most a
-/// minute.
+/// minute (then it says so).
 async fn quiet(admin: &Client) {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut last = requests_answered(admin).await.map(|r| total(&r));
@@ -476,6 +498,9 @@ async fn quiet(admin: &Client) {
         }
         last = now;
     }
+    eprintln!(
+        "kube-apiserver still answered requests after a minute's wait for {QUIET:?} of quiet"
+    );
 }
 
 /// A Job of one pod running `true`, as a script at the time (or a CronJob) would create it.
